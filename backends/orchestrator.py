@@ -1,0 +1,153 @@
+"""The speculative decoding loop: draft -> verify -> accept -> emit, until EOS, a stop
+string, max_tokens or the end of the context window.
+
+It only sees two small interfaces, so the same loop runs over Triton BLS calls in the
+server and over in-process objects in tests.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+from backends.detokenize import TextStream
+from backends.request import GenerationRequest, RequestError, SamplingParams
+
+
+class Drafter(Protocol):
+    def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
+              requested: int | None) -> tuple[list[int], float]: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+class Verifier(Protocol):
+    def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
+               sampling: SamplingParams | None) -> tuple[list[int], float]: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+@dataclass
+class GenerationStats:
+    num_steps: int = 0
+    total_draft_tokens: int = 0
+    total_accepted_draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0  # inside the proposer
+    verify_s: float = 0.0  # inside the target's forward pass
+    total_s: float = 0.0  # wall time of all steps
+
+    def record(self, num_drafts: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+        self.num_steps += 1
+        self.total_draft_tokens += num_drafts
+        self.total_accepted_draft_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        for pos in range(num_accepted):
+            self.accepted_per_position[pos] += 1
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per target forward (1 + accepted drafts per step), as vLLM reports."""
+        return 1 + self.total_accepted_draft_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.total_s - self.draft_s - self.verify_s)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "total_draft_tokens": self.total_draft_tokens,
+            "total_accepted_draft_tokens": self.total_accepted_draft_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "accepted_per_position": self.accepted_per_position,
+            "draft_ms": self.draft_s * 1e3,
+            "verify_ms": self.verify_s * 1e3,
+            "overhead_ms": self.overhead_s * 1e3,
+            "total_ms": self.total_s * 1e3,
+        }
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]  # new output tokens of this step
+    text: str  # new text of this step (complete characters only)
+    finish_reason: str | None = None  # "stop", "length", "cancelled" on the last step
+
+
+def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise RequestError(
+            f"the prompt has {num_prompt_tokens} tokens, but the context window is "
+            f"{max_model_len} tokens (room is needed for at least one output token)"
+        )
+    if max_tokens > max_model_len:
+        raise RequestError(f"max_tokens={max_tokens} is above the model's limit of {max_model_len}")
+
+
+def generate(
+    req: GenerationRequest,
+    prompt_ids: list[int],
+    seq_id: int,
+    verifier: Verifier,
+    drafter: Drafter | None,
+    text: TextStream,
+    eos_token_ids: set[int],
+    max_model_len: int,
+    stats: GenerationStats,
+    is_cancelled: Callable[[], bool] = lambda: False,
+) -> Iterator[StepOutput]:
+    """Yield one StepOutput per speculative step; the last one has a finish_reason.
+    The caller releases the sequence in the drafter and verifier afterwards."""
+    check_lengths(len(prompt_ids), req.max_tokens, max_model_len)
+    speculate = drafter is not None and req.num_draft_tokens != 0
+    num_tokens = len(prompt_ids)
+    num_generated = 0
+    unseen_by_verifier = list(prompt_ids)
+    unseen_by_drafter = list(prompt_ids)
+    sampling: SamplingParams | None = req.sampling
+    while True:
+        if is_cancelled():
+            yield StepOutput([], "", "cancelled")
+            return
+        step_start = time.perf_counter()
+        # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
+        room = min(req.max_tokens - num_generated, max_model_len - num_tokens) - 1
+        drafts, draft_s = [], 0.0
+        if speculate and room > 0:
+            drafts, draft_s = drafter.draft(seq_id, unseen_by_drafter, room, req.num_draft_tokens)
+            unseen_by_drafter = []
+        emitted, verify_s = verifier.verify(seq_id, unseen_by_verifier, drafts, sampling)
+        unseen_by_verifier, sampling = [], None
+        stats.record(len(drafts), len(emitted) - 1, draft_s, verify_s)
+
+        finish = None
+        taken: list[int] = []
+        for token in emitted:
+            taken.append(token)
+            num_generated += 1
+            num_tokens += 1
+            if token in eos_token_ids and not req.ignore_eos:
+                finish = "stop"
+                break
+            text.add(token)
+            if text.stopped:
+                finish = "stop"
+                break
+            if num_generated >= req.max_tokens or num_tokens >= max_model_len:
+                finish = "length"
+                break
+        unseen_by_drafter += taken
+        stats.total_s += time.perf_counter() - step_start
+        yield StepOutput(taken, text.take(final=finish is not None), finish)
+        if finish:
+            return

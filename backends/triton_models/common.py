@@ -1,0 +1,85 @@
+"""Small helpers shared by the Triton-facing model classes (importable only inside the stub,
+where `triton_python_backend_utils` exists)."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+SEQUENCE_START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+SEQUENCE_END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+
+
+def setup_logging() -> None:
+    # The stub's stdout/stderr land in the server log; give our loggers a plain format.
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s"
+    )
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """config.pbtxt `parameters` as a plain dict of strings."""
+    params = json.loads(args["model_config"]).get("parameters", {})
+    return {k: v["string_value"] for k, v in params.items()}
+
+
+def input_array(request: Any, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def input_ids(request: Any, name: str) -> list[int]:
+    """A token-id input, with or without a leading batch dimension of 1."""
+    array = input_array(request, name)
+    return [] if array is None else array.reshape(-1).tolist()
+
+
+def input_scalar(request: Any, name: str) -> Any:
+    array = input_array(request, name)
+    if array is None or array.size == 0:
+        return None
+    value = array.reshape(-1)[0]
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return value.item() if hasattr(value, "item") else value
+
+
+def error_response(message: str) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], seq_id: int,
+        flags: int = 0, parameters: dict | None = None) -> dict[str, np.ndarray]:
+    """One synchronous BLS call into a sequence-batched, non-decoupled model."""
+    request = pb_utils.InferenceRequest(
+        model_name=model_name,
+        inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()],
+        requested_output_names=outputs,
+        correlation_id=seq_id,
+        flags=flags,
+        parameters=parameters or {},
+    )
+    response = request.exec()
+    if response.has_error():
+        raise RuntimeError(response.error().message())
+    return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs}
+
+
+class ActiveSequencesGauge:
+    """`tritonspec_active_sequences{model=...}` on /metrics: per-sequence state held now.
+    The family must outlive its metric, so both are kept here."""
+
+    def __init__(self, model_name: str) -> None:
+        self.family = pb_utils.MetricFamily(
+            name="tritonspec_active_sequences",
+            description="Sequences whose state (KV cache, draft context) this model holds",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.metric = self.family.Metric(labels={"model": model_name})
+
+    def set(self, value: int) -> None:
+        self.metric.set(value)

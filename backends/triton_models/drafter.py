@@ -1,0 +1,96 @@
+"""`drafter` model: the proposer that the `speculative_config` parameter names, behind
+Triton's sequence batcher. Inputs per step: the tokens new since the last call, the room
+left and the client's requested draft length; output: the draft ids."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backends.config import SpeculativeConfig
+from backends.drafting import DraftCall, DraftService
+from backends.model_store import DEFAULT_MODEL, resolve_model
+from backends.proposer import build_proposer
+from backends.triton_models.common import (
+    SEQUENCE_END, ActiveSequencesGauge, error_response, input_ids, input_scalar,
+    model_parameters, setup_logging,
+)
+
+log = logging.getLogger("tritonspec.drafter")
+
+
+def target_max_model_len(model_dir) -> int | None:
+    config = model_dir / "config.json" if model_dir.is_dir() else None
+    if config is None or not config.exists():
+        return None
+    return json.loads(config.read_text()).get("max_position_embeddings")
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        setup_logging()
+        params = model_parameters(args)
+        target = resolve_model(params.get("model") or DEFAULT_MODEL)
+        max_len = int(params["max_model_len"]) if params.get("max_model_len") else target_max_model_len(target)
+        # A bad speculative_config fails this model's load with the config's own message.
+        self.config = SpeculativeConfig.from_json(
+            params.get("speculative_config", ""), target_model=str(target), target_max_model_len=max_len
+        )
+        self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
+        proposer = build_proposer(self.config, max_model_len=max_len or 2**31, target_model=target)
+        self.service = DraftService(proposer, self.config.num_speculative_tokens)
+        self.active = ActiveSequencesGauge(args["model_name"])
+        log.info("drafter ready: method=%s k=%d", self.config.method, self.config.num_speculative_tokens)
+
+    def execute(self, requests: list) -> list:
+        responses = self._execute(requests)
+        self.active.set(self.service.num_sequences)
+        return responses
+
+    def _execute(self, requests: list) -> list:
+        self.service.release_idle(self.idle_s)
+        responses: list = [None] * len(requests)
+        calls, index = [], []
+        for i, request in enumerate(requests):
+            seq_id = request.correlation_id()
+            if request.flags() & SEQUENCE_END:
+                self.service.release(seq_id)
+                responses[i] = self._response([], 0.0)
+                continue
+            requested = input_scalar(request, "num_draft_tokens")
+            call = DraftCall(
+                seq_id,
+                input_ids(request, "input_ids"),
+                int(input_scalar(request, "max_draft_tokens")),
+                None if requested is None or requested < 0 else int(requested),
+            )
+            try:
+                self.service.num_tokens(call)  # refuse a bad request alone, not its batch
+            except ValueError as e:
+                responses[i] = error_response(f"drafter: {e}")
+                continue
+            calls.append(call)
+            index.append(i)
+        if calls:
+            start = time.perf_counter()
+            try:
+                drafts = self.service.draft(calls)
+            except Exception as e:
+                log.exception("proposer failed")
+                for i in index:
+                    responses[i] = error_response(f"drafter ({self.config.method}): {e}")
+                return responses
+            elapsed = (time.perf_counter() - start) / len(calls)
+            for i, draft in zip(index, drafts):
+                responses[i] = self._response(draft.token_ids, elapsed)
+        return responses
+
+    @staticmethod
+    def _response(token_ids: list[int], propose_s: float) -> object:
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("draft_ids", np.array([token_ids], dtype=np.int64)),
+            pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
+        ])

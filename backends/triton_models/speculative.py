@@ -1,0 +1,183 @@
+"""`speculative` model: the client-facing, decoupled orchestrator. Each request runs the
+draft -> verify loop of `backends.orchestrator` in its own worker thread, calling the
+`drafter` and `verifier` models through (non-decoupled) BLS, and streams text back."""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backends.detokenize import TextStream
+from backends.model_store import DEFAULT_MODEL, load_tokenizer, resolve_model
+from backends.orchestrator import GenerationStats, StepOutput, generate
+from backends.request import GenerationRequest, RequestError, SamplingParams, parse_request
+from backends.triton_models.common import (
+    SEQUENCE_END, SEQUENCE_START, bls, error_response, input_scalar, model_parameters,
+    setup_logging,
+)
+
+log = logging.getLogger("tritonspec.speculative")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+TENSOR_INPUTS = ("text_input", "stream", "exclude_input_in_output", "max_tokens", "temperature",
+                 "top_k", "top_p", "random_seed", "num_draft_tokens", "ignore_eos")
+
+
+class _SequenceModel:
+    """A sequence-batched BLS peer: START on the first call, END on release."""
+
+    def __init__(self, model_name: str, seq_id: int) -> None:
+        self.model_name = model_name
+        self.seq_id = seq_id
+        self.started = False
+
+    def call(self, inputs: dict, outputs: list[str], parameters: dict | None = None) -> dict:
+        flags = 0 if self.started else SEQUENCE_START
+        self.started = True
+        return bls(self.model_name, inputs, outputs, self.seq_id, flags, parameters)
+
+    def release(self, empty_inputs: dict) -> None:
+        if self.started:
+            self.started = False
+            bls(self.model_name, empty_inputs, [], self.seq_id, SEQUENCE_END)
+
+
+class BlsDrafter(_SequenceModel):
+    def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
+              requested: int | None) -> tuple[list[int], float]:
+        out = self.call(self._inputs(new_token_ids, max_tokens, requested), ["draft_ids", "propose_ms"])
+        return out["draft_ids"].reshape(-1).tolist(), float(out["propose_ms"].item()) / 1e3
+
+    @staticmethod
+    def _inputs(token_ids: list[int], max_tokens: int, requested: int | None) -> dict:
+        return {
+            "input_ids": np.array([token_ids], dtype=np.int64),
+            "max_draft_tokens": np.array([[max_tokens]], dtype=np.int32),
+            "num_draft_tokens": np.array([[-1 if requested is None else requested]], dtype=np.int32),
+        }
+
+    def release(self, seq_id: int | None = None) -> None:
+        super().release(self._inputs([], 0, None))
+
+
+class BlsVerifier(_SequenceModel):
+    def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
+               sampling: SamplingParams | None) -> tuple[list[int], float]:
+        out = self.call(
+            self._inputs(new_token_ids, draft_token_ids),
+            ["output_ids", "forward_ms"],
+            {"sampling": sampling.to_json()} if sampling else None,
+        )
+        return out["output_ids"].reshape(-1).tolist(), float(out["forward_ms"].item()) / 1e3
+
+    @staticmethod
+    def _inputs(token_ids: list[int], draft_ids: list[int]) -> dict:
+        return {
+            "input_ids": np.array([token_ids], dtype=np.int64),
+            "draft_ids": np.array([draft_ids], dtype=np.int64),
+        }
+
+    def release(self, seq_id: int | None = None) -> None:
+        super().release(self._inputs([], []))
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        setup_logging()
+        params = model_parameters(args)
+        model_path = resolve_model(params.get("model") or DEFAULT_MODEL)
+        self.tokenizer = load_tokenizer(model_path)
+        config = json.loads((model_path / "config.json").read_text()) if model_path.is_dir() else {}
+        limit = config.get("max_position_embeddings") or 2048
+        self.max_model_len = min(limit, int(params["max_model_len"])) if params.get("max_model_len") else limit
+        eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.verifier_name = params.get("verifier_model_name", "verifier")
+        self.drafter_name = params.get("drafter_model_name", "")
+        workers = int(params.get("max_concurrent_requests", "64"))
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
+        # Correlation ids unique across instances and restarts of this process.
+        self.seq_ids = itertools.count((os.getpid() << 32) + 1)
+        self.lock = threading.Lock()
+        log.info("speculative ready: verifier=%s drafter=%s context=%d",
+                 self.verifier_name, self.drafter_name or "(none: plain decoding)", self.max_model_len)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            self.pool.submit(self._serve, request)
+        return None
+
+    def _serve(self, request) -> None:
+        sender = request.get_response_sender()
+        with self.lock:
+            seq_id = next(self.seq_ids)
+        verifier = BlsVerifier(self.verifier_name, seq_id)
+        drafter = BlsDrafter(self.drafter_name, seq_id) if self.drafter_name else None
+        try:
+            req = self._parse(request)
+            prompt_ids = self.tokenizer(req.prompt)["input_ids"]
+            text = TextStream(self.tokenizer, req.stop)
+            stats = GenerationStats()
+            steps = generate(req, prompt_ids, seq_id, verifier, drafter, text, self.eos_token_ids,
+                             self.max_model_len, stats, sender.is_cancelled)
+            all_ids: list[int] = []
+            for step in steps:
+                all_ids += step.token_ids
+                if step.finish_reason == "cancelled":
+                    log.info("request %d cancelled by the client", seq_id)
+                    sender.send(error_response("request cancelled"), flags=FINAL)
+                    return
+                if req.stream and (step.text or step.token_ids or step.finish_reason):
+                    self._send(sender, req, step, step.token_ids, step.text, len(prompt_ids), len(all_ids), stats)
+            if not req.stream:
+                body = text.text if req.exclude_input_in_output else req.prompt + text.text
+                self._send(sender, req, step, all_ids, body, len(prompt_ids), len(all_ids), stats)
+        except RequestError as e:
+            sender.send(error_response(str(e)), flags=FINAL)
+        except Exception as e:  # never leave a decoupled client waiting
+            log.exception("request %d failed", seq_id)
+            sender.send(error_response(f"generation failed: {e}"), flags=FINAL)
+        finally:
+            for peer in (verifier, drafter):
+                if peer is not None:
+                    try:
+                        peer.release()
+                    except Exception:
+                        log.exception("could not release sequence %d in %s", seq_id, peer.model_name)
+
+    @staticmethod
+    def _parse(request) -> GenerationRequest:
+        tensors = {name: input_scalar(request, name) for name in TENSOR_INPUTS}
+        tensors = {k: v for k, v in tensors.items() if v is not None}
+        stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
+        if stop is not None:
+            tensors["stop_words"] = [s.decode() if isinstance(s, bytes) else str(s)
+                                     for s in stop.as_numpy().reshape(-1)]
+        sampling_json = input_scalar(request, "sampling_parameters") or ""
+        return parse_request(tensors, request.parameters() or "", sampling_json)
+
+    @staticmethod
+    def _send(sender, req: GenerationRequest, step: StepOutput, token_ids: list[int], text: str,
+              num_input: int, num_output: int, stats: GenerationStats) -> None:
+        final = step.finish_reason is not None
+        outputs = {
+            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+            "output_ids": np.array(token_ids, dtype=np.int64),
+            "finish_reason": np.array([(step.finish_reason or "").encode()], dtype=np.object_),
+            "num_input_tokens": np.array([num_input], dtype=np.uint32),
+            "num_output_tokens": np.array([num_output], dtype=np.uint32),
+            "total_draft_tokens": np.array([stats.total_draft_tokens], dtype=np.int64),
+            "total_accepted_draft_tokens": np.array([stats.total_accepted_draft_tokens], dtype=np.int64),
+            "acceptance_rate": np.array([stats.acceptance_rate], dtype=np.float32),
+            "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
+        }
+        response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
+        sender.send(response, flags=FINAL if final else 0)
+
+    def finalize(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

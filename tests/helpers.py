@@ -1,0 +1,43 @@
+"""Shared by the server tests: the target's own greedy output, and server state probes."""
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def _load(model_dir: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+@lru_cache(maxsize=None)
+def hf_greedy(model_dir: str, prompt: str, max_tokens: int) -> tuple[int, ...]:
+    """Hugging Face `generate` (greedy, float32): the ids the server must reproduce."""
+    model, tokenizer = _load(model_dir)
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, top_k=None, top_p=None)
+    return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def active_sequences(server) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'tritonspec_active_sequences\{model="([^"]+)"\} (\S+)', text)}
+
+
+def wait_for_no_active_sequences(server, timeout_s: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        active = active_sequences(server)
+        if not any(active.values()) or time.monotonic() > deadline:
+            return active
+        time.sleep(0.2)
