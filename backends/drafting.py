@@ -7,13 +7,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+from backends.config import SpeculativeConfig
 from backends.proposer import Draft, DraftRequest, Proposer
 
 log = logging.getLogger("tritonspec.drafter")
-
-
-class DraftLengthError(ValueError):
-    """A request asked for more draft tokens than the drafter is configured for."""
 
 
 @dataclass
@@ -25,20 +22,15 @@ class DraftCall:
 
 
 class DraftService:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int) -> None:
+    def __init__(self, proposer: Proposer, config: SpeculativeConfig) -> None:
         self.proposer = proposer
-        self.k = num_speculative_tokens
+        self.config = config
         self._tokens: dict[int, list[int]] = {}
         self._last_used: dict[int, float] = {}
 
     def num_tokens(self, call: DraftCall) -> int:
-        if call.requested is not None and call.requested > self.k:
-            raise DraftLengthError(
-                f"num_draft_tokens={call.requested} is above this drafter's "
-                f"num_speculative_tokens={self.k}"
-            )
-        wanted = self.k if call.requested is None else call.requested
-        return max(0, min(wanted, call.max_tokens))
+        """Drafts for this call; SpeculativeConfigError when the client asks for too many."""
+        return max(0, min(self.config.num_tokens_for_request(call.requested), call.max_tokens))
 
     def draft(self, calls: list[DraftCall]) -> list[Draft]:
         now = time.monotonic()

@@ -25,12 +25,17 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_model_len:
         overrides.common["max_model_len"] = str(args.max_model_len)
     if args.speculative_config:
+        try:
+            _check_speculative_config(args.speculative_config, model)
+        except (ValueError, ModelNotFoundError) as e:
+            print(f"error: --speculative-config: {e}", file=sys.stderr)
+            return 2
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
         overrides.per_model.setdefault("speculative", {})["drafter_model_name"] = ""
     server = TritonServer(repository, args.http_port, args.grpc_port, args.metrics_port, args.host, overrides)
     try:
-        server.start(timeout_s=args.startup_timeout)
+        server.start(timeout_s=args.startup_timeout, require_all_models=False)
     except ServerStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -55,6 +60,24 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         server.stop()
+
+
+def _check_speculative_config(spec: str, model: str | None):
+    """Refuse a bad -sc before starting anything, with the config's own message."""
+    from backends.config import SpeculativeConfig
+
+    target = str(resolve_model(model)) if model else None
+    return SpeculativeConfig.from_json(spec, target_model=target)
+
+
+def _config(args: argparse.Namespace) -> int:
+    try:
+        config = _check_speculative_config(args.json, args.target)
+    except (ValueError, ModelNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(config.explain())
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -150,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="also print the whole result as JSON")
     gen.set_defaults(func=_generate)
+
+    config = sub.add_parser("config", help="explain a --speculative-config JSON")
+    csub = config.add_subparsers(dest="action", required=True)
+    explain = csub.add_parser("explain", help="print the resolved method, the rule that chose it, every value")
+    explain.add_argument("json", help="the speculative config JSON, as vLLM's --speculative-config takes it")
+    explain.add_argument("--target", help="the target model (named, HF directory or .gguf)")
+    config.set_defaults(func=_config)
 
     models = sub.add_parser("models", help="fetch or list the named models")
     msub = models.add_subparsers(dest="action", required=True)

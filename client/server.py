@@ -12,6 +12,7 @@ What the launcher does that a bare `tritonserver` call does not:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -140,6 +141,10 @@ class TritonServer:
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
             "--exit-timeout-secs=5",
+            # A model that fails to load (say, a bad speculative_config) is reported, and
+            # the other models keep serving; start() checks each model's state itself.
+            "--exit-on-error=false",
+            "--strict-readiness=false",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             # Room for long prompts between models without growing the region per call.
             "--backend-config=python,shm-default-byte-size=16777216",
@@ -155,7 +160,9 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         return env
 
-    def start(self, timeout_s: float = 300.0) -> "TritonServer":
+    def start(self, timeout_s: float = 300.0, require_all_models: bool = True) -> "TritonServer":
+        """Start and wait until ready. Models that failed to load raise ServerStartError
+        (with Triton's reason for each) unless require_all_models is False."""
         repository = self.source_repository
         if self.overrides:
             self._workdir = tempfile.TemporaryDirectory(prefix="tritonspec-repo-")
@@ -169,7 +176,20 @@ class TritonServer:
         if out:
             out.close()
         self._wait_ready(timeout_s)
+        failed = {name: reason for name, (state, reason) in self.model_states().items() if state != "READY"}
+        for name, reason in failed.items():
+            log.error("model %r is not serving: %s", name, reason)
+        if failed and require_all_models:
+            self.stop()
+            raise ServerStartError("models failed to load:\n" + "\n".join(f"  {n}: {r}" for n, r in failed.items()))
         return self
+
+    def model_states(self) -> dict[str, tuple[str, str]]:
+        """{model: (state, reason)} from the repository index."""
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}")
+        with urllib.request.urlopen(request, timeout=10) as r:
+            index = json.loads(r.read())
+        return {m["name"]: (m.get("state", ""), m.get("reason", "")) for m in index}
 
     def is_ready(self) -> bool:
         try:

@@ -26,7 +26,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def start_server(tmp_path: Path, model: str, speculative_config: str = NGRAM_CONFIG, **common):
+def start_server(tmp_path: Path, model: str, speculative_config: str = NGRAM_CONFIG,
+                 require_all_models: bool = True, **common):
     from client.server import RepositoryOverrides, TritonServer
 
     http, grpc, metrics = free_ports(3)
@@ -35,7 +36,7 @@ def start_server(tmp_path: Path, model: str, speculative_config: str = NGRAM_CON
         per_model={"drafter": {"speculative_config": speculative_config}},
     )
     return TritonServer(http_port=http, grpc_port=grpc, metrics_port=metrics, overrides=overrides,
-                        log_path=tmp_path / "server.log").start()
+                        log_path=tmp_path / "server.log").start(require_all_models=require_all_models)
 
 
 @pytest.fixture(scope="session")

@@ -103,7 +103,7 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "sampling_parameters": {"temperature": "hot"}}, "temperature must be a number"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"prompt": "The quick brown fox " * 200}, "context window"),
-    ({"prompt": "hi", "num_draft_tokens": 99}, "num_draft_tokens=99 is above"),
+    ({"prompt": "hi", "num_draft_tokens": 99}, "num_draft_tokens=99 must be in [0, 4]"),
 ]
 
 

@@ -41,7 +41,7 @@ class TritonPythonModel:
         )
         self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
         proposer = build_proposer(self.config, max_model_len=max_len or 2**31, target_model=target)
-        self.service = DraftService(proposer, self.config.num_speculative_tokens)
+        self.service = DraftService(proposer, self.config)
         self.active = ActiveSequencesGauge(args["model_name"])
         log.info("drafter ready: method=%s k=%d", self.config.method, self.config.num_speculative_tokens)
 

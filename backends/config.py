@@ -1,0 +1,963 @@
+"""vLLM-compatible ``--speculative-config``: parsing, method resolution and validation.
+
+The behaviour follows vLLM at c314af1 as paraphrased in
+``/work/shared/reference/vllm_spec_reference.md`` §2 (with §3.1/§3.3 defaults, §3.6 aux
+layer ids and §7 dynamic K). It is written from that description, not from vLLM code.
+
+Model paths are local directories (their ``config.json`` is read) or bare names (then the
+name alone decides auto-detection, as if the draft config were empty).
+
+Deliberate differences from vLLM:
+
+* ``mlp_speculator`` is accepted *and runs here*; vLLM accepts the config but neither of its
+  runners can execute it.
+* Suffix decoding is implemented in this project, so there is no arctic-inference
+  ``ImportError``; the range checks of ``_validate_suffix_decoding`` still apply.
+* Types are strict: ``true`` is not an int and ``"3"`` is not an int (pydantic's lax mode
+  would coerce both). Every error is a ``SpeculativeConfigError`` (a ``ValueError``);
+  step 10 of auto-detection also is a ``NotImplementedError``, like vLLM's.
+* A top-level key given both kebab- and snake-case is an error rather than last-one-wins.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import keyword
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# MTPModelTypes at c314af1 except the plain "mtp" (§2.2): legacy method names and the
+# model_types that make auto-detection pick mtp.
+MTP_MODEL_TYPES = (
+    "deepseek_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
+    "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp", "exaone4_5_mtp",
+    "qwen3_next_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "minimax_m3_mtp",
+    "bailing_hybrid_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "gemma4_mtp",
+    "inkling_mtp",
+)
+METHODS = (
+    "ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle",
+    "eagle3", "extract_hidden_states", "mtp", *MTP_MODEL_TYPES, "dflash", "ngram_gpu", "dspark",
+)
+REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+# Methods whose explicit value auto-detection never overrides (§2.3 D step 1).
+_STICKY_METHODS = ("eagle", "eagle3", "dflash", "dspark")
+_EAGLE_FAMILY = ("eagle", "eagle3", "mtp", "dflash", "dspark")
+_DSPARK_ARCHS = ("Qwen3DSparkModel", "Gemma4DSparkModel")
+# MTP types for which K > 1 does not mean "run the same MTP layer K times" (§2.3 step 8).
+_MULTI_STEP_MTP_TYPES = ("step3p5_mtp", "inkling_mtp")
+# vLLM's MiMo-V2 MTP constant: only the first MTP layer is supported.
+_MIMO_V2_N_PREDICT = 1
+# speculators_model_type -> method (§2.1); peagle is EAGLE-3 with parallel drafting.
+_SPECULATORS_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "peagle": "eagle3",
+                        "dflash": "dflash", "dspark": "dspark"}
+_BATCH_SCHEDULE = "num_speculative_tokens_per_batch_size"
+
+
+class SpeculativeConfigError(ValueError):
+    """An invalid speculative config; the message names the offending field."""
+
+
+class UnsupportedSpeculativeMethodError(SpeculativeConfigError, NotImplementedError):
+    """Auto-detection found no method (vLLM raises NotImplementedError here)."""
+
+
+@dataclass
+class SpeculativeConfig:
+    """The resolved speculative config. Build it with :meth:`from_json`."""
+
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    draft_tensor_parallel_size: int | None = None
+    tensor_parallel_size: int | None = None
+    max_model_len: int | None = None
+    quantization: str | None = None
+    moe_backend: str | None = None
+    attention_backend: str | None = None
+    kv_cache_dtype: str | None = None
+    revision: str | None = None
+    code_revision: str | None = None
+    enforce_eager: bool | None = None
+    disable_padded_drafter_batch: bool = False
+    use_local_argmax_reduction: bool = False
+    use_heterogeneous_vocab: bool = False
+    parallel_drafting: bool = False
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    draft_load_config: dict[str, Any] | None = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: list[float] | None = None
+    synthetic_acceptance_length: float | None = None
+    draft_sample_method: str = "greedy"
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None
+    # Keys written over the draft's config.json (vLLM: draft_model_config["hf_config"]).
+    hf_overrides: dict[str, Any] | None = None
+    # What the engine injects in vLLM (target_model_config / target_parallel_config).
+    target_model: str | None = None
+    target_max_model_len: int | None = None
+    target_tensor_parallel_size: int = 1
+
+    # Derived during resolution.
+    resolution: str = field(default="", init=False)
+    draft_max_model_len: int | None = field(default=None, init=False)
+    target_hf_config: dict[str, Any] = field(default_factory=dict, init=False)
+    draft_hf_config: dict[str, Any] | None = field(default=None, init=False)
+    warnings: list[str] = field(default_factory=list, init=False)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_json(cls, spec: str | dict[str, Any], target_model: str | None = None,
+                  target_max_model_len: int | None = None,
+                  target_tensor_parallel_size: int = 1) -> SpeculativeConfig:
+        """Parse a ``--speculative-config`` JSON object (string or dict) and resolve it.
+
+        A target directory in speculators format replaces ``spec`` entirely (§2.1).
+        """
+        data = _parse_spec(spec)
+        if _read_model_config(target_model, "target_model").get("speculators_config") is not None:
+            cfg = cls.from_target_speculators(target_model, target_max_model_len,
+                                              target_tensor_parallel_size)
+            if data:
+                cfg._warn(f"speculative_config {data} is discarded: {target_model!r} is a "
+                          "speculators-format checkpoint that defines its own")
+            return cfg
+        return cls(**_normalize_keys(data), target_model=target_model,
+                   target_max_model_len=target_max_model_len,
+                   target_tensor_parallel_size=target_tensor_parallel_size)
+
+    @classmethod
+    def from_target_speculators(cls, target_dir: str, target_max_model_len: int | None = None,
+                                target_tensor_parallel_size: int = 1) -> SpeculativeConfig:
+        """Serve a speculators-format drafter directory: its verifier becomes the target."""
+        raw = _read_model_config(target_dir, "target_model")
+        spec, verifier = _speculators_spec(raw, target_dir)
+        cfg = cls(**spec, model=target_dir, target_model=verifier,
+                  target_max_model_len=target_max_model_len,
+                  target_tensor_parallel_size=target_tensor_parallel_size)
+        cfg.resolution = (f"speculators_model_type {raw['speculators_model_type']!r} in "
+                          f"{target_dir!r} (verifier {verifier!r}); {cfg.resolution}")
+        return cfg
+
+    def __post_init__(self) -> None:
+        # vLLM order (§2.2): field checks, then __post_init__ resolution, then _verify_args.
+        self._validate_fields()
+        self.target_hf_config = _read_model_config(self.target_model, "target_model")
+        if self.target_max_model_len is None:
+            self.target_max_model_len = _max_position_embeddings(self.target_hf_config)
+        self._resolve_method()
+        self._verify_args()
+
+    # ------------------------------------------------------------------ step 1: fields
+
+    def _validate_fields(self) -> None:
+        v = vars(self)
+        for name in ("model", "quantization", "moe_backend", "attention_backend",
+                     "kv_cache_dtype", "revision", "code_revision", "target_model"):
+            _check(name, v[name], v[name] is None or isinstance(v[name], str), "a valid string")
+        for name in ("disable_padded_drafter_batch", "use_local_argmax_reduction",
+                     "use_heterogeneous_vocab", "parallel_drafting"):
+            _check(name, v[name], isinstance(v[name], bool), "a valid boolean")
+        eager = self.enforce_eager
+        _check("enforce_eager", eager, eager is None or isinstance(eager, bool), "a valid boolean")
+        k = self.num_speculative_tokens
+        _check("num_speculative_tokens", k, k is None or _is_int(k), "a valid integer")
+        _check("num_speculative_tokens", k, k is None or k > 0, "greater than 0")
+        for name in ("draft_tensor_parallel_size", "max_model_len", "prompt_lookup_max",
+                     "prompt_lookup_min", "target_max_model_len"):
+            _check(name, v[name], v[name] is None or _is_int(v[name]), "a valid integer")
+            _check(name, v[name], v[name] is None or v[name] >= 1, "greater than or equal to 1")
+        _check("target_tensor_parallel_size", self.target_tensor_parallel_size,
+               _is_int(self.target_tensor_parallel_size) and self.target_tensor_parallel_size >= 1,
+               "an integer >= 1")
+        _check("tensor_parallel_size", self.tensor_parallel_size,
+               self.tensor_parallel_size is None or _is_int(self.tensor_parallel_size),
+               "a valid integer")
+        for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            _check(name, v[name], _is_int(v[name]), "a valid integer")
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            _check(name, v[name], _is_number(v[name]), "a valid number")
+        _check_choice("method", self.method, METHODS, optional=True)
+        _check_choice("rejection_sample_method", self.rejection_sample_method,
+                      REJECTION_SAMPLE_METHODS)
+        _check_choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
+        rates = self.synthetic_acceptance_rates
+        _check("synthetic_acceptance_rates", rates,
+               rates is None or (isinstance(rates, list) and all(map(_is_number, rates))),
+               "a list of numbers")
+        length = self.synthetic_acceptance_length
+        _check("synthetic_acceptance_length", length, length is None or _is_number(length),
+               "a valid number")
+        for name in ("draft_load_config", "hf_overrides"):
+            _check(name, v[name], v[name] is None or isinstance(v[name], dict),
+                   "a valid dictionary")
+        ids = self.eagle_aux_hidden_state_layer_ids
+        _check("eagle_aux_hidden_state_layer_ids", ids, ids is None or (
+            isinstance(ids, list) and all(_is_int(i) and i >= 0 for i in ids)),
+            "a list of non-negative integers")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            self.num_speculative_tokens_per_batch_size = _validate_batch_schedule(
+                self.num_speculative_tokens_per_batch_size)
+        # Parsed case-insensitively like vLLM's enum; "auto" means "let the engine choose".
+        if self.attention_backend is not None:
+            backend = self.attention_backend.upper()
+            self.attention_backend = None if backend == "AUTO" else backend
+
+    # ------------------------------------------------------------------ step 2: §2.3
+
+    def _resolve_method(self) -> None:
+        # A. infer a missing method
+        if self.method is not None:
+            how = "explicit method"
+        elif _is_custom_proposer_path(self.model):
+            self.method, how = "custom_class", f"model {self.model!r} is a dotted class path"
+        elif self.model in ("ngram", "[ngram]"):
+            self.method, how = "ngram", f"model {self.model!r}"
+        else:
+            self.method, how = "draft_model", "default draft_model"
+        # B. legacy MTP method names
+        if self.method in MTP_MODEL_TYPES:
+            self._warn(f"method `{self.method}` is deprecated and replaced with mtp.")
+            how = f"legacy method name {self.method!r} -> mtp"
+            self.method = "mtp"
+        # C. a K without a model
+        if self.model is None and self.num_speculative_tokens is not None:
+            self._default_model()
+        # D. per-method branch
+        if self.method in ("ngram", "ngram_gpu"):
+            self._resolve_ngram()
+        elif self.method == "suffix":
+            self._validate_suffix_decoding()
+        elif self.method == "custom_class":
+            self._resolve_custom_class()
+        elif self.method == "extract_hidden_states":
+            self._resolve_extract_hidden_states()
+        else:
+            how = self._resolve_draft(how)
+        self.resolution = how
+
+    def _default_model(self) -> None:
+        if self.method in ("mtp", "dspark"):
+            # The draft layers live in the target checkpoint.
+            if self.target_model is None:
+                raise SpeculativeConfigError(
+                    f"target_model_config must be present for {self.method}")
+            if self.method == "mtp" and _text_model_type(self.target_hf_config) == "deepseek_v32":
+                self.enforce_eager = True
+            self.model = self.target_model
+            if self.quantization is None:
+                self.quantization = (self.target_hf_config.get("quantization_config")
+                                     or {}).get("quant_method")
+        elif self.method in ("ngram", "ngram_gpu", "suffix", "extract_hidden_states"):
+            self.model = self.method
+        elif self.method == "custom_class":
+            raise SpeculativeConfigError(
+                "method='custom_class' requires 'model' to contain the custom proposer module "
+                "path (e.g., 'my_module.MyProposer').")
+        else:
+            raise SpeculativeConfigError(
+                "num_speculative_tokens was provided but without speculative model.")
+
+    def _resolve_ngram(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi  # vLLM's docstring says 1, its code mirrors the max (reference §2.2)
+        elif hi is None:
+            hi = lo
+        if lo > hi:
+            raise SpeculativeConfigError(
+                f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        self.draft_hf_config = self.target_hf_config  # only its vocab size is used
+
+    def _validate_suffix_decoding(self) -> None:
+        for name, ok, bound in (
+                ("suffix_decoding_max_tree_depth",
+                 self.suffix_decoding_max_tree_depth >= 1, ">= 1"),
+                ("suffix_decoding_max_cached_requests",
+                 self.suffix_decoding_max_cached_requests >= 0, ">= 0"),
+                ("suffix_decoding_max_spec_factor",
+                 self.suffix_decoding_max_spec_factor >= 0, ">= 0"),
+                ("suffix_decoding_min_token_prob",
+                 0 <= self.suffix_decoding_min_token_prob <= 1, "in [0, 1]")):
+            if not ok:
+                raise SpeculativeConfigError(f"{name}={getattr(self, name)} must be {bound}")
+        if self.num_speculative_tokens is None:
+            # K is only a cap for suffix drafts, whose length varies per step.
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
+            self._warn("num_speculative_tokens defaults to suffix_decoding_max_tree_depth="
+                       f"{self.suffix_decoding_max_tree_depth} for suffix decoding")
+
+    def _resolve_custom_class(self) -> None:
+        self._warn("method='custom_class' is experimental")
+        if self.model is not None and "." not in self.model:
+            raise SpeculativeConfigError(
+                f"Invalid custom proposer module path model={self.model!r}: expected "
+                "'module.ClassName'")
+        self.prompt_lookup_min = self.prompt_lookup_max = 0
+        self.draft_hf_config = self.target_hf_config
+
+    def _resolve_extract_hidden_states(self) -> None:
+        hf = {**self.target_hf_config, **self._user_overrides(),
+              "architectures": ["ExtractHiddenStatesModel"]}
+        ids = hf.get("eagle_aux_hidden_state_layer_ids")
+        if not ids:
+            raise SpeculativeConfigError(
+                "eagle_aux_hidden_state_layer_ids must be set in the draft model config for "
+                "extract_hidden_states method")
+        if self.num_speculative_tokens not in (None, 1):
+            raise SpeculativeConfigError(
+                "num_speculative_tokens must be 1 for extract_hidden_states, got "
+                f"{self.num_speculative_tokens}")
+        self.eagle_aux_hidden_state_layer_ids = list(ids)
+        self.draft_hf_config = hf
+
+    def _resolve_draft(self, how: str) -> str:
+        """The draft_model/eagle*/mtp/medusa/mlp_speculator/dflash/dspark branch."""
+        self.prompt_lookup_min = self.prompt_lookup_max = 0
+        if self.model is None:
+            return how
+        raw = _read_model_config(self.model, "model")
+        if "speculators_model_type" in raw:
+            raw = _speculators_draft_config(raw, self.model)
+        raw = {**raw, **self._user_overrides()}
+        if self.method == "medusa":
+            hf = {**raw, "model_type": "medusa"}  # old FasterDecoding checkpoints lack it
+            target_vocab = _lookup(self.target_hf_config, "vocab_size")
+            if target_vocab is not None and hf.get("vocab_size") != target_vocab:
+                hf.update(vocab_size=target_vocab, truncated_vocab_size=target_vocab)
+            rewritten = ""
+        else:
+            hf = hf_config_override(raw)
+            rewritten = "" if hf.get("model_type") == raw.get("model_type") else (
+                f" (config model_type {raw.get('model_type')!r} rewritten by hf_config_override)")
+
+        archs = list(hf.get("architectures") or [])
+        model_type = hf.get("model_type")
+        self.method, how = _detect_method(self.method, self.model.lower(), archs, model_type, how)
+        how += rewritten
+        k = self.num_speculative_tokens
+        if (self.method == "mtp" and k is not None and k > 1
+                and model_type not in _MULTI_STEP_MTP_TYPES):
+            self._warn("Enabling num_speculative_tokens > 1 will run multiple times of forward "
+                       "on same MTP layer, which may result in lower acceptance rate")
+
+        if self.method in ("eagle", "eagle3", "dflash"):
+            hf = _as_eagle_config(hf, self.method)
+        if self.method == "dspark":
+            if not set(archs) & set(_DSPARK_ARCHS):  # the DeepSeek-V4 bundled drafter
+                hf.update(model_type="deepseek_v4", architectures=["DSparkDraftModel"])
+            elif "Gemma4DSparkModel" in archs:
+                hf.setdefault("dspark_target_layer_ids", hf.get("target_layer_ids"))
+                hf.setdefault("n_predict", hf.get("block_size"))
+        if self.method in ("dflash", "dspark"):
+            self.parallel_drafting = True
+        if k is not None and hf.get("model_type") == "medusa":
+            hf["num_heads"] = k  # vLLM's num_lookahead_tokens setter: K heads
+        if hf.get("model_type") == "mlp_speculator":
+            hf["n_predict"] = k or hf.get("n_predict", 3)  # K stages; MLPSpeculatorConfig default 3
+
+        n_predict = hf.get("n_predict")
+        if n_predict is not None:
+            if not _is_int(n_predict) or n_predict < 1:
+                raise SpeculativeConfigError(
+                    f"n_predict={n_predict!r} in the draft config of model={self.model!r}: "
+                    "the checkpoint has no prediction layers")
+            if k is None:
+                k = self.num_speculative_tokens = n_predict
+            elif k > n_predict and k % n_predict != 0:
+                raise SpeculativeConfigError(
+                    f"num_speculative_tokens:{k} must be divisible by n_predict={n_predict}")
+        if k is None:
+            raise SpeculativeConfigError(
+                "A speculative model was provided, but `num_speculative_tokens` was not provided")
+        if hf.get("model_type") == "inkling_mtp" and k != 1:
+            raise SpeculativeConfigError(
+                f"Inkling MTP currently supports exactly one speculative token "
+                f"(num_speculative_tokens={k})")
+        block = hf.get("dspark_block_size")
+        if self.method == "dspark" and block is not None and k < block:
+            raise SpeculativeConfigError(
+                f"DSpark requires num_speculative_tokens >= dspark_block_size ({block}); got {k}.")
+
+        self.draft_tensor_parallel_size = self._draft_tensor_parallel_size(hf.get("model_type"))
+        self.draft_max_model_len = _draft_max_model_len(
+            self.max_model_len, _max_position_embeddings(hf), self.target_max_model_len)
+        if self.method in ("eagle3", "dflash", "dspark"):
+            self.eagle_aux_hidden_state_layer_ids = _aux_layer_ids(hf, self.target_hf_config)
+        self.draft_hf_config = hf
+        return how
+
+    def _user_overrides(self) -> dict[str, Any]:
+        """hf_overrides plus a top-level eagle_aux_hidden_state_layer_ids (which wins)."""
+        overrides = dict(self.hf_overrides or {})
+        if self.eagle_aux_hidden_state_layer_ids is not None:
+            overrides["eagle_aux_hidden_state_layer_ids"] = self.eagle_aux_hidden_state_layer_ids
+        return overrides
+
+    def _draft_tensor_parallel_size(self, draft_model_type: str | None) -> int:
+        target_tp = self.target_tensor_parallel_size
+        if self.draft_tensor_parallel_size is None:
+            if draft_model_type == "mlp_speculator":
+                if target_tp > 1:
+                    self._warn("mlp_speculator cannot use tensor parallelism; the draft runs "
+                               "with draft_tensor_parallel_size=1")
+                return 1
+            return target_tp
+        if self.draft_tensor_parallel_size not in (1, target_tp):
+            raise SpeculativeConfigError(
+                f"draft_tensor_parallel_size={self.draft_tensor_parallel_size} cannot be other "
+                f"value than 1 or target model tensor_parallel_size={target_tp}")
+        return self.draft_tensor_parallel_size
+
+    # ------------------------------------------------------------------ step 3: §2.4
+
+    def _verify_args(self) -> None:
+        if self.tensor_parallel_size is not None:
+            raise SpeculativeConfigError(
+                "'tensor_parallel_size' is not a valid argument in the speculative_config. "
+                "Please pass 'draft_tensor_parallel_size' instead.")
+        if self.num_speculative_tokens is None:
+            raise SpeculativeConfigError(
+                "num_speculative_tokens must be provided with speculative model unless the "
+                "draft model config contains an n_predict parameter.")
+        self._resolve_synthetic_rates()
+        if self.disable_padded_drafter_batch and (
+                self.parallel_drafting or self.method in ("draft_model", "extract_hidden_states")):
+            what = "parallel_drafting" if self.parallel_drafting else f"method='{self.method}'"
+            raise SpeculativeConfigError(
+                f"disable_padded_drafter_batch is not supported with {what}")
+        if self.use_heterogeneous_vocab:
+            if self.method != "draft_model":
+                raise SpeculativeConfigError(
+                    "use_heterogeneous_vocab only works with method='draft_model', "
+                    f"got method='{self.method}'")
+            if self.draft_sample_method != "greedy":
+                raise SpeculativeConfigError(
+                    "use_heterogeneous_vocab currently only supports greedy draft sampling "
+                    f"(draft_sample_method='greedy'), got '{self.draft_sample_method}'")
+        elif self.method == "draft_model":
+            target = _lookup(self.target_hf_config, "vocab_size")
+            draft = _lookup(self.draft_hf_config or {}, "vocab_size")
+            if target is not None and draft is not None and target != draft:
+                raise SpeculativeConfigError(
+                    "Target and draft model should have the same vocabulary size. Target model "
+                    f"vocab_size={target}. Draft model vocab_size={draft}. Set "
+                    "use_heterogeneous_vocab=true for a draft with another vocabulary.")
+        if self.method == "draft_model" \
+                and self.draft_tensor_parallel_size != self.target_tensor_parallel_size:
+            raise SpeculativeConfigError(
+                "Currently, 'draft_tensor_parallel_size' and 'tensor_parallel_size' must be the "
+                f"same for draft_model (draft_tensor_parallel_size="
+                f"{self.draft_tensor_parallel_size}, target {self.target_tensor_parallel_size})")
+
+    def _resolve_synthetic_rates(self) -> None:
+        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
+        k = self.num_speculative_tokens
+        if self.rejection_sample_method != "synthetic":
+            if rates is not None or length is not None:
+                raise SpeculativeConfigError(
+                    "synthetic_acceptance_rates / synthetic_acceptance_length are only valid "
+                    "with rejection_sample_method='synthetic'.")
+            return
+        if (rates is None) == (length is None):
+            raise SpeculativeConfigError(
+                "rejection_sample_method='synthetic' requires exactly one of "
+                "synthetic_acceptance_rates or synthetic_acceptance_length.")
+        if rates is not None:
+            if len(rates) != k:
+                raise SpeculativeConfigError(
+                    f"synthetic_acceptance_rates must have length {k} (num_speculative_tokens), "
+                    f"got {len(rates)}.")
+            if not all(0 <= r <= 1 for r in rates):
+                raise SpeculativeConfigError(
+                    f"synthetic_acceptance_rates entries must be in [0, 1], got {rates}.")
+            if any(later > earlier for earlier, later in zip(rates, rates[1:])):
+                raise SpeculativeConfigError(
+                    f"synthetic_acceptance_rates must be non-increasing, got {rates}.")
+        else:
+            if not 1 <= length <= k + 1:
+                raise SpeculativeConfigError(
+                    f"synthetic_acceptance_length must be in [1, {k + 1}], got {length}.")
+            # Minimum-variance schedule: certain acceptance, one fractional step, then none.
+            a = length - 1
+            f = math.floor(a)
+            rates = ([1.0] * f + [a - f] + [0.0] * (k - f - 1))[:k]
+        self.synthetic_acceptance_rates = [float(r) for r in rates]
+        self.synthetic_acceptance_length = None
+
+    # ------------------------------------------------------------------ per request / batch
+
+    def num_tokens_for_request(self, requested: int | None) -> int:
+        """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
+        if requested is None:
+            return self.num_speculative_tokens
+        if not _is_int(requested):
+            raise SpeculativeConfigError(
+                f"num_draft_tokens: input should be a valid integer, got {requested!r}")
+        if not 0 <= requested <= self.num_speculative_tokens:
+            raise SpeculativeConfigError(
+                f"num_draft_tokens={requested} must be in [0, {self.num_speculative_tokens}] "
+                "(the configured num_speculative_tokens)")
+        return requested
+
+    def num_tokens_for_batch_size(self, batch_size: int) -> int:
+        """K for a batch of this size under the §7 dynamic schedule (the configured K without)."""
+        if not _is_int(batch_size) or batch_size < 1:
+            raise SpeculativeConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        k = self.num_speculative_tokens
+        if self.num_speculative_tokens_per_batch_size is None:
+            return k
+        chosen = k
+        # Ranges are sorted and the first starts at 1; gaps and the tail keep the last K.
+        for start, _end, range_k in self.num_speculative_tokens_per_batch_size:
+            if start > batch_size:
+                break
+            chosen = min(range_k, k)
+        return chosen
+
+    # ------------------------------------------------------------------ §2.5 helpers
+
+    def use_eagle(self) -> bool:
+        """Whether the drafter consumes target hidden states."""
+        return self.method in _EAGLE_FAMILY
+
+    def use_dflash(self) -> bool:
+        return self.method == "dflash"
+
+    def use_dspark(self) -> bool:
+        return self.method == "dspark"
+
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    def uses_extract_hidden_states(self) -> bool:
+        return self.method == "extract_hidden_states"
+
+    def use_ngram_gpu(self) -> bool:
+        return self.method == "ngram_gpu"
+
+    def use_gemma4_mtp(self) -> bool:
+        return self.method == "mtp" and self._draft_model_type() == "gemma4_mtp"
+
+    def use_step3p5_mtp(self) -> bool:
+        return self.method == "mtp" and self._draft_model_type() == "step3p5_mtp"
+
+    def _draft_model_type(self) -> str | None:
+        return (self.draft_hf_config or {}).get("model_type")
+
+    def uses_dynamic_speculative_decoding(self) -> bool:
+        return self.num_speculative_tokens_per_batch_size is not None
+
+    @property
+    def max_num_new_slots_for_drafting(self) -> int:
+        """Extra KV slots per request a drafting step needs beyond the verified tokens."""
+        parallel = self.num_speculative_tokens - 1 if self.parallel_drafting else 0
+        return parallel + (1 if self.uses_draft_model() else 0)
+
+    def compute_hash(self) -> str:
+        """Hash of what changes the compiled graph: aux-state methods and their draft config."""
+        factors: list[Any] = []
+        if self.method in ("eagle3", "extract_hidden_states", "dflash", "dspark"):
+            factors = [self.method, self.draft_hf_config, self.eagle_aux_hidden_state_layer_ids]
+        return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()
+
+    # ------------------------------------------------------------------ reporting
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (resolved and derived) plus the §2.5 predicates."""
+        out = dataclasses.asdict(self)
+        out.update(
+            use_eagle=self.use_eagle(), use_dflash=self.use_dflash(), use_dspark=self.use_dspark(),
+            uses_draft_model=self.uses_draft_model(),
+            uses_extract_hidden_states=self.uses_extract_hidden_states(),
+            use_ngram_gpu=self.use_ngram_gpu(), use_gemma4_mtp=self.use_gemma4_mtp(),
+            use_step3p5_mtp=self.use_step3p5_mtp(),
+            uses_dynamic_speculative_decoding=self.uses_dynamic_speculative_decoding(),
+            max_num_new_slots_for_drafting=self.max_num_new_slots_for_drafting,
+        )
+        return out
+
+    def explain(self) -> str:
+        """A human-readable account of how the method was chosen and every value."""
+        values = self.to_dict()
+        lines = [f"method: {values.pop('method')}  <- {values.pop('resolution')}"]
+        for name in ("draft_hf_config", "target_hf_config"):
+            hf = values.pop(name) or {}
+            keys = ("model_type", "architectures", "n_predict", "vocab_size")
+            summary = ", ".join(f"{k}={hf[k]!r}" for k in keys if k in hf)
+            lines.append(f"{name}: {summary or '(none read)'}")
+        for warning in values.pop("warnings"):
+            lines.append(f"warning: {warning}")
+        lines += [f"{name}: {value!r}" for name, value in values.items()]
+        return "\n".join(lines)
+
+    def _warn(self, message: str) -> None:
+        logger.warning(message)
+        self.warnings.append(message)
+
+
+# ---------------------------------------------------------------------- auto-detection
+
+
+def _detect_method(method: str, name: str, archs: list[str], model_type: str | None,
+                   how: str) -> tuple[str, str]:
+    """§2.3 D steps 1-10: (method, reason). ``name`` is the lower-cased model path."""
+    if method in _STICKY_METHODS:
+        return method, how
+    for needle, detected in (("eagle-", "eagle"), ("eagle3", "eagle3"),
+                             ("dflash", "dflash"), ("dspark", "dspark")):
+        if needle in name:
+            return detected, f"name contains '{needle}'"
+    for arch in archs:
+        if arch in _DSPARK_ARCHS:
+            return "dspark", f"draft architecture '{arch}'"
+    if model_type in ("medusa", "mlp_speculator"):
+        return model_type, f"draft model_type '{model_type}'"
+    if model_type == "mtp" or model_type in MTP_MODEL_TYPES:
+        return "mtp", f"draft model_type '{model_type}'"
+    if method == "draft_model":
+        return method, how
+    raise UnsupportedSpeculativeMethodError(f"Unsupported speculative method: '{method}'")
+
+
+def _is_custom_proposer_path(model: str | None) -> bool:
+    """A dotted import path like ``my_module.MyProposer`` (no URL, no '/')."""
+    if model is None or model.startswith(("http://", "https://", "file://")) or "/" in model:
+        return False
+    parts = model.split(".")
+    return len(parts) >= 2 and all(p.isidentifier() and not keyword.iskeyword(p) for p in parts)
+
+
+def _as_eagle_config(hf: dict[str, Any], method: str) -> dict[str, Any]:
+    """Wrap a plain LM config as vLLM's EAGLEConfig: model_type 'eagle', prefixed archs."""
+    if hf.get("model_type") == "eagle" or "speculators_model_type" in hf:
+        return hf
+    prefix = {"eagle": "Eagle", "eagle3": "Eagle3", "dflash": "DFlash"}[method]
+
+    def rename(arch: str) -> str:
+        keep = arch.startswith(prefix) or (method != "eagle" and arch.endswith(prefix))
+        return arch if keep else prefix + arch
+
+    return {**hf, "model_type": "eagle",
+            "architectures": [rename(a) for a in hf.get("architectures") or []]}
+
+
+def _aux_layer_ids(hf: dict[str, Any], target_hf: dict[str, Any]) -> list[int] | None:
+    """§3.6: the target layers whose hidden states feed the drafter (first source wins)."""
+    eagle_config = hf.get("eagle_config") or {}
+    if eagle_config.get("use_aux_hidden_state") is False:
+        return None  # single-hidden EAGLE-3 variant
+    if hf.get("eagle_aux_hidden_state_layer_ids"):
+        return list(hf["eagle_aux_hidden_state_layer_ids"])
+    dflash_config = hf.get("dflash_config") or {}
+    # 0-based layer indices name the layer; aux id k is the stream *after* k layers.
+    for ids in (dflash_config.get("target_layer_ids"), hf.get("dspark_target_layer_ids"),
+                hf.get("target_layer_ids")):
+        if ids:
+            return [i + 1 for i in ids]
+    for ids in (dflash_config.get("layer_ids"), eagle_config.get("layer_ids")):
+        if ids:
+            return list(ids)
+    layers = _lookup(target_hf, "num_hidden_layers")
+    return [2, layers // 2, layers - 3] if layers else None
+
+
+# ---------------------------------------------------------------------- §2.6
+
+
+def hf_config_override(config: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite a target-family checkpoint config into its MTP-draft form (§2.6).
+
+    Configs that match no row are returned unchanged (as a copy).
+    """
+    cfg = dict(config)
+    model_type = cfg.get("model_type") or ""
+    archs = set(cfg.get("architectures") or [])
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    nextn = _lookup(cfg, "num_nextn_predict_layers")
+
+    def mtp(new_type: str, n_predict: Any, arch: str | None = None,
+            base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        out = {**(cfg if base is None else base), "model_type": new_type, "n_predict": n_predict,
+               **extra}
+        if arch is not None:
+            out["architectures"] = [arch]
+        return out
+
+    nemotron = ("nemotron_h", "nemotron_h_puzzle")
+    step = ("step3p5", "step3p7")
+    if model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+        return mtp("deepseek_mtp", nextn, "DeepSeekMTPModel")
+    if model_type == "deepseek_v4":
+        return mtp("deepseek_mtp", nextn, "DeepSeekV4MTPModel")
+    if model_type == "pangu_ultra_moe":
+        return mtp("pangu_ultra_moe_mtp", nextn)
+    if "MiMoForCausalLM" in archs:
+        return mtp("mimo_mtp", nextn, num_hidden_layers=0)
+    if archs & {"MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM", "MiMoV2FlashForCausalLM"}:
+        return mtp("mimo_v2_mtp", _MIMO_V2_N_PREDICT)
+    for arch, new_type in (("Glm4MoeForCausalLM", "glm4_moe_mtp"),
+                           ("Glm4MoeLiteForCausalLM", "glm4_moe_lite_mtp"),
+                           ("GlmOcrForConditionalGeneration", "glm_ocr_mtp")):
+        if arch in archs:
+            return mtp(new_type, nextn)
+    if model_type == "ernie4_5_moe":
+        return mtp("ernie_mtp", nextn)
+    if model_type in nemotron or text.get("model_type") in nemotron:
+        base = cfg if model_type in nemotron else text  # a VL wrapper: promote its text_config
+        layers = base.get("num_nextn_predict_layers") or 0
+        if layers > 0:
+            return mtp("nemotron_h_mtp", layers, base=base)
+    if model_type == "qwen3_next":
+        return mtp("qwen3_next_mtp", nextn)
+    if model_type == "bailing_hybrid" or "BailingMoeV2_5ForCausalLM" in archs:
+        return mtp("bailing_hybrid_mtp", nextn)
+    if model_type == "exaone_moe":
+        return mtp("exaone_moe_mtp", nextn)
+    if "exaone4_5" in model_type:
+        return mtp("exaone4_5_mtp", nextn)
+    if model_type in ("qwen3_5", "qwen3_5_moe", "intern_s2_preview"):
+        return mtp("qwen3_5_mtp", _lookup(cfg, "mtp_num_hidden_layers"))
+    if model_type in ("longcat_flash", "longcat_flash_ngram"):
+        return mtp("longcat_flash_mtp", nextn or 1)
+    if model_type in step or text.get("model_type") in step:
+        base = text or cfg
+        return mtp("step3p5_mtp", base.get("num_nextn_predict_layers") or 1, base=base)
+    if model_type == "hy_v3":
+        return mtp("hy_v3_mtp", nextn)
+    if model_type in ("inkling_mm_model", "inkling_model"):
+        layers = (cfg.get("mtp_config") or {}).get("num_nextn_predict_layers") or 0
+        if layers < 1:
+            raise SpeculativeConfigError("The Inkling checkpoint does not contain MTP weights "
+                                         "(mtp_config.num_nextn_predict_layers < 1)")
+        return mtp("inkling_mtp", layers)
+    if model_type in ("gemma4_assistant", "gemma4_unified_assistant"):
+        return mtp("gemma4_mtp", 1, num_kv_shared_layers=0)
+    if model_type in ("minimax_m3_vl", "minimax_m3_mtp") or any(
+            a.startswith("MiniMaxM3Sparse") for a in archs):
+        return mtp("minimax_m3_mtp", _lookup(cfg, "num_mtp_modules"))
+    if "MistralLarge3ForCausalLM" in archs:
+        # model_type is kept, so detection stays name-based.
+        return {**cfg, "architectures": ["EagleMistralLarge3ForCausalLM"]}
+    return cfg
+
+
+# ---------------------------------------------------------------------- speculators (§2.1)
+
+
+def _speculators_spec(cfg: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
+    """The speculative config a speculators-format checkpoint implies, and its verifier."""
+    try:
+        speculators = cfg["speculators_config"]
+        methods = speculators["proposal_methods"]
+        verifier = speculators["verifier"]["name_or_path"]
+        kind = cfg["speculators_model_type"]
+    except (KeyError, TypeError) as e:
+        raise SpeculativeConfigError(
+            f"Invalid speculators config structure in {path!r}: missing {e}") from e
+    if "transformer_layer_config" not in cfg:
+        raise SpeculativeConfigError("Must provide transformer_layer_config")
+    if not isinstance(cfg["transformer_layer_config"], dict):
+        raise SpeculativeConfigError("transformer_layer_config must be a dictionary")
+    if not methods or not isinstance(methods, list):
+        raise SpeculativeConfigError("No proposal methods found in speculators config")
+    first = methods[0] if isinstance(methods[0], dict) else {}
+    if first.get("speculative_tokens") is None:
+        raise SpeculativeConfigError(
+            f"Missing 'speculative_tokens' in proposal method. Got: {methods[0]}")
+    if kind not in _SPECULATORS_METHODS:
+        raise SpeculativeConfigError(
+            f"speculators_model_type={kind!r} is not supported; expected one of "
+            f"{sorted(_SPECULATORS_METHODS)}")
+    spec: dict[str, Any] = {"method": _SPECULATORS_METHODS[kind],
+                            "num_speculative_tokens": first["speculative_tokens"]}
+    if kind == "peagle":
+        spec["parallel_drafting"] = True
+    return spec, verifier
+
+
+def _speculators_draft_config(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """The draft config vLLM builds from a speculators-format directory (§2.1 rewrites)."""
+    layer = cfg.get("transformer_layer_config") or {}
+    hf = {**layer, **{k: v for k, v in cfg.items() if k != "transformer_layer_config"}}
+    kind = cfg.get("speculators_model_type")
+    aux = cfg.get("aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
+    if kind in ("eagle3", "peagle"):
+        qwen3 = layer.get("model_type") == "qwen3"
+        hf["architectures"] = ["Eagle3Qwen3ForCausalLM" if qwen3 else "Eagle3LlamaForCausalLM"]
+        hf.setdefault("norm_before_residual", True)  # the speculators default
+        if kind == "peagle" and "mask_token_id" in hf:
+            hf["pard_token"] = hf.pop("mask_token_id")
+    elif kind == "dflash":
+        dflash_config = dict(hf.get("dflash_config") or {})
+        mask = dflash_config.get("mask_token_id", hf.get("mask_token_id"))
+        if mask is None:
+            raise SpeculativeConfigError(
+                f"mask_token_id is required in the speculators dflash config of {path!r}")
+        dflash_config.update(mask_token_id=mask)
+        dflash_config.setdefault("sample_from_anchor", False)
+        if aux:
+            dflash_config["target_layer_ids"] = [a - 1 for a in aux]
+        hf.update(architectures=["DFlashDraftModel"], dflash_config=dflash_config)
+    elif kind == "dspark":
+        hf["architectures"] = ["Qwen3DSparkModel"]
+        hf.setdefault("sample_from_anchor", False)
+        if aux:
+            hf["target_layer_ids"] = [a - 1 for a in aux]
+    return hf
+
+
+# ---------------------------------------------------------------------- parsing helpers
+
+
+def _parse_spec(spec: str | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"speculative_config is not valid JSON: {e}") from e
+    if not isinstance(spec, dict):
+        raise SpeculativeConfigError(
+            f"speculative_config must be a JSON object, got {type(spec).__name__}")
+    return spec
+
+
+# Keys a user may give; target_* are injected by the caller, not read from the JSON.
+_USER_KEYS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig)
+                   if f.init and not f.name.startswith("target_"))
+
+
+def _normalize_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Top-level kebab-case -> snake_case; unknown or duplicated keys are errors."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise SpeculativeConfigError(f"speculative_config keys must be strings, got {key!r}")
+        name = key.replace("-", "_")
+        if name == "draft_model_config":
+            # vLLM's way to pass draft hf_config keys (extract_hidden_states layer ids).
+            if not isinstance(value, dict) or set(value) - {"hf_config"}:
+                raise SpeculativeConfigError(
+                    f"draft_model_config: only {{'hf_config': {{...}}}} is accepted, got {value!r}")
+            name, value = "hf_overrides", value.get("hf_config")
+        elif name not in _USER_KEYS:
+            raise SpeculativeConfigError(
+                f"Unknown key '{key}' in speculative_config: Extra inputs are not permitted. "
+                f"Valid keys: {', '.join(sorted(_USER_KEYS))}, draft_model_config")
+        if name in out:
+            raise SpeculativeConfigError(f"{name}: given more than once in speculative_config")
+        out[name] = value
+    return out
+
+
+def _validate_batch_schedule(schedule: Any) -> list[tuple[int, int, int]]:
+    """§7: non-empty, 3-item (start, end, K) entries, disjoint, the first starting at 1."""
+    name = _BATCH_SCHEDULE
+    if not isinstance(schedule, list):
+        raise SpeculativeConfigError(f"{name}: input should be a list, got {schedule!r}")
+    if not schedule:
+        raise SpeculativeConfigError(f"{name} must not be empty")
+    entries = []
+    for entry in schedule:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 \
+                or not all(_is_int(x) for x in entry):
+            raise SpeculativeConfigError(
+                f"{name} entries must be a 3-item sequence of integers (start, end, "
+                f"num_speculative_tokens), got {entry!r}")
+        start, end, k = entry
+        if start <= 0 or end <= 0:
+            raise SpeculativeConfigError(f"{name} batch sizes must be positive, got {entry!r}")
+        if start > end:
+            raise SpeculativeConfigError(f"{name} range start must be <= end, got {entry!r}")
+        if k < 0:
+            raise SpeculativeConfigError(
+                f"{name} num_speculative_tokens values must be >= 0, got {entry!r}")
+        entries.append((start, end, k))
+    entries.sort()
+    for (_, prev_end, _), (start, _, _) in zip(entries, entries[1:]):
+        if start <= prev_end:
+            raise SpeculativeConfigError(
+                f"{name} ranges must be non-overlapping and sorted, got {schedule!r}")
+    if entries[0][0] != 1:
+        raise SpeculativeConfigError(
+            f"The first batch-size range must start at 1 in {name}, got {entries[0]!r}")
+    return entries
+
+
+def _read_model_config(path: str | None, field_name: str) -> dict[str, Any]:
+    """A local directory's config.json; {} for None or a bare name (nothing to read)."""
+    if path is None or not os.path.isdir(path):
+        return {}
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpeculativeConfigError(f"{field_name}: cannot read {config_path}: {e}") from e
+    if not isinstance(config, dict):
+        raise SpeculativeConfigError(f"{field_name}: {config_path} is not a JSON object")
+    return config
+
+
+def _lookup(cfg: dict[str, Any], key: str) -> Any:
+    """A config value, falling back to the text_config of multimodal wrappers."""
+    if cfg.get(key) is not None:
+        return cfg[key]
+    text = cfg.get("text_config")
+    return text.get(key) if isinstance(text, dict) else None
+
+
+def _text_model_type(cfg: dict[str, Any]) -> str | None:
+    text = cfg.get("text_config")
+    return text.get("model_type") if isinstance(text, dict) else cfg.get("model_type")
+
+
+def _max_position_embeddings(cfg: dict[str, Any]) -> int | None:
+    return _lookup(cfg, "max_position_embeddings")
+
+
+def _draft_max_model_len(spec: int | None, draft: int | None, target: int | None) -> int | None:
+    """§2.5: an explicit draft length must fit both models; otherwise the smaller one."""
+    if spec is not None:
+        for name, limit in (("draft", draft), ("target", target)):
+            if limit is not None and spec > limit:
+                raise SpeculativeConfigError(
+                    f"max_model_len: spec={spec} cannot be larger than {name}={limit}")
+        return spec
+    known = [n for n in (draft, target) if n is not None]
+    return min(known) if known else None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(name: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise SpeculativeConfigError(f"{name}: input should be {expected}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...], optional: bool = False) -> None:
+    ok = (optional and value is None) or (isinstance(value, str) and value in choices)
+    _check(name, value, ok, "one of " + ", ".join(repr(c) for c in choices))

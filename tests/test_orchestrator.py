@@ -1,0 +1,150 @@
+"""The draft -> verify loop in process (no Triton): exactness of accept/rollback."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from backends.config import SpeculativeConfig
+from backends.detokenize import TextStream
+from backends.drafting import DraftCall, DraftService
+from backends.orchestrator import GenerationStats, generate
+from backends.proposer import Draft, Proposer, build_proposer
+from backends.request import GenerationRequest, RequestError
+from backends.target import SequenceError, TargetRunner, VerifyRequest
+from tests.helpers import hf_greedy
+
+
+class LocalVerifier:
+    def __init__(self, runner: TargetRunner) -> None:
+        self.runner = runner
+
+    def verify(self, seq_id, new_token_ids, draft_token_ids, sampling):
+        r = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling))
+        return r.token_ids, r.forward_s
+
+    def release(self, seq_id):
+        self.runner.release(seq_id)
+
+
+class LocalDrafter:
+    def __init__(self, service: DraftService) -> None:
+        self.service = service
+
+    def draft(self, seq_id, new_token_ids, max_tokens, requested):
+        return self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested)])[0].token_ids, 0.0
+
+    def release(self, seq_id):
+        self.service.release(seq_id)
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's own greedy continuation, optionally corrupting one position."""
+
+    def __init__(self, reference: list[int], prompt_len: int, corrupt_every: int = 0) -> None:
+        self.reference, self.prompt_len, self.corrupt_every = reference, prompt_len, corrupt_every
+
+    def propose(self, batch):
+        out = []
+        for r in batch:
+            done = len(r.token_ids) - self.prompt_len
+            drafts = list(self.reference[done:done + r.num_tokens])
+            if self.corrupt_every and drafts and done % self.corrupt_every == 0:
+                drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % 50
+            out.append(Draft(drafts))
+        return out
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    return TargetRunner(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def run(runner, tokenizer, prompt, proposer, max_tokens=40, k=4, num_draft_tokens=None):
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": k})
+    drafter = LocalDrafter(DraftService(proposer, config)) if proposer else None
+    req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens)
+    stats = GenerationStats()
+    ids = tokenizer(prompt)["input_ids"]
+    seq_id = random.getrandbits(32)
+    out = []
+    for step in generate(req, ids, seq_id, LocalVerifier(runner), drafter, TextStream(tokenizer), {0},
+                         runner.max_model_len, stats):
+        out += step.token_ids
+    runner.release(seq_id)
+    return out, stats
+
+
+PROMPT = "def add(a, b):\n    return a + b\ndef add(a, b):"
+
+
+def test_plain_loop_equals_hf(runner, tokenizer, tiny_model_dir):
+    out, stats = run(runner, tokenizer, PROMPT, None)
+    assert tuple(out) == hf_greedy(str(tiny_model_dir), PROMPT, 40)
+    assert stats.total_draft_tokens == 0
+
+
+def test_ngram_loop_equals_hf(runner, tokenizer, tiny_model_dir):
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4,
+                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    out, stats = run(runner, tokenizer, PROMPT, build_proposer(config, max_model_len=512))
+    assert tuple(out) == hf_greedy(str(tiny_model_dir), PROMPT, 40)
+    assert stats.total_accepted_draft_tokens > 0
+
+
+def test_perfect_drafts_are_all_accepted(runner, tokenizer, tiny_model_dir):
+    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
+    prompt_len = len(tokenizer(PROMPT)["input_ids"])
+    out, stats = run(runner, tokenizer, PROMPT, OracleProposer(reference, prompt_len), k=4)
+    assert out == reference
+    if 0 not in reference:  # no early EOS: every step but the last emits k + 1 tokens
+        assert stats.acceptance_rate == 1.0
+        assert stats.num_steps == -(-len(reference) // 5)
+
+
+def test_wrong_drafts_roll_back_exactly(runner, tokenizer, tiny_model_dir):
+    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
+    prompt_len = len(tokenizer(PROMPT)["input_ids"])
+    out, stats = run(runner, tokenizer, PROMPT, OracleProposer(reference, prompt_len, corrupt_every=1), k=5)
+    assert out == reference
+    assert 0 < stats.acceptance_rate < 1
+    assert not runner.sequences  # released
+
+
+def test_max_tokens_is_exact_with_drafts(runner, tokenizer, tiny_model_dir):
+    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 7))
+    prompt_len = len(tokenizer(PROMPT)["input_ids"])
+    out, _ = run(runner, tokenizer, PROMPT, OracleProposer(reference + [1] * 10, prompt_len), max_tokens=7, k=4)
+    assert out == reference
+
+
+def test_context_window_limits(runner, tokenizer):
+    long_prompt = "The quick brown fox " * 200
+    with pytest.raises(RequestError, match="context window"):
+        run(runner, tokenizer, long_prompt, None)
+    with pytest.raises(SequenceError, match="unknown"):
+        runner.verify(VerifyRequest(12345, [], [1, 2], None))
+
+
+def test_hidden_states_match_a_plain_forward(runner, tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    result = runner.verify(VerifyRequest(777, ids, [], None, hidden_layer_ids=(0, 1)))
+    runner.release(777)
+    with torch.inference_mode():
+        full = runner.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert result.hidden_states.shape == (len(ids), 2, runner.model.config.hidden_size)
+    torch.testing.assert_close(result.hidden_states[:, 0], full[1][0])
+    torch.testing.assert_close(result.hidden_states[:, 1], full[2][0])
+
+
+def test_idle_sequences_are_released(runner, tokenizer):
+    runner.verify(VerifyRequest(4242, tokenizer("hi")["input_ids"], [], None))
+    assert runner.release_idle(idle_s=3600) == []
+    assert runner.release_idle(idle_s=0) == [4242]

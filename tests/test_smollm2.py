@@ -1,0 +1,49 @@
+"""The embedded default model, SmolLM2-135M-Instruct (fetched once from PyPI, SHA-256
+checked), served in float32: ngram speculation reproduces its own greedy output."""
+from __future__ import annotations
+
+import pytest
+
+from client.api import grpc_generate, http_generate
+from tests.conftest import start_server
+from tests.helpers import hf_greedy
+
+PROMPTS = [
+    "Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig.\n"
+    "Again: apple, banana, cherry, date, elderberry, fig.\nAgain:",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "def factorial(n):\n",
+    "<|im_start|>user\nWrite one sentence about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_dir, tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("smollm2"), str(smollm2_dir),
+                          '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    yield server
+    server.stop()
+
+
+def test_checkpoint_is_the_pinned_one(smollm2_dir):
+    from backends.model_store import NAMED_MODELS, cache_dir, sha256_file
+
+    spec = NAMED_MODELS["smollm2-135m"]
+    assert sha256_file(cache_dir() / "gguf" / spec.gguf_name) == spec.sha256
+
+
+def test_ngram_greedy_equals_target_greedy(smollm2_server, smollm2_dir):
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = hf_greedy(str(smollm2_dir), prompt, 40)
+        r = grpc_generate(smollm2_server.grpc_url, prompt, max_tokens=40)
+        assert tuple(r.output_ids) == expected, prompt
+        accepted += r.total_accepted_draft_tokens
+    assert accepted > 0
+
+
+def test_plain_and_http_paths_agree(smollm2_server, smollm2_dir):
+    prompt = PROMPTS[0]
+    expected = hf_greedy(str(smollm2_dir), prompt, 24)
+    plain = http_generate(smollm2_server.http_url, prompt, max_tokens=24, num_draft_tokens=0)
+    assert tuple(plain.output_ids) == expected and plain.total_draft_tokens == 0
