@@ -138,6 +138,20 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _paths(args: argparse.Namespace) -> int:
+    """Shell assignments for running the wheel's tritonserver by hand (`eval` them)."""
+    import shlex
+
+    from client.server import WHEEL, TritonServer, backend_directory
+
+    env = TritonServer.environment()
+    for key, value in (("TRITONSERVER", str(WHEEL / "bin" / "tritonserver")),
+                       ("TRITON_BACKEND_DIR", str(backend_directory())),
+                       ("PATH", env["PATH"]), ("LD_LIBRARY_PATH", env["LD_LIBRARY_PATH"])):
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritonspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="also print the whole result as JSON")
     gen.set_defaults(func=_generate)
+
+    paths = sub.add_parser("paths", help="print exports for running tritonserver by hand")
+    paths.set_defaults(func=_paths)
 
     config = sub.add_parser("config", help="explain a --speculative-config JSON")
     csub = config.add_subparsers(dest="action", required=True)
