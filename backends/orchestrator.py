@@ -36,7 +36,7 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     draft_s: float = 0.0  # inside the proposer
     verify_s: float = 0.0  # inside the target's forward pass
-    total_s: float = 0.0  # wall time of all steps
+    total_s: float = 0.0  # wall time of all steps, streaming included
 
     def record(self, num_drafts: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
         self.num_steps += 1
@@ -115,11 +115,13 @@ def generate(
     unseen_by_verifier = list(prompt_ids)
     unseen_by_drafter = list(prompt_ids)
     sampling: SamplingParams | None = req.sampling
+    # Wall time runs from step to step, so the caller's streaming of a step's output counts
+    # toward the next step's overhead.
+    clock = time.perf_counter()
     while True:
         if is_cancelled():
             yield StepOutput([], "", "cancelled")
             return
-        step_start = time.perf_counter()
         # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
         room = min(req.max_tokens - num_generated, max_model_len - num_tokens) - 1
         drafts, draft_s = [], 0.0
@@ -147,7 +149,9 @@ def generate(
                 finish = "length"
                 break
         unseen_by_drafter += taken
-        stats.total_s += time.perf_counter() - step_start
+        now = time.perf_counter()
+        stats.total_s += now - clock
+        clock = now
         yield StepOutput(taken, text.take(final=finish is not None), finish)
         if finish:
             return

@@ -138,6 +138,32 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from client.bench import format_report, run_bench, save_report
+    from client.server import RepositoryOverrides, TritonServer
+
+    server = None
+    url = args.url
+    if url is None:  # start our own server on the default model repository
+        if args.model in NAMED_MODELS:
+            fetch(args.model)
+        overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
+        if args.speculative_config:
+            overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
+        server = TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
+                              overrides=overrides, log_path=Path(args.out).with_suffix(".server.log")).start()
+        url = server.grpc_url
+    try:
+        report = run_bench(url, args.max_tokens, args.repeats)
+    finally:
+        if server:
+            server.stop()
+    print(format_report(report))
+    save_report(report, Path(args.out))
+    print(f"written: {args.out}")
+    return 0
+
+
 def _paths(args: argparse.Namespace) -> int:
     """Shell assignments for running the wheel's tritonserver by hand (`eval` them)."""
     import shlex
@@ -187,6 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="also print the whole result as JSON")
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="plain vs speculative decoding through a real server")
+    bench.add_argument("--url", help="gRPC url of a running server (default: start one)")
+    bench.add_argument("--model", default=DEFAULT_MODEL)
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    bench.add_argument("-sc", "--speculative-config")
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--port", type=int, default=18800, help="HTTP port; gRPC and metrics follow")
+    bench.add_argument("--out", default="bench.json")
+    bench.set_defaults(func=_bench)
 
     paths = sub.add_parser("paths", help="print exports for running tritonserver by hand")
     paths.set_defaults(func=_paths)
