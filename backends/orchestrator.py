@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from backends.detokenize import TextStream
+from backends.rejection import AcceptanceStats
 from backends.request import GenerationRequest, RequestError, SamplingParams
 
 
@@ -30,33 +31,21 @@ class Verifier(Protocol):
 
 @dataclass
 class GenerationStats:
-    num_steps: int = 0
-    total_draft_tokens: int = 0
-    total_accepted_draft_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    """One request's acceptance counters (vLLM's definitions) and where its time went."""
+
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    num_steps: int = 0  # target forward passes, with or without drafts
+    num_output_tokens: int = 0
     draft_s: float = 0.0  # inside the proposer
     verify_s: float = 0.0  # inside the target's forward pass
     total_s: float = 0.0  # wall time of all steps, streaming included
 
-    def record(self, num_drafts: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+    def record(self, num_drafts: int, num_emitted: int, draft_s: float, verify_s: float) -> None:
         self.num_steps += 1
-        self.total_draft_tokens += num_drafts
-        self.total_accepted_draft_tokens += num_accepted
-        if len(self.accepted_per_position) < num_drafts:
-            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
-        for pos in range(num_accepted):
-            self.accepted_per_position[pos] += 1
+        self.num_output_tokens += num_emitted
+        self.acceptance.update(num_drafts, num_emitted - 1)
         self.draft_s += draft_s
         self.verify_s += verify_s
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per target forward (1 + accepted drafts per step), as vLLM reports."""
-        return 1 + self.total_accepted_draft_tokens / self.num_steps if self.num_steps else 0.0
 
     @property
     def overhead_s(self) -> float:
@@ -64,12 +53,9 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return {
+            **self.acceptance.to_dict(),
             "num_steps": self.num_steps,
-            "total_draft_tokens": self.total_draft_tokens,
-            "total_accepted_draft_tokens": self.total_accepted_draft_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "accepted_per_position": self.accepted_per_position,
+            "tokens_per_step": self.num_output_tokens / self.num_steps if self.num_steps else 0.0,
             "draft_ms": self.draft_s * 1e3,
             "verify_ms": self.verify_s * 1e3,
             "overhead_ms": self.overhead_s * 1e3,
@@ -130,7 +116,7 @@ def generate(
             unseen_by_drafter = []
         emitted, verify_s = verifier.verify(seq_id, unseen_by_verifier, drafts, sampling)
         unseen_by_verifier, sampling = [], None
-        stats.record(len(drafts), len(emitted) - 1, draft_s, verify_s)
+        stats.record(len(drafts), len(emitted), draft_s, verify_s)
 
         finish = None
         taken: list[int] = []

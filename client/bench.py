@@ -49,12 +49,13 @@ def run_bench(grpc_url: str, max_tokens: int = 128, repeats: int = 3,
 
 def _summary(results: list) -> dict:
     def med(key: str) -> float:
-        return statistics.median(r.perf_metrics[key] for r in results)
+        return statistics.median(r.perf_metrics[key] or 0.0 for r in results)
 
     steps = med("num_steps")
     return {
         "tokens_per_s": statistics.median(r.tokens_per_second for r in results),
-        "mean_acceptance_length": med("mean_acceptance_length"),
+        "mean_acceptance_length": med("mean_acceptance_length") or 1.0,
+        "tokens_per_step": med("tokens_per_step"),
         "acceptance_rate": med("acceptance_rate"),
         "accepted_per_position": results[0].perf_metrics["accepted_per_position"],
         "steps": steps,

@@ -112,7 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
         f"{result.tokens_per_second:.1f} tokens/s | finish: {result.finish_reason} | "
         f"drafted {result.total_draft_tokens}, accepted {result.total_accepted_draft_tokens} "
         f"({result.acceptance_rate:.0%}), mean acceptance length "
-        f"{metrics.get('mean_acceptance_length', 0):.2f}]",
+        f"{metrics.get('mean_acceptance_length') or 1:.2f}]",
         file=sys.stderr,
     )
     if args.json:

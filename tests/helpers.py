@@ -27,11 +27,20 @@ def hf_greedy(model_dir: str, prompt: str, max_tokens: int) -> tuple[int, ...]:
     return tuple(out[0, ids.shape[1]:].tolist())
 
 
-def active_sequences(server) -> dict[str, float]:
+def metrics_text(server) -> str:
     with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
+        return r.read().decode()
+
+
+def metric_values(server, name: str) -> dict[str, float]:
+    """{label text: value} for one metric family on /metrics."""
     return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'tritonspec_active_sequences\{model="([^"]+)"\} (\S+)', text)}
+            for m in re.finditer(re.escape(name) + r'\{([^}]*)\} (\S+)', metrics_text(server))}
+
+
+def active_sequences(server) -> dict[str, float]:
+    return {re.search(r'model="([^"]+)"', labels).group(1): value
+            for labels, value in metric_values(server, "tritonspec_active_sequences").items()}
 
 
 def wait_for_no_active_sequences(server, timeout_s: float = 10.0) -> dict[str, float]:

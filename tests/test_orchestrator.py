@@ -88,7 +88,7 @@ PROMPT = "def add(a, b):\n    return a + b\ndef add(a, b):"
 def test_plain_loop_equals_hf(runner, tokenizer, tiny_model_dir):
     out, stats = run(runner, tokenizer, PROMPT, None)
     assert tuple(out) == hf_greedy(str(tiny_model_dir), PROMPT, 40)
-    assert stats.total_draft_tokens == 0
+    assert stats.acceptance.num_draft_tokens == 0
 
 
 def test_ngram_loop_equals_hf(runner, tokenizer, tiny_model_dir):
@@ -96,7 +96,7 @@ def test_ngram_loop_equals_hf(runner, tokenizer, tiny_model_dir):
                                           "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     out, stats = run(runner, tokenizer, PROMPT, build_proposer(config, max_model_len=512))
     assert tuple(out) == hf_greedy(str(tiny_model_dir), PROMPT, 40)
-    assert stats.total_accepted_draft_tokens > 0
+    assert stats.acceptance.num_accepted_tokens > 0
 
 
 def test_perfect_drafts_are_all_accepted(runner, tokenizer, tiny_model_dir):
@@ -105,7 +105,7 @@ def test_perfect_drafts_are_all_accepted(runner, tokenizer, tiny_model_dir):
     out, stats = run(runner, tokenizer, PROMPT, OracleProposer(reference, prompt_len), k=4)
     assert out == reference
     if 0 not in reference:  # no early EOS: every step but the last emits k + 1 tokens
-        assert stats.acceptance_rate == 1.0
+        assert stats.acceptance.acceptance_rate == 1.0
         assert stats.num_steps == -(-len(reference) // 5)
 
 
@@ -114,7 +114,7 @@ def test_wrong_drafts_roll_back_exactly(runner, tokenizer, tiny_model_dir):
     prompt_len = len(tokenizer(PROMPT)["input_ids"])
     out, stats = run(runner, tokenizer, PROMPT, OracleProposer(reference, prompt_len, corrupt_every=1), k=5)
     assert out == reference
-    assert 0 < stats.acceptance_rate < 1
+    assert 0 < stats.acceptance.acceptance_rate < 1
     assert not runner.sequences  # released
 
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client.api import GenerationError, grpc_generate, http_generate
-from tests.helpers import active_sequences, hf_greedy, wait_for_no_active_sequences
+from tests.helpers import active_sequences, hf_greedy, metric_values, wait_for_no_active_sequences
 
 PROMPTS = [
     "The quick brown fox",
@@ -40,7 +40,9 @@ def test_drafts_are_accepted_on_repetitive_text(tiny_server, tiny_model_dir):
         assert r.total_accepted_draft_tokens <= r.total_draft_tokens
         if r.total_draft_tokens:
             assert r.acceptance_rate == pytest.approx(r.total_accepted_draft_tokens / r.total_draft_tokens)
-        assert r.perf_metrics["mean_acceptance_length"] >= 1
+        if r.perf_metrics["num_drafts"]:
+            assert r.perf_metrics["mean_acceptance_length"] == pytest.approx(
+                1 + r.total_accepted_draft_tokens / r.perf_metrics["num_drafts"])
 
 
 def test_plain_decoding_is_the_same_path(tiny_server, tiny_model_dir):
@@ -147,3 +149,19 @@ def test_cancelled_stream_releases_its_sequence(tiny_server):
 
 def test_metrics_report_both_stateful_models(tiny_server):
     assert set(active_sequences(tiny_server)) >= {"verifier", "drafter"}
+
+
+def test_acceptance_counters_on_metrics_add_up(tiny_server):
+    def counters():
+        labels = 'method="ngram",model="speculative"'
+        return {name: metric_values(tiny_server, f"tritonspec_spec_decode_{name}").get(labels, 0.0)
+                for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+
+    before = counters()
+    r = grpc_generate(tiny_server.grpc_url, PROMPTS[1], max_tokens=40)
+    after = counters()
+    assert after["num_draft_tokens"] - before["num_draft_tokens"] == r.total_draft_tokens > 0
+    assert after["num_accepted_tokens"] - before["num_accepted_tokens"] == r.total_accepted_draft_tokens
+    assert after["num_drafts"] - before["num_drafts"] == r.perf_metrics["num_drafts"]
+    per_pos = metric_values(tiny_server, "tritonspec_spec_decode_num_accepted_tokens_per_pos")
+    assert any('position="0"' in labels for labels in per_pos)

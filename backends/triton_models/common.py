@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -83,3 +84,44 @@ class ActiveSequencesGauge:
 
     def set(self, value: int) -> None:
         self.metric.set(value)
+
+
+class SpecDecodeCounters:
+    """Server-wide acceptance counters on /metrics, as vLLM names them (labels: model,
+    method; per position also `position`). Rates: accepted / draft tokens; mean acceptance
+    length: 1 + accepted / drafts."""
+
+    _FAMILIES = {
+        "drafts": ("tritonspec_spec_decode_num_drafts", "Verification steps that had drafts"),
+        "draft_tokens": ("tritonspec_spec_decode_num_draft_tokens", "Draft tokens proposed"),
+        "accepted": ("tritonspec_spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+        "per_position": ("tritonspec_spec_decode_num_accepted_tokens_per_pos",
+                         "Draft tokens accepted at each draft position"),
+    }
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.families = {key: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+                         for key, (name, text) in self._FAMILIES.items()}
+        self.metrics: dict[tuple, Any] = {}
+        self.lock = threading.Lock()
+
+    def _metric(self, key: str, method: str, position: int | None = None) -> Any:
+        labels = {"model": self.model_name, "method": method}
+        if position is not None:
+            labels["position"] = str(position)
+        ident = (key, method, position)
+        if ident not in self.metrics:
+            self.metrics[ident] = self.families[key].Metric(labels=labels)
+        return self.metrics[ident]
+
+    def add(self, method: str, acceptance: Any) -> None:
+        """Add one finished request's AcceptanceStats."""
+        if not acceptance.num_drafts:
+            return
+        with self.lock:
+            self._metric("drafts", method).increment(acceptance.num_drafts)
+            self._metric("draft_tokens", method).increment(acceptance.num_draft_tokens)
+            self._metric("accepted", method).increment(acceptance.num_accepted_tokens)
+            for position, count in enumerate(acceptance.accepted_per_position):
+                self._metric("per_position", method, position).increment(count)

@@ -88,9 +88,9 @@ class TritonPythonModel:
                 responses[i] = self._response(draft.token_ids, elapsed)
         return responses
 
-    @staticmethod
-    def _response(token_ids: list[int], propose_s: float) -> object:
+    def _response(self, token_ids: list[int], propose_s: float) -> object:
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("draft_ids", np.array([token_ids], dtype=np.int64)),
             pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
+            pb_utils.Tensor("method", np.array([[self.config.method.encode()]], dtype=np.object_)),
         ])

@@ -18,8 +18,8 @@ from backends.model_store import DEFAULT_MODEL, load_tokenizer, resolve_model
 from backends.orchestrator import GenerationStats, StepOutput, generate
 from backends.request import GenerationRequest, RequestError, SamplingParams, parse_request
 from backends.triton_models.common import (
-    SEQUENCE_END, SEQUENCE_START, bls, error_response, input_scalar, model_parameters,
-    setup_logging,
+    SEQUENCE_END, SEQUENCE_START, SpecDecodeCounters, bls, error_response, input_scalar,
+    model_parameters, setup_logging,
 )
 
 log = logging.getLogger("tritonspec.speculative")
@@ -48,9 +48,14 @@ class _SequenceModel:
 
 
 class BlsDrafter(_SequenceModel):
+    method = ""  # the drafter's speculative method, learnt from its first answer (metrics label)
+
     def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
               requested: int | None) -> tuple[list[int], float]:
-        out = self.call(self._inputs(new_token_ids, max_tokens, requested), ["draft_ids", "propose_ms"])
+        outputs = ["draft_ids", "propose_ms"] + ([] if self.method else ["method"])
+        out = self.call(self._inputs(new_token_ids, max_tokens, requested), outputs)
+        if not self.method:
+            self.method = out["method"].reshape(-1)[0].decode()
         return out["draft_ids"].reshape(-1).tolist(), float(out["propose_ms"].item()) / 1e3
 
     @staticmethod
@@ -104,6 +109,7 @@ class TritonPythonModel:
         # Correlation ids unique across instances and restarts of this process.
         self.seq_ids = itertools.count((os.getpid() << 32) + 1)
         self.lock = threading.Lock()
+        self.counters = SpecDecodeCounters(args["model_name"])
         log.info("speculative ready: verifier=%s drafter=%s context=%d",
                  self.verifier_name, self.drafter_name or "(none: plain decoding)", self.max_model_len)
 
@@ -118,6 +124,7 @@ class TritonPythonModel:
             seq_id = next(self.seq_ids)
         verifier = BlsVerifier(self.verifier_name, seq_id)
         drafter = BlsDrafter(self.drafter_name, seq_id) if self.drafter_name else None
+        stats = None
         try:
             req = self._parse(request)
             prompt_ids = self.tokenizer(req.prompt)["input_ids"]
@@ -143,6 +150,8 @@ class TritonPythonModel:
             log.exception("request %d failed", seq_id)
             sender.send(error_response(f"generation failed: {e}"), flags=FINAL)
         finally:
+            if drafter is not None and drafter.method and stats is not None:
+                self.counters.add(drafter.method, stats.acceptance)
             for peer in (verifier, drafter):
                 if peer is not None:
                     try:
@@ -171,9 +180,9 @@ class TritonPythonModel:
             "finish_reason": np.array([(step.finish_reason or "").encode()], dtype=np.object_),
             "num_input_tokens": np.array([num_input], dtype=np.uint32),
             "num_output_tokens": np.array([num_output], dtype=np.uint32),
-            "total_draft_tokens": np.array([stats.total_draft_tokens], dtype=np.int64),
-            "total_accepted_draft_tokens": np.array([stats.total_accepted_draft_tokens], dtype=np.int64),
-            "acceptance_rate": np.array([stats.acceptance_rate], dtype=np.float32),
+            "total_draft_tokens": np.array([stats.acceptance.num_draft_tokens], dtype=np.int64),
+            "total_accepted_draft_tokens": np.array([stats.acceptance.num_accepted_tokens], dtype=np.int64),
+            "acceptance_rate": np.array([stats.acceptance.acceptance_rate or 0.0], dtype=np.float32),
             "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
         }
         response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
