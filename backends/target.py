@@ -100,7 +100,7 @@ class TargetRunner:
 
         emitted = rejection_sample(
             drafts,
-            out.logits[0].float(),
+            out.logits[0],
             temperature=seq.sampling.temperature,
             top_k=seq.sampling.top_k,
             top_p=seq.sampling.top_p,

@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -110,8 +111,24 @@ class TritonPythonModel:
         self.seq_ids = itertools.count((os.getpid() << 32) + 1)
         self.lock = threading.Lock()
         self.counters = SpecDecodeCounters(args["model_name"])
+        # Responses go out from one thread, in order, so a step's send overlaps the next
+        # step's forward pass instead of adding to it.
+        self.outbox: queue.Queue = queue.Queue()
+        self.sender_thread = threading.Thread(target=self._drain_outbox, name="spec-send", daemon=True)
+        self.sender_thread.start()
         log.info("speculative ready: verifier=%s drafter=%s context=%d",
                  self.verifier_name, self.drafter_name or "(none: plain decoding)", self.max_model_len)
+
+    def _drain_outbox(self) -> None:
+        while (item := self.outbox.get()) is not None:
+            sender, response, flags = item
+            try:
+                sender.send(response, flags=flags)
+            except Exception:  # a client that went away must not stop the others' responses
+                log.exception("could not send a response")
+
+    def _post(self, sender, response, final: bool) -> None:
+        self.outbox.put((sender, response, FINAL if final else 0))
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -137,18 +154,20 @@ class TritonPythonModel:
                 all_ids += step.token_ids
                 if step.finish_reason == "cancelled":
                     log.info("request %d cancelled by the client", seq_id)
-                    sender.send(error_response("request cancelled"), flags=FINAL)
+                    self._post(sender, error_response("request cancelled"), final=True)
                     return
                 if req.stream and (step.text or step.token_ids or step.finish_reason):
-                    self._send(sender, req, step, step.token_ids, step.text, len(prompt_ids), len(all_ids), stats)
+                    self._post(sender, self._response(step, step.token_ids, step.text, len(prompt_ids),
+                                                      len(all_ids), stats), step.finish_reason is not None)
             if not req.stream:
                 body = text.text if req.exclude_input_in_output else req.prompt + text.text
-                self._send(sender, req, step, all_ids, body, len(prompt_ids), len(all_ids), stats)
+                self._post(sender, self._response(step, all_ids, body, len(prompt_ids), len(all_ids), stats),
+                           final=True)
         except RequestError as e:
-            sender.send(error_response(str(e)), flags=FINAL)
+            self._post(sender, error_response(str(e)), final=True)
         except Exception as e:  # never leave a decoupled client waiting
             log.exception("request %d failed", seq_id)
-            sender.send(error_response(f"generation failed: {e}"), flags=FINAL)
+            self._post(sender, error_response(f"generation failed: {e}"), final=True)
         finally:
             if drafter is not None and drafter.method and stats is not None:
                 self.counters.add(drafter.method, stats.acceptance)
@@ -171,22 +190,27 @@ class TritonPythonModel:
         return parse_request(tensors, request.parameters() or "", sampling_json)
 
     @staticmethod
-    def _send(sender, req: GenerationRequest, step: StepOutput, token_ids: list[int], text: str,
-              num_input: int, num_output: int, stats: GenerationStats) -> None:
-        final = step.finish_reason is not None
+    def _response(step: StepOutput, token_ids: list[int], text: str, num_input: int, num_output: int,
+                  stats: GenerationStats) -> object:
+        """A streamed step carries its text and ids; the last response also the statistics."""
         outputs = {
             "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
             "output_ids": np.array(token_ids, dtype=np.int64),
-            "finish_reason": np.array([(step.finish_reason or "").encode()], dtype=np.object_),
-            "num_input_tokens": np.array([num_input], dtype=np.uint32),
-            "num_output_tokens": np.array([num_output], dtype=np.uint32),
-            "total_draft_tokens": np.array([stats.acceptance.num_draft_tokens], dtype=np.int64),
-            "total_accepted_draft_tokens": np.array([stats.acceptance.num_accepted_tokens], dtype=np.int64),
-            "acceptance_rate": np.array([stats.acceptance.acceptance_rate or 0.0], dtype=np.float32),
-            "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
         }
-        response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
-        sender.send(response, flags=FINAL if final else 0)
+        if step.finish_reason is not None:
+            acceptance = stats.acceptance
+            outputs.update({
+                "finish_reason": np.array([step.finish_reason.encode()], dtype=np.object_),
+                "num_input_tokens": np.array([num_input], dtype=np.uint32),
+                "num_output_tokens": np.array([num_output], dtype=np.uint32),
+                "total_draft_tokens": np.array([acceptance.num_draft_tokens], dtype=np.int64),
+                "total_accepted_draft_tokens": np.array([acceptance.num_accepted_tokens], dtype=np.int64),
+                "acceptance_rate": np.array([acceptance.acceptance_rate or 0.0], dtype=np.float32),
+                "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
+            })
+        return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.outbox.put(None)
+        self.sender_thread.join(timeout=10)
