@@ -81,9 +81,12 @@ class ActiveSequencesGauge:
             kind=pb_utils.MetricFamily.GAUGE,
         )
         self.metric = self.family.Metric(labels={"model": model_name})
+        self.value: int | None = None
 
     def set(self, value: int) -> None:
-        self.metric.set(value)
+        if value != self.value:  # each update is a round trip to the server process
+            self.metric.set(value)
+            self.value = value
 
 
 class SpecDecodeCounters:
