@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from backends.config import SpeculativeConfig
 from backends.model_store import DEFAULT_MODEL, NAMED_MODELS, ModelNotFoundError, fetch, resolve_model
 
 
@@ -16,20 +17,23 @@ def _serve(args: argparse.Namespace) -> int:
     repository = Path(args.model_repository or DEFAULT_REPOSITORY)
     overrides = RepositoryOverrides()
     model = args.model
-    if model in NAMED_MODELS:
-        fetch(model)  # once; later starts find it in the cache
-    if model:
-        overrides.common["model"] = str(resolve_model(model)) if model not in NAMED_MODELS else model
+    try:
+        # A named model is fetched once (later starts find it in the cache); a path must exist.
+        target = fetch(model) if model in NAMED_MODELS else resolve_model(model)
+        if args.speculative_config:
+            SpeculativeConfig.from_json(args.speculative_config, target_model=str(target))
+    except ModelNotFoundError as e:
+        print(f"error: --model: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: --speculative-config: {e}", file=sys.stderr)
+        return 2
+    overrides.common["model"] = model if model in NAMED_MODELS else str(target)
     if args.dtype:
         overrides.common["dtype"] = args.dtype
     if args.max_model_len:
         overrides.common["max_model_len"] = str(args.max_model_len)
     if args.speculative_config:
-        try:
-            _check_speculative_config(args.speculative_config, model)
-        except (ValueError, ModelNotFoundError) as e:
-            print(f"error: --speculative-config: {e}", file=sys.stderr)
-            return 2
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
         overrides.per_model.setdefault("speculative", {})["drafter_model_name"] = ""
@@ -62,17 +66,10 @@ def _serve(args: argparse.Namespace) -> int:
         server.stop()
 
 
-def _check_speculative_config(spec: str, model: str | None):
-    """Refuse a bad -sc before starting anything, with the config's own message."""
-    from backends.config import SpeculativeConfig
-
-    target = str(resolve_model(model)) if model else None
-    return SpeculativeConfig.from_json(spec, target_model=target)
-
-
 def _config(args: argparse.Namespace) -> int:
     try:
-        config = _check_speculative_config(args.json, args.target)
+        target = str(resolve_model(args.target)) if args.target else None
+        config = SpeculativeConfig.from_json(args.json, target_model=target)
     except (ValueError, ModelNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

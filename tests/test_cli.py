@@ -1,0 +1,60 @@
+"""`tritonspec serve` in the foreground, as a user runs it: ready banner, Ctrl-C, clean exit."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from client.api import grpc_generate
+from tests.conftest import free_ports
+
+
+def _stubs_with(prefix: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and prefix.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_serve_prints_endpoints_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_path):
+    http, grpc, metrics = free_ports(3)
+    cli = [sys.executable, "-m", "client.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(cli, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+    try:
+        deadline = time.monotonic() + 180
+        while "Ctrl-C stops the server" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "serve never became ready"
+            time.sleep(0.5)
+        banner = (tmp_path / "serve.log").read_text()
+        assert f"http://127.0.0.1:{http}" in banner and f"127.0.0.1:{grpc}" in banner and "curl" in banner
+        assert grpc_generate(f"127.0.0.1:{grpc}", "The quick", max_tokens=4).num_output_tokens == 4
+        prefix = f"tritonspec_{proc.pid}_{http}_"
+        assert _stubs_with(prefix)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not _stubs_with(prefix)
+    assert not list(Path("/dev/shm").glob(f"{prefix}*"))
+
+
+def test_serve_refuses_bad_arguments_before_starting(tiny_model_dir):
+    result = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--model", "/no/such/model"],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 2 and "neither a local directory" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--model", str(tiny_model_dir),
+                             "-sc", '{"method": "ngram", "bogus": 1}'],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 2
+    assert "Unknown key 'bogus'" in result.stderr
