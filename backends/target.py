@@ -33,6 +33,7 @@ class VerifyRequest:
     draft_token_ids: list[int]
     sampling: SamplingParams | None = None  # given on the first step, kept for the sequence
     hidden_layer_ids: tuple[int, ...] = ()
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V] from drafters that have them
 
 
 @dataclass
@@ -101,6 +102,7 @@ class TargetRunner:
         emitted = rejection_sample(
             drafts,
             out.logits[0],
+            req.draft_probs,
             temperature=seq.sampling.temperature,
             top_k=seq.sampling.top_k,
             top_p=seq.sampling.top_p,

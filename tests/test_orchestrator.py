@@ -148,3 +148,18 @@ def test_idle_sequences_are_released(runner, tokenizer):
     runner.verify(VerifyRequest(4242, tokenizer("hi")["input_ids"], [], None))
     assert runner.release_idle(idle_s=3600) == []
     assert runner.release_idle(idle_s=0) == [4242]
+
+
+def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, tokenizer, tiny_model_dir):
+    """With q = p every draft passes (u <= p/q = 1): the draft_probs path is wired through."""
+    from backends.request import SamplingParams
+
+    ids = tokenizer(PROMPT)["input_ids"]
+    drafts = list(hf_greedy(str(tiny_model_dir), PROMPT, 3))
+    with torch.inference_mode():
+        logits = runner.model(input_ids=torch.tensor([ids + drafts])).logits[0, len(ids) - 1:-1]
+    probs = logits.float().softmax(-1)
+    sampling = SamplingParams(temperature=1.0, seed=3)
+    result = runner.verify(VerifyRequest(99, ids, drafts, sampling, draft_probs=probs))
+    runner.release(99)
+    assert result.num_accepted == 3 and result.token_ids[:3] == drafts

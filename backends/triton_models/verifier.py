@@ -13,7 +13,7 @@ from backends.model_store import DEFAULT_MODEL, resolve_model
 from backends.request import SamplingParams
 from backends.target import TargetRunner, VerifyRequest
 from backends.triton_models.common import (
-    SEQUENCE_END, ActiveSequencesGauge, error_response, input_ids, model_parameters,
+    SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, model_parameters,
     setup_logging,
 )
 
@@ -47,9 +47,11 @@ class TritonPythonModel:
             sampling_json = json.loads(request.parameters() or "{}").get("sampling")
             sampling = SamplingParams.from_json(sampling_json) if sampling_json else None
             layers = tuple(input_ids(request, "hidden_layer_ids"))
+            draft_probs = input_array(request, "draft_probs")
             result = self.runner.verify(
                 VerifyRequest(seq_id, input_ids(request, "input_ids"), input_ids(request, "draft_ids"),
-                              sampling, layers)
+                              sampling, layers,
+                              None if draft_probs is None else torch.from_numpy(draft_probs.reshape(draft_probs.shape[-2:])))
             )
             return self._response(result.token_ids, result.forward_s, result.hidden_states)
         except Exception as e:  # the request fails, the server and other sequences don't
