@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -55,6 +56,13 @@ def _serve(args: argparse.Namespace) -> int:
         "Ctrl-C stops the server.\n",
         flush=True,
     )
+    # Ctrl-C and SIGTERM (process managers, `docker stop`) both stop cleanly, even where the
+    # shell started us with SIGINT ignored (a background job).
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     try:
         server.process.wait()
         print(f"tritonserver exited with code {server.process.returncode}", file=sys.stderr)

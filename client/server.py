@@ -12,6 +12,7 @@ What the launcher does that a bare `tritonserver` call does not:
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -100,6 +101,14 @@ def patched_repository(source: Path, overrides: RepositoryOverrides, dest: Path)
     return dest
 
 
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM tritonserver if this launcher dies (even by
+    SIGKILL), so a crashed launcher or test run leaves no server holding the ports.
+    Linux ties this to the thread that called start(): keep that thread alive meanwhile."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class TritonServer:
     def __init__(
         self,
@@ -172,6 +181,7 @@ class TritonServer:
         self.process = subprocess.Popen(
             self.command(repository), env=self.environment(), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,  # our own process group: stop() can reach every stub
+            preexec_fn=_terminate_with_parent,
         )
         if out:
             out.close()
