@@ -14,6 +14,43 @@ import numpy as np
 from backends.proposer import Draft, DraftRequest, Proposer
 
 
+def check_lookup_bounds(prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+    if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        raise ValueError(
+            f"prompt_lookup_min={prompt_lookup_min} must be >= 1 and <= "
+            f"prompt_lookup_max={prompt_lookup_max}"
+        )
+
+
+class TokenHistory:
+    """Each sequence's tokens as a growing int64 array. The caller passes the whole list every
+    step; converting a 32k-token list costs ~0.6 ms, so only the tokens appended since the last
+    call are converted."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[int, tuple[np.ndarray, int]] = {}
+
+    def update(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
+        """The sequence's tokens as an array view, after taking in what was appended."""
+        buf, seen = self._seqs.get(seq_id, (np.empty(0, dtype=np.int64), 0))
+        total = len(token_ids)
+        if total < seen:  # not an extension of what was seen: start over
+            seen = 0
+        if total > len(buf):  # grow geometrically so appends stay amortised O(new tokens)
+            grown = np.empty(max(64, 2 * total), dtype=np.int64)
+            grown[:seen] = buf[:seen]
+            buf = grown
+        buf[seen:total] = token_ids[seen:total]
+        self._seqs[seq_id] = (buf, total)
+        return buf[:total]
+
+    def release(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+
 class NgramProposer:
     def __init__(
         self,
@@ -22,11 +59,7 @@ class NgramProposer:
         num_speculative_tokens: int,
         max_model_len: int,
     ) -> None:
-        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min={prompt_lookup_min} must be >= 1 and <= "
-                f"prompt_lookup_max={prompt_lookup_max}"
-            )
+        check_lookup_bounds(prompt_lookup_min, prompt_lookup_max)
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
         self.k = num_speculative_tokens
@@ -58,10 +91,12 @@ class NgramProposer:
 
 
 class NgramDrafter(Proposer):
-    """The `ngram` drafter backend: stateless, so nothing is kept per sequence."""
+    """The `ngram` drafter backend. The only state per sequence is its token array (see
+    `TokenHistory`); the lookup itself is one vectorised pass, ~10-50 us at 32k tokens."""
 
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
+        self.history = TokenHistory()
 
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, **_: Any) -> "NgramDrafter":
@@ -75,4 +110,8 @@ class NgramDrafter(Proposer):
         )
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
-        return [Draft(self.proposer.propose(r.token_ids, r.num_tokens)) for r in batch]
+        return [Draft(self.proposer.propose(self.history.update(r.seq_id, r.token_ids), r.num_tokens))
+                for r in batch]
+
+    def release(self, seq_id: int) -> None:
+        self.history.release(seq_id)

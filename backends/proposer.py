@@ -46,6 +46,8 @@ class Proposer:
 # method name -> "module:Class"; importing lazily keeps model-free methods free of model code.
 _REGISTRY: dict[str, str] = {
     "ngram": "backends.ngram:NgramDrafter",
+    "ngram_gpu": "backends.ngram_gpu:NgramGPUDrafter",
+    "suffix": "backends.suffix:SuffixDrafter",
 }
 
 
