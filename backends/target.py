@@ -54,6 +54,34 @@ class _Sequence:
     last_used: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Step:
+    """One sequence's part of a verify call."""
+
+    req: VerifyRequest
+    seq: "_Sequence"
+    pending: list[int]  # tokens not yet through the model: the prompt, or the last emitted one
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.pending + self.req.draft_token_ids
+
+    @property
+    def num_rows(self) -> int:
+        """Logit rows that matter: one per draft plus the bonus row."""
+        return len(self.req.draft_token_ids) + 1
+
+    def num_kept(self, result: VerifyResult) -> int:
+        """Input positions whose KV stays: the pending tokens and the accepted drafts."""
+        return len(self.pending) + result.num_accepted
+
+
+def _select_hidden(hidden_states: tuple, row: int, kept: int, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    # hidden_states[0] is the embedding output, so decoder layer i is at i + 1.
+    layers = [hidden_states[i + 1 if i >= 0 else i][row, :kept] for i in layer_ids]
+    return torch.stack(layers, dim=1).float().cpu()
+
+
 class TargetRunner:
     def __init__(
         self,
@@ -68,59 +96,130 @@ class TargetRunner:
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
         self.sequences: dict[int, _Sequence] = {}
 
-    def verify_batch(self, batch: list[VerifyRequest]) -> list[VerifyResult]:
-        return [self.verify(r) for r in batch]
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        result = self.verify_batch([req])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     @torch.inference_mode()
-    def verify(self, req: VerifyRequest) -> VerifyResult:
+    def verify_batch(self, batch: list[VerifyRequest]) -> list[VerifyResult | SequenceError]:
+        """Verify many sequences' steps; one result (or the request's own error) each.
+
+        Steps of running sequences share one forward pass over ragged lengths; a first step
+        (the prompt) runs alone, since padding 1-token steps to a prompt's length wastes more
+        than a second pass costs.
+        """
+        results: list[VerifyResult | SequenceError | None] = [None] * len(batch)
+        steps: list[tuple[int, _Step]] = []
+        for i, req in enumerate(batch):
+            try:
+                steps.append((i, self._prepare(req)))
+            except SequenceError as e:
+                results[i] = e
+        running = [(i, step) for i, step in steps if step.seq.num_cached > 0]
+        if len(running) > 1:
+            for (i, _), result in zip(running, self._forward_batch([step for _, step in running])):
+                results[i] = result
+            running_ids = {i for i, _ in running}
+            steps = [(i, step) for i, step in steps if i not in running_ids]
+        for i, step in steps:
+            results[i] = self._forward_one(step)
+        return results
+
+    def _prepare(self, req: VerifyRequest) -> "_Step":
         seq = self.sequences.get(req.seq_id)
+        if seq is None and not req.new_token_ids:
+            raise SequenceError(f"sequence {req.seq_id} is unknown (ended or timed out)")
+        num_tokens = (len(seq.token_ids) if seq else 0) + len(req.new_token_ids)
+        if num_tokens + len(req.draft_token_ids) > self.max_model_len:
+            raise SequenceError(
+                f"sequence {req.seq_id}: {num_tokens} tokens + {len(req.draft_token_ids)} drafts "
+                f"exceed the context window of {self.max_model_len}"
+            )
         if seq is None:
-            if not req.new_token_ids:
-                raise SequenceError(f"sequence {req.seq_id} is unknown (ended or timed out)")
             seq = self._start(req.seq_id, req.sampling or SamplingParams())
         seq.last_used = time.monotonic()
         seq.token_ids.extend(req.new_token_ids)
-        drafts = req.draft_token_ids
-        pending = seq.token_ids[seq.num_cached :]
-        if seq.num_cached + len(pending) + len(drafts) > self.max_model_len:
-            raise SequenceError(
-                f"sequence {req.seq_id}: {len(seq.token_ids)} tokens + {len(drafts)} drafts "
-                f"exceed the context window of {self.max_model_len}"
-            )
+        return _Step(req, seq, seq.token_ids[seq.num_cached :])
 
+    def _forward_one(self, step: "_Step") -> VerifyResult:
         start = time.perf_counter()
-        input_ids = torch.tensor([pending + drafts], device=self.device)
         out = self.model(
-            input_ids=input_ids,
-            cache=seq.cache,
+            input_ids=torch.tensor([step.input_ids], device=self.device),
+            cache=step.seq.cache,
             use_cache=True,
-            logits_to_keep=len(drafts) + 1,  # only the rows that verify drafts (+ bonus)
-            output_hidden_states=bool(req.hidden_layer_ids),
+            logits_to_keep=step.num_rows,  # only the rows that verify drafts (+ bonus)
+            output_hidden_states=bool(step.req.hidden_layer_ids),
         )
         forward_s = time.perf_counter() - start
+        result = self._accept(step, out.logits[0], forward_s)
+        # The cache grew by every input token: crop the rejected drafts back off.
+        rejected = len(step.req.draft_token_ids) - result.num_accepted
+        if rejected:
+            step.seq.cache.crop(-rejected)
+        if step.req.hidden_layer_ids:
+            result.hidden_states = _select_hidden(out.hidden_states, 0, step.num_kept(result), step.req.hidden_layer_ids)
+        return result
 
+    def _forward_batch(self, steps: list["_Step"]) -> list[VerifyResult]:
+        """One forward over several running sequences. Their caches are left-padded to the
+        longest and stacked; inputs are right-padded; the attention mask hides both pads and
+        explicit positions keep each sequence's own RoPE offsets. The kept part of the new
+        KV is then appended to each sequence's own cache."""
+        cached = [step.seq.num_cached for step in steps]
+        lengths = [len(step.input_ids) for step in steps]
+        max_cached, max_len = max(cached), max(lengths)
+        batched = DynamicCache(config=self.model.config)
+        for layer in range(len(steps[0].seq.cache.layers)):
+            keys, values = [], []
+            for step, n in zip(steps, cached):
+                own = step.seq.cache.layers[layer]
+                keys.append(torch.nn.functional.pad(own.keys, (0, 0, max_cached - n, 0)))
+                values.append(torch.nn.functional.pad(own.values, (0, 0, max_cached - n, 0)))
+            batched.update(torch.cat(keys), torch.cat(values), layer)
+        input_ids = [step.input_ids + [0] * (max_len - n) for step, n in zip(steps, lengths)]
+        mask = [[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n) for c, n in zip(cached, lengths)]
+        positions = [list(range(c, c + max_len)) for c in cached]
+        want_hidden = any(step.req.hidden_layer_ids for step in steps)
+        start = time.perf_counter()
+        out = self.model(
+            input_ids=torch.tensor(input_ids, device=self.device),
+            attention_mask=torch.tensor(mask, device=self.device),
+            position_ids=torch.tensor(positions, device=self.device),
+            cache=batched,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
+        forward_s = (time.perf_counter() - start) / len(steps)  # each sequence's share
+
+        results = []
+        for row, (step, n) in enumerate(zip(steps, lengths)):
+            result = self._accept(step, out.logits[row, n - step.num_rows : n], forward_s)
+            kept = step.num_kept(result)
+            for own, shared in zip(step.seq.cache.layers, batched.layers):
+                new = slice(max_cached, max_cached + kept)
+                own.update(shared.keys[row : row + 1, :, new], shared.values[row : row + 1, :, new])
+            if step.req.hidden_layer_ids:
+                result.hidden_states = _select_hidden(out.hidden_states, row, kept, step.req.hidden_layer_ids)
+            results.append(result)
+        return results
+
+    def _accept(self, step: "_Step", logits: torch.Tensor, forward_s: float) -> VerifyResult:
+        """Accept/reject the step's drafts against its logit rows; commit the tokens."""
+        seq, drafts = step.seq, step.req.draft_token_ids
         emitted = rejection_sample(
             drafts,
-            out.logits[0],
-            req.draft_probs,
+            logits,
+            step.req.draft_probs,
             temperature=seq.sampling.temperature,
             top_k=seq.sampling.top_k,
             top_p=seq.sampling.top_p,
             generator=seq.generator,
         )
-        num_accepted = len(emitted) - 1
-        num_rejected = len(drafts) - num_accepted
-        if num_rejected:
-            seq.cache.crop(-num_rejected)
-        kept = len(pending) + num_accepted
         seq.token_ids.extend(emitted)
         seq.num_cached = len(seq.token_ids) - 1
-        hidden = None
-        if req.hidden_layer_ids:
-            # hidden_states[0] is the embedding output, so decoder layer i is at i + 1.
-            layers = [out.hidden_states[i + 1 if i >= 0 else i][0, :kept] for i in req.hidden_layer_ids]
-            hidden = torch.stack(layers, dim=1).float().cpu()
-        return VerifyResult(emitted, num_accepted, forward_s, hidden)
+        return VerifyResult(emitted, len(emitted) - 1, forward_s)
 
     def _start(self, seq_id: int, sampling: SamplingParams) -> _Sequence:
         generator = torch.Generator(device=self.device)

@@ -33,31 +33,51 @@ class TritonPythonModel:
         log.info("verifier ready: %s (%s, context %d)", path, dtype, self.runner.max_model_len)
 
     def execute(self, requests: list) -> list:
+        """Requests from many sequences (the `oldest` sequence batcher) are verified together."""
         self.runner.release_idle(self.idle_s)
-        responses = [self._one(r) for r in requests]
+        responses: list = [None] * len(requests)
+        batch, index = [], []
+        for i, request in enumerate(requests):
+            seq_id = request.correlation_id()
+            if request.flags() & SEQUENCE_END:
+                self.runner.release(seq_id)
+                responses[i] = self._response([], 0.0, None)
+                continue
+            try:
+                batch.append(self._verify_request(request))
+                index.append(i)
+            except Exception as e:  # a malformed request fails alone
+                responses[i] = self._fail(seq_id, e)
+        if batch:
+            try:
+                results = self.runner.verify_batch(batch)
+            except Exception as e:  # the forward itself failed: every sequence in it is suspect
+                log.exception("batched verification failed")
+                results = [e] * len(batch)
+            for i, req, result in zip(index, batch, results):
+                responses[i] = (self._fail(req.seq_id, result) if isinstance(result, Exception)
+                                else self._response(result.token_ids, result.forward_s, result.hidden_states))
         self.active.set(len(self.runner.sequences))
         return responses
 
-    def _one(self, request) -> object:
-        seq_id = request.correlation_id()
-        try:
-            if request.flags() & SEQUENCE_END:
-                self.runner.release(seq_id)
-                return self._response([], 0.0, None)
-            sampling_json = json.loads(request.parameters() or "{}").get("sampling")
-            sampling = SamplingParams.from_json(sampling_json) if sampling_json else None
-            layers = tuple(input_ids(request, "hidden_layer_ids"))
-            draft_probs = input_array(request, "draft_probs")
-            result = self.runner.verify(
-                VerifyRequest(seq_id, input_ids(request, "input_ids"), input_ids(request, "draft_ids"),
-                              sampling, layers,
-                              None if draft_probs is None else torch.from_numpy(draft_probs.reshape(draft_probs.shape[-2:])))
-            )
-            return self._response(result.token_ids, result.forward_s, result.hidden_states)
-        except Exception as e:  # the request fails, the server and other sequences don't
-            log.warning("sequence %d: %s", seq_id, e)
-            self.runner.release(seq_id)
-            return error_response(f"verifier: {e}")
+    @staticmethod
+    def _verify_request(request) -> VerifyRequest:
+        sampling_json = json.loads(request.parameters() or "{}").get("sampling")
+        draft_probs = input_array(request, "draft_probs")
+        return VerifyRequest(
+            request.correlation_id(),
+            input_ids(request, "input_ids"),
+            input_ids(request, "draft_ids"),
+            SamplingParams.from_json(sampling_json) if sampling_json else None,
+            tuple(input_ids(request, "hidden_layer_ids")),
+            None if draft_probs is None else torch.from_numpy(draft_probs.reshape(draft_probs.shape[-2:])),
+        )
+
+    def _fail(self, seq_id: int, error: Exception) -> object:
+        # The request fails; the server and the other sequences don't.
+        log.warning("sequence %d: %s", seq_id, error)
+        self.runner.release(seq_id)
+        return error_response(f"verifier: {error}")
 
     @staticmethod
     def _response(token_ids: list[int], forward_s: float, hidden: torch.Tensor | None) -> object:

@@ -1,0 +1,83 @@
+"""Verification of many sequences in one forward pass equals verifying them one by one."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from backends.request import SamplingParams
+from backends.target import SequenceError, TargetRunner, VerifyRequest
+
+PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\n", "for i in range(10):",
+           "Speculative decoding drafts tokens", "café"]
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model_dir):
+    return TargetRunner(tiny_model_dir, dtype="float32"), TargetRunner(tiny_model_dir, dtype="float32")
+
+
+def test_batched_steps_equal_single_steps(runners, tiny_model_dir):
+    alone, together = runners
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rng = random.Random(0)
+    prompts = {seq_id: tokenizer(p)["input_ids"] for seq_id, p in enumerate(PROMPTS, start=1)}
+    sampling = {seq_id: SamplingParams(temperature=1.0, seed=seq_id) if seq_id % 2 else None
+                for seq_id in prompts}
+    outputs = {seq_id: [] for seq_id in prompts}
+    for step in range(8):
+        batch = []
+        for seq_id, prompt in prompts.items():
+            # Drafts: some continue the sequence's own output (often accepted), some random.
+            k = rng.randint(0, 4)
+            history = outputs[seq_id]
+            drafts = (history[-k:] if step % 2 and len(history) >= k else [rng.randrange(50) for _ in range(k)])
+            batch.append(VerifyRequest(seq_id, prompt if step == 0 else [], drafts,
+                                       sampling[seq_id] if step == 0 else None))
+        one_by_one = [alone.verify(r) for r in batch]
+        batched = together.verify_batch(batch)
+        for req, a, b in zip(batch, one_by_one, batched):
+            assert a.token_ids == b.token_ids, (step, req.seq_id)
+            outputs[req.seq_id] += a.token_ids
+    for seq_id in prompts:
+        assert alone.sequences[seq_id].token_ids == together.sequences[seq_id].token_ids
+        assert alone.sequences[seq_id].cache.get_seq_length() == together.sequences[seq_id].cache.get_seq_length()
+        alone.release(seq_id)
+        together.release(seq_id)
+
+
+def test_batched_hidden_states_match_the_single_path(runners, tiny_model_dir):
+    alone, together = runners
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for runner in runners:
+        for seq_id, prompt in ((11, PROMPTS[0]), (12, PROMPTS[2])):
+            runner.verify(VerifyRequest(seq_id, tokenizer(prompt)["input_ids"], []))
+    reqs = [VerifyRequest(11, [], [5, 6], hidden_layer_ids=(0, 1)), VerifyRequest(12, [], [7], hidden_layer_ids=(1,))]
+    single = [alone.verify(r) for r in reqs]
+    batched = together.verify_batch(reqs)
+    for a, b in zip(single, batched):
+        assert a.hidden_states.shape == b.hidden_states.shape
+        torch.testing.assert_close(a.hidden_states, b.hidden_states, rtol=1e-4, atol=1e-4)
+    for runner in runners:
+        runner.release(11)
+        runner.release(12)
+
+
+def test_a_bad_request_fails_alone(runners, tiny_model_dir):
+    runner = runners[1]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    runner.verify(VerifyRequest(21, tokenizer(PROMPTS[0])["input_ids"], []))
+    runner.verify(VerifyRequest(22, tokenizer(PROMPTS[1])["input_ids"], []))
+    results = runner.verify_batch([
+        VerifyRequest(21, [], [1]),
+        VerifyRequest(99, [], [1]),  # unknown sequence
+        VerifyRequest(22, [], [1] * 600),  # past the context window
+        VerifyRequest(23, tokenizer(PROMPTS[2])["input_ids"], []),  # a new prompt in the same call
+    ])
+    assert isinstance(results[1], SequenceError) and "unknown" in str(results[1])
+    assert isinstance(results[2], SequenceError) and "context window" in str(results[2])
+    assert len(results[0].token_ids) >= 1 and len(results[3].token_ids) == 1
+    for seq_id in (21, 22, 23):
+        runner.release(seq_id)
