@@ -29,8 +29,12 @@ class DraftService:
         self._last_used: dict[int, float] = {}
 
     def num_tokens(self, call: DraftCall) -> int:
-        """Drafts for this call; SpeculativeConfigError when the client asks for too many."""
-        return max(0, min(self.config.num_tokens_for_request(call.requested), call.max_tokens))
+        """Drafts for this call: the client's number (SpeculativeConfigError when above the
+        configured k), capped by the batch-size schedule at the current load and by the
+        caller's room."""
+        load = max(1, len(self._tokens))
+        k = min(self.config.num_tokens_for_request(call.requested), self.config.num_tokens_for_batch_size(load))
+        return max(0, min(k, call.max_tokens))
 
     def draft(self, calls: list[DraftCall]) -> list[Draft]:
         now = time.monotonic()

@@ -10,12 +10,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
+from backends.adaptive import AdaptiveDraftLength
 from backends.detokenize import TextStream
 from backends.rejection import AcceptanceStats
 from backends.request import GenerationRequest, RequestError, SamplingParams
 
 
 class Drafter(Protocol):
+    # The drafter's configured k, known once it has answered (the adaptive policy's range).
+    num_speculative_tokens: int | None
+
     def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
               requested: int | None) -> tuple[list[int], float]: ...
 
@@ -91,9 +95,14 @@ def generate(
     max_model_len: int,
     stats: GenerationStats,
     is_cancelled: Callable[[], bool] = lambda: False,
+    adaptive: bool = True,
 ) -> Iterator[StepOutput]:
     """Yield one StepOutput per speculative step; the last one has a finish_reason.
-    The caller releases the sequence in the drafter and verifier afterwards."""
+    The caller releases the sequence in the drafter and verifier afterwards.
+
+    With `adaptive`, each step's draft length follows this sequence's acceptance and
+    measured step times (backends.adaptive); a client's explicit num_draft_tokens, and any
+    seeded sampled request, use a fixed length instead."""
     check_lengths(len(prompt_ids), req.max_tokens, max_model_len)
     speculate = drafter is not None and req.num_draft_tokens != 0
     num_tokens = len(prompt_ids)
@@ -101,6 +110,11 @@ def generate(
     unseen_by_verifier = list(prompt_ids)
     unseen_by_drafter = list(prompt_ids)
     sampling: SamplingParams | None = req.sampling
+    policy: AdaptiveDraftLength | None = None
+    # A seeded sampled request keeps a fixed draft length: adaptive k follows timings, and a
+    # different k would change which random draws each token uses (no reproducibility).
+    seeded = not req.sampling.greedy and req.sampling.seed is not None
+    adapt = adaptive and req.num_draft_tokens is None and not seeded
     # Wall time runs from step to step, so the caller's streaming of a step's output counts
     # toward the next step's overhead.
     clock = time.perf_counter()
@@ -110,13 +124,22 @@ def generate(
             return
         # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
         room = min(req.max_tokens - num_generated, max_model_len - num_tokens) - 1
-        drafts, draft_s = [], 0.0
-        if speculate and room > 0:
-            drafts, draft_s = drafter.draft(seq_id, unseen_by_drafter, room, req.num_draft_tokens)
+        if policy is None and adapt and speculate and drafter.num_speculative_tokens:
+            policy = AdaptiveDraftLength(drafter.num_speculative_tokens)
+        k = policy.next_k(room) if policy else room
+        drafts, draft_s, draft_wall = [], 0.0, 0.0
+        if speculate and k > 0:
+            start = time.perf_counter()
+            drafts, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens)
+            draft_wall = time.perf_counter() - start
             unseen_by_drafter = []
+        start = time.perf_counter()
         emitted, verify_s = verifier.verify(seq_id, unseen_by_verifier, drafts, sampling)
+        verify_wall = time.perf_counter() - start
         unseen_by_verifier, sampling = [], None
         stats.record(len(drafts), len(emitted), draft_s, verify_s)
+        if policy:
+            policy.record(k, len(drafts), len(emitted) - 1, verify_wall, draft_wall)
 
         finish = None
         taken: list[int] = []

@@ -32,6 +32,7 @@ class LocalVerifier:
 class LocalDrafter:
     def __init__(self, service: DraftService) -> None:
         self.service = service
+        self.num_speculative_tokens = service.config.num_speculative_tokens
 
     def draft(self, seq_id, new_token_ids, max_tokens, requested):
         return self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested)])[0].token_ids, 0.0

@@ -93,4 +93,6 @@ class TritonPythonModel:
             pb_utils.Tensor("draft_ids", np.array([token_ids], dtype=np.int64)),
             pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
             pb_utils.Tensor("method", np.array([[self.config.method.encode()]], dtype=np.object_)),
+            pb_utils.Tensor("num_speculative_tokens",
+                            np.array([[self.config.num_speculative_tokens]], dtype=np.int32)),
         ])

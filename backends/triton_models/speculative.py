@@ -50,14 +50,18 @@ class _SequenceModel:
 
 
 class BlsDrafter(_SequenceModel):
-    method = ""  # the drafter's speculative method, learnt from its first answer (metrics label)
+    # The drafter's method (metrics label) and configured k, learnt from its first answer.
+    method = ""
+    num_speculative_tokens: int | None = None
 
     def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
               requested: int | None) -> tuple[list[int], float]:
-        outputs = ["draft_ids", "propose_ms"] + ([] if self.method else ["method"])
+        first = not self.method
+        outputs = ["draft_ids", "propose_ms"] + (["method", "num_speculative_tokens"] if first else [])
         out = self.call(self._inputs(new_token_ids, max_tokens, requested), outputs)
-        if not self.method:
+        if first:
             self.method = out["method"].reshape(-1)[0].decode()
+            self.num_speculative_tokens = int(out["num_speculative_tokens"].item())
         return out["draft_ids"].reshape(-1).tolist(), float(out["propose_ms"].item()) / 1e3
 
     @staticmethod
@@ -123,6 +127,7 @@ class TritonPythonModel:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.verifier_name = params.get("verifier_model_name", "verifier")
         self.drafter_name = params.get("drafter_model_name", "")
+        self.adaptive = params.get("adaptive_draft_length", "true").lower() == "true"
         workers = int(params.get("max_concurrent_requests", "64"))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
         # Correlation ids unique across instances and restarts of this process.
@@ -166,7 +171,7 @@ class TritonPythonModel:
             text = TextStream(self.tokenizer, req.stop)
             stats = GenerationStats()
             steps = generate(req, prompt_ids, seq_id, verifier, drafter, text, self.eos_token_ids,
-                             self.max_model_len, stats, CancellationPoll(sender))
+                             self.max_model_len, stats, CancellationPoll(sender), self.adaptive)
             all_ids: list[int] = []
             for step in steps:
                 all_ids += step.token_ids

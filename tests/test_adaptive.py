@@ -1,0 +1,69 @@
+import pytest
+
+from backends.adaptive import AdaptiveDraftLength
+from backends.config import SpeculativeConfig
+from backends.drafting import DraftCall, DraftService
+from backends.proposer import Draft, Proposer
+
+
+def test_expected_tokens_formula():
+    policy = AdaptiveDraftLength(max_k=4, alpha=0.5)
+    assert policy.expected_tokens(0) == pytest.approx(1.0)
+    assert policy.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_starts_optimistic_then_follows_acceptance():
+    policy = AdaptiveDraftLength(max_k=5)
+    assert policy.next_k(limit=100) == 5  # nothing measured: every k costs the same
+    assert policy.next_k(limit=3) == 3  # never past the room left
+    for _ in range(10):  # everything accepted; verifying more tokens costs little
+        policy.record(5, 5, 5, verify_s=0.040, draft_s=0.001)
+        policy.record(0, 0, 0, verify_s=0.038, draft_s=0.0)
+    assert policy.alpha > 0.9
+    assert policy.next_k(limit=100) == 5
+
+
+def test_pauses_when_drafts_are_rejected_and_cost_real_time():
+    policy = AdaptiveDraftLength(max_k=4, probe_every=5)
+    for _ in range(10):  # fp32-like costs: each verified token adds 25% to the step
+        policy.record(4, 4, 0, verify_s=0.100, draft_s=0.002)
+        policy.record(0, 0, 0, verify_s=0.050, draft_s=0.0)
+    assert policy.alpha < 0.05
+    ks = [policy.next_k(limit=100) for _ in range(10)]
+    assert ks.count(0) == 8 and ks.count(1) == 2  # paused, probing every 5th step
+
+
+def test_probes_bring_speculation_back():
+    policy = AdaptiveDraftLength(max_k=4, probe_every=2)
+    for _ in range(6):
+        policy.record(4, 4, 0, verify_s=0.100, draft_s=0.002)
+        policy.record(0, 0, 0, verify_s=0.050, draft_s=0.0)
+    assert policy.next_k(100) == 0
+    for _ in range(12):  # the text turned repetitive: probes get accepted
+        policy.record(1, 1, 1, verify_s=0.055, draft_s=0.002)
+    assert policy.next_k(100) > 0
+
+
+def test_unseen_lengths_are_interpolated():
+    policy = AdaptiveDraftLength(max_k=8)
+    policy.record(0, 0, 0, verify_s=1.0, draft_s=0.0)
+    policy.record(4, 4, 4, verify_s=2.0, draft_s=0.0)
+    assert policy.step_time(2) == pytest.approx(1.5)
+    policy.record(2, 2, 2, verify_s=1.5, draft_s=0.0)
+    assert policy.step_time(6) == pytest.approx(2.5)  # extrapolated with the last slope
+
+
+class CountingProposer(Proposer):
+    def propose(self, batch):
+        return [Draft([1] * r.num_tokens) for r in batch]
+
+
+def test_batch_size_schedule_caps_k_under_load():
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4,
+                                          "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 8, 1], [9, 64, 0]]})
+    service = DraftService(CountingProposer(), config)
+    assert len(service.draft([DraftCall(1, [5], 10)])[0].token_ids) == 4
+    service.draft([DraftCall(i, [5], 10) for i in (2, 3)])  # three sequences active now
+    assert len(service.draft([DraftCall(1, [5], 10)])[0].token_ids) == 1
+    service.draft([DraftCall(i, [5], 10) for i in range(4, 10)])  # nine active
+    assert service.draft([DraftCall(1, [5], 10)])[0].token_ids == []
