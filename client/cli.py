@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench.json")
     bench.set_defaults(func=_bench)
 
+    # Listed for --help; main() hands everything after it to perf_analyzer untouched.
+    sub.add_parser("perf-analyzer", help="run Triton's perf_analyzer with its own arguments (installed once)")
+
     paths = sub.add_parser("paths", help="print exports for running tritonserver by hand")
     paths.set_defaults(func=_paths)
 
@@ -252,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["perf-analyzer"]:
+        from client.perf_analyzer import main as perf_analyzer_main
+
+        return perf_analyzer_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
