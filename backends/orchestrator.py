@@ -28,7 +28,7 @@ class Drafter(Protocol):
 
 class Verifier(Protocol):
     def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
-               sampling: SamplingParams | None) -> tuple[list[int], float]: ...
+               sampling: SamplingParams | None, max_new_tokens: int | None = None) -> tuple[list[int], float]: ...
 
     def release(self, seq_id: int) -> None: ...
 
@@ -134,7 +134,8 @@ def generate(
             draft_wall = time.perf_counter() - start
             unseen_by_drafter = []
         start = time.perf_counter()
-        emitted, verify_s = verifier.verify(seq_id, unseen_by_verifier, drafts, sampling)
+        emitted, verify_s = verifier.verify(seq_id, unseen_by_verifier, drafts, sampling,
+                                            req.max_tokens if sampling else None)
         verify_wall = time.perf_counter() - start
         unseen_by_verifier, sampling = [], None
         stats.record(len(drafts), len(emitted), draft_s, verify_s)

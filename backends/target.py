@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from backends.model_store import load_causal_lm
-from backends.rejection import rejection_sample
+from backends.rejection import MAX_SPEC_LEN, rejection_sample
 from backends.request import SamplingParams
 
 log = logging.getLogger("tritonspec.target")
@@ -24,6 +24,10 @@ log = logging.getLogger("tritonspec.target")
 
 class SequenceError(ValueError):
     """A request that does not fit the sequence it names (unknown sequence, too long...)."""
+
+
+class KVCacheFullError(SequenceError):
+    """A new sequence's worst-case KV cache would not fit the configured memory budget."""
 
 
 @dataclass
@@ -34,6 +38,7 @@ class VerifyRequest:
     sampling: SamplingParams | None = None  # given on the first step, kept for the sequence
     hidden_layer_ids: tuple[int, ...] = ()
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] from drafters that have them
+    max_new_tokens: int | None = None  # on the first step: sizes the KV reservation
 
 
 @dataclass
@@ -49,9 +54,17 @@ class _Sequence:
     cache: DynamicCache
     sampling: SamplingParams
     generator: torch.Generator
+    reserved_tokens: int  # worst-case KV length, held against the budget until release
     token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
     last_used: float = field(default_factory=time.monotonic)
+
+
+def kv_bytes_per_token(config, dtype: str) -> int:
+    """Keys and values of one token over all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
 
 
 @dataclass
@@ -89,12 +102,19 @@ class TargetRunner:
         dtype: str = "bfloat16",
         device: str = "cpu",
         max_model_len: int | None = None,
+        kv_cache_memory_gb: float | None = None,
     ) -> None:
         self.model = load_causal_lm(model_path, dtype).to(device)
         self.device = torch.device(device)
         limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
         self.sequences: dict[int, _Sequence] = {}
+        self.kv_budget_tokens = (int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.model.config, dtype))
+                                 if kv_cache_memory_gb else None)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(seq.reserved_tokens for seq in self.sequences.values())
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         result = self.verify_batch([req])[0]
@@ -138,7 +158,7 @@ class TargetRunner:
                 f"exceed the context window of {self.max_model_len}"
             )
         if seq is None:
-            seq = self._start(req.seq_id, req.sampling or SamplingParams())
+            seq = self._start(req)
         seq.last_used = time.monotonic()
         seq.token_ids.extend(req.new_token_ids)
         return _Step(req, seq, seq.token_ids[seq.num_cached :])
@@ -221,13 +241,25 @@ class TargetRunner:
         seq.num_cached = len(seq.token_ids) - 1
         return VerifyResult(emitted, len(emitted) - 1, forward_s)
 
-    def _start(self, seq_id: int, sampling: SamplingParams) -> _Sequence:
+    def _start(self, req: VerifyRequest) -> _Sequence:
+        # Reserve the worst case up front (prompt + every new token + a full draft), so a
+        # running sequence never runs out of room: new sequences are refused instead.
+        reserve = min(self.max_model_len, len(req.new_token_ids) + (req.max_new_tokens or self.max_model_len)
+                      + MAX_SPEC_LEN)
+        if self.kv_budget_tokens is not None and self.reserved_tokens + reserve > self.kv_budget_tokens:
+            raise KVCacheFullError(
+                f"KV cache budget full: this request may need {reserve} tokens and running sequences "
+                f"hold {self.reserved_tokens} of {self.kv_budget_tokens}; retry later, lower max_tokens, "
+                "or raise kv_cache_memory_gb"
+            )
+        sampling = req.sampling or SamplingParams()
+        seq_id = req.seq_id
         generator = torch.Generator(device=self.device)
         if sampling.seed is not None:
             generator.manual_seed(sampling.seed)
         else:
             generator.seed()
-        seq = _Sequence(DynamicCache(config=self.model.config), sampling, generator)
+        seq = _Sequence(DynamicCache(config=self.model.config), sampling, generator, reserve)
         self.sequences[seq_id] = seq
         log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))
         return seq

@@ -21,8 +21,9 @@ class LocalVerifier:
     def __init__(self, runner: TargetRunner) -> None:
         self.runner = runner
 
-    def verify(self, seq_id, new_token_ids, draft_token_ids, sampling):
-        r = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling))
+    def verify(self, seq_id, new_token_ids, draft_token_ids, sampling, max_new_tokens=None):
+        r = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling,
+                                             max_new_tokens=max_new_tokens))
         return r.token_ids, r.forward_s
 
     def release(self, seq_id):
@@ -164,3 +165,19 @@ def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, t
     result = runner.verify(VerifyRequest(99, ids, drafts, sampling, draft_probs=probs))
     runner.release(99)
     assert result.num_accepted == 3 and result.token_ids[:3] == drafts
+
+
+def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokenizer):
+    from backends.target import KVCacheFullError, kv_bytes_per_token
+
+    probe = TargetRunner(tiny_model_dir, dtype="float32")
+    per_token = kv_bytes_per_token(probe.model.config, "float32")
+    runner = TargetRunner(tiny_model_dir, dtype="float32", kv_cache_memory_gb=400 * per_token / 2**30)
+    assert runner.kv_budget_tokens == 400
+    ids = tokenizer(PROMPT)["input_ids"]
+    runner.verify(VerifyRequest(1, ids, [], max_new_tokens=100))  # reserves prompt + 100 + 128
+    with pytest.raises(KVCacheFullError, match="KV cache budget full"):
+        runner.verify(VerifyRequest(2, ids, [], max_new_tokens=100))
+    assert len(runner.verify(VerifyRequest(1, [], [1, 2])).token_ids) >= 1  # the running one goes on
+    runner.release(1)
+    runner.verify(VerifyRequest(2, ids, [], max_new_tokens=100))  # room again

@@ -78,12 +78,10 @@ class BlsDrafter(_SequenceModel):
 
 class BlsVerifier(_SequenceModel):
     def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
-               sampling: SamplingParams | None) -> tuple[list[int], float]:
-        out = self.call(
-            self._inputs(new_token_ids, draft_token_ids),
-            ["output_ids", "forward_ms"],
-            {"sampling": sampling.to_json()} if sampling else None,
-        )
+               sampling: SamplingParams | None, max_new_tokens: int | None = None) -> tuple[list[int], float]:
+        # The first step carries the sequence's sampling parameters and its KV reservation.
+        params = {"sampling": sampling.to_json(), "max_new_tokens": max_new_tokens} if sampling else None
+        out = self.call(self._inputs(new_token_ids, draft_token_ids), ["output_ids", "forward_ms"], params)
         return out["output_ids"].reshape(-1).tolist(), float(out["forward_ms"].item()) / 1e3
 
     @staticmethod

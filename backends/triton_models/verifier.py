@@ -28,9 +28,11 @@ class TritonPythonModel:
         dtype = params.get("dtype", "bfloat16")
         max_len = int(params["max_model_len"]) if params.get("max_model_len") else None
         self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
-        self.runner = TargetRunner(path, dtype=dtype, max_model_len=max_len)
+        budget = float(params.get("kv_cache_memory_gb", "4"))
+        self.runner = TargetRunner(path, dtype=dtype, max_model_len=max_len, kv_cache_memory_gb=budget or None)
         self.active = ActiveSequencesGauge(args["model_name"])
-        log.info("verifier ready: %s (%s, context %d)", path, dtype, self.runner.max_model_len)
+        log.info("verifier ready: %s (%s, context %d, KV budget %s tokens)", path, dtype,
+                 self.runner.max_model_len, self.runner.kv_budget_tokens or "unlimited")
 
     def execute(self, requests: list) -> list:
         """Requests from many sequences (the `oldest` sequence batcher) are verified together."""
@@ -62,7 +64,8 @@ class TritonPythonModel:
 
     @staticmethod
     def _verify_request(request) -> VerifyRequest:
-        sampling_json = json.loads(request.parameters() or "{}").get("sampling")
+        params = json.loads(request.parameters() or "{}")
+        sampling_json = params.get("sampling")
         draft_probs = input_array(request, "draft_probs")
         return VerifyRequest(
             request.correlation_id(),
@@ -71,6 +74,7 @@ class TritonPythonModel:
             SamplingParams.from_json(sampling_json) if sampling_json else None,
             tuple(input_ids(request, "hidden_layer_ids")),
             None if draft_probs is None else torch.from_numpy(draft_probs.reshape(draft_probs.shape[-2:])),
+            params.get("max_new_tokens"),
         )
 
     def _fail(self, seq_id: int, error: Exception) -> object:
