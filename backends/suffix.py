@@ -7,8 +7,9 @@ are suffix tries cut at `max_tree_depth`: the node for a string s counts the occ
 (one per stored suffix start whose path reaches it). A draft follows the most frequent child
 from the longest-scoring match of the context's tail; the tree with the higher score wins.
 
-The tries are not path-compressed: a node per (string, depth), so a sequence of n tokens costs
-at most n * max_tree_depth nodes, and every append touches at most max_tree_depth of them.
+A string seen once is one lazy node that stands for the rest of its occurrence, so memory is
+at most a node per distinct string and in practice a few per token (random text: ~1); an
+append touches only the nodes of suffixes seen before, at most max_tree_depth of them.
 Probabilities are Python floats (arctic-inference uses float32; only exact ties can differ).
 """
 from __future__ import annotations
@@ -29,18 +30,23 @@ class SuffixDraft:
 
 
 class _Node:
-    __slots__ = ("token", "count", "children", "head", "rank")
+    __slots__ = ("token", "count", "depth", "children", "head", "rank", "seq", "pos")
 
-    def __init__(self, token: int, rank: int) -> None:
+    def __init__(self, token: int, depth: int, rank: int) -> None:
         self.token = token
         self.count = 1
-        self.children: dict[int, _Node] | None = None  # created on first child: most nodes are leaves
+        self.depth = depth
+        # None = lazy: a count-1 node whose subtree is the rest of its one occurrence, read
+        # from the sequence (seq, pos = index of its last token) instead of stored as nodes.
+        self.children: dict[int, _Node] | None = None
         # The child drafts follow: highest count, ties to the highest rank. None with children
         # present means "stale, recompute": set when the head's count drops on eviction.
         self.head: _Node | None = None
         # +clock when promoted (count went up), so the most recently promoted wins a tie;
         # -clock when created, so a new child goes behind its equal-count siblings.
         self.rank = rank
+        self.seq: Hashable = None
+        self.pos = 0
 
 
 def _rank(node: _Node) -> tuple[int, int]:
@@ -54,54 +60,80 @@ def _head(node: _Node) -> _Node | None:
 
 
 class SuffixTree:
-    """A suffix trie over several sequences, cut at `max_depth`, updated one token at a time."""
+    """A suffix trie over several sequences, cut at `max_depth`, updated one token at a time.
+
+    Count-1 nodes are lazy (see `_Node.children`), so a string seen once costs one node, not
+    one per depth: an append touches only the nodes of suffixes seen before, and random text
+    costs a few nodes per token instead of max_depth.
+    """
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self.root = _Node(-1, 0)
+        self.root = _Node(-1, 0, 0)
         self.root.count = 0  # the root counts suffix starts: every stored token
+        self.root.children = {}
         self.num_nodes = 1
         self._clock = 0
-        self._seqs: dict[Hashable, list[int]] = {}  # kept so a sequence can be removed
-        # Per sequence that may still grow: the nodes of its suffixes that can be extended
-        # (depth < max_depth), shortest first, root excluded.
+        self._seqs: dict[Hashable, list[int]] = {}  # read by lazy nodes, and for removal
+        self._clocks: dict[Hashable, list[int]] = {}  # each token's append time (creation ranks)
+        # Per sequence that may still grow: the stored (non-lazy) nodes of its suffixes that
+        # can be extended (depth < max_depth); lazy ones grow with the sequence by themselves.
         self._open: dict[Hashable, list[_Node]] = {}
-
-    def extend(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
-        seq = self._seqs.setdefault(seq_id, [])
-        open_nodes = self._open.setdefault(seq_id, [])
-        for token in token_ids:
-            self._clock += 1
-            self.root.count += 1
-            grown = []
-            for node in (self.root, *open_nodes):
-                child = self._child_for(node, token)
-                if len(grown) + 1 < self.max_depth:
-                    grown.append(child)
-            open_nodes[:] = grown
-            seq.append(token)
-
-    def _child_for(self, node: _Node, token: int) -> _Node:
-        """Count one more occurrence of node's string + token; returns its node."""
-        children = node.children
-        if children is None:
-            children = node.children = {}
-        child = children.get(token)
-        if child is None:
-            child = children[token] = _Node(token, -self._clock)
-            self.num_nodes += 1
-            if len(children) == 1:
-                node.head = child
-            return child
-        child.count += 1
-        child.rank = self._clock
-        head = node.head
-        if head is not None and head is not child and child.count >= head.count:
-            node.head = child
-        return child
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
+
+    def extend(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        seq = self._seqs.setdefault(seq_id, [])
+        clocks = self._clocks.setdefault(seq_id, [])
+        open_nodes = self._open.setdefault(seq_id, [])
+        for token in token_ids:
+            self._clock += 1
+            pos = len(seq)
+            seq.append(token)
+            clocks.append(self._clock)
+            self.root.count += 1
+            grown = []
+            for node in (self.root, *open_nodes):
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = self._lazy(token, node.depth + 1, seq_id, pos)
+                    if len(node.children) == 1:
+                        node.head = child
+                    continue
+                if child.children is None:
+                    self._materialize(child)
+                child.count += 1
+                child.rank = self._clock
+                head = node.head
+                if head is not None and head is not child and child.count >= head.count:
+                    node.head = child
+                if child.depth < self.max_depth:
+                    grown.append(child)
+            open_nodes[:] = grown
+
+    def _lazy(self, token: int, depth: int, seq_id: Hashable, pos: int) -> _Node:
+        node = _Node(token, depth, -self._clocks[seq_id][pos])
+        node.seq, node.pos = seq_id, pos
+        self.num_nodes += 1
+        return node
+
+    def _materialize(self, node: _Node) -> None:
+        """Store a lazy node's first implicit child, about to get a second occurrence."""
+        seq_id, pos = node.seq, node.pos
+        node.children, node.seq = {}, None
+        token = self._implicit(seq_id, pos, node.depth, 0)
+        if token is not None:
+            node.children[token] = self._lazy(token, node.depth + 1, seq_id, pos + 1)
+        elif pos == len(self._seqs[seq_id]) - 1 and seq_id in self._open and node.depth < self.max_depth:
+            # Its occurrence ends its (still growing) sequence: that sequence extends it now.
+            self._open[seq_id].append(node)
+
+    def _implicit(self, seq_id: Hashable, pos: int, depth: int, extra: int) -> int | None:
+        """The token `extra` + 1 places past a lazy node's occurrence, if within the tree."""
+        seq = self._seqs[seq_id]
+        at = pos + extra + 1
+        return seq[at] if depth + extra < self.max_depth and at < len(seq) else None
 
     def close(self, seq_id: Hashable) -> None:
         """The sequence will not grow any more: drop its open suffixes, keep its counts."""
@@ -109,24 +141,39 @@ class SuffixTree:
 
     def remove(self, seq_id: Hashable) -> None:
         """Take every suffix of the sequence out of the counts, freeing nodes that reach 0."""
-        seq = self._seqs.pop(seq_id)
+        seq = self._seqs[seq_id]
         self._open.pop(seq_id, None)
-        n = len(seq)
-        for start in range(n):
+        for start in range(len(seq)):
             self.root.count -= 1
             node = self.root
-            depth = min(self.max_depth, n - start)
-            for d in range(depth):
+            for d in range(min(self.max_depth, len(seq) - start)):
                 child = node.children[seq[start + d]]
                 child.count -= 1
                 if node.head is child:
                     node.head = None
-                if child.count == 0:
-                    # Only this suffix passed through here: its whole remaining path goes.
+                if child.count == 0:  # only this suffix passed here: a chain of count-1 nodes
                     del node.children[child.token]
-                    self.num_nodes -= depth - d
+                    self.num_nodes -= 1
+                    while child.children:
+                        child = next(iter(child.children.values()))
+                        self.num_nodes -= 1
                     break
                 node = child
+        del self._seqs[seq_id], self._clocks[seq_id]
+
+    def _match(self, tail: Sequence[int]) -> tuple[_Node, int] | None:
+        """(node, tokens past it along a lazy node's occurrence) that `tail` leads to."""
+        node, extra = self.root, 0
+        for token in tail:
+            if node.children is None:
+                if self._implicit(node.seq, node.pos, node.depth, extra) != token:
+                    return None
+                extra += 1
+            else:
+                node = node.children.get(token)
+                if node is None:
+                    return None
+        return node, extra
 
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
                   min_token_prob: float) -> SuffixDraft:
@@ -134,42 +181,52 @@ class SuffixTree:
         best = SuffixDraft()
         n = len(context)
         for match_len in range(1, n):
-            node: _Node | None = self.root
-            for token in context[n - match_len:]:
-                node = node.children.get(token) if node.children else None
-                if node is None:
-                    return best  # a longer tail cannot match either
+            match = self._match(context[n - match_len:])
+            if match is None:
+                return best  # a longer tail cannot match either
             max_tokens = max(0, min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6)))
-            draft = self._follow(node, max_tokens, min_token_prob)
+            draft = self._follow(*match, max_tokens, min_token_prob)
             if draft.score >= best.score:  # ties go to the longer match
                 draft.match_len = match_len
                 best = draft
         return best
 
-    @staticmethod
-    def _follow(node: _Node, max_tokens: int, min_token_prob: float) -> SuffixDraft:
+    def _follow(self, node: _Node, extra: int, max_tokens: int, min_token_prob: float) -> SuffixDraft:
         draft = SuffixDraft()
         prob = 1.0
         while len(draft.token_ids) < max_tokens:
-            child = _head(node)
-            if child is None:
-                break
-            prob *= child.count / node.count
-            if prob < min_token_prob:
-                break
-            draft.token_ids.append(child.token)
+            if node.children is None:  # count 1 all along a lazy node: prob is unchanged
+                token = self._implicit(node.seq, node.pos, node.depth, extra)
+                if token is None:
+                    break
+                extra += 1
+            else:
+                child = _head(node)
+                if child is None:
+                    break
+                prob *= child.count / node.count
+                if prob < min_token_prob:
+                    break
+                token, node = child.token, child
+            draft.token_ids.append(token)
             draft.probs.append(prob)
             draft.score += prob
-            node = child
         return draft
 
     def counts(self) -> dict[tuple[int, ...], int]:
-        """{string: count} for every node but the root (for tests and debugging)."""
+        """{string: count} for every string the tree holds (for tests and debugging)."""
         out: dict[tuple[int, ...], int] = {}
         stack: list[tuple[tuple[int, ...], _Node]] = [((), self.root)]
         while stack:
             path, node = stack.pop()
-            for token, child in (node.children or {}).items():
+            if node.children is None:
+                extra = 0
+                while (token := self._implicit(node.seq, node.pos, node.depth, extra)) is not None:
+                    path += (token,)
+                    out[path] = 1
+                    extra += 1
+                continue
+            for token, child in node.children.items():
                 out[path + (token,)] = child.count
                 stack.append((path + (token,), child))
         return out

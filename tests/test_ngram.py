@@ -77,3 +77,18 @@ def test_registry_builds_the_ngram_drafter():
     assert drafts[0].token_ids == [9, 4, 5]
     with pytest.raises(ValueError, match="no drafter backend"):
         proposer_class("no_such_method")
+
+
+def test_drafter_follows_a_list_growing_in_place():
+    # DraftService hands over the same list every step; the drafter converts only the new tail.
+    rng = random.Random(1)
+    proposer = NgramProposer(1, 3, 4, 10**6)
+    drafter = NgramDrafter(proposer)
+    tokens = []
+    for _ in range(300):
+        tokens.extend(rng.randrange(6) for _ in range(rng.randint(1, 5)))
+        assert drafter.propose([DraftRequest(9, tokens, 4)])[0].token_ids == proposer.propose(list(tokens))
+    rewritten = tokens[:-1] + [tokens[-1] + 1]  # a different list object starts over
+    assert drafter.propose([DraftRequest(9, rewritten, 4)])[0].token_ids == proposer.propose(rewritten)
+    drafter.release(9)
+    assert len(drafter.history) == 0

@@ -1,0 +1,268 @@
+"""The draft_model proposer: its drafts, per-sequence KV rollback, batching, probabilities,
+the heterogeneous-vocabulary bridge, and speculative decoding with it in process."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from backends.config import SpeculativeConfig
+from backends.detokenize import TextStream
+from backends.draft_model import DraftModelProposer
+from backends.drafting import DraftService
+from backends.hetero_vocab import TextBridge
+from backends.model_store import load_causal_lm, load_tokenizer
+from backends.orchestrator import GenerationStats, generate
+from backends.proposer import DraftRequest, build_proposer
+from backends.request import GenerationRequest, SamplingParams
+from backends.target import TargetRunner, VerifyRequest
+from client.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
+from tests.helpers import hf_greedy
+from tests.test_orchestrator import LocalDrafter, LocalVerifier
+from tests.tiny_model import build_tiny_model
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
+           "for i in range(10):\n    print(i"]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def hetero_dir(tmp_path_factory):
+    """Another tokenizer: a smaller BPE vocabulary learns other merges."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-hetero"), seed=2, vocab_size=300, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def draft_lm(draft_dir):
+    return load_causal_lm(draft_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def cacheless_greedy(model, ids: list[int], k: int) -> list[int]:
+    """The reference: k argmax steps, each a full forward over the whole sequence."""
+    ids = list(ids)
+    with torch.inference_mode():
+        for _ in range(k):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-k:]
+
+
+def draft_config(model_dir, target_dir, **extra) -> SpeculativeConfig:
+    return SpeculativeConfig.from_json({"method": "draft_model", "model": str(model_dir),
+                                        "num_speculative_tokens": 4, **extra}, target_model=str(target_dir))
+
+
+def test_drafts_are_the_drafters_greedy_continuation(draft_lm, prompt_ids):
+    proposer = DraftModelProposer(draft_lm, 512)
+    for seq_id, ids in enumerate(prompt_ids):
+        draft = proposer.propose([DraftRequest(seq_id, ids, 5)])[0]
+        assert draft.token_ids == cacheless_greedy(draft_lm, ids, 5)
+        assert draft.probs is None  # greedy drafts are one-hot: the verifier assumes q = 1
+
+
+@pytest.mark.parametrize("diverge_at", [0, 2, 4, 5])
+def test_rollback_after_a_rejection_equals_a_fresh_proposer(draft_lm, prompt_ids, diverge_at):
+    proposer = DraftModelProposer(draft_lm, 512)
+    ids = prompt_ids[0]
+    drafts = proposer.propose([DraftRequest(7, ids, 5)])[0].token_ids
+    # The target accepted `diverge_at` drafts and emitted another token (or the bonus).
+    wrong = (drafts[diverge_at] + 1) % 300 if diverge_at < 5 else 42
+    context = ids + drafts[:diverge_at] + [wrong]
+    again = proposer.propose([DraftRequest(7, context, 4)])[0].token_ids
+    assert again == DraftModelProposer(draft_lm, 512).propose([DraftRequest(7, context, 4)])[0].token_ids
+    assert again == cacheless_greedy(draft_lm, context, 4)
+    state = proposer._seqs[7]
+    assert state.token_ids == context + again[:-1]
+    assert state.cache.get_seq_length() == len(state.token_ids)
+
+
+def test_a_context_that_changes_earlier_than_the_drafts_is_redrafted(draft_lm, prompt_ids):
+    proposer = DraftModelProposer(draft_lm, 512)
+    proposer.propose([DraftRequest(1, prompt_ids[1], 4)])
+    changed = prompt_ids[1][:3] + prompt_ids[2]
+    again = proposer.propose([DraftRequest(1, changed, 4)])[0].token_ids
+    assert again == cacheless_greedy(draft_lm, changed, 4)
+
+
+def test_batched_equals_one_at_a_time(draft_lm, prompt_ids):
+    """Ragged caches (fresh, running, rolled back) and ragged draft counts in one batch; the
+    drafts and every sequence's cache after splitting must match the lone runs."""
+    batched, alone = DraftModelProposer(draft_lm, 512), DraftModelProposer(draft_lm, 512)
+    contexts = {0: prompt_ids[0], 1: prompt_ids[1]}
+    alone.propose([DraftRequest(0, contexts[0], 3)])
+    batched.propose([DraftRequest(0, contexts[0], 3)])
+    rng = random.Random(0)
+    for step in range(4):
+        if step == 1:
+            contexts[2] = prompt_ids[2]  # a fresh sequence joins running ones
+        requests = [DraftRequest(seq, ids, 2 + (seq + step) % 3) for seq, ids in contexts.items()]
+        together = batched.propose(requests)
+        for req, draft in zip(requests, together):
+            assert draft.token_ids == alone.propose([req])[0].token_ids
+            assert len(draft.token_ids) == req.num_tokens
+            accepted = rng.randrange(req.num_tokens + 1)
+            contexts[req.seq_id] = req.token_ids + draft.token_ids[:accepted] + [rng.randrange(1, 300)]
+    for seq in contexts:
+        a, b = alone._seqs[seq], batched._seqs[seq]
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-5)
+
+
+def test_probabilistic_drafts_come_with_their_distribution(draft_lm, prompt_ids):
+    proposer = DraftModelProposer(draft_lm, 512, "probabilistic", seed=0)
+    drafts = proposer.propose([DraftRequest(s, ids, 4) for s, ids in enumerate(prompt_ids)])
+    for ids, draft in zip(prompt_ids, drafts):
+        assert draft.probs.shape == (4, draft_lm.config.vocab_size)
+        assert draft.probs.dtype == torch.float32
+        torch.testing.assert_close(draft.probs.sum(dim=-1), torch.ones(4))
+        assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.token_ids))
+        # Row 0 is the drafter's next-token distribution after the context.
+        with torch.inference_mode():
+            first = draft_lm(input_ids=torch.tensor([ids])).logits[0, -1].softmax(-1)
+        torch.testing.assert_close(draft.probs[0], first, rtol=1e-4, atol=1e-6)
+
+
+def test_release_frees_the_sequence(draft_lm, prompt_ids):
+    proposer = DraftModelProposer(draft_lm, 512)
+    proposer.propose([DraftRequest(1, prompt_ids[0], 2), DraftRequest(2, prompt_ids[1], 2)])
+    assert proposer.num_sequences == 2
+    proposer.release(1)
+    proposer.release(99)  # unknown: nothing to do
+    assert set(proposer._seqs) == {2}
+
+
+def test_no_drafts_past_the_context_window(draft_lm, prompt_ids):
+    proposer = DraftModelProposer(draft_lm, len(prompt_ids[0]) + 2)
+    assert len(proposer.propose([DraftRequest(1, prompt_ids[0], 5)])[0].token_ids) == 2
+    assert proposer.propose([DraftRequest(2, prompt_ids[1], 5)])[0].token_ids == []
+
+
+def test_from_config(draft_dir, tiny_model_dir, prompt_ids):
+    proposer = build_proposer(draft_config(draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
+    assert isinstance(proposer, DraftModelProposer)
+    assert next(proposer.model.parameters()).dtype == torch.float32
+    int8 = build_proposer(draft_config(draft_dir, tiny_model_dir, quantization="int8"), max_model_len=512)
+    assert "DynamicQuantizedLinear" in repr(int8.model)
+    assert len(int8.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
+    with pytest.raises(ValueError, match="quantization='fp8'"):
+        build_proposer(draft_config(draft_dir, tiny_model_dir, quantization="fp8"), max_model_len=512)
+    config = draft_config(draft_dir, tiny_model_dir)
+    config.draft_tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
+        build_proposer(config, max_model_len=512)
+
+
+def speculate(runner, tokenizer, prompt, proposer, max_tokens=40):
+    """The orchestrator's loop in process with `proposer` drafting; the output ids and stats."""
+    # DraftService reads only the draft length from its config.
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4})
+    stats = GenerationStats()
+    seq_id = random.getrandbits(32)
+    drafter = LocalDrafter(DraftService(proposer, config))
+    out = []
+    request = GenerationRequest(prompt=prompt, max_tokens=max_tokens)
+    for step in generate(request, tokenizer(prompt)["input_ids"], seq_id, LocalVerifier(runner), drafter,
+                         TextStream(tokenizer), {0}, runner.max_model_len, stats):
+        out += step.token_ids
+    runner.release(seq_id)
+    drafter.release(seq_id)
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    return TargetRunner(tiny_model_dir, dtype="float32")
+
+
+def test_speculative_greedy_equals_target_greedy(runner, tokenizer, tiny_model_dir, draft_dir):
+    proposer = build_proposer(draft_config(draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
+    for prompt in PROMPTS:
+        out, stats = speculate(runner, tokenizer, prompt, proposer)
+        assert tuple(out) == hf_greedy(str(tiny_model_dir), prompt, 40)
+        assert stats.acceptance.num_draft_tokens > 0
+    assert proposer.num_sequences == 0
+
+
+def test_sampled_verification_with_the_draft_probs(runner, tiny_model_dir, prompt_ids):
+    """Drafting with the target's own weights: row j of the draft probabilities must be the
+    target's distribution for draft j (q = p), so every draft is accepted, where passing no
+    probabilities (q = 1) accepts a draft only with probability p."""
+    target = load_causal_lm(tiny_model_dir, "float32")
+    ids = prompt_ids[1]
+
+    def run(with_probs: bool) -> int:
+        proposer = DraftModelProposer(target, 512, "probabilistic", seed=0)
+        emitted, accepted, new = [], 0, list(ids)
+        for _ in range(4):
+            draft = proposer.propose([DraftRequest(5, ids + emitted, 4)])[0]
+            with torch.inference_mode():
+                logits = target(input_ids=torch.tensor([ids + emitted + draft.token_ids])).logits[0]
+            torch.testing.assert_close(draft.probs, logits[-5:-1].softmax(-1), rtol=1e-4, atol=1e-6)
+            sampling = SamplingParams(temperature=1.0, seed=3)
+            result = runner.verify(VerifyRequest(5, new, draft.token_ids, sampling,
+                                                 draft_probs=draft.probs if with_probs else None))
+            accepted += result.num_accepted
+            emitted += result.token_ids
+            new = []
+        runner.release(5)
+        return accepted
+
+    assert run(with_probs=True) == 16
+    assert run(with_probs=False) < 16
+
+
+def test_text_bridge_maps_draft_text_to_target_tokens(tiny_model_dir, hetero_dir):
+    target, draft = load_tokenizer(tiny_model_dir), load_tokenizer(hetero_dir)
+    context, continuation = "def add(a, b):", "\n    return a + b"
+    assert target(context)["input_ids"] != draft(context)["input_ids"]  # really another vocabulary
+    bridge = TextBridge(target, draft)
+    target_ids = target(context)["input_ids"]
+    draft_context = bridge.to_draft(target_ids)
+    assert draft_context == draft(context)["input_ids"]
+    whole = target(context + continuation)["input_ids"]
+    draft_drafts = draft(context + continuation)["input_ids"][len(draft_context):]
+    assert bridge.to_target(target_ids, draft_context, draft_drafts, 20) == whole[len(target_ids):]
+    assert bridge.to_target(target_ids, draft_context, draft_drafts, 2) == whole[len(target_ids):][:2]
+
+
+def test_heterogeneous_vocab_speculation_equals_target_greedy(runner, tokenizer, tiny_model_dir, hetero_dir):
+    config = draft_config(hetero_dir, tiny_model_dir, use_heterogeneous_vocab=True)
+    proposer = build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
+    vocab = runner.model.config.vocab_size
+    drafts = proposer.propose([DraftRequest(1, tokenizer(PROMPTS[0])["input_ids"], 4)])[0]
+    assert drafts.probs is None and drafts.token_ids and all(0 <= t < vocab for t in drafts.token_ids)
+    proposer.release(1)
+    for prompt in PROMPTS:
+        out, stats = speculate(runner, tokenizer, prompt, proposer)
+        assert tuple(out) == hf_greedy(str(tiny_model_dir), prompt, 40)
+        assert stats.acceptance.num_draft_tokens > 0
+
+
+def test_hf_baselines_reproduce_plain_greedy(tiny_model_dir, draft_dir):
+    prompts = PROMPTS[:2]
+    runs = {
+        "greedy": hf_greedy_timed(tiny_model_dir, prompts, 20, dtype="float32"),
+        "assisted": hf_assisted(tiny_model_dir, draft_dir, prompts, 20, dtype="float32"),
+        "prompt_lookup": hf_prompt_lookup(tiny_model_dir, prompts, 20, num_tokens=3, dtype="float32"),
+    }
+    for results in runs.values():
+        for prompt, result in zip(prompts, results):
+            assert tuple(result["ids"]) == hf_greedy(str(tiny_model_dir), prompt, 20)
+            assert result["num_tokens"] == len(result["ids"]) and result["tokens_per_s"] > 0
+            assert result["text"] and result["prompt"] == prompt

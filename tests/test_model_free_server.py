@@ -1,0 +1,60 @@
+"""The model-free drafters (`ngram_gpu`, `suffix`) through a real tritonserver on the tiny model:
+greedy output is the target's own, and drafts get accepted."""
+from __future__ import annotations
+
+import pytest
+
+from client.api import grpc_generate
+from tests.conftest import start_server
+from tests.helpers import hf_greedy
+
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):\n    return a + b\ndef add(a, b):",
+    "for i in range(10):\n    print(i, i * i)\nfor i in",
+    "a b c a b c a b c a b c",
+]
+REPETITIVE = PROMPTS[1]
+CONFIGS = {
+    "ngram_gpu": '{"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+    "suffix": '{"method": "suffix", "num_speculative_tokens": 4}',
+}
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory):
+    """{method: server}, one real server per method for the whole module."""
+    started = {}
+    try:
+        for method, config in sorted(CONFIGS.items()):
+            started[method] = start_server(tmp_path_factory.mktemp(f"{method}-server"),
+                                           str(tiny_model_dir), config)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_greedy_output_equals_target_greedy(servers, tiny_model_dir, method):
+    for prompt in PROMPTS:
+        result = grpc_generate(servers[method].grpc_url, prompt, max_tokens=40)
+        assert tuple(result.output_ids) == hf_greedy(str(tiny_model_dir), prompt, 40), prompt
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_drafts_are_accepted_on_a_repetitive_prompt(servers, method):
+    result = grpc_generate(servers[method].grpc_url, REPETITIVE, max_tokens=40)
+    assert 0 < result.total_accepted_draft_tokens <= result.total_draft_tokens
+
+
+def test_suffix_global_tree_helps_a_repeated_request(servers, tiny_model_dir):
+    server = servers["suffix"]
+    prompt = "Speculative decoding drafts tokens cheaply and"  # not sent to this server before
+    first = grpc_generate(server.grpc_url, prompt, max_tokens=40)
+    second = grpc_generate(server.grpc_url, prompt, max_tokens=40)
+    assert first.output_ids == second.output_ids == list(hf_greedy(str(tiny_model_dir), prompt, 40))
+    assert second.total_accepted_draft_tokens > first.total_accepted_draft_tokens
+    assert second.perf_metrics["mean_acceptance_length"] > first.perf_metrics["mean_acceptance_length"]
+    print("suffix, same prompt twice: accepted", first.total_accepted_draft_tokens, "then",
+          second.total_accepted_draft_tokens)
