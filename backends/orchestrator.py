@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
+import torch
+
 from backends.adaptive import AdaptiveDraftLength
 from backends.detokenize import TextStream
 from backends.rejection import AcceptanceStats
@@ -21,14 +23,17 @@ class Drafter(Protocol):
     num_speculative_tokens: int | None
 
     def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
-              requested: int | None) -> tuple[list[int], float]: ...
+              requested: int | None) -> tuple[list[int], torch.Tensor | None, float]:
+        """Draft ids, their [k, V] probabilities (None: one-hot / model-free) and the
+        seconds spent proposing."""
 
     def release(self, seq_id: int) -> None: ...
 
 
 class Verifier(Protocol):
     def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
-               sampling: SamplingParams | None, max_new_tokens: int | None = None) -> tuple[list[int], float]: ...
+               draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
+               max_new_tokens: int | None = None) -> tuple[list[int], float]: ...
 
     def release(self, seq_id: int) -> None: ...
 
@@ -127,14 +132,14 @@ def generate(
         if policy is None and adapt and speculate and drafter.num_speculative_tokens:
             policy = AdaptiveDraftLength(drafter.num_speculative_tokens)
         k = policy.next_k(room) if policy else room
-        drafts, draft_s, draft_wall = [], 0.0, 0.0
+        drafts, probs, draft_s, draft_wall = [], None, 0.0, 0.0
         if speculate and k > 0:
             start = time.perf_counter()
-            drafts, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens)
+            drafts, probs, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens)
             draft_wall = time.perf_counter() - start
             unseen_by_drafter = []
         start = time.perf_counter()
-        emitted, verify_s = verifier.verify(seq_id, unseen_by_verifier, drafts, sampling,
+        emitted, verify_s = verifier.verify(seq_id, unseen_by_verifier, drafts, probs, sampling,
                                             req.max_tokens if sampling else None)
         verify_wall = time.perf_counter() - start
         unseen_by_verifier, sampling = [], None

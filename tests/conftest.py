@@ -40,6 +40,12 @@ def start_server(tmp_path: Path, model: str, speculative_config: str = NGRAM_CON
 
 
 @pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> Path:
+    """A smaller sibling of the tiny model (same tokenizer, other weights): a draft model."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_layers=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("tiny-server"), str(tiny_model_dir),
                           sequence_idle_timeout_s="5")

@@ -27,8 +27,8 @@ PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_layers=1)
+def draft_dir(tiny_draft_dir):
+    return tiny_draft_dir
 
 
 @pytest.fixture(scope="module")

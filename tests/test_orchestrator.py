@@ -21,9 +21,9 @@ class LocalVerifier:
     def __init__(self, runner: TargetRunner) -> None:
         self.runner = runner
 
-    def verify(self, seq_id, new_token_ids, draft_token_ids, sampling, max_new_tokens=None):
+    def verify(self, seq_id, new_token_ids, draft_token_ids, draft_probs, sampling, max_new_tokens=None):
         r = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling,
-                                             max_new_tokens=max_new_tokens))
+                                             draft_probs=draft_probs, max_new_tokens=max_new_tokens))
         return r.token_ids, r.forward_s
 
     def release(self, seq_id):
@@ -36,7 +36,8 @@ class LocalDrafter:
         self.num_speculative_tokens = service.config.num_speculative_tokens
 
     def draft(self, seq_id, new_token_ids, max_tokens, requested):
-        return self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested)])[0].token_ids, 0.0
+        draft = self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested)])[0]
+        return draft.token_ids, draft.probs, 0.0
 
     def release(self, seq_id):
         self.service.release(seq_id)

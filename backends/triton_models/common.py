@@ -67,7 +67,8 @@ def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], seq_
     response = request.exec()
     if response.has_error():
         raise RuntimeError(response.error().message())
-    return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs}
+    found = {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
+    return {name: tensor.as_numpy() for name, tensor in found.items() if tensor is not None}
 
 
 class ActiveSequencesGauge:

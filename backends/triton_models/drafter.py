@@ -8,6 +8,7 @@ import logging
 import time
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
@@ -40,7 +41,8 @@ class TritonPythonModel:
             params.get("speculative_config", ""), target_model=str(target), target_max_model_len=max_len
         )
         self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
-        proposer = build_proposer(self.config, max_model_len=max_len or 2**31, target_model=target)
+        proposer = build_proposer(self.config, max_model_len=max_len or 2**31, target_model=target,
+                                  dtype=params.get("dtype", "bfloat16"))
         self.service = DraftService(proposer, self.config)
         self.active = ActiveSequencesGauge(args["model_name"])
         log.info("drafter ready: method=%s k=%d", self.config.method, self.config.num_speculative_tokens)
@@ -85,11 +87,14 @@ class TritonPythonModel:
                 return responses
             elapsed = (time.perf_counter() - start) / len(calls)
             for i, draft in zip(index, drafts):
-                responses[i] = self._response(draft.token_ids, elapsed)
+                responses[i] = self._response(draft.token_ids, elapsed, draft.probs)
         return responses
 
-    def _response(self, token_ids: list[int], propose_s: float) -> object:
-        return pb_utils.InferenceResponse(output_tensors=[
+    def _response(self, token_ids: list[int], propose_s: float, probs: torch.Tensor | None = None) -> object:
+        # Draft probabilities only from methods that sample their drafts (lossless sampled
+        # verification needs q); greedy drafts are one-hot and send none.
+        extra = [] if probs is None else [pb_utils.Tensor("draft_probs", probs.float().numpy()[None])]
+        return pb_utils.InferenceResponse(output_tensors=extra + [
             pb_utils.Tensor("draft_ids", np.array([token_ids], dtype=np.int64)),
             pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
             pb_utils.Tensor("method", np.array([[self.config.method.encode()]], dtype=np.object_)),

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.detokenize import TextStream
@@ -55,14 +56,17 @@ class BlsDrafter(_SequenceModel):
     num_speculative_tokens: int | None = None
 
     def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
-              requested: int | None) -> tuple[list[int], float]:
+              requested: int | None) -> tuple[list[int], torch.Tensor | None, float]:
         first = not self.method
-        outputs = ["draft_ids", "propose_ms"] + (["method", "num_speculative_tokens"] if first else [])
+        outputs = ["draft_ids", "propose_ms", "draft_probs"] + (["method", "num_speculative_tokens"] if first else [])
         out = self.call(self._inputs(new_token_ids, max_tokens, requested), outputs)
         if first:
             self.method = out["method"].reshape(-1)[0].decode()
             self.num_speculative_tokens = int(out["num_speculative_tokens"].item())
-        return out["draft_ids"].reshape(-1).tolist(), float(out["propose_ms"].item()) / 1e3
+        probs = out.get("draft_probs")
+        return (out["draft_ids"].reshape(-1).tolist(),
+                None if probs is None else torch.from_numpy(probs.reshape(probs.shape[-2:])),
+                float(out["propose_ms"].item()) / 1e3)
 
     @staticmethod
     def _inputs(token_ids: list[int], max_tokens: int, requested: int | None) -> dict:
@@ -78,10 +82,14 @@ class BlsDrafter(_SequenceModel):
 
 class BlsVerifier(_SequenceModel):
     def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
-               sampling: SamplingParams | None, max_new_tokens: int | None = None) -> tuple[list[int], float]:
+               draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
+               max_new_tokens: int | None = None) -> tuple[list[int], float]:
         # The first step carries the sequence's sampling parameters and its KV reservation.
         params = {"sampling": sampling.to_json(), "max_new_tokens": max_new_tokens} if sampling else None
-        out = self.call(self._inputs(new_token_ids, draft_token_ids), ["output_ids", "forward_ms"], params)
+        inputs = self._inputs(new_token_ids, draft_token_ids)
+        if draft_probs is not None:
+            inputs["draft_probs"] = draft_probs.numpy()[None]
+        out = self.call(inputs, ["output_ids", "forward_ms"], params)
         return out["output_ids"].reshape(-1).tolist(), float(out["forward_ms"].item()) / 1e3
 
     @staticmethod

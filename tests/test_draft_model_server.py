@@ -1,0 +1,72 @@
+"""draft_model through the real server: an LM drafts by sampling, so its probabilities travel
+drafter -> orchestrator -> verifier, and decoding stays lossless. The drafter is the target
+itself: its draft distribution overlaps the target's, so acceptance depends on q and a
+wrong q (lost or misaligned on the way) shows up as a biased output distribution."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from client.api import grpc_generate
+from tests.conftest import start_server
+from tests.helpers import hf_greedy
+from tests.test_sampling_server import total_variation
+
+SAMPLED_PROMPT = "The dog"  # the tiny model's next token: one likely, a few plausible
+
+PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):", "The quick brown fox", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def draft_server(tiny_model_dir, tmp_path_factory):
+    config = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
+              "draft_sample_method": "probabilistic"}
+    server = start_server(tmp_path_factory.mktemp("draft-server"), str(tiny_model_dir), json.dumps(config),
+                          sequence_idle_timeout_s="5")
+    yield server
+    server.stop()
+
+
+def test_greedy_equals_target_greedy(draft_server, tiny_model_dir):
+    accepted = 0
+    for prompt in PROMPTS:
+        r = grpc_generate(draft_server.grpc_url, prompt, max_tokens=40)
+        assert tuple(r.output_ids) == hf_greedy(str(tiny_model_dir), prompt, 40), prompt
+        accepted += r.total_accepted_draft_tokens
+    assert accepted > 0
+
+
+def coarse(dist: dict[int, float], keep: list[int]) -> dict[int, float]:
+    """Probabilities of the `keep` tokens and of everything else (-1): few cells, so 400
+    samples estimate them well."""
+    out = {t: dist.get(t, 0.0) for t in keep}
+    out[-1] = 1.0 - sum(out.values())
+    return out
+
+
+def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers import _load
+
+    model, tokenizer = _load(str(tiny_model_dir))
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([tokenizer(SAMPLED_PROMPT)["input_ids"]])).logits[0, -1]
+    exact = dict(enumerate((logits / 1.2).softmax(-1).tolist()))
+    keep = sorted(exact, key=exact.get, reverse=True)[:3]
+    # The drafter samples at temperature 1, the request at 1.2: q is sharper than p, so only a
+    # correct q in min(1, p/q) and max(p - q, 0) brings the output back to p.
+    assert 0.4 < sum(exact[t] for t in keep) < 0.9
+
+    def first_token(seed):
+        r = grpc_generate(draft_server.grpc_url, SAMPLED_PROMPT, max_tokens=4, temperature=1.2, random_seed=seed,
+                          ignore_eos=True)
+        return r.output_ids[0], r.total_accepted_draft_tokens
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(first_token, range(400)))
+    tokens = [t if t in keep else -1 for t, _ in results]
+    assert sum(a for _, a in results) > 100  # q overlaps p: many drafts pass
+    assert total_variation(tokens, coarse(exact, keep)) < 0.07
