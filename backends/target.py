@@ -90,8 +90,10 @@ class _Step:
 
 
 def _select_hidden(hidden_states: tuple, row: int, kept: int, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    # hidden_states[0] is the embedding output, so decoder layer i is at i + 1.
-    layers = [hidden_states[i + 1 if i >= 0 else i][row, :kept] for i in layer_ids]
+    """Layer id i = the residual stream entering decoder layer i (vLLM's and EAGLE-3's
+    numbering: HF's hidden_states[i]); id num_layers or -1 = the final hidden state after the
+    final norm (what EAGLE-1, Medusa and MTP read)."""
+    layers = [hidden_states[i][row, :kept] for i in layer_ids]
     return torch.stack(layers, dim=1).float().cpu()
 
 

@@ -137,14 +137,24 @@ def test_context_window_limits(runner, tokenizer):
 
 
 def test_hidden_states_match_a_plain_forward(runner, tokenizer):
+    """Id i is the residual stream entering decoder layer i; -1 is the final normed state."""
     ids = tokenizer(PROMPT)["input_ids"]
-    result = runner.verify(VerifyRequest(777, ids, [], None, hidden_layer_ids=(0, 1)))
+    captured = {}
+    model = runner.model.model
+    hooks = [model.layers[0].register_forward_hook(lambda m, i, o: captured.setdefault("layer0", o)),
+             model.norm.register_forward_hook(lambda m, i, o: captured.setdefault("norm", o))]
+    try:
+        with torch.inference_mode():
+            runner.model(input_ids=torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    result = runner.verify(VerifyRequest(777, ids, [], None, hidden_layer_ids=(1, -1)))
     runner.release(777)
-    with torch.inference_mode():
-        full = runner.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    layer0 = captured["layer0"][0] if isinstance(captured["layer0"], tuple) else captured["layer0"]
     assert result.hidden_states.shape == (len(ids), 2, runner.model.config.hidden_size)
-    torch.testing.assert_close(result.hidden_states[:, 0], full[1][0])
-    torch.testing.assert_close(result.hidden_states[:, 1], full[2][0])
+    torch.testing.assert_close(result.hidden_states[:, 0], layer0[0])
+    torch.testing.assert_close(result.hidden_states[:, 1], captured["norm"][0])
 
 
 def test_idle_sequences_are_released(runner, tokenizer):
