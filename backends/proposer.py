@@ -49,6 +49,8 @@ _REGISTRY: dict[str, str] = {
     "ngram_gpu": "backends.ngram_gpu:NgramGPUDrafter",
     "suffix": "backends.suffix:SuffixDrafter",
     "draft_model": "backends.draft_model:DraftModelProposer",
+    "eagle": "backends.eagle:EagleProposer",
+    "eagle3": "backends.eagle:Eagle3Proposer",
 }
 
 

@@ -1,84 +1,161 @@
-"""`tritonspec bench`: plain vs speculative decoding through a real server, batch 1.
+"""`tritonspec bench`: speculative decoding methods vs plain decoding through a real server,
+batch 1, greedy, on a fixed, versioned prompt set (code, chat, RAG with repeated text,
+multi-turn), optionally beside Hugging Face's own assisted generation on the same prompts.
 
-Runs are interleaved (plain, speculative, plain, ...) and medians reported, since this
-kind of machine is noisy. Time per request is split into drafting, the verifier's forward
-passes and everything else (BLS hops, accept/reject, detokenization, streaming): the
-orchestration overhead.
+Each method gets its own server (the drafter entry configured for it); plain decoding is
+measured on that same server with num_draft_tokens=0, interleaved with the method's runs,
+since this kind of machine is noisy. Per method and category: tokens/s, speedup vs plain,
+mean acceptance length, per-position acceptance, and time per step split into drafting,
+the verifier's forward pass and everything else (BLS hops, accept/reject, detokenization,
+streaming): the orchestration overhead.
 """
 from __future__ import annotations
 
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from client.api import grpc_generate
+from client.api import Generation, grpc_generate
 
-PROMPT_SET_VERSION = "spine-1"
-PROMPTS = {
-    "repetitive": (
-        "Repeat the following list exactly three times.\n"
-        "List: apple, banana, cherry, date, elderberry, fig, grape.\n"
-        "1. apple, banana, cherry, date, elderberry, fig, grape.\n2."
-    ),
-    "free-form": "Write a short story about a robot who learns to paint.",
+PROMPT_FILE = Path(__file__).parent / "data" / "bench_prompts.json"
+
+# Method name -> speculative config (draft_model's `model` is filled from --draft-model).
+METHOD_CONFIGS: dict[str, dict] = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "ngram_gpu": {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},
 }
 
 
-def run_bench(grpc_url: str, max_tokens: int = 128, repeats: int = 3,
-              modes: dict[str, int | None] | None = None) -> dict:
-    """{prompt: {mode: summary}}; a mode maps to num_draft_tokens (None = configured k)."""
-    modes = modes or {"plain": 0, "speculative": None}
+def load_prompts(categories: list[str] | None = None) -> tuple[str, dict[str, list[str]]]:
+    data = json.loads(PROMPT_FILE.read_text())
+    prompts = data["prompts"]
+    if categories:
+        unknown = set(categories) - set(prompts)
+        if unknown:
+            raise ValueError(f"unknown prompt categories {sorted(unknown)}; known: {sorted(prompts)}")
+        prompts = {c: prompts[c] for c in categories}
+    return data["version"], prompts
+
+
+def measure(grpc_url: str, prompts: dict[str, list[str]], max_tokens: int, repeats: int,
+            label: str) -> dict[str, dict[str, list[Generation]]]:
+    """{category: {"plain": [...], "speculative": [...]}}, runs interleaved."""
     grpc_generate(grpc_url, "warm up", max_tokens=8)
-    runs: dict[str, dict[str, list]] = {p: {m: [] for m in modes} for p in PROMPTS}
-    jobs = [(p, m) for _ in range(repeats) for p in PROMPTS for m in modes]
-    for prompt, mode in tqdm(jobs, desc="bench", unit="request"):
-        extra = {} if modes[mode] is None else {"num_draft_tokens": modes[mode]}
-        runs[prompt][mode].append(grpc_generate(grpc_url, PROMPTS[prompt], max_tokens=max_tokens,
-                                                ignore_eos=True, **extra))
-    report = {"prompt_set": PROMPT_SET_VERSION, "max_tokens": max_tokens, "repeats": repeats, "results": {}}
-    for prompt, by_mode in runs.items():
-        report["results"][prompt] = {mode: _summary(results) for mode, results in by_mode.items()}
-        plain = report["results"][prompt].get("plain")
-        for summary in report["results"][prompt].values():
-            if plain:
-                summary["speedup_vs_plain"] = summary["tokens_per_s"] / plain["tokens_per_s"]
-    return report
+    runs: dict[str, dict[str, list[Generation]]] = {c: {"plain": [], "speculative": []} for c in prompts}
+    jobs = [(c, p, mode) for _ in range(repeats) for c, ps in prompts.items() for p in ps
+            for mode in ("plain", "speculative")]
+    for category, prompt, mode in tqdm(jobs, desc=f"bench {label}", unit="request"):
+        extra = {"num_draft_tokens": 0} if mode == "plain" else {}
+        runs[category][mode].append(grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=True, **extra))
+    return runs
 
 
-def _summary(results: list) -> dict:
-    def med(key: str) -> float:
-        return statistics.median(r.perf_metrics[key] or 0.0 for r in results)
-
-    steps = med("num_steps")
+def summarize(results: list[Generation]) -> dict[str, Any]:
+    """Totals over all runs (so long and short prompts weigh by their tokens)."""
+    metrics = [r.perf_metrics for r in results]
+    tokens = sum(r.num_output_tokens for r in results)
+    seconds = sum(r.seconds for r in results)
+    steps = sum(m["num_steps"] for m in metrics)
+    drafts = sum(m["num_drafts"] for m in metrics)
+    accepted = sum(m["num_accepted_tokens"] for m in metrics)
+    drafted = sum(m["num_draft_tokens"] for m in metrics)
+    width = max((len(m["accepted_per_position"]) for m in metrics), default=0)
+    per_position = [sum(m["accepted_per_position"][i] for m in metrics if i < len(m["accepted_per_position"]))
+                    for i in range(width)]
     return {
-        "tokens_per_s": statistics.median(r.tokens_per_second for r in results),
-        "mean_acceptance_length": med("mean_acceptance_length") or 1.0,
-        "tokens_per_step": med("tokens_per_step"),
-        "acceptance_rate": med("acceptance_rate"),
-        "accepted_per_position": results[0].perf_metrics["accepted_per_position"],
-        "steps": steps,
-        "draft_ms_per_step": med("draft_ms") / steps,
-        "verify_ms_per_step": med("verify_ms") / steps,
-        "overhead_ms_per_step": med("overhead_ms") / steps,
-        "overhead_share": med("overhead_ms") / med("total_ms"),
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "per_position_acceptance": [n / drafts for n in per_position] if drafts else [],
+        "tokens_per_step": tokens / steps if steps else 0.0,
+        "draft_ms_per_step": sum(m["draft_ms"] for m in metrics) / steps,
+        "verify_ms_per_step": sum(m["verify_ms"] for m in metrics) / steps,
+        "overhead_ms_per_step": sum(m["overhead_ms"] for m in metrics) / steps,
+        "overhead_share": sum(m["overhead_ms"] for m in metrics) / sum(m["total_ms"] for m in metrics),
+        "output_token_ids": [r.output_ids for r in results],
     }
 
 
+def compare(runs: dict[str, dict[str, list[Generation]]]) -> dict[str, dict]:
+    """Per category: plain and speculative summaries, speedup, and whether outputs agree."""
+    out = {}
+    for category, by_mode in runs.items():
+        plain, spec = summarize(by_mode["plain"]), summarize(by_mode["speculative"])
+        same = plain.pop("output_token_ids") == spec.pop("output_token_ids")
+        out[category] = {"plain": plain, "speculative": spec, "identical_output": same,
+                         "speedup_vs_plain": spec["tokens_per_s"] / plain["tokens_per_s"]}
+    return out
+
+
+def hf_comparison(target: str, draft: str | None, prompts: dict[str, list[str]], max_tokens: int,
+                  dtype: str) -> dict[str, dict[str, float]]:
+    """Hugging Face plain greedy, assisted generation (with a draft model) and prompt lookup
+    on the same prompts: tokens/s per category."""
+    from client.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
+
+    flat = [(c, p) for c, ps in prompts.items() for p in ps]
+    texts = [p for _, p in flat]
+    runners = {"hf_greedy": lambda: hf_greedy_timed(target, texts, max_tokens, dtype),
+               "hf_prompt_lookup": lambda: hf_prompt_lookup(target, texts, max_tokens, dtype=dtype)}
+    if draft:
+        runners["hf_assisted"] = lambda: hf_assisted(target, draft, texts, max_tokens, dtype)
+    out: dict[str, dict[str, float]] = {}
+    for name, runner in tqdm(runners.items(), desc="hugging face", unit="mode"):
+        rows = runner()
+        for category in prompts:
+            picked = [r for (c, _), r in zip(flat, rows) if c == category]
+            out.setdefault(category, {})[name] = (sum(r["num_tokens"] for r in picked)
+                                                 / sum(r["seconds"] for r in picked))
+    return out
+
+
 def format_report(report: dict) -> str:
-    lines = [f"prompt set {report['prompt_set']}, {report['max_tokens']} tokens, median of {report['repeats']}",
-             f"{'prompt':12} {'mode':12} {'tok/s':>7} {'speedup':>8} {'MAL':>5} {'accept':>7} "
-             f"{'draft':>7} {'verify':>7} {'overhead':>9} {'share':>6}  (ms per step)"]
-    for prompt, by_mode in report["results"].items():
-        for mode, s in by_mode.items():
+    lines = [f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "
+             f"target {report['model']} ({report['dtype']})",
+             f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'accept':>7} "
+             f"{'draft':>6} {'verify':>7} {'ovh':>5} {'ovh%':>5} same  per-position acceptance"]
+    for method, by_category in report["methods"].items():
+        for category, r in by_category.items():
+            s = r["speculative"]
             lines.append(
-                f"{prompt:12} {mode:12} {s['tokens_per_s']:7.1f} {s.get('speedup_vs_plain', 1):7.2f}x "
-                f"{s['mean_acceptance_length']:5.2f} {s['acceptance_rate']:7.2f} {s['draft_ms_per_step']:7.2f} "
-                f"{s['verify_ms_per_step']:7.2f} {s['overhead_ms_per_step']:9.2f} {s['overhead_share']:6.1%}"
-            )
+                f"{method:12} {category:11} {s['tokens_per_s']:7.1f} {r['plain']['tokens_per_s']:7.1f} "
+                f"{r['speedup_vs_plain']:7.2f}x {s['mean_acceptance_length']:5.2f} {s['acceptance_rate']:7.2f} "
+                f"{s['draft_ms_per_step']:6.1f} {s['verify_ms_per_step']:7.1f} {s['overhead_ms_per_step']:5.1f} "
+                f"{s['overhead_share']:5.1%} {'yes' if r['identical_output'] else 'NO':4} "
+                + " ".join(f"{a:.2f}" for a in s["per_position_acceptance"]))
+    for category, hf in report.get("huggingface", {}).items():
+        lines.append(f"{'huggingface':12} {category:11} " + "  ".join(f"{k}={v:.1f} tok/s" for k, v in hf.items()))
     return "\n".join(lines)
 
 
-def save_report(report: dict, path: Path) -> None:
-    path.write_text(json.dumps(report, indent=2))
+def plot_report(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = list(next(iter(report["methods"].values())))
+    series = {"plain": [statistics.median(report["methods"][m][c]["plain"]["tokens_per_s"]
+                                          for m in report["methods"]) for c in categories]}
+    for method, by_category in report["methods"].items():
+        series[method] = [by_category[c]["speculative"]["tokens_per_s"] for c in categories]
+    for name in ("hf_greedy", "hf_assisted", "hf_prompt_lookup"):
+        if report.get("huggingface") and name in next(iter(report["huggingface"].values())):
+            series[name] = [report["huggingface"][c][name] for c in categories]
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(categories)), 4))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories)
+    ax.set_ylabel("output tokens/s (batch 1, greedy)")
+    ax.set_title(f"{report['model']} ({report['dtype']}), prompt set v{report['prompt_set']}")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -171,28 +171,43 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from client.bench import format_report, run_bench, save_report
+    from client.bench import METHOD_CONFIGS, compare, format_report, hf_comparison, load_prompts, measure, plot_report
     from client.server import RepositoryOverrides, TritonServer
 
-    server = None
-    url = args.url
-    if url is None:  # start our own server on the default model repository
-        if args.model in NAMED_MODELS:
-            fetch(args.model)
-        overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
-        if args.speculative_config:
-            overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
-        server = TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
-                              overrides=overrides, log_path=Path(args.out).with_suffix(".server.log")).start()
-        url = server.grpc_url
-    try:
-        report = run_bench(url, args.max_tokens, args.repeats)
-    finally:
-        if server:
-            server.stop()
+    if args.profile:
+        args.model = PROFILES[args.profile]["model"]
+        args.draft_model = args.draft_model or PROFILES[args.profile]["speculative_config"]["model"]
+    version, prompts = load_prompts(args.categories)
+    target = fetch(args.model) if args.model in NAMED_MODELS else resolve_model(args.model)
+    draft = None
+    if args.draft_model:
+        draft = fetch(args.draft_model) if args.draft_model in NAMED_MODELS else resolve_model(args.draft_model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"prompt_set": version, "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "methods": {}}
+    for method in args.methods:
+        config = dict(METHOD_CONFIGS[method])
+        if method == "draft_model":
+            if draft is None:
+                print("error: the draft_model method needs --draft-model (or --profile)", file=sys.stderr)
+                return 2
+            config["model"] = str(draft)
+        if args.num_speculative_tokens:
+            config["num_speculative_tokens"] = args.num_speculative_tokens
+        overrides = RepositoryOverrides(common={"model": str(target), "dtype": args.dtype},
+                                        per_model={"drafter": {"speculative_config": json.dumps(config)}})
+        with TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
+                          overrides=overrides, log_path=out / f"server-{method}.log") as server:
+            runs = measure(server.grpc_url, prompts, args.max_tokens, args.repeats, method)
+        report["methods"][method] = compare(runs)
+    if args.hf:
+        report["huggingface"] = hf_comparison(str(target), str(draft) if draft else None, prompts,
+                                              args.max_tokens, args.dtype)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    plot_report(report, out / "bench.png")
     print(format_report(report))
-    save_report(report, Path(args.out))
-    print(f"written: {args.out}")
+    print(f"written: {out / 'bench.json'}, {out / 'bench.png'}")
     return 0
 
 
@@ -278,15 +293,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="also print the whole result as JSON")
     gen.set_defaults(func=_generate)
 
-    bench = sub.add_parser("bench", help="plain vs speculative decoding through a real server")
-    bench.add_argument("--url", help="gRPC url of a running server (default: start one)")
-    bench.add_argument("--model", default=DEFAULT_MODEL)
+    bench = sub.add_parser("bench", help="speculative methods vs plain decoding (and Hugging Face) through a real server")
+    bench.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
+                       choices=["ngram", "ngram_gpu", "suffix", "draft_model"])
+    bench.add_argument("--model", default=DEFAULT_MODEL, help="target (named, HF directory or GGUF)")
+    bench.add_argument("--draft-model", help="drafter for draft_model (named, HF directory or GGUF)")
+    bench.add_argument("--profile", choices=sorted(PROFILES), help="target + drafter pair, e.g. qwen-coder")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    bench.add_argument("-sc", "--speculative-config")
+    bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
+    bench.add_argument("--num-speculative-tokens", type=int, help="k for every method")
     bench.add_argument("--max-tokens", type=int, default=128)
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--hf", action="store_true", help="also run Hugging Face greedy / assisted / prompt lookup")
     bench.add_argument("--port", type=int, default=18800, help="HTTP port; gRPC and metrics follow")
-    bench.add_argument("--out", default="bench.json")
+    bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=_bench)
 
     perf = sub.add_parser("perf", help="perf_analyzer concurrency sweep, plain vs speculative, with a chart")

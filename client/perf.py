@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from client.bench import PROMPTS
+from client.bench import load_prompts
 from client.perf_analyzer import run as run_perf_analyzer
 
 MODES = {"plain": 0, "speculative": None}  # mode -> num_draft_tokens (None = configured)
@@ -67,7 +67,7 @@ def run_sweep(grpc_url: str, out_dir: Path, concurrencies: tuple[int, ...] = (1,
     for mode, concurrency in tqdm(jobs, desc="perf sweep", unit="run"):
         data = out_dir / f"input_{mode}.json"
         rows = []
-        for prompt in PROMPTS.values():
+        for prompt in (p for category in load_prompts()[1].values() for p in category):
             row = {"text_input": [prompt], "max_tokens": [max_tokens], "stream": [True], "ignore_eos": [True]}
             if MODES[mode] is not None:
                 row["num_draft_tokens"] = [MODES[mode]]

@@ -46,6 +46,12 @@ def tiny_draft_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hetero_dir(tmp_path_factory) -> Path:
+    """A drafter with another tokenizer (a smaller BPE vocabulary learns other merges)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-hetero"), seed=2, vocab_size=300, num_layers=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("tiny-server"), str(tiny_model_dir),
                           sequence_idle_timeout_s="5")

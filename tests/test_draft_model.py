@@ -32,9 +32,8 @@ def draft_dir(tiny_draft_dir):
 
 
 @pytest.fixture(scope="module")
-def hetero_dir(tmp_path_factory):
-    """Another tokenizer: a smaller BPE vocabulary learns other merges."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-hetero"), seed=2, vocab_size=300, num_layers=1)
+def hetero_dir(tiny_hetero_dir):
+    return tiny_hetero_dir
 
 
 @pytest.fixture(scope="module")

@@ -70,3 +70,33 @@ def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_
     tokens = [t if t in keep else -1 for t, _ in results]
     assert sum(a for _, a in results) > 100  # q overlaps p: many drafts pass
     assert total_variation(tokens, coarse(exact, keep)) < 0.07
+
+
+def test_heterogeneous_vocab_drafter_through_the_server(tiny_model_dir, tiny_hetero_dir, tmp_path):
+    """A drafter with another tokenizer drafts through text; output is still the target's."""
+    config = {"method": "draft_model", "model": str(tiny_hetero_dir), "num_speculative_tokens": 3,
+              "use_heterogeneous_vocab": True}
+    server = start_server(tmp_path, str(tiny_model_dir), json.dumps(config))
+    try:
+        drafted = 0
+        for prompt in PROMPTS:
+            r = grpc_generate(server.grpc_url, prompt, max_tokens=32)
+            assert tuple(r.output_ids) == hf_greedy(str(tiny_model_dir), prompt, 32), prompt
+            drafted += r.total_draft_tokens
+        assert drafted > 0
+    finally:
+        server.stop()
+
+
+def test_mismatched_vocabulary_is_refused_at_load(tiny_model_dir, tiny_hetero_dir, tmp_path):
+    from backends.config import SpeculativeConfig
+
+    config = json.dumps({"method": "draft_model", "model": str(tiny_hetero_dir), "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="same vocabulary size"):
+        SpeculativeConfig.from_json(config, target_model=str(tiny_model_dir))
+    server = start_server(tmp_path, str(tiny_model_dir), config, require_all_models=False)
+    try:
+        state, reason = server.model_states()["drafter"]
+        assert state == "UNAVAILABLE" and "same vocabulary size" in reason
+    finally:
+        server.stop()
