@@ -208,7 +208,7 @@ class Eagle3Head(EagleHead):
         layer = self.layers[0]
         normed = layer.hidden_norm(features)
         attn_input = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids)), normed], dim=-1)
-        residual = features if self.norm_before_residual else normed
+        residual = normed if self.norm_before_residual else features
         return layer.run(attn_input, residual, self.rotary_emb(features, position_ids), mask, cache)
 
     def logits(self, hidden):
