@@ -7,6 +7,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from backends.config import SpeculativeConfig
 from backends.proposer import Draft, DraftRequest, Proposer
 
@@ -19,6 +21,7 @@ class DraftCall:
     new_token_ids: list[int]  # tokens appended since the last call (the prompt on the first)
     max_tokens: int  # the caller's clamp: room left in max_tokens and the context window
     requested: int | None = None  # the client's num_draft_tokens; None = configured
+    hidden_states: torch.Tensor | None = None  # target rows since the last call (EAGLE family)
 
 
 class DraftService:
@@ -46,7 +49,7 @@ class DraftService:
             self._last_used[call.seq_id] = now
             k = self.num_tokens(call)
             if k > 0 and tokens:
-                batch.append(DraftRequest(call.seq_id, tokens, k))
+                batch.append(DraftRequest(call.seq_id, tokens, k, call.hidden_states))
                 index.append(i)
         for i, draft in zip(index, self.proposer.propose(batch) if batch else []):
             drafts[i] = draft

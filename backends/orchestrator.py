@@ -19,13 +19,16 @@ from backends.request import GenerationRequest, RequestError, SamplingParams
 
 
 class Drafter(Protocol):
-    # The drafter's configured k, known once it has answered (the adaptive policy's range).
+    # Known once the drafter has answered: its configured k (the adaptive policy's range)
+    # and the target layers whose hidden states it drafts from (empty: token ids suffice).
     num_speculative_tokens: int | None
+    hidden_layer_ids: tuple[int, ...]
 
-    def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
-              requested: int | None) -> tuple[list[int], torch.Tensor | None, float]:
+    def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int, requested: int | None,
+              hidden_states: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None, float]:
         """Draft ids, their [k, V] probabilities (None: one-hot / model-free) and the
-        seconds spent proposing."""
+        seconds spent proposing. `hidden_states`: the target's rows for every position it
+        ran since the last call, [rows, layers, hidden]."""
 
     def release(self, seq_id: int) -> None: ...
 
@@ -33,7 +36,10 @@ class Drafter(Protocol):
 class Verifier(Protocol):
     def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
                draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
-               max_new_tokens: int | None = None) -> tuple[list[int], float]: ...
+               max_new_tokens: int | None = None, hidden_layer_ids: tuple[int, ...] = (),
+               ) -> tuple[list[int], float, torch.Tensor | None]:
+        """Emitted ids, forward seconds, and the hidden states of the kept positions for
+        `hidden_layer_ids`."""
 
     def release(self, seq_id: int) -> None: ...
 
@@ -116,6 +122,7 @@ def generate(
     unseen_by_drafter = list(prompt_ids)
     sampling: SamplingParams | None = req.sampling
     policy: AdaptiveDraftLength | None = None
+    hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
     # A seeded sampled request keeps a fixed draft length: adaptive k follows timings, and a
     # different k would change which random draws each token uses (no reproducibility).
     seeded = not req.sampling.greedy and req.sampling.seed is not None
@@ -135,13 +142,17 @@ def generate(
         drafts, probs, draft_s, draft_wall = [], None, 0.0, 0.0
         if speculate and k > 0:
             start = time.perf_counter()
-            drafts, probs, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens)
+            hidden = torch.cat(hidden_rows) if hidden_rows else None
+            drafts, probs, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens, hidden)
             draft_wall = time.perf_counter() - start
-            unseen_by_drafter = []
+            unseen_by_drafter, hidden_rows = [], []
+        layer_ids = drafter.hidden_layer_ids if speculate else ()
         start = time.perf_counter()
-        emitted, verify_s = verifier.verify(seq_id, unseen_by_verifier, drafts, probs, sampling,
-                                            req.max_tokens if sampling else None)
+        emitted, verify_s, hidden = verifier.verify(seq_id, unseen_by_verifier, drafts, probs, sampling,
+                                                    req.max_tokens if sampling else None, layer_ids)
         verify_wall = time.perf_counter() - start
+        if hidden is not None:
+            hidden_rows.append(hidden)
         unseen_by_verifier, sampling = [], None
         stats.record(len(drafts), len(emitted), draft_s, verify_s)
         if policy:

@@ -360,52 +360,17 @@ def test_hidden_state_contract(heads, runner, prompt_ids):
 # ---------------------------------------------------------------------------- end to end
 
 
-class HiddenStateVerifier:
-    """The orchestrator's verifier, also collecting each step's hidden states per sequence."""
-
-    def __init__(self, runner: TargetRunner, layer_ids: tuple[int, ...], mailbox: dict) -> None:
-        self.runner, self.layer_ids, self.mailbox = runner, layer_ids, mailbox
-
-    def verify(self, seq_id, new_token_ids, draft_token_ids, draft_probs, sampling, max_new_tokens=None):
-        r = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling,
-                                             hidden_layer_ids=self.layer_ids, draft_probs=draft_probs,
-                                             max_new_tokens=max_new_tokens))
-        self.mailbox.setdefault(seq_id, []).append(r.hidden_states)
-        return r.token_ids, r.forward_s
-
-    def release(self, seq_id):
-        self.runner.release(seq_id)
-
-
-class HiddenStateDrafter:
-    """The orchestrator's drafter: keeps each sequence's tokens and hands the proposer every
-    hidden-state row collected since its last call."""
-
-    def __init__(self, proposer: EagleProposer, k: int, mailbox: dict) -> None:
-        self.proposer, self.num_speculative_tokens, self.mailbox = proposer, k, mailbox
-        self.tokens: dict[int, list[int]] = {}
-
-    def draft(self, seq_id, new_token_ids, max_tokens, requested):
-        tokens = self.tokens.setdefault(seq_id, [])
-        tokens.extend(new_token_ids)
-        rows = self.mailbox.pop(seq_id, [])
-        hidden = torch.cat(rows) if rows else None
-        draft = self.proposer.propose([DraftRequest(seq_id, tokens, min(self.num_speculative_tokens, max_tokens),
-                                                    hidden)])[0]
-        return draft.token_ids, draft.probs, 0.0
-
-    def release(self, seq_id):
-        self.proposer.release(seq_id)
-        self.tokens.pop(seq_id, None)
-
-
 @pytest.mark.parametrize("method", HEADS)
 def test_speculative_greedy_equals_target_greedy(method, heads, runner, tokenizer, target_dir):
+    """The orchestrator's loop carries the verifier's hidden states to the next draft call."""
+    from backends.config import SpeculativeConfig
+    from backends.drafting import DraftService
+    from tests.test_orchestrator import LocalDrafter, LocalVerifier
+
     proposer = EagleProposer(heads[method], 512)
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4})  # k only
     for prompt in PROMPTS[:2]:
-        mailbox: dict = {}
-        verifier = HiddenStateVerifier(runner, proposer.hidden_layer_ids, mailbox)
-        drafter = HiddenStateDrafter(proposer, 4, mailbox)
+        verifier, drafter = LocalVerifier(runner), LocalDrafter(DraftService(proposer, config))
         stats, out, seq_id = GenerationStats(), [], random.getrandbits(32)
         for step in generate(GenerationRequest(prompt=prompt, max_tokens=24), tokenizer(prompt)["input_ids"], seq_id,
                              verifier, drafter, TextStream(tokenizer), {0}, runner.max_model_len, stats,
@@ -416,3 +381,23 @@ def test_speculative_greedy_equals_target_greedy(method, heads, runner, tokenize
         assert tuple(out) == hf_greedy(str(target_dir), prompt, 24)
         assert stats.acceptance.num_draft_tokens > 0
     assert proposer.num_sequences == 0 and not runner.sequences
+
+
+@pytest.mark.parametrize("method", HEADS)
+def test_served_greedy_equals_target_greedy(method, checkpoints, target_dir, tmp_path):
+    """Through the real server: the verifier returns the hidden states the head names, the
+    orchestrator carries them to the drafter, and the output is the target's own."""
+    from client.api import grpc_generate
+    from tests.conftest import start_server
+
+    config = {"method": method, "model": str(checkpoints[HEADS[method]][0]), "num_speculative_tokens": 3}
+    server = start_server(tmp_path, str(target_dir), json.dumps(config))
+    try:
+        drafted = 0
+        for prompt in PROMPTS:
+            r = grpc_generate(server.grpc_url, prompt, max_tokens=24)
+            assert tuple(r.output_ids) == hf_greedy(str(target_dir), prompt, 24), prompt
+            drafted += r.total_draft_tokens
+        assert drafted > 0
+    finally:
+        server.stop()

@@ -21,10 +21,11 @@ class LocalVerifier:
     def __init__(self, runner: TargetRunner) -> None:
         self.runner = runner
 
-    def verify(self, seq_id, new_token_ids, draft_token_ids, draft_probs, sampling, max_new_tokens=None):
-        r = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling,
+    def verify(self, seq_id, new_token_ids, draft_token_ids, draft_probs, sampling, max_new_tokens=None,
+               hidden_layer_ids=()):
+        r = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling, hidden_layer_ids,
                                              draft_probs=draft_probs, max_new_tokens=max_new_tokens))
-        return r.token_ids, r.forward_s
+        return r.token_ids, r.forward_s, r.hidden_states
 
     def release(self, seq_id):
         self.runner.release(seq_id)
@@ -34,9 +35,10 @@ class LocalDrafter:
     def __init__(self, service: DraftService) -> None:
         self.service = service
         self.num_speculative_tokens = service.config.num_speculative_tokens
+        self.hidden_layer_ids = service.proposer.hidden_layer_ids
 
-    def draft(self, seq_id, new_token_ids, max_tokens, requested):
-        draft = self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested)])[0]
+    def draft(self, seq_id, new_token_ids, max_tokens, requested, hidden_states=None):
+        draft = self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested, hidden_states)])[0]
         return draft.token_ids, draft.probs, 0.0
 
     def release(self, seq_id):

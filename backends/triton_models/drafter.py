@@ -16,7 +16,7 @@ from backends.drafting import DraftCall, DraftService
 from backends.model_store import DEFAULT_MODEL, resolve_model
 from backends.proposer import build_proposer
 from backends.triton_models.common import (
-    SEQUENCE_END, ActiveSequencesGauge, error_response, input_ids, input_scalar,
+    SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, input_scalar,
     model_parameters, setup_logging,
 )
 
@@ -63,11 +63,13 @@ class TritonPythonModel:
                 responses[i] = self._response([], 0.0)
                 continue
             requested = input_scalar(request, "num_draft_tokens")
+            hidden = input_array(request, "hidden_states")
             call = DraftCall(
                 seq_id,
                 input_ids(request, "input_ids"),
                 int(input_scalar(request, "max_draft_tokens")),
                 None if requested is None or requested < 0 else int(requested),
+                None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
             )
             try:
                 self.service.num_tokens(call)  # refuse a bad request alone, not its batch
@@ -100,4 +102,6 @@ class TritonPythonModel:
             pb_utils.Tensor("method", np.array([[self.config.method.encode()]], dtype=np.object_)),
             pb_utils.Tensor("num_speculative_tokens",
                             np.array([[self.config.num_speculative_tokens]], dtype=np.int32)),
+            pb_utils.Tensor("hidden_layer_ids",
+                            np.array([self.service.proposer.hidden_layer_ids], dtype=np.int32).reshape(1, -1)),
         ])

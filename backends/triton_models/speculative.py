@@ -54,15 +54,22 @@ class BlsDrafter(_SequenceModel):
     # The drafter's method (metrics label) and configured k, learnt from its first answer.
     method = ""
     num_speculative_tokens: int | None = None
+    hidden_layer_ids: tuple[int, ...] = ()
 
-    def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int,
-              requested: int | None) -> tuple[list[int], torch.Tensor | None, float]:
+    def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int, requested: int | None,
+              hidden_states: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None, float]:
         first = not self.method
-        outputs = ["draft_ids", "propose_ms", "draft_probs"] + (["method", "num_speculative_tokens"] if first else [])
-        out = self.call(self._inputs(new_token_ids, max_tokens, requested), outputs)
+        outputs = ["draft_ids", "propose_ms", "draft_probs"]
+        if first:
+            outputs += ["method", "num_speculative_tokens", "hidden_layer_ids"]
+        inputs = self._inputs(new_token_ids, max_tokens, requested)
+        if hidden_states is not None:
+            inputs["hidden_states"] = hidden_states.numpy()[None]
+        out = self.call(inputs, outputs)
         if first:
             self.method = out["method"].reshape(-1)[0].decode()
             self.num_speculative_tokens = int(out["num_speculative_tokens"].item())
+            self.hidden_layer_ids = tuple(out["hidden_layer_ids"].reshape(-1).tolist())
         probs = out.get("draft_probs")
         return (out["draft_ids"].reshape(-1).tolist(),
                 None if probs is None else torch.from_numpy(probs.reshape(probs.shape[-2:])),
@@ -83,14 +90,21 @@ class BlsDrafter(_SequenceModel):
 class BlsVerifier(_SequenceModel):
     def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
                draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
-               max_new_tokens: int | None = None) -> tuple[list[int], float]:
+               max_new_tokens: int | None = None, hidden_layer_ids: tuple[int, ...] = (),
+               ) -> tuple[list[int], float, torch.Tensor | None]:
         # The first step carries the sequence's sampling parameters and its KV reservation.
         params = {"sampling": sampling.to_json(), "max_new_tokens": max_new_tokens} if sampling else None
         inputs = self._inputs(new_token_ids, draft_token_ids)
         if draft_probs is not None:
             inputs["draft_probs"] = draft_probs.numpy()[None]
-        out = self.call(inputs, ["output_ids", "forward_ms"], params)
-        return out["output_ids"].reshape(-1).tolist(), float(out["forward_ms"].item()) / 1e3
+        outputs = ["output_ids", "forward_ms"]
+        if hidden_layer_ids:
+            inputs["hidden_layer_ids"] = np.array([hidden_layer_ids], dtype=np.int32)
+            outputs.append("hidden_states")
+        out = self.call(inputs, outputs, params)
+        hidden = out.get("hidden_states")
+        return (out["output_ids"].reshape(-1).tolist(), float(out["forward_ms"].item()) / 1e3,
+                None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])))
 
     @staticmethod
     def _inputs(token_ids: list[int], draft_ids: list[int]) -> dict:
