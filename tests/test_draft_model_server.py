@@ -11,8 +11,7 @@ import torch
 
 from client.api import grpc_generate
 from tests.conftest import start_server
-from tests.helpers import hf_greedy
-from tests.test_sampling_server import total_variation
+from tests.helpers import coarse_total_variation, hf_greedy
 
 SAMPLED_PROMPT = "The dog"  # the tiny model's next token: one likely, a few plausible
 
@@ -38,14 +37,6 @@ def test_greedy_equals_target_greedy(draft_server, tiny_model_dir):
     assert accepted > 0
 
 
-def coarse(dist: dict[int, float], keep: list[int]) -> dict[int, float]:
-    """Probabilities of the `keep` tokens and of everything else (-1): few cells, so 400
-    samples estimate them well."""
-    out = {t: dist.get(t, 0.0) for t in keep}
-    out[-1] = 1.0 - sum(out.values())
-    return out
-
-
 def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -55,10 +46,10 @@ def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([tokenizer(SAMPLED_PROMPT)["input_ids"]])).logits[0, -1]
     exact = dict(enumerate((logits / 1.2).softmax(-1).tolist()))
-    keep = sorted(exact, key=exact.get, reverse=True)[:3]
+    top3 = sum(sorted(exact.values(), reverse=True)[:3])
     # The drafter samples at temperature 1, the request at 1.2: q is sharper than p, so only a
     # correct q in min(1, p/q) and max(p - q, 0) brings the output back to p.
-    assert 0.4 < sum(exact[t] for t in keep) < 0.9
+    assert 0.4 < top3 < 0.9
 
     def first_token(seed):
         r = grpc_generate(draft_server.grpc_url, SAMPLED_PROMPT, max_tokens=4, temperature=1.2, random_seed=seed,
@@ -66,10 +57,9 @@ def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_
         return r.output_ids[0], r.total_accepted_draft_tokens
 
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(first_token, range(400)))
-    tokens = [t if t in keep else -1 for t, _ in results]
+        results = list(pool.map(first_token, range(600)))
     assert sum(a for _, a in results) > 100  # q overlaps p: many drafts pass
-    assert total_variation(tokens, coarse(exact, keep)) < 0.07
+    assert coarse_total_variation([t for t, _ in results], exact) < 0.09
 
 
 def test_heterogeneous_vocab_drafter_through_the_server(tiny_model_dir, tiny_hetero_dir, tmp_path):
