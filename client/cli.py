@@ -200,6 +200,12 @@ def _bench(args: argparse.Namespace) -> int:
         with TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
                           overrides=overrides, log_path=out / f"server-{method}.log") as server:
             runs = measure(server.grpc_url, prompts, args.max_tokens, args.repeats, method)
+            if args.sweep:
+                from client.perf import plot_sweep, run_sweep
+
+                sweep = run_sweep(server.grpc_url, out / f"sweep-{method}", tuple(args.sweep), args.max_tokens)
+                plot_sweep(sweep, out / f"sweep-{method}.png")
+                report.setdefault("sweeps", {})[method] = sweep
         report["methods"][method] = compare(runs)
     if args.hf:
         report["huggingface"] = hf_comparison(str(target), str(draft) if draft else None, prompts,
@@ -305,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--hf", action="store_true", help="also run Hugging Face greedy / assisted / prompt lookup")
+    bench.add_argument("--sweep", type=int, nargs="+", metavar="C",
+                       help="also a perf_analyzer concurrency sweep per method at these concurrencies")
     bench.add_argument("--port", type=int, default=18800, help="HTTP port; gRPC and metrics follow")
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=_bench)
