@@ -191,6 +191,8 @@ def _bench(args: argparse.Namespace) -> int:
               "repeats": args.repeats, "methods": {}}
     for method in args.methods:
         config = dict(METHOD_CONFIGS[method])
+        if args.profile and PROFILES[args.profile]["speculative_config"]["method"] == method:
+            config = dict(PROFILES[args.profile]["speculative_config"])  # the profile's own settings
         if method == "draft_model":
             if draft is None:
                 print("error: the draft_model method needs --draft-model (or --profile)", file=sys.stderr)
