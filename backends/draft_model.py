@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from backends.hetero_vocab import TextBridge
 from backends.model_store import load_causal_lm, load_tokenizer, resolve_model
 from backends.proposer import Draft, DraftRequest, Proposer
+from backends.rejection import new_generator
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
 QUANTIZATIONS = (None, "int8")
@@ -85,11 +86,7 @@ class DraftModelProposer(Proposer):
         self.max_model_len = min(limit, max_model_len)
         self.sample_method = sample_method
         self.bridge = bridge
-        self.generator = torch.Generator(device=self.device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.generator = new_generator(self.device, seed)
         self._seqs: dict[int, _SeqState] = {}
 
     @classmethod

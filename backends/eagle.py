@@ -61,6 +61,7 @@ from backends.config import _aux_layer_ids, _speculators_draft_config
 from backends.draft_model import SAMPLE_METHODS, _stack_caches, common_prefix_len
 from backends.model_store import _gguf_kwargs, load_causal_lm, resolve_model
 from backends.proposer import Draft, DraftRequest, Proposer
+from backends.rejection import new_generator
 
 LAYOUTS = ("eagle", "eagle3")
 _NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
@@ -392,11 +393,7 @@ class EagleProposer(Proposer):
         self.sample_method = sample_method
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
-        self.generator = torch.Generator(device=self.device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.generator = new_generator(self.device, seed)
         self._seqs: dict[int, _SeqState] = {}
 
     @classmethod

@@ -79,6 +79,16 @@ def apply_temperature_top_k_top_p(logits: torch.Tensor, temperature: torch.Tenso
     return apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
 
 
+def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """A generator of its own: seeded for reproducible requests, else from OS entropy."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 # --- rejection sampling -----------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from backends.model_store import load_causal_lm
-from backends.rejection import MAX_SPEC_LEN, rejection_sample
+from backends.rejection import MAX_SPEC_LEN, new_generator, rejection_sample
 from backends.request import SamplingParams
 
 log = logging.getLogger("tritonspec.target")
@@ -256,11 +256,7 @@ class TargetRunner:
             )
         sampling = req.sampling or SamplingParams()
         seq_id = req.seq_id
-        generator = torch.Generator(device=self.device)
-        if sampling.seed is not None:
-            generator.manual_seed(sampling.seed)
-        else:
-            generator.seed()
+        generator = new_generator(self.device, sampling.seed)
         seq = _Sequence(DynamicCache(config=self.model.config), sampling, generator, reserve)
         self.sequences[seq_id] = seq
         log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))

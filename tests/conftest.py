@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 

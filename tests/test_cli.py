@@ -1,7 +1,6 @@
 """`tritonspec serve` in the foreground, as a user runs it: ready banner, Ctrl-C, clean exit."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -20,7 +20,6 @@ from backends.target import TargetRunner, VerifyRequest
 from client.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
 from tests.helpers import hf_greedy
 from tests.test_orchestrator import LocalDrafter, LocalVerifier
-from tests.tiny_model import build_tiny_model
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
            "for i in range(10):\n    print(i"]
