@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +175,25 @@ def plot_report(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def verify_batch_cost(model: Path, dtype: str, batch: int, drafts: int, context: int = 200,
+                      repeats: int = 10) -> dict[str, float]:
+    """Wall time of one verify step for `batch` sequences in one forward vs for one sequence
+    (in process, no server): what batched verification costs as load grows."""
+    from backends.target import TargetRunner, VerifyRequest
+
+    runner = TargetRunner(model, dtype)
+    for seq_id in range(batch):
+        runner.verify(VerifyRequest(seq_id, list(range(100 + 7 * seq_id, 100 + 7 * seq_id + context)), []))
+
+    def step(seq_ids: range) -> float:
+        start = time.perf_counter()
+        runner.verify_batch([VerifyRequest(i, [], list(range(5, 5 + drafts))) for i in seq_ids])
+        return time.perf_counter() - start
+
+    for _ in range(3):  # warm-up of both shapes
+        step(range(1)), step(range(batch))
+    one = statistics.median(step(range(1)) for _ in range(repeats))
+    many = statistics.median(step(range(batch)) for _ in range(repeats))
+    return {"one_ms": one * 1e3, "batch_ms": many * 1e3, "ratio": many / one}

@@ -222,6 +222,16 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_cost(args: argparse.Namespace) -> int:
+    from client.bench import verify_batch_cost
+
+    model = fetch(args.model) if args.model in NAMED_MODELS else resolve_model(args.model)
+    cost = verify_batch_cost(model, args.dtype, args.batch, args.drafts)
+    print(f"one verify step: 1 sequence {cost['one_ms']:.1f} ms, {args.batch} sequences {cost['batch_ms']:.1f} ms "
+          f"({cost['ratio']:.2f}x), {args.drafts} drafts each")
+    return 0
+
+
 def _perf(args: argparse.Namespace) -> int:
     from client.perf import format_sweep, plot_sweep, run_sweep, speedup_table
     from client.server import RepositoryOverrides, TritonServer
@@ -321,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--port", type=int, default=18800, help="HTTP port; gRPC and metrics follow")
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=_bench)
+
+    cost = sub.add_parser("verify-cost", help="cost of one batched verify step vs a single sequence (in process)")
+    cost.add_argument("--model", default=DEFAULT_MODEL)
+    cost.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    cost.add_argument("--batch", type=int, default=8)
+    cost.add_argument("--drafts", type=int, default=4)
+    cost.set_defaults(func=_verify_cost)
 
     perf = sub.add_parser("perf", help="perf_analyzer concurrency sweep, plain vs speculative, with a chart")
     perf.add_argument("--url", help="gRPC url of a running server (default: start one)")
