@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from backends.config import SpeculativeConfig
@@ -222,6 +223,27 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from client.server import RepositoryOverrides, TritonServer
+    from client.soak import run_soak
+
+    if args.model in NAMED_MODELS:
+        fetch(args.model)
+    overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
+    with TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
+                      overrides=overrides, log_path=Path(args.log)) as server:
+        result = run_soak(server, args.seconds, args.concurrency, args.max_tokens)
+        time.sleep(1)
+        active = server.active_sequences()
+        ready = server.is_ready()
+    memory = result["memory_mb"]
+    print(f"{result['requests']} requests in {result['seconds']:.0f}s from {args.concurrency} streams: "
+          f"{result['wrong']} wrong, {result['errors']} errors; server ready: {ready}; "
+          f"sequence state left: {active}")
+    print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in memory))
+    return 0 if not result["wrong"] and not result["errors"] and ready and not any(active.values()) else 1
+
+
 def _verify_cost(args: argparse.Namespace) -> int:
     from client.bench import verify_batch_cost
 
@@ -331,6 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--port", type=int, default=18800, help="HTTP port; gRPC and metrics follow")
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=_bench)
+
+    soak = sub.add_parser("soak", help="many concurrent greedy streams for a while: correctness, memory, leaks")
+    soak.add_argument("--model", default=DEFAULT_MODEL)
+    soak.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
+                      help="float32 (default) makes every response exactly checkable; bfloat16 can flip near-ties")
+    soak.add_argument("--seconds", type=float, default=180)
+    soak.add_argument("--concurrency", type=int, default=16)
+    soak.add_argument("--max-tokens", type=int, default=32)
+    soak.add_argument("--port", type=int, default=18600, help="HTTP port; gRPC and metrics follow")
+    soak.add_argument("--log", default="soak-server.log")
+    soak.set_defaults(func=_soak)
 
     cost = sub.add_parser("verify-cost", help="cost of one batched verify step vs a single sequence (in process)")
     cost.add_argument("--model", default=DEFAULT_MODEL)

@@ -194,6 +194,13 @@ class TritonServer:
             raise ServerStartError("models failed to load:\n" + "\n".join(f"  {n}: {r}" for n, r in failed.items()))
         return self
 
+    def active_sequences(self) -> dict[str, float]:
+        """{model: sequences holding state} from the `tritonspec_active_sequences` gauge."""
+        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r'tritonspec_active_sequences\{model="([^"]+)"\} (\S+)', text)}
+
     def model_states(self) -> dict[str, tuple[str, str]]:
         """{model: (state, reason)} from the repository index."""
         request = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}")

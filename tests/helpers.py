@@ -39,8 +39,7 @@ def metric_values(server, name: str) -> dict[str, float]:
 
 
 def active_sequences(server) -> dict[str, float]:
-    return {re.search(r'model="([^"]+)"', labels).group(1): value
-            for labels, value in metric_values(server, "tritonspec_active_sequences").items()}
+    return server.active_sequences()
 
 
 def wait_for_no_active_sequences(server, timeout_s: float = 10.0) -> dict[str, float]:
