@@ -387,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Listed for --help; main() hands everything after it to perf_analyzer untouched.
     sub.add_parser("perf-analyzer", help="run Triton's perf_analyzer with its own arguments (installed once)")
+    sub.add_parser("genai-perf", help="run genai-perf with its own arguments (own venv, installed once)")
 
     paths = sub.add_parser("paths", help="print exports for running tritonserver by hand")
     paths.set_defaults(func=_paths)
@@ -415,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
         from client.perf_analyzer import main as perf_analyzer_main
 
         return perf_analyzer_main(argv[1:])
+    if argv[:1] == ["genai-perf"]:
+        from client.genai_perf import main as genai_perf_main
+
+        return genai_perf_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -26,3 +26,24 @@ def test_perf_analyzer_streaming_load(tiny_server, tmp_path):
     assert rows and float(rows[0]["Inferences/Second"]) > 0
     assert tiny_server.is_ready()
     assert not any(wait_for_no_active_sequences(tiny_server).values())
+
+
+def test_genai_perf_against_the_server(tiny_server, tiny_model_dir, tmp_path):
+    """genai-perf as users run it (vLLM-backend request format: text_input, stream,
+    exclude_input_in_output, sampling_parameters with numbers as strings)."""
+    import subprocess
+
+    from client.genai_perf import install
+
+    exe, env = install()
+    artifacts = tmp_path / "genai-perf"
+    result = subprocess.run(
+        [str(exe), "profile", "-m", "speculative", "--endpoint-type", "kserve", "--backend", "vllm", "--streaming",
+         "-u", tiny_server.grpc_url, "--tokenizer", str(tiny_model_dir), "--synthetic-input-tokens-mean", "16",
+         "--output-tokens-mean", "8", "--concurrency", "2", "--request-count", "8", "--artifact-dir", str(artifacts)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = next(artifacts.rglob("profile_export_genai_perf.csv")).read_text()
+    assert "Request Throughput" in report and "Time To First Token" in report
+    assert tiny_server.is_ready()
+    assert not any(wait_for_no_active_sequences(tiny_server).values())
