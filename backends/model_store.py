@@ -122,6 +122,21 @@ def load_causal_lm(path: Path, dtype: str = "bfloat16"):
     return model.eval()
 
 
+def load_config(path: Path):
+    """The model's transformers config (from config.json, or a GGUF file's metadata)."""
+    from transformers import AutoConfig
+
+    where, kwargs = _gguf_kwargs(path)
+    return AutoConfig.from_pretrained(where, **kwargs)
+
+
+def context_window(config, cap: int | None = None) -> int:
+    """The model's context length (2048 when its config has none), lowered to `cap` if given.
+    Orchestrator, verifier and drafter all size the window with this, so they agree."""
+    limit = getattr(config, "max_position_embeddings", None) or 2048
+    return min(limit, cap) if cap else limit
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from backends.model_store import load_causal_lm
+from backends.model_store import context_window, load_causal_lm
 from backends.rejection import MAX_SPEC_LEN, new_generator, rejection_sample
 from backends.request import SamplingParams
 
@@ -108,8 +108,7 @@ class TargetRunner:
     ) -> None:
         self.model = load_causal_lm(model_path, dtype).to(device)
         self.device = torch.device(device)
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(limit, max_model_len) if max_model_len else limit
+        self.max_model_len = context_window(self.model.config, max_model_len)
         self.sequences: dict[int, _Sequence] = {}
         self.kv_budget_tokens = (int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.model.config, dtype))
                                  if kv_cache_memory_gb else None)

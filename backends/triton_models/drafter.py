@@ -3,7 +3,6 @@ Triton's sequence batcher. Inputs per step: the tokens new since the last call, 
 left and the client's requested draft length; output: the draft ids."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -13,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
 from backends.drafting import DraftCall, DraftService
-from backends.model_store import DEFAULT_MODEL, resolve_model
+from backends.model_store import DEFAULT_MODEL, context_window, load_config, resolve_model
 from backends.proposer import build_proposer
 from backends.triton_models.common import (
     SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, input_scalar,
@@ -23,25 +22,18 @@ from backends.triton_models.common import (
 log = logging.getLogger("tritonspec.drafter")
 
 
-def target_max_model_len(model_dir) -> int | None:
-    config = model_dir / "config.json" if model_dir.is_dir() else None
-    if config is None or not config.exists():
-        return None
-    return json.loads(config.read_text()).get("max_position_embeddings")
-
-
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         setup_logging()
         params = model_parameters(args)
         target = resolve_model(params.get("model") or DEFAULT_MODEL)
-        max_len = int(params["max_model_len"]) if params.get("max_model_len") else target_max_model_len(target)
+        max_len = context_window(load_config(target), int(params.get("max_model_len") or 0))
         # A bad speculative_config fails this model's load with the config's own message.
         self.config = SpeculativeConfig.from_json(
             params.get("speculative_config", ""), target_model=str(target), target_max_model_len=max_len
         )
         self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
-        proposer = build_proposer(self.config, max_model_len=max_len or 2**31, target_model=target,
+        proposer = build_proposer(self.config, max_model_len=max_len, target_model=target,
                                   dtype=params.get("dtype", "bfloat16"))
         self.service = DraftService(proposer, self.config)
         self.active = ActiveSequencesGauge(args["model_name"])

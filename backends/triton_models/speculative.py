@@ -17,7 +17,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.detokenize import TextStream
-from backends.model_store import DEFAULT_MODEL, load_tokenizer, resolve_model
+from backends.model_store import DEFAULT_MODEL, context_window, load_config, load_tokenizer, resolve_model
 from backends.orchestrator import GenerationStats, StepOutput, generate
 from backends.request import GenerationRequest, RequestError, SamplingParams, parse_request
 from backends.triton_models.common import (
@@ -140,10 +140,10 @@ class TritonPythonModel:
         params = model_parameters(args)
         model_path = resolve_model(params.get("model") or DEFAULT_MODEL)
         self.tokenizer = load_tokenizer(model_path)
-        config = json.loads((model_path / "config.json").read_text()) if model_path.is_dir() else {}
-        limit = config.get("max_position_embeddings") or 2048
-        self.max_model_len = min(limit, int(params["max_model_len"])) if params.get("max_model_len") else limit
-        eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
+        config = load_config(model_path)
+        self.max_model_len = context_window(config, int(params.get("max_model_len") or 0))
+        eos = getattr(config, "eos_token_id", None)
+        eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.verifier_name = params.get("verifier_model_name", "verifier")
         self.drafter_name = params.get("drafter_model_name", "")
