@@ -180,6 +180,11 @@ def fetch(name: str, force: bool = False) -> Path:
     return out
 
 
+def local_model(spec: str) -> Path:
+    """A named model (fetched once), or a local HF directory / GGUF file."""
+    return fetch(spec) if spec in NAMED_MODELS else resolve_model(spec)
+
+
 def fetch_named(name: str, force: bool = False) -> list[Path]:
     """Fetch a named model or every model of a group; their converted directories."""
     return [fetch(model, force) for model in expand_name(name)]

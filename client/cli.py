@@ -11,7 +11,7 @@ from pathlib import Path
 
 from backends.config import SpeculativeConfig
 from backends.model_store import (
-    DEFAULT_MODEL, NAMED_GROUPS, NAMED_MODELS, ModelNotFoundError, fetch, fetch_named, resolve_model,
+    DEFAULT_MODEL, NAMED_GROUPS, NAMED_MODELS, ModelNotFoundError, fetch, fetch_named, local_model, resolve_model,
 )
 
 # Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model
     try:
         # A named model is fetched once (later starts find it in the cache); a path must exist.
-        target = fetch(model) if model in NAMED_MODELS else resolve_model(model)
+        target = local_model(model)
         if args.speculative_config:
             args.speculative_config = _local_speculative_config(args.speculative_config)
             SpeculativeConfig.from_json(args.speculative_config, target_model=str(target))
@@ -174,18 +174,26 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _own_server(http_port: int, overrides, log_path: Path):
+    """A server for a measuring command: HTTP on `http_port`, gRPC and metrics right after."""
+    from client.server import TritonServer
+
+    return TritonServer(http_port=http_port, grpc_port=http_port + 1, metrics_port=http_port + 2,
+                        overrides=overrides, log_path=log_path)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from client.bench import METHOD_CONFIGS, compare, format_report, hf_comparison, load_prompts, measure, plot_report
-    from client.server import RepositoryOverrides, TritonServer
+    from client.server import RepositoryOverrides
 
     if args.profile:
         args.model = PROFILES[args.profile]["model"]
         args.draft_model = args.draft_model or PROFILES[args.profile]["speculative_config"]["model"]
     version, prompts = load_prompts(args.categories)
-    target = fetch(args.model) if args.model in NAMED_MODELS else resolve_model(args.model)
+    target = local_model(args.model)
     draft = None
     if args.draft_model:
-        draft = fetch(args.draft_model) if args.draft_model in NAMED_MODELS else resolve_model(args.draft_model)
+        draft = local_model(args.draft_model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"prompt_set": version, "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
@@ -203,8 +211,7 @@ def _bench(args: argparse.Namespace) -> int:
             config["num_speculative_tokens"] = args.num_speculative_tokens
         overrides = RepositoryOverrides(common={"model": str(target), "dtype": args.dtype},
                                         per_model={"drafter": {"speculative_config": json.dumps(config)}})
-        with TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
-                          overrides=overrides, log_path=out / f"server-{method}.log") as server:
+        with _own_server(args.port, overrides, out / f"server-{method}.log") as server:
             runs = measure(server.grpc_url, prompts, args.max_tokens, args.repeats, method)
             if args.sweep:
                 from client.perf import plot_sweep, run_sweep
@@ -224,14 +231,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from client.server import RepositoryOverrides, TritonServer
+    from client.server import RepositoryOverrides
     from client.soak import run_soak
 
-    if args.model in NAMED_MODELS:
-        fetch(args.model)
+    local_model(args.model)
     overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
-    with TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
-                      overrides=overrides, log_path=Path(args.log)) as server:
+    with _own_server(args.port, overrides, Path(args.log)) as server:
         result = run_soak(server, args.seconds, args.concurrency, args.max_tokens)
         time.sleep(1)
         active = server.active_sequences()
@@ -247,7 +252,7 @@ def _soak(args: argparse.Namespace) -> int:
 def _verify_cost(args: argparse.Namespace) -> int:
     from client.bench import verify_batch_cost
 
-    model = fetch(args.model) if args.model in NAMED_MODELS else resolve_model(args.model)
+    model = local_model(args.model)
     cost = verify_batch_cost(model, args.dtype, args.batch, args.drafts)
     print(f"one verify step: 1 sequence {cost['one_ms']:.1f} ms, {args.batch} sequences {cost['batch_ms']:.1f} ms "
           f"({cost['ratio']:.2f}x), {args.drafts} drafts each")
@@ -256,20 +261,18 @@ def _verify_cost(args: argparse.Namespace) -> int:
 
 def _perf(args: argparse.Namespace) -> int:
     from client.perf import format_sweep, plot_sweep, run_sweep, speedup_table
-    from client.server import RepositoryOverrides, TritonServer
+    from client.server import RepositoryOverrides
 
     out = Path(args.out)
     server = None
     url = args.url
     if url is None:
-        if args.model in NAMED_MODELS:
-            fetch(args.model)
+        local_model(args.model)
         overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
         if args.speculative_config:
             overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
         out.mkdir(parents=True, exist_ok=True)
-        server = TritonServer(http_port=args.port, grpc_port=args.port + 1, metrics_port=args.port + 2,
-                              overrides=overrides, log_path=out / "server.log").start()
+        server = _own_server(args.port, overrides, out / "server.log").start()
         url = server.grpc_url
     try:
         results = run_sweep(url, out, tuple(args.concurrency), args.max_tokens, args.requests_per_window)
