@@ -27,6 +27,19 @@ def hf_greedy(model_dir: str, prompt: str, max_tokens: int) -> tuple[int, ...]:
     return tuple(out[0, ids.shape[1]:].tolist())
 
 
+def served_greedy_results(server, model_dir, prompts, max_tokens: int) -> list:
+    """Generate each prompt through the server and assert its ids are exactly the target's
+    own greedy ids; the results, for the caller's acceptance checks."""
+    from client.api import grpc_generate
+
+    results = []
+    for prompt in prompts:
+        result = grpc_generate(server.grpc_url, prompt, max_tokens=max_tokens)
+        assert tuple(result.output_ids) == hf_greedy(str(model_dir), prompt, max_tokens), prompt
+        results.append(result)
+    return results
+
+
 def metrics_text(server) -> str:
     with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=5) as r:
         return r.read().decode()

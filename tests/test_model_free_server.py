@@ -6,7 +6,7 @@ import pytest
 
 from client.api import grpc_generate
 from tests.conftest import start_server
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, served_greedy_results
 
 PROMPTS = [
     "The quick brown fox",
@@ -37,9 +37,7 @@ def servers(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("method", sorted(CONFIGS))
 def test_greedy_output_equals_target_greedy(servers, tiny_model_dir, method):
-    for prompt in PROMPTS:
-        result = grpc_generate(servers[method].grpc_url, prompt, max_tokens=40)
-        assert tuple(result.output_ids) == hf_greedy(str(tiny_model_dir), prompt, 40), prompt
+    served_greedy_results(servers[method], tiny_model_dir, PROMPTS, 40)
 
 
 @pytest.mark.parametrize("method", sorted(CONFIGS))
