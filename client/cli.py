@@ -287,6 +287,21 @@ def _perf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_onnx(args: argparse.Namespace) -> int:
+    from backends.onnx_export import export_head
+
+    try:
+        path, diff = export_head(args.method, args.checkpoint, local_model(args.target), args.out,
+                                 check=not args.no_check)
+    except (ValueError, ModelNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"written: {path} and {Path(args.out) / 'config.pbtxt'}")
+    if diff is not None:
+        print(f"onnxruntime (CPU) vs the torch head: largest difference {diff:.2e}")
+    return 0
+
+
 def _paths(args: argparse.Namespace) -> int:
     """Shell assignments for running the wheel's tritonserver by hand (`eval` them)."""
     import shlex
@@ -391,6 +406,16 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help; main() hands everything after it to perf_analyzer untouched.
     sub.add_parser("perf-analyzer", help="run Triton's perf_analyzer with its own arguments (installed once)")
     sub.add_parser("genai-perf", help="run genai-perf with its own arguments (own venv, installed once)")
+
+    onnx_p = sub.add_parser("export-onnx", help="export a drafter head to ONNX (a Triton onnxruntime model "
+                            "directory), checked against the torch head with onnxruntime")
+    onnx_p.add_argument("checkpoint", help="the head's checkpoint directory")
+    onnx_p.add_argument("--method", required=True,
+                        help="the head's method, e.g. eagle or eagle3 (an unknown one lists those available)")
+    onnx_p.add_argument("--target", required=True, help="the target model it drafts for (named, HF dir or .gguf)")
+    onnx_p.add_argument("--out", required=True, help="model directory to write: OUT/1/model.onnx + OUT/config.pbtxt")
+    onnx_p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    onnx_p.set_defaults(func=_export_onnx)
 
     paths = sub.add_parser("paths", help="print exports for running tritonserver by hand")
     paths.set_defaults(func=_paths)
