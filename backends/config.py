@@ -371,7 +371,10 @@ class SpeculativeConfig:
         if k is not None and hf.get("model_type") == "medusa":
             hf["num_heads"] = k  # vLLM's num_lookahead_tokens setter: K heads
         if hf.get("model_type") == "mlp_speculator":
-            hf["n_predict"] = k or hf.get("n_predict", 3)  # K stages; MLPSpeculatorConfig default 3
+            # MLPSpeculatorConfig: n_predict (default 3) stays the checkpoint's; K sets the
+            # number of stages built (its num_lookahead_tokens), so K > n_predict must divide.
+            hf.setdefault("n_predict", 3)
+            hf["num_lookahead_tokens"] = k or hf["n_predict"]
 
         n_predict = hf.get("n_predict")
         if n_predict is not None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +144,7 @@ class EagleHead(nn.Module):
     def __init__(self, cfg: LlamaConfig, target: TargetInfo) -> None:
         super().__init__()
         self.config = cfg
+        self.target_hidden_size = target.hidden_size  # the width of each delivered hidden state
         # [V_d] the target id of each draft id (eagle3); None: the vocabularies are one.
         self.register_buffer("draft_to_target", None, persistent=False)
         self.embed_tokens = nn.Embedding(target.vocab_size, cfg.hidden_size)
@@ -153,10 +154,12 @@ class EagleHead(nn.Module):
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+                mask: torch.Tensor, cache: DynamicCache | None, step: int = 0) -> torch.Tensor:
+        """`step`: the draft step (0 = the pass over the target's states); only heads with a
+        layer per step (multi-layer MTP) use it."""
         raise NotImplementedError
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -176,14 +179,14 @@ class Eagle1Head(EagleHead):
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states[:, 0]
 
-    def forward(self, input_ids, features, position_ids, mask, cache):
+    def forward(self, input_ids, features, position_ids, mask, cache, step=0):
         x = self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))  # embedding first
         rope = self.rotary_emb(x, position_ids)
         for i, layer in enumerate(self.layers):
             x = layer.run(x if i == 0 else layer.input_layernorm(x), x, rope, mask, cache)
         return x  # no final norm: the same tensor gives logits and is fed back
 
-    def logits(self, hidden):
+    def logits(self, hidden, step=0):
         return self.lm_head(hidden)
 
 
@@ -205,31 +208,39 @@ class Eagle3Head(EagleHead):
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.fc(hidden_states.flatten(1))  # aux layers concatenated low -> high
 
-    def forward(self, input_ids, features, position_ids, mask, cache):
+    def forward(self, input_ids, features, position_ids, mask, cache, step=0):
         layer = self.layers[0]
         normed = layer.hidden_norm(features)
         attn_input = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids)), normed], dim=-1)
         residual = normed if self.norm_before_residual else features
         return layer.run(attn_input, residual, self.rotary_emb(features, position_ids), mask, cache)
 
-    def logits(self, hidden):
+    def logits(self, hidden, step=0):
         return self.lm_head(self.norm(hidden))
 
 
 # ---------------------------------------------------------------------------- loading
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory: *.safetensors, else pytorch_model*.bin."""
+def read_state_dict(path: Path, bins: tuple[str, ...] = ("pytorch_model*.bin",),
+                    keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint directory: *.safetensors, else the files matching `bins`;
+    only the keys `keep` accepts when given (safetensors then reads nothing else, so heads
+    stored inside a large target checkpoint load without it)."""
     files = sorted(path.glob("*.safetensors"))
     if files:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        return {k: v for f in files for k, v in load_file(f).items()}
-    files = sorted(path.glob("pytorch_model*.bin"))
+        state = {}
+        for file in files:
+            with safe_open(file, "pt") as st:
+                state.update({k: st.get_tensor(k) for k in st.keys() if keep is None or keep(k)})
+        return state
+    files = sorted({f for pattern in bins for f in path.glob(pattern)})
     if not files:
-        raise EagleCheckpointError(f"{path}: no model.safetensors or pytorch_model.bin")
-    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+        raise EagleCheckpointError(f"{path}: no *.safetensors or {' / '.join(bins)}")
+    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()
+            if keep is None or keep(k)}
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -333,12 +344,14 @@ def _eagle3_head(cfg: dict[str, Any], llama: LlamaConfig, target: TargetInfo, st
     return head
 
 
-def _check_keys(head: EagleHead, state: dict[str, torch.Tensor], spelled: dict[str, str], optional: set[str],
-                extra: dict[str, tuple[int, ...]], where: str) -> None:
-    """Refuse missing, unexpected or misshapen tensors, naming each one."""
+def _check_keys(head: nn.Module, state: dict[str, torch.Tensor], spelled: dict[str, str], optional: set[str],
+                extra: dict[str, tuple[int, ...]], where: str, spell: Callable[[str], str] | None = None) -> None:
+    """Refuse missing, unexpected or misshapen tensors, naming each one (a missing key as
+    `spell` writes it in the checkpoint's layout, when given)."""
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     expected.update(extra)
-    problems = [f"missing key {k!r} (expected shape {list(shape)})"
+    spell = spell or (lambda k: k)
+    problems = [f"missing key {spell(k)!r} (expected shape {list(shape)})"
                 for k, shape in expected.items() if k not in state and k not in optional and k not in extra]
     for key, value in state.items():
         if key not in expected:
@@ -434,7 +447,7 @@ class EagleProposer(Proposer):
         num_drafts = min(req.num_tokens, self.max_model_len - n)
         if hidden is None or num_drafts <= 0:
             return None  # the target has not run yet (first step), or no room
-        width = self.head.fc.in_features - (self.head.config.hidden_size if self.head.layout == "eagle" else 0)
+        width = len(self.hidden_layer_ids) * self.head.target_hidden_size
         if hidden.dim() != 3 or hidden.shape[1] != len(self.hidden_layer_ids) \
                 or hidden.shape[1] * hidden.shape[2] != width or not 0 < hidden.shape[0] < n:
             raise ValueError(
@@ -475,9 +488,9 @@ class EagleProposer(Proposer):
         rows = torch.arange(len(work), device=self.device)
         steps = max(w.num_drafts for w in work)
         for step in range(steps):
-            hidden = self.head(ids, features, positions, _causal_mask(keys, ids.shape[1]), cache)
+            hidden = self.head(ids, features, positions, _causal_mask(keys, ids.shape[1]), cache, step)
             hidden = hidden[rows, last]
-            tokens = self._sample(self.head.logits(hidden).float(), work)
+            tokens = self._sample(self.head.logits(hidden, step).float(), work)
             if step + 1 == steps:
                 break
             # The next pair: the draft just made with the head's own state, one position on.

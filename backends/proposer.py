@@ -51,6 +51,9 @@ _REGISTRY: dict[str, str] = {
     "draft_model": "backends.draft_model:DraftModelProposer",
     "eagle": "backends.eagle:EagleProposer",
     "eagle3": "backends.eagle:Eagle3Proposer",
+    "medusa": "backends.medusa:MedusaProposer",
+    "mlp_speculator": "backends.mlp_speculator:MLPSpeculatorProposer",
+    "mtp": "backends.mtp:MTPProposer",
 }
 
 

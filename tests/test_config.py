@@ -634,8 +634,9 @@ def test_model_without_k_or_n_predict(mkmodel):
 def test_mlp_speculator_k_sets_stages(mkmodel):
     draft = mkmodel("mlp", model_type="mlp_speculator", n_predict=3)
     assert build({"model": draft}).num_speculative_tokens == 3
-    cfg = build({"model": draft, "num_speculative_tokens": 5})  # 5 % 3 != 0, but n_predict := K
-    assert cfg.draft_hf_config["n_predict"] == 5
+    cfg = build({"model": draft, "num_speculative_tokens": 6})  # K stages; n_predict stays
+    assert cfg.draft_hf_config["num_lookahead_tokens"] == 6 and cfg.draft_hf_config["n_predict"] == 3
+    fails({"model": draft, "num_speculative_tokens": 5}, "num_speculative_tokens:5 must be divisible by n_predict=3")
     no_n_predict = mkmodel("mlp_default", model_type="mlp_speculator")
     assert build({"model": no_n_predict}).num_speculative_tokens == 3
 
@@ -926,7 +927,7 @@ def test_speculators_errors(mkmodel):
     ({"method": "eagle3", "model": "org/head"}, True, 0),
     ({"method": "dflash", "model": "org/drafter"}, True, 3),
     ({"method": "mlp_speculator", "model": "org/x", "hf_overrides":
-      {"model_type": "mlp_speculator"}}, False, 0),
+      {"model_type": "mlp_speculator", "n_predict": 4}}, False, 0),
 ])
 def test_use_eagle_and_drafting_slots(spec, use_eagle, slots):
     cfg = build({**spec, "num_speculative_tokens": 4})

@@ -1,0 +1,99 @@
+"""The proposer shared by heads that draft from the target's last hidden state alone, with no
+cache of their own: `medusa` and `mlp_speculator`.
+
+Delivery contract: `DraftRequest.hidden_states` as for EAGLE (backends/eagle.py): rows
+[r, 1, H_t] of the target's final normed state (layer id -1) ending at position n-2, the state
+that produced the last token x_{n-1}. Only that last row is read; earlier rows (the prompt,
+steps without a draft call) need no state here, so nothing is kept per sequence.
+
+A head implements `begin(hidden [B, H_t]) -> state` and
+`step(i, state, tokens [B]) -> (logits [B, V_d], state)`: draft i from the state and the
+previous token (x_{n-1} for i = 0, then draft i-1). Medusa ignores the tokens (head i reads the
+same state); the MLP speculator feeds them through its stages. `num_steps` bounds i and
+`draft_to_target` (or None) maps a draft-vocabulary id to a target id.
+
+Greedy drafts are argmax and come without probabilities (one-hot, as in draft_model);
+`probabilistic` drafts are sampled from the softmax of each step's logits and come with those
+probabilities over the target vocabulary (0 outside a truncated draft vocabulary).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from backends.draft_model import SAMPLE_METHODS
+from backends.proposer import Draft, DraftRequest, Proposer
+from backends.rejection import new_generator
+
+
+class LastHiddenProposer(Proposer):
+    hidden_layer_ids = (-1,)  # the target's final normed state
+
+    def __init__(self, head: nn.Module, max_model_len: int, sample_method: str = "greedy",
+                 seed: int | None = None) -> None:
+        if sample_method not in SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
+        self.head = head
+        self.max_model_len = max_model_len
+        self.sample_method = sample_method
+        self.device = next(head.parameters()).device
+        self.dtype = next(head.parameters()).dtype
+        self.generator = new_generator(self.device, seed)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftRequest]) -> list[Draft]:
+        drafts = [Draft() for _ in batch]
+        rows, counts, states, tokens = [], [], [], []
+        for i, req in enumerate(batch):
+            k = min(req.num_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
+            if req.hidden_states is None or k <= 0:
+                continue  # the target has not run yet (first step), or no room
+            states.append(self._last_state(req))
+            rows.append(i)
+            counts.append(k)
+            tokens.append(req.token_ids[-1])
+        if not rows:
+            return drafts
+        state = self.head.begin(torch.stack(states).to(self.device, self.dtype))
+        ids = torch.tensor(tokens, device=self.device)
+        out = [[] for _ in rows]
+        probs = [[] for _ in rows]
+        for step in range(max(counts)):
+            logits, state = self.head.step(step, state, ids)
+            ids, step_probs = self._sample(logits.float())
+            for j, k in enumerate(counts):
+                if step < k:
+                    out[j].append(int(ids[j]))
+                    if step_probs is not None:
+                        probs[j].append(step_probs[j].cpu())
+        for j, i in enumerate(rows):
+            drafts[i] = Draft(out[j], torch.stack(probs[j]) if self.sample_method == "probabilistic" else None)
+        return drafts
+
+    def _last_state(self, req: DraftRequest) -> torch.Tensor:
+        hidden, width = req.hidden_states, self.head.target_hidden_size
+        if hidden.dim() != 3 or hidden.shape[0] < 1 or hidden.shape[1:] != (1, width):
+            raise ValueError(f"sequence {req.seq_id}: hidden_states has shape {list(hidden.shape)}; expected "
+                             f"[rows >= 1, 1, {width}] (the target's final hidden state, layer -1)")
+        return hidden[-1, 0]
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target ids [B] from draft-vocabulary logits [B, V_d], and target-vocabulary probs
+        when sampling."""
+        to_target = self.head.draft_to_target
+        if self.sample_method == "greedy":
+            tokens, probs = logits.argmax(dim=-1), None
+        else:
+            probs = logits.softmax(dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            if to_target is not None:
+                probs = torch.zeros(len(probs), self.head.target_vocab_size,
+                                    device=probs.device).index_copy_(1, to_target, probs)
+        return (tokens if to_target is None else to_target[tokens]), probs
+
+    @classmethod
+    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16", target_model: Any = None,
+                    seed: int | None = None, **_: Any) -> "LastHiddenProposer":
+        raise NotImplementedError
