@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -78,9 +79,11 @@ def grpc_generate(
     on_text: Callable[[str], None] | None = None,
     cancel_after_responses: int | None = None,
     timeout_s: float = 300.0,
+    cancel: threading.Event | None = None,
     **inputs: Any,
 ) -> Generation:
-    """Run one request over a gRPC stream. `inputs` become input tensors (max_tokens=...)."""
+    """Run one request over a gRPC stream. `inputs` become input tensors (max_tokens=...).
+    Setting `cancel` (from another thread) cancels the request on the server."""
     import tritonclient.grpc as grpcclient
 
     tensors = {"text_input": np.array([prompt.encode()], dtype=np.object_),
@@ -110,7 +113,10 @@ def grpc_generate(
         client.async_stream_infer(model, infer_inputs, enable_empty_final_response=True,
                                   outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS])
         while True:
-            response, error = responses.get(timeout=timeout_s)
+            response, error = _next_response(responses, timeout_s, cancel)
+            if response is None and error is None:  # cancelled by the caller
+                client.stop_stream(cancel_requests=True)
+                break
             if error is not None:
                 raise GenerationError(str(error))
             params = response.get_response().parameters
@@ -130,6 +136,20 @@ def grpc_generate(
         client.stop_stream()
         client.close()
     return result
+
+
+def _next_response(responses: queue.Queue, timeout_s: float, cancel: threading.Event | None) -> tuple:
+    """The next (result, error) from the stream; (None, None) once `cancel` is set."""
+    if cancel is None:
+        return responses.get(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while not cancel.is_set():
+        try:
+            return responses.get(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                raise
+    return None, None
 
 
 def _triton_dtype(value: np.ndarray) -> str:

@@ -302,6 +302,21 @@ def _export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _openai(args: argparse.Namespace) -> int:
+    from client.openai_server import build_backend, serve
+
+    try:
+        backend = build_backend(args.url, args.triton_model, args.model, args.served_model_name,
+                                Path(args.chat_template) if args.chat_template else None)
+    except Exception as e:  # unreachable server, unknown model, unreadable template: say which
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {backend.served_model_name!r}) "
+          f"-> {args.triton_model} at {args.url}", flush=True)
+    serve(backend, args.host, args.port)
+    return 0
+
+
 def _paths(args: argparse.Namespace) -> int:
     """Shell assignments for running the wheel's tritonserver by hand (`eval` them)."""
     import shlex
@@ -416,6 +431,18 @@ def build_parser() -> argparse.ArgumentParser:
     onnx_p.add_argument("--out", required=True, help="model directory to write: OUT/1/model.onnx + OUT/config.pbtxt")
     onnx_p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
     onnx_p.set_defaults(func=_export_onnx)
+
+    oai = sub.add_parser("openai", help="OpenAI-compatible API (/v1/completions, /v1/chat/completions) "
+                         "in front of the speculative model")
+    oai.add_argument("--url", default="127.0.0.1:8001", help="Triton's gRPC address")
+    oai.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    oai.add_argument("--port", type=int, default=9000)
+    oai.add_argument("--triton-model", default="speculative", help="the Triton model requests go to")
+    oai.add_argument("--model", help="the served model (named, HF dir or .gguf) for its tokenizer and chat "
+                     "template (default: the Triton model's `model` parameter)")
+    oai.add_argument("--served-model-name", help="the model id clients use (default: the Triton model name)")
+    oai.add_argument("--chat-template", help="a Jinja chat template file (default: the tokenizer's)")
+    oai.set_defaults(func=_openai)
 
     paths = sub.add_parser("paths", help="print exports for running tritonserver by hand")
     paths.set_defaults(func=_paths)

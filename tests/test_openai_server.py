@@ -1,0 +1,210 @@
+"""`tritonspec openai` against a real tritonserver, driven by the official `openai` client:
+completions and chat, streamed and not, return exactly what the `speculative` model returns
+over gRPC for the same prompt and parameters; bad requests get OpenAI-shaped errors with
+their HTTP status; a client that leaves mid-stream cancels the generation."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from backends.model_store import load_tokenizer
+from client.api import grpc_generate
+from tests.conftest import free_ports
+from tests.helpers import wait_for_no_active_sequences
+
+# A plain template for the tiny model, whose tokenizer has none.
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def api(tiny_server, tmp_path_factory):
+    """`tritonspec openai` in front of the tiny server (model found from the server's config)."""
+    tmp = tmp_path_factory.mktemp("openai")
+    (tmp / "template.jinja").write_text(TEMPLATE)
+    port = free_ports(1)[0]
+    log = open(tmp / "openai.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "client.cli", "openai", "--url", tiny_server.grpc_url,
+                             "--port", str(port), "--chat-template", str(tmp / "template.jinja")],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/v1/models", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tritonspec openai did not start: {(tmp / 'openai.log').read_text()}")
+            time.sleep(0.3)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=10)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0)
+
+
+def reference(server, prompt: str, **inputs):
+    """The `speculative` model's own answer over gRPC (no prompt echoed)."""
+    return grpc_generate(server.grpc_url, prompt, stream=False, exclude_input_in_output=True, **inputs)
+
+
+def chat_text(tiny_model_dir) -> str:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    return tokenizer.apply_chat_template(MESSAGES, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True)
+
+
+def streamed(chunks, chat: bool) -> tuple[str, list]:
+    chunks = list(chunks)
+    pieces = [(c.choices[0].delta.content if chat else c.choices[0].text) or "" for c in chunks if c.choices]
+    return "".join(pieces), chunks
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list()] == ["speculative"]
+
+
+def test_completions_equal_the_speculative_model(client, tiny_server):
+    ref = reference(tiny_server, PROMPT, max_tokens=12, temperature=0.0)
+    assert ref.output_ids
+    out = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.object == "text_completion" and out.choices[0].text == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref.num_input_tokens, ref.num_output_tokens)
+    assert out.usage.total_tokens == ref.num_input_tokens + ref.num_output_tokens
+
+    text, chunks = streamed(client.completions.create(model="speculative", prompt=PROMPT, max_tokens=12,
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True}), chat=False)
+    assert text == ref.text and len(chunks) > 3  # token by token, not one lump
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.num_output_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_equals_the_speculative_model_on_the_rendered_template(client, tiny_server, tiny_model_dir):
+    ref = reference(tiny_server, chat_text(tiny_model_dir), max_tokens=10, temperature=0.0)
+    assert ref.output_ids
+    out = client.chat.completions.create(model="speculative", messages=MESSAGES, max_completion_tokens=10,
+                                         temperature=0)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == ref.num_input_tokens
+
+    text, chunks = streamed(client.chat.completions.create(model="speculative", messages=MESSAGES, max_tokens=10,
+                                                           temperature=0, stream=True), chat=True)
+    assert text == ref.text and chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason and chunks[-1].usage is None
+
+
+def test_sampling_parameters_and_stop_are_passed_on(client, tiny_server):
+    params = {"temperature": 0.9, "top_p": 0.95}
+    ref = reference(tiny_server, PROMPT, max_tokens=16, random_seed=11, **params)
+    out = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=16, seed=11, **params)
+    assert out.choices[0].text == ref.text
+    greedy = reference(tiny_server, PROMPT, max_tokens=16, temperature=0.0).text
+    stop = greedy.strip()[2:5]
+    ref = reference(tiny_server, PROMPT, max_tokens=16, temperature=0.0, stop_words=[stop])
+    assert ref.finish_reason == "stop" and len(ref.text) < len(greedy)
+    for stream in (False, True):
+        out = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=16, temperature=0,
+                                        stop=stop, stream=stream)
+        text = streamed(out, chat=False)[0] if stream else out.choices[0].text
+        assert text == ref.text
+
+
+def _error(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_requests_get_400_with_a_message(client, stream):
+    def completion(**kw):
+        return lambda: client.completions.create(**{"model": "speculative", "prompt": PROMPT, "stream": stream, **kw})
+
+    cases = [
+        (completion(n=2), "'n' must be 1"),
+        (completion(max_tokens="ten"), "'max_tokens' must be an integer"),
+        (completion(temperature=-1.0), "temperature must be >= 0"),  # the Triton model's own check
+        (completion(max_tokens=0), "max_tokens must be at least 1"),
+        (completion(prompt="fox " * 2000), "context window"),
+        (completion(logprobs=2), "'logprobs' is not supported"),
+        (completion(prompt=[1, 2, 3]), "'prompt' must be a string"),
+        (lambda: client.chat.completions.create(model="speculative", messages=[], stream=stream),
+         "'messages' must be a non-empty list"),
+    ]
+    for call, message in cases:
+        error = _error(call)
+        assert error.status_code == 400 and message in error.message, (message, error.message)
+        assert error.body["type"] == "invalid_request_error"
+    error = _error(completion(model="gpt-4"))
+    assert error.status_code == 404 and error.body["code"] == "model_not_found"
+
+
+def test_raw_http_errors_have_the_openai_shape(api, client):
+    def post(path: str, data: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(api + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, body = post("/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = post("/v1/nothing", b"{}")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, body = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode())
+    assert status == 400 and "only text parts" in body["error"]["message"]
+    # The server is still fine afterwards.
+    assert client.completions.create(model="speculative", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_client_leaving_mid_stream_cancels_the_generation(client, tiny_server):
+    stream = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _ in zip(range(3), stream):
+        pass
+    stream.close()
+    assert not any(wait_for_no_active_sequences(tiny_server, timeout_s=10).values())
+    log = tiny_server.log_path.read_text()
+    deadline = time.monotonic() + 10
+    while "cancelled by the client" not in log and time.monotonic() < deadline:
+        time.sleep(0.2)
+        log = tiny_server.log_path.read_text()
+    assert "cancelled by the client" in log
+
+
+def test_genai_perf_openai_chat_mode(api, tiny_model_dir, tmp_path):
+    """genai-perf's OpenAI mode (chat, streaming) runs its requests through the API and reports
+    (`--endpoint-type completions` works the same way; checked by hand)."""
+    from client.genai_perf import install
+
+    exe, env = install()
+    artifacts = tmp_path / "genai-perf"
+    result = subprocess.run(
+        [str(exe), "profile", "-m", "speculative", "--endpoint-type", "chat", "--streaming",
+         "-u", api.removeprefix("http://"), "--tokenizer", str(tiny_model_dir),
+         "--synthetic-input-tokens-mean", "16", "--output-tokens-mean", "8", "--concurrency", "2",
+         "--request-count", "8", "--artifact-dir", str(artifacts)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = next(artifacts.rglob("profile_export_genai_perf.csv")).read_text()
+    assert "Request Throughput" in report and "Time To First Token" in report
