@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from backends.config import SpeculativeConfig
+from backends.training import TRAINERS, data_dir, head_dir
 from backends.model_store import (
     DEFAULT_MODEL, NAMED_GROUPS, NAMED_MODELS, ModelNotFoundError, fetch, fetch_named, local_model, resolve_model,
 )
@@ -302,6 +303,25 @@ def _export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from backends.training.trainer import train
+
+    try:
+        target = local_model(args.target)
+        out = Path(args.out) if args.out else head_dir(args.target, args.method)
+        report = train(args.method, target, out, data_dir=Path(args.data_dir) if args.data_dir else data_dir(args.target),
+                       epochs=args.epochs, lr=args.lr, num_steps=args.ttt_steps, num_prompts=args.prompts,
+                       max_new_tokens=args.max_new_tokens, options={"draft_vocab_size": args.draft_vocab_size})
+    except (ValueError, ModelNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    final = report["history"][-1]
+    print(f"written: {out} ({args.method} head for {target})")
+    print(f"held-out validation: top-1 agreement per draft step {final['step_accuracy']}, "
+          f"estimated mean acceptance length {final['estimated_acceptance_length']}")
+    return 0
+
+
 def _openai(args: argparse.Namespace) -> int:
     from client.openai_server import build_backend, serve
 
@@ -431,6 +451,21 @@ def build_parser() -> argparse.ArgumentParser:
     onnx_p.add_argument("--out", required=True, help="model directory to write: OUT/1/model.onnx + OUT/config.pbtxt")
     onnx_p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
     onnx_p.set_defaults(func=_export_onnx)
+
+    train_p = sub.add_parser("train", help="train a drafter head for a target on CPU (resumable), written in the "
+                             "method's published checkpoint layout")
+    train_p.add_argument("method", choices=sorted(TRAINERS))
+    train_p.add_argument("--target", default=DEFAULT_MODEL, help="target model (named, HF directory)")
+    train_p.add_argument("--out", help="head directory (default: the model cache's heads/TARGET-METHOD, "
+                         "where --profile finds it)")
+    train_p.add_argument("--data-dir", help="cached target answers and hidden states (default: in the model cache)")
+    train_p.add_argument("--prompts", type=int, default=640, help="training prompts the target answers")
+    train_p.add_argument("--max-new-tokens", type=int, default=128, help="length of each target answer")
+    train_p.add_argument("--epochs", type=int, default=3)
+    train_p.add_argument("--lr", type=float, default=1e-3)
+    train_p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    train_p.add_argument("--draft-vocab-size", type=int, default=8192, help="eagle3: draft vocabulary size")
+    train_p.set_defaults(func=_train)
 
     oai = sub.add_parser("openai", help="OpenAI-compatible API (/v1/completions, /v1/chat/completions) "
                          "in front of the speculative model")

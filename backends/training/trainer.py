@@ -1,0 +1,187 @@
+"""`tritonspec train METHOD --target MODEL --out DIR`: train a drafter head on CPU.
+
+One loop for every method; what differs per method lives in a `HeadTrainer` (registered by
+name in `TRAINERS`, like proposers): which target layers it reads, how the head starts, its
+loss, and how it is written in the method's published checkpoint layout (so the result also
+loads in vLLM).
+
+Resumable: every `save_every` steps the head, the optimizer and the step go to
+`OUT/train_state.pt`; a rerun with the same arguments continues from there (the batch order
+is a function of the seed, so it picks up exactly where it stopped). The target's answers and
+hidden states are cached separately (`data.py`) and shared by all methods.
+
+Validation: every `1/held_out`-th sequence is never trained on. After each epoch the report
+gives, per draft step, the head's top-1 agreement with the target there and the estimated
+mean acceptance length of a chain of that many drafts (1 + sum of the running products).
+The benchmark prompts (`tritonspec bench`) are a second, independent held-out set.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from backends.eagle import TargetInfo
+from backends.training import TRAINERS
+from backends.training.data import TrainingData, prepare
+
+@dataclass
+class Batch:
+    """Windows of training sequences, right-padded to one length T."""
+
+    token_ids: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T] the target's greedy token after each position
+    hidden: torch.Tensor  # [B, T, layers, H] float32, layers in the trainer's layer_ids order
+    positions: torch.Tensor  # [B, T] absolute positions (rotary)
+    valid: torch.Tensor  # [B, T] bool
+
+
+@dataclass
+class StepMetrics:
+    loss: torch.Tensor
+    correct: list[int]  # per draft step: positions where the head's top-1 = the target's
+    counted: list[int]
+
+
+class HeadTrainer:
+    """One method's head: what it reads, how it starts, what it learns, how it is saved."""
+
+    method: str
+
+    def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> nn.Module:
+        raise NotImplementedError
+
+    def loss(self, head: nn.Module, batch: Batch, num_steps: int) -> StepMetrics:
+        raise NotImplementedError
+
+    def save(self, head: nn.Module, out: Path) -> None:
+        raise NotImplementedError
+
+
+def head_trainer(method: str) -> HeadTrainer:
+    if method not in TRAINERS:
+        raise ValueError(f"no trainer for method {method!r}; trainable: {', '.join(sorted(TRAINERS))}")
+    module, _, name = TRAINERS[method].partition(":")
+    return getattr(importlib.import_module(module), name)()
+
+
+def windows(data: TrainingData, sequences: list[int], length: int) -> list[tuple[int, int]]:
+    """(start, end) spans of at most `length` positions covering each sequence; consecutive
+    windows overlap by one position so every (position, next position) pair is seen."""
+    spans = []
+    for i in sequences:
+        s = data.sequence(i)
+        for start in range(s.start, max(s.stop - 1, s.start + 1), length - 1):
+            spans.append((start, min(start + length, s.stop)))
+    return spans
+
+
+def make_batch(data: TrainingData, spans: list[tuple[int, int]], layer_ids: tuple[int, ...]) -> Batch:
+    width = max(end - start for start, end in spans)
+    starts = [int(torch.searchsorted(data.offsets, start, right=True)) - 1 for start, _ in spans]
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([nn.functional.pad(t[a:b], (0, 0) * (t.dim() - 1) + (0, width - (b - a))) for a, b in spans])
+
+    hidden = torch.stack([pad(data.hidden[i]) for i in layer_ids], dim=2).float()
+    positions = torch.stack([torch.arange(a, a + width) - data.offsets[s] for (a, _), s in zip(spans, starts)])
+    valid = torch.stack([torch.arange(width) < b - a for a, b in spans])
+    return Batch(pad(data.token_ids), pad(data.labels), hidden, positions, valid)
+
+
+def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int = 2, lr: float = 1e-3,
+          batch_tokens: int = 2048, window: int = 256, num_steps: int = 3, num_prompts: int | None = 640, max_new_tokens: int = 128,
+          held_out: float = 0.05, save_every: int = 20, seed: int = 0, options: dict | None = None) -> dict:
+    """Train `method`'s head for `target`; write it to `out` in the published layout and
+    return the report (also written as `out/training_report.json`)."""
+    trainer, info = head_trainer(method), TargetInfo.load(target)
+    layer_ids = trainer.layer_ids(info)
+    data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens)
+    train_seqs, val_seqs = data.split(held_out)
+    torch.manual_seed(seed)
+    head = trainer.build(info, data, options or {})
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    per_batch = max(1, batch_tokens // window)
+    spans = windows(data, train_seqs, window)
+    steps_per_epoch = math.ceil(len(spans) / per_batch)
+    total = epochs * steps_per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (
+        1 + math.cos(math.pi * min(s, total) / total)))
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "train_state.pt"
+    step, history = 0, []
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step, history = state["step"], state["history"]
+        torch.set_rng_state(state["rng"])  # the same token-loss samples as an uninterrupted run
+        print(f"resuming {method} training at step {step}/{total}")
+    bar = tqdm(total=total, initial=step, desc=f"train {method}", unit="step")
+    started = time.monotonic()
+    while step < total:
+        epoch, index = divmod(step, steps_per_epoch)
+        order = list(spans)
+        random.Random(seed + epoch).shuffle(order)
+        batch = make_batch(data, order[index * per_batch:(index + 1) * per_batch], layer_ids)
+        head.train()
+        metrics = trainer.loss(head, batch, num_steps)
+        optimizer.zero_grad()
+        metrics.loss.backward()
+        nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{metrics.loss.item():.3f}",
+                        acc="/".join(f"{c / max(n, 1):.2f}" for c, n in zip(metrics.correct, metrics.counted)))
+        if step % steps_per_epoch == 0 or step == total:
+            history.append({"epoch": epoch + 1, "step": step, **evaluate(trainer, head, data, val_seqs, layer_ids,
+                                                                        window, per_batch, num_steps)})
+            tqdm.write(f"epoch {epoch + 1}: validation {history[-1]}")
+        if step % save_every == 0 or step == total:
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(), "step": step, "history": history,
+                        "rng": torch.get_rng_state()}, state_path)
+    bar.close()
+    trainer.save(head, out)
+    report = {"method": method, "target": str(target), "epochs": epochs, "steps": total, "lr": lr,
+              "num_train_sequences": len(train_seqs), "num_validation_sequences": len(val_seqs),
+              "num_train_tokens": sum(b - a for a, b in spans), "train_seconds_this_run": time.monotonic() - started,
+              "history": history}
+    (out / "training_report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+@torch.no_grad()
+def evaluate(trainer: HeadTrainer, head: nn.Module, data: TrainingData, sequences: list[int],
+             layer_ids: tuple[int, ...], window: int, per_batch: int, num_steps: int) -> dict:
+    """Per-step top-1 agreement with the target on held-out sequences, and the estimated mean
+    acceptance length of a chain (step s is accepted only if steps 1..s are)."""
+    head.eval()
+    spans = windows(data, sequences, window)
+    correct, counted = [0] * num_steps, [0] * num_steps
+    for i in range(0, len(spans), per_batch):
+        m = trainer.loss(head, make_batch(data, spans[i:i + per_batch], layer_ids), num_steps)
+        correct = [a + b for a, b in zip(correct, m.correct)]
+        counted = [a + b for a, b in zip(counted, m.counted)]
+    accuracy = [c / max(n, 1) for c, n in zip(correct, counted)]
+    tau, run = 1.0, 1.0
+    for a in accuracy:
+        run *= a
+        tau += run
+    return {"step_accuracy": [round(a, 4) for a in accuracy], "estimated_acceptance_length": round(tau, 3)}

@@ -1,0 +1,160 @@
+"""The head trainer (`tritonspec train`) on a tiny target: training-time test sees what
+serving sees, heads learn, runs resume exactly, and the output loads through the same
+loaders as published checkpoints."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from backends.eagle import EagleProposer, TargetInfo, load_eagle
+from backends.proposer import DraftRequest
+from backends.training.corpus import check_held_out, training_prompts
+from backends.training.data import prepare
+from backends.training.eagle import unroll
+from backends.training.trainer import evaluate, head_trainer, make_batch, train, windows
+from tests.tiny_model import build_tiny_model
+
+METHODS = ["eagle", "eagle3"]
+SMALL = dict(epochs=1, num_prompts=24, max_new_tokens=24, batch_tokens=512, window=64)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("train-target"), num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("train-data")
+
+
+def _data(target_dir, data_dir, method):
+    trainer, info = head_trainer(method), TargetInfo.load(target_dir)
+    return trainer, info, prepare(target_dir, data_dir, trainer.layer_ids(info), 24, 24)
+
+
+def test_training_prompts_are_separate_from_the_benchmark():
+    prompts = training_prompts()
+    assert len(prompts) > 1000 and len(set(prompts)) > 0.9 * len(prompts)
+    with pytest.raises(ValueError, match="held-out"):
+        check_held_out(prompts[:3] + ["<|im_start|>user\nExplain what a hash table is to a ten-year-old."])
+
+
+def test_data_is_the_targets_own_greedy_output(target_dir, data_dir):
+    from tests.helpers import _load
+
+    _, _, data = _data(target_dir, data_dir, "eagle3")
+    model, _ = _load(str(target_dir))
+    i = 3
+    seq = data.token_ids[data.sequence(i)]
+    with torch.inference_mode():
+        out = model(input_ids=seq[None], output_hidden_states=True)
+    assert torch.equal(data.labels[data.sequence(i)], out.logits[0].argmax(-1))
+    answer = slice(int(data.prompt_lens[i]), len(seq))
+    # The answer continues greedily: every answer token is the argmax after the one before.
+    assert torch.equal(seq[answer.start:], out.logits[0, answer.start - 1:-1].argmax(-1))
+    assert set(data.hidden) == {0, 1, 2}  # vLLM's default aux layers for 3 layers
+    for layer, states in data.hidden.items():  # numbering as the verifier's: HF hidden_states[i]
+        torch.testing.assert_close(states[data.sequence(i)].float(), out.hidden_states[layer][0],
+                                   atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_training_time_test_attends_like_serving(method, target_dir, data_dir):
+    """Step s of the unroll at anchor t equals running the head causally over the pairs
+    (x_1, h_0) .. (x_{t+1}, h_t) followed by the chain's own pairs: what the proposer does."""
+    trainer, info, data = _data(target_dir, data_dir, method)
+    torch.manual_seed(0)
+    head = trainer.build(info, data, {}).eval()
+    layer_ids = trainer.layer_ids(info)
+    batch = make_batch(data, windows(data, [0, 1], 64)[:2], layer_ids)
+    with torch.no_grad():
+        steps = unroll(head, batch, 3)
+        feats = head.features(batch.hidden[0])
+        for t in (2, 5, 9):
+            ids = batch.token_ids[0, 1:t + 2].tolist()
+            chain = feats[:t + 1]
+            for s in range(1, 4):
+                inputs = torch.tensor([ids])
+                n = len(ids)
+                mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+                out = head(inputs, chain[None], torch.arange(n)[None], mask, DynamicCache(config=head.config))[0, -1]
+                torch.testing.assert_close(steps[s - 1][0][0, t], out, atol=1e-4, rtol=1e-4)
+                ids.append(int(batch.token_ids[0, t + s + 1]))
+                chain = torch.cat([chain, out[None]])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_heads_learn_and_load_through_the_published_loader(method, target_dir, data_dir, tmp_path):
+    trainer, info, data = _data(target_dir, data_dir, method)
+    torch.manual_seed(0)
+    untrained = trainer.build(info, data, {})
+    layer_ids = trainer.layer_ids(info)
+    _, val = data.split()
+    before = evaluate(trainer, untrained, data, val, layer_ids, 64, 8, 3)
+    report = train(method, target_dir, tmp_path / "head", data_dir=data_dir,
+                   **{**SMALL, "epochs": 10}, lr=3e-3)
+    after = report["history"][-1]
+    assert after["step_accuracy"][0] > before["step_accuracy"][0] + 0.1, (before, after)
+    assert after["estimated_acceptance_length"] > before["estimated_acceptance_length"]
+
+    # Published layout: the keys the official repositories use, nothing borrowed written out.
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "head" / "model.safetensors", "pt") as st:
+        keys = set(st.keys())
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    if method == "eagle":
+        assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight"} <= keys
+        assert not any("input_layernorm" in k or k.startswith(("embed", "lm_head")) for k in keys)
+    else:
+        assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= keys
+        with safe_open(tmp_path / "head" / "model.safetensors", "pt") as st:
+            assert st.get_slice("d2t").get_shape() == [config["draft_vocab_size"]]
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+
+    head = load_eagle(tmp_path / "head", info, "float32", method)
+    proposer = EagleProposer(head, max_model_len=512)
+    seq = data.token_ids[data.sequence(val[0])].tolist()[:30]
+    hidden = torch.stack([data.hidden[i][data.sequence(val[0])][:29] for i in layer_ids], dim=1).float()
+    drafts = proposer.propose([DraftRequest(1, seq, 3, hidden)])[0].token_ids
+    assert len(drafts) == 3 and all(0 <= d < info.vocab_size for d in drafts)
+
+
+def test_an_interrupted_run_resumes_exactly(target_dir, data_dir, tmp_path, monkeypatch):
+    whole = train("eagle3", target_dir, tmp_path / "whole", data_dir=data_dir, **SMALL, save_every=2)
+    calls = {"n": 0}
+    real_step = torch.optim.AdamW.step
+
+    def interrupted_step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        train("eagle3", target_dir, tmp_path / "resumed", data_dir=data_dir, **SMALL, save_every=2)
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+    assert torch.load(tmp_path / "resumed" / "train_state.pt", weights_only=False)["step"] == 4
+    resumed = train("eagle3", target_dir, tmp_path / "resumed", data_dir=data_dir, **SMALL, save_every=2)
+    assert resumed["history"] == whole["history"]
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys):
+    from client.cli import main
+
+    code = main(["train", "eagle", "--target", str(target_dir), "--out", str(tmp_path / "h"),
+                 "--data-dir", str(data_dir), "--prompts", "24", "--max-new-tokens", "24", "--epochs", "1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "estimated mean acceptance length" in out
+    assert load_eagle(tmp_path / "h", TargetInfo.load(target_dir), "float32", "eagle").layout == "eagle"
+    assert main(["train", "eagle", "--target", str(tmp_path / "missing")]) == 1
