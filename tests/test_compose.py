@@ -1,20 +1,285 @@
-"""docker-compose.yml cannot be run here (no registry, no engine): check its structure."""
+"""docker-compose.yml and deploy/ cannot run here (no registry, no engine): the compose files
+are validated against the Compose Specification's JSON schema (as vendored by
+check-jsonschema), and every cross-reference is checked: image and release, the model
+repository and cache paths, GPU reservation, health check, ports, nginx upstreams,
+Prometheus targets, Grafana provisioning, the load test's input, and the README."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+from importlib import resources
 from pathlib import Path
 
+import jsonschema
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
 
 
-def test_compose_serves_the_repository_with_a_health_check():
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+class _Reset:
+    """Compose's `!reset` tag: the override removes the value."""
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_constructor("!reset", lambda loader, node: _Reset())
+
+
+def interpolate(value):
+    """Compose's variable substitution in every string of the parsed file (as compose does
+    it, after YAML parsing) with an empty environment: defaults only."""
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(2) is None:
+            raise AssertionError(f"{m.group(0)} has no default")
+        return m.group(2)
+
+    return re.sub(r"(?<!\$)\$\{(\w+)(?::-([^}]*))?\}", sub, value).replace("$$", "$")
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, _Reset):
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_compose(*files: str) -> dict:
+    compose: dict = {}
+    for name in files:
+        compose = _merge(compose, interpolate(yaml.load((ROOT / name).read_text(), Loader=_Loader)))
+    return compose
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_compose("docker-compose.yml")
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    path = resources.files("check_jsonschema") / "builtin_schemas" / "vendor" / "compose-spec.json"
+    return json.loads(path.read_text())
+
+
+def _validate(schema: dict, compose: dict) -> None:
+    jsonschema.validators.validator_for(schema)(schema).validate(compose)
+
+
+def container_ports(service: dict) -> dict[int, int]:
+    """{container port: host port} of "host_ip:host:container" entries."""
+    return {int(p.rsplit(":", 1)[1]): int(p.rsplit(":", 2)[1]) for p in service.get("ports", [])}
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """{target: source} of short-syntax volumes."""
+    return {v.split(":")[1]: v.split(":")[0] for v in service.get("volumes", [])}
+
+
+def triton_flags(compose: dict) -> dict[str, str]:
+    return dict(arg.removeprefix("--").split("=", 1) for arg in compose["services"]["triton"]["command"][1:])
+
+
+def dockerfile() -> tuple[str, str]:
+    """(the FROM line with ARGs substituted, the whole text)."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base), text
+
+
+def release(image: str) -> tuple[int, int]:
+    return tuple(map(int, image.split(":")[1].split("-")[0].split(".")))
+
+
+# ---------------------------------------------------------------------------- compose file
+
+
+def test_compose_files_validate_against_the_compose_spec(compose, schema):
+    _validate(schema, compose)
+    cpu = load_compose("docker-compose.yml", "deploy/cpu.yml")
+    _validate(schema, cpu)
+    assert "devices" not in cpu["services"]["triton"]["deploy"]["resources"]["reservations"]
+    broken = copy.deepcopy(compose)
+    broken["services"]["triton"]["imagee"] = "typo"
+    with pytest.raises(jsonschema.ValidationError, match="imagee"):
+        _validate(schema, broken)
+
+
+def test_triton_runs_nvidias_image_with_the_project_installed(compose):
+    base, text = dockerfile()
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d+\.\d+-py3", base)
+    assert release(base) >= (24, 10)  # tritonserver >= 2.51
+    for service in ("models", "triton", "openai"):
+        build = compose["services"][service]["build"]
+        assert build["dockerfile"] == "deploy/Dockerfile" and build["context"] == "."
+        assert build["args"]["TRITON_RELEASE"] == base.split(":")[1].removesuffix("-py3")
+    assert "pip install --no-cache-dir ." in text
+    workdir = re.search(r"^WORKDIR (\S+)", text, re.M).group(1)
+    for part in ("backends", "client", "kernels", "model_repository", "pyproject.toml"):
+        assert re.search(rf"^COPY {part}\b", text, re.M), part
+        assert f"!{part}" in (ROOT / ".dockerignore").read_text()
+    repository = triton_flags(compose)["model-repository"]
+    assert repository == f"{workdir}/model_repository"
+    assert mounts(compose["services"]["triton"])[repository] == "./model_repository"
+
+
+def test_gpus_are_reserved_and_the_model_cache_is_a_volume(compose):
     triton = compose["services"]["triton"]
-    assert triton["image"].startswith("nvcr.io/nvidia/tritonserver:")
-    release = triton["image"].split(":")[1].split("-")[0]
-    assert tuple(map(int, release.split("."))) >= (24, 10)  # tritonserver >= 2.51
-    command = " ".join(triton["command"])
-    assert "--model-repository /workspace/model_repository" in command
-    assert "pip install" in command
-    assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
-    assert any(v.endswith(":/root/.cache/tritonspec") for v in triton["volumes"])
+    devices = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    cache = re.search(r"^ENV TRITONSPEC_CACHE=(\S+)$", dockerfile()[1], re.M).group(1)
+    for service in ("models", "triton", "openai"):
+        assert mounts(compose["services"][service])[cache] == "model-cache"
     assert "model-cache" in compose["volumes"]
+    # The one-shot fetch fills the cache with the model the repository serves before any replica starts.
+    served = {re.search(r'key: "model" value: \{ string_value: "([^"]+)"', p.read_text()).group(1)
+              for p in (ROOT / "model_repository").glob("*/config.pbtxt")}
+    assert compose["services"]["models"]["command"] == ["tritonspec", "models", "fetch", *served]
+    assert triton["depends_on"]["models"]["condition"] == "service_completed_successfully"
+
+
+def test_health_check_is_tritons_readiness(compose):
+    triton = compose["services"]["triton"]
+    check = " ".join(triton["healthcheck"]["test"])
+    assert f"http://localhost:{triton_flags(compose)['http-port']}/v2/health/ready" in check
+    assert compose["services"]["lb"]["depends_on"]["triton"]["condition"] == "service_healthy"
+
+
+# ---------------------------------------------------------------------------- nginx, replicas
+
+
+def nginx_blocks(text: str) -> dict:
+    """{"upstream NAME": [directive, ...], "server": [[directive, ...], ...]} of nginx.conf's
+    http block, after checking that braces balance and directives end with `;`."""
+    text = re.sub(r"#[^\n]*", "", text)
+    assert text.count("{") == text.count("}")
+    for line in filter(None, (ln.strip() for ln in text.splitlines())):
+        assert line.endswith((";", "{", "}")), line
+    out: dict = {"server": []}
+    for kind, name, body in re.findall(r"(upstream|server)\s+(\w*)\s*\{((?:[^{}]|\{[^{}]*\})*)\}", text):
+        directives = [d.strip() for d in re.sub(r"\{|\}", ";", body).split(";") if d.strip()]
+        if kind == "upstream":
+            out[f"upstream {name}"] = directives
+        else:
+            out["server"].append(directives)
+    return out
+
+
+def test_replicas_sit_behind_nginx(compose):
+    triton, lb = compose["services"]["triton"], compose["services"]["lb"]
+    assert int(triton["deploy"]["replicas"]) == 1 and "${TRITON_REPLICAS:-1}" in (ROOT / "docker-compose.yml").read_text()
+    assert "ports" not in triton  # replicas would clash on host ports; clients use lb
+    assert mounts(lb)["/etc/nginx/nginx.conf"] == "./deploy/nginx.conf"
+    conf = nginx_blocks((DEPLOY / "nginx.conf").read_text())
+    flags = triton_flags(compose)
+    assert f"server triton:{flags['http-port']}" in conf["upstream triton_http"]
+    assert f"server triton:{flags['grpc-port']}" in conf["upstream triton_grpc"]
+    listens = {int(d.split()[1]): d for server in conf["server"] for d in server if d.startswith("listen")}
+    assert set(listens) == set(container_ports(lb)) == {int(flags["http-port"]), int(flags["grpc-port"])}
+    http, grpc = (next(s for s in conf["server"] if f"listen {p}" in s) for p in (flags["http-port"], flags["grpc-port"]))
+    assert "proxy_pass http://triton_http" in http and "proxy_buffering off" in http  # SSE streams
+    assert "grpc_pass grpc://triton_grpc" in grpc and "http2 on" in grpc
+
+
+# ---------------------------------------------------------------------------- monitoring
+
+
+def test_prometheus_scrapes_every_triton_replica(compose):
+    prometheus = compose["services"]["prometheus"]
+    assert mounts(prometheus)["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus.yml"
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["triton"] and sd["type"] == "A"
+    assert sd["port"] == int(triton_flags(compose)["metrics-port"]) and job["metrics_path"] == "/metrics"
+
+
+def test_grafana_is_provisioned_with_the_dashboard(compose):
+    grafana = compose["services"]["grafana"]
+    volumes = mounts(grafana)
+    provisioning = volumes["/etc/grafana/provisioning"].removeprefix("./")
+    (source,) = yaml.safe_load((ROOT / provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    host, port = re.fullmatch(r"http://(\w+):(\d+)", source["url"]).groups()
+    assert source["type"] == "prometheus" and int(port) in container_ports(compose["services"][host])
+    (provider,) = yaml.safe_load((ROOT / provisioning / "dashboards" / "tritonspec.yml").read_text())["providers"]
+    folder = volumes[provider["options"]["path"]].removeprefix("./")
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    dashboard = json.loads((ROOT / folder / Path(home).name).read_text())
+    assert home == f"{provider['options']['path']}/{Path(home).name}"
+    assert dashboard["uid"] == "tritonspec"
+    assert {"type": "datasource", "query": "prometheus"}.items() <= dashboard["templating"]["list"][0].items()
+
+
+# ---------------------------------------------------------------------------- load test, OpenAI
+
+
+def loadtest_args(compose: dict) -> list[str]:
+    """perf_analyzer's arguments in the loadtest service's command."""
+    script = compose["services"]["loadtest"]["command"][-1]
+    words = shlex.split(script)
+    return words[words.index("perf_analyzer") + 1:]
+
+
+def speculative_inputs() -> set[str]:
+    text = (ROOT / "model_repository" / "speculative" / "config.pbtxt").read_text()
+    return set(re.findall(r'\{\s*name:\s*"(\w+)"', text.split("output [")[0]))
+
+
+def test_loadtest_runs_perf_analyzer_from_the_sdk_image_through_the_balancer(compose):
+    loadtest = compose["services"]["loadtest"]
+    base, _ = dockerfile()
+    assert loadtest["image"] == f"{base}-sdk" and loadtest["profiles"] == ["loadtest"]
+    args = loadtest_args(compose)
+    value = dict(zip(args, args[1:]))
+    assert value["-u"] == f"lb:{triton_flags(compose)['grpc-port']}" and value["-i"] == "grpc" and "--streaming" in args
+    assert value["-m"] == "speculative"
+    assert mounts(loadtest)[value["--input-data"]] == "./deploy/perf_input.json"
+    assert Path(value["--profile-export-file"]).parent.as_posix() in mounts(loadtest)
+    rows = json.loads((DEPLOY / "perf_input.json").read_text())["data"]
+    assert rows and all(set(row) <= speculative_inputs() and "text_input" in row for row in rows)
+
+
+def test_openai_service_talks_grpc_through_the_balancer(compose):
+    openai = compose["services"]["openai"]
+    args = openai["command"]
+    value = dict(zip(args, args[1:]))
+    assert args[:2] == ["tritonspec", "openai"] and value["--url"] == f"lb:{triton_flags(compose)['grpc-port']}"
+    assert value["--host"] == "0.0.0.0" and int(value["--port"]) in container_ports(openai)
+    assert f":{value['--port']}/health" in " ".join(openai["healthcheck"]["test"])
+
+
+def test_readme_documents_images_ports_and_volumes(compose):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Deployment with Docker Compose"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    base, _ = dockerfile()
+    for image in (base, f"{base}-sdk", compose["services"]["lb"]["image"], compose["services"]["prometheus"]["image"],
+                  compose["services"]["grafana"]["image"]):
+        assert image in section, image
+    for name, service in compose["services"].items():
+        assert f"`{name}`" in section, name
+        for container, host in container_ports(service).items():
+            assert re.search(rf"\b{host}\b", section), (name, host)
+    for volume in compose["volumes"]:
+        assert f"`{volume}`" in section, volume
+    for path in ("deploy/Dockerfile", "deploy/nginx.conf", "deploy/prometheus.yml", "deploy/cpu.yml",
+                 "deploy/grafana/dashboards/tritonspec.json", "deploy/perf_input.json"):
+        assert path in section and (ROOT / path).exists(), path
