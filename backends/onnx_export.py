@@ -5,7 +5,7 @@ against the torch head with onnxruntime on CPU.
 Each method contributes one builder in `_BUILDERS` ("module:function"): it loads the head
 from its checkpoint (through the method's own loader, so a bad checkpoint is refused the
 same way) and wraps one draft step as a plain module with named inputs and outputs
-(`OnnxStep`). Adding a head type (Medusa, MLP speculator, ...) is one builder and one entry.
+(`OnnxStep`). Adding a head type is one builder and one entry.
 
 EAGLE / EAGLE-3 step (no KV cache: one causal forward over T + S pairs):
   inputs   input_ids [B, T] int64 and hidden_states [B, T, layers, H_t] float32: the pairs
@@ -19,6 +19,15 @@ EAGLE / EAGLE-3 step (no KV cache: one causal forward over T + S pairs):
            proposer treats them), hidden [B, T+S, H] (what the next step takes as draft_hidden)
 The one-token shift is the caller's, as in backends/eagle.py: the pair at position t is
 (x_{t+1}, h_t); k drafts = k steps, each appending the last draft and its hidden state.
+
+Medusa / MLP speculator step (heads on the target's last hidden state; backends/last_hidden.py):
+  inputs   hidden_states [B, H_t] float32: the target's final normed state at t,
+           token_ids [B, K] int64: the token each of the K = num_steps stages reads
+           (x_{t+1}, then drafts 1..K-1; Medusa's heads ignore them)
+  outputs  logits [B, K, V] float32 over the target vocabulary (a truncated Medusa vocabulary
+           is mapped through token_map, -inf elsewhere)
+Stage i depends on token_ids[:, :i+1] only: Medusa drafts all K at once, an MLP speculator
+drafts greedily in K calls, each filling in the draft just made.
 """
 from __future__ import annotations
 
@@ -50,13 +59,17 @@ class OnnxStep:
     outputs: tuple[str, ...]
     dynamic_axes: dict[str, dict[int, str]]
     metadata: dict[str, str] = field(default_factory=dict)
-    # Fresh inputs for (batch, tokens, drafted), for checking the graph at other shapes.
-    make_inputs: Callable[[int, int, int, torch.Generator], dict[str, torch.Tensor]] | None = None
+    # Fresh inputs for a shape tuple (its meaning is the builder's), and the shapes to check
+    # the graph at: others than the export's.
+    make_inputs: Callable[..., dict[str, torch.Tensor]] | None = None
+    check_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 _BUILDERS: dict[str, str] = {
     "eagle": "backends.onnx_export:eagle_step",
     "eagle3": "backends.onnx_export:eagle_step",
+    "medusa": "backends.onnx_export:medusa_step",
+    "mlp_speculator": "backends.onnx_export:mlp_speculator_step",
 }
 
 
@@ -75,19 +88,32 @@ def build_step(method: str, checkpoint: Path | str, target: Path | str) -> OnnxS
 # ---------------------------------------------------------------------------- EAGLE
 
 
-class _EagleStep(nn.Module):
-    def __init__(self, head) -> None:
+class _TargetVocab(nn.Module):
+    """Draft-vocabulary logits [..., V_d] -> target-vocabulary logits [..., V] (-inf for target
+    ids outside the draft vocabulary); the identity when the vocabularies are one."""
+
+    def __init__(self, draft_to_target: torch.Tensor | None, vocab_size: int) -> None:
         super().__init__()
-        self.head = head
-        # [V_target] draft id of each target id and whether it has one (EAGLE-3's vocabulary).
-        to_target = head.draft_to_target
-        self.has_draft_vocab = to_target is not None
-        if self.has_draft_vocab:
-            vocab = head.embed_tokens.num_embeddings
-            index = torch.zeros(vocab, dtype=torch.long).index_copy_(0, to_target, torch.arange(len(to_target)))
-            present = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, to_target, True)
+        self.identity = draft_to_target is None
+        if not self.identity:
+            ids = draft_to_target.long().cpu()
+            index = torch.zeros(vocab_size, dtype=torch.long).index_copy_(0, ids, torch.arange(len(ids)))
+            present = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
             self.register_buffer("target_to_draft", index, persistent=False)
             self.register_buffer("in_draft_vocab", present, persistent=False)
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.identity:
+            return logits
+        return torch.where(self.in_draft_vocab, logits[..., self.target_to_draft],
+                           torch.full_like(logits[..., :1], float("-inf")))
+
+
+class _EagleStep(nn.Module):
+    def __init__(self, head, vocab_size: int) -> None:
+        super().__init__()
+        self.head = head
+        self.vocab = _TargetVocab(head.draft_to_target, vocab_size)
 
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                 draft_ids: torch.Tensor, draft_hidden: torch.Tensor):
@@ -100,11 +126,7 @@ class _EagleStep(nn.Module):
         steps = torch.arange(ids.shape[1], device=input_ids.device)
         mask = (steps[None, :] <= steps[:, None])[None, None]  # broadcast over the batch
         hidden = self.head(ids, features, positions, mask, None)
-        logits = self.head.logits(hidden)
-        if self.has_draft_vocab:
-            logits = torch.where(self.in_draft_vocab, logits[..., self.target_to_draft],
-                                 torch.full_like(logits[..., :1], float("-inf")))
-        return logits, hidden
+        return self.vocab(self.head.logits(hidden)), hidden
 
 
 def eagle_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
@@ -123,7 +145,7 @@ def eagle_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
 
     pairs, drafts = {0: "batch", 1: "tokens"}, {0: "batch", 1: "drafted"}
     return OnnxStep(
-        module=_EagleStep(head).eval(),
+        module=_EagleStep(head, info.vocab_size).eval(),
         example_inputs=make_inputs(2, 5, 3, torch.Generator().manual_seed(0)),
         outputs=("logits", "hidden"),
         dynamic_axes={"input_ids": pairs, "hidden_states": pairs, "position_ids": pairs,
@@ -131,7 +153,62 @@ def eagle_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
         metadata={"method": method, "hidden_layer_ids": json.dumps(list(head.hidden_layer_ids)),
                   "target_vocab_size": str(info.vocab_size), "hidden_size": str(head.config.hidden_size)},
         make_inputs=make_inputs,
+        check_shapes=((1, 1, 0), (3, 7, 0), (2, 4, 1), (1, 6, 5)),  # (batch, tokens, drafted)
     )
+
+
+# ---------------------------------------------------------------------------- last-hidden heads
+
+
+class _LastHiddenStep(nn.Module):
+    """All K stages of a begin/step head, each reading its token from token_ids."""
+
+    def __init__(self, head, vocab_size: int) -> None:
+        super().__init__()
+        self.head = head
+        self.vocab = _TargetVocab(head.draft_to_target, vocab_size)
+
+    def forward(self, hidden_states: torch.Tensor, token_ids: torch.Tensor):
+        state, logits = self.head.begin(hidden_states), []
+        for i in range(self.head.num_steps):
+            out, state = self.head.step(i, state, token_ids[:, i])
+            logits.append(out)
+        return (self.vocab(torch.stack(logits, dim=1)),)
+
+
+def _last_hidden_step(method: str, head, info) -> OnnxStep:
+    steps = head.num_steps
+
+    def make_inputs(batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"hidden_states": torch.randn(batch, info.hidden_size, generator=gen),
+                "token_ids": torch.randint(0, info.vocab_size, (batch, steps), generator=gen)}
+
+    return OnnxStep(
+        module=_LastHiddenStep(head, info.vocab_size).eval(),
+        example_inputs=make_inputs(2, torch.Generator().manual_seed(0)),
+        outputs=("logits",),
+        dynamic_axes={"hidden_states": {0: "batch"}, "token_ids": {0: "batch"}},
+        metadata={"method": method, "num_steps": str(steps), "hidden_layer_ids": json.dumps([-1]),
+                  "target_vocab_size": str(info.vocab_size)},
+        make_inputs=make_inputs,
+        check_shapes=((1,), (5,)),  # (batch,)
+    )
+
+
+def medusa_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
+    from backends.eagle import TargetInfo
+    from backends.medusa import load_medusa
+
+    info = TargetInfo.load(target)
+    return _last_hidden_step(method, load_medusa(checkpoint, info, "float32"), info)
+
+
+def mlp_speculator_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
+    from backends.eagle import TargetInfo
+    from backends.mlp_speculator import load_mlp_speculator
+
+    info = TargetInfo.load(target)
+    return _last_hidden_step(method, load_mlp_speculator(checkpoint, info, "float32"), info)
 
 
 # ---------------------------------------------------------------------------- export + check
@@ -160,26 +237,25 @@ def export_step(step: OnnxStep, out: Path | str) -> Path:
     return out
 
 
-def check_step(step: OnnxStep, path: Path | str,
-               shapes: tuple[tuple[int, int, int], ...] = ((1, 1, 0), (3, 7, 0), (2, 4, 1), (1, 6, 5)),
+def check_step(step: OnnxStep, path: Path | str, shapes: tuple[tuple[int, ...], ...] | None = None,
                rtol: float = 1e-4, atol: float = 1e-4, seed: int = 0) -> float:
     """Run the ONNX file with onnxruntime (CPU) and the torch step on fresh inputs of other
-    (batch, tokens, drafted) shapes than the export's; the largest absolute difference, or
-    OnnxExportError naming the output that differs beyond tolerance."""
+    shapes than the export's (default: the step's check_shapes); the largest absolute
+    difference, or OnnxExportError naming the output that differs beyond tolerance."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     gen = torch.Generator().manual_seed(seed)
     worst = 0.0
-    for shape in shapes:
+    for shape in shapes or step.check_shapes:
         inputs = step.make_inputs(*shape, gen)
         with torch.inference_mode():
             expected = [t.numpy() for t in step.module(*inputs.values())]
         got = session.run(list(step.outputs), {k: v.numpy() for k, v in inputs.items()})
         for name, want, have in zip(step.outputs, expected, got):
             if want.shape != have.shape:
-                raise OnnxExportError(f"{path}: output {name!r} has shape {list(have.shape)} at (batch, tokens, "
-                                      f"drafted) {shape}; the torch head gives {list(want.shape)}")
+                raise OnnxExportError(f"{path}: output {name!r} has shape {list(have.shape)} at input shape "
+                                      f"{shape}; the torch head gives {list(want.shape)}")
             finite = np.isfinite(want)
             if not np.array_equal(finite, np.isfinite(have)) or not np.array_equal(want[~finite], have[~finite]):
                 raise OnnxExportError(f"{path}: output {name!r} has infinities where the torch head has none "
@@ -187,7 +263,7 @@ def check_step(step: OnnxStep, path: Path | str,
             diff = float(np.abs(want[finite] - have[finite]).max(initial=0.0))
             if not np.allclose(want[finite], have[finite], rtol=rtol, atol=atol):
                 raise OnnxExportError(f"{path}: output {name!r} differs from the torch head by up to {diff:.3g} "
-                                      f"at (batch, tokens, drafted) {shape} (tolerance rtol={rtol}, atol={atol})")
+                                      f"at input shape {shape} (tolerance rtol={rtol}, atol={atol})")
             worst = max(worst, diff)
     return worst
 

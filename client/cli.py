@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "directory), checked against the torch head with onnxruntime")
     onnx_p.add_argument("checkpoint", help="the head's checkpoint directory")
     onnx_p.add_argument("--method", required=True,
-                        help="the head's method, e.g. eagle or eagle3 (an unknown one lists those available)")
+                        help="the head's method: eagle, eagle3, medusa or mlp_speculator")
     onnx_p.add_argument("--target", required=True, help="the target model it drafts for (named, HF dir or .gguf)")
     onnx_p.add_argument("--out", required=True, help="model directory to write: OUT/1/model.onnx + OUT/config.pbtxt")
     onnx_p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
