@@ -31,6 +31,11 @@ class DraftService:
         self._tokens: dict[int, list[int]] = {}
         self._last_used: dict[int, float] = {}
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The configured k, or 0 for a proposer that never drafts."""
+        return self.config.num_speculative_tokens if self.proposer.proposes_drafts else 0
+
     def num_tokens(self, call: DraftCall) -> int:
         """Drafts for this call: the client's number (SpeculativeConfigError when above the
         configured k), capped by the batch-size schedule at the current load and by the

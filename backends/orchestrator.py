@@ -19,8 +19,9 @@ from backends.request import GenerationRequest, RequestError, SamplingParams
 
 
 class Drafter(Protocol):
-    # Known once the drafter has answered: its configured k (the adaptive policy's range)
-    # and the target layers whose hidden states it drafts from (empty: token ids suffice).
+    # Known once the drafter has answered: its configured k (the adaptive policy's range;
+    # 0: it never drafts, it extracts hidden states) and the target layers whose hidden
+    # states it drafts from or extracts (empty: token ids suffice).
     num_speculative_tokens: int | None
     hidden_layer_ids: tuple[int, ...]
 
@@ -83,6 +84,9 @@ class StepOutput:
     token_ids: list[int]  # new output tokens of this step
     text: str  # new text of this step (complete characters only)
     finish_reason: str | None = None  # "stop", "length", "cancelled" on the last step
+    # For a drafter that extracts hidden states: the target's rows for the positions this
+    # step ran ([rows, layers, hidden], in order; see backends/extract_hidden_states.py).
+    hidden_states: torch.Tensor | None = None
 
 
 def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -116,6 +120,7 @@ def generate(
     seeded sampled request, use a fixed length instead."""
     check_lengths(len(prompt_ids), req.max_tokens, max_model_len)
     speculate = drafter is not None and req.num_draft_tokens != 0
+    extract = False  # the drafter only names layers whose hidden states each step yields
     num_tokens = len(prompt_ids)
     num_generated = 0
     unseen_by_verifier = list(prompt_ids)
@@ -140,18 +145,21 @@ def generate(
             policy = AdaptiveDraftLength(drafter.num_speculative_tokens)
         k = policy.next_k(room) if policy else room
         drafts, probs, draft_s, draft_wall = [], None, 0.0, 0.0
-        if speculate and k > 0:
+        # The first call also tells what the drafter is (its k and layers), even with no room.
+        if speculate and (k > 0 or drafter.num_speculative_tokens is None):
             start = time.perf_counter()
             hidden = torch.cat(hidden_rows) if hidden_rows else None
             drafts, probs, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens, hidden)
             draft_wall = time.perf_counter() - start
             unseen_by_drafter, hidden_rows = [], []
-        layer_ids = drafter.hidden_layer_ids if speculate else ()
+            if drafter.num_speculative_tokens == 0:  # an extractor: plain decoding from now on
+                speculate, extract = False, True
+        layer_ids = drafter.hidden_layer_ids if speculate or extract else ()
         start = time.perf_counter()
         emitted, verify_s, hidden = verifier.verify(seq_id, unseen_by_verifier, drafts, probs, sampling,
                                                     req.max_tokens if sampling else None, layer_ids)
         verify_wall = time.perf_counter() - start
-        if hidden is not None:
+        if hidden is not None and speculate:
             hidden_rows.append(hidden)
         unseen_by_verifier, sampling = [], None
         stats.record(len(drafts), len(emitted), draft_s, verify_s)
@@ -178,6 +186,6 @@ def generate(
         now = time.perf_counter()
         stats.total_s += now - clock
         clock = now
-        yield StepOutput(taken, text.take(final=finish is not None), finish)
+        yield StepOutput(taken, text.take(final=finish is not None), finish, hidden if extract else None)
         if finish:
             return

@@ -35,6 +35,9 @@ class Proposer:
 
     # Target layers whose hidden states the proposer needs (empty = token ids are enough).
     hidden_layer_ids: tuple[int, ...] = ()
+    # False: it never drafts, it only names layers whose states each step returns
+    # (extract_hidden_states); the drafter then reports k = 0.
+    proposes_drafts: bool = True
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         raise NotImplementedError
@@ -54,6 +57,10 @@ _REGISTRY: dict[str, str] = {
     "medusa": "backends.medusa:MedusaProposer",
     "mlp_speculator": "backends.mlp_speculator:MLPSpeculatorProposer",
     "mtp": "backends.mtp:MTPProposer",
+    "dflash": "backends.dflash:DFlashProposer",
+    "dspark": "backends.dspark:DSparkProposer",
+    "extract_hidden_states": "backends.extract_hidden_states:HiddenStateExtractor",
+    "custom_class": "backends.custom_class:CustomClass",
 }
 
 

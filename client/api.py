@@ -31,6 +31,11 @@ class Generation:
     perf_metrics: dict = field(default_factory=dict)
     num_responses: int = 0
     seconds: float = 0.0
+    # From an extract_hidden_states drafter (gRPC): [positions, layers, hidden] for prompt +
+    # output but the last token, the layer ids, and the server-side file when one was written.
+    hidden_states: np.ndarray | None = None
+    hidden_layer_ids: list[int] = field(default_factory=list)
+    hidden_states_file: str = ""
 
     def add(self, out: dict[str, Any]) -> None:
         """Fold one response (streamed delta or whole) into the result."""
@@ -43,6 +48,9 @@ class Generation:
                 setattr(self, key, out[key])
         if out.get("perf_metrics"):
             self.perf_metrics = json.loads(out["perf_metrics"])
+        for key in HIDDEN_OUTPUTS:
+            if key in out:
+                setattr(self, key, out[key])
 
     @property
     def tokens_per_second(self) -> float:
@@ -62,12 +70,18 @@ def _decode_outputs(result: Any, names: list[str]) -> dict[str, Any]:
         array = result.as_numpy(name)
         if array is None:
             continue
-        out[name] = array.reshape(-1).tolist() if name == "output_ids" else _scalar(array)
+        if name == "hidden_states":
+            out[name] = array
+        elif name in ("output_ids", "hidden_layer_ids"):
+            out[name] = array.reshape(-1).tolist()
+        else:
+            out[name] = _scalar(array)
     return out
 
 
 OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
            "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "perf_metrics"]
+HIDDEN_OUTPUTS = ["hidden_states", "hidden_layer_ids", "hidden_states_file"]  # gRPC only
 
 
 def grpc_generate(
@@ -111,7 +125,7 @@ def grpc_generate(
     start = time.perf_counter()
     try:
         client.async_stream_infer(model, infer_inputs, enable_empty_final_response=True,
-                                  outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS])
+                                  outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS + HIDDEN_OUTPUTS])
         while True:
             response, error = _next_response(responses, timeout_s, cancel)
             if response is None and error is None:  # cancelled by the caller
@@ -121,7 +135,7 @@ def grpc_generate(
                 raise GenerationError(str(error))
             params = response.get_response().parameters
             final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
-            out = _decode_outputs(response, OUTPUTS)
+            out = _decode_outputs(response, OUTPUTS + HIDDEN_OUTPUTS)
             if out:
                 result.add(out)
                 if on_text and out.get("text_output"):

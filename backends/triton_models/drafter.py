@@ -93,7 +93,7 @@ class TritonPythonModel:
             pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
             pb_utils.Tensor("method", np.array([[self.config.method.encode()]], dtype=np.object_)),
             pb_utils.Tensor("num_speculative_tokens",
-                            np.array([[self.config.num_speculative_tokens]], dtype=np.int32)),
+                            np.array([[self.service.num_speculative_tokens]], dtype=np.int32)),
             pb_utils.Tensor("hidden_layer_ids",
                             np.array([self.service.proposer.hidden_layer_ids], dtype=np.int32).reshape(1, -1)),
         ])

@@ -11,12 +11,14 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.detokenize import TextStream
+from backends.extract_hidden_states import save_hidden_states
 from backends.model_store import DEFAULT_MODEL, context_window, load_config, load_tokenizer, resolve_model
 from backends.orchestrator import GenerationStats, StepOutput, generate
 from backends.request import GenerationRequest, RequestError, SamplingParams, parse_request
@@ -148,6 +150,8 @@ class TritonPythonModel:
         self.verifier_name = params.get("verifier_model_name", "verifier")
         self.drafter_name = params.get("drafter_model_name", "")
         self.adaptive = params.get("adaptive_draft_length", "true").lower() == "true"
+        # With an extract_hidden_states drafter: also write each request's hidden states here.
+        self.hidden_states_dir = params.get("hidden_states_dir", "")
         workers = int(params.get("max_concurrent_requests", "64"))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
         # Correlation ids unique across instances and restarts of this process.
@@ -193,18 +197,23 @@ class TritonPythonModel:
             steps = generate(req, prompt_ids, seq_id, verifier, drafter, text, self.eos_token_ids,
                              self.max_model_len, stats, CancellationPoll(sender), self.adaptive)
             all_ids: list[int] = []
+            hidden_parts: list[torch.Tensor] = []
             for step in steps:
                 all_ids += step.token_ids
+                if step.hidden_states is not None:
+                    hidden_parts.append(step.hidden_states)
                 if step.finish_reason == "cancelled":
                     log.info("request %d cancelled by the client", seq_id)
                     self._post(sender, error_response("request cancelled"), final=True)
                     return
+                extra = self._hidden_outputs(seq_id, hidden_parts, prompt_ids, all_ids, drafter) \
+                    if step.finish_reason is not None else {}
                 if req.stream and (step.text or step.token_ids or step.finish_reason):
                     self._post(sender, self._response(step, step.token_ids, step.text, len(prompt_ids),
-                                                      len(all_ids), stats), step.finish_reason is not None)
+                                                      len(all_ids), stats, extra), step.finish_reason is not None)
             if not req.stream:
                 body = text.text if req.exclude_input_in_output else req.prompt + text.text
-                self._post(sender, self._response(step, all_ids, body, len(prompt_ids), len(all_ids), stats),
+                self._post(sender, self._response(step, all_ids, body, len(prompt_ids), len(all_ids), stats, extra),
                            final=True)
         except RequestError as e:
             self._post(sender, error_response(str(e)), final=True)
@@ -232,10 +241,27 @@ class TritonPythonModel:
         sampling_json = input_scalar(request, "sampling_parameters") or ""
         return parse_request(tensors, request.parameters() or "", sampling_json)
 
+    def _hidden_outputs(self, seq_id: int, parts: list[torch.Tensor], prompt_ids: list[int], output_ids: list[int],
+                        drafter: "BlsDrafter | None") -> dict[str, np.ndarray]:
+        """The extracted hidden states of the whole request (rows for positions 0 .. prompt +
+        output - 2), their layer ids, and the file they were written to when asked."""
+        if not parts:
+            return {}
+        token_ids = prompt_ids + output_ids
+        hidden = torch.cat(parts)[: len(token_ids) - 1]  # never a position past the output
+        outputs = {"hidden_states": hidden.float().numpy(),
+                   "hidden_layer_ids": np.array(drafter.hidden_layer_ids, dtype=np.int32)}
+        if self.hidden_states_dir:
+            path = save_hidden_states(Path(self.hidden_states_dir) / f"{seq_id}.safetensors", hidden, token_ids,
+                                      drafter.hidden_layer_ids, len(prompt_ids))
+            outputs["hidden_states_file"] = np.array([str(path).encode()], dtype=np.object_)
+        return outputs
+
     @staticmethod
     def _response(step: StepOutput, token_ids: list[int], text: str, num_input: int, num_output: int,
-                  stats: GenerationStats) -> object:
-        """A streamed step carries its text and ids; the last response also the statistics."""
+                  stats: GenerationStats, extra: dict[str, np.ndarray] | None = None) -> object:
+        """A streamed step carries its text and ids; the last response also the statistics
+        (and, from an extract_hidden_states drafter, the hidden states)."""
         outputs = {
             "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
             "output_ids": np.array(token_ids, dtype=np.int64),
@@ -250,6 +276,7 @@ class TritonPythonModel:
                 "total_accepted_draft_tokens": np.array([acceptance.num_accepted_tokens], dtype=np.int64),
                 "acceptance_rate": np.array([acceptance.acceptance_rate or 0.0], dtype=np.float32),
                 "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
+                **(extra or {}),
             })
         return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
 

@@ -1,0 +1,1 @@
+"""Worked examples of extension points (importable by the server's Python)."""

@@ -1,0 +1,133 @@
+"""custom_class: a user's proposer by dotted path. The worked example
+(client/examples/bigram_proposer.py) drafts through the real server with output equal to
+the target's greedy output; import errors and interface mismatches are load errors that
+name the cause, and a proposer answering the wrong shape fails its requests clearly."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backends.config import SpeculativeConfig
+from backends.custom_class import CustomClass
+from backends.proposer import DraftRequest, build_proposer
+
+EXAMPLE = "client.examples.bigram_proposer.BigramProposer"
+PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):", "for i in range(10):\n    print(i",
+           "The quick brown fox jumps over the lazy dog. The"]
+
+USER_MODULE = '''
+from backends.proposer import Draft, Proposer
+
+class NoPropose:
+    def release(self, seq_id): ...
+
+class WrongSignature(Proposer):
+    def propose(self, batch, k): ...
+
+class Boom(Proposer):
+    def __init__(self, config):
+        raise RuntimeError("no GPU here")
+
+class BadLayers(Proposer):
+    hidden_layer_ids = "all"
+    def __init__(self, config): ...
+
+class ListsLikeVllm(Proposer):
+    def __init__(self, config): ...
+    def propose(self, batch):
+        return [[1, 2] for _ in batch]
+
+class TooMany(Proposer):
+    def __init__(self, config): ...
+    def propose(self, batch):
+        return [Draft([1] * (r.num_tokens + 1)) for r in batch]
+
+def not_a_class(): ...
+'''
+
+
+def build(model: str, target_dir):
+    config = SpeculativeConfig.from_json({"model": model, "num_speculative_tokens": 3}, target_model=str(target_dir))
+    assert config.method == "custom_class"
+    return build_proposer(config, max_model_len=512, target_model=target_dir)
+
+
+def test_the_example_drafts_by_its_bigram_table(tiny_model_dir):
+    proposer = build(EXAMPLE, tiny_model_dir)
+    assert isinstance(proposer, CustomClass) and proposer.hidden_layer_ids == ()
+    assert proposer.propose([DraftRequest(1, [1, 2, 3, 1, 2], 3)])[0].token_ids == [3, 1, 2]
+    # Later calls read only the new tokens: 2 is now followed by 4.
+    assert proposer.propose([DraftRequest(1, [1, 2, 3, 1, 2, 4, 1], 3)])[0].token_ids == [2, 4, 1]
+    assert proposer.propose([DraftRequest(2, [5, 6], 3)])[0].token_ids == []  # nothing seen after 6
+    proposer.release(1)
+    assert proposer.propose([DraftRequest(1, [7, 1], 2)])[0].token_ids == []
+
+
+ERRORS = {
+    "no.such.module.Proposer": (ImportError, r"Cannot import module 'no\.such\.module' for the custom proposer"),
+    "user_proposers_mod.Missing": (AttributeError, r"Module 'user_proposers_mod' has no attribute 'Missing'"),
+    "user_proposers_mod.not_a_class": (TypeError, r"'user_proposers_mod\.not_a_class' is a function, not a class"),
+    "user_proposers_mod.NoPropose": (TypeError, r"has no callable propose\(\); implement the interface of "
+                                                r"backends\.proposer\.Proposer"),
+    "user_proposers_mod.WrongSignature": (TypeError, r"propose\(self, batch, k\) does not take \(self, batch\)"),
+    "user_proposers_mod.Boom": (RuntimeError, r"Failed to instantiate custom proposer class "
+                                              r"'user_proposers_mod\.Boom': RuntimeError: no GPU here"),
+    "user_proposers_mod.BadLayers": (TypeError, r"hidden_layer_ids must be a tuple of ints, got 'all'"),
+}
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "user_proposers_mod.py").write_text(USER_MODULE)
+    (tmp_path / "broken_mod.py").write_text("import not_installed_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("model", ERRORS)
+def test_load_errors_name_the_cause(model, user_module, tiny_model_dir):
+    error, message = ERRORS[model]
+    with pytest.raises(error, match=message):
+        build(model, tiny_model_dir)
+
+
+def test_an_import_error_inside_the_module_is_shown(user_module, tiny_model_dir):
+    with pytest.raises(ImportError, match=r"Cannot import module 'broken_mod' .*ModuleNotFoundError: No module "
+                                          r"named 'not_installed_anywhere'"):
+        build("broken_mod.Anything", tiny_model_dir)
+
+
+def test_wrong_answers_fail_the_request_clearly(user_module, tiny_model_dir):
+    batch = [DraftRequest(1, [1, 2, 3], 2)]
+    with pytest.raises(TypeError, match=r"returned \[1, 2\] for sequence 1; expected a backends\.proposer\.Draft"):
+        build("user_proposers_mod.ListsLikeVllm", tiny_model_dir).propose(batch)
+    with pytest.raises(ValueError, match=r"returned 3 drafts for sequence 1, which asked for at most 2"):
+        build("user_proposers_mod.TooMany", tiny_model_dir).propose(batch)
+
+
+def test_served_example_equals_target_greedy(tiny_model_dir, tmp_path):
+    from tests.conftest import start_server
+    from tests.helpers import served_greedy_results
+
+    server = start_server(tmp_path, str(tiny_model_dir), json.dumps({"model": EXAMPLE, "num_speculative_tokens": 4}))
+    try:
+        results = served_greedy_results(server, tiny_model_dir, PROMPTS, 32)
+        assert sum(r.total_accepted_draft_tokens for r in results) > 0
+    finally:
+        server.stop()
+
+
+def test_a_bad_class_fails_the_drafter_load_only(tiny_model_dir, tmp_path):
+    from client.api import grpc_generate
+    from tests.conftest import start_server
+    from tests.helpers import hf_greedy
+
+    config = json.dumps({"model": "client.examples.bigram_proposer.Missing", "num_speculative_tokens": 4})
+    server = start_server(tmp_path, str(tiny_model_dir), config, require_all_models=False)
+    try:
+        state, reason = server.model_states()["drafter"]
+        assert state == "UNAVAILABLE" and "has no attribute 'Missing'" in reason
+        result = grpc_generate(server.grpc_url, PROMPTS[0], max_tokens=8, num_draft_tokens=0)
+        assert tuple(result.output_ids) == hf_greedy(str(tiny_model_dir), PROMPTS[0], 8)
+    finally:
+        server.stop()
