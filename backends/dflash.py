@@ -237,6 +237,9 @@ class DFlashHead(nn.Module):
 
     def __init__(self, cfg: dict[str, Any], target: TargetInfo, where: str = "DFlash head") -> None:
         super().__init__()
+        if self.layout == "dflash" and _field(cfg, "sample_from_anchor"):
+            raise BlockCheckpointError(f"{where}: sample_from_anchor=true is DSpark's slot convention; a DFlash "
+                                       "drafter fills slots 1..B-1 (vLLM refuses it too)")
         self.spec = BlockSpec.parse(cfg, target, where)
         self.config = dict(cfg)  # written back as config.json by save_head
         qwen = _qwen3_config(cfg)

@@ -293,6 +293,8 @@ REFUSALS = {
     "mask token": ("dflash", None, {"dflash_config": {"mask_token_id": 384, "target_layer_ids": [0, 1]}},
                    r"mask_token_id=384 \(dflash_config\.mask_token_id\) must be a row of the target's embedding"),
     "block size": ("dflash", None, {"block_size": 1}, r"block_size=1 in config\.json"),
+    "anchor slots": ("dflash", None, {"sample_from_anchor": True}, r"sample_from_anchor=true is DSpark's slot "
+                                                                     r"convention"),
     "swa flag": ("dflash", None, {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [0, 1],
                                                     "use_swa": True}},
                  r"dflash_config\.use_swa=True is not supported"),
