@@ -482,7 +482,7 @@ class DFlashProposer(Proposer):
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
                     target_model: Path | str | None = None, seed: int | None = None,
-                    **_: Any) -> "DFlashProposer":
+                    device: str = "cpu", **_: Any) -> "DFlashProposer":
         if not config.model:
             raise ValueError(f"{cls.method} needs `model`: the checkpoint directory")
         if target_model is None:
@@ -497,7 +497,7 @@ class DFlashProposer(Proposer):
         if ids:
             overrides["eagle_aux_hidden_state_layer_ids"] = ids
         head = load_head(cls.head_class, resolve_model(config.model), TargetInfo.load(target_model), dtype, overrides)
-        return cls(head, max_model_len, config.draft_sample_method, seed)
+        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
 
     @property
     def num_sequences(self) -> int:
@@ -555,9 +555,12 @@ class DFlashProposer(Proposer):
             pads, device=self.device)[:, None], positions], dim=1)
         key_valid = torch.cat([key_positions[:, :longest] >= 0,
                                torch.ones(len(work), size, dtype=torch.bool, device=self.device)], dim=1)
-        context = [(torch.stack([F.pad(w.context.keys[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]),
-                    torch.stack([F.pad(w.context.values[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]))
-                   for i in range(len(self.head.layers))]
+        if len(work) == 1:  # a lone sequence attends to its own cache, uncopied
+            context = [(k[None], v[None]) for k, v in zip(work[0].context.keys, work[0].context.values)]
+        else:
+            context = [(torch.stack([F.pad(w.context.keys[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]),
+                        torch.stack([F.pad(w.context.values[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]))
+                       for i in range(len(self.head.layers))]
         return self.head(block_ids, positions, context, key_positions, key_valid)
 
     def _draft(self, hidden: torch.Tensor, work: list[_Work]) -> None:
@@ -567,7 +570,7 @@ class DFlashProposer(Proposer):
         for row, w in enumerate(work):
             w.drafts = tokens[row, :w.num_drafts].tolist()
             if probs is not None:
-                w.probs = probs[row, :w.num_drafts].cpu()
+                w.probs = probs[row, :w.num_drafts]
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocabulary logits [..., V_d] -> target ids [...] and, when probabilistic, the
