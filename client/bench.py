@@ -29,6 +29,9 @@ METHOD_CONFIGS: dict[str, dict] = {
     "ngram_gpu": {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},
+    # Trained heads (`tritonspec train`); `model` is the head trained for the target.
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
 }
 
 

@@ -16,7 +16,10 @@ from backends.model_store import (
 )
 
 # Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
+# The smollm2-* profiles draft with the heads `tritonspec train METHOD` writes (no `model`).
 PROFILES: dict[str, dict] = {
+    "smollm2-eagle": {"model": "smollm2-135m", "speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
+    "smollm2-eagle3": {"model": "smollm2-135m", "speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}},
     "qwen-coder": {
         "model": "qwen2.5-coder-1.5b",
         # Dynamic int8 halves the drafter's step time on CPU (measured 2.75x vs plain, against
@@ -27,14 +30,26 @@ PROFILES: dict[str, dict] = {
 }
 
 
-def _local_speculative_config(spec: str) -> str:
+def _local_speculative_config(spec: str, target: str) -> str:
     """Fetch a named draft model in the config's `model` and put its local path there, so the
-    config reads the draft's config.json (vocab checks, method detection) like vLLM does."""
+    config reads the draft's config.json (vocab checks, method detection) like vLLM does. A
+    trainable head method without `model` gets the head `tritonspec train` made for `target`."""
     config = json.loads(spec)
-    if isinstance(config, dict) and config.get("model") in NAMED_MODELS:
+    if not isinstance(config, dict):
+        return spec
+    if config.get("model") in NAMED_MODELS:
         config["model"] = str(fetch(config["model"]))
-        return json.dumps(config)
-    return spec
+    elif config.get("method") in TRAINERS and not config.get("model"):
+        config["model"] = str(trained_head(target, config["method"]))
+    return json.dumps(config)
+
+
+def trained_head(target: str, method: str) -> Path:
+    path = head_dir(target, method)
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"no trained {method} head for {target} at {path}: train it first with "
+                                 f"`tritonspec train {method} --target {target}`")
+    return path
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -51,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
         # A named model is fetched once (later starts find it in the cache); a path must exist.
         target = local_model(model)
         if args.speculative_config:
-            args.speculative_config = _local_speculative_config(args.speculative_config)
+            args.speculative_config = _local_speculative_config(args.speculative_config, model)
             SpeculativeConfig.from_json(args.speculative_config, target_model=str(target))
     except ModelNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -189,7 +204,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.profile:
         args.model = PROFILES[args.profile]["model"]
-        args.draft_model = args.draft_model or PROFILES[args.profile]["speculative_config"]["model"]
+        args.draft_model = args.draft_model or PROFILES[args.profile]["speculative_config"].get("model")
     version, prompts = load_prompts(args.categories)
     target = local_model(args.model)
     draft = None
@@ -208,6 +223,12 @@ def _bench(args: argparse.Namespace) -> int:
                 print("error: the draft_model method needs --draft-model (or --profile)", file=sys.stderr)
                 return 2
             config["model"] = str(draft)
+        elif method in TRAINERS:
+            try:
+                config["model"] = str(trained_head(args.model, method))
+            except ModelNotFoundError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         if args.num_speculative_tokens:
             config["num_speculative_tokens"] = args.num_speculative_tokens
         overrides = RepositoryOverrides(common={"model": str(target), "dtype": args.dtype},
@@ -352,6 +373,8 @@ def _paths(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from client.bench import METHOD_CONFIGS
+
     parser = argparse.ArgumentParser(prog="tritonspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -391,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="speculative methods vs plain decoding (and Hugging Face) through a real server")
     bench.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
-                       choices=["ngram", "ngram_gpu", "suffix", "draft_model"])
+                       choices=list(METHOD_CONFIGS), help="trainable head methods (eagle, eagle3, ...) use "
+                       "the head `tritonspec train METHOD --target MODEL` wrote")
     bench.add_argument("--model", default=DEFAULT_MODEL, help="target (named, HF directory or GGUF)")
     bench.add_argument("--draft-model", help="drafter for draft_model (named, HF directory or GGUF)")
     bench.add_argument("--profile", choices=sorted(PROFILES), help="target + drafter pair, e.g. qwen-coder")

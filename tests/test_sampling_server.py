@@ -15,10 +15,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 TEMPERATURE, TOP_K, SAMPLES = 1.5, 4, 600
 
 
-def exact_marginals(model_dir: str) -> list[dict[int, float]]:
-    """The target's distribution of the first and second sampled token (top-k, temperature)."""
+def exact_marginals(model_dir: str, num_tokens: int = 2) -> list[dict[int, float]]:
+    """The target's distribution of each of the first `num_tokens` sampled tokens (top-k,
+    temperature), summed over every path of top-k tokens before it."""
     model, tokenizer = _load(model_dir)
-    ids = tokenizer(PROMPT)["input_ids"]
 
     def dist(context):
         with torch.inference_mode():
@@ -27,20 +27,29 @@ def exact_marginals(model_dir: str) -> list[dict[int, float]]:
         probs = top.values.softmax(-1)
         return dict(zip(top.indices.tolist(), probs.tolist()))
 
-    first = dist(ids)
-    second: dict[int, float] = {}
-    for token, p in first.items():
-        for token2, p2 in dist(ids + [token]).items():
-            second[token2] = second.get(token2, 0.0) + p * p2
-    return [first, second]
+    marginals: list[dict[int, float]] = []
+    paths = {tuple(tokenizer(PROMPT)["input_ids"]): 1.0}
+    for _ in range(num_tokens):
+        marginal: dict[int, float] = {}
+        longer: dict[tuple, float] = {}
+        for context, p in paths.items():
+            for token, q in dist(list(context)).items():
+                marginal[token] = marginal.get(token, 0.0) + p * q
+                longer[context + (token,)] = p * q
+        marginals.append(marginal)
+        paths = longer
+    return marginals
 
 
-def sample(server, num_draft_tokens: int | None, seeds: range) -> list[list[int]]:
+def sample(server, num_draft_tokens: int | None, seeds: range, with_stats: bool = False,
+           max_tokens: int = 2) -> list:
+    """`max_tokens` sampled tokens per seed: their ids (or the whole results, `with_stats`)."""
     extra = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
 
     def one(seed):
-        return grpc_generate(server.grpc_url, PROMPT, max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K,
-                             random_seed=seed, ignore_eos=True, **extra).output_ids
+        result = grpc_generate(server.grpc_url, PROMPT, max_tokens=max_tokens, temperature=TEMPERATURE,
+                               top_k=TOP_K, random_seed=seed, ignore_eos=True, **extra)
+        return result if with_stats else result.output_ids
 
     with ThreadPoolExecutor(4) as pool:
         return list(pool.map(one, seeds))

@@ -87,41 +87,77 @@ def test_training_time_test_attends_like_serving(method, target_dir, data_dir):
                 chain = torch.cat([chain, out[None]])
 
 
+@pytest.fixture(scope="module")
+def trained(target_dir, data_dir, tmp_path_factory):
+    """method -> (head directory, report before training, report after), trained once."""
+    out = {}
+    for method in METHODS:
+        trainer, info, data = _data(target_dir, data_dir, method)
+        torch.manual_seed(0)
+        _, val = data.split()
+        before = evaluate(trainer, trainer.build(info, data, {}), data, val, trainer.layer_ids(info), 64, 8, 3)
+        head = tmp_path_factory.mktemp(f"trained-{method}")
+        report = train(method, target_dir, head, data_dir=data_dir, **{**SMALL, "epochs": 8}, lr=3e-3)
+        out[method] = (head, before, report["history"][-1])
+    return out
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_heads_learn_and_load_through_the_published_loader(method, target_dir, data_dir, tmp_path):
-    trainer, info, data = _data(target_dir, data_dir, method)
-    torch.manual_seed(0)
-    untrained = trainer.build(info, data, {})
-    layer_ids = trainer.layer_ids(info)
-    _, val = data.split()
-    before = evaluate(trainer, untrained, data, val, layer_ids, 64, 8, 3)
-    report = train(method, target_dir, tmp_path / "head", data_dir=data_dir,
-                   **{**SMALL, "epochs": 10}, lr=3e-3)
-    after = report["history"][-1]
+def test_heads_learn_and_load_through_the_published_loader(method, trained, target_dir, data_dir):
+    head_dir, before, after = trained[method]
     assert after["step_accuracy"][0] > before["step_accuracy"][0] + 0.1, (before, after)
     assert after["estimated_acceptance_length"] > before["estimated_acceptance_length"]
 
     # Published layout: the keys the official repositories use, nothing borrowed written out.
     from safetensors import safe_open
 
-    with safe_open(tmp_path / "head" / "model.safetensors", "pt") as st:
+    config = json.loads((head_dir / "config.json").read_text())
+    with safe_open(head_dir / "model.safetensors", "pt") as st:
         keys = set(st.keys())
-    config = json.loads((tmp_path / "head" / "config.json").read_text())
-    if method == "eagle":
-        assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight"} <= keys
-        assert not any("input_layernorm" in k or k.startswith(("embed", "lm_head")) for k in keys)
-    else:
-        assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= keys
-        with safe_open(tmp_path / "head" / "model.safetensors", "pt") as st:
+        if method == "eagle":
+            assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight"} <= keys
+            assert not any("input_layernorm" in k or k.startswith(("embed", "lm_head")) for k in keys)
+        else:
+            assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= keys
             assert st.get_slice("d2t").get_shape() == [config["draft_vocab_size"]]
-        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+            assert config["architectures"] == ["LlamaForCausalLMEagle3"]
 
-    head = load_eagle(tmp_path / "head", info, "float32", method)
-    proposer = EagleProposer(head, max_model_len=512)
+    trainer, info, data = _data(target_dir, data_dir, method)
+    layer_ids = trainer.layer_ids(info)
+    proposer = EagleProposer(load_eagle(head_dir, info, "float32", method), max_model_len=512)
+    _, val = data.split()
     seq = data.token_ids[data.sequence(val[0])].tolist()[:30]
     hidden = torch.stack([data.hidden[i][data.sequence(val[0])][:29] for i in layer_ids], dim=1).float()
     drafts = proposer.propose([DraftRequest(1, seq, 3, hidden)])[0].token_ids
     assert len(drafts) == 3 and all(0 <= d < info.vocab_size for d in drafts)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_trained_heads_serve_losslessly(method, trained, target_dir, tmp_path):
+    """Through the real server: greedy output is the target's own, and with probabilistic
+    drafts the sampled tokens follow the target's distribution (drafts accepted often enough
+    that a sampler ignoring the draft probabilities would show)."""
+    from tests.conftest import start_server
+    from tests.helpers import coarse_total_variation, served_greedy_results
+    from tests.test_sampling_server import SAMPLES, exact_marginals, sample
+
+    config = {"method": method, "model": str(trained[method][0]), "num_speculative_tokens": 3,
+              "draft_sample_method": "probabilistic"}
+    server = start_server(tmp_path, str(target_dir), json.dumps(config))
+    try:
+        served_greedy_results(server, target_dir, ["def add(a, b):", "The quick brown fox"], 16)
+        # EAGLE drafts from the target's hidden states, so the first token (the prompt's own
+        # step) is never drafted: the test looks at tokens 2 and 3, drafted in step 2.
+        exact = exact_marginals(str(target_dir), 3)
+        assert max(exact[1].values()) < 0.8 and max(exact[2].values()) < 0.8  # no token dominates
+        results = sample(server, None, range(SAMPLES), with_stats=True, max_tokens=3)
+    finally:
+        server.stop()
+    accepted = sum(r.total_accepted_draft_tokens for r in results) / len(results)
+    assert accepted > 0.2, accepted
+    for position in (1, 2):
+        tv = coarse_total_variation([r.output_ids[position] for r in results], exact[position])
+        assert tv < 0.09, (position, tv)
 
 
 def test_an_interrupted_run_resumes_exactly(target_dir, data_dir, tmp_path, monkeypatch):

@@ -1,0 +1,34 @@
+"""Opt-in (TRITONSPEC_TRAINED_HEADS=1, after `tritonspec train METHOD` for SmolLM2): the
+trained SmolLM2-135M heads through the real server reproduce the target's own greedy output
+on the held-out benchmark prompts, and their drafts are accepted for real."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from backends.training import TRAINERS, head_dir
+from client.bench import load_prompts
+from tests.conftest import start_server
+from tests.helpers import served_greedy_results
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITONSPEC_TRAINED_HEADS") != "1",
+                                reason="set TRITONSPEC_TRAINED_HEADS=1 to serve the heads `tritonspec train` made")
+
+
+@pytest.mark.parametrize("method", sorted(TRAINERS))
+def test_trained_head_is_lossless_and_accepted(method, smollm2_dir, tmp_path):
+    head = head_dir("smollm2-135m", method)
+    if not (head / "config.json").exists():
+        pytest.skip(f"no trained head at {head}: run `tritonspec train {method}`")
+    _, prompts = load_prompts()
+    config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+    server = start_server(tmp_path, str(smollm2_dir), json.dumps(config))
+    try:
+        results = served_greedy_results(server, smollm2_dir, [ps[0] for ps in prompts.values()], 48)
+    finally:
+        server.stop()
+    drafts = sum(r.perf_metrics["num_drafts"] for r in results)
+    accepted = sum(r.total_accepted_draft_tokens for r in results)
+    assert 1 + accepted / drafts > 1.5, (method, accepted, drafts)
