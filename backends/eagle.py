@@ -345,9 +345,10 @@ def _eagle3_head(cfg: dict[str, Any], llama: LlamaConfig, target: TargetInfo, st
 
 
 def _check_keys(head: nn.Module, state: dict[str, torch.Tensor], spelled: dict[str, str], optional: set[str],
-                extra: dict[str, tuple[int, ...]], where: str, spell: Callable[[str], str] | None = None) -> None:
+                extra: dict[str, tuple[int, ...]], where: str, spell: Callable[[str], str] | None = None,
+                error: type[EagleCheckpointError] = EagleCheckpointError) -> None:
     """Refuse missing, unexpected or misshapen tensors, naming each one (a missing key as
-    `spell` writes it in the checkpoint's layout, when given)."""
+    `spell` writes it in the checkpoint's layout, when given) with an `error`."""
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     expected.update(extra)
     spell = spell or (lambda k: k)
@@ -359,7 +360,7 @@ def _check_keys(head: nn.Module, state: dict[str, torch.Tensor], spelled: dict[s
         elif tuple(value.shape) != expected[key]:
             problems.append(f"{spelled[key]!r} has shape {list(value.shape)}, expected {list(expected[key])}")
     if problems:
-        raise EagleCheckpointError(f"{where} does not fit the target: " + "; ".join(problems))
+        raise error(f"{where} does not fit the target: " + "; ".join(problems))
 
 
 def _draft_to_target(d2t: torch.Tensor, vocab_size: int, where: str) -> torch.Tensor:

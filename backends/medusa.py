@@ -143,7 +143,7 @@ def load_medusa(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
     head_of = re.compile(r"(?:blocks|lm_heads)\.(\d+)\..*")
     state = {k: v for k, v in state.items() if not ((m := head_of.fullmatch(k)) and int(m.group(1)) >= keep)}
     spell = (lambda k: _faster_decoding_key(k, layers)) if faster else None
-    _check_keys(head, state, spelled, set(), {}, where, spell)
+    _check_keys(head, state, spelled, set(), {}, where, spell, error=MedusaCheckpointError)
     head.load_state_dict(state)
     if head.token_map is not None:
         _check_token_map(head.token_map, target.vocab_size, where)
@@ -234,11 +234,11 @@ class MedusaProposer(LastHiddenProposer):
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
                     target_model: Path | str | None = None, seed: int | None = None,
-                    **_: Any) -> "MedusaProposer":
+                    device: str = "cpu", **_: Any) -> "MedusaProposer":
         if not config.model:
             raise ValueError("medusa needs `model`: the Medusa checkpoint directory")
         if target_model is None:
             raise ValueError("medusa needs the target model (its hidden size and vocabulary)")
         head = load_medusa(resolve_model(config.model), TargetInfo.load(target_model), dtype,
                            config.num_speculative_tokens)
-        return cls(head, max_model_len, config.draft_sample_method, seed)
+        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)

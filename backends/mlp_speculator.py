@@ -147,7 +147,7 @@ def load_mlp_speculator(path: Path | str, target: TargetInfo, dtype: str = "bflo
             f"n_predict={n_predict} (tie_weights false: no shared stages to repeat)")
     head = MLPSpeculatorHead(cfg, target, stages)
     state, spelled = _stage_tensors(read_state_dict(path), n_predict, stages, tied, where)
-    _check_keys(head, state, spelled, set(), {}, where)
+    _check_keys(head, state, spelled, set(), {}, where, error=MLPSpeculatorCheckpointError)
     head.load_state_dict(state)
     return head.to(getattr(torch, dtype)).eval()
 
@@ -219,11 +219,11 @@ class MLPSpeculatorProposer(LastHiddenProposer):
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
                     target_model: Path | str | None = None, seed: int | None = None,
-                    **_: Any) -> "MLPSpeculatorProposer":
+                    device: str = "cpu", **_: Any) -> "MLPSpeculatorProposer":
         if not config.model:
             raise ValueError("mlp_speculator needs `model`: the speculator checkpoint directory")
         if target_model is None:
             raise ValueError("mlp_speculator needs the target model (its hidden size and vocabulary)")
         head = load_mlp_speculator(resolve_model(config.model), TargetInfo.load(target_model), dtype,
                                    config.num_speculative_tokens)
-        return cls(head, max_model_len, config.draft_sample_method, seed)
+        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)

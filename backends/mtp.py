@@ -179,13 +179,17 @@ def load_mtp(path: Path | str, target: TargetInfo, dtype: str = "bfloat16") -> M
     state, spelled = _head_names(raw, used, family)
     missing = [p + k for p in used for k in _BLOCK_KEYS if p + k not in raw]
     if missing:
-        others = sorted(k for k in raw if k.startswith(used[0]) and ("self_attn." in k or "mlp." in k))[:4]
+        known = {p + k.replace(".weight", ".bias") for p in used for k in _BLOCK_KEYS} | \
+            {p + k for p in used for k in _BLOCK_KEYS}
+        others = sorted(k for k in raw if k.startswith(tuple(used)) and ("self_attn." in k or "mlp." in k)
+                        and k not in known)[:4]
         raise MTPCheckpointError(
             f"{where}: the MTP block is not a Llama/Qwen2-style dense layer (missing {missing[0]!r}; it has "
             f"{others}); only q/k/v/o_proj attention with a gate/up/down MLP runs here")
     head = MTPHead(cfg, target, family, len(used), zero_first_embedding=model_type != "step3p5_mtp")
     head.borrowed -= set(state)  # the checkpoint's own copies win
-    _check_keys(head, state, spelled, set(head.borrowed), {}, where, lambda k: _file_key(k, used, family))
+    _check_keys(head, state, spelled, set(head.borrowed), {}, where, lambda k: _file_key(k, used, family),
+                error=MTPCheckpointError)
     head.load_state_dict(state, strict=False)  # complete but for the borrowed copies (checked above)
     return head.to(getattr(torch, dtype)).eval()
 
@@ -285,11 +289,12 @@ class MTPProposer(EagleProposer):
 
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
-                    target_model: Path | str | None = None, seed: int | None = None, **_: Any) -> "MTPProposer":
+                    target_model: Path | str | None = None, seed: int | None = None, device: str = "cpu",
+                    **_: Any) -> "MTPProposer":
         if target_model is None:
             raise ValueError("mtp needs the target model (its hidden size, vocabulary, embedding and LM head)")
         if (config.draft_tensor_parallel_size or 1) != 1:
             raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
                              "the MTP layers run on one device here; use 1")
         head = load_mtp(resolve_model(config.model or str(target_model)), TargetInfo.load(target_model), dtype)
-        return cls(head, max_model_len, config.draft_sample_method, seed)
+        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)

@@ -1,0 +1,272 @@
+"""Medusa heads: both published layouts (tiny synthetic checkpoints through the loader real
+ones use), refusals, drafts against the published formula, batching, draft probabilities,
+the writer the trainer uses, and speculative decoding through the real server."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.config import SpeculativeConfig
+from backends.eagle import TargetInfo
+from backends.medusa import MedusaCheckpointError, MedusaHead, MedusaProposer, load_medusa, save_medusa
+from backends.proposer import DraftRequest, build_proposer
+from backends.target import TargetRunner
+from tests.head_server import (check_sampled_distribution, check_served_greedy, fit, soft_cross_entropy,
+                               start_head_server, teacher)
+from tests.synthetic_checkpoints import save_checkpoint
+from tests.synthetic_heads import write_medusa
+from tests.test_eagle import target_hidden
+
+H, V = 64, 384
+CONTEXTS = [[5, 17, 42, 99, 3, 250, 7], [300, 12, 12, 12], [44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
+VARIANTS = {
+    # The old config says 2 heads; the tensors hold 4 (trust the tensors).
+    "faster-pt": {"layout": "medusa", "config_heads": 2},
+    "faster-2layers-prefixed": {"layout": "medusa", "num_layers": 2, "fmt": "safetensors", "prefix": "medusa_head."},
+    "vllm": {"layout": "vllm", "fmt": "safetensors"},
+    "vllm-shared-truncated-nobias": {"layout": "vllm", "shared_lm_head": True, "draft_vocab_size": 200, "bias": False,
+                                     "fmt": "bin"},
+}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return TargetInfo.load(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    return TargetRunner(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("medusa")
+    return {name: (root / name, write_medusa(root / name, tiny_model_dir, **opts)) for name, opts in VARIANTS.items()}
+
+
+@pytest.fixture(scope="module")
+def hidden(runner):
+    """The delivered rows for each context (positions 0..n-2, layer -1)."""
+    return [target_hidden(runner, ids[:-1], (-1,)) for ids in CONTEXTS]
+
+
+def written_heads(name: str, written: dict) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor]]:
+    """Per head: its blocks (W, b) and its LM head, read from the written keys as the
+    published formats name them."""
+    opts = VARIANTS[name]
+    layers = opts.get("num_layers", 1)
+    heads = []
+    for h in range(4):
+        if opts["layout"] == "medusa":
+            p = opts.get("prefix", "")
+            blocks = [(written[f"{p}{h}.{l}.linear.weight"], written[f"{p}{h}.{l}.linear.bias"]) for l in range(layers)]
+            lm = written[f"{p}{h}.{layers}.weight"]
+        else:
+            blocks = [(written[f"blocks.{h}.layers.{l}.weight"], written.get(f"blocks.{h}.layers.{l}.bias"))
+                      for l in range(layers)]
+            lm = written["lm_heads.0.weight" if opts.get("shared_lm_head") else f"lm_heads.{h}.weight"]
+        heads.append((blocks, lm))
+    return heads
+
+
+def reference_logits(name: str, written: dict, f: torch.Tensor) -> list[torch.Tensor]:
+    """The published formula: z = f; z = z + SiLU(W z + b) per block; logits = W_head z,
+    scattered into the target vocabulary through token_map (-inf elsewhere)."""
+    out = []
+    for blocks, lm in written_heads(name, written):
+        z = f
+        for w, b in blocks:
+            z = z + F.silu(F.linear(z, w, b))
+        logits = F.linear(z, lm)
+        if "token_map" in written:
+            logits = torch.full((V,), -torch.inf).index_copy_(0, written["token_map"], logits)
+        out.append(logits)
+    return out
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_published_layouts_load(name, checkpoints, target):
+    path, written = checkpoints[name]
+    head = load_medusa(path, target, "float32")
+    assert head.num_heads == 4 and head.num_layers == VARIANTS[name].get("num_layers", 1)
+    for (blocks, lm), own_blocks, i in zip(written_heads(name, written), head.blocks, range(4)):
+        for (w, b), linear in zip(blocks, own_blocks.layers):
+            assert torch.equal(linear.weight, w) and (b is None) == (linear.bias is None)
+            assert b is None or torch.equal(linear.bias, b)
+        assert torch.equal(head.lm_heads[0 if head.shared_lm_head else i].weight, lm)
+    assert head.shared_lm_head == bool(VARIANTS[name].get("shared_lm_head"))
+    if "token_map" in written:
+        assert torch.equal(head.draft_to_target, written["token_map"])
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_drafts_follow_the_published_formula(name, checkpoints, target, hidden):
+    path, written = checkpoints[name]
+    proposer = MedusaProposer(load_medusa(path, target, "float32", num_heads=3), 512)
+    for ids, rows in zip(CONTEXTS, hidden):
+        draft = proposer.propose([DraftRequest(0, ids, 3, rows)])[0]
+        expected = [int(logits.argmax()) for logits in reference_logits(name, written, rows[-1, 0])[:3]]
+        assert draft.token_ids == expected and draft.probs is None
+
+
+def test_head_count_is_num_speculative_tokens(checkpoints, target, tiny_model_dir):
+    path, _ = checkpoints["faster-pt"]
+    assert load_medusa(path, target, "float32", num_heads=2).num_heads == 2  # later heads not loaded
+    with pytest.raises(MedusaCheckpointError, match="num_speculative_tokens=5 needs 5 Medusa heads, but the "
+                                                    "checkpoint has 4"):
+        load_medusa(path, target, num_heads=5)
+    # Through the config: the FasterDecoding config has no model_type; method medusa injects it.
+    config = SpeculativeConfig.from_json({"method": "medusa", "model": str(path), "num_speculative_tokens": 3},
+                                         target_model=str(tiny_model_dir))
+    proposer = build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
+    assert isinstance(proposer, MedusaProposer) and proposer.head.num_heads == 3
+    assert proposer.hidden_layer_ids == (-1,)
+
+
+def _deeper_head_1(state: dict) -> dict:
+    state = dict(state)
+    state["1.2.weight"] = state.pop("1.1.weight")
+    state.update({"1.1.linear.weight": torch.zeros(H, H), "1.1.linear.bias": torch.zeros(H)})
+    return state
+
+
+REFUSALS = {
+    "missing bias": ("faster-pt", lambda s: {k: v for k, v in s.items() if k != "2.0.linear.bias"}, None,
+                     r"missing key '2\.0\.linear\.bias' \(expected shape \[64\]\)"),
+    "missing lm head": ("vllm", lambda s: {k: v for k, v in s.items() if k != "lm_heads.1.weight"}, None,
+                        r"missing key 'lm_heads\.1\.weight' \(expected shape \[384, 64\]\)"),
+    "block width": ("faster-pt", lambda s: {**s, "1.0.linear.weight": torch.zeros(32, 32)}, None,
+                    r"'1\.0\.linear\.weight' has shape \[32, 32\], expected \[64, 64\]"),
+    "vocabulary": ("faster-pt", lambda s: {**s, "3.1.weight": torch.zeros(V + 16, H)}, None,
+                   r"'3\.1\.weight' has shape \[400, 64\], expected \[384, 64\]"),
+    "unexpected": ("vllm", lambda s: {**s, "blocks.0.norm.weight": torch.ones(H)}, None,
+                   r"unexpected key 'blocks\.0\.norm\.weight' \(shape \[64\]\)"),
+    "ragged heads": ("faster-pt", _deeper_head_1, None, r"different numbers of blocks \(head 0: '0\.1\.weight', head 1: '1\.2\.weight'"),
+    "config hidden": ("vllm", None, {"hidden_size": 32}, r"hidden_size 32 in config\.json, but the target's hidden size "
+                                                         r"is 64"),
+    "fc bias": ("vllm-shared-truncated-nobias", None, {"medusa_fc_bias": True}, r"missing key 'blocks\.0\.layers\.0\.bias'"),
+    "token map": ("vllm-shared-truncated-nobias", lambda s: {**s, "token_map": s["token_map"] * 0}, None,
+                  r"token_map maps draft ids outside \[0, 384\) or two draft ids to one target id"),
+    "no heads": ("vllm", lambda s: {"medusa.w": torch.zeros(2)}, None, r"no Medusa heads"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
+    name, edit_state, edit_config, message = REFUSALS[case]
+    path, written = checkpoints[name]
+    config = {**json.loads((path / "config.json").read_text()), **(edit_config or {})}
+    save_checkpoint(tmp_path / "bad", config, (edit_state or dict)(dict(written)), "safetensors")
+    with pytest.raises(MedusaCheckpointError, match=message):
+        load_medusa(tmp_path / "bad", target)
+
+
+# ---------------------------------------------------------------------------- drafting
+
+
+def test_batched_equals_one_at_a_time(checkpoints, target, hidden):
+    proposer = MedusaProposer(load_medusa(checkpoints["vllm"][0], target, "float32"), 512)
+    requests = [DraftRequest(i, ids, k, rows) for i, (ids, rows, k) in enumerate(zip(CONTEXTS, hidden, (4, 1, 3)))]
+    requests.append(DraftRequest(9, CONTEXTS[0], 3))  # the target has not run yet: no drafts
+    together = proposer.propose(requests)
+    assert [len(d.token_ids) for d in together] == [4, 1, 3, 0]
+    for req, draft in zip(requests, together):
+        assert draft.token_ids == proposer.propose([req])[0].token_ids
+    # No drafts past the context window.
+    near_end = MedusaProposer(proposer.head, max_model_len=len(CONTEXTS[0]) + 2)
+    assert near_end.propose(requests[:1])[0].token_ids == together[0].token_ids[:2]
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-shared-truncated-nobias"])
+def test_probabilistic_drafts_come_with_their_probabilities(name, checkpoints, target, hidden):
+    path, written = checkpoints[name]
+    head = load_medusa(path, target, "float32")
+    requests = [DraftRequest(i, ids, 4, rows) for i, (ids, rows) in enumerate(zip(CONTEXTS, hidden))]
+    drafts = MedusaProposer(head, 512, "probabilistic", seed=3).propose(requests)
+    for req, draft in zip(requests, drafts):
+        expected = torch.stack(reference_logits(name, written, req.hidden_states[-1, 0])).softmax(-1)
+        torch.testing.assert_close(draft.probs, expected, rtol=1e-4, atol=1e-6)
+        assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.token_ids))
+    again = MedusaProposer(head, 512, "probabilistic", seed=3).propose(requests)
+    assert [d.token_ids for d in again] == [d.token_ids for d in drafts]
+
+
+def test_hidden_state_contract(checkpoints, target, runner):
+    proposer = MedusaProposer(load_medusa(checkpoints["vllm"][0], target, "float32"), 512)
+    wrong = target_hidden(runner, CONTEXTS[0][:-1], (0, -1))
+    with pytest.raises(ValueError, match=r"hidden_states has shape \[6, 2, 64\]; expected \[rows >= 1, 1, 64\]"):
+        proposer.propose([DraftRequest(0, CONTEXTS[0], 2, wrong)])
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+@pytest.mark.parametrize("layout", ["medusa", "vllm"])
+def test_the_writer_writes_the_published_layout(layout, checkpoints, target, tmp_path, tiny_model_dir):
+    """save_medusa (what the trainer calls) writes the same files, config fields and keys as
+    the published format, and they load back to the same head."""
+    source = "faster-2layers-prefixed" if layout == "medusa" else "vllm"
+    head = load_medusa(checkpoints[source][0], target, "float32")
+    save_medusa(head, tmp_path / "out", layout, base_model=str(tiny_model_dir))
+    reference = tmp_path / "reference"
+    written = write_medusa(reference, tiny_model_dir, layout=layout, num_layers=head.num_layers,
+                           fmt="safetensors", bias=True)
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert files == {p.name for p in reference.iterdir()}
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "out" / next(f for f in files if f.endswith(".safetensors")))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in written.items()}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert set(config) >= set(json.loads((reference / "config.json").read_text())) - {"transformers_version"}
+    again = load_medusa(tmp_path / "out", target, "float32")
+    for (k, a), b in zip(head.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+# ---------------------------------------------------------------------------- through the server
+
+
+@pytest.fixture(scope="module")
+def fitted_dir(tiny_model_dir, tmp_path_factory, target):
+    """Three heads fitted to the target's distributions at t+2..t+4 (blocks start at zero,
+    LM heads at the target's), saved in the FasterDecoding layout."""
+    head = MedusaHead({"num_heads": 3, "num_hidden_layers": 1}, target)
+    with torch.no_grad():
+        for block, lm in zip(head.blocks, head.lm_heads):
+            block.layers[0].weight.zero_()
+            block.layers[0].bias.zero_()
+            lm.weight.copy_(target.weight("lm_head"))
+
+    def loss(head, s):
+        n = s.ids.shape[1]
+        return sum(soft_cross_entropy(head.head_logits(i, s.hidden[:, :n - 1 - i]), s.probs[:, 1 + i:])
+                   for i in range(3))
+
+    fit(head, loss, teacher(tiny_model_dir))
+    out = tmp_path_factory.mktemp("medusa-fitted") / "head"
+    save_medusa(head, out, "medusa", base_model=str(tiny_model_dir))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, fitted_dir, tmp_path_factory):
+    server = start_head_server(tmp_path_factory.mktemp("medusa-server"), tiny_model_dir, "medusa", fitted_dir)
+    yield server
+    server.stop()
+
+
+def test_served_greedy_equals_target_greedy(server, tiny_model_dir):
+    check_served_greedy(server, tiny_model_dir)
+
+
+def test_served_sampling_follows_the_target_distribution(server, tiny_model_dir):
+    # Head 0 cannot see the first sampled token, which spreads over four: its q is a mixture.
+    check_sampled_distribution(server, tiny_model_dir, min_accepted=150)
