@@ -122,8 +122,9 @@ def load_medusa(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
         bias = cfg.get("medusa_fc_bias", any(k.endswith(".bias") for k in state))
     found = max(_count(state, r"lm_heads\.(\d+)\.weight"), _count(state, r"blocks\.(\d+)\.layers\.0\.weight"))
     if found == 0:
-        raise MedusaCheckpointError(f"{where}: no Medusa heads: expected 'lm_heads.{{h}}.weight' (vLLM layout) or "
-                                    f"'{{h}}.{{L}}.weight' (FasterDecoding layout) keys; found {sorted(spelled.values())[:5]}")
+        raise MedusaCheckpointError(
+            f"{where}: no Medusa heads: expected 'lm_heads.{{h}}.weight' (vLLM layout) or '{{h}}.{{L}}.weight' "
+            f"(FasterDecoding layout) keys; found {sorted(spelled.values())[:5]}")
     keep = found if num_heads is None else num_heads
     if keep > found:
         raise MedusaCheckpointError(f"{where}: num_speculative_tokens={keep} needs {keep} Medusa heads, "

@@ -86,7 +86,8 @@ class MLPSpeculatorHead(nn.Module):
         self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * inner / 2)
         if cfg["tie_weights"]:
             if n_predict < 2:
-                raise MLPSpeculatorCheckpointError(f"tie_weights needs n_predict > 1 (stages to share), got {n_predict}")
+                raise MLPSpeculatorCheckpointError(
+                    f"tie_weights needs n_predict > 1 (stages to share), got {n_predict}")
             emb, head, ln = nn.Embedding(vocab, inner), nn.Linear(inner, vocab, bias=False), _LayerNorm(inner)
             tied = nn.Linear(inner, inner, bias=False)
             self.emb = nn.ModuleList([emb] * stages)

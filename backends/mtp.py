@@ -161,7 +161,7 @@ def load_mtp(path: Path | str, target: TargetInfo, dtype: str = "bfloat16") -> M
     per_step = model_type in _MULTI_STEP_MTP_TYPES
     first = cfg.get("num_hidden_layers")
     declared = cfg.get("num_nextn_predict_layers")
-    mtp_key = re.compile(rf"model\.(?:mtp_layers\.\d+|layers\.(\d+))\..*")
+    mtp_key = re.compile(r"model\.(?:mtp_layers\.\d+|layers\.(\d+))\..*")
 
     def is_mtp(key: str) -> bool:  # the MTP layers only; the target's own layers stay unread
         m = mtp_key.fullmatch(key)

@@ -130,7 +130,8 @@ def write_mtp(out: Path, target_dir: Path, *, family: str = "deepseek", num_laye
                      "input_proj.weight": (h, 2 * h), "final_layernorm.weight": (h,)}
         for name, shape in parts.items():
             norm = len(shape) == 1
-            state[p + name] = 1 + 0.1 * _rand(shape, gen) if norm else _rand(shape, gen, 0.5 if shape[0] == vocab else 0.15)
+            std = 0.5 if shape[0] == vocab else 0.15
+            state[p + name] = 1 + 0.1 * _rand(shape, gen) if norm else _rand(shape, gen, std)
         state.update(_layer(p, t, h, gen, ("input_layernorm",)))
         if family == "mimo":
             hd = h // t["num_attention_heads"]

@@ -54,7 +54,7 @@ def hidden(runner):
     return [target_hidden(runner, ids[:-1], (-1,)) for ids in CONTEXTS]
 
 
-def written_heads(name: str, written: dict) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor]]:
+def written_heads(name: str, written: dict) -> list[tuple[list, torch.Tensor]]:
     """Per head: its blocks (W, b) and its LM head, read from the written keys as the
     published formats name them."""
     opts = VARIANTS[name]
@@ -148,10 +148,12 @@ REFUSALS = {
                    r"'3\.1\.weight' has shape \[400, 64\], expected \[384, 64\]"),
     "unexpected": ("vllm", lambda s: {**s, "blocks.0.norm.weight": torch.ones(H)}, None,
                    r"unexpected key 'blocks\.0\.norm\.weight' \(shape \[64\]\)"),
-    "ragged heads": ("faster-pt", _deeper_head_1, None, r"different numbers of blocks \(head 0: '0\.1\.weight', head 1: '1\.2\.weight'"),
-    "config hidden": ("vllm", None, {"hidden_size": 32}, r"hidden_size 32 in config\.json, but the target's hidden size "
-                                                         r"is 64"),
-    "fc bias": ("vllm-shared-truncated-nobias", None, {"medusa_fc_bias": True}, r"missing key 'blocks\.0\.layers\.0\.bias'"),
+    "ragged heads": ("faster-pt", _deeper_head_1, None,
+                     r"different numbers of blocks \(head 0: '0\.1\.weight', head 1: '1\.2\.weight'"),
+    "config hidden": ("vllm", None, {"hidden_size": 32},
+                      r"hidden_size 32 in config\.json, but the target's hidden size is 64"),
+    "fc bias": ("vllm-shared-truncated-nobias", None, {"medusa_fc_bias": True},
+                r"missing key 'blocks\.0\.layers\.0\.bias'"),
     "token map": ("vllm-shared-truncated-nobias", lambda s: {**s, "token_map": s["token_map"] * 0}, None,
                   r"token_map maps draft ids outside \[0, 384\) or two draft ids to one target id"),
     "no heads": ("vllm", lambda s: {"medusa.w": torch.zeros(2)}, None, r"no Medusa heads"),

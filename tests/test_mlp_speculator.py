@@ -149,7 +149,8 @@ REFUSALS = {
     "emb_dim": ("untied", None, {"emb_dim": 32}, r"emb_dim 32 in config\.json, but the target's hidden size is 64"),
     "vocabulary": ("untied", None, {"vocab_size": 500},
                    r"vocab_size 500 in config\.json, but the target's vocabulary size is 384"),
-    "model_type": ("untied", None, {"model_type": "llama"}, r"config\.json has model_type 'llama', not 'mlp_speculator'"),
+    "model_type": ("untied", None, {"model_type": "llama"},
+                   r"config\.json has model_type 'llama', not 'mlp_speculator'"),
     "tied single stage": ("untied", lambda s: {k: v for k, v in s.items() if k.split(".")[1] == "0"},
                           {"tie_weights": True, "n_predict": 1}, r"tie_weights needs n_predict > 1"),
 }

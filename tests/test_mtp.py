@@ -268,7 +268,8 @@ def test_batched_equals_one_at_a_time(name, heads, runner):
     for step in range(3):
         if step == 1:
             contexts[2], delivered[2] = CONTEXTS[2], 0  # a fresh sequence joins running ones
-        requests = [DraftRequest(seq, ids, 2 + (seq + step) % 3, target_hidden(runner, ids[:-1], (-1,))[delivered[seq]:])
+        requests = [DraftRequest(seq, ids, 2 + (seq + step) % 3,
+                                 target_hidden(runner, ids[:-1], (-1,))[delivered[seq]:])
                     for seq, ids in contexts.items()]
         for req, draft in zip(requests, batched.propose(requests)):
             assert draft.token_ids == alone.propose([req])[0].token_ids
@@ -313,7 +314,8 @@ def test_the_writer_writes_the_published_layout(name, checkpoints, heads, target
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in written.items()}
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == len(head.layers) and config["num_hidden_layers"] == L
-    assert SpeculativeConfig.from_json({"model": str(tmp_path / "out")}, target_model=str(tiny_model_dir)).method == "mtp"
+    resolved = SpeculativeConfig.from_json({"model": str(tmp_path / "out")}, target_model=str(tiny_model_dir))
+    assert resolved.method == "mtp"
     again = load_mtp(tmp_path / "out", target, "float32")
     for (k, a), b in zip(head.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), k
@@ -333,8 +335,8 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
     def loss(head, s):
         n = s.ids.shape[1] - 1
         positions = torch.arange(n).expand(len(s.ids), n)
-        out = head(s.ids[:, 1:], s.hidden[:, :-1], positions, _causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n),
-                   None)
+        mask = _causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n)
+        out = head(s.ids[:, 1:], s.hidden[:, :-1], positions, mask, None)
         return soft_cross_entropy(head.logits(out), s.probs[:, 1:])
 
     fit(head, loss, teacher(tiny_model_dir))
