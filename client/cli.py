@@ -33,14 +33,17 @@ PROFILES: dict[str, dict] = {
 def _local_speculative_config(spec: str, target: str) -> str:
     """Fetch a named draft model in the config's `model` and put its local path there, so the
     config reads the draft's config.json (vocab checks, method detection) like vLLM does. A
-    trainable head method without `model` gets the head `tritonspec train` made for `target`."""
+    trainable head method without `model` gets the head `tritonspec train` made for `target`
+    (mtp only when there is one: otherwise an omitted model means the target's own MTP layers)."""
     config = json.loads(spec)
     if not isinstance(config, dict):
         return spec
+    method = config.get("method")
     if config.get("model") in NAMED_MODELS:
         config["model"] = str(fetch(config["model"]))
-    elif config.get("method") in TRAINERS and not config.get("model"):
-        config["model"] = str(trained_head(target, config["method"]))
+    elif method in TRAINERS and not config.get("model") and (
+            method != "mtp" or (head_dir(target, method) / "config.json").exists()):
+        config["model"] = str(trained_head(target, method))
     return json.dumps(config)
 
 
@@ -324,15 +327,26 @@ def _export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompts(path: Path) -> list[str]:
+    """A JSON list of strings, or one prompt per line."""
+    text = path.read_text()
+    prompts = json.loads(text) if path.suffix == ".json" else [line for line in text.splitlines() if line.strip()]
+    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError(f"{path}: expected a JSON list of non-empty strings or one prompt per line")
+    return prompts
+
+
 def _train(args: argparse.Namespace) -> int:
     from backends.training.trainer import train
 
     try:
         target = local_model(args.target)
         out = Path(args.out) if args.out else head_dir(args.target, args.method)
+        prompts = _read_prompts(Path(args.prompt_file)) if args.prompt_file else None
         report = train(args.method, target, out, data_dir=Path(args.data_dir) if args.data_dir else data_dir(args.target),
                        epochs=args.epochs, lr=args.lr, num_steps=args.ttt_steps, num_prompts=args.prompts,
-                       max_new_tokens=args.max_new_tokens, options={"draft_vocab_size": args.draft_vocab_size})
+                       max_new_tokens=args.max_new_tokens, options={"draft_vocab_size": args.draft_vocab_size},
+                       prompts=prompts)
     except (ValueError, ModelNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -483,11 +497,14 @@ def build_parser() -> argparse.ArgumentParser:
     train_p.add_argument("--out", help="head directory (default: the model cache's heads/TARGET-METHOD, "
                          "where --profile finds it)")
     train_p.add_argument("--data-dir", help="cached target answers and hidden states (default: in the model cache)")
-    train_p.add_argument("--prompts", type=int, default=640, help="training prompts the target answers")
+    train_p.add_argument("--prompts", type=int, default=640, help="how many training prompts the target answers")
+    train_p.add_argument("--prompt-file", help="your own training prompts (a JSON list, or one per line) instead of "
+                         "the built-in ones; use a --data-dir of their own")
     train_p.add_argument("--max-new-tokens", type=int, default=128, help="length of each target answer")
     train_p.add_argument("--epochs", type=int, default=3)
     train_p.add_argument("--lr", type=float, default=1e-3)
-    train_p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    train_p.add_argument("--ttt-steps", type=int, default=3, help="draft steps trained: the EAGLE/MTP unroll, Medusa "
+                         "heads, MLP speculator stages, drafts per DFlash/DSpark block")
     train_p.add_argument("--draft-vocab-size", type=int, default=8192, help="eagle3: draft vocabulary size")
     train_p.set_defaults(func=_train)
 

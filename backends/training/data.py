@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from backends.model_store import load_causal_lm, load_tokenizer
 from backends.target import _select_hidden
-from backends.training.corpus import training_prompts
+from backends.training.corpus import check_held_out, training_prompts
 
 
 @dataclass
@@ -47,12 +47,12 @@ class TrainingData:
         return [i for i in indices if i % every], [i for i in indices if not i % every]
 
 
-def generate(target: Path, data_dir: Path, num_prompts: int, max_new_tokens: int, batch_size: int) -> list[dict]:
-    """The target's greedy answer to each training prompt, appended to generations.jsonl."""
+def generate(target: Path, data_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[dict]:
+    """The target's greedy answer to each prompt, appended to generations.jsonl."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    _check_prompts(data_dir, prompts)
     path = data_dir / "generations.jsonl"
     done = [json.loads(line) for line in path.open()] if path.exists() else []
-    prompts = training_prompts(num_prompts)
     todo = sorted(set(range(len(prompts))) - {d["prompt"] for d in done}, key=lambda i: len(prompts[i]))
     if todo:
         model, tokenizer = load_causal_lm(target, "float32"), load_tokenizer(target)
@@ -80,6 +80,17 @@ def generate(target: Path, data_dir: Path, num_prompts: int, max_new_tokens: int
                 bar.update(len(batch))
         bar.close()
     return sorted((d for d in done if d["prompt"] < len(prompts)), key=lambda d: d["prompt"])
+
+
+def _check_prompts(data_dir: Path, prompts: list[str]) -> None:
+    """Answers are stored by prompt index: refuse a data directory made for other prompts."""
+    path = data_dir / "prompts.json"
+    known = json.loads(path.read_text()) if path.exists() else []
+    if known[:len(prompts)] != prompts[:len(known)]:
+        raise ValueError(f"{data_dir} holds the target's answers to other prompts; "
+                         "choose another --data-dir for this prompt list")
+    if len(prompts) > len(known):
+        path.write_text(json.dumps(prompts, indent=0))
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -146,7 +157,11 @@ def _as_data(tensors: dict[str, torch.Tensor], layer_ids: tuple[int, ...]) -> Tr
 
 
 def prepare(target: Path, data_dir: Path, layer_ids: tuple[int, ...], num_prompts: int | None = None,
-            max_new_tokens: int = 128, batch_size: int = 16) -> TrainingData:
-    """Generate (or reuse) the target's answers, then (or reuse) their hidden states."""
-    records = generate(target, data_dir, num_prompts, max_new_tokens, batch_size)
+            max_new_tokens: int = 128, batch_size: int = 16, prompts: list[str] | None = None) -> TrainingData:
+    """Generate (or reuse) the target's answers to the first `num_prompts` prompts (default:
+    the built-in training prompts), then (or reuse) their hidden states."""
+    prompts = prompts or training_prompts()
+    prompts = prompts[:num_prompts] if num_prompts else prompts
+    check_held_out(prompts)
+    records = generate(target, data_dir, prompts, max_new_tokens, batch_size)
     return target_states(target, data_dir, records, layer_ids)

@@ -127,20 +127,23 @@ def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
     return loss, int((logits.argmax(-1) == labels).sum())
 
 
+def loss_positions(ok: torch.Tensor, training: bool, limit: int = CE_POSITIONS) -> tuple[torch.Tensor, ...]:
+    """Positions for the token loss: all of `ok` in evaluation, a sample of `limit` in training."""
+    where = ok.nonzero(as_tuple=True)
+    if training and len(where[0]) > limit:
+        keep = torch.randperm(len(where[0]))[:limit]
+        where = tuple(w[keep] for w in where)
+    return where
+
+
 class _EagleTrainer(HeadTrainer):
-    def _select(self, ok: torch.Tensor, training: bool) -> torch.Tensor:
-        """Positions for the token loss: all valid ones in evaluation, a sample in training."""
-        where = ok.nonzero(as_tuple=True)
-        if training and len(where[0]) > CE_POSITIONS:
-            keep = torch.randperm(len(where[0]))[:CE_POSITIONS]
-            where = tuple(w[keep] for w in where)
-        return where
+    ce_positions = CE_POSITIONS
 
     def loss(self, head: EagleHead, batch: Batch, num_steps: int) -> StepMetrics:
         total = torch.zeros(())
         correct, counted = [], []
         for s, (out, target, ok) in enumerate(unroll(head, batch, num_steps)):
-            where = self._select(ok, head.training)
+            where = loss_positions(ok, head.training, self.ce_positions)
             token, hits = _token_loss(head.logits(out[where]), self.draft_labels(head, target[where]))
             total = total + STEP_DECAY ** s * self.step_loss(head, batch, s, out, ok, token)
             correct.append(hits)
@@ -156,6 +159,7 @@ class _EagleTrainer(HeadTrainer):
 
 class Eagle1Trainer(_EagleTrainer):
     method = "eagle"
+    ce_positions = CE_POSITIONS // 4  # its LM head is the target's full vocabulary; the feature loss leads
 
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
         return Eagle1Head.hidden_layer_ids

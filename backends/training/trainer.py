@@ -103,15 +103,17 @@ def make_batch(data: TrainingData, spans: list[tuple[int, int]], layer_ids: tupl
 
 def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int = 2, lr: float = 1e-3,
           batch_tokens: int = 2048, window: int = 256, num_steps: int = 3, num_prompts: int | None = 640, max_new_tokens: int = 128,
-          held_out: float = 0.05, save_every: int = 20, seed: int = 0, options: dict | None = None) -> dict:
-    """Train `method`'s head for `target`; write it to `out` in the published layout and
-    return the report (also written as `out/training_report.json`)."""
+          held_out: float = 0.05, save_every: int = 20, seed: int = 0, options: dict | None = None,
+          prompts: list[str] | None = None) -> dict:
+    """Train `method`'s head for `target` on its answers to `prompts` (default: the built-in
+    training prompts); write it to `out` in the published layout and return the report (also
+    written as `out/training_report.json`)."""
     trainer, info = head_trainer(method), TargetInfo.load(target)
     layer_ids = trainer.layer_ids(info)
-    data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens)
+    data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens, prompts=prompts)
     train_seqs, val_seqs = data.split(held_out)
     torch.manual_seed(seed)
-    head = trainer.build(info, data, options or {})
+    head = trainer.build(info, data, {"num_steps": num_steps, **(options or {})})
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     per_batch = max(1, batch_tokens // window)
