@@ -86,7 +86,7 @@ def start_head_server(tmp_path: Path, target_dir: Path, method: str, head_dir: P
 
     config = {"method": method, "model": str(head_dir), "num_speculative_tokens": 3,
               "draft_sample_method": "probabilistic"}
-    return start_server(tmp_path, str(target_dir), json.dumps(config), sequence_idle_timeout_s="5")
+    return start_server(tmp_path, str(target_dir), json.dumps(config))
 
 
 def check_served_greedy(server, target_dir: Path) -> None:
