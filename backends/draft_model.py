@@ -52,7 +52,7 @@ class _Work:
     new_ids: list[int]  # context tokens not in the cache yet (at least one)
     num_drafts: int
     drafts: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [num_drafts, V] on the drafter's device (probabilistic)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -92,13 +92,16 @@ class DraftModelProposer(Proposer):
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
                     target_model: Path | str | None = None, seed: int | None = None,
-                    **_: Any) -> "DraftModelProposer":
+                    device: str = "cpu", **_: Any) -> "DraftModelProposer":
         if (config.draft_tensor_parallel_size or 1) != 1:
             raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
                              "the draft model runs on one device here; use 1")
         if config.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={config.quantization!r} is not supported for the draft "
                              "model; use null or 'int8' (dynamic int8 of the linear layers)")
+        if config.quantization == "int8" and torch.device(device).type != "cpu":
+            raise ValueError(f"quantization='int8' (dynamic int8) runs on the CPU only, but this drafter's device "
+                             f"is {device}; drop the quantization or run the drafter on cpu")
         if not config.model:
             raise ValueError("draft_model needs `model`: a named model, an HF directory or a GGUF file")
         path = resolve_model(config.model)
@@ -106,6 +109,7 @@ class DraftModelProposer(Proposer):
         model = load_causal_lm(path, "float32" if config.quantization == "int8" else dtype)
         if config.quantization == "int8":
             model = quantize_int8(model)
+        model = model.to(device)  # weights, and so the KV caches and the generator, live there
         bridge = None
         if config.use_heterogeneous_vocab:
             if target_model is None:
@@ -136,8 +140,7 @@ class DraftModelProposer(Proposer):
             if self.bridge:
                 drafts[w.index] = Draft(self.bridge.to_target(req.token_ids, w.context, w.drafts, req.num_tokens))
             else:
-                probs = torch.stack(w.probs) if self.sample_method == "probabilistic" else None
-                drafts[w.index] = Draft(w.drafts, probs)
+                drafts[w.index] = Draft(w.drafts, w.probs)
         return drafts
 
     def release(self, seq_id: int) -> None:
@@ -156,32 +159,27 @@ class DraftModelProposer(Proposer):
             del state.token_ids[keep:]
         return context[keep:]
 
-    def _sample(self, logits: torch.Tensor, work: list[_Work]) -> list[int]:
-        """Draw one draft per row of `logits` [B, V] and record it on each sequence."""
+    def _sample(self, logits: torch.Tensor, steps: list[tuple]) -> torch.Tensor:
+        """Draw one draft per row of `logits` [B, V]; the tokens [B] stay on the device and
+        are fed back as they are, `steps` collects (tokens, probs) for `gather_drafts`."""
         logits = logits.float()
         if self.sample_method == "greedy":
-            tokens = logits.argmax(dim=-1)
+            tokens, probs = logits.argmax(dim=-1), None
         else:
             probs = logits.softmax(dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-            for w, row in zip(work, probs):
-                if len(w.drafts) < w.num_drafts:
-                    w.probs.append(row.cpu())
-        out = tokens.tolist()
-        for w, token in zip(work, out):
-            if len(w.drafts) < w.num_drafts:
-                w.drafts.append(token)
-        return out
+        steps.append((tokens, probs))
+        return tokens
 
     def _run_one(self, w: _Work) -> None:
         """A lone sequence runs on its own cache: no padding, no copies."""
-        ids = w.new_ids
+        ids, steps = torch.tensor([w.new_ids], device=self.device), []
         for _ in range(w.num_drafts):
-            logits = self.model(input_ids=torch.tensor([ids], device=self.device), cache=w.state.cache,
-                                use_cache=True, logits_to_keep=1).logits[:, -1]
-            w.state.token_ids.extend(ids)
-            ids = self._sample(logits, [w])
+            logits = self.model(input_ids=ids, cache=w.state.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            ids = self._sample(logits, steps).unsqueeze(1)
+        (w.drafts,), (w.probs,) = gather_drafts(steps, [w.num_drafts])
         # The last draft was sampled but not fed: the cache holds context + drafts[:-1].
+        w.state.token_ids.extend(w.new_ids + w.drafts[:-1])
 
     def _run_batch(self, work: list[_Work]) -> None:
         cached = [len(w.state.token_ids) for w in work]
@@ -194,25 +192,38 @@ class DraftModelProposer(Proposer):
         positions = torch.tensor([list(range(c, c + max_len)) for c in cached], device=self.device)
         last = torch.tensor([[n - 1] for n in lengths], device=self.device)  # each row's last real token
         steps = max(w.num_drafts for w in work)
-        ids = torch.tensor(input_ids, device=self.device)
+        ids, sampled = torch.tensor(input_ids, device=self.device), []
         for step in range(steps):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                                 use_cache=True, logits_to_keep=last).logits[:, -1]
-            ids = torch.tensor(self._sample(logits, work), device=self.device).unsqueeze(1)
+            ids = self._sample(logits, sampled).unsqueeze(1)
             if step + 1 == steps:
                 break
             mask = F.pad(mask, (0, 1), value=1)
             positions = positions.gather(1, last) + 1
             last = torch.zeros_like(last)
+        for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
+            w.drafts, w.probs = drafted, probs
         # Back into each sequence's cache: its new tokens, then the drafts that were fed.
         for row, w in enumerate(work):
-            keep = torch.cat([torch.arange(max_cached, max_cached + lengths[row]),
-                              torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1)])
-            keep = keep.to(self.device)
+            keep = torch.cat([torch.arange(max_cached, max_cached + lengths[row], device=self.device),
+                              torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1,
+                                           device=self.device)])
             for layer_idx, layer in enumerate(cache.layers):
                 w.state.cache.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep],
                                      layer_idx)
             w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
+
+
+def gather_drafts(steps: list[tuple[torch.Tensor, torch.Tensor | None]],
+                  counts: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Each row's drafts from the (tokens [B], probs [B, V] or None) of every draft step, cut
+    to the row's count, and its probabilities [count, V] (None for greedy drafts). The ids
+    cross to the host once per propose call; the probabilities stay on the device."""
+    tokens = torch.stack([t for t, _ in steps], dim=1).tolist()
+    probs = None if steps[0][1] is None else torch.stack([p for _, p in steps], dim=1)
+    return ([row[:n] for row, n in zip(tokens, counts)],
+            [None if probs is None else probs[row, :n] for row, n in enumerate(counts)])
 
 
 def _stack_caches(caches: list[DynamicCache], lengths: list[int], config: Any) -> DynamicCache:

@@ -175,7 +175,7 @@ class DSparkProposer(DFlashProposer):
                     w.drafts.append(token)
             probs.append(p)
         if self.sample_method == "probabilistic":
-            stacked = torch.stack(probs, dim=1).cpu()
+            stacked = torch.stack(probs, dim=1)
             for row, w in enumerate(work):
                 w.probs = stacked[row, :w.num_drafts]
 

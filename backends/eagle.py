@@ -58,7 +58,7 @@ from transformers import AutoConfig, DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from backends.config import _aux_layer_ids, _speculators_draft_config
-from backends.draft_model import SAMPLE_METHODS, _stack_caches, common_prefix_len
+from backends.draft_model import SAMPLE_METHODS, _stack_caches, common_prefix_len, gather_drafts
 from backends.model_store import _gguf_kwargs, load_causal_lm, resolve_model
 from backends.proposer import Draft, DraftRequest, Proposer
 from backends.rejection import new_generator
@@ -391,7 +391,7 @@ class _Work:
     features: torch.Tensor  # [len(new_ids), D]
     num_drafts: int
     drafts: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [num_drafts, V_target] on the head's device (probabilistic)
 
 
 class EagleProposer(Proposer):
@@ -413,7 +413,7 @@ class EagleProposer(Proposer):
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
                     target_model: Path | str | None = None, seed: int | None = None,
-                    **_: Any) -> "EagleProposer":
+                    device: str = "cpu", **_: Any) -> "EagleProposer":
         if not config.model:
             raise ValueError(f"{cls.method} needs `model`: the EAGLE checkpoint directory")
         if target_model is None:
@@ -423,7 +423,7 @@ class EagleProposer(Proposer):
                              "the EAGLE head runs on one device here; use 1")
         head = load_eagle(resolve_model(config.model), TargetInfo.load(target_model), dtype, cls.method,
                           config.eagle_aux_hidden_state_layer_ids)
-        return cls(head, max_model_len, config.draft_sample_method, seed)
+        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -432,7 +432,7 @@ class EagleProposer(Proposer):
         if work:
             self._run(work)
         for w in work:
-            drafts[w.index] = Draft(w.drafts, torch.stack(w.probs) if self.sample_method == "probabilistic" else None)
+            drafts[w.index] = Draft(w.drafts, w.probs)
         return drafts
 
     def release(self, seq_id: int) -> None:
@@ -487,11 +487,11 @@ class EagleProposer(Proposer):
         positions = torch.tensor([list(range(w.start, w.start + max_len)) for w in work], device=self.device)
         last = torch.tensor(lengths, device=self.device) - 1  # each row's last real pair
         rows = torch.arange(len(work), device=self.device)
-        steps = max(w.num_drafts for w in work)
+        steps, sampled = max(w.num_drafts for w in work), []
         for step in range(steps):
             hidden = self.head(ids, features, positions, _causal_mask(keys, ids.shape[1]), cache, step)
             hidden = hidden[rows, last]
-            tokens = self._sample(self.head.logits(hidden, step).float(), work)
+            tokens = self._sample(self.head.logits(hidden, step).float(), sampled)
             if step + 1 == steps:
                 break
             # The next pair: the draft just made with the head's own state, one position on.
@@ -499,18 +499,22 @@ class EagleProposer(Proposer):
             positions = positions[rows, last].unsqueeze(1) + 1
             keys = F.pad(keys, (0, 1), value=True)
             last = torch.zeros_like(last)
+        for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
+            w.drafts, w.probs = drafted, probs
         if alone:
             return
         for row, w in enumerate(work):
-            keep = torch.cat([torch.arange(max_cached, max_cached + lengths[row]),
-                              torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1)])
+            keep = torch.cat([torch.arange(max_cached, max_cached + lengths[row], device=self.device),
+                              torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1,
+                                           device=self.device)])
             for layer_idx, layer in enumerate(cache.layers):
                 w.state.cache.update(layer.keys[row:row + 1, :, keep], layer.values[row:row + 1, :, keep], layer_idx)
 
-    def _sample(self, logits: torch.Tensor, work: list[_Work]) -> torch.Tensor:
-        """One draft per row of draft-vocabulary `logits` [B, V_d], as target ids; recorded on
-        each sequence that still wants drafts."""
+    def _sample(self, logits: torch.Tensor, steps: list[tuple]) -> torch.Tensor:
+        """One draft per row of draft-vocabulary `logits` [B, V_d], as target ids [B] that stay
+        on the device; `steps` collects (tokens, target-vocabulary probs) for `gather_drafts`."""
         to_target = self.head.draft_to_target
+        probs = None
         if self.sample_method == "greedy":
             tokens = logits.argmax(dim=-1)
         else:
@@ -519,14 +523,9 @@ class EagleProposer(Proposer):
             if to_target is not None:
                 probs = torch.zeros(len(probs), self.head.embed_tokens.num_embeddings,
                                     device=probs.device).index_copy_(1, to_target, probs)
-            for w, row in zip(work, probs):
-                if len(w.drafts) < w.num_drafts:
-                    w.probs.append(row.cpu())
         if to_target is not None:
             tokens = to_target[tokens]
-        for w, token in zip(work, tokens.tolist()):
-            if len(w.drafts) < w.num_drafts:
-                w.drafts.append(token)
+        steps.append((tokens, probs))
         return tokens
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.draft_model import SAMPLE_METHODS
+from backends.draft_model import SAMPLE_METHODS, gather_drafts
 from backends.proposer import Draft, DraftRequest, Proposer
 from backends.rejection import new_generator
 
@@ -57,19 +57,13 @@ class LastHiddenProposer(Proposer):
         if not rows:
             return drafts
         state = self.head.begin(torch.stack(states).to(self.device, self.dtype))
-        ids = torch.tensor(tokens, device=self.device)
-        out = [[] for _ in rows]
-        probs = [[] for _ in rows]
+        ids, steps = torch.tensor(tokens, device=self.device), []
         for step in range(max(counts)):
             logits, state = self.head.step(step, state, ids)
             ids, step_probs = self._sample(logits.float())
-            for j, k in enumerate(counts):
-                if step < k:
-                    out[j].append(int(ids[j]))
-                    if step_probs is not None:
-                        probs[j].append(step_probs[j].cpu())
-        for j, i in enumerate(rows):
-            drafts[i] = Draft(out[j], torch.stack(probs[j]) if self.sample_method == "probabilistic" else None)
+            steps.append((ids, step_probs))
+        for i, drafted, probs in zip(rows, *gather_drafts(steps, counts)):
+            drafts[i] = Draft(drafted, probs)
         return drafts
 
     def _last_state(self, req: DraftRequest) -> torch.Tensor:
@@ -95,5 +89,5 @@ class LastHiddenProposer(Proposer):
 
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16", target_model: Any = None,
-                    seed: int | None = None, **_: Any) -> "LastHiddenProposer":
+                    seed: int | None = None, device: str = "cpu", **_: Any) -> "LastHiddenProposer":
         raise NotImplementedError

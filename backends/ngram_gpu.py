@@ -29,8 +29,8 @@ class NgramGPUDrafter(Proposer):
         self.history = TokenHistory()
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, **_: Any) -> "NgramGPUDrafter":
-        return cls(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+    def from_config(cls, config: Any, max_model_len: int, device: str | None = None, **_: Any) -> "NgramGPUDrafter":
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens, device)
 
     def propose_batch(self, sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [batch, K] int32 padded with -1, num_valid_draft_tokens [batch] int32)."""

@@ -8,11 +8,13 @@ What the launcher does that a bare `tritonserver` call does not:
 - gives the stubs' shared-memory regions a unique prefix, so stopping the server can kill
   leftover stubs and delete their /dev/shm files without touching anyone else's;
 - optionally copies the repository with config.pbtxt parameters overridden (--model,
-  --dtype, --speculative-config) the way `vllm serve -sc` configures vLLM.
+  --dtype, --speculative-config) the way `vllm serve -sc` configures vLLM, and instance
+  kinds (KIND_GPU for the verifier and drafter on a GPU host).
 """
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import logging
 import os
@@ -28,12 +30,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytriton
-
 from backends.model_store import cache_dir
 
 log = logging.getLogger("tritonspec.server")
-WHEEL = Path(pytriton.__file__).parent / "tritonserver"
+# Found without importing pytriton: its package pulls in its own client and many packages.
+WHEEL = Path(importlib.util.find_spec("pytriton").origin).parent / "tritonserver"
+INSTANCE_KINDS = ("KIND_CPU", "KIND_GPU", "KIND_AUTO")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 
@@ -70,6 +72,16 @@ def set_parameter(pbtxt: str, key: str, value: str) -> str:
     return pbtxt.rstrip("\n") + "\n" + line + "\n"
 
 
+def set_instance_kind(pbtxt: str, kind: str) -> str:
+    """Set the kind of every instance group in a config.pbtxt text."""
+    if kind not in INSTANCE_KINDS:
+        raise ValueError(f"instance kind must be one of {', '.join(INSTANCE_KINDS)}, got {kind!r}")
+    text, count = re.subn(r"\bkind:\s*KIND_[A-Z]+", f"kind: {kind}", pbtxt)
+    if not count:
+        raise ValueError("the config has no instance_group kind to set")
+    return text
+
+
 def get_parameter(pbtxt: str, key: str) -> str | None:
     m = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', pbtxt)
     return None if m is None else m.group(1).replace('\\"', '"').replace("\\\\", "\\")
@@ -78,13 +90,14 @@ def get_parameter(pbtxt: str, key: str) -> str | None:
 @dataclass
 class RepositoryOverrides:
     """Parameters to force in every model of the repository that declares them, plus
-    per-model ones ({model_name: {key: value}})."""
+    per-model ones ({model_name: {key: value}}) and instance kinds ({model_name: KIND_GPU})."""
 
     common: dict[str, str] = field(default_factory=dict)
     per_model: dict[str, dict[str, str]] = field(default_factory=dict)
+    instance_kinds: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.common or self.per_model)
+        return bool(self.common or self.per_model or self.instance_kinds)
 
 
 def patched_repository(source: Path, overrides: RepositoryOverrides, dest: Path) -> Path:
@@ -97,6 +110,8 @@ def patched_repository(source: Path, overrides: RepositoryOverrides, dest: Path)
                 text = set_parameter(text, key, value)
         for key, value in overrides.per_model.get(config.parent.name, {}).items():
             text = set_parameter(text, key, value)
+        if config.parent.name in overrides.instance_kinds:
+            text = set_instance_kind(text, overrides.instance_kinds[config.parent.name])
         config.write_text(text)
     return dest
 

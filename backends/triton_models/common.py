@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backends.device import resolve_device
+
 SEQUENCE_START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 
@@ -26,6 +28,15 @@ def model_parameters(args: dict) -> dict[str, str]:
     """config.pbtxt `parameters` as a plain dict of strings."""
     params = json.loads(args["model_config"]).get("parameters", {})
     return {k: v["string_value"] for k, v in params.items()}
+
+
+def instance_device(args: dict, params: dict[str, str], log: logging.Logger) -> str:
+    """The torch device of this model instance (backends/device.py's rule over its
+    instance_group kind and GPU, the `device` parameter and $TRITONSPEC_DEVICE), logged."""
+    device, why = resolve_device(args.get("model_instance_kind", ""), args.get("model_instance_device_id", 0),
+                                 params.get("device", ""))
+    log.info("%s instance %s: device %s (%s)", args["model_name"], args.get("model_instance_name", ""), device, why)
+    return device
 
 
 def input_array(request: Any, name: str) -> np.ndarray | None:

@@ -16,7 +16,7 @@ from backends.model_store import DEFAULT_MODEL, context_window, load_config, res
 from backends.proposer import build_proposer
 from backends.triton_models.common import (
     SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, input_scalar,
-    model_parameters, setup_logging,
+    instance_device, model_parameters, setup_logging,
 )
 
 log = logging.getLogger("tritonspec.drafter")
@@ -33,11 +33,13 @@ class TritonPythonModel:
             params.get("speculative_config", ""), target_model=str(target), target_max_model_len=max_len
         )
         self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
+        device = instance_device(args, params, log)  # model-free methods ignore it
         proposer = build_proposer(self.config, max_model_len=max_len, target_model=target,
-                                  dtype=params.get("dtype", "bfloat16"))
+                                  dtype=params.get("dtype", "bfloat16"), device=device)
         self.service = DraftService(proposer, self.config)
         self.active = ActiveSequencesGauge(args["model_name"])
-        log.info("drafter ready: method=%s k=%d", self.config.method, self.config.num_speculative_tokens)
+        log.info("drafter ready: method=%s k=%d device=%s", self.config.method,
+                 self.config.num_speculative_tokens, device)
 
     def execute(self, requests: list) -> list:
         responses = self._execute(requests)
@@ -87,7 +89,7 @@ class TritonPythonModel:
     def _response(self, token_ids: list[int], propose_s: float, probs: torch.Tensor | None = None) -> object:
         # Draft probabilities only from methods that sample their drafts (lossless sampled
         # verification needs q); greedy drafts are one-hot and send none.
-        extra = [] if probs is None else [pb_utils.Tensor("draft_probs", probs.float().numpy()[None])]
+        extra = [] if probs is None else [pb_utils.Tensor("draft_probs", probs.float().cpu().numpy()[None])]
         return pb_utils.InferenceResponse(output_tensors=extra + [
             pb_utils.Tensor("draft_ids", np.array([token_ids], dtype=np.int64)),
             pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),

@@ -13,8 +13,8 @@ from backends.model_store import DEFAULT_MODEL, resolve_model
 from backends.request import SamplingParams
 from backends.target import TargetRunner, VerifyRequest
 from backends.triton_models.common import (
-    SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, model_parameters,
-    setup_logging,
+    SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, instance_device,
+    model_parameters, setup_logging,
 )
 
 log = logging.getLogger("tritonspec.verifier")
@@ -29,9 +29,11 @@ class TritonPythonModel:
         max_len = int(params["max_model_len"]) if params.get("max_model_len") else None
         self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
         budget = float(params.get("kv_cache_memory_gb", "4"))
-        self.runner = TargetRunner(path, dtype=dtype, max_model_len=max_len, kv_cache_memory_gb=budget or None)
+        device = instance_device(args, params, log)  # a GPU that cannot be used fails the load here
+        self.runner = TargetRunner(path, dtype=dtype, device=device, max_model_len=max_len,
+                                   kv_cache_memory_gb=budget or None)
         self.active = ActiveSequencesGauge(args["model_name"])
-        log.info("verifier ready: %s (%s, context %d, KV budget %s tokens)", path, dtype,
+        log.info("verifier ready: %s (%s on %s, context %d, KV budget %s tokens)", path, dtype, device,
                  self.runner.max_model_len, self.runner.kv_budget_tokens or "unlimited")
 
     def execute(self, requests: list) -> list:
