@@ -82,6 +82,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.common["dtype"] = args.dtype
     if args.max_model_len:
         overrides.common["max_model_len"] = str(args.max_model_len)
+    if args.device:
+        overrides.common["device"] = args.device
     if args.speculative_config:
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
@@ -404,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a ready target + drafter pair (fetched when needed), e.g. qwen-coder")
     serve.add_argument("--dtype", choices=["bfloat16", "float32"], help="target dtype (default bfloat16)")
     serve.add_argument("--max-model-len", type=int, help="cap the context window")
+    serve.add_argument("--device", help="verifier and drafter device: auto, cpu, cuda or cuda:N (default: the "
+                       "instance_group kind; see README, Running on a GPU)")
     serve.add_argument("-sc", "--speculative-config", help="vLLM --speculative-config JSON for the drafter")
     serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
     serve.add_argument("--startup-timeout", type=float, default=600)
