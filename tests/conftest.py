@@ -4,6 +4,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny_model import build_tiny_model
 
@@ -63,3 +64,56 @@ def smollm2_dir() -> Path:
     from backends.model_store import fetch
 
     return fetch("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny3_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with a third (random) decoder layer appended: eagle3's default aux
+    layers (2, L//2, L-3) are distinct only for L = 3 or L >= 7."""
+    from transformers import LlamaForCausalLM
+
+    from backends.model_store import load_tokenizer
+
+    trained = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(trained.config.__class__(**{**trained.config.to_dict(), "num_hidden_layers": 3}))
+    model.load_state_dict(trained.state_dict(), strict=False)
+    out = tmp_path_factory.mktemp("tiny3")
+    model.save_pretrained(out)
+    load_tokenizer(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+# The target of a module's in-process drafter tests, and what they read from it: the tiny
+# model unless the module overrides `target_dir` (test_eagle.py: tiny3_model_dir).
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    from backends.eagle import TargetInfo
+
+    return TargetInfo.load(target_dir)
+
+
+@pytest.fixture(scope="module")
+def runner(target_dir):
+    from backends.target import TargetRunner
+
+    return TargetRunner(target_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target_dir):
+    from backends.model_store import load_tokenizer
+
+    return load_tokenizer(target_dir)
+
+
+@pytest.fixture(scope="module")
+def target_weights(target_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(target_dir / "model.safetensors")

@@ -1,8 +1,9 @@
-"""Served tests for the heads that draft from hidden states (medusa, mlp_speculator, mtp):
-a head fitted in a few seconds to the tiny target (so its drafts overlap the target's
-distribution and get accepted), written with the method's `save_*` writer and served; then
-greedy output must equal the target's own and sampled output must follow the target's
-distribution.
+"""Shared by the tests of the heads that draft from the target's final hidden state
+(medusa, mlp_speculator, mtp): contexts to draft after, the batching check, and the served
+tests. For those, a head is fitted in a few seconds to the tiny target (so its drafts
+overlap the target's distribution and get accepted), written with the method's `save_*`
+writer and served; then greedy output must equal the target's own and sampled output must
+follow the target's distribution (ServedHeadTests: the two tests each such module runs).
 
 The fit distils the target's top-k distributions at temperature 0.3 while the sampled test
 asks for temperature 1.5 after "The dog", where the tiny target's next tokens are spread: q
@@ -13,15 +14,21 @@ is exact for any draft)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
+from backends.proposer import Draft, DraftRequest
 from client.api import grpc_generate
 from tests.helpers import _load, coarse_total_variation, hf_greedy, served_greedy_results
 
+# Token ids (of the tiny target's vocabulary) the in-process tests draft after.
+CONTEXTS = [[5, 17, 42, 99, 3, 250, 7], [300, 12, 12, 12], [44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
+# The served tests.
 GREEDY_PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):", "The quick brown fox", "for i in range(10):"]
 PROMPT, TEMPERATURE, TOP_K, FIT_TEMPERATURE = "The dog", 1.5, 4, 0.3
 SAMPLES, POSITIONS = 600, 3
@@ -81,6 +88,27 @@ def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tenso
     return -(probs * logits.log_softmax(-1)).sum(-1).mean()
 
 
+def fit_and_save(head: torch.nn.Module, loss, target_dir: Path, save: Callable[[torch.nn.Module, Path], None],
+                 out: Path) -> Path:
+    """`head` fitted by `loss` to the target's distributions (teacher) and written to `out`."""
+    fit(head, loss, teacher(target_dir))
+    save(head, out)
+    return out
+
+
+def assert_batched_equals_one_at_a_time(proposer, hidden: list[torch.Tensor], ks: tuple[int, ...]) -> list[Draft]:
+    """Drafts k = ks[i] tokens after CONTEXTS[i] (delivered rows `hidden`) in one batch that
+    also holds a sequence the target has not run yet (no drafts): each is what drafting its
+    request alone gives. Returns the batch's drafts."""
+    requests = [DraftRequest(i, ids, k, rows) for i, (ids, rows, k) in enumerate(zip(CONTEXTS, hidden, ks))]
+    requests.append(DraftRequest(9, CONTEXTS[0], 3))  # the target has not run yet: no drafts
+    together = proposer.propose(requests)
+    assert [len(d.token_ids) for d in together] == [*ks, 0]
+    for req, draft in zip(requests, together):
+        assert draft.token_ids == proposer.propose([req])[0].token_ids
+    return together
+
+
 def start_head_server(tmp_path: Path, target_dir: Path, method: str, head_dir: Path):
     from tests.conftest import start_server
 
@@ -133,3 +161,26 @@ def check_sampled_distribution(server, target_dir: Path, min_accepted: int) -> N
     for position in range(POSITIONS):
         tv = coarse_total_variation([r.output_ids[position] for r in results], exact[position])
         assert tv < 0.09, (position, tv)
+
+
+class ServedHeadTests:
+    """A method's fitted head served on the tiny target: greedy output is the target's own,
+    sampled output follows the target's distribution. A module subclasses this as
+    `TestServed` with METHOD, and provides a `fitted_dir` fixture (the head written by the
+    method's writer)."""
+
+    METHOD: str
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def server(cls, tiny_model_dir, fitted_dir, tmp_path_factory):
+        server = start_head_server(tmp_path_factory.mktemp(f"{cls.METHOD}-server"), tiny_model_dir, cls.METHOD,
+                                   fitted_dir)
+        yield server
+        server.stop()
+
+    def test_served_greedy_equals_target_greedy(self, server, tiny_model_dir):
+        check_served_greedy(server, tiny_model_dir)
+
+    def test_served_sampling_follows_the_target_distribution(self, server, tiny_model_dir):
+        check_sampled_distribution(server, tiny_model_dir, min_accepted=150)

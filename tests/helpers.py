@@ -1,12 +1,18 @@
-"""Shared by the server tests: the target's own greedy output, and server state probes."""
+"""Shared by the tests: the target's own greedy output, server state probes, the target's
+hidden states as the verifier delivers them to a drafter, and ragged batches of drafts."""
 from __future__ import annotations
 
+import random
 import re
 import time
+from collections.abc import Callable
 import urllib.request
 from functools import lru_cache
 
 import torch
+
+from backends.proposer import DraftRequest
+from backends.target import VerifyRequest
 
 
 @lru_cache(maxsize=None)
@@ -76,3 +82,48 @@ def coarse_total_variation(samples: list[int], exact: dict[int, float], top: int
     for token in samples:
         counts[token if token in cells else -1] += 1
     return 0.5 * sum(abs(counts[t] / len(samples) - p) for t, p in cells.items())
+
+
+def target_hidden(runner, ids: list[int], layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """The target's hidden states [len(ids), layers, H] at every position of `ids`."""
+    result = runner.verify(VerifyRequest(31337, ids, [], hidden_layer_ids=layer_ids))
+    runner.release(31337)
+    return result.hidden_states
+
+
+def request(runner, head, seq_id: int, context: list[int], k: int, delivered: int = 0) -> DraftRequest:
+    """A draft request for `context` carrying the hidden states of positions delivered..n-2."""
+    return DraftRequest(seq_id, context, k, target_hidden(runner, context[:-1], head.hidden_layer_ids)[delivered:])
+
+
+def check_ragged_batches(batched, alone, prompts: list[list[int]], make_request: Callable[..., DraftRequest],
+                         steps: int, first_k: int, vocab_size: int) -> dict[int, list[int]]:
+    """Fresh, running and rolled-back sequences with ragged lengths and draft counts in one
+    batch, for `steps` rounds: sequences 0 and 1 start from prompts[0] and [1], sequence 2
+    joins at step 1 from prompts[2]; each asks for first_k + (seq + step) % 3 tokens, a random
+    number of them is accepted and a random token follows. Every draft of `batched` must be
+    what `alone` drafts for the request alone. make_request(seq, ids, k, delivered) builds a
+    request whose hidden rows start at position `delivered`. Returns the final contexts."""
+    contexts, delivered = {0: prompts[0], 1: prompts[1]}, {0: 0, 1: 0}
+    rng = random.Random(0)
+    for step in range(steps):
+        if step == 1:
+            contexts[2], delivered[2] = prompts[2], 0  # a fresh sequence joins running ones
+        requests = [make_request(seq, ids, first_k + (seq + step) % 3, delivered[seq]) for seq, ids in contexts.items()]
+        for req, draft in zip(requests, batched.propose(requests)):
+            assert draft.token_ids == alone.propose([req])[0].token_ids
+            assert len(draft.token_ids) == req.num_tokens
+            accepted = rng.randrange(req.num_tokens + 1)
+            delivered[req.seq_id] = len(req.token_ids) - 1
+            contexts[req.seq_id] = req.token_ids + draft.token_ids[:accepted] + [rng.randrange(1, vocab_size)]
+    return contexts
+
+
+def assert_same_caches(alone, batched, seqs, atol: float) -> None:
+    """Each sequence's tokens and KV cache (keys and values) in `batched` are those in `alone`."""
+    for seq in seqs:
+        a, b = alone._seqs[seq], batched._seqs[seq]
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=atol)
+            torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=atol)

@@ -5,8 +5,10 @@ a tiny target. Keys are spelled out here, independently of the loader under test
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -53,6 +55,19 @@ def save_checkpoint(out: Path, config: dict, state: dict[str, torch.Tensor], fmt
     else:
         torch.save(state, out / "pytorch_model.bin")
     return state
+
+
+def assert_refused(case: tuple, checkpoints: dict, out: Path, error: type[Exception],
+                   load: Callable[[Path], object]) -> None:
+    """A REFUSALS case (checkpoint name, state edit or None, config.json edit or None, message):
+    that checkpoint, edited so and written to `out`, makes load(out) raise `error` with the
+    message."""
+    name, edit_state, edit_config, message = case
+    path, written = checkpoints[name]
+    config = {**json.loads((path / "config.json").read_text()), **(edit_config or {})}
+    save_checkpoint(out, config, (edit_state or dict)(dict(written)), "safetensors")
+    with pytest.raises(error, match=message):
+        load(out)
 
 
 def write_eagle1(out: Path, target_dir: Path, *, bias: bool = True, fmt: str = "bin",

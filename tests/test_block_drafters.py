@@ -5,7 +5,7 @@ batching, draft probabilities, the writer, and decoding through the real server.
 from __future__ import annotations
 
 import json
-import random
+from functools import partial
 
 import pytest
 import torch
@@ -17,12 +17,10 @@ from backends.dflash import (
 )
 from backends.dspark import DSparkHead, DSparkProposer
 from backends.dspark import default_config as dspark_default_config
-from backends.eagle import TargetInfo
-from backends.model_store import load_tokenizer
 from backends.proposer import DraftRequest, build_proposer
-from backends.target import TargetRunner, VerifyRequest
+from tests.helpers import check_ragged_batches, request, target_hidden
 from tests.synthetic_blocks import write_dflash, write_dspark
-from tests.synthetic_checkpoints import save_checkpoint, write_eagle1
+from tests.synthetic_checkpoints import assert_refused, save_checkpoint, write_eagle1
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
            "for i in range(10):\n    print(i"]
@@ -53,18 +51,7 @@ def _proposer_class(name: str):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return TargetInfo.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir):
-    return TargetRunner(tiny_model_dir, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tiny_model_dir):
-    tokenizer = load_tokenizer(tiny_model_dir)
+def prompt_ids(tokenizer):
     return [tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
@@ -79,24 +66,6 @@ def checkpoints(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def heads(checkpoints, target):
     return {name: load_head(_head_class(name), path, target, "float32") for name, (path, _) in checkpoints.items()}
-
-
-@pytest.fixture(scope="module")
-def target_weights(tiny_model_dir):
-    from safetensors.torch import load_file
-
-    return load_file(tiny_model_dir / "model.safetensors")
-
-
-def target_hidden(runner, ids: list[int], layer_ids: tuple[int, ...]) -> torch.Tensor:
-    result = runner.verify(VerifyRequest(31337, ids, [], hidden_layer_ids=layer_ids))
-    runner.release(31337)
-    return result.hidden_states
-
-
-def request(runner, head, seq_id: int, context: list[int], k: int, delivered: int = 0) -> DraftRequest:
-    """A draft request for `context` with the target states of positions delivered..n-2."""
-    return DraftRequest(seq_id, context, k, target_hidden(runner, context[:-1], head.hidden_layer_ids)[delivered:])
 
 
 # ---------------------------------------------------------------------------- the reference
@@ -322,12 +291,8 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    name, edit_state, edit_config, message = REFUSALS[case]
-    path, written = checkpoints[name]
-    config = {**json.loads((path / "config.json").read_text()), **(edit_config or {})}
-    save_checkpoint(tmp_path / "bad", config, (edit_state or dict)(dict(written)), "safetensors")
-    with pytest.raises(BlockCheckpointError, match=message):
-        load_head(_head_class(name), tmp_path / "bad", target)
+    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", BlockCheckpointError,
+                   lambda bad: load_head(_head_class(REFUSALS[case][0]), bad, target))
 
 
 def test_hf_overrides_settle_the_slot_convention(checkpoints, tiny_model_dir, target, tmp_path):
@@ -405,19 +370,8 @@ def test_rollback_and_incremental_context(name, accepted, heads, checkpoints, ta
 def test_batched_equals_one_at_a_time(name, heads, runner, prompt_ids):
     head = heads[name]
     batched, alone = _proposer_class(name)(head, 512), _proposer_class(name)(head, 512)
-    contexts, delivered = {0: prompt_ids[0], 1: prompt_ids[1]}, {0: 0, 1: 0}
-    rng = random.Random(0)
-    for step in range(3):
-        if step == 1:
-            contexts[2], delivered[2] = prompt_ids[2], 0  # a fresh sequence joins running ones
-        requests = [request(runner, head, seq, ids, 1 + (seq + step) % 3, delivered[seq])
-                    for seq, ids in contexts.items()]
-        for req, draft in zip(requests, batched.propose(requests)):
-            assert draft.token_ids == alone.propose([req])[0].token_ids
-            assert len(draft.token_ids) == req.num_tokens
-            accepted = rng.randrange(req.num_tokens + 1)
-            delivered[req.seq_id] = len(req.token_ids) - 1
-            contexts[req.seq_id] = req.token_ids + draft.token_ids[:accepted] + [rng.randrange(1, V)]
+    contexts = check_ragged_batches(batched, alone, prompt_ids, partial(request, runner, head), steps=3, first_k=1,
+                                    vocab_size=V)
     assert batched.num_sequences == 3
     for seq in contexts:
         batched.release(seq)

@@ -16,9 +16,9 @@ from backends.model_store import load_causal_lm, load_tokenizer
 from backends.orchestrator import GenerationStats, generate
 from backends.proposer import DraftRequest, build_proposer
 from backends.request import GenerationRequest, SamplingParams
-from backends.target import TargetRunner, VerifyRequest
+from backends.target import VerifyRequest
 from client.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
-from tests.helpers import hf_greedy
+from tests.helpers import assert_same_caches, check_ragged_batches, hf_greedy
 from tests.test_orchestrator import LocalDrafter, LocalVerifier
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
@@ -38,11 +38,6 @@ def hetero_dir(tiny_hetero_dir):
 @pytest.fixture(scope="module")
 def draft_lm(draft_dir):
     return load_causal_lm(draft_dir, "float32")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -100,26 +95,11 @@ def test_batched_equals_one_at_a_time(draft_lm, prompt_ids):
     """Ragged caches (fresh, running, rolled back) and ragged draft counts in one batch; the
     drafts and every sequence's cache after splitting must match the lone runs."""
     batched, alone = DraftModelProposer(draft_lm, 512), DraftModelProposer(draft_lm, 512)
-    contexts = {0: prompt_ids[0], 1: prompt_ids[1]}
-    alone.propose([DraftRequest(0, contexts[0], 3)])
-    batched.propose([DraftRequest(0, contexts[0], 3)])
-    rng = random.Random(0)
-    for step in range(4):
-        if step == 1:
-            contexts[2] = prompt_ids[2]  # a fresh sequence joins running ones
-        requests = [DraftRequest(seq, ids, 2 + (seq + step) % 3) for seq, ids in contexts.items()]
-        together = batched.propose(requests)
-        for req, draft in zip(requests, together):
-            assert draft.token_ids == alone.propose([req])[0].token_ids
-            assert len(draft.token_ids) == req.num_tokens
-            accepted = rng.randrange(req.num_tokens + 1)
-            contexts[req.seq_id] = req.token_ids + draft.token_ids[:accepted] + [rng.randrange(1, 300)]
-    for seq in contexts:
-        a, b = alone._seqs[seq], batched._seqs[seq]
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.cache.layers, b.cache.layers):
-            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-5)
+    alone.propose([DraftRequest(0, prompt_ids[0], 3)])
+    batched.propose([DraftRequest(0, prompt_ids[0], 3)])
+    contexts = check_ragged_batches(batched, alone, prompt_ids, lambda seq, ids, k, _: DraftRequest(seq, ids, k),
+                                    steps=4, first_k=2, vocab_size=300)
+    assert_same_caches(alone, batched, contexts, atol=1e-5)
 
 
 def test_probabilistic_drafts_come_with_their_distribution(draft_lm, prompt_ids):
@@ -181,11 +161,6 @@ def speculate(runner, tokenizer, prompt, proposer, max_tokens=40):
     runner.release(seq_id)
     drafter.release(seq_id)
     return out, stats
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir):
-    return TargetRunner(tiny_model_dir, dtype="float32")
 
 
 def test_speculative_greedy_equals_target_greedy(runner, tokenizer, tiny_model_dir, draft_dir):

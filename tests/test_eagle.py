@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -14,14 +15,12 @@ from transformers import DynamicCache
 
 from backends.config import SpeculativeConfig
 from backends.detokenize import TextStream
-from backends.eagle import Eagle3Proposer, EagleCheckpointError, EagleProposer, TargetInfo, load_eagle
-from backends.model_store import load_tokenizer
+from backends.eagle import Eagle3Proposer, EagleCheckpointError, EagleProposer, load_eagle
 from backends.orchestrator import GenerationStats, generate
 from backends.proposer import DraftRequest, build_proposer
 from backends.request import GenerationRequest
-from backends.target import TargetRunner, VerifyRequest
-from tests.helpers import hf_greedy
-from tests.synthetic_checkpoints import save_checkpoint, write_eagle1, write_eagle3
+from tests.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
+from tests.synthetic_checkpoints import assert_refused, write_eagle1, write_eagle3
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
            "for i in range(10):\n    print(i"]
@@ -37,34 +36,10 @@ HEADS = {"eagle": "eagle1-bin", "eagle3": "eagle3-midlayer"}
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with a third (random) decoder layer appended: eagle3's default aux
-    layers (2, L//2, L-3) are distinct only for L = 3 or L >= 7."""
-    from transformers import LlamaForCausalLM
-
-    trained = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(trained.config.__class__(**{**trained.config.to_dict(), "num_hidden_layers": 3}))
-    model.load_state_dict(trained.state_dict(), strict=False)
-    out = tmp_path_factory.mktemp("eagle-target")
-    model.save_pretrained(out)
-    load_tokenizer(tiny_model_dir).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return TargetInfo.load(target_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(target_dir):
-    return TargetRunner(target_dir, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(target_dir):
-    return load_tokenizer(target_dir)
+def target_dir(tiny3_model_dir):
+    """Three layers: eagle3's default aux layers are distinct (conftest's target, runner and
+    tokenizer read this)."""
+    return tiny3_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +57,6 @@ def heads(checkpoints, target):
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer):
     return [tokenizer(p)["input_ids"] for p in PROMPTS]
-
-
-def target_hidden(runner, ids: list[int], layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """The target's hidden states [len(ids), layers, H] at every position of `ids`."""
-    result = runner.verify(VerifyRequest(31337, ids, [], hidden_layer_ids=layer_ids))
-    runner.release(31337)
-    return result.hidden_states
-
-
-def request(runner, head, seq_id: int, context: list[int], k: int, delivered: int = 0) -> DraftRequest:
-    """A draft request for `context` carrying the hidden states of positions delivered..n-2."""
-    return DraftRequest(seq_id, context, k, target_hidden(runner, context[:-1], head.hidden_layer_ids)[delivered:])
 
 
 @torch.inference_mode()
@@ -233,12 +196,8 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    name, edit_state, edit_config, message = REFUSALS[case]
-    path, written = checkpoints[name]
-    config = {**json.loads((path / "config.json").read_text()), **(edit_config or {})}
-    save_checkpoint(tmp_path / "bad", config, (edit_state or dict)(dict(written)), "safetensors")
-    with pytest.raises(EagleCheckpointError, match=message):
-        load_eagle(tmp_path / "bad", target)
+    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", EagleCheckpointError,
+                   lambda bad: load_eagle(bad, target))
 
 
 def test_from_config_and_aux_layer_ids(checkpoints, target_dir):
@@ -305,26 +264,9 @@ def test_batched_equals_one_at_a_time(method, heads, runner, prompt_ids):
     batch: the drafts and every sequence's cache must match lone runs (float32)."""
     head = heads[method]
     batched, alone = EagleProposer(head, 512), EagleProposer(head, 512)
-    contexts, delivered = {0: prompt_ids[0], 1: prompt_ids[1]}, {0: 0, 1: 0}
-    rng = random.Random(0)
-    for step in range(4):
-        if step == 1:
-            contexts[2], delivered[2] = prompt_ids[2], 0  # a fresh sequence joins running ones
-        requests = [request(runner, head, seq, ids, 2 + (seq + step) % 3, delivered[seq])
-                    for seq, ids in contexts.items()]
-        together = batched.propose(requests)
-        for req, draft in zip(requests, together):
-            assert draft.token_ids == alone.propose([req])[0].token_ids
-            assert len(draft.token_ids) == req.num_tokens
-            accepted = rng.randrange(req.num_tokens + 1)
-            delivered[req.seq_id] = len(req.token_ids) - 1
-            contexts[req.seq_id] = req.token_ids + draft.token_ids[:accepted] + [rng.randrange(1, V)]
-    for seq in contexts:
-        a, b = alone._seqs[seq], batched._seqs[seq]
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.cache.layers, b.cache.layers):
-            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-4)
+    contexts = check_ragged_batches(batched, alone, prompt_ids, partial(request, runner, head), steps=4, first_k=2,
+                                    vocab_size=V)
+    assert_same_caches(alone, batched, contexts, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", HEADS)

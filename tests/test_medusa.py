@@ -10,18 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.eagle import TargetInfo
 from backends.medusa import MedusaCheckpointError, MedusaHead, MedusaProposer, load_medusa, save_medusa
 from backends.proposer import DraftRequest, build_proposer
-from backends.target import TargetRunner
-from tests.head_server import (check_sampled_distribution, check_served_greedy, fit, soft_cross_entropy,
-                               start_head_server, teacher)
-from tests.synthetic_checkpoints import save_checkpoint
+from tests.head_server import (CONTEXTS, ServedHeadTests, assert_batched_equals_one_at_a_time, fit_and_save,
+                               soft_cross_entropy)
+from tests.helpers import target_hidden
+from tests.synthetic_checkpoints import assert_refused
 from tests.synthetic_heads import write_medusa
-from tests.test_eagle import target_hidden
 
 H, V = 64, 384
-CONTEXTS = [[5, 17, 42, 99, 3, 250, 7], [300, 12, 12, 12], [44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
 VARIANTS = {
     # The old config says 2 heads; the tensors hold 4 (trust the tensors).
     "faster-pt": {"layout": "medusa", "config_heads": 2},
@@ -30,16 +27,6 @@ VARIANTS = {
     "vllm-shared-truncated-nobias": {"layout": "vllm", "shared_lm_head": True, "draft_vocab_size": 200, "bias": False,
                                      "fmt": "bin"},
 }
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return TargetInfo.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir):
-    return TargetRunner(tiny_model_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +149,8 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    name, edit_state, edit_config, message = REFUSALS[case]
-    path, written = checkpoints[name]
-    config = {**json.loads((path / "config.json").read_text()), **(edit_config or {})}
-    save_checkpoint(tmp_path / "bad", config, (edit_state or dict)(dict(written)), "safetensors")
-    with pytest.raises(MedusaCheckpointError, match=message):
-        load_medusa(tmp_path / "bad", target)
+    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", MedusaCheckpointError,
+                   lambda bad: load_medusa(bad, target))
 
 
 # ---------------------------------------------------------------------------- drafting
@@ -175,15 +158,10 @@ def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_
 
 def test_batched_equals_one_at_a_time(checkpoints, target, hidden):
     proposer = MedusaProposer(load_medusa(checkpoints["vllm"][0], target, "float32"), 512)
-    requests = [DraftRequest(i, ids, k, rows) for i, (ids, rows, k) in enumerate(zip(CONTEXTS, hidden, (4, 1, 3)))]
-    requests.append(DraftRequest(9, CONTEXTS[0], 3))  # the target has not run yet: no drafts
-    together = proposer.propose(requests)
-    assert [len(d.token_ids) for d in together] == [4, 1, 3, 0]
-    for req, draft in zip(requests, together):
-        assert draft.token_ids == proposer.propose([req])[0].token_ids
+    together = assert_batched_equals_one_at_a_time(proposer, hidden, (4, 1, 3))
     # No drafts past the context window.
     near_end = MedusaProposer(proposer.head, max_model_len=len(CONTEXTS[0]) + 2)
-    assert near_end.propose(requests[:1])[0].token_ids == together[0].token_ids[:2]
+    assert near_end.propose([DraftRequest(0, CONTEXTS[0], 4, hidden[0])])[0].token_ids == together[0].token_ids[:2]
 
 
 @pytest.mark.parametrize("name", ["vllm", "vllm-shared-truncated-nobias"])
@@ -252,23 +230,11 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
         return sum(soft_cross_entropy(head.head_logits(i, s.hidden[:, :n - 1 - i]), s.probs[:, 1 + i:])
                    for i in range(3))
 
-    fit(head, loss, teacher(tiny_model_dir))
-    out = tmp_path_factory.mktemp("medusa-fitted") / "head"
-    save_medusa(head, out, "medusa", base_model=str(tiny_model_dir))
-    return out
+    return fit_and_save(head, loss, tiny_model_dir,
+                        lambda h, out: save_medusa(h, out, "medusa", base_model=str(tiny_model_dir)),
+                        tmp_path_factory.mktemp("medusa-fitted") / "head")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, fitted_dir, tmp_path_factory):
-    server = start_head_server(tmp_path_factory.mktemp("medusa-server"), tiny_model_dir, "medusa", fitted_dir)
-    yield server
-    server.stop()
-
-
-def test_served_greedy_equals_target_greedy(server, tiny_model_dir):
-    check_served_greedy(server, tiny_model_dir)
-
-
-def test_served_sampling_follows_the_target_distribution(server, tiny_model_dir):
-    # Head 0 cannot see the first sampled token, which spreads over four: its q is a mixture.
-    check_sampled_distribution(server, tiny_model_dir, min_accepted=150)
+class TestServed(ServedHeadTests):
+    # When sampling, head 0 cannot see the first sampled token, which spreads over four: its q is a mixture.
+    METHOD = "medusa"

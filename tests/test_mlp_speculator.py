@@ -12,35 +12,22 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.eagle import TargetInfo
 from backends.mlp_speculator import (MLPSpeculatorCheckpointError, MLPSpeculatorHead, MLPSpeculatorProposer,
                                      load_mlp_speculator, save_mlp_speculator)
 from backends.proposer import DraftRequest, build_proposer
-from backends.target import TargetRunner
-from tests.head_server import (check_sampled_distribution, check_served_greedy, fit, soft_cross_entropy,
-                               start_head_server, teacher)
-from tests.synthetic_checkpoints import save_checkpoint
+from tests.head_server import (CONTEXTS, ServedHeadTests, assert_batched_equals_one_at_a_time, fit_and_save,
+                               soft_cross_entropy)
+from tests.helpers import target_hidden
+from tests.synthetic_checkpoints import assert_refused
 from tests.synthetic_heads import write_mlp_speculator
-from tests.test_eagle import target_hidden
 
 H, V = 64, 384
-CONTEXTS = [[5, 17, 42, 99, 3, 250, 7], [300, 12, 12, 12], [44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
 VARIANTS = {
     "untied": {},
     "tied-repeated-prefixed": {"tie_weights": True, "prefix": "speculator."},
     "tied-once-inner48-unscaled": {"tie_weights": True, "repeat_tied": False, "inner_dim": 48, "scale_input": False},
     "untied-4-bin": {"n_predict": 4, "fmt": "bin"},
 }
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return TargetInfo.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir):
-    return TargetRunner(tiny_model_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +145,8 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    name, edit_state, edit_config, message = REFUSALS[case]
-    path, written = checkpoints[name]
-    config = {**json.loads((path / "config.json").read_text()), **(edit_config or {})}
-    save_checkpoint(tmp_path / "bad", config, (edit_state or dict)(dict(written)), "safetensors")
-    with pytest.raises(MLPSpeculatorCheckpointError, match=message):
-        load_mlp_speculator(tmp_path / "bad", target)
+    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", MLPSpeculatorCheckpointError,
+                   lambda bad: load_mlp_speculator(bad, target))
 
 
 # ---------------------------------------------------------------------------- drafting
@@ -171,12 +154,7 @@ def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_
 
 def test_batched_equals_one_at_a_time(checkpoints, target, hidden):
     proposer = MLPSpeculatorProposer(load_mlp_speculator(checkpoints["untied"][0], target, "float32"), 512)
-    requests = [DraftRequest(i, ids, k, rows) for i, (ids, rows, k) in enumerate(zip(CONTEXTS, hidden, (3, 1, 2)))]
-    requests.append(DraftRequest(9, CONTEXTS[0], 3))  # the target has not run yet: no drafts
-    together = proposer.propose(requests)
-    assert [len(d.token_ids) for d in together] == [3, 1, 2, 0]
-    for req, draft in zip(requests, together):
-        assert draft.token_ids == proposer.propose([req])[0].token_ids
+    assert_batched_equals_one_at_a_time(proposer, hidden, (3, 1, 2))
 
 
 def test_probabilistic_drafts_feed_the_sampled_token_and_come_with_probs(checkpoints, target, hidden):
@@ -235,22 +213,8 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
         probs = torch.stack([s.probs[:, 1 + i:n - stages + 1 + i] for i in range(stages)], dim=-2)
         return soft_cross_entropy(head(s.hidden[:, :n - stages], tokens), probs)
 
-    fit(head, loss, teacher(tiny_model_dir))
-    out = tmp_path_factory.mktemp("mlp-fitted") / "head"
-    save_mlp_speculator(head, out)
-    return out
+    return fit_and_save(head, loss, tiny_model_dir, save_mlp_speculator, tmp_path_factory.mktemp("mlp-fitted") / "head")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, fitted_dir, tmp_path_factory):
-    server = start_head_server(tmp_path_factory.mktemp("mlp-server"), tiny_model_dir, "mlp_speculator", fitted_dir)
-    yield server
-    server.stop()
-
-
-def test_served_greedy_equals_target_greedy(server, tiny_model_dir):
-    check_served_greedy(server, tiny_model_dir)
-
-
-def test_served_sampling_follows_the_target_distribution(server, tiny_model_dir):
-    check_sampled_distribution(server, tiny_model_dir, min_accepted=150)
+class TestServed(ServedHeadTests):
+    METHOD = "mlp_speculator"

@@ -6,25 +6,21 @@ decoding through the real server."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.eagle import TargetInfo, _causal_mask
+from backends.eagle import _causal_mask
 from backends.mtp import MTPCheckpointError, MTPHead, MTPProposer, load_mtp, save_mtp
 from backends.proposer import DraftRequest, build_proposer
-from backends.target import TargetRunner
-from tests.head_server import (check_sampled_distribution, check_served_greedy, fit, soft_cross_entropy,
-                               start_head_server, teacher)
-from tests.synthetic_checkpoints import save_checkpoint
+from tests.head_server import CONTEXTS, ServedHeadTests, fit_and_save, soft_cross_entropy
+from tests.helpers import check_ragged_batches, target_hidden
+from tests.synthetic_checkpoints import assert_refused
 from tests.synthetic_heads import write_mtp
-from tests.test_eagle import target_hidden
 
 H, I, V, L = 64, 128, 384, 2  # the tiny target
-CONTEXTS = [[5, 17, 42, 99, 3, 250, 7], [300, 12, 12, 12], [44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
 VARIANTS = {
     "deepseek": {},
     "deepseek-shared-bin": {"with_shared": True, "fmt": "bin"},
@@ -33,23 +29,6 @@ VARIANTS = {
     "step3p5": {"model_type": "step3p5", "num_layers": 2},
     "inside-target": {"inside_target": True},
 }
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return TargetInfo.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir):
-    return TargetRunner(tiny_model_dir, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def target_weights(tiny_model_dir):
-    from safetensors.torch import load_file
-
-    return load_file(tiny_model_dir / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -194,12 +173,7 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    name, edit_state, edit_config, message = REFUSALS[case]
-    path, written = checkpoints[name]
-    config = {**json.loads((path / "config.json").read_text()), **(edit_config or {})}
-    save_checkpoint(tmp_path / "bad", config, (edit_state or dict)(dict(written)), "safetensors")
-    with pytest.raises(MTPCheckpointError, match=message):
-        load_mtp(tmp_path / "bad", target)
+    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", MTPCheckpointError, lambda bad: load_mtp(bad, target))
 
 
 def test_from_config(checkpoints, tiny_model_dir):
@@ -263,19 +237,11 @@ def test_rollback_after_verification_equals_a_fresh_proposer(accepted, heads, ru
 def test_batched_equals_one_at_a_time(name, heads, runner):
     head = heads[name]
     batched, alone = MTPProposer(head, 512), MTPProposer(head, 512)
-    contexts, delivered = {0: CONTEXTS[0], 1: CONTEXTS[1]}, {0: 0, 1: 0}
-    rng = random.Random(0)
-    for step in range(3):
-        if step == 1:
-            contexts[2], delivered[2] = CONTEXTS[2], 0  # a fresh sequence joins running ones
-        requests = [DraftRequest(seq, ids, 2 + (seq + step) % 3,
-                                 target_hidden(runner, ids[:-1], (-1,))[delivered[seq]:])
-                    for seq, ids in contexts.items()]
-        for req, draft in zip(requests, batched.propose(requests)):
-            assert draft.token_ids == alone.propose([req])[0].token_ids
-            accepted = rng.randrange(req.num_tokens + 1)
-            delivered[req.seq_id] = len(req.token_ids) - 1
-            contexts[req.seq_id] = req.token_ids + draft.token_ids[:accepted] + [rng.randrange(1, V)]
+
+    def make_request(seq, ids, k, delivered):
+        return DraftRequest(seq, ids, k, target_hidden(runner, ids[:-1], (-1,))[delivered:])
+
+    contexts = check_ragged_batches(batched, alone, CONTEXTS, make_request, steps=3, first_k=2, vocab_size=V)
     for seq in contexts:
         for la, lb in zip(alone._seqs[seq].cache.layers, batched._seqs[seq].cache.layers):
             torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-4)
@@ -339,22 +305,8 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
         out = head(s.ids[:, 1:], s.hidden[:, :-1], positions, mask, None)
         return soft_cross_entropy(head.logits(out), s.probs[:, 1:])
 
-    fit(head, loss, teacher(tiny_model_dir))
-    out = tmp_path_factory.mktemp("mtp-fitted") / "head"
-    save_mtp(head, out)
-    return out
+    return fit_and_save(head, loss, tiny_model_dir, save_mtp, tmp_path_factory.mktemp("mtp-fitted") / "head")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, fitted_dir, tmp_path_factory):
-    server = start_head_server(tmp_path_factory.mktemp("mtp-server"), tiny_model_dir, "mtp", fitted_dir)
-    yield server
-    server.stop()
-
-
-def test_served_greedy_equals_target_greedy(server, tiny_model_dir):
-    check_served_greedy(server, tiny_model_dir)
-
-
-def test_served_sampling_follows_the_target_distribution(server, tiny_model_dir):
-    check_sampled_distribution(server, tiny_model_dir, min_accepted=150)
+class TestServed(ServedHeadTests):
+    METHOD = "mtp"

@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from backends.config import SpeculativeConfig
 from backends.detokenize import TextStream
@@ -60,16 +59,6 @@ class OracleProposer(Proposer):
                 drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % 50
             out.append(Draft(drafts))
         return out
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir):
-    return TargetRunner(tiny_model_dir, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def run(runner, tokenizer, prompt, proposer, max_tokens=40, k=4, num_draft_tokens=None):
