@@ -27,13 +27,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 def start_server(tmp_path: Path, model: str, speculative_config: str = NGRAM_CONFIG,
-                 require_all_models: bool = True, **common):
+                 require_all_models: bool = True, instance_kinds: dict[str, str] | None = None,
+                 per_model: dict[str, dict[str, str]] | None = None, **common):
     from client.server import RepositoryOverrides, TritonServer
 
     http, grpc, metrics = free_ports(3)
+    per_model = per_model or {}
     overrides = RepositoryOverrides(
         common={"model": model, "dtype": "float32", **common},
-        per_model={"drafter": {"speculative_config": speculative_config}},
+        per_model={**per_model, "drafter": {"speculative_config": speculative_config, **per_model.get("drafter", {})}},
+        instance_kinds=instance_kinds or {},
     )
     return TritonServer(http_port=http, grpc_port=grpc, metrics_port=metrics, overrides=overrides,
                         log_path=tmp_path / "server.log").start(require_all_models=require_all_models)
