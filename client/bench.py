@@ -32,6 +32,12 @@ METHOD_CONFIGS: dict[str, dict] = {
     # Trained heads (`tritonspec train`); `model` is the head trained for the target.
     "eagle": {"method": "eagle", "num_speculative_tokens": 3},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
+    "medusa": {"method": "medusa", "num_speculative_tokens": 3},
+    "mlp_speculator": {"method": "mlp_speculator", "num_speculative_tokens": 3},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 3},
+    # Block drafters (trained with --ttt-steps 7): one drafter pass fills the whole block.
+    "dflash": {"method": "dflash", "num_speculative_tokens": 7},
+    "dspark": {"method": "dspark", "num_speculative_tokens": 7},
 }
 
 

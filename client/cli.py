@@ -509,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_p.add_argument("--lr", type=float, default=1e-3)
     train_p.add_argument("--ttt-steps", type=int, default=3, help="draft steps trained: the EAGLE/MTP unroll, Medusa "
                          "heads, MLP speculator stages, drafts per DFlash/DSpark block")
-    train_p.add_argument("--draft-vocab-size", type=int, default=8192, help="eagle3: draft vocabulary size")
+    train_p.add_argument("--draft-vocab-size", type=int, default=8192,
+                         help="eagle3, medusa, dflash, dspark: draft vocabulary size")
     train_p.set_defaults(func=_train)
 
     oai = sub.add_parser("openai", help="OpenAI-compatible API (/v1/completions, /v1/chat/completions) "

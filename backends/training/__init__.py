@@ -10,6 +10,11 @@ from backends.model_store import cache_dir
 TRAINERS: dict[str, str] = {
     "eagle": "backends.training.eagle:Eagle1Trainer",
     "eagle3": "backends.training.eagle:Eagle3Trainer",
+    "medusa": "backends.training.last_hidden:MedusaTrainer",
+    "mlp_speculator": "backends.training.last_hidden:MLPSpeculatorTrainer",
+    "mtp": "backends.training.mtp:MTPTrainer",
+    "dflash": "backends.training.blocks:DFlashTrainer",
+    "dspark": "backends.training.blocks:DSparkTrainer",
 }
 
 

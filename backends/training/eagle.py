@@ -136,6 +136,20 @@ def loss_positions(ok: torch.Tensor, training: bool, limit: int = CE_POSITIONS) 
     return where
 
 
+def draft_vocabulary(data: TrainingData, target: TargetInfo, size: int,
+                     method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft vocabulary: the `size` tokens the target emits most often (target ids, in
+    order), and each target id's draft id (-1: not in it)."""
+    size = min(size, target.vocab_size)
+    counts = torch.bincount(data.labels, minlength=target.vocab_size)
+    keep = counts.topk(size).indices.sort().values
+    coverage = counts[keep].sum().item() / max(counts.sum().item(), 1)
+    print(f"{method} draft vocabulary: {size} tokens cover {coverage:.1%} of the target's training tokens")
+    target_to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    target_to_draft[keep] = torch.arange(size)
+    return keep, target_to_draft
+
+
 class _EagleTrainer(HeadTrainer):
     ce_positions = CE_POSITIONS
 
@@ -207,19 +221,15 @@ class Eagle3Trainer(_EagleTrainer):
         return tuple(sorted(_aux_layer_ids({}, {"num_hidden_layers": target.num_layers})))
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> Eagle3Head:
-        size = min(int(options.get("draft_vocab_size", self.draft_vocab_size)), target.vocab_size)
-        # The draft vocabulary: the tokens the target emits most often, in target-id order.
-        counts = torch.bincount(data.labels, minlength=target.vocab_size)
-        keep = counts.topk(size).indices.sort().values
-        coverage = counts[keep].sum().item() / max(counts.sum().item(), 1)
+        size = int(options.get("draft_vocab_size", self.draft_vocab_size))
+        keep, target_to_draft = draft_vocabulary(data, target, size, self.method)
+        size = len(keep)
         cfg = head_config(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=size)
         head = Eagle3Head(_llama_config(cfg), target, len(self.layer_ids(target)), size, norm_before_residual=False)
         head.saved_config = cfg
         head.draft_to_target = keep
         head.d2t.copy_(keep - torch.arange(size))
-        head.target_to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
-        head.target_to_draft[keep] = torch.arange(size)
-        print(f"eagle3 draft vocabulary: {size} tokens cover {coverage:.1%} of the target's training tokens")
+        head.target_to_draft = target_to_draft
         _freeze_target_parts(head, target, own_lm_head=True)
         source = _target_layer(target)
         _init_layer(head.layers[0], source)
