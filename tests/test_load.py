@@ -19,7 +19,7 @@ def test_perf_analyzer_streaming_load(tiny_server, tmp_path):
     report = tmp_path / "pa.csv"
     result = run(["-m", "speculative", "-u", tiny_server.grpc_url, "-i", "grpc", "--streaming",
                   "--input-data", str(data), "--concurrency-range", "4",
-                  "--measurement-interval", "3000", "--max-trials", "3", "--stability-percentage", "100",
+                  "--measurement-interval", "10000", "--max-trials", "3", "--stability-percentage", "100",
                   "-f", str(report)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader(report.open()))
