@@ -53,14 +53,16 @@ def load_prompts(categories: list[str] | None = None) -> tuple[str, dict[str, li
 
 
 def measure(grpc_url: str, prompts: dict[str, list[str]], max_tokens: int, repeats: int,
-            label: str) -> dict[str, dict[str, list[Generation]]]:
-    """{category: {"plain": [...], "speculative": [...]}}, runs interleaved."""
+            label: str, draft_tokens: int | None = None) -> dict[str, dict[str, list[Generation]]]:
+    """{category: {"plain": [...], "speculative": [...]}}, runs interleaved. `draft_tokens`:
+    the speculative requests ask for exactly that many drafts per step (no adaptive length)."""
     grpc_generate(grpc_url, "warm up", max_tokens=8)
     runs: dict[str, dict[str, list[Generation]]] = {c: {"plain": [], "speculative": []} for c in prompts}
     jobs = [(c, p, mode) for _ in range(repeats) for c, ps in prompts.items() for p in ps
             for mode in ("plain", "speculative")]
     for category, prompt, mode in tqdm(jobs, desc=f"bench {label}", unit="request"):
-        extra = {"num_draft_tokens": 0} if mode == "plain" else {}
+        extra = {"num_draft_tokens": 0} if mode == "plain" else (
+            {"num_draft_tokens": draft_tokens} if draft_tokens else {})
         runs[category][mode].append(grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=True, **extra))
     return runs
 

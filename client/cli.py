@@ -218,7 +218,7 @@ def _bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"prompt_set": version, "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "methods": {}}
+              "repeats": args.repeats, "fixed_k": args.fixed_k, "methods": {}}
     for method in args.methods:
         config = dict(METHOD_CONFIGS[method])
         if args.profile and PROFILES[args.profile]["speculative_config"]["method"] == method:
@@ -239,7 +239,8 @@ def _bench(args: argparse.Namespace) -> int:
         overrides = RepositoryOverrides(common={"model": str(target), "dtype": args.dtype},
                                         per_model={"drafter": {"speculative_config": json.dumps(config)}})
         with _own_server(args.port, overrides, out / f"server-{method}.log") as server:
-            runs = measure(server.grpc_url, prompts, args.max_tokens, args.repeats, method)
+            runs = measure(server.grpc_url, prompts, args.max_tokens, args.repeats, method,
+                           config["num_speculative_tokens"] if args.fixed_k else None)
             if args.sweep:
                 from client.perf import plot_sweep, run_sweep
 
@@ -440,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
     bench.add_argument("--num-speculative-tokens", type=int, help="k for every method")
+    bench.add_argument("--fixed-k", action="store_true", help="draft k tokens every step (requests ask for "
+                       "num_draft_tokens=k; no adaptive draft length): per-position acceptance at every position")
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--hf", action="store_true", help="also run Hugging Face greedy / assisted / prompt lookup")

@@ -38,7 +38,7 @@ from backends.medusa import MedusaHead, save_medusa
 from backends.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
 from backends.training.data import TrainingData
 from backends.training.eagle import CE_POSITIONS, Eagle3Trainer, _target_layer, draft_vocabulary
-from backends.training.steps import StepTrainer, draft_labels
+from backends.training.steps import StepTrainer, draft_labels, served_copy
 from backends.training.trainer import Batch
 
 
@@ -81,7 +81,7 @@ class MedusaTrainer(_LastHiddenTrainer):
         return head
 
     def save(self, head: MedusaHead, out: Path) -> None:
-        save_medusa(head, out)
+        save_medusa(served_copy(head), out)
 
 
 class MLPSpeculatorTrainer(_LastHiddenTrainer):
@@ -104,4 +104,4 @@ class MLPSpeculatorTrainer(_LastHiddenTrainer):
         return head
 
     def save(self, head: MLPSpeculatorHead, out: Path) -> None:
-        save_mlp_speculator(head, out)
+        save_mlp_speculator(served_copy(head), out)

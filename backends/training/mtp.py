@@ -24,6 +24,7 @@ from backends.eagle import TargetInfo
 from backends.mtp import MTPHead, save_mtp
 from backends.training.data import TrainingData
 from backends.training.eagle import CE_POSITIONS, _EagleTrainer, _init_layer, _target_layer, head_config
+from backends.training.steps import served_copy
 
 
 class MTPTrainer(_EagleTrainer):
@@ -48,4 +49,4 @@ class MTPTrainer(_EagleTrainer):
         return head
 
     def save(self, head: MTPHead, out: Path) -> None:
-        save_mtp(head, out)
+        save_mtp(served_copy(head), out)

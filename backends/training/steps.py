@@ -17,6 +17,7 @@ evaluation all of them, in chunks.
 """
 from __future__ import annotations
 
+import copy
 from typing import Iterator
 
 import torch
@@ -36,6 +37,11 @@ def greedy_chain(batch: Batch) -> torch.Tensor:
         run = (run + 1) * follows[:, t]
         chain[:, t] = run
     return chain
+
+
+def served_copy(head: nn.Module) -> nn.Module:
+    """A copy of `head` with its float weights in bfloat16, as heads are written and served."""
+    return copy.deepcopy(head).to(torch.bfloat16)
 
 
 def draft_labels(head: nn.Module, labels: torch.Tensor) -> torch.Tensor:

@@ -189,6 +189,7 @@ class TritonPythonModel:
         verifier = BlsVerifier(self.verifier_name, seq_id)
         drafter = BlsDrafter(self.drafter_name, seq_id) if self.drafter_name else None
         stats = None
+        counted = False
         try:
             req = self._parse(request)
             prompt_ids = self.tokenizer(req.prompt)["input_ids"]
@@ -206,8 +207,12 @@ class TritonPythonModel:
                     log.info("request %d cancelled by the client", seq_id)
                     self._post(sender, error_response("request cancelled"), final=True)
                     return
-                extra = self._hidden_outputs(seq_id, hidden_parts, prompt_ids, all_ids, drafter) \
-                    if step.finish_reason is not None else {}
+                extra = {}
+                if step.finish_reason is not None:
+                    extra = self._hidden_outputs(seq_id, hidden_parts, prompt_ids, all_ids, drafter)
+                    # Counted before the last response goes out, so a client that reads
+                    # /metrics right after its request finished sees the request.
+                    counted = self._count(drafter, stats)
                 if req.stream and (step.text or step.token_ids or step.finish_reason):
                     self._post(sender, self._response(step, step.token_ids, step.text, len(prompt_ids),
                                                       len(all_ids), stats, extra), step.finish_reason is not None)
@@ -221,14 +226,20 @@ class TritonPythonModel:
             log.exception("request %d failed", seq_id)
             self._post(sender, error_response(f"generation failed: {e}"), final=True)
         finally:
-            if drafter is not None and drafter.method and stats is not None:
-                self.counters.add(drafter.method, stats.acceptance)
+            if not counted:
+                self._count(drafter, stats)
             for peer in (verifier, drafter):
                 if peer is not None:
                     try:
                         peer.release()
                     except Exception:
                         log.exception("could not release sequence %d in %s", seq_id, peer.model_name)
+
+    def _count(self, drafter: "BlsDrafter | None", stats: "GenerationStats | None") -> bool:
+        """Add a request's acceptance to the server-wide counters; True once done."""
+        if drafter is not None and drafter.method and stats is not None:
+            self.counters.add(drafter.method, stats.acceptance)
+        return True
 
     @staticmethod
     def _parse(request) -> GenerationRequest:
