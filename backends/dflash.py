@@ -60,13 +60,13 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from backends.config import _aux_layer_ids
-from backends.draft_model import SAMPLE_METHODS, common_prefix_len
+from backends.draft_model import common_prefix_len
 from backends.eagle import (
     EagleCheckpointError, TargetInfo, _check_keys, _draft_to_target, _normalize_keys, read_config, read_state_dict,
 )
 from backends.model_store import load_config, resolve_model
-from backends.proposer import Draft, DraftRequest, Proposer
-from backends.rejection import new_generator
+from backends.head_proposer import HeadProposer
+from backends.proposer import Draft, DraftRequest
 
 # vLLM's order for the mask token's id (§3.11); dflash_config first, then the top level.
 _MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
@@ -462,49 +462,20 @@ class _Work:
     probs: torch.Tensor | None = None  # [num_drafts, V]
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(HeadProposer):
     method = "dflash"
     head_class: type[DFlashHead] = DFlashHead
-
-    def __init__(self, head: DFlashHead, max_model_len: int, sample_method: str = "greedy",
-                 seed: int | None = None) -> None:
-        if sample_method not in SAMPLE_METHODS:
-            raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
-        self.head = head
-        self.hidden_layer_ids = head.hidden_layer_ids
-        self.max_model_len = max_model_len
-        self.sample_method = sample_method
-        self.device = next(head.parameters()).device
-        self.dtype = next(head.parameters()).dtype
-        self.generator = new_generator(self.device, seed)
-        self._seqs: dict[int, _Context] = {}
+    _seqs: dict[int, _Context]
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
-                    target_model: Path | str | None = None, seed: int | None = None,
-                    device: str = "cpu", **_: Any) -> "DFlashProposer":
-        if not config.model:
-            raise ValueError(f"{cls.method} needs `model`: the checkpoint directory")
-        if target_model is None:
-            raise ValueError(f"{cls.method} needs the target model (its hidden size, vocabulary, embedding)")
-        if (config.draft_tensor_parallel_size or 1) != 1:
-            raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
-                             f"the {cls.method} drafter runs on one device here; use 1")
+    def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> DFlashHead:
         overrides = dict(config.hf_overrides or {})
         # Layer ids the user gave (top level or hf_overrides) win, as in vLLM; the resolved
         # config.eagle_aux_hidden_state_layer_ids would also carry vLLM's EAGLE-3 fallback.
         ids = (config.draft_hf_config or {}).get("eagle_aux_hidden_state_layer_ids")
         if ids:
             overrides["eagle_aux_hidden_state_layer_ids"] = ids
-        head = load_head(cls.head_class, resolve_model(config.model), TargetInfo.load(target_model), dtype, overrides)
-        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self._seqs)
-
-    def release(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
+        return load_head(cls.head_class, resolve_model(config.model), target, dtype, overrides)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:

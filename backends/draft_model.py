@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from backends.hetero_vocab import TextBridge
 from backends.model_store import load_causal_lm, load_tokenizer, resolve_model
-from backends.proposer import Draft, DraftRequest, Proposer
+from backends.proposer import Draft, DraftRequest, SequenceProposer
 from backends.rejection import new_generator
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -67,7 +67,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(SequenceProposer):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -87,7 +87,7 @@ class DraftModelProposer(Proposer):
         self.sample_method = sample_method
         self.bridge = bridge
         self.generator = new_generator(self.device, seed)
-        self._seqs: dict[int, _SeqState] = {}
+        super().__init__()
 
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
@@ -142,13 +142,6 @@ class DraftModelProposer(Proposer):
             else:
                 drafts[w.index] = Draft(w.drafts, w.probs)
         return drafts
-
-    def release(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self._seqs)
 
     def _rollback(self, state: _SeqState, context: list[int]) -> list[int]:
         """Crop the cache to the longest prefix it shares with `context`; the tokens to feed.

@@ -58,10 +58,10 @@ from transformers import AutoConfig, DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from backends.config import _aux_layer_ids, _speculators_draft_config
-from backends.draft_model import SAMPLE_METHODS, _stack_caches, common_prefix_len, gather_drafts
+from backends.draft_model import _stack_caches, common_prefix_len, gather_drafts
 from backends.model_store import _gguf_kwargs, load_causal_lm, resolve_model
-from backends.proposer import Draft, DraftRequest, Proposer
-from backends.rejection import new_generator
+from backends.head_proposer import HeadProposer
+from backends.proposer import Draft, DraftRequest
 
 LAYOUTS = ("eagle", "eagle3")
 _NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
@@ -394,36 +394,14 @@ class _Work:
     probs: torch.Tensor | None = None  # [num_drafts, V_target] on the head's device (probabilistic)
 
 
-class EagleProposer(Proposer):
+class EagleProposer(HeadProposer):
     method = "eagle"
-
-    def __init__(self, head: EagleHead, max_model_len: int, sample_method: str = "greedy",
-                 seed: int | None = None) -> None:
-        if sample_method not in SAMPLE_METHODS:
-            raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
-        self.head = head
-        self.hidden_layer_ids = head.hidden_layer_ids
-        self.max_model_len = max_model_len
-        self.sample_method = sample_method
-        self.device = next(head.parameters()).device
-        self.dtype = next(head.parameters()).dtype
-        self.generator = new_generator(self.device, seed)
-        self._seqs: dict[int, _SeqState] = {}
+    _seqs: dict[int, _SeqState]
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
-                    target_model: Path | str | None = None, seed: int | None = None,
-                    device: str = "cpu", **_: Any) -> "EagleProposer":
-        if not config.model:
-            raise ValueError(f"{cls.method} needs `model`: the EAGLE checkpoint directory")
-        if target_model is None:
-            raise ValueError(f"{cls.method} needs the target model (its hidden size, vocabulary, embedding)")
-        if (config.draft_tensor_parallel_size or 1) != 1:
-            raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
-                             "the EAGLE head runs on one device here; use 1")
-        head = load_eagle(resolve_model(config.model), TargetInfo.load(target_model), dtype, cls.method,
+    def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> EagleHead:
+        return load_eagle(resolve_model(config.model), target, dtype, cls.method,
                           config.eagle_aux_hidden_state_layer_ids)
-        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -434,13 +412,6 @@ class EagleProposer(Proposer):
         for w in work:
             drafts[w.index] = Draft(w.drafts, w.probs)
         return drafts
-
-    def release(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self._seqs)
 
     def _prepare(self, index: int, req: DraftRequest) -> _Work | None:
         """Crop the sequence's cache back to where the delivered hidden states start; the work."""

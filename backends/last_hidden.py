@@ -18,29 +18,15 @@ probabilities over the target vocabulary (0 outside a truncated draft vocabulary
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import nn
 
-from backends.draft_model import SAMPLE_METHODS, gather_drafts
-from backends.proposer import Draft, DraftRequest, Proposer
-from backends.rejection import new_generator
+from backends.draft_model import gather_drafts
+from backends.head_proposer import HeadProposer
+from backends.proposer import Draft, DraftRequest
 
 
-class LastHiddenProposer(Proposer):
-    hidden_layer_ids = (-1,)  # the target's final normed state
-
-    def __init__(self, head: nn.Module, max_model_len: int, sample_method: str = "greedy",
-                 seed: int | None = None) -> None:
-        if sample_method not in SAMPLE_METHODS:
-            raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
-        self.head = head
-        self.max_model_len = max_model_len
-        self.sample_method = sample_method
-        self.device = next(head.parameters()).device
-        self.dtype = next(head.parameters()).dtype
-        self.generator = new_generator(self.device, seed)
+class LastHiddenProposer(HeadProposer):
+    hidden_layer_ids = (-1,)  # the target's final normed state; nothing is kept per sequence
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -86,8 +72,3 @@ class LastHiddenProposer(Proposer):
                 probs = torch.zeros(len(probs), self.head.target_vocab_size,
                                     device=probs.device).index_copy_(1, to_target, probs)
         return (tokens if to_target is None else to_target[tokens]), probs
-
-    @classmethod
-    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16", target_model: Any = None,
-                    seed: int | None = None, device: str = "cpu", **_: Any) -> "LastHiddenProposer":
-        raise NotImplementedError

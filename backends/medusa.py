@@ -233,13 +233,5 @@ class MedusaProposer(LastHiddenProposer):
     method = "medusa"
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
-                    target_model: Path | str | None = None, seed: int | None = None,
-                    device: str = "cpu", **_: Any) -> "MedusaProposer":
-        if not config.model:
-            raise ValueError("medusa needs `model`: the Medusa checkpoint directory")
-        if target_model is None:
-            raise ValueError("medusa needs the target model (its hidden size and vocabulary)")
-        head = load_medusa(resolve_model(config.model), TargetInfo.load(target_model), dtype,
-                           config.num_speculative_tokens)
-        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
+    def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MedusaHead:
+        return load_medusa(resolve_model(config.model), target, dtype, config.num_speculative_tokens)

@@ -218,13 +218,5 @@ class MLPSpeculatorProposer(LastHiddenProposer):
     method = "mlp_speculator"
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
-                    target_model: Path | str | None = None, seed: int | None = None,
-                    device: str = "cpu", **_: Any) -> "MLPSpeculatorProposer":
-        if not config.model:
-            raise ValueError("mlp_speculator needs `model`: the speculator checkpoint directory")
-        if target_model is None:
-            raise ValueError("mlp_speculator needs the target model (its hidden size and vocabulary)")
-        head = load_mlp_speculator(resolve_model(config.model), TargetInfo.load(target_model), dtype,
-                                   config.num_speculative_tokens)
-        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
+    def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MLPSpeculatorHead:
+        return load_mlp_speculator(resolve_model(config.model), target, dtype, config.num_speculative_tokens)

@@ -287,14 +287,8 @@ def save_mtp(head: MTPHead, out: Path | str) -> None:
 class MTPProposer(EagleProposer):
     method = "mtp"
 
+    needs_model = False  # the MTP layers may be the target's own
+
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
-                    target_model: Path | str | None = None, seed: int | None = None, device: str = "cpu",
-                    **_: Any) -> "MTPProposer":
-        if target_model is None:
-            raise ValueError("mtp needs the target model (its hidden size, vocabulary, embedding and LM head)")
-        if (config.draft_tensor_parallel_size or 1) != 1:
-            raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
-                             "the MTP layers run on one device here; use 1")
-        head = load_mtp(resolve_model(config.model or str(target_model)), TargetInfo.load(target_model), dtype)
-        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
+    def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MTPHead:
+        return load_mtp(resolve_model(config.model or str(target.path)), target, dtype)

@@ -46,6 +46,20 @@ class Proposer:
         """Forget everything kept for `seq_id` (end, cancel or idle timeout)."""
 
 
+class SequenceProposer(Proposer):
+    """A proposer that keeps state per sequence between steps (a KV cache, a context) in `_seqs`."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[int, Any] = {}
+
+    def release(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+
 # method name -> "module:Class"; importing lazily keeps model-free methods free of model code.
 _REGISTRY: dict[str, str] = {
     "ngram": "backends.ngram:NgramDrafter",

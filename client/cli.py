@@ -347,7 +347,8 @@ def _train(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else head_dir(args.target, args.method)
         prompts = _read_prompts(Path(args.prompt_file)) if args.prompt_file else None
         report = train(args.method, target, out, data_dir=Path(args.data_dir) if args.data_dir else data_dir(args.target),
-                       epochs=args.epochs, lr=args.lr, num_steps=args.ttt_steps, num_prompts=args.prompts,
+                       epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, num_steps=args.ttt_steps,
+                       num_prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, options={"draft_vocab_size": args.draft_vocab_size},
                        prompts=prompts)
     except (ValueError, ModelNotFoundError, OSError) as e:
@@ -510,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_p.add_argument("--max-new-tokens", type=int, default=128, help="length of each target answer")
     train_p.add_argument("--epochs", type=int, default=3)
     train_p.add_argument("--lr", type=float, default=1e-3)
+    train_p.add_argument("--batch-tokens", type=int, default=2048,
+                         help="token positions per optimizer step (smaller: more steps per epoch, same compute)")
     train_p.add_argument("--ttt-steps", type=int, default=3, help="draft steps trained: the EAGLE/MTP unroll, Medusa "
                          "heads, MLP speculator stages, drafts per DFlash/DSpark block")
     train_p.add_argument("--draft-vocab-size", type=int, default=8192,
