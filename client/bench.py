@@ -35,27 +35,44 @@ METHOD_CONFIGS: dict[str, dict] = {
     "medusa": {"method": "medusa", "num_speculative_tokens": 3},
     "mlp_speculator": {"method": "mlp_speculator", "num_speculative_tokens": 3},
     "mtp": {"method": "mtp", "num_speculative_tokens": 3},
-    # Block drafters (trained with --ttt-steps 7): one drafter pass fills the whole block.
+    # Block drafters (trained 7 drafts deep): one drafter pass fills the whole block.
     "dflash": {"method": "dflash", "num_speculative_tokens": 7},
     "dspark": {"method": "dspark", "num_speculative_tokens": 7},
 }
 
 
-def load_prompts(categories: list[str] | None = None) -> tuple[str, dict[str, list[str]]]:
-    data = json.loads(PROMPT_FILE.read_text())
-    prompts = data["prompts"]
+def load_prompts(categories: list[str] | None = None,
+                 path: Path | None = None) -> tuple[str, dict[str, list[str]]]:
+    """The versioned benchmark prompts, or a file of your own: a JSON list of prompts
+    (category "custom") or {category: [prompts]}."""
+    if path is None:
+        data = json.loads(PROMPT_FILE.read_text())
+        version, prompts = data["version"], data["prompts"]
+    else:
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read prompts from {path}: {e}") from e
+        prompts = {"custom": loaded} if isinstance(loaded, list) else loaded
+        if not isinstance(prompts, dict) or not prompts or not all(
+                isinstance(ps, list) and ps and all(isinstance(p, str) and p for p in ps) for ps in prompts.values()):
+            raise ValueError(f"{path}: expected a JSON list of non-empty prompts or {{category: [prompts]}}")
+        version = f"file {path.name}"
     if categories:
         unknown = set(categories) - set(prompts)
         if unknown:
             raise ValueError(f"unknown prompt categories {sorted(unknown)}; known: {sorted(prompts)}")
         prompts = {c: prompts[c] for c in categories}
-    return data["version"], prompts
+    return version, prompts
 
 
 def measure(grpc_url: str, prompts: dict[str, list[str]], max_tokens: int, repeats: int,
-            label: str, draft_tokens: int | None = None) -> dict[str, dict[str, list[Generation]]]:
+            label: str, draft_tokens: int | None = None,
+            ignore_eos: bool = True) -> dict[str, dict[str, list[Generation]]]:
     """{category: {"plain": [...], "speculative": [...]}}, runs interleaved. `draft_tokens`:
-    the speculative requests ask for exactly that many drafts per step (no adaptive length)."""
+    the speculative requests ask for exactly that many drafts per step (no adaptive length).
+    `ignore_eos` (the default) makes every run `max_tokens` long; without it a run ends where
+    the model ends its answer, so drafts are judged on the text the model means to write."""
     grpc_generate(grpc_url, "warm up", max_tokens=8)
     runs: dict[str, dict[str, list[Generation]]] = {c: {"plain": [], "speculative": []} for c in prompts}
     jobs = [(c, p, mode) for _ in range(repeats) for c, ps in prompts.items() for p in ps
@@ -63,7 +80,8 @@ def measure(grpc_url: str, prompts: dict[str, list[str]], max_tokens: int, repea
     for category, prompt, mode in tqdm(jobs, desc=f"bench {label}", unit="request"):
         extra = {"num_draft_tokens": 0} if mode == "plain" else (
             {"num_draft_tokens": draft_tokens} if draft_tokens else {})
-        runs[category][mode].append(grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=True, **extra))
+        runs[category][mode].append(grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                                          **extra))
     return runs
 
 

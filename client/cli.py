@@ -210,7 +210,11 @@ def _bench(args: argparse.Namespace) -> int:
     if args.profile:
         args.model = PROFILES[args.profile]["model"]
         args.draft_model = args.draft_model or PROFILES[args.profile]["speculative_config"].get("model")
-    version, prompts = load_prompts(args.categories)
+    try:
+        version, prompts = load_prompts(args.categories, Path(args.prompt_file) if args.prompt_file else None)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     target = local_model(args.model)
     draft = None
     if args.draft_model:
@@ -240,7 +244,7 @@ def _bench(args: argparse.Namespace) -> int:
                                         per_model={"drafter": {"speculative_config": json.dumps(config)}})
         with _own_server(args.port, overrides, out / f"server-{method}.log") as server:
             runs = measure(server.grpc_url, prompts, args.max_tokens, args.repeats, method,
-                           config["num_speculative_tokens"] if args.fixed_k else None)
+                           config["num_speculative_tokens"] if args.fixed_k else None, not args.stop_at_eos)
             if args.sweep:
                 from client.perf import plot_sweep, run_sweep
 
@@ -441,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", choices=sorted(PROFILES), help="target + drafter pair, e.g. qwen-coder")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
+    bench.add_argument("--prompt-file", help="your own prompts: a JSON list, or {category: [prompts]} (e.g. a "
+                       "trained head's validation_prompts.json)")
+    bench.add_argument("--stop-at-eos", action="store_true", help="end each run at the model's end of answer "
+                       "(default: always --max-tokens tokens)")
     bench.add_argument("--num-speculative-tokens", type=int, help="k for every method")
     bench.add_argument("--fixed-k", action="store_true", help="draft k tokens every step (requests ask for "
                        "num_draft_tokens=k; no adaptive draft length): per-position acceptance at every position")
@@ -505,16 +513,17 @@ def build_parser() -> argparse.ArgumentParser:
     train_p.add_argument("--out", help="head directory (default: the model cache's heads/TARGET-METHOD, "
                          "where --profile finds it)")
     train_p.add_argument("--data-dir", help="cached target answers and hidden states (default: in the model cache)")
-    train_p.add_argument("--prompts", type=int, default=640, help="how many training prompts the target answers")
+    train_p.add_argument("--prompts", type=int, help="how many training prompts the target answers (default: all "
+                         "1410 built-in ones, or all of --prompt-file)")
     train_p.add_argument("--prompt-file", help="your own training prompts (a JSON list, or one per line) instead of "
                          "the built-in ones; use a --data-dir of their own")
     train_p.add_argument("--max-new-tokens", type=int, default=128, help="length of each target answer")
     train_p.add_argument("--epochs", type=int, default=3)
     train_p.add_argument("--lr", type=float, default=1e-3)
-    train_p.add_argument("--batch-tokens", type=int, default=2048,
+    train_p.add_argument("--batch-tokens", type=int, default=1024,
                          help="token positions per optimizer step (smaller: more steps per epoch, same compute)")
-    train_p.add_argument("--ttt-steps", type=int, default=3, help="draft steps trained: the EAGLE/MTP unroll, Medusa "
-                         "heads, MLP speculator stages, drafts per DFlash/DSpark block")
+    train_p.add_argument("--ttt-steps", type=int, help="draft steps trained: the EAGLE/MTP unroll, Medusa heads, MLP "
+                         "speculator stages (default 3), drafts per DFlash/DSpark block (default 7)")
     train_p.add_argument("--draft-vocab-size", type=int, default=8192,
                          help="eagle3, medusa, dflash, dspark: draft vocabulary size")
     train_p.set_defaults(func=_train)

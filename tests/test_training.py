@@ -199,3 +199,19 @@ def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys
     assert "estimated mean acceptance length" in out
     assert load_eagle(tmp_path / "h", TargetInfo.load(target_dir), "float32", "eagle").layout == "eagle"
     assert main(["train", "eagle", "--target", str(tmp_path / "missing")]) == 1
+
+
+def test_validation_prompts_feed_the_bench(target_dir, data_dir, tmp_path):
+    """The head directory names its never-trained-on prompts, and the bench reads them."""
+    from client.bench import load_prompts
+
+    train("eagle", target_dir, tmp_path / "h", data_dir=data_dir, **SMALL)
+    written = tmp_path / "h" / "validation_prompts.json"
+    data = prepare(target_dir, data_dir, (-1,), SMALL["num_prompts"], SMALL["max_new_tokens"])
+    prompts = json.loads((data_dir / "prompts.json").read_text())
+    _, validation = data.split()
+    assert json.loads(written.read_text()) == [prompts[i] for i in validation] != []
+    assert load_prompts(path=written) == (f"file {written.name}", {"custom": [prompts[i] for i in validation]})
+    (tmp_path / "bad.json").write_text('{"code": []}')
+    with pytest.raises(ValueError, match="bad.json: expected a JSON list"):
+        load_prompts(path=tmp_path / "bad.json")

@@ -72,6 +72,7 @@ class MaskEmbedding(nn.Module):
 
 class DFlashTrainer(StepTrainer):
     method = "dflash"
+    num_steps = 7  # one drafter pass fills the whole block, so a long block costs little
     anchors_per_batch = BLOCK_ANCHORS
     head_class: type[DFlashHead] = DFlashHead
 

@@ -56,6 +56,7 @@ class HeadTrainer:
     """One method's head: what it reads, how it starts, what it learns, how it is saved."""
 
     method: str
+    num_steps = 3  # draft steps trained unless asked otherwise: the k the head is served with
 
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
         raise NotImplementedError
@@ -102,13 +103,15 @@ def make_batch(data: TrainingData, spans: list[tuple[int, int]], layer_ids: tupl
 
 
 def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int = 2, lr: float = 1e-3,
-          batch_tokens: int = 2048, window: int = 256, num_steps: int = 3, num_prompts: int | None = 640, max_new_tokens: int = 128,
+          batch_tokens: int = 1024, window: int = 256, num_steps: int | None = None, num_prompts: int | None = None,
+          max_new_tokens: int = 128,
           held_out: float = 0.05, save_every: int = 20, seed: int = 0, options: dict | None = None,
           prompts: list[str] | None = None) -> dict:
     """Train `method`'s head for `target` on its answers to `prompts` (default: the built-in
     training prompts); write it to `out` in the published layout and return the report (also
     written as `out/training_report.json`)."""
     trainer, info = head_trainer(method), TargetInfo.load(target)
+    num_steps = num_steps or trainer.num_steps
     layer_ids = trainer.layer_ids(info)
     data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens, prompts=prompts)
     train_seqs, val_seqs = data.split(held_out)
@@ -123,6 +126,9 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (
         1 + math.cos(math.pi * min(s, total) / total)))
     out.mkdir(parents=True, exist_ok=True)
+    # The validation sequences' prompts (never trained on), for `tritonspec bench --prompt-file`.
+    prompt_list = json.loads((data_dir / "prompts.json").read_text())
+    (out / "validation_prompts.json").write_text(json.dumps([prompt_list[i] for i in val_seqs], indent=0))
     state_path = out / "train_state.pt"
     step, history = 0, []
     if state_path.exists():
