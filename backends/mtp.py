@@ -286,7 +286,6 @@ def save_mtp(head: MTPHead, out: Path | str) -> None:
 
 class MTPProposer(EagleProposer):
     method = "mtp"
-
     needs_model = False  # the MTP layers may be the target's own
 
     @classmethod

@@ -80,8 +80,8 @@ def measure(grpc_url: str, prompts: dict[str, list[str]], max_tokens: int, repea
     for category, prompt, mode in tqdm(jobs, desc=f"bench {label}", unit="request"):
         extra = {"num_draft_tokens": 0} if mode == "plain" else (
             {"num_draft_tokens": draft_tokens} if draft_tokens else {})
-        runs[category][mode].append(grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                                          **extra))
+        runs[category][mode].append(
+            grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos, **extra))
     return runs
 
 

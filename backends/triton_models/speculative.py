@@ -212,7 +212,8 @@ class TritonPythonModel:
                     extra = self._hidden_outputs(seq_id, hidden_parts, prompt_ids, all_ids, drafter)
                     # Counted before the last response goes out, so a client that reads
                     # /metrics right after its request finished sees the request.
-                    counted = self._count(drafter, stats)
+                    self._count(drafter, stats)
+                    counted = True
                 if req.stream and (step.text or step.token_ids or step.finish_reason):
                     self._post(sender, self._response(step, step.token_ids, step.text, len(prompt_ids),
                                                       len(all_ids), stats, extra), step.finish_reason is not None)
@@ -235,11 +236,10 @@ class TritonPythonModel:
                     except Exception:
                         log.exception("could not release sequence %d in %s", seq_id, peer.model_name)
 
-    def _count(self, drafter: "BlsDrafter | None", stats: "GenerationStats | None") -> bool:
-        """Add a request's acceptance to the server-wide counters; True once done."""
+    def _count(self, drafter: "BlsDrafter | None", stats: "GenerationStats | None") -> None:
+        """Add a request's acceptance to the server-wide counters."""
         if drafter is not None and drafter.method and stats is not None:
             self.counters.add(drafter.method, stats.acceptance)
-        return True
 
     @staticmethod
     def _parse(request) -> GenerationRequest:
