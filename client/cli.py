@@ -354,7 +354,7 @@ def _train(args: argparse.Namespace) -> int:
                        epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, num_steps=args.ttt_steps,
                        num_prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, options={"draft_vocab_size": args.draft_vocab_size},
-                       prompts=prompts)
+                       prompts=prompts, self_prompts=args.self_prompts)
     except (ValueError, ModelNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -517,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "1410 built-in ones, or all of --prompt-file)")
     train_p.add_argument("--prompt-file", help="your own training prompts (a JSON list, or one per line) instead of "
                          "the built-in ones; use a --data-dir of their own")
+    train_p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                         help="also train on the target's answers to N requests it writes itself (sampled user "
+                         "turns, cached in the data dir; ChatML targets)")
     train_p.add_argument("--max-new-tokens", type=int, default=128, help="length of each target answer")
     train_p.add_argument("--epochs", type=int, default=3)
     train_p.add_argument("--lr", type=float, default=1e-3)

@@ -11,8 +11,8 @@ from transformers import DynamicCache
 
 from backends.eagle import EagleProposer, TargetInfo, load_eagle
 from backends.proposer import DraftRequest
-from backends.training.corpus import check_held_out, training_prompts
-from backends.training.data import prepare
+from backends.training.corpus import OPENINGS, check_held_out, overlaps_held_out, training_prompts
+from backends.training.data import prepare, self_written_prompts
 from backends.training.eagle import unroll
 from backends.training.trainer import evaluate, head_trainer, make_batch, train, windows
 from tests.tiny_model import CORPUS, build_tiny_model
@@ -187,6 +187,27 @@ def test_an_interrupted_run_resumes_exactly(target_dir, data_dir, tmp_path, monk
 
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # A state saved by another run is refused, not silently continued with other settings.
+    with pytest.raises(ValueError, match=r"other settings \(lr\)"):
+        train("eagle3", target_dir, tmp_path / "resumed", data_dir=data_dir, **{**SMALL, "lr": 3e-4})
+
+
+def test_the_target_writes_its_own_training_requests(smollm2_dir, tmp_path):
+    prompts = self_written_prompts(smollm2_dir, tmp_path, 6, batch_size=8)
+    assert len(prompts) == 6 and len(set(prompts)) == 6
+    for prompt in prompts:
+        request = prompt.removeprefix("<|im_start|>user\n").removesuffix("<|im_end|>\n<|im_start|>assistant\n")
+        assert request != prompt and any(request.startswith(o) for o in OPENINGS)
+        assert "<|im_end|>" not in request and not overlaps_held_out(prompt)
+    # Cached: a smaller count is a prefix of the same list, made without sampling again.
+    assert self_written_prompts(smollm2_dir, tmp_path, 4) == prompts[:4]
+
+
+def test_self_written_prompts_need_a_chat_target(target_dir, tmp_path):
+    with pytest.raises(ValueError, match="ChatML"):
+        self_written_prompts(target_dir, tmp_path, 4)
+    with pytest.raises(ValueError, match="self_prompts must be >= 0"):
+        prepare(target_dir, tmp_path, (0,), 4, 8, self_prompts=-1)
 
 
 def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys):

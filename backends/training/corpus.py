@@ -9,6 +9,7 @@ words with any of them.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import re
@@ -55,6 +56,18 @@ CODE_MODULES = ["textwrap", "statistics", "fractions", "heapq", "bisect", "calen
                 "string", "csv", "json/__init__", "quopri", "shlex", "tokenize", "copy", "functools", "operator",
                 "filecmp", "gettext", "locale", "mimetypes", "netrc", "ntpath", "pprint", "secrets", "uuid",
                 "zipfile/__init__", "tarfile", "imghdr", "wave", "plistlib", "urllib/parse", "email/utils"]
+
+
+# How the target's own requests begin (`data.self_written_prompts`): a spread of openings
+# keeps sampled requests from collapsing onto the few the model likes best.
+OPENINGS = [
+    "Write a Python function", "Write a Python script", "How do I", "How can I", "What is", "What are",
+    "Explain", "Can you explain", "Can you help me", "Give me", "Why do", "Why is", "Write a short",
+    "Summarize", "List", "Compare", "Describe", "Create a", "I'm trying to", "I need", "What's the difference",
+    "Suggest", "Tell me about", "Write an email", "Write a poem", "Help me write", "Is it true that",
+    "Rewrite", "Translate", "Fix this Python code:", "What happens when", "Plan", "Write a story",
+    "In Python,", "Write a function that", "Outline", "Which", "When should I", "Teach me",
+]
 
 
 def chat_prompts(rng: random.Random) -> list[str]:
@@ -128,12 +141,21 @@ def _shingles(text: str, n: int = 6) -> set[tuple[str, ...]]:
     return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
+@functools.cache
+def _held_out_shingles() -> frozenset[tuple[str, ...]]:
+    bench = json.loads(BENCH_PROMPTS.read_text())["prompts"]
+    return frozenset().union(*(_shingles(p) for ps in bench.values() for p in ps))
+
+
+def overlaps_held_out(prompt: str) -> set[tuple[str, ...]]:
+    """The six-word runs `prompt` shares with the benchmark prompts (empty: none)."""
+    return _shingles(prompt) & _held_out_shingles()
+
+
 def check_held_out(prompts: list[str]) -> None:
     """Refuse training prompts that share six consecutive words with a benchmark prompt."""
-    bench = json.loads(BENCH_PROMPTS.read_text())["prompts"]
-    held_out = set().union(*(_shingles(p) for ps in bench.values() for p in ps))
     for prompt in prompts:
-        shared = _shingles(prompt) & held_out
+        shared = overlaps_held_out(prompt)
         if shared:
             raise ValueError(f"training prompt overlaps the held-out benchmark prompts ({' '.join(min(shared))!r}): "
                              f"{prompt[:80]!r}")

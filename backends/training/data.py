@@ -1,7 +1,9 @@
 """Training data for drafter heads: the target's own greedy answers to the training prompts,
 and the target's hidden states and greedy next-token predictions at every position.
 
-Both stages are cached under the data directory and resumable:
+All stages are cached under the data directory and resumable:
+- `self_prompts.json` (only with `self_prompts`): user requests the target writes itself,
+  Magpie's idea: prompts from the target's own distribution, made from nothing but the target.
 - `generations.jsonl`: one line per prompt (its index, prompt length, prompt + answer ids),
   appended batch by batch; a rerun skips the prompts already answered.
 - `states.safetensors`: for every position of every sequence, the hidden states of the
@@ -12,6 +14,7 @@ Both stages are cached under the data directory and resumable:
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from tqdm import tqdm
 
 from backends.model_store import load_causal_lm, load_tokenizer
 from backends.target import _select_hidden
-from backends.training.corpus import check_held_out, training_prompts
+from backends.training.corpus import CHAT, OPENINGS, check_held_out, overlaps_held_out, training_prompts
 
 
 @dataclass
@@ -80,6 +83,54 @@ def generate(target: Path, data_dir: Path, prompts: list[str], max_new_tokens: i
                 bar.update(len(batch))
         bar.close()
     return sorted((d for d in done if d["prompt"] < len(prompts)), key=lambda d: d["prompt"])
+
+
+def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: int = 32,
+                         seed: int = 0) -> list[str]:
+    """`count` user requests written by the target (cached in self_prompts.json): inside a
+    user turn the target continues an opening from `OPENINGS`, sampled; a request counts once
+    the target ends the turn, repeats and overlaps with the benchmark prompts are dropped."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "self_prompts.json"
+    prompts: list[str] = json.loads(path.read_text()) if path.exists() else []
+    if len(prompts) >= count:
+        return prompts[:count]
+    model, tokenizer = load_causal_lm(target, "float32"), load_tokenizer(target)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if end is None or end == tokenizer.unk_token_id:
+        raise ValueError(f"{target}: target-written prompts need a ChatML chat model (no <|im_end|> token)")
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
+    system = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\n"
+    rng = random.Random(seed + len(prompts))
+    torch.manual_seed(seed + len(prompts))
+    seen = set(prompts)
+    bar = tqdm(total=count, initial=len(prompts), desc="target-written prompts", unit="prompt")
+    idle = 0  # batches in a row that gave nothing usable
+    while len(prompts) < count:
+        if idle == 4:
+            raise ValueError(f"{target} stopped writing usable requests after {len(prompts)} of {count} (none of "
+                             f"its last {4 * batch_size} ended its turn or was new); use fewer --self-prompts")
+        before = len(prompts)
+        openings = [rng.choice(OPENINGS) for _ in range(batch_size)]
+        enc = tokenizer([system + o for o in openings], return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            gen = model.generate(**enc, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95, top_k=None,
+                                 eos_token_id=end, pad_token_id=pad)
+        for opening, row in zip(openings, gen[:, enc["input_ids"].shape[1]:].tolist()):
+            if end not in row or len(prompts) == count:
+                continue  # ran out of tokens mid-request, or enough already
+            request = (opening + tokenizer.decode(row[:row.index(end)])).strip()
+            prompt = CHAT.format(request)
+            if len(request) < len(opening) + 12 or prompt in seen or overlaps_held_out(prompt):
+                continue
+            seen.add(prompt)
+            prompts.append(prompt)
+            bar.update()
+        idle = idle + 1 if len(prompts) == before else 0
+        path.write_text(json.dumps(prompts, indent=0))
+    bar.close()
+    return prompts[:count]
 
 
 def _check_prompts(data_dir: Path, prompts: list[str]) -> None:
@@ -157,11 +208,17 @@ def _as_data(tensors: dict[str, torch.Tensor], layer_ids: tuple[int, ...]) -> Tr
 
 
 def prepare(target: Path, data_dir: Path, layer_ids: tuple[int, ...], num_prompts: int | None = None,
-            max_new_tokens: int = 128, batch_size: int = 16, prompts: list[str] | None = None) -> TrainingData:
+            max_new_tokens: int = 128, batch_size: int = 16, prompts: list[str] | None = None,
+            self_prompts: int = 0) -> TrainingData:
     """Generate (or reuse) the target's answers to the first `num_prompts` prompts (default:
-    the built-in training prompts), then (or reuse) their hidden states."""
+    the built-in training prompts) followed by `self_prompts` requests the target writes
+    itself, then (or reuse) their hidden states."""
     prompts = prompts or training_prompts()
     prompts = prompts[:num_prompts] if num_prompts else prompts
+    if self_prompts < 0:
+        raise ValueError(f"self_prompts must be >= 0, got {self_prompts}")
+    if self_prompts:
+        prompts = prompts + self_written_prompts(target, data_dir, self_prompts)
     check_held_out(prompts)
     records = generate(target, data_dir, prompts, max_new_tokens, batch_size)
     return target_states(target, data_dir, records, layer_ids)

@@ -106,14 +106,15 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
           batch_tokens: int = 1024, window: int = 256, num_steps: int | None = None, num_prompts: int | None = None,
           max_new_tokens: int = 128,
           held_out: float = 0.05, save_every: int = 20, seed: int = 0, options: dict | None = None,
-          prompts: list[str] | None = None) -> dict:
+          prompts: list[str] | None = None, self_prompts: int = 0) -> dict:
     """Train `method`'s head for `target` on its answers to `prompts` (default: the built-in
-    training prompts); write it to `out` in the published layout and return the report (also
+    training prompts) and to `self_prompts` requests it writes itself; write it to `out` in the published layout and return the report (also
     written as `out/training_report.json`)."""
     trainer, info = head_trainer(method), TargetInfo.load(target)
     num_steps = num_steps or trainer.num_steps
     layer_ids = trainer.layer_ids(info)
-    data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens, prompts=prompts)
+    data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens, prompts=prompts,
+                   self_prompts=self_prompts)
     train_seqs, val_seqs = data.split(held_out)
     torch.manual_seed(seed)
     head = trainer.build(info, data, {"num_steps": num_steps, **(options or {})})
@@ -131,8 +132,16 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
     (out / "validation_prompts.json").write_text(json.dumps([prompt_list[i] for i in val_seqs], indent=0))
     state_path = out / "train_state.pt"
     step, history = 0, []
+    # A saved state continues only the run that made it: same data, same schedule.
+    settings = {"method": method, "epochs": epochs, "lr": lr, "batch_tokens": batch_tokens, "window": window,
+                "num_steps": num_steps, "seed": seed, "options": options or {},
+                "num_train_tokens": sum(b - a for a, b in spans)}
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
+        if state.get("settings") != settings:
+            changed = sorted(k for k in settings if state.get("settings", {}).get(k) != settings[k])
+            raise ValueError(f"{state_path} belongs to a training run with other settings ({', '.join(changed)}); "
+                             "delete it to start over, or choose another --out")
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -164,7 +173,7 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
         if step % save_every == 0 or step == total:
             torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
                         "schedule": schedule.state_dict(), "step": step, "history": history,
-                        "rng": torch.get_rng_state()}, state_path)
+                        "rng": torch.get_rng_state(), "settings": settings}, state_path)
     bar.close()
     trainer.save(head, out)
     report = {"method": method, "target": str(target), "epochs": epochs, "steps": total, "lr": lr,
