@@ -61,9 +61,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from backends.config import _aux_layer_ids
 from backends.draft_model import common_prefix_len
-from backends.eagle import (
-    EagleCheckpointError, TargetInfo, _check_keys, _draft_to_target, _normalize_keys, read_config, read_state_dict,
-)
+from backends.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
+                                      read_config, read_state_dict)
 from backends.model_store import load_config, resolve_model
 from backends.head_proposer import HeadProposer
 from backends.proposer import Draft, DraftRequest
@@ -73,7 +72,7 @@ _MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-class BlockCheckpointError(EagleCheckpointError):
+class BlockCheckpointError(HeadCheckpointError):
     """A DFlash / DSpark checkpoint that does not fit its layout or the target."""
 
 
@@ -318,7 +317,7 @@ class DFlashHead(nn.Module):
 
 def read_block_config(path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json (speculators format flattened as vLLM does) with `hf_overrides` on top."""
-    return {**read_config(path), **(overrides or {})}
+    return {**read_config(path, BlockCheckpointError), **(overrides or {})}
 
 
 def detect_layout(cfg: dict[str, Any]) -> str | None:
@@ -353,14 +352,11 @@ def load_head(head_class: type[DFlashHead], path: Path | str, target: TargetInfo
         raise BlockCheckpointError(f"{where}: vocab_size {cfg.get('vocab_size')} in config.json, but the target's "
                                    f"vocabulary has {target.vocab_size} ids")
     head = head_class(cfg, target, where)
-    state, spelled = _normalize_keys(read_state_dict(path))
+    state, spelled = normalize_keys(read_state_dict(path, error=BlockCheckpointError))
     borrowed = set(head.borrows) if head.config["hidden_size"] == target.hidden_size else set()
     defaults = head.defaults()
-    try:
-        _check_keys(head, state, spelled, borrowed | set(defaults),
-                    {"t2d": (target.vocab_size,)} if hasattr(head, "d2t") else {}, where)
-    except EagleCheckpointError as e:  # the shared key check, under this family's error type
-        raise BlockCheckpointError(str(e)) from None
+    check_keys(head, state, spelled, borrowed | set(defaults),
+               {"t2d": (target.vocab_size,)} if hasattr(head, "d2t") else {}, where, error=BlockCheckpointError)
     for key in borrowed - set(state):
         state[key] = target.weight("embed" if key.startswith("embed") else "lm_head")
     for key, value in defaults.items():
@@ -376,7 +372,7 @@ def load_head(head_class: type[DFlashHead], path: Path | str, target: TargetInfo
         with torch.no_grad():
             head.embed_tokens.weight[head.spec.mask_token_id] = row
     if hasattr(head, "d2t"):
-        head.draft_to_target = _draft_to_target(head.d2t, target.vocab_size, where)
+        head.draft_to_target = draft_to_target(head.d2t, target.vocab_size, where, BlockCheckpointError)
     return head.to(getattr(torch, dtype)).eval()
 
 

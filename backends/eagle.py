@@ -46,20 +46,21 @@ vocabulary into the target's through d2t; target ids outside it get probability 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, DynamicCache, LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from backends.config import _aux_layer_ids, _speculators_draft_config
+from backends.config import _aux_layer_ids
 from backends.draft_model import _stack_caches, common_prefix_len, gather_drafts
-from backends.model_store import _gguf_kwargs, load_causal_lm, resolve_model
+from backends.model_store import resolve_model
+from backends.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
+                                      read_config, read_state_dict)
 from backends.head_proposer import HeadProposer
 from backends.proposer import Draft, DraftRequest
 
@@ -67,45 +68,8 @@ LAYOUTS = ("eagle", "eagle3")
 _NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 
 
-class EagleCheckpointError(ValueError):
-    """A checkpoint that does not fit the layout it claims or the target it drafts for."""
-
-
-# ---------------------------------------------------------------------------- the target
-
-
-@dataclass
-class TargetInfo:
-    """What a head needs to know about (and borrow from) its target."""
-
-    path: Path
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-
-    @classmethod
-    def load(cls, path: Path | str) -> "TargetInfo":
-        path = Path(path)
-        where, kwargs = _gguf_kwargs(path)
-        cfg = AutoConfig.from_pretrained(where, **kwargs).get_text_config()
-        return cls(path, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers)
-
-    def weight(self, which: str) -> torch.Tensor:
-        """The target's "embed" or "lm_head" weight, read alone from its safetensors when
-        possible (a full load only for other formats)."""
-        names = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
-                 "lm_head": ("lm_head.weight", "model.embed_tokens.weight")}[which]  # tied: embed
-        if self.path.is_dir():
-            from safetensors import safe_open
-
-            for name in names:
-                for file in sorted(self.path.glob("*.safetensors")):
-                    with safe_open(file, "pt") as st:
-                        if name in st.keys():
-                            return st.get_tensor(name)
-        model = load_causal_lm(self.path, "float32")
-        module = model.get_input_embeddings() if which == "embed" else model.get_output_embeddings()
-        return module.weight.detach()
+class EagleCheckpointError(HeadCheckpointError):
+    """An EAGLE checkpoint that does not fit the layout it claims or the target it drafts for."""
 
 
 # ---------------------------------------------------------------------------- the heads
@@ -222,53 +186,11 @@ class Eagle3Head(EagleHead):
 # ---------------------------------------------------------------------------- loading
 
 
-def read_state_dict(path: Path, bins: tuple[str, ...] = ("pytorch_model*.bin",),
-                    keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a checkpoint directory: *.safetensors, else the files matching `bins`;
-    only the keys `keep` accepts when given (safetensors then reads nothing else, so heads
-    stored inside a large target checkpoint load without it)."""
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors import safe_open
-
-        state = {}
-        for file in files:
-            with safe_open(file, "pt") as st:
-                state.update({k: st.get_tensor(k) for k in st.keys() if keep is None or keep(k)})
-        return state
-    files = sorted({f for pattern in bins for f in path.glob(pattern)})
-    if not files:
-        raise EagleCheckpointError(f"{path}: no *.safetensors or {' / '.join(bins)}")
-    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()
-            if keep is None or keep(k)}
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    """config.json, with the speculators format flattened as vLLM does."""
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EagleCheckpointError(f"{path}: cannot read config.json: {e}") from e
-    return _speculators_draft_config(cfg, str(path)) if "speculators_model_type" in cfg else cfg
-
-
 def detect_layout(cfg: dict[str, Any], keys: set[str]) -> str:
     """eagle3 when the config or the keys say so (draft vocabulary, hidden_norm, midlayer)."""
     eagle3 = (cfg.get("speculators_model_type") in ("eagle3", "peagle") or "draft_vocab_size" in cfg
               or any(k == "d2t" or k.startswith("midlayer.") or ".hidden_norm." in k for k in keys))
     return "eagle3" if eagle3 else "eagle"
-
-
-def _normalize_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keys as the head names them (no `model.` prefix, `midlayer.` = `layers.0.`), and each
-    one's spelling in the file for error messages."""
-    out, spelled = {}, {}
-    for key, value in state.items():
-        name = key.removeprefix("model.")
-        if name.startswith("midlayer."):
-            name = "layers.0." + name.removeprefix("midlayer.")
-        out[name], spelled[name] = value, key
-    return out, spelled
 
 
 def _llama_config(cfg: dict[str, Any]) -> LlamaConfig:
@@ -283,8 +205,8 @@ def load_eagle(path: Path | str, target: TargetInfo, dtype: str = "bfloat16", me
     eagle3), when given, must match the layout found. `aux_layer_ids` overrides eagle3's
     target layers (default: the checkpoint's, else vLLM's (2, L//2, L-3))."""
     path = Path(path)
-    cfg = read_config(path)
-    state, spelled = _normalize_keys(read_state_dict(path))
+    cfg = read_config(path, EagleCheckpointError)
+    state, spelled = normalize_keys(read_state_dict(path, error=EagleCheckpointError))
     layout = detect_layout(cfg, set(state))
     where = f"{_NAMES[layout]} checkpoint {path}"
     if method is not None and method != layout:
@@ -306,8 +228,8 @@ def load_eagle(path: Path | str, target: TargetInfo, dtype: str = "bfloat16", me
     if llama.hidden_size != target.hidden_size:
         borrowed.pop("embed_tokens.weight")  # another width: the checkpoint must have its own
     optional = set(borrowed) | ({"d2t"} if head.lm_head.out_features == target.vocab_size else set())
-    _check_keys(head, state, spelled, optional, {"t2d": (target.vocab_size,)} if layout == "eagle3" else {},
-                where)
+    check_keys(head, state, spelled, optional, {"t2d": (target.vocab_size,)} if layout == "eagle3" else {},
+               where, error=EagleCheckpointError)
     for key, which in borrowed.items():
         if key not in state:
             state[key] = target.weight(which)
@@ -316,7 +238,7 @@ def load_eagle(path: Path | str, target: TargetInfo, dtype: str = "bfloat16", me
         state.setdefault("d2t", head.d2t)  # absent: one vocabulary, zero offsets
     head.load_state_dict(state)
     if layout == "eagle3":
-        head.draft_to_target = _draft_to_target(head.d2t, target.vocab_size, where)
+        head.draft_to_target = draft_to_target(head.d2t, target.vocab_size, where, EagleCheckpointError)
     return head.to(getattr(torch, dtype)).eval()
 
 
@@ -342,33 +264,6 @@ def _eagle3_head(cfg: dict[str, Any], llama: LlamaConfig, target: TargetInfo, st
                       bool(cfg.get("norm_before_residual", False)))
     head.hidden_layer_ids = tuple(sorted(ids))  # vLLM collects them in ascending layer order
     return head
-
-
-def _check_keys(head: nn.Module, state: dict[str, torch.Tensor], spelled: dict[str, str], optional: set[str],
-                extra: dict[str, tuple[int, ...]], where: str, spell: Callable[[str], str] | None = None,
-                error: type[EagleCheckpointError] = EagleCheckpointError) -> None:
-    """Refuse missing, unexpected or misshapen tensors, naming each one (a missing key as
-    `spell` writes it in the checkpoint's layout, when given) with an `error`."""
-    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
-    expected.update(extra)
-    spell = spell or (lambda k: k)
-    problems = [f"missing key {spell(k)!r} (expected shape {list(shape)})"
-                for k, shape in expected.items() if k not in state and k not in optional and k not in extra]
-    for key, value in state.items():
-        if key not in expected:
-            problems.append(f"unexpected key {spelled[key]!r} (shape {list(value.shape)})")
-        elif tuple(value.shape) != expected[key]:
-            problems.append(f"{spelled[key]!r} has shape {list(value.shape)}, expected {list(expected[key])}")
-    if problems:
-        raise error(f"{where} does not fit the target: " + "; ".join(problems))
-
-
-def _draft_to_target(d2t: torch.Tensor, vocab_size: int, where: str) -> torch.Tensor:
-    ids = torch.arange(len(d2t)) + d2t.long()
-    if ids.min() < 0 or ids.max() >= vocab_size or len(ids.unique()) != len(ids):
-        raise EagleCheckpointError(f"{where}: d2t maps draft ids outside [0, {vocab_size}) or two draft ids "
-                                   "to one target id")
-    return ids
 
 
 # ---------------------------------------------------------------------------- the proposers

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from backends.eagle import TargetInfo
+from backends.head_checkpoint import TargetInfo
 from backends.proposer import Draft, DraftRequest, Proposer
 
 

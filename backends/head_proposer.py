@@ -5,16 +5,14 @@ and its `propose`."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from backends.draft_model import SAMPLE_METHODS
+from backends.head_checkpoint import TargetInfo
 from backends.proposer import SequenceProposer
 from backends.rejection import new_generator
-
-if TYPE_CHECKING:
-    from backends.eagle import TargetInfo
 
 
 class HeadProposer(SequenceProposer):
@@ -45,12 +43,10 @@ class HeadProposer(SequenceProposer):
         if (config.draft_tensor_parallel_size or 1) != 1:
             raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
                              f"the {cls.method} head runs on one device here; use 1")
-        from backends.eagle import TargetInfo  # eagle.py defines its proposer on this base
-
         head = cls.load_head(config, TargetInfo.load(target_model), dtype)
         return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
 
     @classmethod
-    def load_head(cls, config: Any, target: "TargetInfo", dtype: str) -> nn.Module:
+    def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> nn.Module:
         """The head `config` names, checked against the target, in `dtype`."""
         raise NotImplementedError

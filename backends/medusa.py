@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.eagle import EagleCheckpointError, TargetInfo, _check_keys, read_config, read_state_dict
+from backends.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
 from backends.last_hidden import LastHiddenProposer
 from backends.model_store import resolve_model
 
@@ -41,7 +41,7 @@ _BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # FasterDecoding ke
 _HEAD = re.compile(r"(\d+)\.(\d+)\.weight")
 
 
-class MedusaCheckpointError(EagleCheckpointError):
+class MedusaCheckpointError(HeadCheckpointError):
     """A Medusa checkpoint that is malformed or does not fit the target."""
 
 
@@ -107,8 +107,8 @@ def load_medusa(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
     `num_heads` heads (default: all)."""
     path = Path(path)
     where = f"Medusa checkpoint {path}"
-    cfg = read_config(path)
-    raw = read_state_dict(path, bins=("medusa_lm_head.pt", "pytorch_model*.bin"))
+    cfg = read_config(path, MedusaCheckpointError)
+    raw = read_state_dict(path, bins=("medusa_lm_head.pt", "pytorch_model*.bin"), error=MedusaCheckpointError)
     state, spelled = {}, {}
     for key, value in raw.items():
         name = key.removeprefix("medusa_head.").removeprefix("model.")
@@ -144,7 +144,7 @@ def load_medusa(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
     head_of = re.compile(r"(?:blocks|lm_heads)\.(\d+)\..*")
     state = {k: v for k, v in state.items() if not ((m := head_of.fullmatch(k)) and int(m.group(1)) >= keep)}
     spell = (lambda k: _faster_decoding_key(k, layers)) if faster else None
-    _check_keys(head, state, spelled, set(), {}, where, spell, error=MedusaCheckpointError)
+    check_keys(head, state, spelled, set(), {}, where, spell, error=MedusaCheckpointError)
     head.load_state_dict(state)
     if head.token_map is not None:
         _check_token_map(head.token_map, target.vocab_size, where)

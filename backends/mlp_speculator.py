@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.eagle import EagleCheckpointError, TargetInfo, _check_keys, read_config, read_state_dict
+from backends.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
 from backends.last_hidden import LastHiddenProposer
 from backends.model_store import resolve_model
 
@@ -48,7 +48,7 @@ DEFAULTS = {"vocab_size": 32000, "emb_dim": 4096, "inner_dim": 0, "n_predict": 3
 _KEY = re.compile(r"(emb|proj|head|ln)\.(\d+)\.(weight|bias)")
 
 
-class MLPSpeculatorCheckpointError(EagleCheckpointError):
+class MLPSpeculatorCheckpointError(HeadCheckpointError):
     """An MLP speculator checkpoint that is malformed or does not fit the target."""
 
 
@@ -128,7 +128,7 @@ def load_mlp_speculator(path: Path | str, target: TargetInfo, dtype: str = "bflo
     (default: its n_predict)."""
     path = Path(path)
     where = f"MLP speculator checkpoint {path}"
-    cfg = read_config(path)
+    cfg = read_config(path, MLPSpeculatorCheckpointError)
     if cfg.get("model_type") != "mlp_speculator":
         raise MLPSpeculatorCheckpointError(f"{where}: config.json has model_type {cfg.get('model_type')!r}, "
                                            "not 'mlp_speculator'")
@@ -147,8 +147,8 @@ def load_mlp_speculator(path: Path | str, target: TargetInfo, dtype: str = "bflo
             f"{where}: num_speculative_tokens={stages} needs {stages} stages, but the checkpoint has weights for "
             f"n_predict={n_predict} (tie_weights false: no shared stages to repeat)")
     head = MLPSpeculatorHead(cfg, target, stages)
-    state, spelled = _stage_tensors(read_state_dict(path), n_predict, stages, tied, where)
-    _check_keys(head, state, spelled, set(), {}, where, error=MLPSpeculatorCheckpointError)
+    state, spelled = _stage_tensors(read_state_dict(path, error=MLPSpeculatorCheckpointError), n_predict, stages, tied, where)
+    check_keys(head, state, spelled, set(), {}, where, error=MLPSpeculatorCheckpointError)
     head.load_state_dict(state)
     return head.to(getattr(torch, dtype)).eval()
 

@@ -45,8 +45,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backends.config import _MULTI_STEP_MTP_TYPES, hf_config_override
-from backends.eagle import (EagleCheckpointError, EagleHead, EagleProposer, TargetInfo, _check_keys, _Layer,
-                            _llama_config, read_config, read_state_dict)
+from backends.eagle import EagleHead, EagleProposer, _Layer, _llama_config
+from backends.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
 from backends.model_store import resolve_model
 
 FAMILIES = ("deepseek", "mimo")
@@ -57,7 +57,7 @@ _BLOCK_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.
                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
-class MTPCheckpointError(EagleCheckpointError):
+class MTPCheckpointError(HeadCheckpointError):
     """MTP layers that are malformed, of an unsupported kind, or do not fit the target."""
 
 
@@ -156,7 +156,7 @@ def load_mtp(path: Path | str, target: TargetInfo, dtype: str = "bfloat16") -> M
     their own) for `target`."""
     path = Path(path)
     where = f"MTP checkpoint {path}"
-    cfg = read_config(path)
+    cfg = read_config(path, MTPCheckpointError)
     model_type = hf_config_override(cfg).get("model_type")
     per_step = model_type in _MULTI_STEP_MTP_TYPES
     first = cfg.get("num_hidden_layers")
@@ -167,7 +167,7 @@ def load_mtp(path: Path | str, target: TargetInfo, dtype: str = "bfloat16") -> M
         m = mtp_key.fullmatch(key)
         return m is not None and (m.group(1) is None or first is None or int(m.group(1)) >= first)
 
-    raw = read_state_dict(path, keep=is_mtp)
+    raw = read_state_dict(path, keep=is_mtp, error=MTPCheckpointError)
     family, prefixes = _find_layers(raw, cfg, where)
     for name, wanted in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
         if cfg.get(name) != wanted:
@@ -188,8 +188,8 @@ def load_mtp(path: Path | str, target: TargetInfo, dtype: str = "bfloat16") -> M
             f"{others}); only q/k/v/o_proj attention with a gate/up/down MLP runs here")
     head = MTPHead(cfg, target, family, len(used), zero_first_embedding=model_type != "step3p5_mtp")
     head.borrowed -= set(state)  # the checkpoint's own copies win
-    _check_keys(head, state, spelled, set(head.borrowed), {}, where, lambda k: _file_key(k, used, family),
-                error=MTPCheckpointError)
+    check_keys(head, state, spelled, set(head.borrowed), {}, where, lambda k: _file_key(k, used, family),
+               error=MTPCheckpointError)
     head.load_state_dict(state, strict=False)  # complete but for the borrowed copies (checked above)
     return head.to(getattr(torch, dtype)).eval()
 

@@ -130,7 +130,8 @@ class _EagleStep(nn.Module):
 
 
 def eagle_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
-    from backends.eagle import TargetInfo, load_eagle
+    from backends.eagle import load_eagle
+    from backends.head_checkpoint import TargetInfo
 
     info = TargetInfo.load(target)
     head = load_eagle(checkpoint, info, "float32", method)
@@ -196,7 +197,7 @@ def _last_hidden_step(method: str, head, info) -> OnnxStep:
 
 
 def medusa_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
-    from backends.eagle import TargetInfo
+    from backends.head_checkpoint import TargetInfo
     from backends.medusa import load_medusa
 
     info = TargetInfo.load(target)
@@ -204,7 +205,7 @@ def medusa_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
 
 
 def mlp_speculator_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
-    from backends.eagle import TargetInfo
+    from backends.head_checkpoint import TargetInfo
     from backends.mlp_speculator import load_mlp_speculator
 
     info = TargetInfo.load(target)

@@ -96,7 +96,7 @@ def target_dir(tiny_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    from backends.eagle import TargetInfo
+    from backends.head_checkpoint import TargetInfo
 
     return TargetInfo.load(target_dir)
 

@@ -157,7 +157,7 @@ def reference_drafts(name: str, cfg: dict, s: dict, hidden: torch.Tensor, anchor
 
 
 def _reference_inputs(name, checkpoints, target_weights):
-    from backends.eagle import read_config
+    from backends.head_checkpoint import read_config
 
     path, written = checkpoints[name]
     cfg = read_config(path)  # speculators flattened as vLLM does (what the format means)

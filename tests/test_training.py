@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from backends.eagle import EagleProposer, TargetInfo, load_eagle
+from backends.eagle import EagleProposer, load_eagle
+from backends.head_checkpoint import TargetInfo
 from backends.proposer import DraftRequest
 from backends.training.corpus import OPENINGS, check_held_out, overlaps_held_out, training_prompts
 from backends.training.data import prepare, self_written_prompts

@@ -27,7 +27,7 @@ SMALL = dict(epochs=8, lr=1e-2, num_steps=STEPS, num_prompts=None, max_new_token
 @pytest.fixture(scope="module")
 def corpus(target_dir, tmp_path_factory):  # noqa: F811
     """The tiny target's answers with every layer these methods read (one states file)."""
-    from backends.eagle import TargetInfo
+    from backends.head_checkpoint import TargetInfo
 
     data_dir, prompts = tmp_path_factory.mktemp("heads-data"), tiny_prompts(target_dir)
     data = prepare(target_dir, data_dir, (-1, 0, 1, 2), None, 24, prompts=prompts)

@@ -41,7 +41,7 @@ from backends.dflash import DFlashHead, save_head
 from backends.dflash import default_config as dflash_config
 from backends.dspark import DSparkHead
 from backends.dspark import default_config as dspark_config
-from backends.eagle import TargetInfo
+from backends.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
 from backends.training.eagle import Eagle3Trainer, _init_layer, _target_layer, draft_vocabulary
 from backends.training.steps import StepTrainer, draft_labels

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from backends.eagle import TargetInfo
+from backends.head_checkpoint import TargetInfo
 from backends.medusa import MedusaHead, save_medusa
 from backends.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
 from backends.training.data import TrainingData

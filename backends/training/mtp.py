@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from backends.eagle import TargetInfo
+from backends.head_checkpoint import TargetInfo
 from backends.mtp import MTPHead, save_mtp
 from backends.training.data import TrainingData
 from backends.training.eagle import CE_POSITIONS, _EagleTrainer, _init_layer, _target_layer, head_config
