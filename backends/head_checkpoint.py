@@ -100,8 +100,8 @@ def normalize_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
 
 
 def check_keys(head: nn.Module, state: dict[str, torch.Tensor], spelled: dict[str, str], optional: set[str],
-                extra: dict[str, tuple[int, ...]], where: str, spell: Callable[[str], str] | None = None,
-                error: type[HeadCheckpointError] = HeadCheckpointError) -> None:
+               extra: dict[str, tuple[int, ...]], where: str, spell: Callable[[str], str] | None = None,
+               error: type[HeadCheckpointError] = HeadCheckpointError) -> None:
     """Refuse missing, unexpected or misshapen tensors, naming each one (a missing key as
     `spell` writes it in the checkpoint's layout, when given) with an `error`."""
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
@@ -123,6 +123,5 @@ def draft_to_target(d2t: torch.Tensor, vocab_size: int, where: str,
     """Target ids of the draft vocabulary (target id = draft id + d2t[draft id]), checked."""
     ids = torch.arange(len(d2t)) + d2t.long()
     if ids.min() < 0 or ids.max() >= vocab_size or len(ids.unique()) != len(ids):
-        raise error(f"{where}: d2t maps draft ids outside [0, {vocab_size}) or two draft ids "
-                                   "to one target id")
+        raise error(f"{where}: d2t maps draft ids outside [0, {vocab_size}) or two draft ids to one target id")
     return ids

@@ -147,7 +147,8 @@ def load_mlp_speculator(path: Path | str, target: TargetInfo, dtype: str = "bflo
             f"{where}: num_speculative_tokens={stages} needs {stages} stages, but the checkpoint has weights for "
             f"n_predict={n_predict} (tie_weights false: no shared stages to repeat)")
     head = MLPSpeculatorHead(cfg, target, stages)
-    state, spelled = _stage_tensors(read_state_dict(path, error=MLPSpeculatorCheckpointError), n_predict, stages, tied, where)
+    raw = read_state_dict(path, error=MLPSpeculatorCheckpointError)
+    state, spelled = _stage_tensors(raw, n_predict, stages, tied, where)
     check_keys(head, state, spelled, set(), {}, where, error=MLPSpeculatorCheckpointError)
     head.load_state_dict(state)
     return head.to(getattr(torch, dtype)).eval()

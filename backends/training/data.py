@@ -58,10 +58,7 @@ def generate(target: Path, data_dir: Path, prompts: list[str], max_new_tokens: i
     done = [json.loads(line) for line in path.open()] if path.exists() else []
     todo = sorted(set(range(len(prompts))) - {d["prompt"] for d in done}, key=lambda i: len(prompts[i]))
     if todo:
-        model, tokenizer = load_causal_lm(target, "float32"), load_tokenizer(target)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token  # padding is masked out anyway
+        model, tokenizer = _batched_generator(target)
         pad = tokenizer.pad_token_id
         eos = set(_eos_ids(model, tokenizer))
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="target answers", unit="prompt")
@@ -95,12 +92,10 @@ def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: i
     prompts: list[str] = json.loads(path.read_text()) if path.exists() else []
     if len(prompts) >= count:
         return prompts[:count]
-    model, tokenizer = load_causal_lm(target, "float32"), load_tokenizer(target)
+    model, tokenizer = _batched_generator(target)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if end is None or end == tokenizer.unk_token_id:
         raise ValueError(f"{target}: target-written prompts need a ChatML chat model (no <|im_end|> token)")
-    tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
     system = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\n"
     rng = random.Random(seed + len(prompts))
     torch.manual_seed(seed + len(prompts))
@@ -116,7 +111,7 @@ def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: i
         enc = tokenizer([system + o for o in openings], return_tensors="pt", padding=True)
         with torch.inference_mode():
             gen = model.generate(**enc, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95, top_k=None,
-                                 eos_token_id=end, pad_token_id=pad)
+                                 eos_token_id=end, pad_token_id=tokenizer.pad_token_id)
         for opening, row in zip(openings, gen[:, enc["input_ids"].shape[1]:].tolist()):
             if end not in row or len(prompts) == count:
                 continue  # ran out of tokens mid-request, or enough already
@@ -131,6 +126,15 @@ def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: i
         path.write_text(json.dumps(prompts, indent=0))
     bar.close()
     return prompts[:count]
+
+
+def _batched_generator(target: Path):
+    """The target (float32) and its tokenizer, set up to generate for left-padded batches."""
+    model, tokenizer = load_causal_lm(target, "float32"), load_tokenizer(target)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out anyway
+    return model, tokenizer
 
 
 def _check_prompts(data_dir: Path, prompts: list[str]) -> None:

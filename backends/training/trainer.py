@@ -108,8 +108,8 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
           held_out: float = 0.05, save_every: int = 20, seed: int = 0, options: dict | None = None,
           prompts: list[str] | None = None, self_prompts: int = 0) -> dict:
     """Train `method`'s head for `target` on its answers to `prompts` (default: the built-in
-    training prompts) and to `self_prompts` requests it writes itself; write it to `out` in the published layout and return the report (also
-    written as `out/training_report.json`)."""
+    training prompts) and to `self_prompts` requests it writes itself; write it to `out` in
+    the published layout and return the report (also written as `out/training_report.json`)."""
     trainer, info = head_trainer(method), TargetInfo.load(target)
     num_steps = num_steps or trainer.num_steps
     layer_ids = trainer.layer_ids(info)
@@ -178,7 +178,7 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
     trainer.save(head, out)
     report = {"method": method, "target": str(target), "epochs": epochs, "steps": total, "lr": lr,
               "num_train_sequences": len(train_seqs), "num_validation_sequences": len(val_seqs),
-              "num_train_tokens": sum(b - a for a, b in spans), "train_seconds_this_run": time.monotonic() - started,
+              "num_train_tokens": settings["num_train_tokens"], "train_seconds_this_run": time.monotonic() - started,
               "history": history}
     (out / "training_report.json").write_text(json.dumps(report, indent=2))
     return report
