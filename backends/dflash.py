@@ -44,7 +44,8 @@ K/V of every layer (block K/V are thrown away each step); the context never hold
 speculative, so rollback is a crop to where the new hidden states start.
 
 Greedy drafts come without probabilities (one-hot); `probabilistic` drafts are sampled from
-each slot's softmax (temperature 1) and come with them, mapped to the target vocabulary.
+each slot's softmax at the request's temperature (a greedy request: the argmax) and come
+with them, mapped to the target vocabulary.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from backends.config import _aux_layer_ids
-from backends.draft_model import common_prefix_len
+from backends.draft_model import common_prefix_len, sample_drafts
 from backends.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
                                       read_config, read_state_dict)
 from backends.model_store import load_config, resolve_model
@@ -454,6 +455,7 @@ class _Work:
     anchor: int  # x_{n-1}
     position: int  # n - 1
     num_drafts: int
+    temperature: float
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V]
 
@@ -507,7 +509,7 @@ class DFlashProposer(HeadProposer):
         positions = torch.arange(start, n - 1, device=self.device)[None]
         context.append([(k[0], v[0]) for k, v in self.head.context_kv(ctx, positions)])
         context.token_ids = list(req.token_ids)
-        return _Work(index, context, req.token_ids[-1], n - 1, num_drafts)
+        return _Work(index, context, req.token_ids[-1], n - 1, num_drafts, req.temperature)
 
     def _run_block(self, work: list[_Work]) -> torch.Tensor:
         """One forward of every sequence's block: contexts left-padded to the longest, a
@@ -533,25 +535,14 @@ class DFlashProposer(HeadProposer):
     def _draft(self, hidden: torch.Tensor, work: list[_Work]) -> None:
         """DFlash: every slot's draft at once, from the slot's own logits."""
         slots = list(self.head.draft_slots)
-        tokens, probs = self._sample(self.head.logits(hidden[:, slots]).float())
+        tokens, probs = self._sample(self.head.logits(hidden[:, slots]), work)
         for row, w in enumerate(work):
             w.drafts = tokens[row, :w.num_drafts].tolist()
             if probs is not None:
                 w.probs = probs[row, :w.num_drafts]
 
-    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft-vocabulary logits [..., V_d] -> target ids [...] and, when probabilistic, the
-        probabilities they were drawn from in the target vocabulary [..., V] (0 outside the
-        draft vocabulary)."""
-        to_target = self.head.draft_to_target
-        if self.sample_method == "greedy":
-            tokens, probs = logits.argmax(dim=-1), None
-        else:
-            probs = logits.softmax(dim=-1)
-            flat = probs.reshape(-1, probs.shape[-1])
-            tokens = torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
-            if to_target is not None:
-                full = probs.new_zeros(*probs.shape[:-1], self.head.embed_tokens.num_embeddings)
-                probs = full.index_copy_(-1, to_target, probs)
-        return (tokens if to_target is None else to_target[tokens]), probs
-
+    def _sample(self, logits: torch.Tensor, work: list[_Work]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft-vocabulary logits [B, ..., V_d] (row i: work[i]) -> target ids [B, ...] and,
+        when sampled, the probabilities they were drawn from in the target vocabulary [B, ..., V]."""
+        return sample_drafts(logits, self.sample_method, [w.temperature for w in work], self.generator,
+                             self.head.draft_to_target, self.head.embed_tokens.num_embeddings)

@@ -14,7 +14,9 @@ Greedy drafts (the default) come without probabilities: an argmax draft was draw
 one-hot distribution, which is what the rejection sampler assumes when it gets none (vLLM's
 "one-hot treatment"). Passing the softmax instead would bias sampled verification: a draft x
 would be accepted with probability min(1, p(x)/q(x)) although it was proposed with
-probability 1. `probabilistic` drafts are sampled from the softmax and come with it.
+probability 1. `probabilistic` drafts are sampled from the softmax at the request's own
+temperature and come with it; a greedy request still drafts the argmax (vLLM: sampling
+drafts for a request that accepts only the argmax would only lower its acceptance).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from transformers import DynamicCache
 from backends.hetero_vocab import TextBridge
 from backends.model_store import load_causal_lm, load_tokenizer, resolve_model
 from backends.proposer import Draft, DraftRequest, SequenceProposer
-from backends.rejection import new_generator
+from backends.rejection import GREEDY_TEMPERATURE_EPS, new_generator
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
 QUANTIZATIONS = (None, "int8")
@@ -51,6 +53,7 @@ class _Work:
     context: list[int]  # the sequence in the drafter's vocabulary
     new_ids: list[int]  # context tokens not in the cache yet (at least one)
     num_drafts: int
+    temperature: float  # the request's; probabilistic drafts are sampled at it
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V] on the drafter's device (probabilistic)
 
@@ -130,7 +133,7 @@ class DraftModelProposer(SequenceProposer):
             state = self._seqs.get(req.seq_id)
             if state is None:
                 state = self._seqs[req.seq_id] = _SeqState(DynamicCache(config=self.model.config))
-            work.append(_Work(i, state, context, self._rollback(state, context), num_drafts))
+            work.append(_Work(i, state, context, self._rollback(state, context), num_drafts, req.temperature))
         if len(work) == 1:
             self._run_one(work[0])
         elif work:
@@ -152,15 +155,10 @@ class DraftModelProposer(SequenceProposer):
             del state.token_ids[keep:]
         return context[keep:]
 
-    def _sample(self, logits: torch.Tensor, steps: list[tuple]) -> torch.Tensor:
-        """Draw one draft per row of `logits` [B, V]; the tokens [B] stay on the device and
-        are fed back as they are, `steps` collects (tokens, probs) for `gather_drafts`."""
-        logits = logits.float()
-        if self.sample_method == "greedy":
-            tokens, probs = logits.argmax(dim=-1), None
-        else:
-            probs = logits.softmax(dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+    def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
+        """One draft per row of `logits` [B, V] (row i: work[i]); the tokens [B] stay on the
+        device and are fed back as they are, `steps` collects (tokens, probs) for `gather_drafts`."""
+        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work], self.generator)
         steps.append((tokens, probs))
         return tokens
 
@@ -169,7 +167,7 @@ class DraftModelProposer(SequenceProposer):
         ids, steps = torch.tensor([w.new_ids], device=self.device), []
         for _ in range(w.num_drafts):
             logits = self.model(input_ids=ids, cache=w.state.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            ids = self._sample(logits, steps).unsqueeze(1)
+            ids = self._sample(logits, [w], steps).unsqueeze(1)
         (w.drafts,), (w.probs,) = gather_drafts(steps, [w.num_drafts])
         # The last draft was sampled but not fed: the cache holds context + drafts[:-1].
         w.state.token_ids.extend(w.new_ids + w.drafts[:-1])
@@ -189,7 +187,7 @@ class DraftModelProposer(SequenceProposer):
         for step in range(steps):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                                 use_cache=True, logits_to_keep=last).logits[:, -1]
-            ids = self._sample(logits, sampled).unsqueeze(1)
+            ids = self._sample(logits, work, sampled).unsqueeze(1)
             if step + 1 == steps:
                 break
             mask = F.pad(mask, (0, 1), value=1)
@@ -206,6 +204,29 @@ class DraftModelProposer(SequenceProposer):
                 w.state.cache.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep],
                                      layer_idx)
             w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
+
+
+def sample_drafts(logits: torch.Tensor, sample_method: str, temperatures: list[float],
+                  generator: torch.Generator | None, to_target: torch.Tensor | None = None,
+                  target_vocab_size: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts from `logits` [B, ..., V_d] (row i belongs to a request at `temperatures[i]`):
+    the argmax for greedy drafting and for greedy requests (temperature < 1e-5); otherwise a
+    sample from softmax(logits / temperature), as vLLM's probabilistic drafting (temperature
+    only, no top-k/top-p). Returns the tokens [B, ...] as target ids (`to_target` maps draft
+    vocabulary ids) and, when any row sampled, the probabilities [B, ..., V] in the target
+    vocabulary (`target_vocab_size`; 0 outside the draft vocabulary; greedy rows' go unused)."""
+    logits = logits.float()
+    greedy = [t < GREEDY_TEMPERATURE_EPS for t in temperatures]
+    tokens, probs = logits.argmax(dim=-1), None
+    if sample_method == "probabilistic" and not all(greedy):
+        rows = (-1,) + (1,) * (tokens.dim() - 1)  # broadcasts a per-row value over a row's slots
+        scale = torch.tensor([1.0 if g else t for g, t in zip(greedy, temperatures)], device=logits.device)
+        probs = (logits / scale.view(*rows, 1)).softmax(dim=-1)
+        sampled = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(tokens.shape)
+        tokens = torch.where(torch.tensor(greedy, device=logits.device).view(rows), tokens, sampled)
+        if to_target is not None:
+            probs = probs.new_zeros(*probs.shape[:-1], target_vocab_size).index_copy_(-1, to_target, probs)
+    return (tokens if to_target is None else to_target[tokens]), probs
 
 
 def gather_drafts(steps: list[tuple[torch.Tensor, torch.Tensor | None]],

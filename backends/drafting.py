@@ -11,6 +11,7 @@ import torch
 
 from backends.config import SpeculativeConfig
 from backends.proposer import Draft, DraftRequest, Proposer
+from backends.rejection import GREEDY_TEMPERATURE_EPS
 
 log = logging.getLogger("tritonspec.drafter")
 
@@ -22,6 +23,7 @@ class DraftCall:
     max_tokens: int  # the caller's clamp: room left in max_tokens and the context window
     requested: int | None = None  # the client's num_draft_tokens; None = configured
     hidden_states: torch.Tensor | None = None  # target rows since the last call (EAGLE family)
+    temperature: float = 1.0  # the request's (DraftRequest.temperature)
 
 
 class DraftService:
@@ -54,9 +56,11 @@ class DraftService:
             self._last_used[call.seq_id] = now
             k = self.num_tokens(call)
             if k > 0 and tokens:
-                batch.append(DraftRequest(call.seq_id, tokens, k, call.hidden_states))
+                batch.append(DraftRequest(call.seq_id, tokens, k, call.hidden_states, call.temperature))
                 index.append(i)
         for i, draft in zip(index, self.proposer.propose(batch) if batch else []):
+            if calls[i].temperature < GREEDY_TEMPERATURE_EPS:
+                draft.probs = None  # a greedy request's verification never reads q
             drafts[i] = draft
         return drafts
 

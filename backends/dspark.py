@@ -40,8 +40,9 @@ size; the sequential stage stops after k). vLLM requires k >= dspark_block_size 
 V4 drafter (backends/config.py checks it); here k only caps the drafts.
 
 `draft_sample_method`: greedy (argmax, one-hot in rejection) or probabilistic (each draft
-sampled from its Markov-corrected softmax, which then conditions the next draft's bias; the
-probabilities travel to the verifier, so sampled decoding stays lossless).
+sampled from its Markov-corrected softmax at the request's temperature, which then
+conditions the next draft's bias; the probabilities travel to the verifier, so sampled
+decoding stays lossless).
 """
 from __future__ import annotations
 
@@ -169,12 +170,12 @@ class DSparkProposer(DFlashProposer):
         state, probs = None, []
         for i, slot in enumerate(slots):
             logits, state = self.head.step_logits(base[:, i], prev, hidden[:, slot], state)
-            prev, p = self._sample(logits)
+            prev, p = self._sample(logits, work)
             for w, token in zip(work, prev.tolist()):
                 if i < w.num_drafts:
                     w.drafts.append(token)
             probs.append(p)
-        if self.sample_method == "probabilistic":
+        if probs[0] is not None:  # sampled (probabilistic drafting, a sampled request)
             stacked = torch.stack(probs, dim=1)
             for row, w in enumerate(work):
                 w.probs = stacked[row, :w.num_drafts]

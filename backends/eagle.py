@@ -57,7 +57,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from backends.config import _aux_layer_ids
-from backends.draft_model import _stack_caches, common_prefix_len, gather_drafts
+from backends.draft_model import _stack_caches, common_prefix_len, gather_drafts, sample_drafts
 from backends.model_store import resolve_model
 from backends.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
                                       read_config, read_state_dict)
@@ -285,6 +285,7 @@ class _Work:
     new_ids: list[int]  # x_{start+1}..x_{n-1}
     features: torch.Tensor  # [len(new_ids), D]
     num_drafts: int
+    temperature: float
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V_target] on the head's device (probabilistic)
 
@@ -336,7 +337,7 @@ class EagleProposer(HeadProposer):
             state.cache.crop(start - cached)
         state.token_ids = list(req.token_ids)
         features = self.head.features(hidden.to(self.device, self.dtype))
-        return _Work(index, state, start, req.token_ids[start + 1:], features, num_drafts)
+        return _Work(index, state, start, req.token_ids[start + 1:], features, num_drafts, req.temperature)
 
     def _run(self, work: list[_Work]) -> None:
         """One forward per draft position for the whole batch: caches left-padded and stacked
@@ -357,7 +358,7 @@ class EagleProposer(HeadProposer):
         for step in range(steps):
             hidden = self.head(ids, features, positions, _causal_mask(keys, ids.shape[1]), cache, step)
             hidden = hidden[rows, last]
-            tokens = self._sample(self.head.logits(hidden, step).float(), sampled)
+            tokens = self._sample(self.head.logits(hidden, step), work, sampled)
             if step + 1 == steps:
                 break
             # The next pair: the draft just made with the head's own state, one position on.
@@ -376,21 +377,12 @@ class EagleProposer(HeadProposer):
             for layer_idx, layer in enumerate(cache.layers):
                 w.state.cache.update(layer.keys[row:row + 1, :, keep], layer.values[row:row + 1, :, keep], layer_idx)
 
-    def _sample(self, logits: torch.Tensor, steps: list[tuple]) -> torch.Tensor:
-        """One draft per row of draft-vocabulary `logits` [B, V_d], as target ids [B] that stay
-        on the device; `steps` collects (tokens, target-vocabulary probs) for `gather_drafts`."""
-        to_target = self.head.draft_to_target
-        probs = None
-        if self.sample_method == "greedy":
-            tokens = logits.argmax(dim=-1)
-        else:
-            probs = logits.softmax(dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-            if to_target is not None:
-                probs = torch.zeros(len(probs), self.head.embed_tokens.num_embeddings,
-                                    device=probs.device).index_copy_(1, to_target, probs)
-        if to_target is not None:
-            tokens = to_target[tokens]
+    def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
+        """One draft per row of draft-vocabulary `logits` [B, V_d] (row i: work[i]), as target
+        ids [B] that stay on the device; `steps` collects (tokens, target-vocabulary probs) for
+        `gather_drafts`."""
+        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work], self.generator,
+                                      self.head.draft_to_target, self.head.embed_tokens.num_embeddings)
         steps.append((tokens, probs))
         return tokens
 

@@ -13,14 +13,15 @@ same state); the MLP speculator feeds them through its stages. `num_steps` bound
 `draft_to_target` (or None) maps a draft-vocabulary id to a target id.
 
 Greedy drafts are argmax and come without probabilities (one-hot, as in draft_model);
-`probabilistic` drafts are sampled from the softmax of each step's logits and come with those
-probabilities over the target vocabulary (0 outside a truncated draft vocabulary).
+`probabilistic` drafts are sampled from the softmax of each step's logits at the request's
+temperature and come with those probabilities over the target vocabulary (0 outside a
+truncated draft vocabulary).
 """
 from __future__ import annotations
 
 import torch
 
-from backends.draft_model import gather_drafts
+from backends.draft_model import gather_drafts, sample_drafts
 from backends.head_proposer import HeadProposer
 from backends.proposer import Draft, DraftRequest
 
@@ -31,7 +32,7 @@ class LastHiddenProposer(HeadProposer):
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         drafts = [Draft() for _ in batch]
-        rows, counts, states, tokens = [], [], [], []
+        rows, counts, states, tokens, temperatures = [], [], [], [], []
         for i, req in enumerate(batch):
             k = min(req.num_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
             if req.hidden_states is None or k <= 0:
@@ -40,13 +41,15 @@ class LastHiddenProposer(HeadProposer):
             rows.append(i)
             counts.append(k)
             tokens.append(req.token_ids[-1])
+            temperatures.append(req.temperature)
         if not rows:
             return drafts
         state = self.head.begin(torch.stack(states).to(self.device, self.dtype))
         ids, steps = torch.tensor(tokens, device=self.device), []
         for step in range(max(counts)):
             logits, state = self.head.step(step, state, ids)
-            ids, step_probs = self._sample(logits.float())
+            ids, step_probs = sample_drafts(logits, self.sample_method, temperatures, self.generator,
+                                            self.head.draft_to_target, self.head.target_vocab_size)
             steps.append((ids, step_probs))
         for i, drafted, probs in zip(rows, *gather_drafts(steps, counts)):
             drafts[i] = Draft(drafted, probs)
@@ -58,17 +61,3 @@ class LastHiddenProposer(HeadProposer):
             raise ValueError(f"sequence {req.seq_id}: hidden_states has shape {list(hidden.shape)}; expected "
                              f"[rows >= 1, 1, {width}] (the target's final hidden state, layer -1)")
         return hidden[-1, 0]
-
-    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Target ids [B] from draft-vocabulary logits [B, V_d], and target-vocabulary probs
-        when sampling."""
-        to_target = self.head.draft_to_target
-        if self.sample_method == "greedy":
-            tokens, probs = logits.argmax(dim=-1), None
-        else:
-            probs = logits.softmax(dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-            if to_target is not None:
-                probs = torch.zeros(len(probs), self.head.target_vocab_size,
-                                    device=probs.device).index_copy_(1, to_target, probs)
-        return (tokens if to_target is None else to_target[tokens]), probs

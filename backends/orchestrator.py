@@ -26,10 +26,12 @@ class Drafter(Protocol):
     hidden_layer_ids: tuple[int, ...]
 
     def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int, requested: int | None,
-              hidden_states: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None, float]:
+              hidden_states: torch.Tensor | None = None, temperature: float = 1.0,
+              ) -> tuple[list[int], torch.Tensor | None, float]:
         """Draft ids, their [k, V] probabilities (None: one-hot / model-free) and the
         seconds spent proposing. `hidden_states`: the target's rows for every position it
-        ran since the last call, [rows, layers, hidden]."""
+        ran since the last call, [rows, layers, hidden]; `temperature`: the request's (a
+        greedy request gets argmax drafts from every method)."""
 
     def release(self, seq_id: int) -> None: ...
 
@@ -149,7 +151,8 @@ def generate(
         if speculate and (k > 0 or drafter.num_speculative_tokens is None):
             start = time.perf_counter()
             hidden = torch.cat(hidden_rows) if hidden_rows else None
-            drafts, probs, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens, hidden)
+            drafts, probs, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens, hidden,
+                                                   req.sampling.temperature)
             draft_wall = time.perf_counter() - start
             unseen_by_drafter, hidden_rows = [], []
             if drafter.num_speculative_tokens == 0:  # an extractor: plain decoding from now on

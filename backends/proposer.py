@@ -21,7 +21,11 @@ class DraftRequest:
     seq_id: int
     token_ids: list[int]  # the whole sequence so far: prompt + accepted output
     num_tokens: int  # the most drafts wanted this step (already clamped by the caller)
-    hidden_states: torch.Tensor | None = None  # for methods that draft from the target's
+    # [rows, layers, H]: the target's states since the last call, for methods that draft from them
+    hidden_states: torch.Tensor | None = None
+    # The request's sampling temperature: probabilistic drafting samples at it; below 1e-5
+    # (a greedy request) every method drafts the argmax.
+    temperature: float = 1.0
 
 
 @dataclass

@@ -41,23 +41,31 @@ METHOD_CONFIGS: dict[str, dict] = {
 }
 
 
+def read_prompt_file(path: Path) -> dict[str, list[str]]:
+    """Prompts of your own, {category: [prompts]}: a JSON list (category "custom"), a JSON
+    {category: [prompts]} (a trained head's validation_prompts.json is a list), or, in a file
+    not named *.json, one prompt per line."""
+    try:
+        text = path.read_text()
+        loaded = json.loads(text) if path.suffix == ".json" else [line for line in text.splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read prompts from {path}: {e}") from e
+    prompts = {"custom": loaded} if isinstance(loaded, list) else loaded
+    if not isinstance(prompts, dict) or not prompts or not all(
+            isinstance(ps, list) and ps and all(isinstance(p, str) and p for p in ps) for ps in prompts.values()):
+        raise ValueError(f"{path}: expected a JSON list of non-empty prompts, {{category: [prompts]}}, "
+                         "or one prompt per line")
+    return prompts
+
+
 def load_prompts(categories: list[str] | None = None,
                  path: Path | None = None) -> tuple[str, dict[str, list[str]]]:
-    """The versioned benchmark prompts, or a file of your own: a JSON list of prompts
-    (category "custom") or {category: [prompts]}."""
+    """The versioned benchmark prompts, or a file of your own (`read_prompt_file`)."""
     if path is None:
         data = json.loads(PROMPT_FILE.read_text())
         version, prompts = data["version"], data["prompts"]
     else:
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read prompts from {path}: {e}") from e
-        prompts = {"custom": loaded} if isinstance(loaded, list) else loaded
-        if not isinstance(prompts, dict) or not prompts or not all(
-                isinstance(ps, list) and ps and all(isinstance(p, str) and p for p in ps) for ps in prompts.values()):
-            raise ValueError(f"{path}: expected a JSON list of non-empty prompts or {{category: [prompts]}}")
-        version = f"file {path.name}"
+        version, prompts = f"file {path.name}", read_prompt_file(path)
     if categories:
         unknown = set(categories) - set(prompts)
         if unknown:

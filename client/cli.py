@@ -334,22 +334,17 @@ def _export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_prompts(path: Path) -> list[str]:
-    """A JSON list of strings, or one prompt per line."""
-    text = path.read_text()
-    prompts = json.loads(text) if path.suffix == ".json" else [line for line in text.splitlines() if line.strip()]
-    if not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise ValueError(f"{path}: expected a JSON list of non-empty strings or one prompt per line")
-    return prompts
-
-
 def _train(args: argparse.Namespace) -> int:
     from backends.training.trainer import train
 
     try:
         target = local_model(args.target)
         out = Path(args.out) if args.out else head_dir(args.target, args.method)
-        prompts = _read_prompts(Path(args.prompt_file)) if args.prompt_file else None
+        prompts = None
+        if args.prompt_file:
+            from client.bench import read_prompt_file
+
+            prompts = [p for ps in read_prompt_file(Path(args.prompt_file)).values() for p in ps]
         report = train(args.method, target, out, data_dir=Path(args.data_dir) if args.data_dir else data_dir(args.target),
                        epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, num_steps=args.ttt_steps,
                        num_prompts=args.prompts,
@@ -445,8 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", choices=sorted(PROFILES), help="target + drafter pair, e.g. qwen-coder")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
-    bench.add_argument("--prompt-file", help="your own prompts: a JSON list, or {category: [prompts]} (e.g. a "
-                       "trained head's validation_prompts.json)")
+    bench.add_argument("--prompt-file", help="your own prompts: a JSON list or {category: [prompts]} (e.g. a "
+                       "trained head's validation_prompts.json), or one per line in a file not named *.json")
     bench.add_argument("--stop-at-eos", action="store_true", help="end each run at the model's end of answer "
                        "(default: always --max-tokens tokens)")
     bench.add_argument("--num-speculative-tokens", type=int, help="k for every method")
@@ -515,8 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_p.add_argument("--data-dir", help="cached target answers and hidden states (default: in the model cache)")
     train_p.add_argument("--prompts", type=int, help="how many training prompts the target answers (default: all "
                          "1410 built-in ones, or all of --prompt-file)")
-    train_p.add_argument("--prompt-file", help="your own training prompts (a JSON list, or one per line) instead of "
-                         "the built-in ones; use a --data-dir of their own")
+    train_p.add_argument("--prompt-file", help="your own training prompts (as bench --prompt-file reads them) "
+                         "instead of the built-in ones; use a --data-dir of their own")
     train_p.add_argument("--self-prompts", type=int, default=0, metavar="N",
                          help="also train on the target's answers to N requests it writes itself (sampled user "
                          "turns, cached in the data dir; ChatML targets)")

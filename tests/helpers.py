@@ -33,14 +33,16 @@ def hf_greedy(model_dir: str, prompt: str, max_tokens: int) -> tuple[int, ...]:
     return tuple(out[0, ids.shape[1]:].tolist())
 
 
-def served_greedy_results(server, model_dir, prompts, max_tokens: int) -> list:
+def served_greedy_results(server, model_dir, prompts, max_tokens: int, num_draft_tokens: int | None = None) -> list:
     """Generate each prompt through the server and assert its ids are exactly the target's
-    own greedy ids; the results, for the caller's acceptance checks."""
+    own greedy ids; the results, for the caller's acceptance checks (a fixed
+    `num_draft_tokens` makes those independent of the adaptive policy's step timings)."""
     from client.api import grpc_generate
 
+    fixed = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
     results = []
     for prompt in prompts:
-        result = grpc_generate(server.grpc_url, prompt, max_tokens=max_tokens)
+        result = grpc_generate(server.grpc_url, prompt, max_tokens=max_tokens, **fixed)
         assert tuple(result.output_ids) == hf_greedy(str(model_dir), prompt, max_tokens), prompt
         results.append(result)
     return results

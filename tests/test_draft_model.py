@@ -9,7 +9,7 @@ import torch
 
 from backends.config import SpeculativeConfig
 from backends.detokenize import TextStream
-from backends.draft_model import DraftModelProposer
+from backends.draft_model import DraftModelProposer, sample_drafts
 from backends.drafting import DraftService
 from backends.hetero_vocab import TextBridge
 from backends.model_store import load_causal_lm, load_tokenizer
@@ -114,6 +114,37 @@ def test_probabilistic_drafts_come_with_their_distribution(draft_lm, prompt_ids)
         with torch.inference_mode():
             first = draft_lm(input_ids=torch.tensor([ids])).logits[0, -1].softmax(-1)
         torch.testing.assert_close(draft.probs[0], first, rtol=1e-4, atol=1e-6)
+
+
+def test_probabilistic_drafts_follow_each_requests_temperature(draft_lm, prompt_ids):
+    """As vLLM: a greedy request drafts the argmax even under probabilistic drafting (its
+    verification accepts only the argmax), a sampled one drafts from softmax(logits / T)."""
+    greedy = DraftModelProposer(draft_lm, 512).propose([DraftRequest(0, prompt_ids[0], 4)])[0]
+    proposer = DraftModelProposer(draft_lm, 512, "probabilistic", seed=0)
+    alone = proposer.propose([DraftRequest(9, prompt_ids[0], 4, temperature=0.0)])[0]
+    assert alone.token_ids == greedy.token_ids and alone.probs is None  # an all-greedy batch: no q at all
+    drafts = proposer.propose([DraftRequest(s, ids, 4, temperature=t)
+                               for s, (ids, t) in enumerate(zip(prompt_ids, (0.0, 0.5, 2.0)))])
+    assert drafts[0].token_ids == greedy.token_ids  # greedy beside sampled rows
+    with torch.inference_mode():
+        logits = draft_lm(input_ids=torch.tensor([prompt_ids[1]])).logits[0, -1]
+    torch.testing.assert_close(drafts[1].probs[0], (logits / 0.5).softmax(-1), rtol=1e-4, atol=1e-6)
+
+
+def test_sampled_drafts_follow_the_tempered_distribution():
+    """Frequencies of many draws (fixed seed) match softmax(logits / T); greedy rows take the
+    argmax; draft-vocabulary ids and probabilities land on their target ids."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    temperatures = [0.0] + [0.7] * 19999
+    to_target = torch.tensor([3, 5, 6, 9])
+    gen = torch.Generator().manual_seed(0)
+    tokens, probs = sample_drafts(logits, "probabilistic", temperatures, gen, to_target, 10)
+    assert tokens[0] == 3 and probs.shape == (20000, 10) and probs[:, [0, 1, 2, 4, 7, 8]].sum() == 0
+    expected = (logits[0] / 0.7).softmax(-1)
+    torch.testing.assert_close(probs[1, to_target], expected)
+    frequencies = torch.stack([(tokens[1:] == t).float().mean() for t in to_target])
+    assert (frequencies - expected).abs().sum() / 2 < 0.015, (frequencies, expected)
+    assert sample_drafts(logits[:2], "greedy", [1.0, 1.0], gen)[1] is None  # greedy drafting: one-hot
 
 
 def test_release_frees_the_sequence(draft_lm, prompt_ids):

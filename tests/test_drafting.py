@@ -43,6 +43,22 @@ def test_too_many_requested_drafts_name_the_input(service):
         service.draft([DraftCall(1, [1], max_tokens=10, requested=4)])
 
 
+def test_a_greedy_request_gets_no_draft_probabilities():
+    """q is only read by a sampled request's verification: a greedy one's is not sent."""
+    import torch
+
+    class SampledProposer(Proposer):
+        def propose(self, batch):
+            self.temperatures = [r.temperature for r in batch]
+            return [Draft([7] * r.num_tokens, torch.full((r.num_tokens, 9), 1 / 9)) for r in batch]
+
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2})
+    service = DraftService(SampledProposer(), config)
+    greedy, sampled = service.draft([DraftCall(1, [1], 5, temperature=0.0), DraftCall(2, [1], 5, temperature=0.8)])
+    assert service.proposer.temperatures == [0.0, 0.8]
+    assert greedy.probs is None and sampled.probs.shape == (2, 9)
+
+
 def test_release_and_idle_release(service):
     service.draft([DraftCall(1, [1], max_tokens=1), DraftCall(2, [1], max_tokens=1)])
     assert service.release(1) and not service.release(1)

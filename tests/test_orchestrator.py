@@ -36,8 +36,9 @@ class LocalDrafter:
         self.num_speculative_tokens = service.config.num_speculative_tokens
         self.hidden_layer_ids = service.proposer.hidden_layer_ids
 
-    def draft(self, seq_id, new_token_ids, max_tokens, requested, hidden_states=None):
-        draft = self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested, hidden_states)])[0]
+    def draft(self, seq_id, new_token_ids, max_tokens, requested, hidden_states=None, temperature=1.0):
+        draft = self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested, hidden_states,
+                                              temperature)])[0]
         return draft.token_ids, draft.probs, 0.0
 
     def release(self, seq_id):
@@ -69,8 +70,9 @@ def run(runner, tokenizer, prompt, proposer, max_tokens=40, k=4, num_draft_token
     ids = tokenizer(prompt)["input_ids"]
     seq_id = random.getrandbits(32)
     out = []
+    # A fixed k: the adaptive policy follows step timings, which a loaded machine skews.
     for step in generate(req, ids, seq_id, LocalVerifier(runner), drafter, TextStream(tokenizer), {0},
-                         runner.max_model_len, stats):
+                         runner.max_model_len, stats, adaptive=False):
         out += step.token_ids
     runner.release(seq_id)
     return out, stats

@@ -221,6 +221,10 @@ def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys
     assert "estimated mean acceptance length" in out
     assert load_eagle(tmp_path / "h", TargetInfo.load(target_dir), "float32", "eagle").layout == "eagle"
     assert main(["train", "eagle", "--target", str(tmp_path / "missing")]) == 1
+    (tmp_path / "empty.json").write_text("[]")
+    capsys.readouterr()
+    assert main(["train", "eagle", "--target", str(target_dir), "--prompt-file", str(tmp_path / "empty.json")]) == 1
+    assert "empty.json: expected a JSON list of non-empty prompts" in capsys.readouterr().err
 
 
 def test_validation_prompts_feed_the_bench(target_dir, data_dir, tmp_path):
@@ -237,3 +241,6 @@ def test_validation_prompts_feed_the_bench(target_dir, data_dir, tmp_path):
     (tmp_path / "bad.json").write_text('{"code": []}')
     with pytest.raises(ValueError, match="bad.json: expected a JSON list"):
         load_prompts(path=tmp_path / "bad.json")
+    # One reader for bench and train --prompt-file: a file not named *.json has a prompt per line.
+    (tmp_path / "lines.txt").write_text("first prompt\n\nsecond prompt\n")
+    assert load_prompts(path=tmp_path / "lines.txt")[1] == {"custom": ["first prompt", "second prompt"]}

@@ -1,6 +1,6 @@
 """`drafter` model: the proposer that the `speculative_config` parameter names, behind
 Triton's sequence batcher. Inputs per step: the tokens new since the last call, the room
-left and the client's requested draft length; output: the draft ids."""
+left, the client's requested draft length and temperature; output: the draft ids."""
 from __future__ import annotations
 
 import logging
@@ -58,12 +58,14 @@ class TritonPythonModel:
                 continue
             requested = input_scalar(request, "num_draft_tokens")
             hidden = input_array(request, "hidden_states")
+            temperature = input_scalar(request, "temperature")
             call = DraftCall(
                 seq_id,
                 input_ids(request, "input_ids"),
                 int(input_scalar(request, "max_draft_tokens")),
                 None if requested is None or requested < 0 else int(requested),
                 None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
+                1.0 if temperature is None else float(temperature),
             )
             try:
                 self.service.num_tokens(call)  # refuse a bad request alone, not its batch

@@ -59,12 +59,14 @@ class BlsDrafter(_SequenceModel):
     hidden_layer_ids: tuple[int, ...] = ()
 
     def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int, requested: int | None,
-              hidden_states: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None, float]:
+              hidden_states: torch.Tensor | None = None, temperature: float = 1.0,
+              ) -> tuple[list[int], torch.Tensor | None, float]:
         first = not self.method
         outputs = ["draft_ids", "propose_ms", "draft_probs"]
         if first:
             outputs += ["method", "num_speculative_tokens", "hidden_layer_ids"]
         inputs = self._inputs(new_token_ids, max_tokens, requested)
+        inputs["temperature"] = np.array([[temperature]], dtype=np.float32)
         if hidden_states is not None:
             inputs["hidden_states"] = hidden_states.numpy()[None]
         out = self.call(inputs, outputs)
