@@ -8,6 +8,7 @@ tensors win over `sampling_parameters`, which wins over request parameters.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -73,9 +74,12 @@ def _to_float(name: str, v: Any) -> float:
     if isinstance(v, bool):
         raise RequestError(f"{name} must be a number, got {v!r}")
     try:
-        return float(v)
+        value = float(v)
     except (TypeError, ValueError):
         raise RequestError(f"{name} must be a number, got {v!r}") from None
+    if not math.isfinite(value):  # NaN would pass every range check below
+        raise RequestError(f"{name} must be a finite number, got {v!r}")
+    return value
 
 
 def _to_str_list(name: str, v: Any) -> list[str]:

@@ -49,6 +49,8 @@ def test_http_generate_echoes_input_names_as_parameters():
     ({"text_input": "x"}, '{"beam_width": 2}', "", "unknown key 'beam_width' in request parameters"),
     ({"text_input": "x"}, "", '{"n": 2}', "unknown key 'n' in sampling_parameters"),
     ({"text_input": "x", "temperature": -1.0}, "", "", "temperature must be >= 0"),
+    ({"text_input": "x"}, "", '{"temperature": NaN}', "temperature must be a finite number, got nan"),
+    ({"text_input": "x", "top_p": float("inf")}, "", "", "top_p must be a finite number"),
     ({"text_input": "x", "top_p": 0.0}, "", "", "top_p must be in (0, 1]"),
     ({"text_input": "x", "top_k": -5}, "", "", "top_k must be -1, 0"),
     ({"text_input": "x"}, "", '{"seed": -1}', "seed must be a non-negative"),
