@@ -17,10 +17,10 @@ EAGLE / EAGLE-3 step (no KV cache: one causal forward over T + S pairs):
   outputs  logits [B, T+S, V] float32 over the *target* vocabulary (EAGLE-3's draft vocabulary
            is mapped through d2t; target ids outside it get -inf, i.e. probability 0, as the
            proposer treats them), hidden [B, T+S, H] (what the next step takes as draft_hidden)
-The one-token shift is the caller's, as in backends/eagle.py: the pair at position t is
+The one-token shift is the caller's, as in backends/methods/eagle.py: the pair at position t is
 (x_{t+1}, h_t); k drafts = k steps, each appending the last draft and its hidden state.
 
-Medusa / MLP speculator step (heads on the target's last hidden state; backends/last_hidden.py):
+Medusa / MLP speculator step (heads on the target's last hidden state; backends/methods/last_hidden.py):
   inputs   hidden_states [B, H_t] float32: the target's final normed state at t,
            token_ids [B, K] int64: the token each of the K = num_steps stages reads
            (x_{t+1}, then drafts 1..K-1; Medusa's heads ignore them)
@@ -130,8 +130,8 @@ class _EagleStep(nn.Module):
 
 
 def eagle_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
-    from backends.eagle import load_eagle
-    from backends.head_checkpoint import TargetInfo
+    from backends.methods.eagle import load_eagle
+    from backends.methods.head_checkpoint import TargetInfo
 
     info = TargetInfo.load(target)
     head = load_eagle(checkpoint, info, "float32", method)
@@ -197,16 +197,16 @@ def _last_hidden_step(method: str, head, info) -> OnnxStep:
 
 
 def medusa_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
-    from backends.head_checkpoint import TargetInfo
-    from backends.medusa import load_medusa
+    from backends.methods.head_checkpoint import TargetInfo
+    from backends.methods.medusa import load_medusa
 
     info = TargetInfo.load(target)
     return _last_hidden_step(method, load_medusa(checkpoint, info, "float32"), info)
 
 
 def mlp_speculator_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
-    from backends.head_checkpoint import TargetInfo
-    from backends.mlp_speculator import load_mlp_speculator
+    from backends.methods.head_checkpoint import TargetInfo
+    from backends.methods.mlp_speculator import load_mlp_speculator
 
     info = TargetInfo.load(target)
     return _last_hidden_step(method, load_mlp_speculator(checkpoint, info, "float32"), info)

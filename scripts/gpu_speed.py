@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends import rejection  # noqa: E402
-from backends.draft_model import DraftModelProposer  # noqa: E402
-from backends.proposer import DraftRequest  # noqa: E402
-from backends.target import TargetRunner, VerifyRequest  # noqa: E402
+from backends.serving import rejection  # noqa: E402
+from backends.methods.draft_model import DraftModelProposer  # noqa: E402
+from backends.serving.proposer import DraftRequest  # noqa: E402
+from backends.serving.target import TargetRunner, VerifyRequest  # noqa: E402
 from kernels import rejection as rk  # noqa: E402
 
 VOCAB, PROMPT, K = 32000, 128, 4
@@ -69,7 +69,7 @@ def verify_step(model_dir: Path, device: str, batch: int, repeat: int) -> float:
 
 
 def draft_step(model_dir: Path, device: str, batch: int, repeat: int) -> float:
-    from backends.model_store import load_causal_lm
+    from backends.runtime.model_store import load_causal_lm
 
     proposer = DraftModelProposer(load_causal_lm(model_dir, "bfloat16").to(device), max_model_len=4096)
     gen = torch.Generator().manual_seed(2)

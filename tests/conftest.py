@@ -29,7 +29,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def start_server(tmp_path: Path, model: str, speculative_config: str = NGRAM_CONFIG,
                  require_all_models: bool = True, instance_kinds: dict[str, str] | None = None,
                  per_model: dict[str, dict[str, str]] | None = None, **common):
-    from client.server import RepositoryOverrides, TritonServer
+    from client.cli.launcher import RepositoryOverrides, TritonServer
 
     http, grpc, metrics = free_ports(3)
     per_model = per_model or {}
@@ -64,7 +64,7 @@ def tiny_server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from backends.model_store import fetch
+    from backends.runtime.model_store import fetch
 
     return fetch("smollm2-135m")
 
@@ -75,7 +75,7 @@ def tiny3_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     layers (2, L//2, L-3) are distinct only for L = 3 or L >= 7."""
     from transformers import LlamaForCausalLM
 
-    from backends.model_store import load_tokenizer
+    from backends.runtime.model_store import load_tokenizer
 
     trained = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     torch.manual_seed(0)
@@ -96,21 +96,21 @@ def target_dir(tiny_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    from backends.head_checkpoint import TargetInfo
+    from backends.methods.head_checkpoint import TargetInfo
 
     return TargetInfo.load(target_dir)
 
 
 @pytest.fixture(scope="module")
 def runner(target_dir):
-    from backends.target import TargetRunner
+    from backends.serving.target import TargetRunner
 
     return TargetRunner(target_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def tokenizer(target_dir):
-    from backends.model_store import load_tokenizer
+    from backends.runtime.model_store import load_tokenizer
 
     return load_tokenizer(target_dir)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.proposer import Draft, DraftRequest
-from client.api import grpc_generate
+from backends.serving.proposer import Draft, DraftRequest
+from client.api.triton import grpc_generate
 from tests.helpers import _load, coarse_total_variation, hf_greedy, served_greedy_results
 
 # Token ids (of the tiny target's vocabulary) the in-process tests draft after.

@@ -11,8 +11,8 @@ from functools import lru_cache
 
 import torch
 
-from backends.proposer import DraftRequest
-from backends.target import VerifyRequest
+from backends.serving.proposer import DraftRequest
+from backends.serving.target import VerifyRequest
 
 
 @lru_cache(maxsize=None)
@@ -37,7 +37,7 @@ def served_greedy_results(server, model_dir, prompts, max_tokens: int, num_draft
     """Generate each prompt through the server and assert its ids are exactly the target's
     own greedy ids; the results, for the caller's acceptance checks (a fixed
     `num_draft_tokens` makes those independent of the adaptive policy's step timings)."""
-    from client.api import grpc_generate
+    from client.api.triton import grpc_generate
 
     fixed = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
     results = []

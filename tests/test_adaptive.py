@@ -1,9 +1,9 @@
 import pytest
 
-from backends.adaptive import AdaptiveDraftLength
+from backends.serving.adaptive import AdaptiveDraftLength
 from backends.config import SpeculativeConfig
-from backends.drafting import DraftCall, DraftService
-from backends.proposer import Draft, Proposer
+from backends.serving.drafting import DraftCall, DraftService
+from backends.serving.proposer import Draft, Proposer
 
 
 def test_expected_tokens_formula():

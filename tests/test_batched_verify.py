@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from backends.request import SamplingParams
-from backends.target import SequenceError, TargetRunner, VerifyRequest
+from backends.serving.request import SamplingParams
+from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\n", "for i in range(10):",
            "Speculative decoding drafts tokens", "café"]

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.dflash import (
+from backends.methods.dflash import (
     BlockCheckpointError, DFlashHead, DFlashProposer, default_config, load_dflash, load_head, save_head,
 )
-from backends.dspark import DSparkHead, DSparkProposer
-from backends.dspark import default_config as dspark_default_config
-from backends.proposer import DraftRequest, build_proposer
+from backends.methods.dspark import DSparkHead, DSparkProposer
+from backends.methods.dspark import default_config as dspark_default_config
+from backends.serving.proposer import DraftRequest, build_proposer
 from tests.helpers import check_ragged_batches, request, target_hidden
 from tests.synthetic_blocks import write_dflash, write_dspark
 from tests.synthetic_checkpoints import assert_refused, save_checkpoint, write_eagle1
@@ -157,7 +157,7 @@ def reference_drafts(name: str, cfg: dict, s: dict, hidden: torch.Tensor, anchor
 
 
 def _reference_inputs(name, checkpoints, target_weights):
-    from backends.head_checkpoint import read_config
+    from backends.methods.head_checkpoint import read_config
 
     path, written = checkpoints[name]
     cfg = read_config(path)  # speculators flattened as vLLM does (what the format means)
@@ -471,7 +471,7 @@ def test_served_dspark_sampling_follows_the_target_distribution(dspark_server, t
     the verifier). Both sampled tokens must follow the target's own distribution."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from client.api import grpc_generate
+    from client.api.triton import grpc_generate
     from tests.helpers import coarse_total_variation
     from tests.test_sampling_server import PROMPT, SAMPLES, TEMPERATURE, TOP_K, exact_marginals
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from client.api import grpc_generate
+from client.api.triton import grpc_generate
 from tests.conftest import free_ports
 
 
@@ -24,7 +24,7 @@ def _stubs_with(prefix: str) -> list[int]:
 
 def test_serve_prints_endpoints_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_path):
     http, grpc, metrics = free_ports(3)
-    cli = [sys.executable, "-m", "client.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
+    cli = [sys.executable, "-m", "client.cli.main", "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(cli, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
@@ -49,10 +49,10 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_
 
 
 def test_serve_refuses_bad_arguments_before_starting(tiny_model_dir):
-    result = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--model", "/no/such/model"],
+    result = subprocess.run([sys.executable, "-m", "client.cli.main", "serve", "--model", "/no/such/model"],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 2 and "neither a local directory" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--model", str(tiny_model_dir),
+    result = subprocess.run([sys.executable, "-m", "client.cli.main", "serve", "--model", str(tiny_model_dir),
                              "-sc", '{"method": "ngram", "bogus": 1}'],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 2

@@ -9,15 +9,15 @@ import json
 import pytest
 
 from backends.config import SpeculativeConfig
-from backends.custom_class import CustomClass
-from backends.proposer import DraftRequest, build_proposer
+from backends.methods.custom_class import CustomClass
+from backends.serving.proposer import DraftRequest, build_proposer
 
 EXAMPLE = "client.examples.bigram_proposer.BigramProposer"
 PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):", "for i in range(10):\n    print(i",
            "The quick brown fox jumps over the lazy dog. The"]
 
 USER_MODULE = '''
-from backends.proposer import Draft, Proposer
+from backends.serving.proposer import Draft, Proposer
 
 class NoPropose:
     def release(self, seq_id): ...
@@ -118,7 +118,7 @@ def test_served_example_equals_target_greedy(tiny_model_dir, tmp_path):
 
 
 def test_a_bad_class_fails_the_drafter_load_only(tiny_model_dir, tmp_path):
-    from client.api import grpc_generate
+    from client.api.triton import grpc_generate
     from tests.conftest import start_server
     from tests.helpers import hf_greedy
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from client.api import grpc_generate
+from client.api.triton import grpc_generate
 from tests.helpers import metrics_text
 from tests.test_compose import DEPLOY, load_compose, loadtest_args
 
@@ -75,7 +75,7 @@ def test_dashboard_queries_only_what_the_server_exposes(tiny_server):
 def test_loadtest_arguments_and_input_work_against_the_server(tiny_server, tmp_path):
     """The loadtest service's perf_analyzer call, with only the address, the concurrency, the
     window size, the paths and the output length changed for this machine."""
-    from client.perf_analyzer import run
+    from client.cli.perf_analyzer import run
 
     args = loadtest_args(load_compose("docker-compose.yml"))
     rows = json.loads((DEPLOY / "perf_input.json").read_text())["data"]

@@ -1,4 +1,4 @@
-from backends.detokenize import TextStream
+from backends.serving.detokenize import TextStream
 
 
 def stream_text(tokenizer, ids, stop=None):

@@ -1,4 +1,4 @@
-"""The GPU path: which device each model instance uses (backends/device.py), the device
+"""The GPU path: which device each model instance uses (backends/runtime/device.py), the device
 plumbing into the target runner and every model-based proposer, instance kinds in the
 launcher, and, on a CUDA host, the same drafts and tokens on the GPU as on the CPU, the
 OpenAI Triton kernels compiled there, and the real server with KIND_GPU instances.
@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-from backends import rejection
+from backends.serving import rejection
 from backends.config import SpeculativeConfig
-from backends.device import DeviceError, resolve_device
-from backends.proposer import DraftRequest, build_proposer, proposer_class
-from backends.target import TargetRunner, VerifyRequest
-from client.server import RepositoryOverrides, patched_repository, set_instance_kind
+from backends.runtime.device import DeviceError, resolve_device
+from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
+from backends.serving.target import TargetRunner, VerifyRequest
+from client.cli.launcher import RepositoryOverrides, patched_repository, set_instance_kind
 from tests.helpers import hf_greedy
 from tests.synthetic_blocks import write_dflash, write_dspark
 from tests.synthetic_checkpoints import write_eagle1, write_eagle3
@@ -86,7 +86,7 @@ def test_the_environment_variable_is_read_when_not_given(monkeypatch):
 
 
 def test_instance_kinds_in_the_patched_repository(tmp_path):
-    from client.server import DEFAULT_REPOSITORY
+    from client.cli.launcher import DEFAULT_REPOSITORY
 
     verifier = (DEFAULT_REPOSITORY / "verifier" / "config.pbtxt").read_text()
     assert "kind: KIND_CPU" in verifier  # the shipped default: CPU hosts
@@ -238,7 +238,7 @@ def test_a_gpu_the_server_cannot_use_fails_that_models_load_with_the_reason(tiny
 def test_served_greedy_on_kind_gpu_equals_target_greedy(method, checkpoints, target_dir, tmp_path):
     """The real server with KIND_GPU verifier and drafter: weights on cuda:0 (the log says
     so), hidden states across BLS for eagle3, output == the target's own greedy output."""
-    from client.api import http_generate
+    from client.api.triton import http_generate
     from tests.conftest import start_server
 
     config = json.dumps({"method": method, "model": str(checkpoints[method]), "num_speculative_tokens": K})
@@ -303,7 +303,7 @@ def test_proposers_on_cuda_draft_what_they_draft_on_the_cpu(method, checkpoints,
 def test_sampled_drafts_and_verification_stay_on_cuda(method, checkpoints, target_dir, prompt_ids):
     """Probabilistic drafts keep their probabilities on the GPU, the verifier's seeded
     generator lives there, and a seeded request gives the same tokens twice."""
-    from backends.request import SamplingParams
+    from backends.serving.request import SamplingParams
 
     runner = TargetRunner(target_dir, dtype="float32", device="cuda")
     outs = []

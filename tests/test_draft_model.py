@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.detokenize import TextStream
-from backends.draft_model import DraftModelProposer, sample_drafts
-from backends.drafting import DraftService
-from backends.hetero_vocab import TextBridge
-from backends.model_store import load_causal_lm, load_tokenizer
-from backends.orchestrator import GenerationStats, generate
-from backends.proposer import DraftRequest, build_proposer
-from backends.request import GenerationRequest, SamplingParams
-from backends.target import VerifyRequest
-from client.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
+from backends.serving.detokenize import TextStream
+from backends.methods.draft_model import DraftModelProposer, sample_drafts
+from backends.serving.drafting import DraftService
+from backends.methods.hetero_vocab import TextBridge
+from backends.runtime.model_store import load_causal_lm, load_tokenizer
+from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.proposer import DraftRequest, build_proposer
+from backends.serving.request import GenerationRequest, SamplingParams
+from backends.serving.target import VerifyRequest
+from client.cli.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
 from tests.helpers import assert_same_caches, check_ragged_batches, hf_greedy
 from tests.test_orchestrator import LocalDrafter, LocalVerifier
 

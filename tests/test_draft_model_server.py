@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from client.api import grpc_generate
+from client.api.triton import grpc_generate
 from tests.conftest import start_server
 from tests.helpers import coarse_total_variation, served_greedy_results
 

@@ -1,8 +1,8 @@
 import pytest
 
 from backends.config import SpeculativeConfig, SpeculativeConfigError
-from backends.drafting import DraftCall, DraftService
-from backends.proposer import Draft, Proposer
+from backends.serving.drafting import DraftCall, DraftService
+from backends.serving.proposer import Draft, Proposer
 
 
 class RecordingProposer(Proposer):

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from backends.config import SpeculativeConfig
-from backends.detokenize import TextStream
-from backends.eagle import Eagle3Proposer, EagleCheckpointError, EagleProposer, load_eagle
-from backends.orchestrator import GenerationStats, generate
-from backends.proposer import DraftRequest, build_proposer
-from backends.request import GenerationRequest
+from backends.serving.detokenize import TextStream
+from backends.methods.eagle import Eagle3Proposer, EagleCheckpointError, EagleProposer, load_eagle
+from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.proposer import DraftRequest, build_proposer
+from backends.serving.request import GenerationRequest
 from tests.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
 from tests.synthetic_checkpoints import assert_refused, write_eagle1, write_eagle3
 
@@ -306,7 +306,7 @@ def test_hidden_state_contract(heads, runner, prompt_ids):
 def test_speculative_greedy_equals_target_greedy(method, heads, runner, tokenizer, target_dir):
     """The orchestrator's loop carries the verifier's hidden states to the next draft call."""
     from backends.config import SpeculativeConfig
-    from backends.drafting import DraftService
+    from backends.serving.drafting import DraftService
     from tests.test_orchestrator import LocalDrafter, LocalVerifier
 
     proposer = EagleProposer(heads[method], 512)

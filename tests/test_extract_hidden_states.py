@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.detokenize import TextStream
-from backends.drafting import DraftService
-from backends.extract_hidden_states import HiddenStateExtractor
-from backends.model_store import load_tokenizer
-from backends.orchestrator import GenerationStats, generate
-from backends.proposer import build_proposer
-from backends.request import GenerationRequest
-from backends.target import TargetRunner
+from backends.serving.detokenize import TextStream
+from backends.serving.drafting import DraftService
+from backends.methods.extract_hidden_states import HiddenStateExtractor
+from backends.runtime.model_store import load_tokenizer
+from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.proposer import build_proposer
+from backends.serving.request import GenerationRequest
+from backends.serving.target import TargetRunner
 from tests.helpers import _load, hf_greedy
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The"]
@@ -74,7 +74,7 @@ def test_in_process_hidden_states_equal_a_plain_forward(tiny_model_dir):
 def test_served_hidden_states_and_files(tiny_model_dir, tmp_path):
     from safetensors import safe_open
 
-    from client.api import grpc_generate
+    from client.api.triton import grpc_generate
     from tests.conftest import start_server
 
     server = start_server(tmp_path, str(tiny_model_dir), json.dumps(SPEC),

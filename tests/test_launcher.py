@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from client.api import GenerationError, grpc_generate
-from client.server import get_parameter, set_parameter
+from client.api.triton import GenerationError, grpc_generate
+from client.cli.launcher import get_parameter, set_parameter
 from tests.conftest import start_server
 
 

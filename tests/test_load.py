@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import json
 
-from client.perf_analyzer import run
+from client.cli.perf_analyzer import run
 from tests.helpers import wait_for_no_active_sequences
 
 
@@ -33,7 +33,7 @@ def test_genai_perf_against_the_server(tiny_server, tiny_model_dir, tmp_path):
     exclude_input_in_output, sampling_parameters with numbers as strings)."""
     import subprocess
 
-    from client.genai_perf import install
+    from client.cli.genai_perf import install
 
     exe, env = install()
     artifacts = tmp_path / "genai-perf"

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.medusa import MedusaCheckpointError, MedusaHead, MedusaProposer, load_medusa, save_medusa
-from backends.proposer import DraftRequest, build_proposer
+from backends.methods.medusa import MedusaCheckpointError, MedusaHead, MedusaProposer, load_medusa, save_medusa
+from backends.serving.proposer import DraftRequest, build_proposer
 from tests.head_server import (CONTEXTS, ServedHeadTests, assert_batched_equals_one_at_a_time, fit_and_save,
                                soft_cross_entropy)
 from tests.helpers import target_hidden

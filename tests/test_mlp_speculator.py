@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.mlp_speculator import (MLPSpeculatorCheckpointError, MLPSpeculatorHead, MLPSpeculatorProposer,
+from backends.methods.mlp_speculator import (MLPSpeculatorCheckpointError, MLPSpeculatorHead, MLPSpeculatorProposer,
                                      load_mlp_speculator, save_mlp_speculator)
-from backends.proposer import DraftRequest, build_proposer
+from backends.serving.proposer import DraftRequest, build_proposer
 from tests.head_server import (CONTEXTS, ServedHeadTests, assert_batched_equals_one_at_a_time, fit_and_save,
                                soft_cross_entropy)
 from tests.helpers import target_hidden

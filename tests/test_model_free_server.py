@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.api import grpc_generate
+from client.api.triton import grpc_generate
 from tests.conftest import start_server
 from tests.helpers import hf_greedy, served_greedy_results
 

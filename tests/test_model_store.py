@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backends import model_store
-from backends.model_store import (NAMED_GROUPS, NAMED_MODELS, ModelNotFoundError, NamedModel, expand_name,
+from backends.runtime import model_store
+from backends.runtime.model_store import (NAMED_GROUPS, NAMED_MODELS, ModelNotFoundError, NamedModel, expand_name,
                                   fetch_named, resolve_model)
 
 

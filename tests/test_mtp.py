@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.eagle import _causal_mask
-from backends.mtp import MTPCheckpointError, MTPHead, MTPProposer, load_mtp, save_mtp
-from backends.proposer import DraftRequest, build_proposer
+from backends.methods.eagle import _causal_mask
+from backends.methods.mtp import MTPCheckpointError, MTPHead, MTPProposer, load_mtp, save_mtp
+from backends.serving.proposer import DraftRequest, build_proposer
 from tests.head_server import CONTEXTS, ServedHeadTests, fit_and_save, soft_cross_entropy
 from tests.helpers import check_ragged_batches, target_hidden
 from tests.synthetic_checkpoints import assert_refused

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from backends.ngram import NgramDrafter, NgramProposer
-from backends.proposer import DraftRequest, build_proposer, proposer_class
+from backends.methods.ngram import NgramDrafter, NgramProposer
+from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 
 
 def reference_lookup(tokens, min_n, max_n, k, max_model_len):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.ngram import NgramProposer
-from backends.ngram_gpu import NgramGPUDrafter
-from backends.proposer import DraftRequest, build_proposer
+from backends.methods.ngram import NgramProposer
+from backends.methods.ngram_gpu import NgramGPUDrafter
+from backends.serving.proposer import DraftRequest, build_proposer
 from kernels import ngram as nk
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

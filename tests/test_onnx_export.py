@@ -14,9 +14,9 @@ import torch
 
 from backends.config import SpeculativeConfig
 from backends.onnx_export import OnnxExportError, build_step, check_step, export_head, export_step
-from backends.proposer import DraftRequest, build_proposer
-from backends.target import TargetRunner, VerifyRequest
-from client.cli import main
+from backends.serving.proposer import DraftRequest, build_proposer
+from backends.serving.target import TargetRunner, VerifyRequest
+from client.cli.main import main
 from tests.synthetic_checkpoints import write_eagle1, write_eagle3
 from tests.synthetic_heads import write_medusa, write_mlp_speculator
 

@@ -14,8 +14,8 @@ import urllib.request
 import openai
 import pytest
 
-from backends.model_store import load_tokenizer
-from client.api import grpc_generate
+from backends.runtime.model_store import load_tokenizer
+from client.api.triton import grpc_generate
 from tests.conftest import free_ports
 from tests.helpers import wait_for_no_active_sequences
 
@@ -34,7 +34,7 @@ def api(tiny_server, tmp_path_factory):
     (tmp / "template.jinja").write_text(TEMPLATE)
     port = free_ports(1)[0]
     log = open(tmp / "openai.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "client.cli", "openai", "--url", tiny_server.grpc_url,
+    proc = subprocess.Popen([sys.executable, "-m", "client.cli.main", "openai", "--url", tiny_server.grpc_url,
                              "--port", str(port), "--chat-template", str(tmp / "template.jinja")],
                             stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -195,7 +195,7 @@ def test_a_client_leaving_mid_stream_cancels_the_generation(client, tiny_server)
 def test_genai_perf_openai_chat_mode(api, tiny_model_dir, tmp_path):
     """genai-perf's OpenAI mode (chat, streaming) runs its requests through the API and reports
     (`--endpoint-type completions` works the same way; checked by hand)."""
-    from client.genai_perf import install
+    from client.cli.genai_perf import install
 
     exe, env = install()
     artifacts = tmp_path / "genai-perf"

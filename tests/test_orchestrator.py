@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.detokenize import TextStream
-from backends.drafting import DraftCall, DraftService
-from backends.orchestrator import GenerationStats, generate
-from backends.proposer import Draft, Proposer, build_proposer
-from backends.request import GenerationRequest, RequestError
-from backends.target import SequenceError, TargetRunner, VerifyRequest
+from backends.serving.detokenize import TextStream
+from backends.serving.drafting import DraftCall, DraftService
+from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.proposer import Draft, Proposer, build_proposer
+from backends.serving.request import GenerationRequest, RequestError
+from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
 from tests.helpers import hf_greedy
 
 
@@ -158,7 +158,7 @@ def test_idle_sequences_are_released(runner, tokenizer):
 
 def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, tokenizer, tiny_model_dir):
     """With q = p every draft passes (u <= p/q = 1): the draft_probs path is wired through."""
-    from backends.request import SamplingParams
+    from backends.serving.request import SamplingParams
 
     ids = tokenizer(PROMPT)["input_ids"]
     drafts = list(hf_greedy(str(tiny_model_dir), PROMPT, 3))
@@ -172,7 +172,7 @@ def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, t
 
 
 def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokenizer):
-    from backends.target import KVCacheFullError, kv_bytes_per_token
+    from backends.serving.target import KVCacheFullError, kv_bytes_per_token
 
     probe = TargetRunner(tiny_model_dir, dtype="float32")
     per_token = kv_bytes_per_token(probe.model.config, "float32")

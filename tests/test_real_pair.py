@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from client.api import grpc_generate
+from client.api.triton import grpc_generate
 from tests.conftest import start_server
 from tests.helpers import hf_greedy
 
@@ -18,7 +18,7 @@ PROMPT = "def fibonacci(n):\n"
 
 
 def test_qwen_coder_pair_is_lossless(tmp_path):
-    from backends.model_store import fetch
+    from backends.runtime.model_store import fetch
 
     target, draft = fetch("qwen2.5-coder-1.5b"), fetch("qwen2.5-coder-0.5b")
     config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}

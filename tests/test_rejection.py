@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from backends.rejection import (AcceptanceStats, apply_temperature_top_k_top_p, apply_top_k_top_p,
+from backends.serving.rejection import (AcceptanceStats, apply_temperature_top_k_top_p, apply_top_k_top_p,
                                 rejection_sample, rejection_sample_batch)
 from kernels import rejection as rk
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from backends.rejection import rejection_sample_batch
+from backends.serving.rejection import rejection_sample_batch
 from kernels import rejection as rk
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from backends.request import RequestError, parse_request
+from backends.serving.request import RequestError, parse_request
 
 
 def test_defaults_follow_vllm():

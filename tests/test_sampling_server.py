@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from client.api import grpc_generate
+from client.api.triton import grpc_generate
 from tests.helpers import _load, coarse_total_variation
 
 # Ends with an n-gram seen earlier in the prompt, so ngram drafts the very first tokens.

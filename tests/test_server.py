@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client.api import GenerationError, grpc_generate, http_generate
+from client.api.triton import GenerationError, grpc_generate, http_generate
 from tests.helpers import active_sequences, hf_greedy, metric_values, wait_for_no_active_sequences
 
 PROMPTS = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.api import http_generate
+from client.api.triton import http_generate
 from tests.conftest import start_server
 from tests.helpers import hf_greedy, served_greedy_results
 
@@ -26,7 +26,7 @@ def smollm2_server(smollm2_dir, tmp_path_factory):
 
 
 def test_checkpoint_is_the_pinned_one(smollm2_dir):
-    from backends.model_store import NAMED_MODELS, cache_dir, sha256_file
+    from backends.runtime.model_store import NAMED_MODELS, cache_dir, sha256_file
 
     spec = NAMED_MODELS["smollm2-135m"]
     assert sha256_file(cache_dir() / "gguf" / spec.gguf_name) == spec.sha256

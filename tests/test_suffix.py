@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from backends.config import SpeculativeConfig
-from backends.proposer import DraftRequest, build_proposer
-from backends.suffix import SuffixDecodingCache, SuffixDrafter, SuffixTree
+from backends.serving.proposer import DraftRequest, build_proposer
+from backends.methods.suffix import SuffixDecodingCache, SuffixDrafter, SuffixTree
 
 
 class RefTree:

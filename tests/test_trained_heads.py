@@ -9,7 +9,7 @@ import os
 import pytest
 
 from backends.training import TRAINERS, head_dir
-from client.bench import load_prompts
+from client.cli.bench import load_prompts
 from tests.conftest import start_server
 from tests.helpers import served_greedy_results
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from backends.eagle import EagleProposer, load_eagle
-from backends.head_checkpoint import TargetInfo
-from backends.proposer import DraftRequest
+from backends.methods.eagle import EagleProposer, load_eagle
+from backends.methods.head_checkpoint import TargetInfo
+from backends.serving.proposer import DraftRequest
 from backends.training.corpus import OPENINGS, check_held_out, overlaps_held_out, training_prompts
 from backends.training.data import prepare, self_written_prompts
 from backends.training.eagle import unroll
@@ -212,7 +212,7 @@ def test_self_written_prompts_need_a_chat_target(target_dir, tmp_path):
 
 
 def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys):
-    from client.cli import main
+    from client.cli.main import main
 
     code = main(["train", "eagle", "--target", str(target_dir), "--out", str(tmp_path / "h"),
                  "--data-dir", str(data_dir), "--prompts", "24", "--max-new-tokens", "24", "--epochs", "1"])
@@ -229,7 +229,7 @@ def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys
 
 def test_validation_prompts_feed_the_bench(target_dir, data_dir, tmp_path):
     """The head directory names its never-trained-on prompts, and the bench reads them."""
-    from client.bench import load_prompts
+    from client.cli.bench import load_prompts
 
     train("eagle", target_dir, tmp_path / "h", data_dir=data_dir, **SMALL)
     written = tmp_path / "h" / "validation_prompts.json"

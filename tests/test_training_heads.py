@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.proposer import DraftRequest, build_proposer, proposer_class
+from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 from backends.training.blocks import MaskEmbedding
 from backends.training.data import prepare
 from backends.training.eagle import unroll
@@ -27,7 +27,7 @@ SMALL = dict(epochs=8, lr=1e-2, num_steps=STEPS, num_prompts=None, max_new_token
 @pytest.fixture(scope="module")
 def corpus(target_dir, tmp_path_factory):  # noqa: F811
     """The tiny target's answers with every layer these methods read (one states file)."""
-    from backends.head_checkpoint import TargetInfo
+    from backends.methods.head_checkpoint import TargetInfo
 
     data_dir, prompts = tmp_path_factory.mktemp("heads-data"), tiny_prompts(target_dir)
     data = prepare(target_dir, data_dir, (-1, 0, 1, 2), None, 24, prompts=prompts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backends.model_store import cache_dir
+from backends.runtime.model_store import cache_dir
 
 # method -> "module:Class" of its HeadTrainer (backends/training/trainer.py).
 TRAINERS: dict[str, str] = {

@@ -1,6 +1,6 @@
 """Training DFlash and DSpark block drafters (`tritonspec train dflash|dspark`).
 
-The heads are the modules the proposers run (backends/dflash.py, backends/dspark.py), and a
+The heads are the modules the proposers run (backends/methods/dflash.py, backends/methods/dspark.py), and a
 training example is exactly one proposer pass: for an anchor token x_p (the token the
 target just emitted), the context is made from the target's states at positions 0..p-1 of
 the window, the block [x_p, MASK, ..., MASK] sits at positions p..p+B-1, attends to all of
@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.config import _aux_layer_ids
-from backends.dflash import DFlashHead, save_head
-from backends.dflash import default_config as dflash_config
-from backends.dspark import DSparkHead
-from backends.dspark import default_config as dspark_config
-from backends.head_checkpoint import TargetInfo
+from backends.methods.dflash import DFlashHead, save_head
+from backends.methods.dflash import default_config as dflash_config
+from backends.methods.dspark import DSparkHead
+from backends.methods.dspark import default_config as dspark_config
+from backends.methods.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
 from backends.training.eagle import Eagle3Trainer, _init_layer, _target_layer, draft_vocabulary
 from backends.training.steps import StepTrainer, draft_labels

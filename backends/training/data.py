@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backends.model_store import load_causal_lm, load_tokenizer
-from backends.target import _select_hidden
+from backends.runtime.model_store import load_causal_lm, load_tokenizer
+from backends.serving.target import _select_hidden
 from backends.training.corpus import CHAT, OPENINGS, check_held_out, overlaps_held_out, training_prompts
 
 

@@ -32,8 +32,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from backends.config import _aux_layer_ids
-from backends.eagle import Eagle1Head, Eagle3Head, EagleHead, _llama_config
-from backends.head_checkpoint import TargetInfo
+from backends.methods.eagle import Eagle1Head, Eagle3Head, EagleHead, _llama_config
+from backends.methods.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
 from backends.training.trainer import Batch, HeadTrainer, StepMetrics
 

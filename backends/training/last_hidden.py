@@ -1,7 +1,7 @@
 """Training Medusa-1 heads and IBM MLP speculators (`tritonspec train medusa|mlp_speculator`).
 
 Both draft from the target's final normed state f_t alone (layer id -1), and training runs
-them through the proposer's own protocol (backends/last_hidden.py: `begin(f_t)`, then
+them through the proposer's own protocol (backends/methods/last_hidden.py: `begin(f_t)`, then
 `step(d, state, token)` per draft), with the true tokens fed to each step (teacher forcing;
 Medusa's heads ignore them). Draft d is checked against the target's greedy token
 labels[t+1+d] where the answer follows the target's greedy chain (backends/training/steps.py).
@@ -18,7 +18,7 @@ Loss: cross entropy per head, head d weighted 0.8^d. Written in the vLLM-convert
 MLP speculator: `n_predict` stages with `tie_weights` and `scale_input` (as IBM's recent
 accelerators have them): one embedding, LM head and norm for all stages, `proj.0` from the
 target's state and `proj.1` shared by the later stages; state and embedding are weighted as
-the format fixes (backends/mlp_speculator.py). Start: the embedding is the target's, rescaled
+the format fixes (backends/methods/mlp_speculator.py). Start: the embedding is the target's, rescaled
 to the spread fms-extras initialises it with (std 1/sqrt(inner_dim)), so the state carries
 most of the first stage's input; the LM head is the target's, the norm's scale the target's
 final norm, the projections the identity. The format has no draft vocabulary, so each batch
@@ -33,9 +33,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from backends.head_checkpoint import TargetInfo
-from backends.medusa import MedusaHead, save_medusa
-from backends.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
+from backends.methods.head_checkpoint import TargetInfo
+from backends.methods.medusa import MedusaHead, save_medusa
+from backends.methods.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
 from backends.training.data import TrainingData
 from backends.training.eagle import CE_POSITIONS, Eagle3Trainer, _target_layer, draft_vocabulary
 from backends.training.steps import StepTrainer, draft_labels, served_copy

@@ -1,6 +1,6 @@
 """Training a DeepSeek-V3-style MTP layer for a target that has none (`tritonspec train mtp`).
 
-An MTP layer is structurally an EAGLE head (backends/mtp.py), so it is trained exactly like
+An MTP layer is structurally an EAGLE head (backends/methods/mtp.py), so it is trained exactly like
 one (backends/training/eagle.py): the training-time test unrolls `--ttt-steps` draft steps,
 each fed the layer's own output of the step before, with the attention pattern the proposer
 uses; serving reuses layer 0 for every draft step, and so does the unroll. Only the token
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from backends.head_checkpoint import TargetInfo
-from backends.mtp import MTPHead, save_mtp
+from backends.methods.head_checkpoint import TargetInfo
+from backends.methods.mtp import MTPHead, save_mtp
 from backends.training.data import TrainingData
 from backends.training.eagle import CE_POSITIONS, _EagleTrainer, _init_layer, _target_layer, head_config
 from backends.training.steps import served_copy

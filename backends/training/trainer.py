@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from backends.head_checkpoint import TargetInfo
+from backends.methods.head_checkpoint import TargetInfo
 from backends.training import TRAINERS
 from backends.training.data import TrainingData, prepare
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.device import resolve_device
+from backends.runtime.device import resolve_device
 
 SEQUENCE_START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -31,7 +31,7 @@ def model_parameters(args: dict) -> dict[str, str]:
 
 
 def instance_device(args: dict, params: dict[str, str], log: logging.Logger) -> str:
-    """The torch device of this model instance (backends/device.py's rule over its
+    """The torch device of this model instance (backends/runtime/device.py's rule over its
     instance_group kind and GPU, the `device` parameter and $TRITONSPEC_DEVICE), logged."""
     device, why = resolve_device(args.get("model_instance_kind", ""), args.get("model_instance_device_id", 0),
                                  params.get("device", ""))

@@ -11,9 +11,9 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
-from backends.drafting import DraftCall, DraftService
-from backends.model_store import DEFAULT_MODEL, context_window, load_config, resolve_model
-from backends.proposer import build_proposer
+from backends.serving.drafting import DraftCall, DraftService
+from backends.runtime.model_store import DEFAULT_MODEL, context_window, load_config, resolve_model
+from backends.serving.proposer import build_proposer
 from backends.triton_models.common import (
     SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, input_scalar,
     instance_device, model_parameters, setup_logging,

@@ -1,5 +1,5 @@
 """`speculative` model: the client-facing, decoupled orchestrator. Each request runs the
-draft -> verify loop of `backends.orchestrator` in its own worker thread, calling the
+draft -> verify loop of `backends.serving.orchestrator` in its own worker thread, calling the
 `drafter` and `verifier` models through (non-decoupled) BLS, and streams text back."""
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from backends.detokenize import TextStream
-from backends.extract_hidden_states import save_hidden_states
-from backends.model_store import DEFAULT_MODEL, context_window, load_config, load_tokenizer, resolve_model
-from backends.orchestrator import GenerationStats, StepOutput, generate
-from backends.request import GenerationRequest, RequestError, SamplingParams, parse_request
+from backends.serving.detokenize import TextStream
+from backends.methods.extract_hidden_states import save_hidden_states
+from backends.runtime.model_store import DEFAULT_MODEL, context_window, load_config, load_tokenizer, resolve_model
+from backends.serving.orchestrator import GenerationStats, StepOutput, generate
+from backends.serving.request import GenerationRequest, RequestError, SamplingParams, parse_request
 from backends.triton_models.common import (
     SEQUENCE_END, SEQUENCE_START, SpecDecodeCounters, bls, error_response, input_scalar,
     model_parameters, setup_logging,

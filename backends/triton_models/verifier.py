@@ -9,9 +9,9 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from backends.model_store import DEFAULT_MODEL, resolve_model
-from backends.request import SamplingParams
-from backends.target import TargetRunner, VerifyRequest
+from backends.runtime.model_store import DEFAULT_MODEL, resolve_model
+from backends.serving.request import SamplingParams
+from backends.serving.target import TargetRunner, VerifyRequest
 from backends.triton_models.common import (
     SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, instance_device,
     model_parameters, setup_logging,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends.proposer import Draft, DraftRequest, Proposer
+from backends.serving.proposer import Draft, DraftRequest, Proposer
 
 
 class BigramProposer(Proposer):

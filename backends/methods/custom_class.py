@@ -1,0 +1,100 @@
+"""`custom_class`: a user's proposer, named by its dotted path in `model`
+(`{"model": "my_pkg.my_module.MyProposer", "num_speculative_tokens": 4}`; `method` may be
+given as "custom_class" or left out, as in vLLM, vllm_spec_reference.md §3.13).
+
+The class implements the interface every built-in method implements (backends/serving/proposer.py):
+`propose(batch: list[DraftRequest]) -> list[Draft]` (one Draft per request, at most
+`request.num_tokens` target token ids each), `release(seq_id)`, and optionally
+`hidden_layer_ids` (the target layers whose hidden states it wants in
+`DraftRequest.hidden_states`, numbered as backends/serving/target.py numbers them). Subclassing
+`backends.proposer.Proposer` gives the defaults. It is built with
+`cls.from_config(config, max_model_len=..., dtype=..., target_model=..., seed=...)` when it
+has that classmethod, else `cls(config)` (`config` is the resolved SpeculativeConfig).
+
+The module must be importable by the Python that runs the Triton stub (the venv: install
+your package there, e.g. `pip install -e`; the stub ignores PYTHONPATH). A wrong path, an
+import error, a missing class, a class without the interface, or a constructor that fails
+is a load error naming the cause (the drafter model does not load, the others serve); a
+proposer that answers with the wrong shape fails its requests with an error saying what
+was wrong. client/examples/bigram_proposer.py is a worked example.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from backends.serving.proposer import Draft, DraftRequest, Proposer
+
+
+def load_class(path: str) -> type:
+    """The class a dotted path names, checked for the proposer interface."""
+    module_name, _, class_name = (path or "").rpartition(".")
+    if not module_name or not class_name:
+        raise ValueError(f"Invalid custom proposer module path {path!r}: expected 'module.ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an import error inside the user's module is theirs to read
+        raise ImportError(f"Cannot import module {module_name!r} for the custom proposer {path!r}: "
+                          f"{type(e).__name__}: {e}") from e
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise AttributeError(f"Module {module_name!r} has no attribute {class_name!r} (custom proposer {path!r})")
+    if not isinstance(cls, type):
+        raise TypeError(f"custom proposer {path!r} is a {type(cls).__name__}, not a class")
+    for name, args in (("propose", ([],)), ("release", (0,))):
+        method = getattr(cls, name, None)
+        if not callable(method):
+            raise TypeError(f"custom proposer class {path!r} has no callable {name}(); implement the interface "
+                            "of backends.proposer.Proposer (subclass it)")
+        try:
+            inspect.signature(method).bind(None, *args)  # self plus the interface's arguments
+        except TypeError as e:
+            raise TypeError(f"custom proposer class {path!r}: {name}{inspect.signature(method)} does not take "
+                            f"{'(self, batch)' if name == 'propose' else '(self, seq_id)'}: {e}") from e
+    return cls
+
+
+class CustomClass(Proposer):
+    """The registry's entry for `custom_class`: builds the user's proposer and checks what it
+    returns before the rest of the server relies on it."""
+
+    method = "custom_class"
+
+    def __init__(self, inner: Any, path: str) -> None:
+        self.inner, self.path = inner, path
+        ids = getattr(inner, "hidden_layer_ids", ()) or ()
+        if not isinstance(ids, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TypeError(f"custom proposer {path!r}: hidden_layer_ids must be a tuple of ints, got {ids!r}")
+        self.hidden_layer_ids = tuple(ids)
+        self.proposes_drafts = bool(getattr(inner, "proposes_drafts", True))
+
+    @classmethod
+    def from_config(cls, config: Any, **context: Any) -> "CustomClass":
+        user_class = load_class(config.model)
+        try:
+            factory = getattr(user_class, "from_config", None)
+            inner = factory(config, **context) if callable(factory) else user_class(config)
+        except Exception as e:
+            raise RuntimeError(f"Failed to instantiate custom proposer class {config.model!r}: "
+                               f"{type(e).__name__}: {e}") from e
+        return cls(inner, config.model)
+
+    def propose(self, batch: list[DraftRequest]) -> list[Draft]:
+        drafts = self.inner.propose(batch)
+        if not isinstance(drafts, list) or len(drafts) != len(batch):
+            got = f"a list of {len(drafts)}" if isinstance(drafts, list) else f"a {type(drafts).__name__}"
+            raise TypeError(f"custom proposer {self.path!r} returned {got} for {len(batch)} requests; expected a "
+                            "list with one Draft per request")
+        for req, draft in zip(batch, drafts):
+            if not isinstance(draft, Draft) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in draft.token_ids):
+                raise TypeError(f"custom proposer {self.path!r} returned {draft!r} for sequence {req.seq_id}; "
+                                "expected a backends.proposer.Draft of int token ids")
+            if len(draft.token_ids) > req.num_tokens:
+                raise ValueError(f"custom proposer {self.path!r} returned {len(draft.token_ids)} drafts for "
+                                 f"sequence {req.seq_id}, which asked for at most {req.num_tokens}")
+        return drafts
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)

@@ -1,0 +1,268 @@
+"""The `draft_model` drafter: a small causal LM proposes k tokens autoregressively.
+
+Each sequence keeps its own KV cache and the drafter tokens it holds. The caller passes the
+whole token list every step; the proposer crops its cache back to the first token that
+differs (the first rejected draft, or the target's correction) and feeds only what is new,
+then k - 1 drafts (the k-th is sampled but never fed: it may be rejected).
+
+A batch runs one forward per draft position over all its sequences: the per-sequence caches
+are left-padded to the longest and stacked, the new tokens right-padded, an attention mask
+hides both pads and explicit position ids keep each sequence's own positions. The new KV is
+appended back to each sequence's cache afterwards.
+
+Greedy drafts (the default) come without probabilities: an argmax draft was drawn from a
+one-hot distribution, which is what the rejection sampler assumes when it gets none (vLLM's
+"one-hot treatment"). Passing the softmax instead would bias sampled verification: a draft x
+would be accepted with probability min(1, p(x)/q(x)) although it was proposed with
+probability 1. `probabilistic` drafts are sampled from the softmax at the request's own
+temperature and come with it; a greedy request still drafts the argmax (vLLM: sampling
+drafts for a request that accepts only the argmax would only lower its acceptance).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from backends.methods.hetero_vocab import TextBridge
+from backends.runtime.model_store import load_causal_lm, load_tokenizer, resolve_model
+from backends.serving.proposer import Draft, DraftRequest, SequenceProposer
+from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
+
+SAMPLE_METHODS = ("greedy", "probabilistic")
+QUANTIZATIONS = (None, "int8")
+
+
+@dataclass
+class _SeqState:
+    cache: DynamicCache
+    token_ids: list[int] = field(default_factory=list)  # exactly the tokens `cache` holds
+
+
+@dataclass
+class _Work:
+    """One sequence's part of a propose call."""
+
+    index: int  # position in the batch
+    state: _SeqState
+    context: list[int]  # the sequence in the drafter's vocabulary
+    new_ids: list[int]  # context tokens not in the cache yet (at least one)
+    num_drafts: int
+    temperature: float  # the request's; probabilistic drafts are sampled at it
+    drafts: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [num_drafts, V] on the drafter's device (probabilistic)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix; a binary search whose comparisons run in C."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class DraftModelProposer(SequenceProposer):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_model_len: int,
+        sample_method: str = "greedy",
+        bridge: TextBridge | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if sample_method not in SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
+        if bridge is not None and sample_method != "greedy":
+            raise ValueError("use_heterogeneous_vocab supports greedy draft sampling only")
+        self.model = model
+        self.device = next(model.parameters()).device
+        limit = getattr(model.config, "max_position_embeddings", None) or max_model_len
+        self.max_model_len = min(limit, max_model_len)
+        self.sample_method = sample_method
+        self.bridge = bridge
+        self.generator = new_generator(self.device, seed)
+        super().__init__()
+
+    @classmethod
+    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
+                    target_model: Path | str | None = None, seed: int | None = None,
+                    device: str = "cpu", **_: Any) -> "DraftModelProposer":
+        if (config.draft_tensor_parallel_size or 1) != 1:
+            raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
+                             "the draft model runs on one device here; use 1")
+        if config.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={config.quantization!r} is not supported for the draft "
+                             "model; use null or 'int8' (dynamic int8 of the linear layers)")
+        if config.quantization == "int8" and torch.device(device).type != "cpu":
+            raise ValueError(f"quantization='int8' (dynamic int8) runs on the CPU only, but this drafter's device "
+                             f"is {device}; drop the quantization or run the drafter on cpu")
+        if not config.model:
+            raise ValueError("draft_model needs `model`: a named model, an HF directory or a GGUF file")
+        path = resolve_model(config.model)
+        # Dynamic int8 quantizes float32 linears (its matmuls run in float32 anyway).
+        model = load_causal_lm(path, "float32" if config.quantization == "int8" else dtype)
+        if config.quantization == "int8":
+            model = quantize_int8(model)
+        model = model.to(device)  # weights, and so the KV caches and the generator, live there
+        bridge = None
+        if config.use_heterogeneous_vocab:
+            if target_model is None:
+                raise ValueError("use_heterogeneous_vocab needs the target model's tokenizer "
+                                 "(target_model was not given)")
+            bridge = TextBridge(load_tokenizer(Path(target_model)), load_tokenizer(path))
+        return cls(model, max_model_len, config.draft_sample_method, bridge, seed)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftRequest]) -> list[Draft]:
+        drafts = [Draft() for _ in batch]
+        work = []
+        for i, req in enumerate(batch):
+            context = self.bridge.to_draft(req.token_ids) if self.bridge else req.token_ids
+            num_drafts = min(req.num_tokens, self.max_model_len - len(context))
+            if num_drafts <= 0 or not context:
+                continue
+            state = self._seqs.get(req.seq_id)
+            if state is None:
+                state = self._seqs[req.seq_id] = _SeqState(DynamicCache(config=self.model.config))
+            work.append(_Work(i, state, context, self._rollback(state, context), num_drafts, req.temperature))
+        if len(work) == 1:
+            self._run_one(work[0])
+        elif work:
+            self._run_batch(work)
+        for w in work:
+            req = batch[w.index]
+            if self.bridge:
+                drafts[w.index] = Draft(self.bridge.to_target(req.token_ids, w.context, w.drafts, req.num_tokens))
+            else:
+                drafts[w.index] = Draft(w.drafts, w.probs)
+        return drafts
+
+    def _rollback(self, state: _SeqState, context: list[int]) -> list[int]:
+        """Crop the cache to the longest prefix it shares with `context`; the tokens to feed.
+        At least the last token is fed again, since its logits are what the first draft needs."""
+        keep = min(common_prefix_len(state.token_ids, context), len(context) - 1)
+        if len(state.token_ids) > keep:
+            state.cache.crop(keep - len(state.token_ids))
+            del state.token_ids[keep:]
+        return context[keep:]
+
+    def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
+        """One draft per row of `logits` [B, V] (row i: work[i]); the tokens [B] stay on the
+        device and are fed back as they are, `steps` collects (tokens, probs) for `gather_drafts`."""
+        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work], self.generator)
+        steps.append((tokens, probs))
+        return tokens
+
+    def _run_one(self, w: _Work) -> None:
+        """A lone sequence runs on its own cache: no padding, no copies."""
+        ids, steps = torch.tensor([w.new_ids], device=self.device), []
+        for _ in range(w.num_drafts):
+            logits = self.model(input_ids=ids, cache=w.state.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            ids = self._sample(logits, [w], steps).unsqueeze(1)
+        (w.drafts,), (w.probs,) = gather_drafts(steps, [w.num_drafts])
+        # The last draft was sampled but not fed: the cache holds context + drafts[:-1].
+        w.state.token_ids.extend(w.new_ids + w.drafts[:-1])
+
+    def _run_batch(self, work: list[_Work]) -> None:
+        cached = [len(w.state.token_ids) for w in work]
+        lengths = [len(w.new_ids) for w in work]
+        max_cached, max_len = max(cached), max(lengths)
+        cache = _stack_caches([w.state.cache for w in work], cached, self.model.config)
+        input_ids = [w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)]
+        mask = torch.tensor([[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n)
+                             for c, n in zip(cached, lengths)], device=self.device)
+        positions = torch.tensor([list(range(c, c + max_len)) for c in cached], device=self.device)
+        last = torch.tensor([[n - 1] for n in lengths], device=self.device)  # each row's last real token
+        steps = max(w.num_drafts for w in work)
+        ids, sampled = torch.tensor(input_ids, device=self.device), []
+        for step in range(steps):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                use_cache=True, logits_to_keep=last).logits[:, -1]
+            ids = self._sample(logits, work, sampled).unsqueeze(1)
+            if step + 1 == steps:
+                break
+            mask = F.pad(mask, (0, 1), value=1)
+            positions = positions.gather(1, last) + 1
+            last = torch.zeros_like(last)
+        for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
+            w.drafts, w.probs = drafted, probs
+        # Back into each sequence's cache: its new tokens, then the drafts that were fed.
+        for row, w in enumerate(work):
+            keep = torch.cat([torch.arange(max_cached, max_cached + lengths[row], device=self.device),
+                              torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1,
+                                           device=self.device)])
+            for layer_idx, layer in enumerate(cache.layers):
+                w.state.cache.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep],
+                                     layer_idx)
+            w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
+
+
+def sample_drafts(logits: torch.Tensor, sample_method: str, temperatures: list[float],
+                  generator: torch.Generator | None, to_target: torch.Tensor | None = None,
+                  target_vocab_size: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts from `logits` [B, ..., V_d] (row i belongs to a request at `temperatures[i]`):
+    the argmax for greedy drafting and for greedy requests (temperature < 1e-5); otherwise a
+    sample from softmax(logits / temperature), as vLLM's probabilistic drafting (temperature
+    only, no top-k/top-p). Returns the tokens [B, ...] as target ids (`to_target` maps draft
+    vocabulary ids) and, when any row sampled, the probabilities [B, ..., V] in the target
+    vocabulary (`target_vocab_size`; 0 outside the draft vocabulary; greedy rows' go unused)."""
+    logits = logits.float()
+    greedy = [t < GREEDY_TEMPERATURE_EPS for t in temperatures]
+    tokens, probs = logits.argmax(dim=-1), None
+    if sample_method == "probabilistic" and not all(greedy):
+        rows = (-1,) + (1,) * (tokens.dim() - 1)  # broadcasts a per-row value over a row's slots
+        scale = torch.tensor([1.0 if g else t for g, t in zip(greedy, temperatures)], device=logits.device)
+        probs = (logits / scale.view(*rows, 1)).softmax(dim=-1)
+        sampled = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(tokens.shape)
+        tokens = torch.where(torch.tensor(greedy, device=logits.device).view(rows), tokens, sampled)
+        if to_target is not None:
+            probs = probs.new_zeros(*probs.shape[:-1], target_vocab_size).index_copy_(-1, to_target, probs)
+    return (tokens if to_target is None else to_target[tokens]), probs
+
+
+def gather_drafts(steps: list[tuple[torch.Tensor, torch.Tensor | None]],
+                  counts: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Each row's drafts from the (tokens [B], probs [B, V] or None) of every draft step, cut
+    to the row's count, and its probabilities [count, V] (None for greedy drafts). The ids
+    cross to the host once per propose call; the probabilities stay on the device."""
+    tokens = torch.stack([t for t, _ in steps], dim=1).tolist()
+    probs = None if steps[0][1] is None else torch.stack([p for _, p in steps], dim=1)
+    return ([row[:n] for row, n in zip(tokens, counts)],
+            [None if probs is None else probs[row, :n] for row, n in enumerate(counts)])
+
+
+def _stack_caches(caches: list[DynamicCache], lengths: list[int], config: Any) -> DynamicCache:
+    """One batched cache from per-sequence caches of `lengths`, each left-padded to the longest."""
+    batched = DynamicCache(config=config)
+    longest = max(lengths)
+    if longest == 0:
+        return batched
+    shaped = next(c for c, n in zip(caches, lengths) if n)  # gives an empty cache its shape
+    for layer_idx, template in enumerate(shaped.layers):
+        keys, values = [], []
+        for cache, n in zip(caches, lengths):
+            own = cache.layers[layer_idx] if n else template
+            keys.append(F.pad(own.keys[:1, :, :n], (0, 0, longest - n, 0)))
+            values.append(F.pad(own.values[:1, :, :n], (0, 0, longest - n, 0)))
+        batched.update(torch.cat(keys), torch.cat(values), layer_idx)
+    return batched
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Dynamic int8 of every nn.Linear: about 2x faster drafting on CPU. Not bit-equal to the
+    float model (the activation scale depends on the whole input), which only costs acceptance:
+    the target decides every token."""
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)

@@ -1,0 +1,71 @@
+"""`extract_hidden_states`: no drafting; every request returns the target's hidden states of
+the configured layers (training data for drafter heads), as vLLM's method of that name.
+
+Config (vLLM's, vllm_spec_reference.md §3.12): `num_speculative_tokens` 1 (or absent) and
+the layer ids in `draft_model_config: {"hf_config": {"eagle_aux_hidden_state_layer_ids":
+[...]}}` (or top-level `eagle_aux_hidden_state_layer_ids`); `model` may be omitted.
+
+Layer ids use the verifier's numbering (backends/serving/target.py): id i is the residual stream
+entering decoder layer i = Hugging Face's `output_hidden_states[i]` (0 = the embedding
+output), and id L (the number of layers) is HF's last entry, the final hidden state after
+the final norm (vLLM saves the un-normalized one there).
+
+The data path: the drafter answers its first call with these layer ids and k = 0 (it never
+drafts); the orchestrator then runs plain decoding, asking the verifier for those layers on
+every step, and yields each step's rows; the `speculative` model returns them all with the
+final response as `hidden_states` (FP32 [tokens, layers, hidden]) and `hidden_layer_ids`,
+and, when its `hidden_states_dir` parameter is set, writes them to
+`<hidden_states_dir>/<request>.safetensors` (`save_hidden_states`), naming the file in
+`hidden_states_file`.
+
+Which positions: row t is the target's state at position t of prompt + output, for
+t = 0 .. len(prompt) + len(output) - 2, i.e. every token that went through the target (the
+state at t is the one that predicted token t+1); the last output token never went through
+it. A request with `num_draft_tokens: 0` skips the drafter, so it returns no hidden states.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.methods.head_checkpoint import TargetInfo
+from backends.serving.proposer import Draft, DraftRequest, Proposer
+
+
+class HiddenStateExtractor(Proposer):
+    method = "extract_hidden_states"
+    proposes_drafts = False
+
+    def __init__(self, layer_ids: list[int], num_layers: int) -> None:
+        if not layer_ids or len(set(layer_ids)) != len(layer_ids) or not all(
+                isinstance(i, int) and 0 <= i <= num_layers for i in layer_ids):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids {layer_ids} must be distinct layer ids in "
+                             f"[0, {num_layers}] (i = the input of decoder layer i, {num_layers} = the final "
+                             "normed state)")
+        self.hidden_layer_ids = tuple(layer_ids)
+
+    @classmethod
+    def from_config(cls, config: Any, target_model: Path | str | None = None, **_: Any) -> "HiddenStateExtractor":
+        if target_model is None:
+            raise ValueError("extract_hidden_states needs the target model (its number of layers)")
+        return cls(list(config.eagle_aux_hidden_state_layer_ids or []), TargetInfo.load(target_model).num_layers)
+
+    def propose(self, batch: list[DraftRequest]) -> list[Draft]:
+        return [Draft() for _ in batch]
+
+
+def save_hidden_states(path: Path, hidden_states: torch.Tensor, token_ids: list[int], layer_ids: tuple[int, ...],
+                       num_prompt_tokens: int) -> Path:
+    """One request's safetensors file: `hidden_states` FP32 [T, layers, H] (row t = position
+    t), `token_ids` int64 [T + 1] (prompt + output), `layer_ids` int64 [layers]; the prompt
+    length in the metadata."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"hidden_states": hidden_states.float().contiguous(),
+               "token_ids": torch.tensor(token_ids, dtype=torch.int64),
+               "layer_ids": torch.tensor(layer_ids, dtype=torch.int64)},
+              path, metadata={"num_prompt_tokens": str(num_prompt_tokens)})
+    return path

@@ -1,0 +1,127 @@
+"""Reading drafter-head checkpoints, shared by every head family (EAGLE, EAGLE-3, MTP,
+Medusa, MLP speculator, DFlash, DSpark): the target a head drafts for, a checkpoint's
+config.json and tensors, and the key-by-key check that names whatever does not fit. Each
+family raises its own subclass of `HeadCheckpointError`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from backends.config import _speculators_draft_config
+from backends.runtime.model_store import _gguf_kwargs, load_causal_lm
+
+
+class HeadCheckpointError(ValueError):
+    """A head checkpoint that does not fit the layout it claims or the target it drafts for."""
+
+
+@dataclass
+class TargetInfo:
+    """What a head needs to know about (and borrow from) its target."""
+
+    path: Path
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+    @classmethod
+    def load(cls, path: Path | str) -> "TargetInfo":
+        path = Path(path)
+        where, kwargs = _gguf_kwargs(path)
+        cfg = AutoConfig.from_pretrained(where, **kwargs).get_text_config()
+        return cls(path, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers)
+
+    def weight(self, which: str) -> torch.Tensor:
+        """The target's "embed" or "lm_head" weight, read alone from its safetensors when
+        possible (a full load only for other formats)."""
+        names = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
+                 "lm_head": ("lm_head.weight", "model.embed_tokens.weight")}[which]  # tied: embed
+        if self.path.is_dir():
+            from safetensors import safe_open
+
+            for name in names:
+                for file in sorted(self.path.glob("*.safetensors")):
+                    with safe_open(file, "pt") as st:
+                        if name in st.keys():
+                            return st.get_tensor(name)
+        model = load_causal_lm(self.path, "float32")
+        module = model.get_input_embeddings() if which == "embed" else model.get_output_embeddings()
+        return module.weight.detach()
+
+
+def read_state_dict(path: Path, bins: tuple[str, ...] = ("pytorch_model*.bin",),
+                    keep: Callable[[str], bool] | None = None,
+                    error: type[HeadCheckpointError] = HeadCheckpointError) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint directory: *.safetensors, else the files matching `bins`;
+    only the keys `keep` accepts when given (safetensors then reads nothing else, so heads
+    stored inside a large target checkpoint load without it)."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        state = {}
+        for file in files:
+            with safe_open(file, "pt") as st:
+                state.update({k: st.get_tensor(k) for k in st.keys() if keep is None or keep(k)})
+        return state
+    files = sorted({f for pattern in bins for f in path.glob(pattern)})
+    if not files:
+        raise error(f"{path}: no *.safetensors or {' / '.join(bins)}")
+    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()
+            if keep is None or keep(k)}
+
+
+def read_config(path: Path, error: type[HeadCheckpointError] = HeadCheckpointError) -> dict[str, Any]:
+    """config.json, with the speculators format flattened as vLLM does."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{path}: cannot read config.json: {e}") from e
+    return _speculators_draft_config(cfg, str(path)) if "speculators_model_type" in cfg else cfg
+
+
+def normalize_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keys as the head names them (no `model.` prefix, `midlayer.` = `layers.0.`), and each
+    one's spelling in the file for error messages."""
+    out, spelled = {}, {}
+    for key, value in state.items():
+        name = key.removeprefix("model.")
+        if name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        out[name], spelled[name] = value, key
+    return out, spelled
+
+
+def check_keys(head: nn.Module, state: dict[str, torch.Tensor], spelled: dict[str, str], optional: set[str],
+               extra: dict[str, tuple[int, ...]], where: str, spell: Callable[[str], str] | None = None,
+               error: type[HeadCheckpointError] = HeadCheckpointError) -> None:
+    """Refuse missing, unexpected or misshapen tensors, naming each one (a missing key as
+    `spell` writes it in the checkpoint's layout, when given) with an `error`."""
+    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    expected.update(extra)
+    spell = spell or (lambda k: k)
+    problems = [f"missing key {spell(k)!r} (expected shape {list(shape)})"
+                for k, shape in expected.items() if k not in state and k not in optional and k not in extra]
+    for key, value in state.items():
+        if key not in expected:
+            problems.append(f"unexpected key {spelled[key]!r} (shape {list(value.shape)})")
+        elif tuple(value.shape) != expected[key]:
+            problems.append(f"{spelled[key]!r} has shape {list(value.shape)}, expected {list(expected[key])}")
+    if problems:
+        raise error(f"{where} does not fit the target: " + "; ".join(problems))
+
+
+def draft_to_target(d2t: torch.Tensor, vocab_size: int, where: str,
+                    error: type[HeadCheckpointError] = HeadCheckpointError) -> torch.Tensor:
+    """Target ids of the draft vocabulary (target id = draft id + d2t[draft id]), checked."""
+    ids = torch.arange(len(d2t)) + d2t.long()
+    if ids.min() < 0 or ids.max() >= vocab_size or len(ids.unique()) != len(ids):
+        raise error(f"{where}: d2t maps draft ids outside [0, {vocab_size}) or two draft ids to one target id")
+    return ids

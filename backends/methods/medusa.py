@@ -1,0 +1,237 @@
+"""`medusa`: Medusa-1 heads draft k tokens at once from the target's last hidden state.
+
+Head h (0-based) reads the target's final normed state f_t (layer id -1, what the target's LM
+head reads; Medusa ignores the token x_{t+1} that f_t produced) and predicts x_{t+2+h}:
+z = f_t, then for each of the head's L blocks z = z + SiLU(W z + b), and logits = W_h z. The
+drafts are the top-1 of heads 0..k-1 (vLLM's chain mode; /work/shared/reference/
+checkpoint_formats.md §4, vllm_spec_reference.md §3.8). With `draft_sample_method:
+probabilistic` each head's token is sampled from its softmax and sent with it (a head's
+distribution does not depend on the earlier drafts, which rejection sampling allows).
+
+Checkpoint layouts, decided from the keys (never the name):
+- FasterDecoding (`medusa_lm_head.safetensors` / `medusa_lm_head.pt`, keys optionally prefixed
+  `medusa_head.`): `{h}.{l}.linear.weight` [H, H] and `.bias` [H] for l < L, `{h}.{L}.weight`
+  [V, H]. Old config.json files hold only `medusa_num_heads` / `medusa_num_layers` (one
+  official upload under-reports the heads), so heads, L, H and V are read from the tensors.
+- vLLM-converted (`model_type: medusa`, `hidden_size`, `vocab_size`, `num_heads`,
+  `num_hidden_layers`, optional `medusa_fc_bias`, `original_lm_head`, `truncated_vocab_size`):
+  `blocks.{h}.layers.{l}.weight` (+ `.bias`), `lm_heads.{h}.weight` (only `lm_heads.0` with
+  `original_lm_head`), optional `token_map` [V_d] (target id of each draft id).
+
+The head count is `num_speculative_tokens` as in vLLM: heads beyond it are not loaded. Unlike
+vLLM, which leaves missing heads uninitialised, a checkpoint with fewer heads is refused.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
+from backends.methods.last_hidden import LastHiddenProposer
+from backends.runtime.model_store import resolve_model
+
+LAYOUTS = ("vllm", "medusa")  # vLLM-converted, FasterDecoding
+_BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # FasterDecoding keys
+_HEAD = re.compile(r"(\d+)\.(\d+)\.weight")
+
+
+class MedusaCheckpointError(HeadCheckpointError):
+    """A Medusa checkpoint that is malformed or does not fit the target."""
+
+
+class _Blocks(nn.Module):
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
+
+
+class MedusaHead(nn.Module):
+    """Medusa-1 heads under vLLM's parameter names. `config` (vLLM's Medusa fields):
+    `num_heads`, `num_hidden_layers`, `medusa_fc_bias` (default true: the FasterDecoding
+    blocks have biases), `original_lm_head` (one shared LM head), `truncated_vocab_size` (a
+    draft vocabulary mapped to the target's by `token_map`)."""
+
+    def __init__(self, config: dict[str, Any], target: TargetInfo) -> None:
+        super().__init__()
+        h = target.hidden_size
+        self.num_heads = config["num_heads"]
+        self.num_layers = config["num_hidden_layers"]
+        self.bias = bool(config.get("medusa_fc_bias", True))
+        self.shared_lm_head = bool(config.get("original_lm_head", False))
+        vocab = config.get("truncated_vocab_size") or target.vocab_size
+        self.target_hidden_size, self.target_vocab_size = h, target.vocab_size
+        self.blocks = nn.ModuleList(_Blocks(h, self.num_layers, self.bias) for _ in range(self.num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(h, vocab, bias=False)
+                                      for _ in range(1 if self.shared_lm_head else self.num_heads))
+        # [V_d] target id of each draft id; None: the draft vocabulary is the target's.
+        self.register_buffer("token_map", torch.arange(vocab) if vocab != target.vocab_size else None)
+
+    @property
+    def num_steps(self) -> int:
+        return self.num_heads
+
+    @property
+    def draft_to_target(self) -> torch.Tensor | None:
+        return self.token_map
+
+    def head_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        z = hidden
+        for linear in self.blocks[index].layers:
+            z = z + F.silu(linear(z))
+        return self.lm_heads[0 if self.shared_lm_head else index](z)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every head's logits [..., num_heads, V_d] for final hidden states [..., H_t]."""
+        return torch.stack([self.head_logits(i, hidden) for i in range(self.num_heads)], dim=-2)
+
+    # The LastHiddenProposer protocol: head i reads the same state, whatever the drafts.
+    def begin(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def step(self, index: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head_logits(index, state), state
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_medusa(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
+                num_heads: int | None = None) -> MedusaHead:
+    """Load a Medusa checkpoint directory (either layout) for `target`, keeping its first
+    `num_heads` heads (default: all)."""
+    path = Path(path)
+    where = f"Medusa checkpoint {path}"
+    cfg = read_config(path, MedusaCheckpointError)
+    raw = read_state_dict(path, bins=("medusa_lm_head.pt", "pytorch_model*.bin"), error=MedusaCheckpointError)
+    state, spelled = {}, {}
+    for key, value in raw.items():
+        name = key.removeprefix("medusa_head.").removeprefix("model.")
+        state[name], spelled[name] = value, key
+    faster = any(_BLOCK.fullmatch(k) or _HEAD.fullmatch(k) for k in state)
+    if faster:
+        state, spelled, layers = _from_faster_decoding(state, spelled, where)
+        bias = any(k.endswith(".bias") for k in state)
+    else:
+        layers = _count(state, r"blocks\.0\.layers\.(\d+)\.weight")
+        bias = cfg.get("medusa_fc_bias", any(k.endswith(".bias") for k in state))
+    found = max(_count(state, r"lm_heads\.(\d+)\.weight"), _count(state, r"blocks\.(\d+)\.layers\.0\.weight"))
+    if found == 0:
+        raise MedusaCheckpointError(
+            f"{where}: no Medusa heads: expected 'lm_heads.{{h}}.weight' (vLLM layout) or '{{h}}.{{L}}.weight' "
+            f"(FasterDecoding layout) keys; found {sorted(spelled.values())[:5]}")
+    keep = found if num_heads is None else num_heads
+    if keep > found:
+        raise MedusaCheckpointError(f"{where}: num_speculative_tokens={keep} needs {keep} Medusa heads, "
+                                    f"but the checkpoint has {found}")
+    if cfg.get("hidden_size", target.hidden_size) != target.hidden_size:
+        raise MedusaCheckpointError(f"{where}: hidden_size {cfg['hidden_size']} in config.json, but the target's "
+                                    f"hidden size is {target.hidden_size}")
+    config = {"num_heads": keep, "num_hidden_layers": layers, "medusa_fc_bias": bool(bias),
+              "original_lm_head": bool(cfg.get("original_lm_head", False))}
+    token_map = state.get("token_map")
+    if token_map is not None and len(token_map) < target.vocab_size:
+        config["truncated_vocab_size"] = len(token_map)
+    else:
+        state.pop("token_map", None)  # absent, or the whole vocabulary: nothing to map
+    head = MedusaHead(config, target)
+    # Heads beyond the kept ones are not loaded (vLLM: num_heads = num_speculative_tokens).
+    head_of = re.compile(r"(?:blocks|lm_heads)\.(\d+)\..*")
+    state = {k: v for k, v in state.items() if not ((m := head_of.fullmatch(k)) and int(m.group(1)) >= keep)}
+    spell = (lambda k: _faster_decoding_key(k, layers)) if faster else None
+    check_keys(head, state, spelled, set(), {}, where, spell, error=MedusaCheckpointError)
+    head.load_state_dict(state)
+    if head.token_map is not None:
+        _check_token_map(head.token_map, target.vocab_size, where)
+    return head.to(getattr(torch, dtype)).eval()
+
+
+def _count(state: dict[str, torch.Tensor], pattern: str) -> int:
+    """1 + the largest index matching `pattern` (0 when none does)."""
+    found = [int(m.group(1)) for k in state if (m := re.fullmatch(pattern, k))]
+    return max(found) + 1 if found else 0
+
+
+def _from_faster_decoding(state: dict[str, torch.Tensor], spelled: dict[str, str],
+                          where: str) -> tuple[dict[str, torch.Tensor], dict[str, str], int]:
+    """FasterDecoding keys under vLLM's names, and the number of blocks per head."""
+    layers = {int(m.group(1)): int(m.group(2)) for k in state if (m := _HEAD.fullmatch(k))}
+    out, names = {}, {}
+    for key, value in state.items():
+        if m := _BLOCK.fullmatch(key):
+            name = f"blocks.{m.group(1)}.layers.{m.group(2)}.{m.group(3)}"
+        elif m := _HEAD.fullmatch(key):
+            name = f"lm_heads.{m.group(1)}.weight"
+        else:
+            name = key  # refused by the key check, under its own spelling
+        out[name], names[name] = value, spelled[key]
+    depths = set(layers.values())
+    if len(depths) > 1:
+        per_head = ", ".join(f"head {h}: '{h}.{n}.weight'" for h, n in sorted(layers.items()))
+        raise MedusaCheckpointError(f"{where}: the heads have different numbers of blocks ({per_head})")
+    return out, names, depths.pop() if depths else 0
+
+
+def _check_token_map(token_map: torch.Tensor, vocab_size: int, where: str) -> None:
+    if token_map.min() < 0 or token_map.max() >= vocab_size or len(token_map.unique()) != len(token_map):
+        raise MedusaCheckpointError(f"{where}: token_map maps draft ids outside [0, {vocab_size}) or two draft ids "
+                                    "to one target id")
+
+
+# ---------------------------------------------------------------------------- saving
+
+
+def save_medusa(head: MedusaHead, out: Path | str, layout: str = "vllm",
+                base_model: str | None = None) -> None:
+    """Write `head` as config.json + model.safetensors in the vLLM-converted layout (detected
+    as medusa by its model_type), or `layout="medusa"`: FasterDecoding's
+    medusa_lm_head.safetensors with a `medusa_num_heads` / `medusa_num_layers` config."""
+    from safetensors.torch import save_file
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if layout == "vllm":
+        config = {"model_type": "medusa", "architectures": ["MedusaModel"],
+                  "hidden_size": head.target_hidden_size, "vocab_size": head.target_vocab_size,
+                  "num_heads": head.num_heads, "num_hidden_layers": head.num_layers,
+                  "medusa_fc_bias": head.bias, "original_lm_head": head.shared_lm_head}
+        if head.token_map is not None:
+            config["truncated_vocab_size"] = len(head.token_map)
+        name = "model.safetensors"
+    else:
+        if head.shared_lm_head or head.token_map is not None or not head.bias:
+            raise ValueError("the FasterDecoding layout has a biased block and an own full-vocabulary LM head "
+                             "per head; save this head with layout='vllm'")
+        state = {_faster_decoding_key(k, head.num_layers): v for k, v in state.items()}
+        config = {"medusa_num_heads": head.num_heads, "medusa_num_layers": head.num_layers,
+                  "base_model_name_or_path": base_model}
+        name = "medusa_lm_head.safetensors"
+    save_file(state, out / name)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _faster_decoding_key(name: str, num_layers: int) -> str:
+    if m := re.fullmatch(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", name):
+        return f"{m.group(1)}.{m.group(2)}.linear.{m.group(3)}"
+    if m := re.fullmatch(r"lm_heads\.(\d+)\.weight", name):
+        return f"{m.group(1)}.{num_layers}.weight"
+    return name
+
+
+# ---------------------------------------------------------------------------- the proposer
+
+
+class MedusaProposer(LastHiddenProposer):
+    method = "medusa"
+
+    @classmethod
+    def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MedusaHead:
+        return load_medusa(resolve_model(config.model), target, dtype, config.num_speculative_tokens)

@@ -1,0 +1,194 @@
+"""The speculative decoding loop: draft -> verify -> accept -> emit, until EOS, a stop
+string, max_tokens or the end of the context window.
+
+It only sees two small interfaces, so the same loop runs over Triton BLS calls in the
+server and over in-process objects in tests.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from backends.serving.adaptive import AdaptiveDraftLength
+from backends.serving.detokenize import TextStream
+from backends.serving.rejection import AcceptanceStats
+from backends.serving.request import GenerationRequest, RequestError, SamplingParams
+
+
+class Drafter(Protocol):
+    # Known once the drafter has answered: its configured k (the adaptive policy's range;
+    # 0: it never drafts, it extracts hidden states) and the target layers whose hidden
+    # states it drafts from or extracts (empty: token ids suffice).
+    num_speculative_tokens: int | None
+    hidden_layer_ids: tuple[int, ...]
+
+    def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int, requested: int | None,
+              hidden_states: torch.Tensor | None = None, temperature: float = 1.0,
+              ) -> tuple[list[int], torch.Tensor | None, float]:
+        """Draft ids, their [k, V] probabilities (None: one-hot / model-free) and the
+        seconds spent proposing. `hidden_states`: the target's rows for every position it
+        ran since the last call, [rows, layers, hidden]; `temperature`: the request's (a
+        greedy request gets argmax drafts from every method)."""
+
+    def release(self, seq_id: int) -> None: ...
+
+
+class Verifier(Protocol):
+    def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
+               draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
+               max_new_tokens: int | None = None, hidden_layer_ids: tuple[int, ...] = (),
+               ) -> tuple[list[int], float, torch.Tensor | None]:
+        """Emitted ids, forward seconds, and the hidden states of the kept positions for
+        `hidden_layer_ids`."""
+
+    def release(self, seq_id: int) -> None: ...
+
+
+@dataclass
+class GenerationStats:
+    """One request's acceptance counters (vLLM's definitions) and where its time went."""
+
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    num_steps: int = 0  # target forward passes, with or without drafts
+    num_output_tokens: int = 0
+    draft_s: float = 0.0  # inside the proposer
+    verify_s: float = 0.0  # inside the target's forward pass
+    total_s: float = 0.0  # wall time of all steps, streaming included
+
+    def record(self, num_drafts: int, num_emitted: int, draft_s: float, verify_s: float) -> None:
+        self.num_steps += 1
+        self.num_output_tokens += num_emitted
+        self.acceptance.update(num_drafts, num_emitted - 1)
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.total_s - self.draft_s - self.verify_s)
+
+    def to_dict(self) -> dict:
+        return {
+            **self.acceptance.to_dict(),
+            "num_steps": self.num_steps,
+            "tokens_per_step": self.num_output_tokens / self.num_steps if self.num_steps else 0.0,
+            "draft_ms": self.draft_s * 1e3,
+            "verify_ms": self.verify_s * 1e3,
+            "overhead_ms": self.overhead_s * 1e3,
+            "total_ms": self.total_s * 1e3,
+        }
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]  # new output tokens of this step
+    text: str  # new text of this step (complete characters only)
+    finish_reason: str | None = None  # "stop", "length", "cancelled" on the last step
+    # For a drafter that extracts hidden states: the target's rows for the positions this
+    # step ran ([rows, layers, hidden], in order; see backends/methods/extract_hidden_states.py).
+    hidden_states: torch.Tensor | None = None
+
+
+def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise RequestError(
+            f"the prompt has {num_prompt_tokens} tokens, but the context window is "
+            f"{max_model_len} tokens (room is needed for at least one output token)"
+        )
+    if max_tokens > max_model_len:
+        raise RequestError(f"max_tokens={max_tokens} is above the model's limit of {max_model_len}")
+
+
+def generate(
+    req: GenerationRequest,
+    prompt_ids: list[int],
+    seq_id: int,
+    verifier: Verifier,
+    drafter: Drafter | None,
+    text: TextStream,
+    eos_token_ids: set[int],
+    max_model_len: int,
+    stats: GenerationStats,
+    is_cancelled: Callable[[], bool] = lambda: False,
+    adaptive: bool = True,
+) -> Iterator[StepOutput]:
+    """Yield one StepOutput per speculative step; the last one has a finish_reason.
+    The caller releases the sequence in the drafter and verifier afterwards.
+
+    With `adaptive`, each step's draft length follows this sequence's acceptance and
+    measured step times (backends.serving.adaptive); a client's explicit num_draft_tokens, and any
+    seeded sampled request, use a fixed length instead."""
+    check_lengths(len(prompt_ids), req.max_tokens, max_model_len)
+    speculate = drafter is not None and req.num_draft_tokens != 0
+    extract = False  # the drafter only names layers whose hidden states each step yields
+    num_tokens = len(prompt_ids)
+    num_generated = 0
+    unseen_by_verifier = list(prompt_ids)
+    unseen_by_drafter = list(prompt_ids)
+    sampling: SamplingParams | None = req.sampling
+    policy: AdaptiveDraftLength | None = None
+    hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
+    # A seeded sampled request keeps a fixed draft length: adaptive k follows timings, and a
+    # different k would change which random draws each token uses (no reproducibility).
+    seeded = not req.sampling.greedy and req.sampling.seed is not None
+    adapt = adaptive and req.num_draft_tokens is None and not seeded
+    # Wall time runs from step to step, so the caller's streaming of a step's output counts
+    # toward the next step's overhead.
+    clock = time.perf_counter()
+    while True:
+        if is_cancelled():
+            yield StepOutput([], "", "cancelled")
+            return
+        # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
+        room = min(req.max_tokens - num_generated, max_model_len - num_tokens) - 1
+        if policy is None and adapt and speculate and drafter.num_speculative_tokens:
+            policy = AdaptiveDraftLength(drafter.num_speculative_tokens)
+        k = policy.next_k(room) if policy else room
+        drafts, probs, draft_s, draft_wall = [], None, 0.0, 0.0
+        # The first call also tells what the drafter is (its k and layers), even with no room.
+        if speculate and (k > 0 or drafter.num_speculative_tokens is None):
+            start = time.perf_counter()
+            hidden = torch.cat(hidden_rows) if hidden_rows else None
+            drafts, probs, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens, hidden,
+                                                   req.sampling.temperature)
+            draft_wall = time.perf_counter() - start
+            unseen_by_drafter, hidden_rows = [], []
+            if drafter.num_speculative_tokens == 0:  # an extractor: plain decoding from now on
+                speculate, extract = False, True
+        layer_ids = drafter.hidden_layer_ids if speculate or extract else ()
+        start = time.perf_counter()
+        emitted, verify_s, hidden = verifier.verify(seq_id, unseen_by_verifier, drafts, probs, sampling,
+                                                    req.max_tokens if sampling else None, layer_ids)
+        verify_wall = time.perf_counter() - start
+        if hidden is not None and speculate:
+            hidden_rows.append(hidden)
+        unseen_by_verifier, sampling = [], None
+        stats.record(len(drafts), len(emitted), draft_s, verify_s)
+        if policy:
+            policy.record(k, len(drafts), len(emitted) - 1, verify_wall, draft_wall)
+
+        finish = None
+        taken: list[int] = []
+        for token in emitted:
+            taken.append(token)
+            num_generated += 1
+            num_tokens += 1
+            if token in eos_token_ids and not req.ignore_eos:
+                finish = "stop"
+                break
+            text.add(token)
+            if text.stopped:
+                finish = "stop"
+                break
+            if num_generated >= req.max_tokens or num_tokens >= max_model_len:
+                finish = "length"
+                break
+        unseen_by_drafter += taken
+        now = time.perf_counter()
+        stats.total_s += now - clock
+        clock = now
+        yield StepOutput(taken, text.take(final=finish is not None), finish, hidden if extract else None)
+        if finish:
+            return

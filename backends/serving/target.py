@@ -1,0 +1,276 @@
+"""The target model: one forward over a sequence's uncached tokens plus its drafts, then
+accept/reject right here so logits never leave the process.
+
+Each sequence keeps its own KV cache. After a step the cache covers every token but the
+last emitted one (that token has not been through the model yet); rejected drafts are
+cropped off, so the cache never holds a token that is not part of the output.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from backends.runtime.model_store import context_window, load_causal_lm
+from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample
+from backends.serving.request import SamplingParams
+
+log = logging.getLogger("tritonspec.target")
+
+
+class SequenceError(ValueError):
+    """A request that does not fit the sequence it names (unknown sequence, too long...)."""
+
+
+class KVCacheFullError(SequenceError):
+    """A new sequence's worst-case KV cache would not fit the configured memory budget."""
+
+
+@dataclass
+class VerifyRequest:
+    seq_id: int
+    new_token_ids: list[int]  # tokens the target has not seen: the prompt on the first step
+    draft_token_ids: list[int]
+    sampling: SamplingParams | None = None  # given on the first step, kept for the sequence
+    hidden_layer_ids: tuple[int, ...] = ()
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V] from drafters that have them
+    max_new_tokens: int | None = None  # on the first step: sizes the KV reservation
+
+
+@dataclass
+class VerifyResult:
+    token_ids: list[int]  # accepted drafts + one more token (recovered or bonus)
+    num_accepted: int
+    forward_s: float
+    hidden_states: torch.Tensor | None = None  # [kept positions, layers, hidden]
+
+
+@dataclass
+class _Sequence:
+    cache: DynamicCache
+    sampling: SamplingParams
+    generator: torch.Generator
+    reserved_tokens: int  # worst-case KV length, held against the budget until release
+    token_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+def kv_bytes_per_token(config, dtype: str) -> int:
+    """Keys and values of one token over all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+
+
+@dataclass
+class _Step:
+    """One sequence's part of a verify call."""
+
+    req: VerifyRequest
+    seq: "_Sequence"
+    pending: list[int]  # tokens not yet through the model: the prompt, or the last emitted one
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.pending + self.req.draft_token_ids
+
+    @property
+    def num_rows(self) -> int:
+        """Logit rows that matter: one per draft plus the bonus row."""
+        return len(self.req.draft_token_ids) + 1
+
+    def num_kept(self, result: VerifyResult) -> int:
+        """Input positions whose KV stays: the pending tokens and the accepted drafts."""
+        return len(self.pending) + result.num_accepted
+
+
+def _select_hidden(hidden_states: tuple, row: int, kept: int, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """Layer id i = the residual stream entering decoder layer i (vLLM's and EAGLE-3's
+    numbering: HF's hidden_states[i]); id num_layers or -1 = the final hidden state after the
+    final norm (what EAGLE-1, Medusa and MTP read)."""
+    layers = [hidden_states[i][row, :kept] for i in layer_ids]
+    return torch.stack(layers, dim=1).float().cpu()
+
+
+class TargetRunner:
+    def __init__(
+        self,
+        model_path: Path,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+    ) -> None:
+        self.model = load_causal_lm(model_path, dtype).to(device)
+        self.device = torch.device(device)
+        self.max_model_len = context_window(self.model.config, max_model_len)
+        self.sequences: dict[int, _Sequence] = {}
+        self.kv_budget_tokens = (int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.model.config, dtype))
+                                 if kv_cache_memory_gb else None)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(seq.reserved_tokens for seq in self.sequences.values())
+
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        result = self.verify_batch([req])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @torch.inference_mode()
+    def verify_batch(self, batch: list[VerifyRequest]) -> list[VerifyResult | SequenceError]:
+        """Verify many sequences' steps; one result (or the request's own error) each.
+
+        Steps of running sequences share one forward pass over ragged lengths; a first step
+        (the prompt) runs alone, since padding 1-token steps to a prompt's length wastes more
+        than a second pass costs.
+        """
+        results: list[VerifyResult | SequenceError | None] = [None] * len(batch)
+        steps: list[tuple[int, _Step]] = []
+        for i, req in enumerate(batch):
+            try:
+                steps.append((i, self._prepare(req)))
+            except SequenceError as e:
+                results[i] = e
+        running = [(i, step) for i, step in steps if step.seq.num_cached > 0]
+        if len(running) > 1:
+            for (i, _), result in zip(running, self._forward_batch([step for _, step in running])):
+                results[i] = result
+            running_ids = {i for i, _ in running}
+            steps = [(i, step) for i, step in steps if i not in running_ids]
+        for i, step in steps:
+            results[i] = self._forward_one(step)
+        return results
+
+    def _prepare(self, req: VerifyRequest) -> "_Step":
+        seq = self.sequences.get(req.seq_id)
+        if seq is None and not req.new_token_ids:
+            raise SequenceError(f"sequence {req.seq_id} is unknown (ended or timed out)")
+        num_tokens = (len(seq.token_ids) if seq else 0) + len(req.new_token_ids)
+        if num_tokens + len(req.draft_token_ids) > self.max_model_len:
+            raise SequenceError(
+                f"sequence {req.seq_id}: {num_tokens} tokens + {len(req.draft_token_ids)} drafts "
+                f"exceed the context window of {self.max_model_len}"
+            )
+        if seq is None:
+            seq = self._start(req)
+        seq.last_used = time.monotonic()
+        seq.token_ids.extend(req.new_token_ids)
+        return _Step(req, seq, seq.token_ids[seq.num_cached :])
+
+    def _forward_one(self, step: "_Step") -> VerifyResult:
+        start = time.perf_counter()
+        out = self.model(
+            input_ids=torch.tensor([step.input_ids], device=self.device),
+            cache=step.seq.cache,
+            use_cache=True,
+            logits_to_keep=step.num_rows,  # only the rows that verify drafts (+ bonus)
+            output_hidden_states=bool(step.req.hidden_layer_ids),
+        )
+        forward_s = time.perf_counter() - start
+        result = self._accept(step, out.logits[0], forward_s)
+        # The cache grew by every input token: crop the rejected drafts back off.
+        rejected = len(step.req.draft_token_ids) - result.num_accepted
+        if rejected:
+            step.seq.cache.crop(-rejected)
+        if step.req.hidden_layer_ids:
+            result.hidden_states = _select_hidden(out.hidden_states, 0, step.num_kept(result), step.req.hidden_layer_ids)
+        return result
+
+    def _forward_batch(self, steps: list["_Step"]) -> list[VerifyResult]:
+        """One forward over several running sequences. Their caches are left-padded to the
+        longest and stacked; inputs are right-padded; the attention mask hides both pads and
+        explicit positions keep each sequence's own RoPE offsets. The kept part of the new
+        KV is then appended to each sequence's own cache."""
+        cached = [step.seq.num_cached for step in steps]
+        lengths = [len(step.input_ids) for step in steps]
+        max_cached, max_len = max(cached), max(lengths)
+        batched = DynamicCache(config=self.model.config)
+        for layer in range(len(steps[0].seq.cache.layers)):
+            keys, values = [], []
+            for step, n in zip(steps, cached):
+                own = step.seq.cache.layers[layer]
+                keys.append(torch.nn.functional.pad(own.keys, (0, 0, max_cached - n, 0)))
+                values.append(torch.nn.functional.pad(own.values, (0, 0, max_cached - n, 0)))
+            batched.update(torch.cat(keys), torch.cat(values), layer)
+        input_ids = [step.input_ids + [0] * (max_len - n) for step, n in zip(steps, lengths)]
+        mask = [[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n) for c, n in zip(cached, lengths)]
+        positions = [list(range(c, c + max_len)) for c in cached]
+        want_hidden = any(step.req.hidden_layer_ids for step in steps)
+        start = time.perf_counter()
+        out = self.model(
+            input_ids=torch.tensor(input_ids, device=self.device),
+            attention_mask=torch.tensor(mask, device=self.device),
+            position_ids=torch.tensor(positions, device=self.device),
+            cache=batched,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
+        forward_s = (time.perf_counter() - start) / len(steps)  # each sequence's share
+
+        results = []
+        for row, (step, n) in enumerate(zip(steps, lengths)):
+            result = self._accept(step, out.logits[row, n - step.num_rows : n], forward_s)
+            kept = step.num_kept(result)
+            for own, shared in zip(step.seq.cache.layers, batched.layers):
+                new = slice(max_cached, max_cached + kept)
+                own.update(shared.keys[row : row + 1, :, new], shared.values[row : row + 1, :, new])
+            if step.req.hidden_layer_ids:
+                result.hidden_states = _select_hidden(out.hidden_states, row, kept, step.req.hidden_layer_ids)
+            results.append(result)
+        return results
+
+    def _accept(self, step: "_Step", logits: torch.Tensor, forward_s: float) -> VerifyResult:
+        """Accept/reject the step's drafts against its logit rows; commit the tokens."""
+        seq, drafts = step.seq, step.req.draft_token_ids
+        emitted = rejection_sample(
+            drafts,
+            logits,
+            step.req.draft_probs,
+            temperature=seq.sampling.temperature,
+            top_k=seq.sampling.top_k,
+            top_p=seq.sampling.top_p,
+            generator=seq.generator,
+        )
+        seq.token_ids.extend(emitted)
+        seq.num_cached = len(seq.token_ids) - 1
+        return VerifyResult(emitted, len(emitted) - 1, forward_s)
+
+    def _start(self, req: VerifyRequest) -> _Sequence:
+        # Reserve the worst case up front (prompt + every new token + a full draft), so a
+        # running sequence never runs out of room: new sequences are refused instead.
+        reserve = min(self.max_model_len, len(req.new_token_ids) + (req.max_new_tokens or self.max_model_len)
+                      + MAX_SPEC_LEN)
+        if self.kv_budget_tokens is not None and self.reserved_tokens + reserve > self.kv_budget_tokens:
+            raise KVCacheFullError(
+                f"KV cache budget full: this request may need {reserve} tokens and running sequences "
+                f"hold {self.reserved_tokens} of {self.kv_budget_tokens}; retry later, lower max_tokens, "
+                "or raise kv_cache_memory_gb"
+            )
+        sampling = req.sampling or SamplingParams()
+        seq_id = req.seq_id
+        generator = new_generator(self.device, sampling.seed)
+        seq = _Sequence(DynamicCache(config=self.model.config), sampling, generator, reserve)
+        self.sequences[seq_id] = seq
+        log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))
+        return seq
+
+    def release(self, seq_id: int) -> bool:
+        """Drop a sequence's KV cache; True when it existed."""
+        return self.sequences.pop(seq_id, None) is not None
+
+    def release_idle(self, idle_s: float) -> list[int]:
+        """Drop sequences unused for `idle_s` seconds (a client vanished without END)."""
+        now = time.monotonic()
+        stale = [sid for sid, s in self.sequences.items() if now - s.last_used > idle_s]
+        for sid in stale:
+            self.release(sid)
+        if stale:
+            log.warning("released %d idle sequences: %s", len(stale), stale)
+        return stale

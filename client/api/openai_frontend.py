@@ -1,0 +1,444 @@
+"""`tritonspec openai`: an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
+/v1/chat/completions, streamed as server-sent events or not) in front of the `speculative`
+model over gRPC, so OpenAI SDKs and genai-perf's OpenAI mode can drive it.
+
+Chat messages are rendered with the served model's tokenizer chat template (the model
+directory comes from the Triton model's `model` parameter, or --model). OpenAI's sampling
+defaults apply (temperature 1, top_p 1; completions: max_tokens 16; chat: up to the context
+window). Errors come back in OpenAI's shape, {"error": {"message", "type", "param",
+"code"}}, with 400 for a bad request (including what the Triton model rejects), 404 for an
+unknown model or route, 503 when Triton is unreachable or its KV cache budget is full, and
+500 for a failure inside generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from client.api.triton import Generation, grpc_generate
+
+log = logging.getLogger("tritonspec.openai")
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON shape with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "api_error", 503: "service_unavailable_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "api_error"),
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Backend:
+    """Where requests go and what the OpenAI layer needs to know about the served model."""
+
+    grpc_url: str
+    served_model_name: str
+    tokenizer: Any
+    context_window: int
+    triton_model: str = "speculative"
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+def _check_type(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise OpenAIError(400, f"'{name}' must be {what}, got {json.dumps(value)}", param=name)
+    return value
+
+
+def _check_unsupported(body: dict, kind: str) -> None:
+    """Parameters that would change the answer but have no equivalent here: refused, not ignored."""
+    n = _check_type(body, "n", (int,), "an integer")
+    if n is not None and n != 1:
+        raise OpenAIError(400, f"'n' must be 1 here (one choice per request), got {n}", param="n")
+    best_of = _check_type(body, "best_of", (int,), "an integer")
+    if best_of is not None and best_of != 1:
+        raise OpenAIError(400, f"'best_of' must be 1 here, got {best_of}", param="best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _check_type(body, name, (int, float), "a number") not in (None, 0):
+            raise OpenAIError(400, f"'{name}' is not supported (only 0)", param=name)
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise OpenAIError(400, "'logprobs' is not supported", param="logprobs")
+    if body.get("logit_bias"):
+        raise OpenAIError(400, "'logit_bias' is not supported", param="logit_bias")
+    if kind == "completion" and body.get("suffix"):
+        raise OpenAIError(400, "'suffix' is not supported", param="suffix")
+    if kind == "chat":
+        if body.get("tools") or body.get("functions"):
+            raise OpenAIError(400, "tool calling is not supported", param="tools")
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise OpenAIError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
+                              param="response_format")
+
+
+def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str, Any]:
+    """The `speculative` model's inputs for an OpenAI request body (types checked here,
+    ranges by the model itself)."""
+    _check_unsupported(body, kind)
+    names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
+    max_tokens = default_max_tokens
+    for name in names:
+        value = _check_type(body, name, (int,), "an integer")
+        if value is not None:
+            max_tokens = value
+            break
+    inputs: dict[str, Any] = {"max_tokens": max_tokens}
+    temperature = _check_type(body, "temperature", (int, float), "a number")
+    inputs["temperature"] = 1.0 if temperature is None else float(temperature)
+    top_p = _check_type(body, "top_p", (int, float), "a number")
+    if top_p is not None:
+        inputs["top_p"] = float(top_p)
+    top_k = _check_type(body, "top_k", (int,), "an integer")  # vLLM's extension
+    if top_k is not None:
+        inputs["top_k"] = top_k
+    seed = _check_type(body, "seed", (int,), "an integer")
+    if seed is not None:
+        if seed < 0:
+            raise OpenAIError(400, f"'seed' must be non-negative here, got {seed}", param="seed")
+        inputs["random_seed"] = seed
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise OpenAIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+        if stop:
+            inputs["stop_words"] = stop
+    if _check_type(body, "ignore_eos", (bool,), "a boolean"):  # vLLM's extension
+        inputs["ignore_eos"] = True
+    return inputs
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = bool(_check_type(body, "stream", (bool,), "a boolean"))
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise OpenAIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    if not isinstance(options, dict):
+        raise OpenAIError(400, "'stream_options' must be an object", param="stream_options")
+    return stream, bool(_check_type(options, "include_usage", (bool,), "a boolean"))
+
+
+def completion_prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise OpenAIError(400, "'prompt' must be a string (or a list of one string; token ids and several "
+                          "prompts per request are not supported)", param="prompt")
+    if not prompt:
+        raise OpenAIError(400, "'prompt' is empty", param="prompt")
+    return prompt
+
+
+def _message_text(message: Any, index: int) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise OpenAIError(400, f"{where} must be an object with a 'role'", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise OpenAIError(400, f"{where}.content: only text parts are supported", param="messages")
+        content = "".join(p["text"] for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise OpenAIError(400, f"{where}.content must be a string or a list of text parts", param="messages")
+    return {"role": message["role"], "content": content}
+
+
+def chat_prompt(body: dict, tokenizer: Any) -> str:
+    """The messages rendered with the tokenizer's chat template, ending in the assistant's turn."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
+    messages = [_message_text(m, i) for i, m in enumerate(messages)]
+    if not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError(400, "the served model's tokenizer has no chat template (start the server with "
+                          "--chat-template FILE, or use /v1/completions)", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template itself raises on inputs it does not accept
+        raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    # The model tokenizes the text with its special tokens: a BOS the template wrote would be doubled.
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def _usage(result: Generation) -> dict[str, int]:
+    return {"prompt_tokens": int(result.num_input_tokens), "completion_tokens": int(result.num_output_tokens),
+            "total_tokens": int(result.num_input_tokens + result.num_output_tokens)}
+
+
+def _generation_error(e: Exception) -> OpenAIError:
+    """Triton's answer to a failed request, as an HTTP status: what the model rejected is the
+    client's (400); transport failures and a full KV budget are 503; the rest is ours (500)."""
+    message = str(e)
+    if isinstance(e, OSError) or message.startswith("[StatusCode.") or "StatusCode.UNAVAILABLE" in message:
+        return OpenAIError(503, f"the Triton server is unavailable: {message}")
+    if "KV cache budget full" in message:
+        return OpenAIError(503, message, code="kv_cache_full")
+    if message.startswith("generation failed") or "unexpected inference" in message:
+        return OpenAIError(500, message)
+    return OpenAIError(400, message)
+
+
+class _Choice:
+    """Builds the chunks and bodies of one kind of response (completion or chat)."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind, self.model = kind, model
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, usage: dict | None = None, with_usage: bool = False) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None or with_usage:
+            out["usage"] = usage
+        return out
+
+    def body(self, text: str, result: Generation) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": result.finish_reason or None}
+            return self._envelope("chat.completion", [choice], _usage(result))
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason or None}
+        return self._envelope("text_completion", [choice], _usage(result))
+
+    def chunk(self, text: str | None, finish_reason: str | None, with_usage: bool, first: bool = False) -> dict:
+        if self.kind == "chat":
+            delta: dict = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice], with_usage=with_usage)
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice], with_usage=with_usage)
+
+    def usage_chunk(self, result: Generation) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return self._envelope(obj, [], _usage(result))
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+class _Run:
+    """One request to the `speculative` model on a worker thread; its text deltas and the
+    end (result or error) arrive on an asyncio queue."""
+
+    def __init__(self, backend: Backend, prompt: str, inputs: dict, stream: bool) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+
+        def put(*event: Any) -> None:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+        def work() -> None:
+            try:
+                result = grpc_generate(backend.grpc_url, prompt, backend.triton_model, stream=stream,
+                                       on_text=(lambda t: put("text", t)) if stream else None,
+                                       cancel=self.cancel, exclude_input_in_output=True, **inputs)
+                put("done", result)
+            except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP error
+                put("error", e)
+
+        threading.Thread(target=work, name="openai-request", daemon=True).start()
+
+    async def next(self) -> tuple:
+        return await self.events.get()
+
+
+async def _complete(backend: Backend, kind: str, body: dict) -> Any:
+    """Shared by both endpoints: validate, render, run; a JSON body or an SSE stream."""
+    model = body.get("model")
+    if model is not None and model != backend.served_model_name:
+        raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                          f"{backend.served_model_name!r}", param="model", code="model_not_found")
+    stream, include_usage = _stream_flags(body)
+    if kind == "chat":
+        prompt = chat_prompt(body, backend.tokenizer)
+        default_max = max(1, backend.context_window - len(backend.tokenizer(prompt)["input_ids"]))
+    else:
+        prompt = completion_prompt(body)
+        default_max = 16
+    inputs = sampling_inputs(body, default_max, kind)
+    echo = kind == "completion" and bool(_check_type(body, "echo", (bool,), "a boolean"))
+    choice = _Choice(kind, backend.served_model_name)
+    run = _Run(backend, prompt, inputs, stream)
+    if not stream:
+        event, value = await run.next()
+        if event == "error":
+            raise _generation_error(value)
+        return JSONResponse(choice.body((prompt if echo else "") + value.text, value))
+
+    # Wait for the first event before answering, so a rejected request gets its HTTP status.
+    first = await run.next()
+    if first[0] == "error":
+        raise _generation_error(first[1])
+
+    async def events() -> AsyncIterator[str]:
+        event, value = first
+        try:
+            if kind == "chat":
+                yield _sse(choice.chunk(None, None, include_usage, first=True))
+            if echo:
+                yield _sse(choice.chunk(prompt, None, include_usage))
+            while True:
+                if event == "text":
+                    yield _sse(choice.chunk(value, None, include_usage))
+                elif event == "done":
+                    yield _sse(choice.chunk(None, value.finish_reason or None, include_usage))
+                    if include_usage:
+                        yield _sse(choice.usage_chunk(value))
+                    break
+                else:  # the headers are gone: the error travels in the stream, as vLLM does
+                    yield _sse(_generation_error(value).body())
+                    break
+                event, value = await run.next()
+            yield _sse("[DONE]")
+        finally:
+            run.cancel.set()  # a no-op after the end; stops generation when the client left
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+def create_app(backend: Backend) -> FastAPI:
+    app = FastAPI(title="tritonspec OpenAI-compatible API")
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
+        return JSONResponse(OpenAIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    async def json_body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        return body
+
+    def model_card() -> dict:
+        return {"id": backend.served_model_name, "object": "model", "created": 0, "owned_by": "tritonspec",
+                "max_model_len": backend.context_window}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != backend.served_model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(backend, "completion", await json_body(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _complete(backend, "chat", await json_body(request))
+
+    @app.get("/health")
+    async def health():
+        ready = await asyncio.to_thread(_triton_ready, backend)
+        if not ready:
+            raise OpenAIError(503, f"model {backend.triton_model!r} is not ready on {backend.grpc_url}")
+        return {"status": "ok"}
+
+    return app
+
+
+def _triton_ready(backend: Backend) -> bool:
+    import tritonclient.grpc as grpcclient
+
+    try:
+        with grpcclient.InferenceServerClient(backend.grpc_url) as client:
+            return client.is_model_ready(backend.triton_model)
+    except Exception:  # noqa: BLE001 - unreachable is not ready
+        return False
+
+
+# ---------------------------------------------------------------------------- set-up
+
+
+def served_model_settings(grpc_url: str, triton_model: str) -> tuple[str, int | None]:
+    """The `model` and `max_model_len` parameters of the Triton model's config."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        config = client.get_model_config(triton_model, as_json=True)["config"]
+    params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    if not params.get("model"):
+        raise ValueError(f"model {triton_model!r} on {grpc_url} has no `model` parameter; pass --model")
+    return params["model"], int(params.get("max_model_len") or 0) or None
+
+
+def build_backend(grpc_url: str, triton_model: str = "speculative", model: str | None = None,
+                  served_model_name: str | None = None, chat_template: Path | None = None) -> Backend:
+    """Everything the app needs: the tokenizer (and chat template) and context window of the
+    model Triton serves (from its config, or `model`)."""
+    from backends.runtime.model_store import context_window, load_config, load_tokenizer, local_model
+
+    cap = None
+    if model is None:
+        model, cap = served_model_settings(grpc_url, triton_model)
+    path = local_model(model)
+    tokenizer = load_tokenizer(path)
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    return Backend(grpc_url, served_model_name or triton_model, tokenizer,
+                   context_window(load_config(path), cap), triton_model)
+
+
+def serve(backend: Backend, host: str, port: int) -> None:
+    import uvicorn
+
+    log.info("OpenAI-compatible API on http://%s:%d/v1 -> %s (gRPC %s)", host, port, backend.triton_model,
+             backend.grpc_url)
+    uvicorn.run(create_app(backend), host=host, port=port, log_level="warning")

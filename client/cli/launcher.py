@@ -1,0 +1,297 @@
+"""Start and stop a real `tritonserver` (2.51, from the nvidia-pytriton wheel) serving a
+model repository, bound to loopback, with this virtualenv's Python in the stubs.
+
+What the launcher does that a bare `tritonserver` call does not:
+- assembles the backend directory (libtriton_python.so, triton_python_backend_utils.py and
+  the stub for this Python version) as symlinks into the wheel;
+- puts the venv's bin/ first on PATH so the stubs embed this venv (numpy<2, torch, backends);
+- gives the stubs' shared-memory regions a unique prefix, so stopping the server can kill
+  leftover stubs and delete their /dev/shm files without touching anyone else's;
+- optionally copies the repository with config.pbtxt parameters overridden (--model,
+  --dtype, --speculative-config) the way `vllm serve -sc` configures vLLM, and instance
+  kinds (KIND_GPU for the verifier and drafter on a GPU host).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backends.runtime.model_store import cache_dir
+
+log = logging.getLogger("tritonspec.server")
+# Found without importing pytriton: its package pulls in its own client and many packages.
+WHEEL = Path(importlib.util.find_spec("pytriton").origin).parent / "tritonserver"
+INSTANCE_KINDS = ("KIND_CPU", "KIND_GPU", "KIND_AUTO")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+class ServerStartError(RuntimeError):
+    """tritonserver exited or never became ready; the message carries the log tail."""
+
+
+def backend_directory() -> Path:
+    """A backend dir whose python/ holds symlinks to the wheel's files for this Python."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = WHEEL / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServerStartError(f"the nvidia-pytriton wheel has no Python backend stub for Python {version}")
+    root = cache_dir() / "backends" / f"py{version}"
+    python = root / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    for src in (WHEEL / "backends/python/libtriton_python.so",
+                WHEEL / "backends/python/triton_python_backend_utils.py", stub):
+        link = python / src.name
+        if not (link.is_symlink() and os.readlink(link) == str(src)):
+            link.unlink(missing_ok=True)
+            link.symlink_to(src)
+    return root
+
+
+def set_parameter(pbtxt: str, key: str, value: str) -> str:
+    """Set (or add) a string parameter in a config.pbtxt text."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    line = f'parameters: {{ key: "{key}" value: {{ string_value: "{escaped}" }} }}'
+    pattern = re.compile(r'^parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'".*$', re.M)
+    if pattern.search(pbtxt):
+        return pattern.sub(lambda _: line, pbtxt, count=1)
+    return pbtxt.rstrip("\n") + "\n" + line + "\n"
+
+
+def set_instance_kind(pbtxt: str, kind: str) -> str:
+    """Set the kind of every instance group in a config.pbtxt text."""
+    if kind not in INSTANCE_KINDS:
+        raise ValueError(f"instance kind must be one of {', '.join(INSTANCE_KINDS)}, got {kind!r}")
+    text, count = re.subn(r"\bkind:\s*KIND_[A-Z]+", f"kind: {kind}", pbtxt)
+    if not count:
+        raise ValueError("the config has no instance_group kind to set")
+    return text
+
+
+def get_parameter(pbtxt: str, key: str) -> str | None:
+    m = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', pbtxt)
+    return None if m is None else m.group(1).replace('\\"', '"').replace("\\\\", "\\")
+
+
+@dataclass
+class RepositoryOverrides:
+    """Parameters to force in every model of the repository that declares them, plus
+    per-model ones ({model_name: {key: value}}) and instance kinds ({model_name: KIND_GPU})."""
+
+    common: dict[str, str] = field(default_factory=dict)
+    per_model: dict[str, dict[str, str]] = field(default_factory=dict)
+    instance_kinds: dict[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.common or self.per_model or self.instance_kinds)
+
+
+def patched_repository(source: Path, overrides: RepositoryOverrides, dest: Path) -> Path:
+    """Copy `source` to `dest` with the overrides written into each config.pbtxt."""
+    shutil.copytree(source, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for config in sorted(dest.glob("*/config.pbtxt")):
+        text = config.read_text()
+        for key, value in overrides.common.items():
+            if get_parameter(text, key) is not None:
+                text = set_parameter(text, key, value)
+        for key, value in overrides.per_model.get(config.parent.name, {}).items():
+            text = set_parameter(text, key, value)
+        if config.parent.name in overrides.instance_kinds:
+            text = set_instance_kind(text, overrides.instance_kinds[config.parent.name])
+        config.write_text(text)
+    return dest
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM tritonserver if this launcher dies (even by
+    SIGKILL), so a crashed launcher or test run leaves no server holding the ports.
+    Linux ties this to the thread that called start(): keep that thread alive meanwhile."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class TritonServer:
+    def __init__(
+        self,
+        model_repository: Path = DEFAULT_REPOSITORY,
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        host: str = "127.0.0.1",
+        overrides: RepositoryOverrides | None = None,
+        log_path: Path | None = None,
+        log_verbose: int = 0,
+    ) -> None:
+        self.source_repository = Path(model_repository).resolve()
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.host = host
+        self.overrides = overrides or RepositoryOverrides()
+        self.log_path = log_path
+        self.log_verbose = log_verbose
+        self.shm_prefix = f"tritonspec_{os.getpid()}_{http_port}_"
+        self.process: subprocess.Popen | None = None
+        self._workdir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def command(self, repository: Path) -> list[str]:
+        addr = [f"--{kind}-address={self.host}" for kind in ("http", "grpc", "metrics")]
+        return [
+            str(WHEEL / "bin" / "tritonserver"),
+            f"--model-repository={repository}",
+            f"--backend-directory={backend_directory()}",
+            *addr,
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--exit-timeout-secs=5",
+            # A model that fails to load (say, a bad speculative_config) is reported, and
+            # the other models keep serving; start() checks each model's state itself.
+            "--exit-on-error=false",
+            "--strict-readiness=false",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            # Room for long prompts between models without growing the region per call.
+            "--backend-config=python,shm-default-byte-size=16777216",
+            f"--log-verbose={self.log_verbose}",
+        ]
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        env = dict(os.environ)
+        # The stub embeds the Python found first on PATH and honours its pyvenv.cfg.
+        env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+        return env
+
+    def start(self, timeout_s: float = 300.0, require_all_models: bool = True) -> "TritonServer":
+        """Start and wait until ready. Models that failed to load raise ServerStartError
+        (with Triton's reason for each) unless require_all_models is False."""
+        repository = self.source_repository
+        if self.overrides:
+            self._workdir = tempfile.TemporaryDirectory(prefix="tritonspec-repo-")
+            repository = patched_repository(self.source_repository, self.overrides, Path(self._workdir.name))
+        out = open(self.log_path, "ab") if self.log_path else None
+        log.info("starting tritonserver on %s (HTTP), %s (gRPC)", self.http_url, self.grpc_url)
+        self.process = subprocess.Popen(
+            self.command(repository), env=self.environment(), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,  # our own process group: stop() can reach every stub
+            preexec_fn=_terminate_with_parent,
+        )
+        if out:
+            out.close()
+        self._wait_ready(timeout_s)
+        failed = {name: reason for name, (state, reason) in self.model_states().items() if state != "READY"}
+        for name, reason in failed.items():
+            log.error("model %r is not serving: %s", name, reason)
+        if failed and require_all_models:
+            self.stop()
+            raise ServerStartError("models failed to load:\n" + "\n".join(f"  {n}: {r}" for n, r in failed.items()))
+        return self
+
+    def active_sequences(self) -> dict[str, float]:
+        """{model: sequences holding state} from the `tritonspec_active_sequences` gauge."""
+        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r'tritonspec_active_sequences\{model="([^"]+)"\} (\S+)', text)}
+
+    def model_states(self) -> dict[str, tuple[str, str]]:
+        """{model: (state, reason)} from the repository index."""
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}")
+        with urllib.request.urlopen(request, timeout=10) as r:
+            index = json.loads(r.read())
+        return {m["name"]: (m.get("state", ""), m.get("reason", "")) for m in index}
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.log_tail()
+                self.stop()
+                raise ServerStartError(f"tritonserver exited with code {self.process.returncode}\n{tail}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        tail = self.log_tail()
+        self.stop()
+        raise ServerStartError(f"tritonserver was not ready after {timeout_s:.0f}s\n{tail}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        if not self.log_path or not Path(self.log_path).exists():
+            return ""
+        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGINT, then SIGKILL for whatever is left; then stray stubs and shm regions."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver did not stop in 20s; killing it")
+                self._kill_group()
+                self.process.wait(timeout=10)
+        self._kill_group()
+        self._kill_stray_stubs()
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+    def _kill_group(self) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _kill_stray_stubs(self) -> None:
+        # A hung stub can outlive the server (and leave its group): find it by our prefix.
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"triton_python_backend_stub" in cmdline and self.shm_prefix.encode() in cmdline:
+                try:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
