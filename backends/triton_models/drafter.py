@@ -13,16 +13,19 @@ import triton_python_backend_utils as pb_utils
 from backends.config import SpeculativeConfig
 from backends.serving.drafting import DraftCall, DraftService
 from backends.runtime.model_store import DEFAULT_MODEL, context_window, load_config, resolve_model
-from backends.serving.proposer import build_proposer
+from backends.serving.proposer import Draft, build_proposer
 from backends.triton_models.common import (
-    SEQUENCE_END, ActiveSequencesGauge, error_response, input_array, input_ids, input_scalar,
-    instance_device, model_parameters, setup_logging,
+    input_array, input_ids, input_scalar, instance_device, model_parameters, setup_logging,
 )
+from backends.triton_models.sequence_model import SequenceBatchedModel
 
 log = logging.getLogger("tritonspec.drafter")
 
 
-class TritonPythonModel:
+class TritonPythonModel(SequenceBatchedModel):
+    role = "drafter"
+    log = log
+
     def initialize(self, args: dict) -> None:
         setup_logging()
         params = model_parameters(args)
@@ -32,68 +35,47 @@ class TritonPythonModel:
         self.config = SpeculativeConfig.from_json(
             params.get("speculative_config", ""), target_model=str(target), target_max_model_len=max_len
         )
-        self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
         device = instance_device(args, params, log)  # model-free methods ignore it
         proposer = build_proposer(self.config, max_model_len=max_len, target_model=target,
                                   dtype=params.get("dtype", "bfloat16"), device=device)
         self.service = DraftService(proposer, self.config)
-        self.active = ActiveSequencesGauge(args["model_name"])
+        self.init_sequences(args, params)
         log.info("drafter ready: method=%s k=%d device=%s", self.config.method,
                  self.config.num_speculative_tokens, device)
 
-    def execute(self, requests: list) -> list:
-        responses = self._execute(requests)
-        self.active.set(self.service.num_sequences)
-        return responses
+    def parse(self, request) -> DraftCall:
+        requested = input_scalar(request, "num_draft_tokens")
+        hidden = input_array(request, "hidden_states")
+        temperature = input_scalar(request, "temperature")
+        call = DraftCall(
+            request.correlation_id(),
+            input_ids(request, "input_ids"),
+            int(input_scalar(request, "max_draft_tokens")),
+            None if requested is None or requested < 0 else int(requested),
+            None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
+            1.0 if temperature is None else float(temperature),
+        )
+        self.service.num_tokens(call)  # a bad k is refused alone, not with its batch
+        return call
 
-    def _execute(self, requests: list) -> list:
-        self.service.release_idle(self.idle_s)
-        responses: list = [None] * len(requests)
-        calls, index = [], []
-        for i, request in enumerate(requests):
-            seq_id = request.correlation_id()
-            if request.flags() & SEQUENCE_END:
-                self.service.release(seq_id)
-                responses[i] = self._response([], 0.0)
-                continue
-            requested = input_scalar(request, "num_draft_tokens")
-            hidden = input_array(request, "hidden_states")
-            temperature = input_scalar(request, "temperature")
-            call = DraftCall(
-                seq_id,
-                input_ids(request, "input_ids"),
-                int(input_scalar(request, "max_draft_tokens")),
-                None if requested is None or requested < 0 else int(requested),
-                None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
-                1.0 if temperature is None else float(temperature),
-            )
-            try:
-                self.service.num_tokens(call)  # refuse a bad request alone, not its batch
-            except ValueError as e:
-                responses[i] = error_response(f"drafter: {e}")
-                continue
-            calls.append(call)
-            index.append(i)
-        if calls:
-            start = time.perf_counter()
-            try:
-                drafts = self.service.draft(calls)
-            except Exception as e:
-                log.exception("proposer failed")
-                for i in index:
-                    responses[i] = error_response(f"drafter ({self.config.method}): {e}")
-                return responses
-            elapsed = (time.perf_counter() - start) / len(calls)
-            for i, draft in zip(index, drafts):
-                responses[i] = self._response(draft.token_ids, elapsed, draft.probs)
-        return responses
+    def run(self, calls: list[DraftCall]) -> list:
+        start = time.perf_counter()
+        try:
+            drafts = self.service.draft(calls)
+        except Exception as e:
+            log.exception("proposer failed")
+            return [RuntimeError(f"{self.config.method} proposer failed: {e}")] * len(calls)
+        elapsed = (time.perf_counter() - start) / len(calls)
+        return [(draft, elapsed) for draft in drafts]
 
-    def _response(self, token_ids: list[int], propose_s: float, probs: torch.Tensor | None = None) -> object:
+    def respond(self, result: tuple[Draft, float] | None) -> object:
+        draft, propose_s = (Draft(), 0.0) if result is None else result
         # Draft probabilities only from methods that sample their drafts (lossless sampled
         # verification needs q); greedy drafts are one-hot and send none.
+        probs = draft.probs
         extra = [] if probs is None else [pb_utils.Tensor("draft_probs", probs.float().cpu().numpy()[None])]
         return pb_utils.InferenceResponse(output_tensors=extra + [
-            pb_utils.Tensor("draft_ids", np.array([token_ids], dtype=np.int64)),
+            pb_utils.Tensor("draft_ids", np.array([draft.token_ids], dtype=np.int64)),
             pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
             pb_utils.Tensor("method", np.array([[self.config.method.encode()]], dtype=np.object_)),
             pb_utils.Tensor("num_speculative_tokens",
@@ -101,3 +83,13 @@ class TritonPythonModel:
             pb_utils.Tensor("hidden_layer_ids",
                             np.array([self.service.proposer.hidden_layer_ids], dtype=np.int32).reshape(1, -1)),
         ])
+
+    def release(self, seq_id: int) -> None:
+        self.service.release(seq_id)
+
+    def release_idle(self, idle_s: float) -> None:
+        self.service.release_idle(idle_s)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.service.num_sequences

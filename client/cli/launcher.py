@@ -40,6 +40,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 
 
+def pids_with_cmdline(*fragments: str | bytes) -> list[int]:
+    """Processes whose command line contains every fragment (a server's stubs carry its
+    shared-memory prefix): the one /proc scan the launcher, soak and tests share."""
+    wanted = [f.encode() if isinstance(f, str) else f for f in fragments]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if all(f in cmdline for f in wanted):
+            found.append(int(proc.name))
+    return found
+
+
 class ServerStartError(RuntimeError):
     """tritonserver exited or never became ready; the message carries the log tail."""
 
@@ -277,18 +294,11 @@ class TritonServer:
 
     def _kill_stray_stubs(self) -> None:
         # A hung stub can outlive the server (and leave its group): find it by our prefix.
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
+        for pid in pids_with_cmdline(self.shm_prefix, b"triton_python_backend_stub"):
             try:
-                cmdline = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"triton_python_backend_stub" in cmdline and self.shm_prefix.encode() in cmdline:
-                try:
-                    os.kill(int(proc.name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from client.api.triton import grpc_generate
 from client.cli.bench import load_prompts
+from client.cli.launcher import pids_with_cmdline
 
 
 def _rss_mb(pids: list[int]) -> float:
@@ -25,14 +26,7 @@ def _rss_mb(pids: list[int]) -> float:
 
 def server_pids(server) -> list[int]:
     """tritonserver and its stub processes (found by the server's shm prefix)."""
-    pids = [server.process.pid]
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and server.shm_prefix.encode() in (proc / "cmdline").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:
-            pass
-    return pids
+    return [server.process.pid, *pids_with_cmdline(server.shm_prefix)]
 
 
 def run_soak(server, seconds: float, concurrency: int, max_tokens: int = 32) -> dict:

@@ -1,0 +1,74 @@
+"""What the `verifier` and `drafter` models share: Triton's sequence batcher hands
+`execute` requests from many sequences at once (one per sequence, keyed by correlation id).
+
+Per request: a sequence END releases that sequence's state; anything else is parsed into a
+call (a malformed request fails alone); the calls run as one batch and each request gets
+its own result or its own error; a failed sequence is released. Sequences idle for
+`sequence_idle_timeout_s` are released first (a client that vanished without END).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from backends.triton_models.common import SEQUENCE_END, ActiveSequencesGauge, error_response
+
+
+class SequenceBatchedModel:
+    role = ""  # "verifier" / "drafter": the prefix of this model's error messages
+    log: logging.Logger
+
+    def init_sequences(self, args: dict, params: dict[str, str]) -> None:
+        self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
+        self.active = ActiveSequencesGauge(args["model_name"])
+
+    # -- what a subclass provides -------------------------------------------------------
+    def parse(self, request: Any) -> Any:
+        """One request -> the call it asks for; raise to refuse it (alone)."""
+        raise NotImplementedError
+
+    def run(self, calls: list) -> list:
+        """The batch's results, one per call: a result or that call's own exception."""
+        raise NotImplementedError
+
+    def respond(self, result: Any) -> Any:
+        raise NotImplementedError
+
+    def release(self, seq_id: int) -> None:
+        raise NotImplementedError
+
+    def release_idle(self, idle_s: float) -> None:
+        raise NotImplementedError
+
+    @property
+    def num_sequences(self) -> int:
+        raise NotImplementedError
+
+    # -- the shared loop ----------------------------------------------------------------
+    def execute(self, requests: list) -> list:
+        self.release_idle(self.idle_s)
+        responses: list = [None] * len(requests)
+        calls, index = [], []
+        for i, request in enumerate(requests):
+            seq_id = request.correlation_id()
+            if request.flags() & SEQUENCE_END:
+                self.release(seq_id)
+                responses[i] = self.respond(None)
+                continue
+            try:
+                calls.append(self.parse(request))
+                index.append(i)
+            except Exception as e:  # a malformed request fails alone
+                responses[i] = self.fail(seq_id, e)
+        if calls:
+            for i, result in zip(index, self.run(calls)):
+                seq_id = requests[i].correlation_id()
+                responses[i] = self.fail(seq_id, result) if isinstance(result, Exception) else self.respond(result)
+        self.active.set(self.num_sequences)
+        return responses
+
+    def fail(self, seq_id: int, error: Exception) -> Any:
+        # The request fails; the server and the other sequences don't.
+        self.log.warning("sequence %d: %s", seq_id, error)
+        self.release(seq_id)
+        return error_response(f"{self.role}: {error}")
