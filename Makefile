@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(BIN)/tritonspec serve
 
+# Lint and format checks, then every test (`pytest -m unit`: the in-process ones only).
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests
 
 clean:

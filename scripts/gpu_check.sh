@@ -15,10 +15,10 @@
 # Triton's launcher, and, for the server tests only, libpython<version>.so of that python
 # (the Triton stub links it; without it they are reported as not run). The run builds a venv
 # in /tmp over that python's packages with .gpu/'s packages first, then runs
-#   1. tests/test_device.py (TargetRunner and every model-based proposer on cuda vs cpu, the
-#      real server with KIND_GPU verifier and drafter: greedy == HF greedy),
-#      tests/test_rejection_kernels.py and tests/test_ngram_gpu.py (the OpenAI Triton kernels
-#      compiled on CUDA vs their torch references);
+#   1. tests/unit/test_device.py (TargetRunner and every model-based proposer on cuda vs cpu),
+#      tests/e2e/test_device_server.py (the real server with KIND_GPU verifier and drafter:
+#      greedy == HF greedy), tests/unit/test_rejection_kernels.py and tests/unit/test_ngram_gpu.py
+#      (the OpenAI Triton kernels compiled on CUDA vs their torch references);
 #   2. scripts/gpu_speed.py (CPU vs CUDA: verify step, drafting, rejection sampling);
 # and prints a summary. Logs and results go to $OUT (or /tmp/gpu-check).
 # GPU_DIR (default .gpu) names the folder in both parts.
@@ -110,9 +110,10 @@ fi
 say "GPU tests"
 export PYTHONUNBUFFERED=1 TRITONSPEC_CACHE=/tmp/tritonspec-cache
 SELECT=()
-[ "$SERVER" = 1 ] || SELECT=(-k "not served")
-timeout 290 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/test_device.py tests/test_rejection_kernels.py \
-    tests/test_ngram_gpu.py "${SELECT[@]}" --junitxml "$OUTDIR/gpu_tests.xml" 2>&1 | tee "$OUTDIR/gpu_tests.log"
+[ "$SERVER" = 1 ] || SELECT=(-m "not e2e")
+timeout 290 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_device.py tests/e2e/test_device_server.py \
+    tests/unit/test_rejection_kernels.py tests/unit/test_ngram_gpu.py "${SELECT[@]}" \
+    --junitxml "$OUTDIR/gpu_tests.xml" 2>&1 | tee "$OUTDIR/gpu_tests.log"
 TESTS=${PIPESTATUS[0]}
 
 say "speed (CPU vs CUDA)"

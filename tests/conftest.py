@@ -1,45 +1,36 @@
+"""Fixtures shared by tests/unit and tests/e2e (tests/e2e/conftest.py adds the shared
+server), and the markers: `unit` and `e2e` by directory, `slow` on tests that load the real
+SmolLM2-135M weights."""
+
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.tiny_model import build_tiny_model
+from tests.fixtures import training
+from tests.fixtures.tiny_model import build_tiny_model
 
-NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+TESTS = Path(__file__).resolve().parent
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def pytest_collection_modifyitems(config, items):
+    """`-m unit` (in process), `-m e2e` (a real tritonserver, or the CLI that starts one) and
+    `-m slow` select by where a test lives and what it loads, so no test carries them by hand."""
+    for item in items:
+        path = Path(item.path).resolve()
+        if TESTS in path.parents:
+            kind = path.relative_to(TESTS).parts[0]
+            if kind in ("unit", "e2e"):
+                item.add_marker(kind)
+        if "smollm2_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker("slow")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def start_server(tmp_path: Path, model: str, speculative_config: str = NGRAM_CONFIG,
-                 require_all_models: bool = True, instance_kinds: dict[str, str] | None = None,
-                 per_model: dict[str, dict[str, str]] | None = None, **common):
-    from client.cli.launcher import RepositoryOverrides, TritonServer
-
-    http, grpc, metrics = free_ports(3)
-    per_model = per_model or {}
-    overrides = RepositoryOverrides(
-        common={"model": model, "dtype": "float32", **common},
-        per_model={**per_model, "drafter": {"speculative_config": speculative_config, **per_model.get("drafter", {})}},
-        instance_kinds=instance_kinds or {},
-    )
-    return TritonServer(http_port=http, grpc_port=grpc, metrics_port=metrics, overrides=overrides,
-                        log_path=tmp_path / "server.log").start(require_all_models=require_all_models)
 
 
 @pytest.fixture(scope="session")
@@ -52,14 +43,6 @@ def tiny_draft_dir(tmp_path_factory) -> Path:
 def tiny_hetero_dir(tmp_path_factory) -> Path:
     """A drafter with another tokenizer (a smaller BPE vocabulary learns other merges)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-hetero"), seed=2, vocab_size=300, num_layers=1)
-
-
-@pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("tiny-server"), str(tiny_model_dir),
-                          sequence_idle_timeout_s="5")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -120,3 +103,25 @@ def target_weights(target_dir) -> dict:
     from safetensors.torch import load_file
 
     return load_file(target_dir / "model.safetensors")
+
+
+# The trainer tests' heads, trained once per session (tests/fixtures/training.py): in-process
+# checks in tests/unit, the same heads served in tests/e2e.
+@pytest.fixture(scope="session")
+def training_target_dir(tmp_path_factory) -> Path:
+    return training.build_training_target(tmp_path_factory.mktemp("train-target"))
+
+
+@pytest.fixture(scope="session")
+def trained_eagle_heads(training_target_dir, tmp_path_factory) -> dict:
+    return training.train_eagle_heads(training_target_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def heads_corpus(training_target_dir, tmp_path_factory):
+    return training.heads_corpus(training_target_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def trained_heads(heads_corpus, training_target_dir, tmp_path_factory) -> dict:
+    return training.train_heads(heads_corpus, training_target_dir, tmp_path_factory)

@@ -24,6 +24,9 @@ import importlib
 import inspect
 from typing import Any
 
+import torch
+
+from backends.runtime.model_store import load_config
 from backends.serving.proposer import Draft, DraftRequest, Proposer
 
 
@@ -61,8 +64,9 @@ class CustomClass(Proposer):
 
     method = "custom_class"
 
-    def __init__(self, inner: Any, path: str) -> None:
+    def __init__(self, inner: Any, path: str, vocab_size: int | None = None) -> None:
         self.inner, self.path = inner, path
+        self.vocab_size = vocab_size  # the target's: draft ids and probability rows are checked against it
         ids = getattr(inner, "hidden_layer_ids", ()) or ()
         if not isinstance(ids, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TypeError(f"custom proposer {path!r}: hidden_layer_ids must be a tuple of ints, got {ids!r}")
@@ -78,7 +82,14 @@ class CustomClass(Proposer):
         except Exception as e:
             raise RuntimeError(f"Failed to instantiate custom proposer class {config.model!r}: "
                                f"{type(e).__name__}: {e}") from e
-        return cls(inner, config.model)
+        target = context.get("target_model")
+        return cls(inner, config.model, load_config(target).vocab_size if target else None)
+
+    @classmethod
+    def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:
+        """A custom proposer that reads hidden states declares them as a class attribute."""
+        ids = getattr(load_class(config.model), "hidden_layer_ids", ()) or ()
+        return tuple(ids) if isinstance(ids, (tuple, list)) else ()
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         drafts = self.inner.propose(batch)
@@ -94,7 +105,27 @@ class CustomClass(Proposer):
             if len(draft.token_ids) > req.num_tokens:
                 raise ValueError(f"custom proposer {self.path!r} returned {len(draft.token_ids)} drafts for "
                                  f"sequence {req.seq_id}, which asked for at most {req.num_tokens}")
+            self._check_values(req, draft)
         return drafts
+
+    def _check_values(self, req: DraftRequest, draft: Draft) -> None:
+        """Ids the target has and real distributions: anything else would reach the verifier."""
+        where = f"custom proposer {self.path!r} returned for sequence {req.seq_id}"
+        vocab = self.vocab_size
+        bad = [t for t in draft.token_ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"{where} the draft id {bad[0]}, outside the target's vocabulary [0, {vocab or '...'})")
+        probs = draft.probs
+        if probs is None:
+            return
+        rows = len(draft.token_ids)
+        if (not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[0] != rows
+                or (vocab is not None and probs.shape[1] != vocab)):
+            shape = list(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+            raise ValueError(f"{where} probs of shape {shape}; expected a tensor [{rows}, {vocab or 'V'}], one "
+                             "distribution over the target's vocabulary per draft")
+        if not probs.dtype.is_floating_point or not torch.isfinite(probs).all() or (probs < 0).any():
+            raise ValueError(f"{where} probs that are not finite, non-negative probabilities")
 
     def release(self, seq_id: int) -> None:
         self.inner.release(seq_id)

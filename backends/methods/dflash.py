@@ -60,8 +60,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from backends.config import _aux_layer_ids
-from backends.methods.draft_model import common_prefix_len, sample_drafts
+from backends.config import aux_layer_ids
+from backends.methods.draft_model import sample_drafts
 from backends.methods.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
                                       read_config, read_state_dict)
 from backends.runtime.model_store import load_config, resolve_model
@@ -139,7 +139,7 @@ class BlockSpec:
         if num_target_layers is not None and num_target_layers != target.num_layers:
             raise BlockCheckpointError(f"{where}: num_target_layers {num_target_layers} in config.json, but the "
                                        f"target has {target.num_layers} decoder layers")
-        ids = _aux_layer_ids(cfg, {}) or [i + 1 for i in default_target_layer_ids(target.num_layers, layers)]
+        ids = aux_layer_ids(cfg, {}) or [i + 1 for i in default_target_layer_ids(target.num_layers, layers)]
         if len(set(ids)) != len(ids) or not all(0 <= i <= target.num_layers for i in ids):
             raise BlockCheckpointError(
                 f"{where}: target layer ids {[i - 1 for i in ids]} (dflash_config.target_layer_ids) must be "
@@ -456,6 +456,7 @@ class _Work:
     position: int  # n - 1
     num_drafts: int
     temperature: float
+    generator: torch.Generator | None  # the request's (SequenceProposer.generator_for)
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V]
 
@@ -467,13 +468,23 @@ class DFlashProposer(HeadProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> DFlashHead:
+        return load_head(cls.head_class, resolve_model(config.model), target, dtype, cls._overrides(config))
+
+    @classmethod
+    def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:
+        path = resolve_model(config.model)
+        cfg = read_block_config(path, cls._overrides(config))
+        return BlockSpec.parse(cfg, TargetInfo.load(target_model), f"{cls.method} checkpoint {path}").hidden_layer_ids
+
+    @staticmethod
+    def _overrides(config: Any) -> dict[str, Any]:
         overrides = dict(config.hf_overrides or {})
         # Layer ids the user gave (top level or hf_overrides) win, as in vLLM; the resolved
         # config.eagle_aux_hidden_state_layer_ids would also carry vLLM's EAGLE-3 fallback.
         ids = (config.draft_hf_config or {}).get("eagle_aux_hidden_state_layer_ids")
         if ids:
             overrides["eagle_aux_hidden_state_layer_ids"] = ids
-        return load_head(cls.head_class, resolve_model(config.model), target, dtype, overrides)
+        return overrides
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -498,7 +509,7 @@ class DFlashProposer(HeadProposer):
                 f"{width}] (layers {self.hidden_layer_ids}) with 1 <= rows <= {n - 1} (one per target position)")
         start = n - 1 - hidden.shape[0]
         context = self._seqs.setdefault(req.seq_id, _Context())
-        valid = min(context.length, common_prefix_len(context.token_ids, req.token_ids))
+        valid = min(context.length, req.num_kept)
         if valid < start:
             raise ValueError(
                 f"sequence {req.seq_id}: hidden states start at position {start}, but the drafter has target "
@@ -509,7 +520,7 @@ class DFlashProposer(HeadProposer):
         positions = torch.arange(start, n - 1, device=self.device)[None]
         context.append([(k[0], v[0]) for k, v in self.head.context_kv(ctx, positions)])
         context.token_ids = list(req.token_ids)
-        return _Work(index, context, req.token_ids[-1], n - 1, num_drafts, req.temperature)
+        return _Work(index, context, req.token_ids[-1], n - 1, num_drafts, req.temperature, self.generator_for(req))
 
     def _run_block(self, work: list[_Work]) -> torch.Tensor:
         """One forward of every sequence's block: contexts left-padded to the longest, a
@@ -544,5 +555,6 @@ class DFlashProposer(HeadProposer):
     def _sample(self, logits: torch.Tensor, work: list[_Work]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocabulary logits [B, ..., V_d] (row i: work[i]) -> target ids [B, ...] and,
         when sampled, the probabilities they were drawn from in the target vocabulary [B, ..., V]."""
-        return sample_drafts(logits, self.sample_method, [w.temperature for w in work], self.generator,
+        return sample_drafts(logits, self.sample_method, [w.temperature for w in work],
+                             [w.generator for w in work],
                              self.head.draft_to_target, self.head.embed_tokens.num_embeddings)

@@ -54,6 +54,7 @@ class _Work:
     new_ids: list[int]  # context tokens not in the cache yet (at least one)
     num_drafts: int
     temperature: float  # the request's; probabilistic drafts are sampled at it
+    generator: torch.Generator | None  # the request's (SequenceProposer.generator_for)
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V] on the drafter's device (probabilistic)
 
@@ -133,7 +134,8 @@ class DraftModelProposer(SequenceProposer):
             state = self._seqs.get(req.seq_id)
             if state is None:
                 state = self._seqs[req.seq_id] = _SeqState(DynamicCache(config=self.model.config))
-            work.append(_Work(i, state, context, self._rollback(state, context), num_drafts, req.temperature))
+            work.append(_Work(i, state, context, self._rollback(state, context, req), num_drafts, req.temperature,
+                              self.generator_for(req)))
         if len(work) == 1:
             self._run_one(work[0])
         elif work:
@@ -146,10 +148,13 @@ class DraftModelProposer(SequenceProposer):
                 drafts[w.index] = Draft(w.drafts, w.probs)
         return drafts
 
-    def _rollback(self, state: _SeqState, context: list[int]) -> list[int]:
-        """Crop the cache to the longest prefix it shares with `context`; the tokens to feed.
-        At least the last token is fed again, since its logits are what the first draft needs."""
-        keep = min(common_prefix_len(state.token_ids, context), len(context) - 1)
+    def _rollback(self, state: _SeqState, context: list[int], req: DraftRequest) -> list[int]:
+        """Crop the cache past the drafts the target rejected; the tokens to feed. At least
+        the last token is fed again, since its logits are what the first draft needs. Through
+        a text bridge the drafter's tokens are a retokenization: there the longest shared
+        prefix decides."""
+        valid = common_prefix_len(state.token_ids, context) if self.bridge else req.num_kept
+        keep = min(valid, len(state.token_ids), len(context) - 1)
         if len(state.token_ids) > keep:
             state.cache.crop(keep - len(state.token_ids))
             del state.token_ids[keep:]
@@ -158,7 +163,8 @@ class DraftModelProposer(SequenceProposer):
     def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
         """One draft per row of `logits` [B, V] (row i: work[i]); the tokens [B] stay on the
         device and are fed back as they are, `steps` collects (tokens, probs) for `gather_drafts`."""
-        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work], self.generator)
+        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work],
+                                     [w.generator for w in work])
         steps.append((tokens, probs))
         return tokens
 
@@ -207,12 +213,12 @@ class DraftModelProposer(SequenceProposer):
 
 
 def sample_drafts(logits: torch.Tensor, sample_method: str, temperatures: list[float],
-                  generator: torch.Generator | None, to_target: torch.Tensor | None = None,
+                  generators: list[torch.Generator | None], to_target: torch.Tensor | None = None,
                   target_vocab_size: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Drafts from `logits` [B, ..., V_d] (row i belongs to a request at `temperatures[i]`):
     the argmax for greedy drafting and for greedy requests (temperature < 1e-5); otherwise a
     sample from softmax(logits / temperature), as vLLM's probabilistic drafting (temperature
-    only, no top-k/top-p). Returns the tokens [B, ...] as target ids (`to_target` maps draft
+    only, no top-k/top-p), row i drawn with `generators[i]`. Returns the tokens [B, ...] as target ids (`to_target` maps draft
     vocabulary ids) and, when any row sampled, the probabilities [B, ..., V] in the target
     vocabulary (`target_vocab_size`; 0 outside the draft vocabulary; greedy rows' go unused)."""
     logits = logits.float()
@@ -222,7 +228,12 @@ def sample_drafts(logits: torch.Tensor, sample_method: str, temperatures: list[f
         rows = (-1,) + (1,) * (tokens.dim() - 1)  # broadcasts a per-row value over a row's slots
         scale = torch.tensor([1.0 if g else t for g, t in zip(greedy, temperatures)], device=logits.device)
         probs = (logits / scale.view(*rows, 1)).softmax(dim=-1)
-        sampled = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(tokens.shape)
+        if all(g is generators[0] for g in generators):  # one shared generator: one draw
+            sampled = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generators[0])
+        else:
+            flat = probs.reshape(len(temperatures), -1, probs.shape[-1])
+            sampled = torch.stack([torch.multinomial(row, 1, generator=g) for row, g in zip(flat, generators)])
+        sampled = sampled.view(tokens.shape)
         tokens = torch.where(torch.tensor(greedy, device=logits.device).view(rows), tokens, sampled)
         if to_target is not None:
             probs = probs.new_zeros(*probs.shape[:-1], target_vocab_size).index_copy_(-1, to_target, probs)

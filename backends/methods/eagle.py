@@ -56,8 +56,8 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from backends.config import _aux_layer_ids
-from backends.methods.draft_model import _stack_caches, common_prefix_len, gather_drafts, sample_drafts
+from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
+from backends.methods.draft_model import _stack_caches, gather_drafts, sample_drafts
 from backends.runtime.model_store import resolve_model
 from backends.methods.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
                                       read_config, read_state_dict)
@@ -254,7 +254,7 @@ def _eagle3_head(cfg: dict[str, Any], llama: LlamaConfig, target: TargetInfo, st
     if target_hidden != target.hidden_size:
         raise EagleCheckpointError(f"{where}: target_hidden_size {target_hidden}, but the target's hidden "
                                    f"size is {target.hidden_size}")
-    ids = aux_layer_ids or _aux_layer_ids(cfg, {"num_hidden_layers": target.num_layers})
+    ids = aux_layer_ids or checkpoint_aux_layer_ids(cfg, {"num_hidden_layers": target.num_layers})
     # fc reads one target hidden state per id (then its shape is checked against that).
     if len(set(ids)) != len(ids) or not all(0 <= i < target.num_layers for i in ids):
         raise EagleCheckpointError(
@@ -286,12 +286,14 @@ class _Work:
     features: torch.Tensor  # [len(new_ids), D]
     num_drafts: int
     temperature: float
+    generator: torch.Generator | None  # the request's (SequenceProposer.generator_for)
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V_target] on the head's device (probabilistic)
 
 
 class EagleProposer(HeadProposer):
     method = "eagle"
+    hidden_layer_ids = (-1,)  # EAGLE-1/2 read the target's final normed state
     _seqs: dict[int, _SeqState]
 
     @classmethod
@@ -326,7 +328,7 @@ class EagleProposer(HeadProposer):
         state = self._seqs.get(req.seq_id)
         if state is None:
             state = self._seqs[req.seq_id] = _SeqState(DynamicCache(config=self.head.config))
-        valid = max(0, min(len(state.token_ids) - 1, common_prefix_len(state.token_ids, req.token_ids) - 1))
+        valid = max(0, min(len(state.token_ids), req.num_kept) - 1)
         if valid < start:
             raise ValueError(
                 f"sequence {req.seq_id}: hidden states start at position {start}, but the drafter has "
@@ -337,7 +339,8 @@ class EagleProposer(HeadProposer):
             state.cache.crop(start - cached)
         state.token_ids = list(req.token_ids)
         features = self.head.features(hidden.to(self.device, self.dtype))
-        return _Work(index, state, start, req.token_ids[start + 1:], features, num_drafts, req.temperature)
+        return _Work(index, state, start, req.token_ids[start + 1:], features, num_drafts, req.temperature,
+                     self.generator_for(req))
 
     def _run(self, work: list[_Work]) -> None:
         """One forward per draft position for the whole batch: caches left-padded and stacked
@@ -381,14 +384,24 @@ class EagleProposer(HeadProposer):
         """One draft per row of draft-vocabulary `logits` [B, V_d] (row i: work[i]), as target
         ids [B] that stay on the device; `steps` collects (tokens, target-vocabulary probs) for
         `gather_drafts`."""
-        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work], self.generator,
-                                      self.head.draft_to_target, self.head.embed_tokens.num_embeddings)
+        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work],
+                                      [w.generator for w in work], self.head.draft_to_target, self.head.embed_tokens.num_embeddings)
         steps.append((tokens, probs))
         return tokens
 
 
 class Eagle3Proposer(EagleProposer):
     method = "eagle3"
+
+    @classmethod
+    def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:
+        """The aux layers `load_eagle` will pick: the config's, else the checkpoint's, else
+        vLLM's default; ascending, as vLLM collects them."""
+        ids = config.eagle_aux_hidden_state_layer_ids
+        if not ids:
+            cfg = read_config(resolve_model(config.model), EagleCheckpointError)
+            ids = checkpoint_aux_layer_ids(cfg, {"num_hidden_layers": TargetInfo.load(target_model).num_layers})
+        return tuple(sorted(ids))
 
 
 def _causal_mask(keys: torch.Tensor, num_new: int) -> torch.Tensor:

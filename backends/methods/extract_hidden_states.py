@@ -25,6 +25,7 @@ it. A request with `num_draft_tokens: 0` skips the drafter, so it returns no hid
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,17 @@ class HiddenStateExtractor(Proposer):
 
     @classmethod
     def from_config(cls, config: Any, target_model: Path | str | None = None, **_: Any) -> "HiddenStateExtractor":
+        # The config accepts missing ids, as vLLM's does; like vLLM, building refuses them.
+        if not config.eagle_aux_hidden_state_layer_ids:
+            raise ValueError("eagle_aux_hidden_state_layer_ids must be set in the draft model config for "
+                             "extract_hidden_states method")
         if target_model is None:
             raise ValueError("extract_hidden_states needs the target model (its number of layers)")
-        return cls(list(config.eagle_aux_hidden_state_layer_ids or []), TargetInfo.load(target_model).num_layers)
+        return cls(list(config.eagle_aux_hidden_state_layer_ids), TargetInfo.load(target_model).num_layers)
+
+    @classmethod
+    def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:
+        return tuple(config.eagle_aux_hidden_state_layer_ids or ())
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         return [Draft() for _ in batch]
@@ -60,12 +69,20 @@ def save_hidden_states(path: Path, hidden_states: torch.Tensor, token_ids: list[
                        num_prompt_tokens: int) -> Path:
     """One request's safetensors file: `hidden_states` FP32 [T, layers, H] (row t = position
     t), `token_ids` int64 [T + 1] (prompt + output), `layer_ids` int64 [layers]; the prompt
-    length in the metadata."""
-    from safetensors.torch import save_file
+    length in the metadata. Written to `path`, or to `<stem>-N<suffix>` when that exists
+    (another run's or replica's file is never overwritten); returns the path written."""
+    from safetensors.torch import save
 
+    data = save({"hidden_states": hidden_states.float().contiguous(),
+                 "token_ids": torch.tensor(token_ids, dtype=torch.int64),
+                 "layer_ids": torch.tensor(layer_ids, dtype=torch.int64)},
+                metadata={"num_prompt_tokens": str(num_prompt_tokens)})
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"hidden_states": hidden_states.float().contiguous(),
-               "token_ids": torch.tensor(token_ids, dtype=torch.int64),
-               "layer_ids": torch.tensor(layer_ids, dtype=torch.int64)},
-              path, metadata={"num_prompt_tokens": str(num_prompt_tokens)})
-    return path
+    for n in itertools.count():
+        candidate = path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        try:
+            with open(candidate, "xb") as f:  # exclusive: fails instead of overwriting
+                f.write(data)
+            return candidate
+        except FileExistsError:
+            continue

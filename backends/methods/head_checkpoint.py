@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from backends.config import _speculators_draft_config
+from backends.config import speculators_draft_config
 from backends.runtime.model_store import _gguf_kwargs, load_causal_lm
 
 
@@ -84,7 +84,7 @@ def read_config(path: Path, error: type[HeadCheckpointError] = HeadCheckpointErr
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise error(f"{path}: cannot read config.json: {e}") from e
-    return _speculators_draft_config(cfg, str(path)) if "speculators_model_type" in cfg else cfg
+    return speculators_draft_config(cfg, str(path)) if "speculators_model_type" in cfg else cfg
 
 
 def normalize_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -32,7 +32,7 @@ class LastHiddenProposer(HeadProposer):
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         drafts = [Draft() for _ in batch]
-        rows, counts, states, tokens, temperatures = [], [], [], [], []
+        rows, counts, states, tokens, temperatures, generators = [], [], [], [], [], []
         for i, req in enumerate(batch):
             k = min(req.num_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
             if req.hidden_states is None or k <= 0:
@@ -42,13 +42,14 @@ class LastHiddenProposer(HeadProposer):
             counts.append(k)
             tokens.append(req.token_ids[-1])
             temperatures.append(req.temperature)
+            generators.append(self.generator_for(req))
         if not rows:
             return drafts
         state = self.head.begin(torch.stack(states).to(self.device, self.dtype))
         ids, steps = torch.tensor(tokens, device=self.device), []
         for step in range(max(counts)):
             logits, state = self.head.step(step, state, ids)
-            ids, step_probs = sample_drafts(logits, self.sample_method, temperatures, self.generator,
+            ids, step_probs = sample_drafts(logits, self.sample_method, temperatures, generators,
                                             self.head.draft_to_target, self.head.target_vocab_size)
             steps.append((ids, step_probs))
         for i, drafted, probs in zip(rows, *gather_drafts(steps, counts)):

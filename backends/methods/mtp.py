@@ -44,7 +44,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from backends.config import _MULTI_STEP_MTP_TYPES, hf_config_override
+from backends.config import MULTI_STEP_MTP_TYPES, hf_config_override
 from backends.methods.eagle import EagleHead, EagleProposer, _Layer, _llama_config
 from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
 from backends.runtime.model_store import resolve_model
@@ -158,7 +158,7 @@ def load_mtp(path: Path | str, target: TargetInfo, dtype: str = "bfloat16") -> M
     where = f"MTP checkpoint {path}"
     cfg = read_config(path, MTPCheckpointError)
     model_type = hf_config_override(cfg).get("model_type")
-    per_step = model_type in _MULTI_STEP_MTP_TYPES
+    per_step = model_type in MULTI_STEP_MTP_TYPES
     first = cfg.get("num_hidden_layers")
     declared = cfg.get("num_nextn_predict_layers")
     mtp_key = re.compile(r"model\.(?:mtp_layers\.\d+|layers\.(\d+))\..*")

@@ -24,25 +24,25 @@ def check_lookup_bounds(prompt_lookup_min: int, prompt_lookup_max: int) -> None:
 
 class TokenHistory:
     """Each sequence's tokens as a growing int64 array. The caller passes the whole list every
-    step; converting a 32k-token list costs ~0.6 ms, so only the tokens appended since the last
-    call are converted. That relies on the list growing in place (DraftService's does); any
-    other list object for the sequence is converted from scratch."""
+    step; converting a 32k-token list costs ~0.6 ms, so only the `num_new` tokens appended
+    since the last call are converted (a sequence's accepted tokens never change, they only
+    grow)."""
 
     def __init__(self) -> None:
-        self._seqs: dict[int, tuple[Sequence[int], np.ndarray, int]] = {}
+        self._seqs: dict[int, tuple[np.ndarray, int]] = {}
 
-    def update(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
-        """The sequence's tokens as an array view, after taking in what was appended."""
-        source, buf, seen = self._seqs.get(seq_id, (None, np.empty(0, dtype=np.int64), 0))
+    def update(self, seq_id: int, token_ids: Sequence[int], num_new: int | None = None) -> np.ndarray:
+        """The sequence's tokens as an array view, after taking in the `num_new` appended
+        (None: all of them are new)."""
+        buf, seen = self._seqs.get(seq_id, (np.empty(0, dtype=np.int64), 0))
         total = len(token_ids)
-        if source is not token_ids or total < seen:
-            seen = 0
+        seen = 0 if num_new is None else min(seen, total - num_new)
         if total > len(buf):  # grow geometrically so appends stay amortised O(new tokens)
             grown = np.empty(max(64, 2 * total), dtype=np.int64)
             grown[:seen] = buf[:seen]
             buf = grown
         buf[seen:total] = token_ids[seen:total]
-        self._seqs[seq_id] = (token_ids, buf, total)
+        self._seqs[seq_id] = (buf, total)
         return buf[:total]
 
     def release(self, seq_id: int) -> None:
@@ -111,8 +111,8 @@ class NgramDrafter(Proposer):
         )
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
-        return [Draft(self.proposer.propose(self.history.update(r.seq_id, r.token_ids), r.num_tokens))
-                for r in batch]
+        return [Draft(self.proposer.propose(self.history.update(r.seq_id, r.token_ids, r.num_new),
+                                            r.num_tokens)) for r in batch]
 
     def release(self, seq_id: int) -> None:
         self.history.release(seq_id)

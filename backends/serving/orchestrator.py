@@ -6,32 +6,35 @@ server and over in-process objects in tests.
 """
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Protocol
 
 import torch
 
 from backends.serving.adaptive import AdaptiveDraftLength
 from backends.serving.detokenize import TextStream
+from backends.serving.logits import TokenLogprob
 from backends.serving.rejection import AcceptanceStats
+from backends.serving.proposer import DrafterInfo
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
+
+log = logging.getLogger("tritonspec.orchestrator")
 
 
 class Drafter(Protocol):
-    # Known once the drafter has answered: its configured k (the adaptive policy's range;
-    # 0: it never drafts, it extracts hidden states) and the target layers whose hidden
-    # states it drafts from or extracts (empty: token ids suffice).
-    num_speculative_tokens: int | None
-    hidden_layer_ids: tuple[int, ...]
+    info: DrafterInfo  # what it is (method, k, layers), known before the first request
 
-    def draft(self, seq_id: int, new_token_ids: list[int], max_tokens: int, requested: int | None,
-              hidden_states: torch.Tensor | None = None, temperature: float = 1.0,
+    def draft(self, seq_id: int, new_token_ids: list[int], num_tokens: int, num_accepted: int,
+              hidden_states: torch.Tensor | None = None, temperature: float = 1.0, seed: int | None = None,
               ) -> tuple[list[int], torch.Tensor | None, float]:
-        """Draft ids, their [k, V] probabilities (None: one-hot / model-free) and the
-        seconds spent proposing. `hidden_states`: the target's rows for every position it
-        ran since the last call, [rows, layers, hidden]; `temperature`: the request's (a
-        greedy request gets argmax drafts from every method)."""
+        """Up to `num_tokens` draft ids (the final k), their [k, V] probabilities (None:
+        one-hot / model-free) and the seconds spent proposing. `new_token_ids`: the tokens
+        since the last call; `num_accepted`: how many drafts of its last answer the target
+        accepted; `hidden_states`: the target's rows for every position it ran since the last
+        call, [rows, layers, hidden]; `temperature`: the request's (a greedy request gets
+        argmax drafts from every method); `seed`: a seeded request's (its own generator)."""
 
     def release(self, seq_id: int) -> None: ...
 
@@ -40,9 +43,10 @@ class Verifier(Protocol):
     def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
                draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
                max_new_tokens: int | None = None, hidden_layer_ids: tuple[int, ...] = (),
-               ) -> tuple[list[int], float, torch.Tensor | None]:
-        """Emitted ids, forward seconds, and the hidden states of the kept positions for
-        `hidden_layer_ids`."""
+               ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
+        """Emitted ids, forward seconds, the hidden states of the kept positions for
+        `hidden_layer_ids`, and the emitted tokens' logprobs when the sequence's sampling
+        parameters asked for them."""
 
     def release(self, seq_id: int) -> None: ...
 
@@ -57,6 +61,7 @@ class GenerationStats:
     draft_s: float = 0.0  # inside the proposer
     verify_s: float = 0.0  # inside the target's forward pass
     total_s: float = 0.0  # wall time of all steps, streaming included
+    fallback: str = ""  # why this request stopped speculating and decoded plainly (drafter failure)
 
     def record(self, num_drafts: int, num_emitted: int, draft_s: float, verify_s: float) -> None:
         self.num_steps += 1
@@ -78,6 +83,7 @@ class GenerationStats:
             "verify_ms": self.verify_s * 1e3,
             "overhead_ms": self.overhead_s * 1e3,
             "total_ms": self.total_s * 1e3,
+            **({"fallback": self.fallback} if self.fallback else {}),
         }
 
 
@@ -86,9 +92,10 @@ class StepOutput:
     token_ids: list[int]  # new output tokens of this step
     text: str  # new text of this step (complete characters only)
     finish_reason: str | None = None  # "stop", "length", "cancelled" on the last step
-    # For a drafter that extracts hidden states: the target's rows for the positions this
-    # step ran ([rows, layers, hidden], in order; see backends/methods/extract_hidden_states.py).
+    # With extraction on: the target's rows for the positions this step ran ([rows, layers,
+    # hidden], in order; see backends/methods/extract_hidden_states.py).
     hidden_states: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
 def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -99,6 +106,23 @@ def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
         )
     if max_tokens > max_model_len:
         raise RequestError(f"max_tokens={max_tokens} is above the model's limit of {max_model_len}")
+
+
+def draft_length(req: GenerationRequest, info: DrafterInfo, load: int, room: int,
+                 policy: AdaptiveDraftLength | None) -> int:
+    """The one place a step's k is decided: the client's num_draft_tokens (validated at the
+    start of the request) or the configured k; the batch-size schedule at the current load,
+    except for a seeded request, whose output must not depend on who else is served; the
+    adaptive policy; the room left in max_tokens and the context window."""
+    k = info.config.num_tokens_for_request(req.num_draft_tokens)
+    if not seeded(req):
+        k = min(k, info.config.num_tokens_for_batch_size(max(1, load)))
+    room = min(room, k)
+    return policy.next_k(room) if policy else room
+
+
+def seeded(req: GenerationRequest) -> bool:
+    return not req.sampling.greedy and req.sampling.seed is not None
 
 
 def generate(
@@ -113,27 +137,42 @@ def generate(
     stats: GenerationStats,
     is_cancelled: Callable[[], bool] = lambda: False,
     adaptive: bool = True,
+    extract_layer_ids: tuple[int, ...] = (),
+    load: Callable[[], int] = lambda: 1,
 ) -> Iterator[StepOutput]:
     """Yield one StepOutput per speculative step; the last one has a finish_reason.
     The caller releases the sequence in the drafter and verifier afterwards.
 
     With `adaptive`, each step's draft length follows this sequence's acceptance and
-    measured step times (backends.serving.adaptive); a client's explicit num_draft_tokens, and any
-    seeded sampled request, use a fixed length instead."""
+    measured step times (backends.serving.adaptive); a client's explicit num_draft_tokens, and
+    any seeded sampled request, use a fixed length instead. `extract_layer_ids`: each step
+    also yields the target's hidden states of these layers (extract_hidden_states). `load`:
+    the number of requests being served now (the batch-size schedule). A drafter that fails
+    turns speculation off for the rest of the request (`stats.fallback` says why): the
+    output is the target's either way."""
     check_lengths(len(prompt_ids), req.max_tokens, max_model_len)
-    speculate = drafter is not None and req.num_draft_tokens != 0
-    extract = False  # the drafter only names layers whose hidden states each step yields
+    speculate = drafter is not None and drafter.info.proposes_drafts and req.num_draft_tokens != 0
+    if req.num_draft_tokens == 0:  # plain decoding for this request: nothing extracted either
+        extract_layer_ids = ()
+    if speculate and req.num_draft_tokens is not None:
+        try:
+            drafter.info.config.num_tokens_for_request(req.num_draft_tokens)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
     num_tokens = len(prompt_ids)
     num_generated = 0
     unseen_by_verifier = list(prompt_ids)
     unseen_by_drafter = list(prompt_ids)
+    num_accepted = 0  # of the drafter's last answer
     sampling: SamplingParams | None = req.sampling
-    policy: AdaptiveDraftLength | None = None
-    hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
+    if speculate and drafter.info.config.rejection_sample_method == "synthetic":
+        sampling = replace(sampling, synthetic_acceptance_rates=tuple(drafter.info.config.synthetic_acceptance_rates))
     # A seeded sampled request keeps a fixed draft length: adaptive k follows timings, and a
     # different k would change which random draws each token uses (no reproducibility).
-    seeded = not req.sampling.greedy and req.sampling.seed is not None
-    adapt = adaptive and req.num_draft_tokens is None and not seeded
+    policy = (AdaptiveDraftLength(drafter.info.num_speculative_tokens)
+              if speculate and adaptive and req.num_draft_tokens is None and not seeded(req) else None)
+    layer_ids = extract_layer_ids or (drafter.info.hidden_layer_ids if speculate else ())
+    hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
     # Wall time runs from step to step, so the caller's streaming of a step's output counts
     # toward the next step's overhead.
     clock = time.perf_counter()
@@ -143,27 +182,28 @@ def generate(
             return
         # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
         room = min(req.max_tokens - num_generated, max_model_len - num_tokens) - 1
-        if policy is None and adapt and speculate and drafter.num_speculative_tokens:
-            policy = AdaptiveDraftLength(drafter.num_speculative_tokens)
-        k = policy.next_k(room) if policy else room
+        k = draft_length(req, drafter.info, load(), room, policy) if speculate else 0
         drafts, probs, draft_s, draft_wall = [], None, 0.0, 0.0
-        # The first call also tells what the drafter is (its k and layers), even with no room.
-        if speculate and (k > 0 or drafter.num_speculative_tokens is None):
+        if k > 0:
             start = time.perf_counter()
-            hidden = torch.cat(hidden_rows) if hidden_rows else None
-            drafts, probs, draft_s = drafter.draft(seq_id, unseen_by_drafter, k, req.num_draft_tokens, hidden,
-                                                   req.sampling.temperature)
+            try:
+                drafts, probs, draft_s = drafter.draft(
+                    seq_id, unseen_by_drafter, k, num_accepted, torch.cat(hidden_rows) if hidden_rows else None,
+                    req.sampling.temperature, req.sampling.seed)
+            except Exception as e:  # the target decides every token: carry on without drafts
+                log.warning("sequence %d: drafter failed, decoding plainly from here: %s", seq_id, e)
+                stats.fallback, speculate, layer_ids = f"drafter failed: {e}", False, extract_layer_ids
+                drafts, probs, draft_s = [], None, 0.0
             draft_wall = time.perf_counter() - start
             unseen_by_drafter, hidden_rows = [], []
-            if drafter.num_speculative_tokens == 0:  # an extractor: plain decoding from now on
-                speculate, extract = False, True
-        layer_ids = drafter.hidden_layer_ids if speculate or extract else ()
         start = time.perf_counter()
-        emitted, verify_s, hidden = verifier.verify(seq_id, unseen_by_verifier, drafts, probs, sampling,
-                                                    req.max_tokens if sampling else None, layer_ids)
+        emitted, verify_s, hidden, logprobs = verifier.verify(seq_id, unseen_by_verifier, drafts, probs, sampling,
+                                                              req.max_tokens if sampling else None, layer_ids)
         verify_wall = time.perf_counter() - start
         if hidden is not None and speculate:
             hidden_rows.append(hidden)
+        if k > 0:
+            num_accepted = len(emitted) - 1 if drafts else 0
         unseen_by_verifier, sampling = [], None
         stats.record(len(drafts), len(emitted), draft_s, verify_s)
         if policy:
@@ -175,7 +215,7 @@ def generate(
             taken.append(token)
             num_generated += 1
             num_tokens += 1
-            if token in eos_token_ids and not req.ignore_eos:
+            if (token in eos_token_ids and not req.ignore_eos) or token in req.stop_token_ids:
                 finish = "stop"
                 break
             text.add(token)
@@ -189,6 +229,7 @@ def generate(
         now = time.perf_counter()
         stats.total_s += now - clock
         clock = now
-        yield StepOutput(taken, text.take(final=finish is not None), finish, hidden if extract else None)
+        yield StepOutput(taken, text.take(final=finish is not None), finish,
+                         hidden if extract_layer_ids else None, logprobs and logprobs[: len(taken)])
         if finish:
             return

@@ -13,19 +13,38 @@ from typing import Any, Callable
 
 import torch
 
+from backends.config import DrafterConfig, SpeculativeConfig
+from backends.serving.rejection import new_generator
+
 
 @dataclass
 class DraftRequest:
     """What a proposer sees of one sequence in one step."""
 
     seq_id: int
-    token_ids: list[int]  # the whole sequence so far: prompt + accepted output
+    token_ids: list[int]  # the whole sequence so far: prompt + accepted output (grows in place)
     num_tokens: int  # the most drafts wanted this step (already clamped by the caller)
     # [rows, layers, H]: the target's states since the last call, for methods that draft from them
     hidden_states: torch.Tensor | None = None
     # The request's sampling temperature: probabilistic drafting samples at it; below 1e-5
     # (a greedy request) every method drafts the argmax.
     temperature: float = 1.0
+    # Tokens appended since this proposer's last call for the sequence (all of them on the first).
+    num_new: int | None = None
+    # Of the drafts this proposer made on its last call for the sequence, how many the target
+    # accepted (as Hugging Face's update_candidate_strategy is told).
+    num_accepted: int = 0
+    seed: int | None = None  # the request's seed: its draft samples come from its own generator
+
+    def __post_init__(self) -> None:
+        if self.num_new is None:
+            self.num_new = len(self.token_ids)
+
+    @property
+    def num_kept(self) -> int:
+        """How many tokens of the proposer's view after its last call (that context + the
+        drafts it made) are still the sequence: roll back anything past this."""
+        return len(self.token_ids) - self.num_new + self.num_accepted
 
 
 @dataclass
@@ -40,8 +59,9 @@ class Proposer:
     # Target layers whose hidden states the proposer needs (empty = token ids are enough).
     hidden_layer_ids: tuple[int, ...] = ()
     # False: it never drafts, it only names layers whose states each step returns
-    # (extract_hidden_states); the drafter then reports k = 0.
+    # (extract_hidden_states); the orchestrator then asks the verifier for them directly.
     proposes_drafts: bool = True
+    device = torch.device("cpu")  # where sampled drafts are drawn
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         raise NotImplementedError
@@ -49,19 +69,62 @@ class Proposer:
     def release(self, seq_id: int) -> None:
         """Forget everything kept for `seq_id` (end, cancel or idle timeout)."""
 
+    @classmethod
+    def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:
+        """The target layers a proposer built from `config` will ask for, known without
+        loading it (the orchestrator learns them at load)."""
+        return cls.hidden_layer_ids
+
 
 class SequenceProposer(Proposer):
-    """A proposer that keeps state per sequence between steps (a KV cache, a context) in `_seqs`."""
+    """A proposer that keeps state per sequence between steps (a KV cache, a context) in `_seqs`,
+    and draws each sequence's sampled drafts from that sequence's own generator (seeded by
+    its request), so a seeded request drafts the same whoever else is being served."""
 
     def __init__(self) -> None:
         self._seqs: dict[int, Any] = {}
+        self._generators: dict[int, torch.Generator] = {}
+
+    def generator_for(self, req: DraftRequest) -> torch.Generator | None:
+        """A seeded request's own generator (created on its first call); the proposer's shared
+        one (`self.generator`, if it samples) for the others."""
+        if req.seed is None:
+            return getattr(self, "generator", None)
+        if req.seq_id not in self._generators:
+            self._generators[req.seq_id] = new_generator(self.device, req.seed)
+        return self._generators[req.seq_id]
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        self._generators.pop(seq_id, None)
 
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What the orchestrator knows of its drafter, from the config, at load."""
+
+    config: DrafterConfig  # k, its per-request and batch-size rules, the rejection method
+    hidden_layer_ids: tuple[int, ...]  # target layers it drafts from (or extracts)
+    proposes_drafts: bool = True  # False: it only names layers to extract (extract_hidden_states)
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+
+def describe_drafter(config: SpeculativeConfig | DrafterConfig, target_model: Any = None) -> DrafterInfo:
+    """The drafter that `config` builds, without building it."""
+    config = _runtime_config(config)
+    cls = proposer_class(config.method)
+    return DrafterInfo(config, tuple(cls.layers_for(config, target_model)), cls.proposes_drafts)
 
 
 # method name -> "module:Class"; importing lazily keeps model-free methods free of model code.
@@ -101,6 +164,11 @@ def proposer_class(method: str) -> Callable[..., Proposer]:
     return getattr(importlib.import_module(module_name), cls_name)
 
 
-def build_proposer(config: Any, **context: Any) -> Proposer:
-    """Instantiate the proposer that `config.method` names."""
-    return proposer_class(config.method).from_config(config, **context)
+def build_proposer(config: SpeculativeConfig | DrafterConfig, **context: Any) -> Proposer:
+    """Instantiate the proposer that `config.method` names, from the small resolved runtime
+    config (DrafterConfig) rather than the vLLM parsing state."""
+    return proposer_class(config.method).from_config(_runtime_config(config), **context)
+
+
+def _runtime_config(config: SpeculativeConfig | DrafterConfig) -> DrafterConfig:
+    return DrafterConfig.from_speculative(config) if isinstance(config, SpeculativeConfig) else config

@@ -113,6 +113,38 @@ def rejection_sample(draft_token_ids: list[int], target_logits: torch.Tensor,
         generators=None if generator is None else {0: generator})[0]
 
 
+def synthetic_sample(draft_token_ids: list[int], target_logits: torch.Tensor, rates: list[float],
+                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                     generator: torch.Generator | None = None) -> list[int]:
+    """vLLM's synthetic acceptance (`rejection_sample_method: "synthetic"`, for benchmarking a
+    drafter's speed at a chosen acceptance, NOT lossless): draft i is accepted with the
+    conditional probability rates[i] / rates[i - 1] (rates[0] first), whatever the target
+    says; the first rejection emits the target's token there (greedy: the argmax; sampled:
+    a sample with the draft excluded), and full acceptance the bonus token, as usual."""
+    emitted = []
+    for i, draft in enumerate(draft_token_ids):
+        previous = rates[i - 1] if i else 1.0
+        conditional = rates[i] / previous if previous > 0 else 0.0
+        if draft < 0 or torch.rand((), generator=generator, device=target_logits.device).item() >= conditional:
+            return emitted + [_target_token(target_logits[i], temperature, top_k, top_p, generator, exclude=draft)]
+        emitted.append(draft)
+    return emitted + [_target_token(target_logits[-1], temperature, top_k, top_p, generator)]
+
+
+def _target_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                  generator: torch.Generator | None, exclude: int = -1) -> int:
+    """The target's token at one row: the argmax when greedy, else a sample (`exclude`: a
+    rejected draft that cannot be drawn, the residual of a one-hot draft)."""
+    if temperature < GREEDY_TEMPERATURE_EPS:
+        return int(logits.float().argmax())
+    probs = apply_temperature_top_k_top_p(logits[None], torch.tensor([temperature]),
+                                          None if top_k is None else torch.tensor([top_k]),
+                                          None if top_p is None else torch.tensor([top_p]))[0]
+    if 0 <= exclude < probs.numel() and probs[exclude] < 1:
+        probs[exclude] = 0.0
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 def _greedy_accept_one(draft_token_ids: list[int], target_logits: torch.Tensor) -> list[int]:
     """The greedy path of one request without building batch tensors: it runs every step of
     every greedy request, so its cost is orchestration overhead (0.05 ms instead of 0.4 ms)."""

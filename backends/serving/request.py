@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 
 class RequestError(ValueError):
     """A client mistake; the message names the input at fault."""
+
+
+# Every number is bounded here, before it reaches a tensor: the verifier and drafter get
+# them as INT32 / FP32 (top_k = 1e19 used to overflow in the sampler and fail the batch).
+MAX_INT32 = 2**31 - 1
+MAX_FLOAT32 = 3.4028234663852886e38
+MAX_DRAFT_TOKENS = 128  # vLLM V1's limit on drafts per request (rejection.MAX_SPEC_LEN)
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -23,17 +32,53 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    # Token controls, applied by the verifier to the target's logits at every position
+    # (backends/serving/logits.py); the defaults change nothing.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # from GenerationRequest.bad_words (bind_token_ids)
+    min_tokens_stop_ids: tuple[int, ...] = ()  # masked until min_tokens are out: EOS, stop_token_ids
+    logprobs: int | None = None  # alternatives reported per emitted token; None: no logprobs
+    # Set by the orchestrator from a `rejection_sample_method: "synthetic"` drafter config (never
+    # by a client): drafts are accepted at these rates, for benchmarking (not lossless).
+    synthetic_acceptance_rates: tuple[float, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or bool(self.logit_bias) or bool(self.bad_words_ids))
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
 
     @classmethod
     def from_json(cls, text: str) -> "SamplingParams":
-        return cls(**json.loads(text))
+        """The orchestrator's parameters as the verifier receives them, checked again: the
+        verifier must not trust what reaches it (RequestError names the bad field)."""
+        try:
+            params = cls(**_tuples(json.loads(text)))
+        except (TypeError, ValueError, RecursionError) as e:
+            raise RequestError(f"malformed sampling parameters: {str(e)[:200]}") from None
+        for name, value, low, high in (("temperature", params.temperature, 0, MAX_FLOAT32),
+                                       ("top_k", params.top_k, 1, MAX_INT32),
+                                       ("top_p", params.top_p, 0, 1),
+                                       ("seed", params.seed, 0, 2**63 - 1)):
+            integral = name in ("top_k", "seed")
+            if value is None and name != "temperature":
+                continue
+            if (isinstance(value, bool) or not isinstance(value, int if integral else (int, float))
+                    or not low <= value <= high):
+                raise RequestError(f"sampling parameter {name} must be {'an integer' if integral else 'a number'} "
+                                   f"in [{low}, {high}], got {_shown(value)}")
+        _check_token_controls(params)
+        return params
 
 
 @dataclass
@@ -46,6 +91,11 @@ class GenerationRequest:
     exclude_input_in_output: bool = False
     num_draft_tokens: int | None = None  # None = the drafter's configured number
     ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # end the output, like EOS
+    bad_words: list[str] = field(default_factory=list)  # tokenized into sampling.bad_words_ids
+    # The vLLM backend's return_* flags that are set (without the prefix): these outputs go
+    # on every response, with that backend's meaning.
+    returns: frozenset[str] = frozenset()
 
 
 def _to_bool(name: str, v: Any) -> bool:
@@ -55,39 +105,128 @@ def _to_bool(name: str, v: Any) -> bool:
         return v.lower() in ("true", "1")
     if isinstance(v, (int, float)) and v in (0, 1):
         return bool(v)
-    raise RequestError(f"{name} must be a boolean, got {v!r}")
+    raise RequestError(f"{name} must be a boolean, got {_shown(v)}")
 
 
 def _to_int(name: str, v: Any) -> int:
     if isinstance(v, bool):
-        raise RequestError(f"{name} must be an integer, got {v!r}")
+        raise RequestError(f"{name} must be an integer, got {_shown(v)}")
+    if isinstance(v, int):  # exact: a float round trip would turn 2**63 - 1 into 2**63
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
     try:
         f = float(v)
     except (TypeError, ValueError):
-        raise RequestError(f"{name} must be an integer, got {v!r}") from None
+        raise RequestError(f"{name} must be an integer, got {_shown(v)}") from None
     if not f.is_integer():
-        raise RequestError(f"{name} must be an integer, got {v!r}")
+        raise RequestError(f"{name} must be an integer, got {_shown(v)}")
     return int(f)
 
 
 def _to_float(name: str, v: Any) -> float:
     if isinstance(v, bool):
-        raise RequestError(f"{name} must be a number, got {v!r}")
+        raise RequestError(f"{name} must be a number, got {_shown(v)}")
     try:
         value = float(v)
     except (TypeError, ValueError):
-        raise RequestError(f"{name} must be a number, got {v!r}") from None
-    if not math.isfinite(value):  # NaN would pass every range check below
-        raise RequestError(f"{name} must be a finite number, got {v!r}")
+        raise RequestError(f"{name} must be a number, got {_shown(v)}") from None
+    # NaN would pass every range check below; beyond float32 it turns into inf on its way
+    # to the verifier (which receives it as FP32).
+    if not math.isfinite(value) or abs(value) > MAX_FLOAT32:
+        raise RequestError(f"{name} must be a finite number, got {_shown(v)}")
     return value
 
 
 def _to_str_list(name: str, v: Any) -> list[str]:
     if isinstance(v, str):
-        return [v] if v else []
-    if isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
-        return [s for s in v if s]
-    raise RequestError(f"{name} must be a string or a list of strings, got {v!r}")
+        v = [v]
+    if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+        raise RequestError(f"{name} must be a string or a list of strings, got {_shown(v)}")
+    stops = [s for s in v if s]
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"{name}: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    longest = max(stops, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise RequestError(f"{name}: a stop string may have at most {MAX_STOP_CHARS} characters, "
+                           f"got one of {len(longest)}")
+    return stops
+
+
+def _shown(v: Any, limit: int = 80) -> str:
+    """A value for an error message, cut short: a client's megabyte string is not echoed."""
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's top_logprobs limit too)
+MAX_TOKEN_IDS = 1024  # entries in stop_token_ids / logit_bias
+RETURN_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
+
+
+def _to_int_list(name: str, v: Any) -> list[int]:
+    ids = [_to_int(name, x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+    if len(ids) > MAX_TOKEN_IDS:
+        raise RequestError(f"{name}: at most {MAX_TOKEN_IDS} token ids, got {len(ids)}")
+    return ids
+
+
+def _to_logit_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
+    if not isinstance(v, dict):
+        raise RequestError(f"{name} must be an object mapping token ids to biases, got {_shown(v)}")
+    if len(v) > MAX_TOKEN_IDS:
+        raise RequestError(f"{name}: at most {MAX_TOKEN_IDS} token ids, got {len(v)}")
+    pairs = tuple((_to_int(f"{name} key", k), _to_float(f"{name}[{k}]", bias)) for k, bias in v.items())
+    for token, bias in pairs:
+        if not -100 <= bias <= 100:  # OpenAI's range
+            raise RequestError(f"{name}[{token}] must be in [-100, 100], got {bias}")
+    return pairs
+
+
+def _to_logprobs(name: str, v: Any) -> int | None:
+    if v is None:
+        return None
+    n = _to_int(name, v)
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {n}")
+    return n
+
+
+def _only(neutral: Any, convert: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
+    """A vLLM sampling key accepted at the value that changes nothing, refused otherwise."""
+
+    def check(name: str, v: Any) -> None:
+        if v is not None and convert(name, v) != neutral:
+            raise RequestError(f"{name} is only supported at its default {json.dumps(neutral)}, got {_shown(v)}")
+
+    return check
+
+
+def _check_token_controls(params: SamplingParams) -> None:
+    """The verifier's check of the token controls it received (see parse_request)."""
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(f"sampling parameter {name} must be a finite number, got {_shown(value)}")
+    ids = [t for t, _ in params.logit_bias] + [t for word in params.bad_words_ids for t in word]
+    ids += list(params.min_tokens_stop_ids) + [params.min_tokens] + [params.logprobs or 0]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in ids):
+        raise RequestError("malformed sampling parameters: token ids and counts must be non-negative integers")
+
+
+def _tuples(values: Any) -> Any:
+    """SamplingParams' fields as JSON carried them (tuples became lists)."""
+    if not isinstance(values, dict):
+        return values
+    for name in ("logit_bias", "bad_words_ids"):
+        if isinstance(values.get(name), list):
+            values[name] = tuple(tuple(item) if isinstance(item, list) else item for item in values[name])
+    if isinstance(values.get("min_tokens_stop_ids"), list):
+        values["min_tokens_stop_ids"] = tuple(values["min_tokens_stop_ids"])
+    return values
 
 
 # key -> (field it sets, converter); `seed`/`stop` are vLLM's names, the others TRT-LLM's.
@@ -104,6 +243,28 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "ignore_eos": ("ignore_eos", _to_bool),
     "stream": ("stream", _to_bool),
     "exclude_input_in_output": ("exclude_input_in_output", _to_bool),
+    # Token controls (vLLM's names; min_length and bad_words are TRT-LLM's too).
+    "repetition_penalty": ("repetition_penalty", _to_float),
+    "presence_penalty": ("presence_penalty", _to_float),
+    "frequency_penalty": ("frequency_penalty", _to_float),
+    "min_tokens": ("min_tokens", _to_int),
+    "min_length": ("min_tokens", _to_int),
+    "stop_token_ids": ("stop_token_ids", _to_int_list),
+    "bad_words": ("bad_words", _to_str_list),
+    "logit_bias": ("logit_bias", _to_logit_bias),
+    "logprobs": ("logprobs", _to_logprobs),
+    # The vLLM backend's additional outputs (r24.12+).
+    **{f"return_{name}": (f"return_{name}", _to_bool) for name in RETURN_OUTPUTS},
+    # vLLM sampling keys that clients (Triton's OpenAI frontend among them) send at values
+    # that change nothing: accepted there, refused otherwise ("" = nothing to set).
+    "n": ("", _only(1, _to_int)),
+    "best_of": ("", _only(1, _to_int)),
+    "min_p": ("", _only(0.0, _to_float)),
+    "use_beam_search": ("", _only(False, _to_bool)),
+    "skip_special_tokens": ("", _only(True, _to_bool)),
+    "spaces_between_special_tokens": ("", _only(True, _to_bool)),
+    "include_stop_str_in_output": ("", _only(False, _to_bool)),
+    "detokenize": ("", _only(True, _to_bool)),
 }
 
 
@@ -111,10 +272,12 @@ def _collect(source: str, values: dict[str, Any], into: dict[str, Any]) -> None:
     for key, value in values.items():
         if key not in _KEYS:
             raise RequestError(
-                f"unknown key {key!r} in {source}; supported: {', '.join(sorted(_KEYS))}"
+                f"unknown key {_shown(key)} in {source}; supported: {', '.join(sorted(_KEYS))}"
             )
         name, convert = _KEYS[key]
-        into[name] = convert(key, value)
+        converted = convert(key, value)
+        if name:
+            into[name] = converted
 
 
 def _parse_json_object(source: str, text: str) -> dict[str, Any]:
@@ -122,8 +285,8 @@ def _parse_json_object(source: str, text: str) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"{source} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # also numbers over 4300 digits, deep nesting
+        raise RequestError(f"{source} is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(value, dict):
         raise RequestError(f"{source} must be a JSON object, got {type(value).__name__}")
     return value
@@ -150,12 +313,14 @@ def parse_request(
     max_tokens = values.get("max_tokens", 16)
     if max_tokens <= 0:
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
+    if max_tokens > MAX_INT32:
+        raise RequestError(f"max_tokens must be at most {MAX_INT32}, got {max_tokens}")
     temperature = values.get("temperature", 0.0)
     if temperature < 0:
         raise RequestError(f"temperature must be >= 0, got {temperature}")
     top_k = values.get("top_k")
-    if top_k is not None and top_k < -1:
-        raise RequestError(f"top_k must be -1, 0 (both: off) or a positive integer, got {top_k}")
+    if top_k is not None and not -1 <= top_k <= MAX_INT32:
+        raise RequestError(f"top_k must be -1, 0 (both: off) or a positive integer up to {MAX_INT32}, got {top_k}")
     top_p = values.get("top_p")
     if top_p is not None and not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}")
@@ -165,6 +330,9 @@ def parse_request(
     num_draft = values.get("num_draft_tokens")
     if num_draft is not None and num_draft < 0:
         raise RequestError(f"num_draft_tokens must be >= 0, got {num_draft}")
+    if num_draft is not None and num_draft > MAX_DRAFT_TOKENS:
+        raise RequestError(f"num_draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {num_draft}")
+    _check_controls(values, max_tokens)
     stream = values.get("stream", False)
     exclude = values.get("exclude_input_in_output", stream)
     if stream and not exclude:
@@ -178,10 +346,77 @@ def parse_request(
             top_k=top_k if top_k and top_k > 0 else None,
             top_p=top_p if top_p is not None and top_p < 1 else None,
             seed=seed,
+            repetition_penalty=values.get("repetition_penalty", 1.0),
+            presence_penalty=values.get("presence_penalty", 0.0),
+            frequency_penalty=values.get("frequency_penalty", 0.0),
+            min_tokens=values.get("min_tokens", 0),
+            logit_bias=values.get("logit_bias", ()),
+            logprobs=values.get("logprobs"),
         ),
         stop=values.get("stop", []),
         stream=stream,
         exclude_input_in_output=exclude,
         num_draft_tokens=num_draft,
         ignore_eos=values.get("ignore_eos", False),
+        stop_token_ids=values.get("stop_token_ids", []),
+        bad_words=values.get("bad_words", []),
+        returns=frozenset(name for name in RETURN_OUTPUTS if values.get(f"return_{name}")),
     )
+
+
+def _check_controls(values: dict[str, Any], max_tokens: int) -> None:
+    """vLLM's ranges for the token controls."""
+    repetition = values.get("repetition_penalty", 1.0)
+    if not 0 < repetition <= 100:
+        raise RequestError(f"repetition_penalty must be in (0, 100] (1: off), got {repetition}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= values.get(name, 0.0) <= 2:
+            raise RequestError(f"{name} must be in [-2, 2] (0: off), got {values[name]}")
+    min_tokens = values.get("min_tokens", 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise RequestError(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    if any(t < 0 for t in values.get("stop_token_ids", [])):
+        raise RequestError(f"stop_token_ids must be token ids (>= 0), got {values['stop_token_ids']}")
+
+
+def bind_token_ids(req: GenerationRequest, tokenizer: Any, eos_token_ids: set[int],
+                   vocab_size: int) -> GenerationRequest:
+    """What needs the served model: token ids checked against its vocabulary, bad words
+    tokenized (vLLM's way), and the tokens min_tokens holds back (EOS unless ignore_eos,
+    and stop_token_ids), all in the sampling parameters the verifier receives."""
+    for where, ids in (("stop_token_ids", req.stop_token_ids), ("logit_bias", [t for t, _ in req.sampling.logit_bias])):
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise RequestError(f"{where}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+    held = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
+    sampling = replace(req.sampling, bad_words_ids=bad_words_token_ids(req.bad_words, tokenizer),
+                       min_tokens_stop_ids=tuple(sorted(held)) if req.sampling.min_tokens else ())
+    return replace(req, sampling=sampling)
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's SamplingParams.update_from_tokenizer: each word as it tokenizes alone, and
+    with a leading space when that is another token sequence of the same length (the word
+    in the middle of a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not alone:
+            continue
+        out.append(alone)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced[:1] != alone[:1] and len(spaced) == len(alone):
+            out.append(spaced)
+    return tuple(out)
+
+
+# No tokenizer packs more characters than this into one token on average, so a longer
+# prompt cannot fit the context; refusing it first spares tokenizing megabytes.
+MAX_PROMPT_CHARS_PER_TOKEN = 64
+
+
+def check_prompt_size(prompt: str, max_model_len: int) -> None:
+    limit = MAX_PROMPT_CHARS_PER_TOKEN * max_model_len
+    if len(prompt) > limit:
+        raise RequestError(f"text_input has {len(prompt)} characters, more than fit the context window of "
+                           f"{max_model_len} tokens (at most {limit} characters are accepted)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import torch
 from transformers import DynamicCache
 
 from backends.runtime.model_store import context_window, load_causal_lm
-from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample
+from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
+from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
 from backends.serving.request import SamplingParams
 
 log = logging.getLogger("tritonspec.target")
@@ -47,6 +49,7 @@ class VerifyResult:
     num_accepted: int
     forward_s: float
     hidden_states: torch.Tensor | None = None  # [kept positions, layers, hidden]
+    logprobs: list[TokenLogprob] | None = None  # per emitted token, when the sequence asked for them
 
 
 @dataclass
@@ -57,7 +60,8 @@ class _Sequence:
     reserved_tokens: int  # worst-case KV length, held against the budget until release
     token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = 0.0  # on TargetRunner.clock, when its last step ended
+    num_prompt_tokens: int = 0  # token_ids after these are output (penalties count only those)
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
@@ -89,6 +93,33 @@ class _Step:
         return len(self.pending) + result.num_accepted
 
 
+def check_sliding_window(config, max_model_len: int) -> None:
+    """Refuse a target whose attention is windowed below its context: its cache would keep
+    only the window, which verification (crop on rejection, positions past the window) does
+    not handle, so it would load and then fail past the window."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = "sliding_attention" in layer_types or (
+        bool(window) and getattr(config, "use_sliding_window", True) is not False)
+    if windowed and window and window < max_model_len:
+        raise ValueError(
+            f"the target uses sliding-window attention over {window} tokens, below its context of "
+            f"{max_model_len}; this server does not run windowed attention: serve it with max_model_len "
+            f"<= {window} (tritonspec serve --max-model-len {window}, or the max_model_len parameter)")
+
+
+def _check_token_controls(sampling: SamplingParams, vocab_size: int) -> None:
+    """Token ids of the sequence's controls must index the logits."""
+    ids = ([t for t, _ in sampling.logit_bias] + [t for word in sampling.bad_words_ids for t in word]
+           + list(sampling.min_tokens_stop_ids))
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise SequenceError(f"token id {outside[0]} in the sampling parameters is outside the vocabulary "
+                            f"[0, {vocab_size})")
+    if sampling.logprobs is not None and sampling.logprobs > vocab_size:
+        raise SequenceError(f"logprobs={sampling.logprobs} is above the vocabulary size {vocab_size}")
+
+
 def _select_hidden(hidden_states: tuple, row: int, kept: int, layer_ids: tuple[int, ...]) -> torch.Tensor:
     """Layer id i = the residual stream entering decoder layer i (vLLM's and EAGLE-3's
     numbering: HF's hidden_states[i]); id num_layers or -1 = the final hidden state after the
@@ -109,7 +140,17 @@ class TargetRunner:
         self.model = load_causal_lm(model_path, dtype).to(device)
         self.device = torch.device(device)
         self.max_model_len = context_window(self.model.config, max_model_len)
+        check_sliding_window(self.model.config, self.max_model_len)
+        # What a step may name: ids the embedding has (an id past it is a device assert on
+        # CUDA, which poisons the process), probabilities over the logits' vocabulary, and
+        # hidden-state layers 0..L (-1: the final normed state).
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.logits_size = self.model.get_output_embeddings().weight.shape[0]
+        self.num_layers = self.model.config.num_hidden_layers
         self.sequences: dict[int, _Sequence] = {}
+        # What idleness is measured on; the Triton verifier counts only the time it waits for
+        # work (sequence_model.IdleClock), so a step queued behind others never looks idle.
+        self.clock: Callable[[], float] = time.monotonic
         self.kv_budget_tokens = (int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.model.config, dtype))
                                  if kv_cache_memory_gb else None)
 
@@ -130,23 +171,47 @@ class TargetRunner:
         Steps of running sequences share one forward pass over ragged lengths; a first step
         (the prompt) runs alone, since padding 1-token steps to a prompt's length wastes more
         than a second pass costs.
+
+        One request never fails another: each step is checked before any forward (its ids,
+        draft probabilities and layers), a batched forward that still fails is retried one
+        step at a time so only the culprit fails, and accept/reject runs per step. A failed
+        step ends its sequence (its cache may hold part of the step).
         """
         results: list[VerifyResult | SequenceError | None] = [None] * len(batch)
         steps: list[tuple[int, _Step]] = []
         for i, req in enumerate(batch):
             try:
                 steps.append((i, self._prepare(req)))
-            except SequenceError as e:
-                results[i] = e
+            except Exception as e:
+                results[i] = self._fail(req.seq_id, e)
         running = [(i, step) for i, step in steps if step.seq.num_cached > 0]
         if len(running) > 1:
-            for (i, _), result in zip(running, self._forward_batch([step for _, step in running])):
-                results[i] = result
-            running_ids = {i for i, _ in running}
-            steps = [(i, step) for i, step in steps if i not in running_ids]
+            try:
+                batched = self._forward_batch([step for _, step in running])
+            except Exception:
+                log.exception("a batched verification of %d sequences failed; verifying them one at a time",
+                              len(running))
+            else:
+                for (i, step), result in zip(running, batched):
+                    results[i] = self._fail(step.req.seq_id, result) if isinstance(result, Exception) else result
         for i, step in steps:
-            results[i] = self._forward_one(step)
+            if results[i] is None:
+                try:
+                    results[i] = self._forward_one(step)
+                except Exception as e:
+                    results[i] = self._fail(step.req.seq_id, e)
+        now = self.clock()
+        for _, step in steps:
+            step.seq.last_used = now  # idleness counts from the end of a step
         return results
+
+    def _fail(self, seq_id: int, error: Exception) -> SequenceError:
+        """End a sequence whose step failed; the error as that request's own."""
+        self.release(seq_id)
+        if isinstance(error, SequenceError):
+            return error
+        log.warning("sequence %d: verification failed", seq_id, exc_info=error)
+        return SequenceError(f"sequence {seq_id}: verification failed: {type(error).__name__}: {error}")
 
     def _prepare(self, req: VerifyRequest) -> "_Step":
         seq = self.sequences.get(req.seq_id)
@@ -158,11 +223,38 @@ class TargetRunner:
                 f"sequence {req.seq_id}: {num_tokens} tokens + {len(req.draft_token_ids)} drafts "
                 f"exceed the context window of {self.max_model_len}"
             )
+        self._check(req)
         if seq is None:
             seq = self._start(req)
-        seq.last_used = time.monotonic()
         seq.token_ids.extend(req.new_token_ids)
         return _Step(req, seq, seq.token_ids[seq.num_cached :])
+
+    def _check(self, req: VerifyRequest) -> None:
+        """What the step names must exist: SequenceError (this request's alone) otherwise."""
+        where = f"sequence {req.seq_id}"
+        for name, ids in (("token", req.new_token_ids), ("draft", req.draft_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise SequenceError(f"{where}: {name} id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(req.draft_token_ids) > MAX_SPEC_LEN:
+            raise SequenceError(f"{where}: {len(req.draft_token_ids)} drafts; at most {MAX_SPEC_LEN} per step")
+        probs = req.draft_probs
+        if probs is not None:
+            expected = (len(req.draft_token_ids), self.logits_size)
+            if tuple(probs.shape) != expected:
+                raise SequenceError(f"{where}: draft_probs must have shape {list(expected)} (one row over the "
+                                    f"vocabulary per draft), got {list(probs.shape)}")
+            if not probs.dtype.is_floating_point or not torch.isfinite(probs).all() or (probs < 0).any():
+                raise SequenceError(f"{where}: draft_probs must be finite, non-negative probabilities")
+        bad_layers = [i for i in req.hidden_layer_ids if not -1 <= i <= self.num_layers]
+        if bad_layers:
+            raise SequenceError(f"{where}: hidden layer id {bad_layers[0]} is not in [-1, {self.num_layers}]")
+        if len(req.hidden_layer_ids) > self.num_layers + 2:
+            raise SequenceError(f"{where}: {len(req.hidden_layer_ids)} hidden layer ids; this target has "
+                                f"{self.num_layers + 2} (-1 and 0..{self.num_layers})")
+        max_new = req.max_new_tokens
+        if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
+            raise SequenceError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
 
     def _forward_one(self, step: "_Step") -> VerifyResult:
         start = time.perf_counter()
@@ -214,33 +306,45 @@ class TargetRunner:
         )
         forward_s = (time.perf_counter() - start) / len(steps)  # each sequence's share
 
-        results = []
+        results: list[VerifyResult | Exception] = []
         for row, (step, n) in enumerate(zip(steps, lengths)):
-            result = self._accept(step, out.logits[row, n - step.num_rows : n], forward_s)
-            kept = step.num_kept(result)
-            for own, shared in zip(step.seq.cache.layers, batched.layers):
-                new = slice(max_cached, max_cached + kept)
-                own.update(shared.keys[row : row + 1, :, new], shared.values[row : row + 1, :, new])
-            if step.req.hidden_layer_ids:
-                result.hidden_states = _select_hidden(out.hidden_states, row, kept, step.req.hidden_layer_ids)
+            try:  # from here on each row is its own sequence's business
+                result = self._accept(step, out.logits[row, n - step.num_rows : n], forward_s)
+                kept = step.num_kept(result)
+                for own, shared in zip(step.seq.cache.layers, batched.layers):
+                    new = slice(max_cached, max_cached + kept)
+                    own.update(shared.keys[row : row + 1, :, new], shared.values[row : row + 1, :, new])
+                if step.req.hidden_layer_ids:
+                    result.hidden_states = _select_hidden(out.hidden_states, row, kept, step.req.hidden_layer_ids)
+            except Exception as e:
+                result = e
             results.append(result)
         return results
 
     def _accept(self, step: "_Step", logits: torch.Tensor, forward_s: float) -> VerifyResult:
         """Accept/reject the step's drafts against its logit rows; commit the tokens."""
         seq, drafts = step.seq, step.req.draft_token_ids
-        emitted = rejection_sample(
-            drafts,
-            logits,
-            step.req.draft_probs,
-            temperature=seq.sampling.temperature,
-            top_k=seq.sampling.top_k,
-            top_p=seq.sampling.top_p,
-            generator=seq.generator,
-        )
+        raw = logits
+        if seq.sampling.processes_logits:  # each row with the history before its position
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            logits = process_logits(logits, seq.sampling, seq.token_ids[seq.num_prompt_tokens :], drafts, prompt)
+        if seq.sampling.synthetic_acceptance_rates and drafts:
+            emitted = synthetic_sample(drafts, logits, list(seq.sampling.synthetic_acceptance_rates),
+                                       seq.sampling.temperature, seq.sampling.top_k, seq.sampling.top_p, seq.generator)
+        else:
+            emitted = rejection_sample(
+                drafts,
+                logits,
+                step.req.draft_probs,
+                temperature=seq.sampling.temperature,
+                top_k=seq.sampling.top_k,
+                top_p=seq.sampling.top_p,
+                generator=seq.generator,
+            )
         seq.token_ids.extend(emitted)
         seq.num_cached = len(seq.token_ids) - 1
-        return VerifyResult(emitted, len(emitted) - 1, forward_s)
+        logprobs = None if seq.sampling.logprobs is None else token_logprobs(raw, emitted, seq.sampling.logprobs)
+        return VerifyResult(emitted, len(emitted) - 1, forward_s, logprobs=logprobs)
 
     def _start(self, req: VerifyRequest) -> _Sequence:
         # Reserve the worst case up front (prompt + every new token + a full draft), so a
@@ -256,7 +360,9 @@ class TargetRunner:
         sampling = req.sampling or SamplingParams()
         seq_id = req.seq_id
         generator = new_generator(self.device, sampling.seed)
-        seq = _Sequence(DynamicCache(config=self.model.config), sampling, generator, reserve)
+        _check_token_controls(sampling, self.logits_size)
+        seq = _Sequence(DynamicCache(config=self.model.config), sampling, generator, reserve,
+                        num_prompt_tokens=len(req.new_token_ids))
         self.sequences[seq_id] = seq
         log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))
         return seq
@@ -265,10 +371,11 @@ class TargetRunner:
         """Drop a sequence's KV cache; True when it existed."""
         return self.sequences.pop(seq_id, None) is not None
 
-    def release_idle(self, idle_s: float) -> list[int]:
-        """Drop sequences unused for `idle_s` seconds (a client vanished without END)."""
-        now = time.monotonic()
-        stale = [sid for sid, s in self.sequences.items() if now - s.last_used > idle_s]
+    def release_idle(self, idle_s: float, keep: Collection[int] = ()) -> list[int]:
+        """Drop sequences idle for `idle_s` since their last step ended (a client vanished
+        without END); `keep`: those with a step in hand (never idle, however long it waited)."""
+        now = self.clock()
+        stale = [sid for sid, s in self.sequences.items() if sid not in keep and now - s.last_used > idle_s]
         for sid in stale:
             self.release(sid)
         if stale:

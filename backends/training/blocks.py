@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.config import _aux_layer_ids
+from backends.config import aux_layer_ids
 from backends.methods.dflash import DFlashHead, save_head
 from backends.methods.dflash import default_config as dflash_config
 from backends.methods.dspark import DSparkHead
@@ -77,7 +77,7 @@ class DFlashTrainer(StepTrainer):
     head_class: type[DFlashHead] = DFlashHead
 
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
-        return tuple(sorted(_aux_layer_ids({}, {"num_hidden_layers": target.num_layers})))
+        return tuple(sorted(aux_layer_ids({}, {"num_hidden_layers": target.num_layers})))
 
     def config(self, target: TargetInfo, mask_token_id: int, num_drafts: int) -> dict[str, Any]:
         return dflash_config(target, mask_token_id=mask_token_id, block_size=num_drafts + 1,

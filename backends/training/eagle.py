@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from backends.config import _aux_layer_ids
+from backends.config import aux_layer_ids
 from backends.methods.eagle import Eagle1Head, Eagle3Head, EagleHead, _llama_config
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
@@ -219,7 +219,7 @@ class Eagle3Trainer(_EagleTrainer):
     draft_vocab_size = 8192
 
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
-        return tuple(sorted(_aux_layer_ids({}, {"num_hidden_layers": target.num_layers})))
+        return tuple(sorted(aux_layer_ids({}, {"num_hidden_layers": target.num_layers})))
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> Eagle3Head:
         size = int(options.get("draft_vocab_size", self.draft_vocab_size))

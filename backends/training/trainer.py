@@ -137,7 +137,7 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
                 "num_steps": num_steps, "seed": seed, "options": options or {},
                 "num_train_tokens": sum(b - a for a, b in spans)}
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=True)  # tensors and plain data: a file runs no code
         if state.get("settings") != settings:
             changed = sorted(k for k in settings if state.get("settings", {}).get(k) != settings[k])
             raise ValueError(f"{state_path} belongs to a training run with other settings ({', '.join(changed)}); "

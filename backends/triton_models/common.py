@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import sys
 import threading
 from typing import Any
@@ -112,6 +113,8 @@ class SpecDecodeCounters:
         "accepted": ("tritonspec_spec_decode_num_accepted_tokens", "Draft tokens accepted"),
         "per_position": ("tritonspec_spec_decode_num_accepted_tokens_per_pos",
                          "Draft tokens accepted at each draft position"),
+        "fallbacks": ("tritonspec_spec_decode_drafter_fallbacks",
+                      "Requests that stopped speculating because the drafter failed (decoded plainly)"),
     }
 
     def __init__(self, model_name: str) -> None:
@@ -130,8 +133,11 @@ class SpecDecodeCounters:
             self.metrics[ident] = self.families[key].Metric(labels=labels)
         return self.metrics[ident]
 
-    def add(self, method: str, acceptance: Any) -> None:
-        """Add one finished request's AcceptanceStats."""
+    def add(self, method: str, acceptance: Any, fell_back: bool = False) -> None:
+        """Add one finished request's AcceptanceStats, and whether its drafter failed."""
+        if fell_back:
+            with self.lock:
+                self._metric("fallbacks", method).increment(1)
         if not acceptance.num_drafts:
             return
         with self.lock:
@@ -140,3 +146,85 @@ class SpecDecodeCounters:
             self._metric("accepted", method).increment(acceptance.num_accepted_tokens)
             for position, count in enumerate(acceptance.accepted_per_position):
                 self._metric("per_position", method, position).increment(count)
+
+
+class ServingMetrics:
+    """Request latency and token metrics on /metrics, named as vLLM names them (Triton's
+    vLLM backend uses the same names and `model` / `version` labels): prompt and generation
+    token counters, time to first token, inter-token latency and end-to-end latency
+    histograms, requests running and waiting. Updates go through a thread of their own: each
+    is a round trip to the server process, kept off the requests' path."""
+
+    # vLLM's buckets (vllm/v1/metrics/loggers.py); inter-token latency gains three finer ones,
+    # since a speculative step's tokens arrive milliseconds apart.
+    TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+    ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+    E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0]
+
+    def __init__(self, model_name: str, version: str) -> None:
+        labels = {"model": model_name, "version": version}
+        kinds = pb_utils.MetricFamily
+
+        def metric(name: str, description: str, kind: int, buckets: list[float] | None = None) -> Any:
+            family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self.families.append(family)  # a family must outlive its metrics
+            return family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+
+        self.families: list = []
+        self.prompt_tokens = metric("vllm:prompt_tokens_total", "Number of prefill tokens processed.", kinds.COUNTER)
+        self.generation_tokens = metric("vllm:generation_tokens_total", "Number of generation tokens processed.",
+                                        kinds.COUNTER)
+        self.ttft = metric("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                           kinds.HISTOGRAM, self.TTFT_BUCKETS)
+        self.itl = metric("vllm:inter_token_latency_seconds",
+                          "Histogram of inter-token latency in seconds (per step: its gap / its tokens).",
+                          kinds.HISTOGRAM, self.ITL_BUCKETS)
+        self.e2e = metric("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                          kinds.HISTOGRAM, self.E2E_BUCKETS)
+        self.running = metric("vllm:num_requests_running", "Number of requests being generated.", kinds.GAUGE)
+        self.waiting = metric("vllm:num_requests_waiting", "Number of requests waiting for a worker.", kinds.GAUGE)
+        self.updates: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._apply, name="spec-metrics", daemon=True)
+        self.thread.start()
+
+    def _apply(self) -> None:
+        while (update := self.updates.get()) is not None:
+            metric, method, value = update
+            try:
+                getattr(metric, method)(value)
+            except Exception:  # a metric that cannot be written must not stop the others
+                logging.getLogger("tritonspec.metrics").exception("could not update a metric")
+
+    def _put(self, metric: Any, method: str, value: float) -> None:
+        self.updates.put((metric, method, value))
+
+    def arrived(self) -> None:
+        self._put(self.waiting, "increment", 1)
+
+    def started(self) -> None:
+        self._put(self.waiting, "increment", -1)
+        self._put(self.running, "increment", 1)
+
+    def tokens(self, count: int, since_last: float, first: bool) -> None:
+        """One step's output tokens, `since_last` seconds after the request arrived (first)
+        or after the previous step's tokens."""
+        self._put(self.generation_tokens, "increment", count)
+        if first:
+            self._put(self.ttft, "observe", since_last)
+        else:
+            self._put(self.itl, "observe", since_last / count)
+
+    def finished(self, num_prompt_tokens: int, seconds: float | None) -> None:
+        """A request is done; `seconds` from arrival to its last token (None: it failed)."""
+        self._put(self.running, "increment", -1)
+        if num_prompt_tokens:
+            self._put(self.prompt_tokens, "increment", num_prompt_tokens)
+        if seconds is not None:
+            self._put(self.e2e, "observe", seconds)
+
+    def close(self) -> None:
+        self.updates.put(None)
+        self.thread.join(timeout=5)

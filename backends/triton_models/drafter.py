@@ -1,6 +1,8 @@
 """`drafter` model: the proposer that the `speculative_config` parameter names, behind
-Triton's sequence batcher. Inputs per step: the tokens new since the last call, the room
-left, the client's requested draft length and temperature; output: the draft ids."""
+Triton's sequence batcher. Inputs per step: the tokens new since the last call, the k the
+orchestrator decided, how many drafts of the last answer were accepted, the request's
+temperature and seed, and the target's hidden states when the method reads them; outputs:
+the draft ids (and their probabilities when sampled)."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 from backends.config import SpeculativeConfig
 from backends.serving.drafting import DraftCall, DraftService
 from backends.runtime.model_store import DEFAULT_MODEL, context_window, load_config, resolve_model
-from backends.serving.proposer import Draft, build_proposer
+from backends.serving.proposer import Draft, build_proposer, describe_drafter
 from backends.triton_models.common import (
     input_array, input_ids, input_scalar, instance_device, model_parameters, setup_logging,
 )
@@ -38,25 +40,31 @@ class TritonPythonModel(SequenceBatchedModel):
         device = instance_device(args, params, log)  # model-free methods ignore it
         proposer = build_proposer(self.config, max_model_len=max_len, target_model=target,
                                   dtype=params.get("dtype", "bfloat16"), device=device)
+        # The orchestrator learnt the layers from the config alone (describe_drafter): they must agree.
+        described = describe_drafter(self.config, target).hidden_layer_ids
+        if tuple(proposer.hidden_layer_ids) != described:
+            raise RuntimeError(f"{self.config.method} proposer asks for target layers {proposer.hidden_layer_ids}, "
+                               f"but its config describes {described}; a custom proposer declares "
+                               "hidden_layer_ids as a class attribute")
         self.service = DraftService(proposer, self.config)
         self.init_sequences(args, params)
+        self.service.clock = self.clock
         log.info("drafter ready: method=%s k=%d device=%s", self.config.method,
                  self.config.num_speculative_tokens, device)
 
     def parse(self, request) -> DraftCall:
-        requested = input_scalar(request, "num_draft_tokens")
         hidden = input_array(request, "hidden_states")
         temperature = input_scalar(request, "temperature")
-        call = DraftCall(
+        seed = input_scalar(request, "random_seed")
+        return DraftCall(
             request.correlation_id(),
             input_ids(request, "input_ids"),
-            int(input_scalar(request, "max_draft_tokens")),
-            None if requested is None or requested < 0 else int(requested),
+            int(input_scalar(request, "num_draft_tokens")),
             None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
             1.0 if temperature is None else float(temperature),
+            int(input_scalar(request, "num_accepted_drafts") or 0),
+            None if seed is None else int(seed),
         )
-        self.service.num_tokens(call)  # a bad k is refused alone, not with its batch
-        return call
 
     def run(self, calls: list[DraftCall]) -> list:
         start = time.perf_counter()
@@ -77,18 +85,13 @@ class TritonPythonModel(SequenceBatchedModel):
         return pb_utils.InferenceResponse(output_tensors=extra + [
             pb_utils.Tensor("draft_ids", np.array([draft.token_ids], dtype=np.int64)),
             pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
-            pb_utils.Tensor("method", np.array([[self.config.method.encode()]], dtype=np.object_)),
-            pb_utils.Tensor("num_speculative_tokens",
-                            np.array([[self.service.num_speculative_tokens]], dtype=np.int32)),
-            pb_utils.Tensor("hidden_layer_ids",
-                            np.array([self.service.proposer.hidden_layer_ids], dtype=np.int32).reshape(1, -1)),
         ])
 
     def release(self, seq_id: int) -> None:
         self.service.release(seq_id)
 
-    def release_idle(self, idle_s: float) -> None:
-        self.service.release_idle(idle_s)
+    def release_idle(self, idle_s: float, keep: set[int]) -> None:
+        self.service.release_idle(idle_s, keep)
 
     @property
     def num_sequences(self) -> int:

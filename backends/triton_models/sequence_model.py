@@ -5,13 +5,18 @@ Per request: a sequence END releases that sequence's state; anything else is par
 call (a malformed request fails alone); the calls run as one batch and each request gets
 its own result or its own error; a failed sequence is released. Sequences idle for
 `sequence_idle_timeout_s` are released first (a client that vanished without END).
+
+Only the `speculative` model of the same server may call these models: a request without
+its token (backends/triton_models/peer_token.py) is refused and touches no state.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from backends.serving.idle import IdleClock
 from backends.triton_models.common import SEQUENCE_END, ActiveSequencesGauge, error_response
+from backends.triton_models.peer_token import has_token, server_token
 
 
 class SequenceBatchedModel:
@@ -20,7 +25,9 @@ class SequenceBatchedModel:
 
     def init_sequences(self, args: dict, params: dict[str, str]) -> None:
         self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
+        self.clock = IdleClock()  # the subclass's runner measures idleness on it
         self.active = ActiveSequencesGauge(args["model_name"])
+        self.token = server_token()
 
     # -- what a subclass provides -------------------------------------------------------
     def parse(self, request: Any) -> Any:
@@ -37,7 +44,8 @@ class SequenceBatchedModel:
     def release(self, seq_id: int) -> None:
         raise NotImplementedError
 
-    def release_idle(self, idle_s: float) -> None:
+    def release_idle(self, idle_s: float, keep: set[int]) -> None:
+        """Release sequences idle for `idle_s` on self.clock, except those in `keep`."""
         raise NotImplementedError
 
     @property
@@ -46,11 +54,26 @@ class SequenceBatchedModel:
 
     # -- the shared loop ----------------------------------------------------------------
     def execute(self, requests: list) -> list:
-        self.release_idle(self.idle_s)
+        self.clock.busy()
+        try:
+            return self._execute(requests)
+        finally:
+            self.clock.idle()
+
+    def _execute(self, requests: list) -> list:
+        # A sequence with a step in this batch is not idle, however long the step waited.
+        self.release_idle(self.idle_s, {request.correlation_id() for request in requests})
         responses: list = [None] * len(requests)
         calls, index = [], []
         for i, request in enumerate(requests):
             seq_id = request.correlation_id()
+            if not has_token(request.parameters(), self.token):
+                # Not from our orchestrator: refused without touching that sequence's state.
+                self.log.warning("refused a request for sequence %d without the internal token", seq_id)
+                responses[i] = error_response(
+                    f"{self.role}: this model only serves the `speculative` model of this server (the request "
+                    "lacks its internal token); send generation requests to `speculative`")
+                continue
             if request.flags() & SEQUENCE_END:
                 self.release(seq_id)
                 responses[i] = self.respond(None)

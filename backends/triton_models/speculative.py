@@ -3,34 +3,45 @@ draft -> verify loop of `backends.serving.orchestrator` in its own worker thread
 `drafter` and `verifier` models through (non-decoupled) BLS, and streams text back."""
 from __future__ import annotations
 
-import itertools
+import functools
 import json
 import logging
-import os
 import queue
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from backends.config import SpeculativeConfig
 from backends.serving.detokenize import TextStream
+from backends.serving.logits import TokenLogprob, vllm_logprobs
+from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.methods.extract_hidden_states import save_hidden_states
 from backends.runtime.model_store import DEFAULT_MODEL, context_window, load_config, load_tokenizer, resolve_model
 from backends.serving.orchestrator import GenerationStats, StepOutput, generate
-from backends.serving.request import GenerationRequest, RequestError, parse_request
-from backends.triton_models.common import (
-    SpecDecodeCounters, error_response, input_scalar, model_parameters, setup_logging,
+from backends.serving.request import (
+    RETURN_OUTPUTS, GenerationRequest, RequestError, bind_token_ids, check_prompt_size, parse_request,
 )
-from backends.triton_models.peers import BlsDrafter, BlsVerifier
+from backends.triton_models.common import (
+    ServingMetrics, SpecDecodeCounters, error_response, input_scalar, model_parameters, setup_logging,
+)
+from backends.triton_models.pbtxt import get_parameter
+from backends.triton_models.peer_token import server_token
+from backends.triton_models.peers import BlsDrafter, BlsVerifier, SequencePeer
 
 log = logging.getLogger("tritonspec.speculative")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TENSOR_INPUTS = ("text_input", "stream", "exclude_input_in_output", "max_tokens", "temperature",
-                 "top_k", "top_p", "random_seed", "num_draft_tokens", "ignore_eos")
+                 "top_k", "top_p", "random_seed", "num_draft_tokens", "ignore_eos", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "min_tokens", "min_length",
+                 *(f"return_{name}" for name in RETURN_OUTPUTS))
+LIST_INPUTS = ("stop_words", "bad_words")  # STRING [-1]
 
 
 class CancellationPoll:
@@ -61,17 +72,24 @@ class TritonPythonModel:
         eos = getattr(config, "eos_token_id", None)
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.vocab_size = config.vocab_size  # what token ids in a request may name
+        self.decode_token = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
         self.verifier_name = params.get("verifier_model_name", "verifier")
         self.drafter_name = params.get("drafter_model_name", "")
+        self.drafter_info = self._describe_drafter(args, model_path) if self.drafter_name else None
+        # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
+        self.extract_layer_ids = (self.drafter_info.hidden_layer_ids
+                                  if self.drafter_info and not self.drafter_info.proposes_drafts else ())
+        self.active_requests = 0
         self.adaptive = params.get("adaptive_draft_length", "true").lower() == "true"
         # With an extract_hidden_states drafter: also write each request's hidden states here.
         self.hidden_states_dir = params.get("hidden_states_dir", "")
         workers = int(params.get("max_concurrent_requests", "64"))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
-        # Correlation ids unique across instances and restarts of this process.
-        self.seq_ids = itertools.count((os.getpid() << 32) + 1)
         self.lock = threading.Lock()
+        SequencePeer.token = server_token()  # proves our BLS calls to verifier and drafter
         self.counters = SpecDecodeCounters(args["model_name"])
+        self.metrics = ServingMetrics(args["model_name"], str(args.get("model_version", "1")))
         # Responses go out from one thread, in order, so a step's send overlaps the next
         # step's forward pass instead of adding to it.
         self.outbox: queue.Queue = queue.Queue()
@@ -79,6 +97,25 @@ class TritonPythonModel:
         self.sender_thread.start()
         log.info("speculative ready: verifier=%s drafter=%s context=%d",
                  self.verifier_name, self.drafter_name or "(none: plain decoding)", self.max_model_len)
+
+    def _describe_drafter(self, args: dict, target: Path) -> DrafterInfo | None:
+        """What the drafter is (method, k, layers), from its config.pbtxt in this repository,
+        resolved as the drafter resolves it. A config that cannot be read leaves this model
+        serving plain decoding (the drafter's own load fails with the reason)."""
+        repository = Path(args["model_repository"])
+        if repository.name == args["model_name"]:  # Triton passes the model's own directory
+            repository = repository.parent
+        try:
+            pbtxt = (repository / self.drafter_name / "config.pbtxt").read_text()
+            config = SpeculativeConfig.from_json(get_parameter(pbtxt, "speculative_config") or "",
+                                                 target_model=str(target), target_max_model_len=self.max_model_len)
+            info = describe_drafter(config, target)
+        except Exception as e:
+            log.error("drafter %r: %s; serving plain decoding", self.drafter_name, e)
+            return None
+        log.info("drafter %r: method=%s k=%d layers=%s", self.drafter_name, info.method,
+                 info.num_speculative_tokens, list(info.hidden_layer_ids))
+        return info
 
     def _drain_outbox(self) -> None:
         while (item := self.outbox.get()) is not None:
@@ -93,28 +130,47 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            self.pool.submit(self._serve, request)
+            self.metrics.arrived()
+            self.pool.submit(self._serve, request, time.perf_counter())
         return None
 
-    def _serve(self, request) -> None:
+    def _serve(self, request, arrived: float) -> None:
+        self.metrics.started()
         sender = request.get_response_sender()
+        # Random 63-bit correlation ids: nobody can guess another request's (they used to be
+        # pid << 32 + n), and no restart or replica repeats one.
+        seq_id = secrets.randbits(63) or 1
         with self.lock:
-            seq_id = next(self.seq_ids)
+            self.active_requests += 1  # the load the batch-size schedule follows
         verifier = BlsVerifier(self.verifier_name, seq_id)
-        drafter = BlsDrafter(self.drafter_name, seq_id) if self.drafter_name else None
+        info = self.drafter_info
+        drafter = BlsDrafter(self.drafter_name, seq_id, info) if info and info.proposes_drafts else None
         stats = None
         counted = False
+        prompt_ids: list[int] = []
+        last_token_at = None  # when the latest step's tokens came out (metrics)
         try:
-            req = self._parse(request)
+            req = bind_token_ids(self._parse(request), self.tokenizer, self.eos_token_ids, self.vocab_size)
+            vllm = VllmOutputs(req, self.decode_token)
+            if "cumulative_logprob" in req.returns and req.sampling.logprobs is None:
+                req = replace(req, sampling=replace(req.sampling, logprobs=0))  # the sum needs them
+            check_prompt_size(req.prompt, self.max_model_len)  # before tokenizing megabytes
             prompt_ids = self.tokenizer(req.prompt)["input_ids"]
-            text = TextStream(self.tokenizer, req.stop)
+            text = TextStream(self.tokenizer, req.stop, prompt_ids)
             stats = GenerationStats()
             steps = generate(req, prompt_ids, seq_id, verifier, drafter, text, self.eos_token_ids,
-                             self.max_model_len, stats, CancellationPoll(sender), self.adaptive)
+                             self.max_model_len, stats, CancellationPoll(sender), self.adaptive,
+                             self.extract_layer_ids, lambda: self.active_requests)
             all_ids: list[int] = []
+            all_logprobs: list[TokenLogprob] = []
             hidden_parts: list[torch.Tensor] = []
             for step in steps:
                 all_ids += step.token_ids
+                all_logprobs += step.logprobs or []
+                if step.token_ids:
+                    now = time.perf_counter()
+                    self.metrics.tokens(len(step.token_ids), now - (last_token_at or arrived), last_token_at is None)
+                    last_token_at = now
                 if step.hidden_states is not None:
                     hidden_parts.append(step.hidden_states)
                 if step.finish_reason == "cancelled":
@@ -123,16 +179,18 @@ class TritonPythonModel:
                     return
                 extra = {}
                 if step.finish_reason is not None:
-                    extra = self._hidden_outputs(seq_id, hidden_parts, prompt_ids, all_ids, drafter)
+                    extra = self._hidden_outputs(seq_id, hidden_parts, prompt_ids, all_ids)
                     # Counted before the last response goes out, so a client that reads
                     # /metrics right after its request finished sees the request.
                     self._count(drafter, stats)
                     counted = True
                 if req.stream and (step.text or step.token_ids or step.finish_reason):
+                    extra.update(vllm.outputs(step.finish_reason, len(prompt_ids), step.token_ids, step.logprobs))
                     self._post(sender, self._response(step, step.token_ids, step.text, len(prompt_ids),
                                                       len(all_ids), stats, extra), step.finish_reason is not None)
             if not req.stream:
                 body = text.text if req.exclude_input_in_output else req.prompt + text.text
+                extra.update(vllm.outputs(step.finish_reason, len(prompt_ids), all_ids, all_logprobs))
                 self._post(sender, self._response(step, all_ids, body, len(prompt_ids), len(all_ids), stats, extra),
                            final=True)
         except RequestError as e:
@@ -141,6 +199,9 @@ class TritonPythonModel:
             log.exception("request %d failed", seq_id)
             self._post(sender, error_response(f"generation failed: {e}"), final=True)
         finally:
+            self.metrics.finished(len(prompt_ids), last_token_at and last_token_at - arrived)
+            with self.lock:
+                self.active_requests -= 1
             if not counted:
                 self._count(drafter, stats)
             for peer in (verifier, drafter):
@@ -151,23 +212,28 @@ class TritonPythonModel:
                         log.exception("could not release sequence %d in %s", seq_id, peer.model_name)
 
     def _count(self, drafter: "BlsDrafter | None", stats: "GenerationStats | None") -> None:
-        """Add a request's acceptance to the server-wide counters."""
-        if drafter is not None and drafter.method and stats is not None:
-            self.counters.add(drafter.method, stats.acceptance)
+        """Add a request's acceptance (and a drafter fallback) to the server-wide counters."""
+        if drafter is not None and stats is not None:
+            self.counters.add(drafter.info.method, stats.acceptance, bool(stats.fallback))
 
     @staticmethod
     def _parse(request) -> GenerationRequest:
-        tensors = {name: input_scalar(request, name) for name in TENSOR_INPUTS}
-        tensors = {k: v for k, v in tensors.items() if v is not None}
-        stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
-        if stop is not None:
-            tensors["stop_words"] = [s.decode() if isinstance(s, bytes) else str(s)
-                                     for s in stop.as_numpy().reshape(-1)]
-        sampling_json = input_scalar(request, "sampling_parameters") or ""
+        try:
+            tensors = {name: input_scalar(request, name) for name in TENSOR_INPUTS}
+            tensors = {k: v for k, v in tensors.items() if v is not None}
+            for name in LIST_INPUTS:
+                strings = pb_utils.get_input_tensor_by_name(request, name)
+                if strings is not None:
+                    tensors[name] = [s.decode() if isinstance(s, bytes) else str(s)
+                                     for s in strings.as_numpy().reshape(-1)]
+            sampling_json = input_scalar(request, "sampling_parameters") or ""
+        except UnicodeDecodeError as e:  # BYTES tensors may hold anything
+            raise RequestError(f"text_input, stop_words and sampling_parameters must be UTF-8 text: {e.reason} "
+                               f"at byte {e.start}") from None
         return parse_request(tensors, request.parameters() or "", sampling_json)
 
-    def _hidden_outputs(self, seq_id: int, parts: list[torch.Tensor], prompt_ids: list[int], output_ids: list[int],
-                        drafter: "BlsDrafter | None") -> dict[str, np.ndarray]:
+    def _hidden_outputs(self, seq_id: int, parts: list[torch.Tensor], prompt_ids: list[int],
+                        output_ids: list[int]) -> dict[str, np.ndarray]:
         """The extracted hidden states of the whole request (rows for positions 0 .. prompt +
         output - 2), their layer ids, and the file they were written to when asked."""
         if not parts:
@@ -175,18 +241,19 @@ class TritonPythonModel:
         token_ids = prompt_ids + output_ids
         hidden = torch.cat(parts)[: len(token_ids) - 1]  # never a position past the output
         outputs = {"hidden_states": hidden.float().numpy(),
-                   "hidden_layer_ids": np.array(drafter.hidden_layer_ids, dtype=np.int32)}
+                   "hidden_layer_ids": np.array(self.extract_layer_ids, dtype=np.int32)}
         if self.hidden_states_dir:
             path = save_hidden_states(Path(self.hidden_states_dir) / f"{seq_id}.safetensors", hidden, token_ids,
-                                      drafter.hidden_layer_ids, len(prompt_ids))
+                                      self.extract_layer_ids, len(prompt_ids))
             outputs["hidden_states_file"] = np.array([str(path).encode()], dtype=np.object_)
         return outputs
 
     @staticmethod
     def _response(step: StepOutput, token_ids: list[int], text: str, num_input: int, num_output: int,
                   stats: GenerationStats, extra: dict[str, np.ndarray] | None = None) -> object:
-        """A streamed step carries its text and ids; the last response also the statistics
-        (and, from an extract_hidden_states drafter, the hidden states)."""
+        """A streamed step carries its text and ids (and `extra`: the outputs the return_*
+        flags asked for); the last response also the statistics (and, from an
+        extract_hidden_states drafter, the hidden states)."""
         outputs = {
             "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
             "output_ids": np.array(token_ids, dtype=np.int64),
@@ -201,11 +268,38 @@ class TritonPythonModel:
                 "total_accepted_draft_tokens": np.array([acceptance.num_accepted_tokens], dtype=np.int64),
                 "acceptance_rate": np.array([acceptance.acceptance_rate or 0.0], dtype=np.float32),
                 "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
-                **(extra or {}),
             })
+        outputs.update(extra or {})  # the vLLM backend's flagged outputs go on every response
         return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.outbox.put(None)
         self.sender_thread.join(timeout=10)
+        self.metrics.close()
+
+
+class VllmOutputs:
+    """The vLLM backend's additional outputs a request asked for with its return_* flags,
+    with that backend's meaning, on every response: num_output_tokens and logprobs of this
+    response's tokens, num_input_tokens, cumulative_logprob of the output so far, and
+    finish_reason ("None" until the last response)."""
+
+    def __init__(self, req: GenerationRequest, decode) -> None:
+        self.returns = req.returns
+        self.report_logprobs = req.sampling.logprobs is not None  # else the logprobs output is "null"
+        self.decode = decode
+        self.cumulative = 0.0
+
+    def outputs(self, finish_reason: str | None, num_input: int, token_ids: list[int],
+                logprobs: list[TokenLogprob] | None) -> dict[str, np.ndarray]:
+        self.cumulative += sum(p.logprob for p in logprobs or [])
+        values = {
+            "finish_reason": lambda: np.array([str(finish_reason).encode()], dtype=np.object_),
+            "num_input_tokens": lambda: np.array([num_input], dtype=np.uint32),
+            "num_output_tokens": lambda: np.array([len(token_ids)], dtype=np.uint32),
+            "cumulative_logprob": lambda: np.array([self.cumulative], dtype=np.float32),
+            "logprobs": lambda: np.array([json.dumps(vllm_logprobs(logprobs or [], self.decode)
+                                                     if self.report_logprobs else None).encode()], dtype=np.object_),
+        }
+        return {name: values[name]() for name in self.returns}

@@ -10,6 +10,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.runtime.model_store import DEFAULT_MODEL, resolve_model
+from backends.serving.logits import logprobs_to_arrays
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 from backends.triton_models.common import input_array, input_ids, instance_device, model_parameters, setup_logging
@@ -33,6 +34,7 @@ class TritonPythonModel(SequenceBatchedModel):
         self.runner = TargetRunner(path, dtype=dtype, device=device, max_model_len=max_len,
                                    kv_cache_memory_gb=budget or None)
         self.init_sequences(args, params)
+        self.runner.clock = self.clock
         log.info("verifier ready: %s (%s on %s, context %d, KV budget %s tokens)", path, dtype, device,
                  self.runner.max_model_len, self.runner.kv_budget_tokens or "unlimited")
 
@@ -67,13 +69,16 @@ class TritonPythonModel(SequenceBatchedModel):
         ]
         if hidden is not None:
             outputs.append(pb_utils.Tensor("hidden_states", hidden.numpy()[None]))
+        if result is not None and result.logprobs is not None:  # top arrays only with alternatives
+            outputs += [pb_utils.Tensor(name, array[None])
+                        for name, array in logprobs_to_arrays(result.logprobs).items() if array.size]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def release(self, seq_id: int) -> None:
         self.runner.release(seq_id)
 
-    def release_idle(self, idle_s: float) -> None:
-        self.runner.release_idle(idle_s)
+    def release_idle(self, idle_s: float, keep: set[int]) -> None:
+        self.runner.release_idle(idle_s, keep)
 
     @property
     def num_sequences(self) -> int:

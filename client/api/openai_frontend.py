@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from client.api.triton import Generation, grpc_generate
+from client.api.triton import Generation, ServerUnavailableError, grpc_generate
 
 log = logging.getLogger("tritonspec.openai")
 
@@ -76,13 +76,6 @@ def _check_unsupported(body: dict, kind: str) -> None:
     best_of = _check_type(body, "best_of", (int,), "an integer")
     if best_of is not None and best_of != 1:
         raise OpenAIError(400, f"'best_of' must be 1 here, got {best_of}", param="best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _check_type(body, name, (int, float), "a number") not in (None, 0):
-            raise OpenAIError(400, f"'{name}' is not supported (only 0)", param=name)
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise OpenAIError(400, "'logprobs' is not supported", param="logprobs")
-    if body.get("logit_bias"):
-        raise OpenAIError(400, "'logit_bias' is not supported", param="logit_bias")
     if kind == "completion" and body.get("suffix"):
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
     if kind == "chat":
@@ -94,9 +87,68 @@ def _check_unsupported(body: dict, kind: str) -> None:
                               param="response_format")
 
 
+def _number(body: dict, name: str, low: float, high: float) -> float | None:
+    """A number within OpenAI's range for it."""
+    value = _check_type(body, name, (int, float), "a number")
+    if value is not None and not low <= value <= high:
+        raise OpenAIError(400, f"'{name}' must be in [{low}, {high}], got {json.dumps(value)}", param=name)
+    return value
+
+
+def requested_logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token the request wants (0: the chosen token's only), or
+    None without logprobs: chat's `logprobs` + `top_logprobs` (0-20), completions'
+    `logprobs` (0-5)."""
+    if kind == "chat":
+        top = _number(body, "top_logprobs", 0, 20)
+        if not _check_type(body, "logprobs", (bool,), "a boolean"):
+            if top is not None:
+                raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            return None
+        return int(top or 0)
+    value = _number(body, "logprobs", 0, 5)
+    if isinstance(value, float) and not value.is_integer():
+        raise OpenAIError(400, f"'logprobs' must be an integer, got {value}", param="logprobs")
+    return None if value is None else int(value)
+
+
+def _token_controls(body: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Penalties and token controls: (input tensors, sampling_parameters entries). OpenAI's
+    presence / frequency penalties and logit_bias, and vLLM's extensions repetition_penalty,
+    min_tokens, stop_token_ids and bad_words."""
+    inputs: dict[str, Any] = {}
+    sampling: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, -2, 2)
+        if value:  # 0 changes nothing
+            inputs[name] = float(value)
+    repetition = _check_type(body, "repetition_penalty", (int, float), "a number")
+    if repetition is not None:
+        inputs["repetition_penalty"] = float(repetition)
+    min_tokens = _check_type(body, "min_tokens", (int,), "an integer")
+    if min_tokens:
+        inputs["min_tokens"] = min_tokens
+    bias = _check_type(body, "logit_bias", (dict,), "an object mapping token ids to biases")
+    if bias:
+        if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100 for b in bias.values()):
+            raise OpenAIError(400, "'logit_bias' values must be numbers in [-100, 100]", param="logit_bias")
+        sampling["logit_bias"] = bias
+    ids = _check_type(body, "stop_token_ids", (list,), "a list of token ids")
+    if ids:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise OpenAIError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+        sampling["stop_token_ids"] = ids
+    words = _check_type(body, "bad_words", (list,), "a list of strings")
+    if words:
+        if not all(isinstance(w, str) for w in words):
+            raise OpenAIError(400, "'bad_words' must be a list of strings", param="bad_words")
+        inputs["bad_words"] = words
+    return inputs, sampling
+
+
 def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str, Any]:
-    """The `speculative` model's inputs for an OpenAI request body (types checked here,
-    ranges by the model itself)."""
+    """The `speculative` model's inputs for an OpenAI request body (types and OpenAI's
+    ranges checked here, the rest by the model itself)."""
     _check_unsupported(body, kind)
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     max_tokens = default_max_tokens
@@ -106,9 +158,9 @@ def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str,
             max_tokens = value
             break
     inputs: dict[str, Any] = {"max_tokens": max_tokens}
-    temperature = _check_type(body, "temperature", (int, float), "a number")
+    temperature = _number(body, "temperature", 0, 2)
     inputs["temperature"] = 1.0 if temperature is None else float(temperature)
-    top_p = _check_type(body, "top_p", (int, float), "a number")
+    top_p = _number(body, "top_p", 0, 1)
     if top_p is not None:
         inputs["top_p"] = float(top_p)
     top_k = _check_type(body, "top_k", (int,), "an integer")  # vLLM's extension
@@ -128,6 +180,14 @@ def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str,
             inputs["stop_words"] = stop
     if _check_type(body, "ignore_eos", (bool,), "a boolean"):  # vLLM's extension
         inputs["ignore_eos"] = True
+    controls, sampling = _token_controls(body)
+    inputs.update(controls)
+    logprobs = requested_logprobs(body, kind)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+        inputs["return_logprobs"] = True
+    if sampling:
+        inputs["sampling_parameters"] = sampling
     return inputs
 
 
@@ -204,7 +264,10 @@ def _generation_error(e: Exception) -> OpenAIError:
     """Triton's answer to a failed request, as an HTTP status: what the model rejected is the
     client's (400); transport failures and a full KV budget are 503; the rest is ours (500)."""
     message = str(e)
-    if isinstance(e, OSError) or message.startswith("[StatusCode.") or "StatusCode.UNAVAILABLE" in message:
+    if not message:  # never an empty message: at least say what failed
+        return OpenAIError(500, f"generation failed: {type(e).__name__}")
+    if (isinstance(e, (OSError, ServerUnavailableError)) or message.startswith("[StatusCode.")
+            or "StatusCode.UNAVAILABLE" in message):
         return OpenAIError(503, f"the Triton server is unavailable: {message}")
     if "KV cache budget full" in message:
         return OpenAIError(503, message, code="kv_cache_full")
@@ -213,11 +276,39 @@ def _generation_error(e: Exception) -> OpenAIError:
     return OpenAIError(400, message)
 
 
+def _ranked(entry: dict) -> list[tuple[str, float]]:
+    """One token's vLLM-backend logprobs entry as (text, logprob) pairs, most likely first."""
+    ranked = sorted(entry.values(), key=lambda v: v["rank"])
+    return [(v["decoded_token"], v["logprob"]) for v in ranked]
+
+
+def openai_logprobs(kind: str, entries: list[dict], num_top: int, offset: int = 0) -> dict:
+    """OpenAI's `logprobs` of a choice from the `speculative` model's per-token entries (the
+    chosen token first, then its alternatives): chat's {"content": [...]} or completions'
+    tokens / token_logprobs / top_logprobs / text_offset (from `offset` on)."""
+    chosen = [next(iter(entry.values())) for entry in entries]
+    tops = [_ranked(entry)[:num_top] for entry in entries]
+    if kind == "chat":
+        def item(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**item(c["decoded_token"], c["logprob"]), "top_logprobs": [item(*t) for t in top]}
+                            for c, top in zip(chosen, tops)]}
+    offsets = []
+    for c in chosen:
+        offsets.append(offset)
+        offset += len(c["decoded_token"])
+    return {"tokens": [c["decoded_token"] for c in chosen], "token_logprobs": [c["logprob"] for c in chosen],
+            "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+
+
 class _Choice:
     """Builds the chunks and bodies of one kind of response (completion or chat)."""
 
-    def __init__(self, kind: str, model: str) -> None:
+    def __init__(self, kind: str, model: str, num_logprobs: int | None = None, offset: int = 0) -> None:
         self.kind, self.model = kind, model
+        self.num_logprobs = num_logprobs  # alternatives per token; None: no logprobs
+        self.offset = offset  # completions' text_offset of the first generated token (echo)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -228,22 +319,32 @@ class _Choice:
             out["usage"] = usage
         return out
 
+    def logprobs(self, entries: list[dict]) -> dict | None:
+        if self.num_logprobs is None:
+            return None
+        out = openai_logprobs(self.kind, entries, self.num_logprobs, self.offset)
+        self.offset += sum(len(text) for text in out.get("tokens", []))
+        return out
+
     def body(self, text: str, result: Generation) -> dict:
+        logprobs = self.logprobs(result.logprobs)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": result.finish_reason or None}
             return self._envelope("chat.completion", [choice], _usage(result))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason or None}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason or None}
         return self._envelope("text_completion", [choice], _usage(result))
 
-    def chunk(self, text: str | None, finish_reason: str | None, with_usage: bool, first: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None, with_usage: bool, first: bool = False,
+              entries: list[dict] | None = None) -> dict:
+        logprobs = self.logprobs(entries) if entries else None
         if self.kind == "chat":
             delta: dict = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice], with_usage=with_usage)
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], with_usage=with_usage)
 
     def usage_chunk(self, result: Generation) -> dict:
@@ -272,9 +373,13 @@ class _Run:
 
         def work() -> None:
             try:
+                # No timeout of our own: max_tokens and the context window bound the request
+                # (a fixed 300 s used to throw away long finished generations with an empty
+                # HTTP 400); a streaming client that leaves cancels it.
                 result = grpc_generate(backend.grpc_url, prompt, backend.triton_model, stream=stream,
-                                       on_text=(lambda t: put("text", t)) if stream else None,
-                                       cancel=self.cancel, exclude_input_in_output=True, **inputs)
+                                       on_response=(lambda out: put("text", out)) if stream else None,
+                                       cancel=self.cancel, timeout_s=None, exclude_input_in_output=True,
+                                       **inputs)
                 put("done", result)
             except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP error
                 put("error", e)
@@ -300,7 +405,7 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
         default_max = 16
     inputs = sampling_inputs(body, default_max, kind)
     echo = kind == "completion" and bool(_check_type(body, "echo", (bool,), "a boolean"))
-    choice = _Choice(kind, backend.served_model_name)
+    choice = _Choice(kind, backend.served_model_name, requested_logprobs(body, kind), len(prompt) if echo else 0)
     run = _Run(backend, prompt, inputs, stream)
     if not stream:
         event, value = await run.next()
@@ -315,6 +420,7 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
 
     async def events() -> AsyncIterator[str]:
         event, value = first
+        pending: list[dict] = []  # logprobs of tokens whose text is still held back
         try:
             if kind == "chat":
                 yield _sse(choice.chunk(None, None, include_usage, first=True))
@@ -322,9 +428,12 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
                 yield _sse(choice.chunk(prompt, None, include_usage))
             while True:
                 if event == "text":
-                    yield _sse(choice.chunk(value, None, include_usage))
+                    pending += json.loads(value.get("logprobs") or "null") or []
+                    if value.get("text_output"):
+                        yield _sse(choice.chunk(value["text_output"], None, include_usage, entries=pending))
+                        pending = []
                 elif event == "done":
-                    yield _sse(choice.chunk(None, value.finish_reason or None, include_usage))
+                    yield _sse(choice.chunk(None, value.finish_reason or None, include_usage, entries=pending))
                     if include_usage:
                         yield _sse(choice.usage_chunk(value))
                     break

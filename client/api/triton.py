@@ -18,6 +18,26 @@ class GenerationError(RuntimeError):
     """The server answered the request with an error."""
 
 
+class GenerationTimeout(GenerationError):
+    """No response came within the caller's timeout; the request was cancelled."""
+
+
+class ServerUnavailableError(GenerationError):
+    """The server cannot be reached, or is starting or stopping: retry later."""
+
+
+# How gRPC and Triton word a server that is down, starting or shutting down (a model's BLS
+# call during shutdown fails with "Server not ready").
+_UNAVAILABLE = ("StatusCode.UNAVAILABLE", "Server not ready", "Server is stopping", "no longer in valid state")
+
+
+def _failure(error: object) -> GenerationError:
+    message = str(error)
+    if any(mark in message for mark in _UNAVAILABLE):
+        return ServerUnavailableError(message)
+    return GenerationError(message)
+
+
 @dataclass
 class Generation:
     text: str = ""
@@ -36,6 +56,10 @@ class Generation:
     hidden_states: np.ndarray | None = None
     hidden_layer_ids: list[int] = field(default_factory=list)
     hidden_states_file: str = ""
+    # With return_logprobs / return_cumulative_logprob: per output token the vLLM backend's
+    # {token id (str): {"logprob", "rank", "decoded_token"}}, and their sum.
+    logprobs: list[dict] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     def add(self, out: dict[str, Any]) -> None:
         """Fold one response (streamed delta or whole) into the result."""
@@ -48,6 +72,10 @@ class Generation:
                 setattr(self, key, out[key])
         if out.get("perf_metrics"):
             self.perf_metrics = json.loads(out["perf_metrics"])
+        if out.get("logprobs"):
+            self.logprobs += json.loads(out["logprobs"]) or []
+        if "cumulative_logprob" in out:
+            self.cumulative_logprob = float(out["cumulative_logprob"])
         for key in HIDDEN_OUTPUTS:
             if key in out:
                 setattr(self, key, out[key])
@@ -80,7 +108,8 @@ def _decode_outputs(result: Any, names: list[str]) -> dict[str, Any]:
 
 
 OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
-           "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "perf_metrics"]
+           "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "perf_metrics",
+           "cumulative_logprob", "logprobs"]
 HIDDEN_OUTPUTS = ["hidden_states", "hidden_layer_ids", "hidden_states_file"]  # gRPC only
 
 
@@ -92,23 +121,31 @@ def grpc_generate(
     sampling_parameters: dict | None = None,
     on_text: Callable[[str], None] | None = None,
     cancel_after_responses: int | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = 300.0,
     cancel: threading.Event | None = None,
+    on_response: Callable[[dict], None] | None = None,
     **inputs: Any,
 ) -> Generation:
     """Run one request over a gRPC stream. `inputs` become input tensors (max_tokens=...).
-    Setting `cancel` (from another thread) cancels the request on the server."""
+    `on_response` gets each response's decoded outputs (`on_text` its text, when any).
+    Setting `cancel` (from another thread) cancels the request on the server. `timeout_s`:
+    the longest wait for each response (a whole non-streamed generation; None: no limit);
+    past it the request is cancelled and GenerationTimeout raised."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     tensors = {"text_input": np.array([prompt.encode()], dtype=np.object_),
                "stream": np.array([stream], dtype=bool)}
     if sampling_parameters is not None:
         tensors["sampling_parameters"] = np.array([json.dumps(sampling_parameters).encode()], dtype=np.object_)
-    dtypes = {"max_tokens": np.int32, "num_draft_tokens": np.int32, "top_k": np.int32,
+    dtypes = {"max_tokens": np.int32, "num_draft_tokens": np.int32, "top_k": np.int32, "min_tokens": np.int32,
               "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64,
+              "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
               "exclude_input_in_output": bool, "ignore_eos": bool}
     for name, value in inputs.items():
-        if name == "stop_words":
+        if name.startswith("return_"):  # the vLLM backend's flags: return_logprobs=True, ...
+            tensors[name] = np.array([value], dtype=bool)
+        elif name in ("stop_words", "bad_words"):
             tensors[name] = np.array([s.encode() for s in value], dtype=np.object_)
         else:
             tensors[name] = np.array([value], dtype=dtypes[name])
@@ -123,16 +160,20 @@ def grpc_generate(
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     result = Generation()
     start = time.perf_counter()
+    finished = False
     try:
-        client.async_stream_infer(model, infer_inputs, enable_empty_final_response=True,
-                                  outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS + HIDDEN_OUTPUTS])
+        try:
+            client.async_stream_infer(model, infer_inputs, enable_empty_final_response=True,
+                                      outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS + HIDDEN_OUTPUTS])
+        except InferenceServerException as e:  # the stream died first; its callback has the reason
+            raise ServerUnavailableError(_stream_failure(responses, e)) from None
         while True:
             response, error = _next_response(responses, timeout_s, cancel)
             if response is None and error is None:  # cancelled by the caller
                 client.stop_stream(cancel_requests=True)
                 break
             if error is not None:
-                raise GenerationError(str(error))
+                raise _failure(error)
             params = response.get_response().parameters
             final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
             out = _decode_outputs(response, OUTPUTS + HIDDEN_OUTPUTS)
@@ -140,29 +181,45 @@ def grpc_generate(
                 result.add(out)
                 if on_text and out.get("text_output"):
                     on_text(out["text_output"])
+                if on_response:
+                    on_response(out)
             if final:
+                finished = True
                 break
             if cancel_after_responses is not None and result.num_responses >= cancel_after_responses:
                 client.stop_stream(cancel_requests=True)
                 break
     finally:
         result.seconds = time.perf_counter() - start
-        client.stop_stream()
+        # Without the final response (a timeout, an error raised here) closing the stream
+        # would wait for the server to finish: cancel the request instead.
+        client.stop_stream(cancel_requests=not finished)
         client.close()
     return result
 
 
-def _next_response(responses: queue.Queue, timeout_s: float, cancel: threading.Event | None) -> tuple:
+def _stream_failure(responses: queue.Queue, e: Exception) -> str:
+    try:
+        _, error = responses.get(timeout=1.0)
+    except queue.Empty:
+        error = None
+    return f"the stream to the Triton server closed: {error or e}"
+
+
+def _next_response(responses: queue.Queue, timeout_s: float | None, cancel: threading.Event | None) -> tuple:
     """The next (result, error) from the stream; (None, None) once `cancel` is set."""
-    if cancel is None:
-        return responses.get(timeout=timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while not cancel.is_set():
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while cancel is None or not cancel.is_set():
+        wait = None if cancel is None else 0.1  # polling for `cancel`
+        if deadline is not None:
+            left = max(0.0, deadline - time.monotonic())
+            wait = left if wait is None else min(wait, left)
         try:
-            return responses.get(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            return responses.get(timeout=wait)
         except queue.Empty:
-            if time.monotonic() >= deadline:
-                raise
+            if deadline is not None and time.monotonic() >= deadline:
+                raise GenerationTimeout(f"no response from the server within {timeout_s:g} s (the client's "
+                                        "timeout_s); the request was cancelled") from None
     return None, None
 
 
@@ -179,10 +236,11 @@ def http_generate(
     stream: bool = False,
     parameters: dict | None = None,
     on_text: Callable[[str], None] | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = 300.0,
     **inputs: Any,
 ) -> Generation:
-    """POST /generate (one response) or /generate_stream (SSE) with a JSON body."""
+    """POST /generate (one response) or /generate_stream (SSE) with a JSON body.
+    `timeout_s`: the longest wait for data (None: no limit), else GenerationTimeout."""
     body = {"text_input": prompt, "stream": stream, **inputs}
     if parameters:
         body["parameters"] = parameters
@@ -196,7 +254,10 @@ def http_generate(
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             if not stream:
-                result.add(_http_outputs(json.loads(response.read())))
+                body = json.loads(response.read())
+                if "error" in body:  # Triton answers some failures with 200 and an error body
+                    raise _failure(body["error"])
+                result.add(_http_outputs(body))
             else:
                 for line in response:
                     line = line.decode().strip()
@@ -204,13 +265,17 @@ def http_generate(
                         continue
                     event = json.loads(line[5:])
                     if "error" in event:
-                        raise GenerationError(event["error"])
+                        raise _failure(event["error"])
                     out = _http_outputs(event)
                     result.add(out)
                     if on_text and out.get("text_output"):
                         on_text(out["text_output"])
     except urllib.error.HTTPError as e:
-        raise GenerationError(json.loads(e.read() or b"{}").get("error", str(e))) from None
+        raise _failure(json.loads(e.read() or b"{}").get("error", str(e))) from None
+    except urllib.error.URLError as e:  # refused, unknown host: nothing answered
+        raise ServerUnavailableError(f"cannot reach the Triton server at {url}: {e.reason}") from None
+    except TimeoutError:
+        raise GenerationTimeout(f"no data from the server within {timeout_s:g} s (the client's timeout_s)") from None
     result.seconds = time.perf_counter() - start
     return result
 

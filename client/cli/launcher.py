@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backends.runtime.model_store import cache_dir
+from backends.triton_models.pbtxt import get_parameter, set_parameter
 
 log = logging.getLogger("tritonspec.server")
 # Found without importing pytriton: its package pulls in its own client and many packages.
@@ -79,16 +80,6 @@ def backend_directory() -> Path:
     return root
 
 
-def set_parameter(pbtxt: str, key: str, value: str) -> str:
-    """Set (or add) a string parameter in a config.pbtxt text."""
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-    line = f'parameters: {{ key: "{key}" value: {{ string_value: "{escaped}" }} }}'
-    pattern = re.compile(r'^parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'".*$', re.M)
-    if pattern.search(pbtxt):
-        return pattern.sub(lambda _: line, pbtxt, count=1)
-    return pbtxt.rstrip("\n") + "\n" + line + "\n"
-
-
 def set_instance_kind(pbtxt: str, kind: str) -> str:
     """Set the kind of every instance group in a config.pbtxt text."""
     if kind not in INSTANCE_KINDS:
@@ -97,11 +88,6 @@ def set_instance_kind(pbtxt: str, kind: str) -> str:
     if not count:
         raise ValueError("the config has no instance_group kind to set")
     return text
-
-
-def get_parameter(pbtxt: str, key: str) -> str | None:
-    m = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', pbtxt)
-    return None if m is None else m.group(1).replace('\\"', '"').replace("\\\\", "\\")
 
 
 @dataclass

@@ -55,6 +55,33 @@ def trained_head(target: str, method: str) -> Path:
     return path
 
 
+# vLLM's shorthands for `-sc` keys: (attribute, flag, key).
+SPEC_SHORTHANDS = (
+    ("spec_method", "--spec-method", "method"),
+    ("spec_model", "--spec-model", "model"),
+    ("spec_tokens", "--spec-tokens", "num_speculative_tokens"),
+)
+
+
+def with_spec_shorthands(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """`-sc` with the shorthand flags merged in, as vLLM combines them; a key given both ways
+    is an argparse error naming both (vLLM's "... are mutually exclusive")."""
+    given = {key: getattr(args, attr) for attr, _, key in SPEC_SHORTHANDS if getattr(args, attr) is not None}
+    if not given:
+        return args.speculative_config
+    try:
+        config = json.loads(args.speculative_config) if args.speculative_config else {}
+    except json.JSONDecodeError as e:
+        parser.error(f"--speculative-config is not valid JSON: {e}")
+    if not isinstance(config, dict):
+        parser.error("--speculative-config must be a JSON object")
+    keys = {str(k).replace("-", "_") for k in config}  # -sc takes kebab-case keys too
+    for _, flag, key in SPEC_SHORTHANDS:
+        if key in given and key in keys:
+            parser.error(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+    return json.dumps({**config, **given})
+
+
 def _serve(args: argparse.Namespace) -> int:
     from client.cli.launcher import DEFAULT_REPOSITORY, RepositoryOverrides, ServerStartError, TritonServer
 
@@ -136,7 +163,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from client.api.triton import GenerationError, grpc_generate, http_generate
+    from client.api.triton import GenerationError, ServerUnavailableError, grpc_generate, http_generate
 
     inputs = {"max_tokens": args.max_tokens}
     for name in ("temperature", "top_k", "top_p", "num_draft_tokens"):
@@ -156,6 +183,9 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             url = args.url or "127.0.0.1:8000"
             result = http_generate(url, args.prompt, args.model, stream=args.stream, on_text=on_text, **inputs)
+    except ServerUnavailableError as e:
+        print(f"error: the server cannot be reached at {url} ({args.protocol}); is it running? {e}", file=sys.stderr)
+        return 1
     except (GenerationError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -268,6 +298,8 @@ def _soak(args: argparse.Namespace) -> int:
 
     local_model(args.model)
     overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
+    if args.chaos:
+        return _chaos_soak(args, overrides)
     with _own_server(args.port, overrides, Path(args.log)) as server:
         result = run_soak(server, args.seconds, args.concurrency, args.max_tokens)
         time.sleep(1)
@@ -279,6 +311,34 @@ def _soak(args: argparse.Namespace) -> int:
           f"sequence state left: {active}")
     print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in memory))
     return 0 if not result["wrong"] and not result["errors"] and ready and not any(active.values()) else 1
+
+
+def _chaos_soak(args: argparse.Namespace, overrides) -> int:
+    """The soak with cancellations, bad requests and drafter faults (client/cli/soak.py)."""
+    import os
+    import tempfile
+
+    from client.cli.soak import CHAOS_SPECULATIVE_CONFIG, run_chaos_soak, wait_until_idle
+
+    overrides.per_model["drafter"] = {"speculative_config": json.dumps(CHAOS_SPECULATIVE_CONFIG)}
+    with tempfile.TemporaryDirectory(prefix="tritonspec-chaos-") as tmp:
+        trigger = Path(tmp) / "fault"
+        os.environ["TRITONSPEC_CHAOS_TRIGGER"] = str(trigger)  # the server's stubs inherit it
+        with _own_server(args.port, overrides, Path(args.log)) as server:
+            r = run_chaos_soak(server, args.seconds, args.concurrency, trigger, args.max_tokens, args.fault_every)
+            active = wait_until_idle(server)
+            ready = server.is_ready()
+    print(f"chaos soak: {r['seconds']:.0f}s, {args.concurrency} streams, a drafter fault every {args.fault_every:.0f}s")
+    print(f"completed {r['completed']} ({r['wrong']} wrong); cancelled mid-stream {r['cancelled']} "
+          f"({r['cancelled_wrong']} not a prefix of their reference); failed {r['errors']}")
+    print(f"bad requests refused by name {r['bad_refused']}, misjudged {r['bad_misjudged']}; drafter faults "
+          f"injected {r['faults_injected']}, taken {r['faults_taken']}")
+    print(f"server ready: {ready}; sequence state left: {active}")
+    print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in r["memory_mb"]))
+    for problem in r["problems"]:
+        print(f"  {problem}")
+    clean = not (r["wrong"] or r["cancelled_wrong"] or r["bad_misjudged"] or any(active.values()))
+    return 0 if clean and ready else 1
 
 
 def _verify_cost(args: argparse.Namespace) -> int:
@@ -410,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", help="verifier and drafter device: auto, cpu, cuda or cuda:N (default: the "
                        "instance_group kind; see README, Running on a GPU)")
     serve.add_argument("-sc", "--speculative-config", help="vLLM --speculative-config JSON for the drafter")
+    serve.add_argument("--spec-method", metavar="METHOD", help="shorthand for the -sc key `method` (vLLM's flag)")
+    serve.add_argument("--spec-model", metavar="MODEL", help="shorthand for the -sc key `model` (vLLM's flag)")
+    serve.add_argument("--spec-tokens", type=int, metavar="K",
+                       help="shorthand for the -sc key `num_speculative_tokens` (vLLM's flag)")
     serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
     serve.add_argument("--startup-timeout", type=float, default=600)
     serve.set_defaults(func=_serve)
@@ -465,6 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--max-tokens", type=int, default=32)
     soak.add_argument("--port", type=int, default=18600, help="HTTP port; gRPC and metrics follow")
     soak.add_argument("--log", default="soak-server.log")
+    soak.add_argument("--chaos", action="store_true",
+                      help="also cancel ~20%% of requests mid-stream, mix in bad requests and make the drafter fail "
+                           "every --fault-every seconds (a custom_class proposer, client/cli/chaos_proposer.py)")
+    soak.add_argument("--fault-every", type=float, default=60.0, help="seconds between drafter faults (--chaos)")
     soak.set_defaults(func=_soak)
 
     cost = sub.add_parser("verify-cost", help="cost of one batched verify step vs a single sequence (in process)")
@@ -569,7 +637,10 @@ def main(argv: list[str] | None = None) -> int:
         from client.cli.genai_perf import main as genai_perf_main
 
         return genai_perf_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        args.speculative_config = with_spec_shorthands(args, parser)
     return args.func(args)
 
 

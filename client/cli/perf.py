@@ -5,6 +5,11 @@ For every (mode, concurrency) perf_analyzer exports each request's send time and
 times; from them: output tokens/s, time to first token, inter-token latency (a response
 that carries n tokens counts its gap n times, each gap / n, so multi-token speculative
 steps are weighed per token) and request latency, each at p50 and p99.
+
+perf_analyzer runs a fixed number of requests (`--request-count`), so it never gives up on
+a noisy machine for want of stable windows; the requests are split here into consecutive
+windows instead, and each run reports the spread of tokens/s across them ("unstable" when
+it is above perf_analyzer's default 10%) next to the figures of the whole run.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from client.cli.bench import load_prompts
 from client.cli.perf_analyzer import run as run_perf_analyzer
 
 MODES = {"plain": 0, "speculative": None}  # mode -> num_draft_tokens (None = configured)
+WINDOWS = 3
+STABLE_SPREAD = 0.10  # perf_analyzer's default --stability-percentage
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -32,8 +39,26 @@ def _num_tokens(output: dict) -> int:
     return 1 if isinstance(ids, int) else len(ids)
 
 
+def window_spread(requests: list[dict], windows: int = WINDOWS) -> tuple[list[float], float]:
+    """Output tokens/s of consecutive windows of requests (by send time) and their spread,
+    (max - min) / median."""
+    ordered = sorted((r for r in requests if r["response_timestamps"]), key=lambda r: r["timestamp"])
+    size = len(ordered) // windows
+    if size == 0:
+        return [], 0.0
+    rates = []
+    for i in range(windows):
+        part = ordered[i * size: (i + 1) * size]
+        tokens = sum(_num_tokens(o) for r in part for o in r.get("response_outputs", []))
+        seconds = (max(r["response_timestamps"][-1] for r in part) - min(r["timestamp"] for r in part)) / 1e9
+        rates.append(tokens / seconds if seconds else 0.0)
+    median = statistics.median(rates)
+    return rates, (max(rates) - min(rates)) / median if median else 0.0
+
+
 def summarize_export(export: dict) -> dict:
-    """Latency and throughput figures from one perf_analyzer profile export."""
+    """Latency and throughput figures from one perf_analyzer profile export, with the
+    tokens/s of its windows and their spread."""
     requests = export["experiments"][0]["requests"]
     ttft, itl, latency, tokens = [], [], [], 0
     start = min(r["timestamp"] for r in requests)
@@ -50,9 +75,11 @@ def summarize_export(export: dict) -> dict:
             if n:
                 itl += [(now - previous) / 1e6 / n] * n
     seconds = (end - start) / 1e9
+    windows, spread = window_spread(requests)
     return {
         "requests": len(requests),
         "output_tokens_per_s": tokens / seconds if seconds else 0.0,
+        "window_tokens_per_s": windows, "spread": spread, "stable": spread <= STABLE_SPREAD,
         "ttft_ms_p50": _percentile(ttft, 50), "ttft_ms_p99": _percentile(ttft, 99),
         "itl_ms_p50": _percentile(itl, 50), "itl_ms_p99": _percentile(itl, 99),
         "latency_ms_p50": _percentile(latency, 50), "latency_ms_p99": _percentile(latency, 99),
@@ -79,10 +106,9 @@ def run_sweep(grpc_url: str, out_dir: Path, concurrencies: tuple[int, ...] = (1,
         done = run_perf_analyzer(
             ["-m", "speculative", "-u", grpc_url, "-i", "grpc", "--streaming", "--input-data", str(data),
              "--concurrency-range", str(concurrency),
-             # Windows close after a number of finished requests, not a time: a long
-             # generation at high concurrency never fits a fixed time window.
-             "--measurement-mode", "count_windows", "--measurement-request-count", str(requests_per_window),
-             "--stability-percentage", "100", "--max-trials", "3", "--profile-export-file", str(export)],
+             # A fixed number of requests: one measurement, no stability to wait for (a noisy
+             # machine would fail it); the windows are cut from the export afterwards.
+             "--request-count", str(WINDOWS * requests_per_window), "--profile-export-file", str(export)],
             capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"perf_analyzer failed ({mode}, c={concurrency}):\n{done.stdout}\n{done.stderr}")
@@ -92,13 +118,21 @@ def run_sweep(grpc_url: str, out_dir: Path, concurrencies: tuple[int, ...] = (1,
 
 
 def format_sweep(results: dict) -> str:
-    lines = [f"{'mode':12} {'conc':>4} {'tok/s':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
-             f"{'lat p50':>8} {'p99':>8}   (ms)"]
+    lines = [f"{'mode':12} {'conc':>4} {'tok/s':>8} {'spread':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
+             f"{'p99':>7} {'lat p50':>8} {'p99':>8}   (ms)"]
+    unstable = []
     for mode, by_c in results["modes"].items():
         for c, s in by_c.items():
-            lines.append(f"{mode:12} {c:>4} {s['output_tokens_per_s']:8.1f} {s['ttft_ms_p50']:9.1f} "
-                         f"{s['ttft_ms_p99']:7.1f} {s['itl_ms_p50']:8.2f} {s['itl_ms_p99']:7.2f} "
-                         f"{s['latency_ms_p50']:8.0f} {s['latency_ms_p99']:8.0f}")
+            mark = "" if s.get("stable", True) else "*"
+            if mark:
+                unstable.append(f"{mode} c={c}: windows " + ", ".join(f"{r:.1f}" for r in s["window_tokens_per_s"]))
+            lines.append(f"{mode:12} {c:>4} {s['output_tokens_per_s']:8.1f} {s.get('spread', 0):7.0%}{mark:1} "
+                         f"{s['ttft_ms_p50']:9.1f} {s['ttft_ms_p99']:7.1f} {s['itl_ms_p50']:8.2f} "
+                         f"{s['itl_ms_p99']:7.2f} {s['latency_ms_p50']:8.0f} {s['latency_ms_p99']:8.0f}")
+    if unstable:
+        lines.append(f"* unstable: tokens/s of its {WINDOWS} windows differ by more than {STABLE_SPREAD:.0%} "
+                     "(a busy machine); the row is the whole run")
+        lines += [f"  {line}" for line in unstable]
     return "\n".join(lines)
 
 

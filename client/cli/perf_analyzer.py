@@ -3,6 +3,7 @@ Debian 12 (glibc 2.36) refuses them; the binary runs under Debian 13's dynamic l
 libc, unpacked into a private folder (no system change). Installed once into the cache."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -60,6 +61,53 @@ def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([*install(), *args], **kwargs)
 
 
+def _option(args: list[str], *names: str) -> str | None:
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(name + "="):
+                return arg[len(name) + 1:]
+    return None
+
+
+def takes_text(args: list[str]) -> bool:
+    """Whether the model perf_analyzer is pointed at has a `text_input` input (an LLM
+    interface like `speculative`'s), asked from the server it names."""
+    model, url = _option(args, "-m"), _option(args, "-u", "--url")
+    grpc = _option(args, "-i", "--protocol") == "grpc"
+    try:
+        if grpc:
+            import tritonclient.grpc as client
+
+            metadata = client.InferenceServerClient(url or "localhost:8001").get_model_metadata(model, as_json=True)
+        else:
+            import tritonclient.http as client
+
+            metadata = client.InferenceServerClient(url or "localhost:8000").get_model_metadata(model)
+    except Exception:  # noqa: BLE001 - perf_analyzer itself reports an unreachable server
+        return False
+    return any(i["name"] == "text_input" for i in metadata.get("inputs", []))
+
+
+def default_input(args: list[str]) -> list[str]:
+    """perf_analyzer fills every input it is not given data for, optional ones included, with
+    random bytes (a max_tokens of 1936311911, NaN temperatures) and cannot fill the
+    variable-length ones at all, so an LLM model needs --input-data. Without one, the
+    benchmark prompts are sent (64 tokens each, streamed) and perf_analyzer says so."""
+    if _option(args, "-m") is None or _option(args, "--input-data") is not None or not takes_text(args):
+        return []
+    from client.cli.bench import load_prompts
+
+    rows = [{"text_input": [p], "max_tokens": [64], "stream": ["--streaming" in args], "ignore_eos": [True]}
+            for category in load_prompts()[1].values() for p in category]
+    path = _root() / "default_input.json"
+    path.write_text(json.dumps({"data": rows}))
+    print(f"tritonspec: no --input-data given; sending the {len(rows)} benchmark prompts from {path}",
+          file=sys.stderr)
+    return ["--input-data", str(path)]
+
+
 def main(args: list[str]) -> int:
     command = install()
-    os.execv(command[0], [*command, *args])
+    os.execv(command[0], [*command, *args, *default_input(args)])

@@ -1,4 +1,5 @@
 """`tritonspec serve` in the foreground, as a user runs it: ready banner, Ctrl-C, clean exit."""
+
 from __future__ import annotations
 
 import signal
@@ -8,26 +9,31 @@ import time
 from pathlib import Path
 
 from client.api.triton import grpc_generate
-from tests.conftest import free_ports
-
-
-def _stubs_with(prefix: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and prefix.encode() in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            pass
-    return found
+from client.cli.launcher import pids_with_cmdline
+from tests.fixtures import ROOT
+from tests.fixtures.servers import free_ports
 
 
 def test_serve_prints_endpoints_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_path):
     http, grpc, metrics = free_ports(3)
-    cli = [sys.executable, "-m", "client.cli.main", "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    cli = [
+        sys.executable,
+        "-m",
+        "client.cli.main",
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--http-port",
+        str(http),
+        "--grpc-port",
+        str(grpc),
+        "--metrics-port",
+        str(metrics),
+    ]
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(cli, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+    proc = subprocess.Popen(cli, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         deadline = time.monotonic() + 180
         while "Ctrl-C stops the server" not in (tmp_path / "serve.log").read_text():
@@ -38,22 +44,40 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_
         assert f"http://127.0.0.1:{http}" in banner and f"127.0.0.1:{grpc}" in banner and "curl" in banner
         assert grpc_generate(f"127.0.0.1:{grpc}", "The quick", max_tokens=4).num_output_tokens == 4
         prefix = f"tritonspec_{proc.pid}_{http}_"
-        assert _stubs_with(prefix)
+        assert pids_with_cmdline(prefix)
         proc.send_signal(signal.SIGTERM)  # what process managers send; Ctrl-C takes the same path
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not _stubs_with(prefix)
+    assert not pids_with_cmdline(prefix)
     assert not list(Path("/dev/shm").glob(f"{prefix}*"))
 
 
 def test_serve_refuses_bad_arguments_before_starting(tiny_model_dir):
-    result = subprocess.run([sys.executable, "-m", "client.cli.main", "serve", "--model", "/no/such/model"],
-                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-m", "client.cli.main", "serve", "--model", "/no/such/model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 2 and "neither a local directory" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "client.cli.main", "serve", "--model", str(tiny_model_dir),
-                             "-sc", '{"method": "ngram", "bogus": 1}'],
-                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "client.cli.main",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "-sc",
+            '{"method": "ngram", "bogus": 1}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 2
     assert "Unknown key 'bogus'" in result.stderr

@@ -2,6 +2,7 @@
 drafter -> orchestrator -> verifier, and decoding stays lossless. The drafter is the target
 itself: its draft distribution overlaps the target's, so acceptance depends on q and a
 wrong q (lost or misaligned on the way) shows up as a biased output distribution."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from client.api.triton import grpc_generate
-from tests.conftest import start_server
-from tests.helpers import coarse_total_variation, served_greedy_results
+from tests.fixtures.helpers import coarse_total_variation, served_greedy_results
+from tests.fixtures.servers import start_server
 
 SAMPLED_PROMPT = "The dog"  # the tiny model's next token: one likely, a few plausible
 
@@ -20,10 +21,15 @@ PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):", "The quick brown 
 
 @pytest.fixture(scope="module")
 def draft_server(tiny_model_dir, tmp_path_factory):
-    config = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
-              "draft_sample_method": "probabilistic"}
-    server = start_server(tmp_path_factory.mktemp("draft-server"), str(tiny_model_dir), json.dumps(config),
-                          sequence_idle_timeout_s="5")
+    config = {
+        "method": "draft_model",
+        "model": str(tiny_model_dir),
+        "num_speculative_tokens": 3,
+        "draft_sample_method": "probabilistic",
+    }
+    server = start_server(
+        tmp_path_factory.mktemp("draft-server"), str(tiny_model_dir), json.dumps(config), sequence_idle_timeout_s="5"
+    )
     yield server
     server.stop()
 
@@ -36,7 +42,7 @@ def test_greedy_equals_target_greedy(draft_server, tiny_model_dir):
 def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.helpers import _load
+    from tests.fixtures.helpers import _load
 
     model, tokenizer = _load(str(tiny_model_dir))
     with torch.inference_mode():
@@ -48,8 +54,9 @@ def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_
     assert 0.4 < top3 < 0.9
 
     def first_token(seed):
-        r = grpc_generate(draft_server.grpc_url, SAMPLED_PROMPT, max_tokens=4, temperature=1.2, random_seed=seed,
-                          ignore_eos=True)
+        r = grpc_generate(
+            draft_server.grpc_url, SAMPLED_PROMPT, max_tokens=4, temperature=1.2, random_seed=seed, ignore_eos=True
+        )
         return r.output_ids[0], r.total_accepted_draft_tokens
 
     with ThreadPoolExecutor(4) as pool:
@@ -60,8 +67,12 @@ def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_
 
 def test_heterogeneous_vocab_drafter_through_the_server(tiny_model_dir, tiny_hetero_dir, tmp_path):
     """A drafter with another tokenizer drafts through text; output is still the target's."""
-    config = {"method": "draft_model", "model": str(tiny_hetero_dir), "num_speculative_tokens": 3,
-              "use_heterogeneous_vocab": True}
+    config = {
+        "method": "draft_model",
+        "model": str(tiny_hetero_dir),
+        "num_speculative_tokens": 3,
+        "use_heterogeneous_vocab": True,
+    }
     server = start_server(tmp_path, str(tiny_model_dir), json.dumps(config))
     try:
         results = served_greedy_results(server, tiny_model_dir, PROMPTS, 32)

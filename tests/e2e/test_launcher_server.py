@@ -1,5 +1,6 @@
-"""The launcher: repository patching, a clean stop, and a bad drafter config that fails
+"""The launcher with a real tritonserver: a clean stop, and a bad drafter config that fails
 only its own model."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,34 +8,14 @@ from pathlib import Path
 import pytest
 
 from client.api.triton import GenerationError, grpc_generate
-from client.cli.launcher import get_parameter, set_parameter
-from tests.conftest import start_server
-
-
-def test_set_and_get_parameter_round_trip():
-    text = 'name: "m"\nparameters: { key: "model" value: { string_value: "a" } }\n'
-    text = set_parameter(text, "model", "/tmp/x")
-    text = set_parameter(text, "speculative_config", '{"method": "ngram", "k": "a\\\\b"}')
-    assert get_parameter(text, "model") == "/tmp/x"
-    assert get_parameter(text, "speculative_config") == '{"method": "ngram", "k": "a\\\\b"}'
-    assert text.count('key: "model"') == 1
-
-
-def _our_stubs(prefix: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if prefix.encode() in (proc / "cmdline").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
+from client.cli.launcher import pids_with_cmdline
+from tests.fixtures.servers import start_server
 
 
 def test_bad_speculative_config_fails_only_the_drafter(tiny_model_dir, tmp_path):
-    server = start_server(tmp_path, str(tiny_model_dir), '{"method": "ngram", "num_speculative_tokens": 0}',
-                          require_all_models=False)
+    server = start_server(
+        tmp_path, str(tiny_model_dir), '{"method": "ngram", "num_speculative_tokens": 0}', require_all_models=False
+    )
     try:
         states = server.model_states()
         assert states["verifier"][0] == "READY" and states["speculative"][0] == "READY"
@@ -48,8 +29,8 @@ def test_bad_speculative_config_fails_only_the_drafter(tiny_model_dir, tmp_path)
             grpc_generate(server.grpc_url, "The quick", max_tokens=4)
         assert server.is_ready()
         prefix = server.shm_prefix
-        assert _our_stubs(prefix)
+        assert pids_with_cmdline(prefix)
     finally:
         server.stop()
-    assert not _our_stubs(prefix), "stub processes outlived the server"
+    assert not pids_with_cmdline(prefix), "stub processes outlived the server"
     assert not list(Path("/dev/shm").glob(f"{prefix}*")), "shared-memory regions left behind"

@@ -1,26 +1,55 @@
 """perf_analyzer against the real server: concurrent gRPC streams with speculation, as a
 load test and a regression test for concurrent-BLS stability (a stub crash or stall fails
 it), then the server must be ready and hold no per-sequence state."""
+
 from __future__ import annotations
 
 import csv
 import json
 
 from client.cli.perf_analyzer import run
-from tests.helpers import wait_for_no_active_sequences
+from tests.fixtures.helpers import wait_for_no_active_sequences
 
 
 def test_perf_analyzer_streaming_load(tiny_server, tmp_path):
     data = tmp_path / "input.json"
-    data.write_text(json.dumps({"data": [
-        {"text_input": ["def add(a, b):\n    return a + b\ndef add(a, b):"], "max_tokens": [24], "stream": [True]},
-        {"text_input": ["The quick brown fox"], "max_tokens": [24], "stream": [True]},
-    ]}))
+    data.write_text(
+        json.dumps(
+            {
+                "data": [
+                    {
+                        "text_input": ["def add(a, b):\n    return a + b\ndef add(a, b):"],
+                        "max_tokens": [24],
+                        "stream": [True],
+                    },
+                    {"text_input": ["The quick brown fox"], "max_tokens": [24], "stream": [True]},
+                ]
+            }
+        )
+    )
     report = tmp_path / "pa.csv"
-    result = run(["-m", "speculative", "-u", tiny_server.grpc_url, "-i", "grpc", "--streaming",
-                  "--input-data", str(data), "--concurrency-range", "4",
-                  "--measurement-interval", "10000", "--max-trials", "3", "--stability-percentage", "100",
-                  "-f", str(report)], capture_output=True, text=True, timeout=300)
+    result = run(
+        [
+            "-m",
+            "speculative",
+            "-u",
+            tiny_server.grpc_url,
+            "-i",
+            "grpc",
+            "--streaming",
+            "--input-data",
+            str(data),
+            "--concurrency-range",
+            "4",
+            "--request-count",  # one measurement: no stability windows for a busy machine to fail
+            "16",
+            "-f",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader(report.open()))
     assert rows and float(rows[0]["Inferences/Second"]) > 0
@@ -38,12 +67,53 @@ def test_genai_perf_against_the_server(tiny_server, tiny_model_dir, tmp_path):
     exe, env = install()
     artifacts = tmp_path / "genai-perf"
     result = subprocess.run(
-        [str(exe), "profile", "-m", "speculative", "--endpoint-type", "kserve", "--backend", "vllm", "--streaming",
-         "-u", tiny_server.grpc_url, "--tokenizer", str(tiny_model_dir), "--synthetic-input-tokens-mean", "16",
-         "--output-tokens-mean", "8", "--concurrency", "2", "--request-count", "8", "--artifact-dir", str(artifacts)],
-        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+        [
+            str(exe),
+            "profile",
+            "-m",
+            "speculative",
+            "--endpoint-type",
+            "kserve",
+            "--backend",
+            "vllm",
+            "--streaming",
+            "-u",
+            tiny_server.grpc_url,
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--synthetic-input-tokens-mean",
+            "16",
+            "--output-tokens-mean",
+            "8",
+            "--concurrency",
+            "2",
+            "--request-count",
+            "8",
+            "--artifact-dir",
+            str(artifacts),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = next(artifacts.rglob("profile_export_genai_perf.csv")).read_text()
     assert "Request Throughput" in report and "Time To First Token" in report
     assert tiny_server.is_ready()
     assert not any(wait_for_no_active_sequences(tiny_server).values())
+
+
+def test_perf_analyzer_without_input_data(tiny_server):
+    """perf_analyzer fills every input it has no data for with random bytes and cannot fill the
+    variable-length ones, so `tritonspec perf-analyzer` sends the benchmark prompts when no
+    --input-data is given."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "client.cli.main", "perf-analyzer", "-m", "speculative",
+                           "-u", tiny_server.grpc_url, "-i", "grpc", "--streaming", "--concurrency-range", "2",
+                           "--request-count", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "no --input-data given; sending the" in done.stderr and "Concurrency: 2, throughput" in done.stdout

@@ -1,12 +1,13 @@
 """The model-free drafters (`ngram_gpu`, `suffix`) through a real tritonserver on the tiny model:
 greedy output is the target's own, and drafts get accepted."""
+
 from __future__ import annotations
 
 import pytest
 
 from client.api.triton import grpc_generate
-from tests.conftest import start_server
-from tests.helpers import hf_greedy, served_greedy_results
+from tests.fixtures.helpers import hf_greedy, served_greedy_results
+from tests.fixtures.servers import start_server
 
 PROMPTS = [
     "The quick brown fox",
@@ -27,8 +28,7 @@ def servers(tiny_model_dir, tmp_path_factory):
     started = {}
     try:
         for method, config in sorted(CONFIGS.items()):
-            started[method] = start_server(tmp_path_factory.mktemp(f"{method}-server"),
-                                           str(tiny_model_dir), config)
+            started[method] = start_server(tmp_path_factory.mktemp(f"{method}-server"), str(tiny_model_dir), config)
         yield started
     finally:
         for server in started.values():
@@ -54,5 +54,9 @@ def test_suffix_global_tree_helps_a_repeated_request(servers, tiny_model_dir):
     assert first.output_ids == second.output_ids == list(hf_greedy(str(tiny_model_dir), prompt, 40))
     assert second.total_accepted_draft_tokens > first.total_accepted_draft_tokens
     assert second.perf_metrics["mean_acceptance_length"] > first.perf_metrics["mean_acceptance_length"]
-    print("suffix, same prompt twice: accepted", first.total_accepted_draft_tokens, "then",
-          second.total_accepted_draft_tokens)
+    print(
+        "suffix, same prompt twice: accepted",
+        first.total_accepted_draft_tokens,
+        "then",
+        second.total_accepted_draft_tokens,
+    )

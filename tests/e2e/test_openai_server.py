@@ -2,6 +2,7 @@
 completions and chat, streamed and not, return exactly what the `speculative` model returns
 over gRPC for the same prompt and parameters; bad requests get OpenAI-shaped errors with
 their HTTP status; a client that leaves mid-stream cancels the generation."""
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,16 @@ import pytest
 
 from backends.runtime.model_store import load_tokenizer
 from client.api.triton import grpc_generate
-from tests.conftest import free_ports
-from tests.helpers import wait_for_no_active_sequences
+from tests.fixtures.helpers import wait_for_no_active_sequences
+from tests.fixtures.servers import free_ports
 
 # A plain template for the tiny model, whose tokenizer has none.
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 PROMPT = "The quick brown fox"
-MESSAGES = [{"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": "def add(a, b):"}]
+MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "def add(a, b):"}]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +36,22 @@ def api(tiny_server, tmp_path_factory):
     (tmp / "template.jinja").write_text(TEMPLATE)
     port = free_ports(1)[0]
     log = open(tmp / "openai.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "client.cli.main", "openai", "--url", tiny_server.grpc_url,
-                             "--port", str(port), "--chat-template", str(tmp / "template.jinja")],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "client.cli.main",
+            "openai",
+            "--url",
+            tiny_server.grpc_url,
+            "--port",
+            str(port),
+            "--chat-template",
+            str(tmp / "template.jinja"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -45,7 +60,7 @@ def api(tiny_server, tmp_path_factory):
             break
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tritonspec openai did not start: {(tmp / 'openai.log').read_text()}")
+                raise RuntimeError(f"tritonspec openai did not start: {(tmp / 'openai.log').read_text()}") from None
             time.sleep(0.3)
     yield base
     proc.terminate()
@@ -87,9 +102,17 @@ def test_completions_equal_the_speculative_model(client, tiny_server):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref.num_input_tokens, ref.num_output_tokens)
     assert out.usage.total_tokens == ref.num_input_tokens + ref.num_output_tokens
 
-    text, chunks = streamed(client.completions.create(model="speculative", prompt=PROMPT, max_tokens=12,
-                                                      temperature=0, stream=True,
-                                                      stream_options={"include_usage": True}), chat=False)
+    text, chunks = streamed(
+        client.completions.create(
+            model="speculative",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+        chat=False,
+    )
     assert text == ref.text and len(chunks) > 3  # token by token, not one lump
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.num_output_tokens
@@ -99,14 +122,19 @@ def test_completions_equal_the_speculative_model(client, tiny_server):
 def test_chat_equals_the_speculative_model_on_the_rendered_template(client, tiny_server, tiny_model_dir):
     ref = reference(tiny_server, chat_text(tiny_model_dir), max_tokens=10, temperature=0.0)
     assert ref.output_ids
-    out = client.chat.completions.create(model="speculative", messages=MESSAGES, max_completion_tokens=10,
-                                         temperature=0)
+    out = client.chat.completions.create(
+        model="speculative", messages=MESSAGES, max_completion_tokens=10, temperature=0
+    )
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text and out.choices[0].finish_reason == ref.finish_reason
     assert out.usage.prompt_tokens == ref.num_input_tokens
 
-    text, chunks = streamed(client.chat.completions.create(model="speculative", messages=MESSAGES, max_tokens=10,
-                                                           temperature=0, stream=True), chat=True)
+    text, chunks = streamed(
+        client.chat.completions.create(
+            model="speculative", messages=MESSAGES, max_tokens=10, temperature=0, stream=True
+        ),
+        chat=True,
+    )
     assert text == ref.text and chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason and chunks[-1].usage is None
 
@@ -121,10 +149,64 @@ def test_sampling_parameters_and_stop_are_passed_on(client, tiny_server):
     ref = reference(tiny_server, PROMPT, max_tokens=16, temperature=0.0, stop_words=[stop])
     assert ref.finish_reason == "stop" and len(ref.text) < len(greedy)
     for stream in (False, True):
-        out = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=16, temperature=0,
-                                        stop=stop, stream=stream)
+        out = client.completions.create(
+            model="speculative", prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=stream
+        )
         text = streamed(out, chat=False)[0] if stream else out.choices[0].text
         assert text == ref.text
+
+
+def test_logprobs_and_penalties_equal_the_speculative_model(client, tiny_server):
+    """Completions and chat, streamed and not: the text and the logprobs are the
+    `speculative` model's own with the same penalties (which change the text)."""
+    controls = {"frequency_penalty": 0.8, "presence_penalty": 0.4}
+    free = reference(tiny_server, PROMPT, max_tokens=12, temperature=0.0)
+    bias = {str(free.output_ids[2]): -100}  # the third token can no longer be chosen
+    ref = reference(tiny_server, PROMPT, max_tokens=12, temperature=0.0, return_logprobs=True,
+                    sampling_parameters={"logprobs": 2, "logit_bias": bias}, **controls)
+    assert ref.text != free.text
+    chosen = [next(iter(entry.values())) for entry in ref.logprobs]
+    for stream in (False, True):
+        out = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2,
+                                        logit_bias=bias, stream=stream, **controls)
+        choices = [c.choices[0] for c in out] if stream else [out.choices[0]]
+        assert "".join(c.text for c in choices) == ref.text
+        logprobs = [c.logprobs for c in choices if c.logprobs]
+        assert [t for lp in logprobs for t in lp.token_logprobs] == [c["logprob"] for c in chosen]
+        assert [t for lp in logprobs for t in lp.tokens] == [c["decoded_token"] for c in chosen]
+        assert all(len(top) == 2 for lp in logprobs for top in lp.top_logprobs)
+    out = client.chat.completions.create(model="speculative", messages=MESSAGES, max_tokens=6, temperature=0,
+                                         logprobs=True, top_logprobs=3, **controls)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in content)
+    error = _error(lambda: client.chat.completions.create(model="speculative", messages=MESSAGES, top_logprobs=2))
+    assert error.status_code == 400 and "'top_logprobs' needs 'logprobs': true" in error.message
+
+
+def test_an_unreachable_triton_is_503(tiny_model_dir, tmp_path):
+    """Triton down (or restarting) is 503, which OpenAI SDKs retry, streamed or not."""
+    port, dead = free_ports(2)
+    with open(tmp_path / "openai.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "client.cli.main", "openai", "--url", f"127.0.0.1:{dead}",
+                                 "--port", str(port), "--model", str(tiny_model_dir)], stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        unreachable = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                unreachable.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "openai.log").read_text()
+                time.sleep(0.3)
+        for stream in (False, True):
+            error = _error(lambda: unreachable.completions.create(model="speculative", prompt=PROMPT, stream=stream))
+            assert error.status_code == 503 and "unavailable" in error.message
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def _error(call) -> openai.APIStatusError:
@@ -141,13 +223,18 @@ def test_bad_requests_get_400_with_a_message(client, stream):
     cases = [
         (completion(n=2), "'n' must be 1"),
         (completion(max_tokens="ten"), "'max_tokens' must be an integer"),
-        (completion(temperature=-1.0), "temperature must be >= 0"),  # the Triton model's own check
+        (completion(temperature=-1.0), "'temperature' must be in [0, 2]"),  # OpenAI's ranges
+        (completion(temperature=2.5), "'temperature' must be in [0, 2]"),
+        (completion(frequency_penalty=2.5), "'frequency_penalty' must be in [-2, 2]"),
+        (completion(logprobs=6), "'logprobs' must be in [0, 5]"),
+        (completion(extra_body={"repetition_penalty": 0}), "repetition_penalty must be in (0, 100]"),  # the model's
         (completion(max_tokens=0), "max_tokens must be at least 1"),
         (completion(prompt="fox " * 2000), "context window"),
-        (completion(logprobs=2), "'logprobs' is not supported"),
         (completion(prompt=[1, 2, 3]), "'prompt' must be a string"),
-        (lambda: client.chat.completions.create(model="speculative", messages=[], stream=stream),
-         "'messages' must be a non-empty list"),
+        (
+            lambda: client.chat.completions.create(model="speculative", messages=[], stream=stream),
+            "'messages' must be a non-empty list",
+        ),
     ]
     for call, message in cases:
         error = _error(call)
@@ -170,16 +257,21 @@ def test_raw_http_errors_have_the_openai_shape(api, client):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = post("/v1/nothing", b"{}")
     assert status == 404 and body["error"]["type"] == "not_found_error"
-    status, body = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode())
+    status, body = post(
+        "/v1/chat/completions",
+        json.dumps(
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+        ).encode(),
+    )
     assert status == 400 and "only text parts" in body["error"]["message"]
     # The server is still fine afterwards.
     assert client.completions.create(model="speculative", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
 def test_a_client_leaving_mid_stream_cancels_the_generation(client, tiny_server):
-    stream = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=400, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="speculative", prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     for _ in zip(range(3), stream):
         pass
     stream.close()
@@ -200,11 +292,35 @@ def test_genai_perf_openai_chat_mode(api, tiny_model_dir, tmp_path):
     exe, env = install()
     artifacts = tmp_path / "genai-perf"
     result = subprocess.run(
-        [str(exe), "profile", "-m", "speculative", "--endpoint-type", "chat", "--streaming",
-         "-u", api.removeprefix("http://"), "--tokenizer", str(tiny_model_dir),
-         "--synthetic-input-tokens-mean", "16", "--output-tokens-mean", "8", "--concurrency", "2",
-         "--request-count", "8", "--artifact-dir", str(artifacts)],
-        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+        [
+            str(exe),
+            "profile",
+            "-m",
+            "speculative",
+            "--endpoint-type",
+            "chat",
+            "--streaming",
+            "-u",
+            api.removeprefix("http://"),
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--synthetic-input-tokens-mean",
+            "16",
+            "--output-tokens-mean",
+            "8",
+            "--concurrency",
+            "2",
+            "--request-count",
+            "8",
+            "--artifact-dir",
+            str(artifacts),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = next(artifacts.rglob("profile_export_genai_perf.csv")).read_text()
     assert "Request Throughput" in report and "Time To First Token" in report

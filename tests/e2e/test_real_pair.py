@@ -1,5 +1,6 @@
 """Opt-in (TRITONSPEC_REAL_PAIR=1; fetches 1.6 GB once): the real Qwen2.5-Coder pair through
 the server reproduces the 1.5B target's own greedy output."""
+
 from __future__ import annotations
 
 import json
@@ -8,11 +9,16 @@ import os
 import pytest
 
 from client.api.triton import grpc_generate
-from tests.conftest import start_server
-from tests.helpers import hf_greedy
+from tests.fixtures.helpers import hf_greedy
+from tests.fixtures.servers import start_server
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITONSPEC_REAL_PAIR") != "1",
-                                reason="set TRITONSPEC_REAL_PAIR=1 to run the Qwen2.5-Coder pair (1.6 GB)")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("TRITONSPEC_REAL_PAIR") != "1",
+        reason="set TRITONSPEC_REAL_PAIR=1 to run the Qwen2.5-Coder pair (1.6 GB)",
+    ),
+]
 
 PROMPT = "def fibonacci(n):\n"
 

@@ -1,4 +1,5 @@
 """End to end through a real tritonserver: the tiny model, float32, ngram drafting."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client.api.triton import GenerationError, grpc_generate, http_generate
-from tests.helpers import active_sequences, hf_greedy, metric_values, wait_for_no_active_sequences
+from tests.fixtures.helpers import active_sequences, hf_greedy, metric_values, wait_for_no_active_sequences
 
 PROMPTS = [
     "The quick brown fox",
@@ -27,7 +28,7 @@ def test_greedy_ngram_equals_target_greedy(tiny_server, tiny_model_dir, prompt):
     assert tuple(whole.output_ids) == expected
     assert whole.num_responses == 1
     assert whole.text.startswith(prompt)  # /generate prepends the prompt, as vLLM does
-    assert whole.text[len(prompt):] == streamed.text
+    assert whole.text[len(prompt) :] == streamed.text
     sse = http_generate(tiny_server.http_url, prompt, stream=True, max_tokens=48)
     assert tuple(sse.output_ids) == expected and sse.text == streamed.text
     assert streamed.num_output_tokens == len(expected)
@@ -42,7 +43,8 @@ def test_drafts_are_accepted_on_repetitive_text(tiny_server, tiny_model_dir):
             assert r.acceptance_rate == pytest.approx(r.total_accepted_draft_tokens / r.total_draft_tokens)
         if r.perf_metrics["num_drafts"]:
             assert r.perf_metrics["mean_acceptance_length"] == pytest.approx(
-                1 + r.total_accepted_draft_tokens / r.perf_metrics["num_drafts"])
+                1 + r.total_accepted_draft_tokens / r.perf_metrics["num_drafts"]
+            )
 
 
 def test_plain_decoding_is_the_same_path(tiny_server, tiny_model_dir):
@@ -76,8 +78,9 @@ def test_stop_words_cut_the_text(tiny_server, tiny_model_dir):
     stop = full[10:14]
     assert stop.strip()
     for stream in (True, False):
-        r = grpc_generate(tiny_server.grpc_url, prompt, stream=stream, max_tokens=48, stop_words=[stop],
-                          exclude_input_in_output=True)
+        r = grpc_generate(
+            tiny_server.grpc_url, prompt, stream=stream, max_tokens=48, stop_words=[stop], exclude_input_in_output=True
+        )
         assert r.text == full[: full.index(stop)]
         assert r.finish_reason == "stop"
 
@@ -101,7 +104,11 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens must be at least 1"),
     ({"prompt": "hi", "max_tokens": 100000}, "above the model's limit"),
     ({"prompt": "hi", "sampling_parameters": "{not json"}, "sampling_parameters is not valid JSON"),
-    ({"prompt": "hi", "sampling_parameters": {"max_tokens": 4, "best_of": 2}}, "unknown key 'best_of'"),
+    ({"prompt": "hi", "sampling_parameters": {"max_tokens": 4, "best_of": 2}}, "best_of is only supported at its default 1"),
+    ({"prompt": "hi", "sampling_parameters": {"max_tokens": 4, "use_beam_search": True}},
+     "use_beam_search is only supported at its default false"),
+    ({"prompt": "hi", "sampling_parameters": {"frequency_penalty": 3}}, "frequency_penalty must be in [-2, 2]"),
+    ({"prompt": "hi", "sampling_parameters": {"logit_bias": {"99999": 1}}}, "logit_bias: token id 99999 is outside"),
     ({"prompt": "hi", "sampling_parameters": {"temperature": "hot"}}, "temperature must be a number"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"prompt": "The quick brown fox " * 200}, "context window"),
@@ -139,8 +146,7 @@ def _raw_sampling_request(server, prompt: str, sampling: str):
 
 
 def test_cancelled_stream_releases_its_sequence(tiny_server):
-    r = grpc_generate(tiny_server.grpc_url, PROMPTS[0], max_tokens=400, ignore_eos=True,
-                      cancel_after_responses=2)
+    r = grpc_generate(tiny_server.grpc_url, PROMPTS[0], max_tokens=400, ignore_eos=True, cancel_after_responses=2)
     assert r.finish_reason == "" and len(r.output_ids) < 400
     assert not any(wait_for_no_active_sequences(tiny_server).values())
     assert tiny_server.is_ready()
@@ -154,8 +160,10 @@ def test_metrics_report_both_stateful_models(tiny_server):
 def test_acceptance_counters_on_metrics_add_up(tiny_server):
     def counters():
         labels = 'method="ngram",model="speculative"'
-        return {name: metric_values(tiny_server, f"tritonspec_spec_decode_{name}").get(labels, 0.0)
-                for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        return {
+            name: metric_values(tiny_server, f"tritonspec_spec_decode_{name}").get(labels, 0.0)
+            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        }
 
     before = counters()
     r = grpc_generate(tiny_server.grpc_url, PROMPTS[1], max_tokens=40)

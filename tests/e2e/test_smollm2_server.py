@@ -1,12 +1,13 @@
 """The embedded default model, SmolLM2-135M-Instruct (fetched once from PyPI, SHA-256
 checked), served in float32: ngram speculation reproduces its own greedy output."""
+
 from __future__ import annotations
 
 import pytest
 
 from client.api.triton import http_generate
-from tests.conftest import start_server
-from tests.helpers import hf_greedy, served_greedy_results
+from tests.fixtures.helpers import hf_greedy, served_greedy_results
+from tests.fixtures.servers import start_server
 
 PROMPTS = [
     "Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig.\n"
@@ -19,17 +20,13 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_dir, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("smollm2"), str(smollm2_dir),
-                          '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    server = start_server(
+        tmp_path_factory.mktemp("smollm2"),
+        str(smollm2_dir),
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+    )
     yield server
     server.stop()
-
-
-def test_checkpoint_is_the_pinned_one(smollm2_dir):
-    from backends.runtime.model_store import NAMED_MODELS, cache_dir, sha256_file
-
-    spec = NAMED_MODELS["smollm2-135m"]
-    assert sha256_file(cache_dir() / "gguf" / spec.gguf_name) == spec.sha256
 
 
 def test_ngram_greedy_equals_target_greedy(smollm2_server, smollm2_dir):

@@ -1,6 +1,7 @@
 """Opt-in (TRITONSPEC_TRAINED_HEADS=1, after `tritonspec train METHOD` for SmolLM2): the
 trained SmolLM2-135M heads through the real server reproduce the target's own greedy output
 on the held-out benchmark prompts, and their drafts are accepted for real."""
+
 from __future__ import annotations
 
 import json
@@ -10,11 +11,13 @@ import pytest
 
 from backends.training import TRAINERS, head_dir
 from client.cli.bench import load_prompts
-from tests.conftest import start_server
-from tests.helpers import served_greedy_results
+from tests.fixtures.helpers import served_greedy_results
+from tests.fixtures.servers import start_server
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITONSPEC_TRAINED_HEADS") != "1",
-                                reason="set TRITONSPEC_TRAINED_HEADS=1 to serve the heads `tritonspec train` made")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITONSPEC_TRAINED_HEADS") != "1",
+    reason="set TRITONSPEC_TRAINED_HEADS=1 to serve the heads `tritonspec train` made",
+)
 
 
 @pytest.mark.parametrize("method", sorted(TRAINERS))

@@ -1,9 +1,10 @@
 import pytest
 
-from backends.serving.adaptive import AdaptiveDraftLength
 from backends.config import SpeculativeConfig
-from backends.serving.drafting import DraftCall, DraftService
-from backends.serving.proposer import Draft, Proposer
+from backends.serving.adaptive import AdaptiveDraftLength
+from backends.serving.orchestrator import draft_length
+from backends.serving.proposer import DrafterInfo
+from backends.serving.request import GenerationRequest
 
 
 def test_expected_tokens_formula():
@@ -53,17 +54,13 @@ def test_unseen_lengths_are_interpolated():
     assert policy.step_time(6) == pytest.approx(2.5)  # extrapolated with the last slope
 
 
-class CountingProposer(Proposer):
-    def propose(self, batch):
-        return [Draft([1] * r.num_tokens) for r in batch]
-
-
 def test_batch_size_schedule_caps_k_under_load():
-    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4,
-                                          "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 8, 1], [9, 64, 0]]})
-    service = DraftService(CountingProposer(), config)
-    assert len(service.draft([DraftCall(1, [5], 10)])[0].token_ids) == 4
-    service.draft([DraftCall(i, [5], 10) for i in (2, 3)])  # three sequences active now
-    assert len(service.draft([DraftCall(1, [5], 10)])[0].token_ids) == 1
-    service.draft([DraftCall(i, [5], 10) for i in range(4, 10)])  # nine active
-    assert service.draft([DraftCall(1, [5], 10)])[0].token_ids == []
+    config = SpeculativeConfig.from_json(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 8, 1], [9, 64, 0]],
+        }
+    )
+    info, req = DrafterInfo(config, ()), GenerationRequest(prompt="x")
+    assert [draft_length(req, info, load, 10, None) for load in (1, 2, 3, 8, 9, 64)] == [4, 4, 1, 1, 0, 0]

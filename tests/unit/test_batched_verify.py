@@ -1,4 +1,5 @@
 """Verification of many sequences in one forward pass equals verifying them one by one."""
+
 from __future__ import annotations
 
 import random
@@ -10,8 +11,13 @@ from transformers import AutoTokenizer
 from backends.serving.request import SamplingParams
 from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
 
-PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\n", "for i in range(10):",
-           "Speculative decoding drafts tokens", "café"]
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):",
+    "Speculative decoding drafts tokens",
+    "café",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +30,7 @@ def test_batched_steps_equal_single_steps(runners, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rng = random.Random(0)
     prompts = {seq_id: tokenizer(p)["input_ids"] for seq_id, p in enumerate(PROMPTS, start=1)}
-    sampling = {seq_id: SamplingParams(temperature=1.0, seed=seq_id) if seq_id % 2 else None
-                for seq_id in prompts}
+    sampling = {seq_id: SamplingParams(temperature=1.0, seed=seq_id) if seq_id % 2 else None for seq_id in prompts}
     outputs = {seq_id: [] for seq_id in prompts}
     for step in range(8):
         batch = []
@@ -33,9 +38,10 @@ def test_batched_steps_equal_single_steps(runners, tiny_model_dir):
             # Drafts: some continue the sequence's own output (often accepted), some random.
             k = rng.randint(0, 4)
             history = outputs[seq_id]
-            drafts = (history[-k:] if step % 2 and len(history) >= k else [rng.randrange(50) for _ in range(k)])
-            batch.append(VerifyRequest(seq_id, prompt if step == 0 else [], drafts,
-                                       sampling[seq_id] if step == 0 else None))
+            drafts = history[-k:] if step % 2 and len(history) >= k else [rng.randrange(50) for _ in range(k)]
+            batch.append(
+                VerifyRequest(seq_id, prompt if step == 0 else [], drafts, sampling[seq_id] if step == 0 else None)
+            )
         one_by_one = [alone.verify(r) for r in batch]
         batched = together.verify_batch(batch)
         for req, a, b in zip(batch, one_by_one, batched):
@@ -70,12 +76,14 @@ def test_a_bad_request_fails_alone(runners, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     runner.verify(VerifyRequest(21, tokenizer(PROMPTS[0])["input_ids"], []))
     runner.verify(VerifyRequest(22, tokenizer(PROMPTS[1])["input_ids"], []))
-    results = runner.verify_batch([
-        VerifyRequest(21, [], [1]),
-        VerifyRequest(99, [], [1]),  # unknown sequence
-        VerifyRequest(22, [], [1] * 600),  # past the context window
-        VerifyRequest(23, tokenizer(PROMPTS[2])["input_ids"], []),  # a new prompt in the same call
-    ])
+    results = runner.verify_batch(
+        [
+            VerifyRequest(21, [], [1]),
+            VerifyRequest(99, [], [1]),  # unknown sequence
+            VerifyRequest(22, [], [1] * 600),  # past the context window
+            VerifyRequest(23, tokenizer(PROMPTS[2])["input_ids"], []),  # a new prompt in the same call
+        ]
+    )
     assert isinstance(results[1], SequenceError) and "unknown" in str(results[1])
     assert isinstance(results[2], SequenceError) and "context window" in str(results[2])
     assert len(results[0].token_ids) >= 1 and len(results[3].token_ids) == 1

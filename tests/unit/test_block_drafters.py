@@ -1,7 +1,8 @@
 """DFlash and DSpark block drafters: the published checkpoint layouts (tiny synthetic ones,
 written independently of the loader), refusals naming the field/key/size, drafts equal to
 a plain re-implementation of the published algorithms, incremental context and rollback,
-batching, draft probabilities, the writer, and decoding through the real server."""
+batching, draft probabilities and the writer (served: tests/e2e/test_block_drafters_server.py)."""
+
 from __future__ import annotations
 
 import json
@@ -13,23 +14,31 @@ import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
 from backends.methods.dflash import (
-    BlockCheckpointError, DFlashHead, DFlashProposer, default_config, load_dflash, load_head, save_head,
+    BlockCheckpointError,
+    DFlashHead,
+    DFlashProposer,
+    default_config,
+    load_dflash,
+    load_head,
+    save_head,
 )
 from backends.methods.dspark import DSparkHead, DSparkProposer
 from backends.methods.dspark import default_config as dspark_default_config
 from backends.serving.proposer import DraftRequest, build_proposer
-from tests.helpers import check_ragged_batches, request, target_hidden
-from tests.synthetic_blocks import write_dflash, write_dspark
-from tests.synthetic_checkpoints import assert_refused, save_checkpoint, write_eagle1
+from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
+from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
+from tests.fixtures.synthetic_checkpoints import assert_refused, save_checkpoint, write_eagle1
 
-PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
-           "for i in range(10):\n    print(i"]
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 MASK, V, H = 383, 384, 64
 # name -> (writer, options, expected verifier layer ids)
 VARIANTS = {
     "dflash": (write_dflash, {}, (1, 2)),
-    "dflash-midlayer-default-ids-bin": (write_dflash, {"num_layers": 1, "target_layer_ids": None,
-                                                       "first_layer": "midlayer.", "fmt": "bin"}, (2,)),
+    "dflash-midlayer-default-ids-bin": (
+        write_dflash,
+        {"num_layers": 1, "target_layer_ids": None, "first_layer": "midlayer.", "fmt": "bin"},
+        (2,),
+    ),
     "dflash-causal-sliding": (write_dflash, {"causal": True, "sliding_window": 3, "block_size": 5}, (1, 2)),
     "dflash-draft-vocab": (write_dflash, {"draft_vocab_size": 200, "target_layer_ids": (1, -1)}, (2, 0)),
     "dspark-vanilla": (write_dspark, {}, (1, 2)),
@@ -37,8 +46,11 @@ VARIANTS = {
     "dspark-rnn": (write_dspark, {"markov_head_type": "rnn", "block_size": 3}, (1, 2)),
     "dspark-no-markov": (write_dspark, {"markov_rank": 0, "confidence": False}, (1, 2)),
     "dspark-speculators": (write_dspark, {"style": "speculators", "target_layer_ids": (1,)}, (2,)),
-    "dspark-hybrid-anchor": (write_dspark, {"style": "hybrid", "sample_from_anchor": True,
-                                            "markov_head_type": "gated"}, (1, 2)),
+    "dspark-hybrid-anchor": (
+        write_dspark,
+        {"style": "hybrid", "sample_from_anchor": True, "markov_head_type": "gated"},
+        (1, 2),
+    ),
 }
 
 
@@ -59,8 +71,9 @@ def prompt_ids(tokenizer):
 def checkpoints(tmp_path_factory, tiny_model_dir):
     """name -> (directory, the state dict written)."""
     root = tmp_path_factory.mktemp("block-checkpoints")
-    return {name: (root / name, writer(root / name, tiny_model_dir, **opts))
-            for name, (writer, opts, _) in VARIANTS.items()}
+    return {
+        name: (root / name, writer(root / name, tiny_model_dir, **opts)) for name, (writer, opts, _) in VARIANTS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +93,7 @@ def _rope(x, positions, theta):
     d = x.shape[-1]
     freqs = positions[:, None].double() / theta ** (torch.arange(0, d, 2).double() / d)
     cos, sin = (f(torch.cat([freqs, freqs], -1)).float()[:, None] for f in (torch.cos, torch.sin))
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
 
 def reference_block(cfg: dict, s: dict, hidden: torch.Tensor, anchor: int) -> torch.Tensor:
@@ -98,24 +111,34 @@ def reference_block(cfg: dict, s: dict, hidden: torch.Tensor, anchor: int) -> to
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"layers.{i}."
         h = _rms(x, s[p + "input_layernorm.weight"])
-        q = _rope(_rms(F.linear(h, s[p + "self_attn.q_proj.weight"]).view(block, nh, hd),
-                       s[p + "self_attn.q_norm.weight"]), qpos, cfg["rope_theta"])
+        q = _rope(
+            _rms(F.linear(h, s[p + "self_attn.q_proj.weight"]).view(block, nh, hd), s[p + "self_attn.q_norm.weight"]),
+            qpos,
+            cfg["rope_theta"],
+        )
         kin = torch.cat([ctx, h])  # the context is projected without input_layernorm
-        k = _rope(_rms(F.linear(kin, s[p + "self_attn.k_proj.weight"]).view(-1, nkv, hd),
-                       s[p + "self_attn.k_norm.weight"]), kpos, cfg["rope_theta"])
+        k = _rope(
+            _rms(F.linear(kin, s[p + "self_attn.k_proj.weight"]).view(-1, nkv, hd), s[p + "self_attn.k_norm.weight"]),
+            kpos,
+            cfg["rope_theta"],
+        )
         v = F.linear(kin, s[p + "self_attn.v_proj.weight"]).view(-1, nkv, hd)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
+        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
         visible = torch.ones(block, c + block, dtype=torch.bool)
         if nested.get("causal") or kind == "sliding_attention":
             visible &= kpos[None] <= qpos[:, None]
         if kind == "sliding_attention":
             visible &= qpos[:, None] - kpos[None] < cfg["sliding_window"]
         attn = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        x = x + F.linear(torch.einsum("hqk,khd->qhd", attn, v).reshape(block, nh * hd), s[p + "self_attn.o_proj.weight"])
+        x = x + F.linear(
+            torch.einsum("hqk,khd->qhd", attn, v).reshape(block, nh * hd), s[p + "self_attn.o_proj.weight"]
+        )
         h = _rms(x, s[p + "post_attention_layernorm.weight"])
-        x = x + F.linear(F.silu(F.linear(h, s[p + "mlp.gate_proj.weight"])) * F.linear(h, s[p + "mlp.up_proj.weight"]),
-                         s[p + "mlp.down_proj.weight"])
+        x = x + F.linear(
+            F.silu(F.linear(h, s[p + "mlp.gate_proj.weight"])) * F.linear(h, s[p + "mlp.up_proj.weight"]),
+            s[p + "mlp.down_proj.weight"],
+        )
     return _rms(x, s["norm.weight"])
 
 
@@ -142,13 +165,19 @@ def reference_drafts(name: str, cfg: dict, s: dict, hidden: torch.Tensor, anchor
             if kind == "vanilla":
                 logits = logits + w2 @ e
             elif kind == "gated":
-                gate = torch.sigmoid(F.linear(torch.cat([out[slot], e]), s["markov_head.gate_proj.weight"],
-                                              s["markov_head.gate_proj.bias"]))
+                gate = torch.sigmoid(
+                    F.linear(
+                        torch.cat([out[slot], e]), s["markov_head.gate_proj.weight"], s["markov_head.gate_proj.bias"]
+                    )
+                )
                 logits = logits + w2 @ (gate * e)
             else:
-                z = F.linear(torch.cat([state, e, out[slot]]), s["markov_head.joint_proj.weight"],
-                             s["markov_head.joint_proj.bias"])
-                g, cand, o = torch.sigmoid(z[:rank]), torch.tanh(z[rank:2 * rank]), z[2 * rank:]
+                z = F.linear(
+                    torch.cat([state, e, out[slot]]),
+                    s["markov_head.joint_proj.weight"],
+                    s["markov_head.joint_proj.bias"],
+                )
+                g, cand, o = torch.sigmoid(z[:rank]), torch.tanh(z[rank : 2 * rank]), z[2 * rank :]
                 state = g * state + (1 - g) * cand
                 logits = logits + w2 @ torch.tanh(o)
         prev = int(logits.argmax())
@@ -161,8 +190,11 @@ def _reference_inputs(name, checkpoints, target_weights):
 
     path, written = checkpoints[name]
     cfg = read_config(path)  # speculators flattened as vLLM does (what the format means)
-    s = {"embed_tokens.weight": target_weights["model.embed_tokens.weight"],
-         "lm_head.weight": target_weights["lm_head.weight"], **written}
+    s = {
+        "embed_tokens.weight": target_weights["model.embed_tokens.weight"],
+        "lm_head.weight": target_weights["lm_head.weight"],
+        **written,
+    }
     return cfg, s
 
 
@@ -222,15 +254,19 @@ def test_layout_comes_from_the_config_not_the_name(tmp_path, tiny_model_dir, tar
     write_dspark(tmp_path / "org-dflash-b4", tiny_model_dir)
     assert load_dflash(tmp_path / "org-dspark-b4", target).layout == "dflash"
     assert load_head(DSparkHead, tmp_path / "org-dflash-b4", target).layout == "dspark"
-    with pytest.raises(BlockCheckpointError, match="method 'dflash' needs a DFlash checkpoint, but config.json "
-                                                   "describes a DSpark drafter"):
+    with pytest.raises(
+        BlockCheckpointError,
+        match="method 'dflash' needs a DFlash checkpoint, but config.json describes a DSpark drafter",
+    ):
         load_dflash(tmp_path / "org-dflash-b4", target)
     write_eagle1(tmp_path / "eagle", tiny_model_dir)
     with pytest.raises(BlockCheckpointError, match="has neither dflash_config nor a DFlash/DSpark architecture"):
         load_head(DSparkHead, tmp_path / "eagle", target)
     # An explicit method wins over the name; the proposer then loads by the config.
-    config = SpeculativeConfig.from_json({"method": "dflash", "model": str(tmp_path / "org-dspark-b4"),
-                                          "num_speculative_tokens": 3}, target_model=str(tiny_model_dir))
+    config = SpeculativeConfig.from_json(
+        {"method": "dflash", "model": str(tmp_path / "org-dspark-b4"), "num_speculative_tokens": 3},
+        target_model=str(tiny_model_dir),
+    )
     proposer = build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
     assert isinstance(proposer, DFlashProposer) and proposer.hidden_layer_ids == (1, 2)
 
@@ -242,57 +278,137 @@ def _edit(state: dict, drop=(), **replace) -> dict:
 
 
 REFUSALS = {
-    "missing key": ("dflash", lambda s: _edit(s, drop=["layers.1.self_attn.k_norm.weight"]), None,
-                    r"missing key 'layers\.1\.self_attn\.k_norm\.weight' \(expected shape \[16\]\)"),
-    "laguna output gate": ("dflash", lambda s: {**s, "layers.0.self_attn.g_proj.weight": torch.zeros(4, H)}, None,
-                           r"unexpected key 'layers\.0\.self_attn\.g_proj\.weight' \(shape \[4, 64\]\)"),
-    "fc width": ("dflash", lambda s: {**s, "fc.weight": torch.zeros(H, 3 * H)}, None,
-                 r"'fc\.weight' has shape \[64, 192\], expected \[64, 128\]"),
-    "markov vocabulary": ("dspark-vanilla", lambda s: {**s, "markov_head.markov_w1.weight": torch.zeros(V + 8, 8)},
-                          None, r"'markov_head\.markov_w1\.weight' has shape \[392, 8\], expected \[384, 8\]"),
-    "confidence width": ("dspark-vanilla", lambda s: {**s, "confidence_head.proj.weight": torch.zeros(1, H)}, None,
-                         r"'confidence_head\.proj\.weight' has shape \[1, 64\], expected \[1, 72\]"),
-    "config vocab": ("dflash", None, {"vocab_size": 500}, r"vocab_size 500 in config\.json, but the target's "
-                                                          r"vocabulary has 384 ids"),
-    "target layers": ("dflash", None, {"num_target_layers": 36},
-                      r"num_target_layers 36 in config\.json, but the target has 2 decoder layers"),
-    "layer id range": ("dflash", None, {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [0, 2]}},
-                       r"target layer ids \[0, 2\] \(dflash_config\.target_layer_ids\) must be distinct layers of "
-                       r"the target, in \[-1, 1\]"),
-    "mask token": ("dflash", None, {"dflash_config": {"mask_token_id": 384, "target_layer_ids": [0, 1]}},
-                   r"mask_token_id=384 \(dflash_config\.mask_token_id\) must be a row of the target's embedding"),
+    "missing key": (
+        "dflash",
+        lambda s: _edit(s, drop=["layers.1.self_attn.k_norm.weight"]),
+        None,
+        r"missing key 'layers\.1\.self_attn\.k_norm\.weight' \(expected shape \[16\]\)",
+    ),
+    "laguna output gate": (
+        "dflash",
+        lambda s: {**s, "layers.0.self_attn.g_proj.weight": torch.zeros(4, H)},
+        None,
+        r"unexpected key 'layers\.0\.self_attn\.g_proj\.weight' \(shape \[4, 64\]\)",
+    ),
+    "fc width": (
+        "dflash",
+        lambda s: {**s, "fc.weight": torch.zeros(H, 3 * H)},
+        None,
+        r"'fc\.weight' has shape \[64, 192\], expected \[64, 128\]",
+    ),
+    "markov vocabulary": (
+        "dspark-vanilla",
+        lambda s: {**s, "markov_head.markov_w1.weight": torch.zeros(V + 8, 8)},
+        None,
+        r"'markov_head\.markov_w1\.weight' has shape \[392, 8\], expected \[384, 8\]",
+    ),
+    "confidence width": (
+        "dspark-vanilla",
+        lambda s: {**s, "confidence_head.proj.weight": torch.zeros(1, H)},
+        None,
+        r"'confidence_head\.proj\.weight' has shape \[1, 64\], expected \[1, 72\]",
+    ),
+    "config vocab": (
+        "dflash",
+        None,
+        {"vocab_size": 500},
+        r"vocab_size 500 in config\.json, but the target's "
+        r"vocabulary has 384 ids",
+    ),
+    "target layers": (
+        "dflash",
+        None,
+        {"num_target_layers": 36},
+        r"num_target_layers 36 in config\.json, but the target has 2 decoder layers",
+    ),
+    "layer id range": (
+        "dflash",
+        None,
+        {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [0, 2]}},
+        r"target layer ids \[0, 2\] \(dflash_config\.target_layer_ids\) must be distinct layers of "
+        r"the target, in \[-1, 1\]",
+    ),
+    "mask token": (
+        "dflash",
+        None,
+        {"dflash_config": {"mask_token_id": 384, "target_layer_ids": [0, 1]}},
+        r"mask_token_id=384 \(dflash_config\.mask_token_id\) must be a row of the target's embedding",
+    ),
     "block size": ("dflash", None, {"block_size": 1}, r"block_size=1 in config\.json"),
-    "anchor slots": ("dflash", None, {"sample_from_anchor": True}, r"sample_from_anchor=true is DSpark's slot "
-                                                                     r"convention"),
-    "swa flag": ("dflash", None, {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [0, 1],
-                                                    "use_swa": True}},
-                 r"dflash_config\.use_swa=True is not supported"),
-    "domino": ("dflash", None, {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [0, 1],
-                                                  "projector_type": "domino"}},
-               r"dflash_config\.projector_type='domino' is not supported"),
-    "layer types": ("dflash", None, {"layer_types": ["full_attention"]},
-                    r"layer_types \['full_attention'\] must give one of .* for each of the 2 layers"),
+    "anchor slots": (
+        "dflash",
+        None,
+        {"sample_from_anchor": True},
+        r"sample_from_anchor=true is DSpark's slot "
+        r"convention",
+    ),
+    "swa flag": (
+        "dflash",
+        None,
+        {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [0, 1], "use_swa": True}},
+        r"dflash_config\.use_swa=True is not supported",
+    ),
+    "domino": (
+        "dflash",
+        None,
+        {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [0, 1], "projector_type": "domino"}},
+        r"dflash_config\.projector_type='domino' is not supported",
+    ),
+    "layer types": (
+        "dflash",
+        None,
+        {"layer_types": ["full_attention"]},
+        r"layer_types \['full_attention'\] must give one of .* for each of the 2 layers",
+    ),
     "hidden size": ("dflash", None, {"hidden_size": 32}, r"hidden size is 64"),
-    "markov kind": ("dspark-vanilla", None, {"markov_head_type": "fir"},
-                    r"markov_head_type='fir' is not one of \('vanilla', 'gated', 'rnn'\)"),
-    "ambiguous slots": ("dspark-hybrid-anchor", None, {"dflash_config": {
-        "mask_token_id": MASK, "target_layer_ids": [0, 1], "projector_type": "dspark", "markov_rank": 8,
-        "markov_head_type": "gated", "use_confidence_head": True, "confidence_head_with_markov": True,
-        "shift_label": True}},
+    "markov kind": (
+        "dspark-vanilla",
+        None,
+        {"markov_head_type": "fir"},
+        r"markov_head_type='fir' is not one of \('vanilla', 'gated', 'rnn'\)",
+    ),
+    "ambiguous slots": (
+        "dspark-hybrid-anchor",
+        None,
+        {
+            "dflash_config": {
+                "mask_token_id": MASK,
+                "target_layer_ids": [0, 1],
+                "projector_type": "dspark",
+                "markov_rank": 8,
+                "markov_head_type": "gated",
+                "use_confidence_head": True,
+                "confidence_head_with_markov": True,
+                "shift_label": True,
+            }
+        },
         r"cannot tell which slot convention this DSpark checkpoint was trained with .* set hf_overrides "
-        r"\{\"sample_from_anchor\": true\}"),
-    "conflicting slots": ("dspark-vanilla", None, {"sample_from_anchor": False,
-                                                   "dflash_config": {"sample_from_anchor": True}},
-                          r"sample_from_anchor is both true and false"),
-    "deepseek v4": ("dspark-vanilla", None, {"dspark_block_size": 5},
-                    r"config\.json has dspark_block_size: a DeepSeek-V4 drafter bundled in the target checkpoint"),
+        r"\{\"sample_from_anchor\": true\}",
+    ),
+    "conflicting slots": (
+        "dspark-vanilla",
+        None,
+        {"sample_from_anchor": False, "dflash_config": {"sample_from_anchor": True}},
+        r"sample_from_anchor is both true and false",
+    ),
+    "deepseek v4": (
+        "dspark-vanilla",
+        None,
+        {"dspark_block_size": 5},
+        r"config\.json has dspark_block_size: a DeepSeek-V4 drafter bundled in the target checkpoint",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", BlockCheckpointError,
-                   lambda bad: load_head(_head_class(REFUSALS[case][0]), bad, target))
+    assert_refused(
+        REFUSALS[case],
+        checkpoints,
+        tmp_path / "bad",
+        BlockCheckpointError,
+        lambda bad: load_head(_head_class(REFUSALS[case][0]), bad, target),
+    )
 
 
 def test_hf_overrides_settle_the_slot_convention(checkpoints, tiny_model_dir, target, tmp_path):
@@ -300,22 +416,36 @@ def test_hf_overrides_settle_the_slot_convention(checkpoints, tiny_model_dir, ta
     config = json.loads((path / "config.json").read_text())
     del config["dflash_config"]["sample_from_anchor"]
     save_checkpoint(tmp_path / "hybrid", config, written, "safetensors")
-    spec = {"method": "dspark", "model": str(tmp_path / "hybrid"), "num_speculative_tokens": 4,
-            "hf_overrides": {"sample_from_anchor": False}}
-    proposer = build_proposer(SpeculativeConfig.from_json(spec, target_model=str(tiny_model_dir)),
-                              max_model_len=512, target_model=tiny_model_dir)
+    spec = {
+        "method": "dspark",
+        "model": str(tmp_path / "hybrid"),
+        "num_speculative_tokens": 4,
+        "hf_overrides": {"sample_from_anchor": False},
+    }
+    proposer = build_proposer(
+        SpeculativeConfig.from_json(spec, target_model=str(tiny_model_dir)),
+        max_model_len=512,
+        target_model=tiny_model_dir,
+    )
     assert not proposer.head.sample_from_anchor and list(proposer.head.draft_slots) == [1, 2, 3]
 
 
 def test_k_and_block_size(checkpoints, tiny_model_dir, runner, prompt_ids):
     """vLLM's rule k >= dspark_block_size belongs to the DeepSeek-V4 drafter's config key
-    (backends/config.py); a Qwen3DSparkModel checkpoint takes any k, capped by its slots."""
+    (backends/config/speculative.py); a Qwen3DSparkModel checkpoint takes any k, capped by its slots."""
     from backends.config import SpeculativeConfigError
 
     target = str(tiny_model_dir)
     with pytest.raises(SpeculativeConfigError, match=r"num_speculative_tokens >= dspark_block_size \(5\); got 3"):
-        SpeculativeConfig.from_json({"method": "dspark", "model": target, "num_speculative_tokens": 3,
-                                     "hf_overrides": {"dspark_block_size": 5}}, target_model=target)
+        SpeculativeConfig.from_json(
+            {
+                "method": "dspark",
+                "model": target,
+                "num_speculative_tokens": 3,
+                "hf_overrides": {"dspark_block_size": 5},
+            },
+            target_model=target,
+        )
     path = str(checkpoints["dspark-vanilla"][0])
     for k, expected in ((2, 2), (9, 4)):
         config = SpeculativeConfig.from_json({"model": path, "num_speculative_tokens": k}, target_model=target)
@@ -370,8 +500,9 @@ def test_rollback_and_incremental_context(name, accepted, heads, checkpoints, ta
 def test_batched_equals_one_at_a_time(name, heads, runner, prompt_ids):
     head = heads[name]
     batched, alone = _proposer_class(name)(head, 512), _proposer_class(name)(head, 512)
-    contexts = check_ragged_batches(batched, alone, prompt_ids, partial(request, runner, head), steps=3, first_k=1,
-                                    vocab_size=V)
+    contexts = check_ragged_batches(
+        batched, alone, prompt_ids, partial(request, runner, head), steps=3, first_k=1, vocab_size=V
+    )
     assert batched.num_sequences == 3
     for seq in contexts:
         batched.release(seq)
@@ -379,8 +510,9 @@ def test_batched_equals_one_at_a_time(name, heads, runner, prompt_ids):
 
 
 @pytest.mark.parametrize("name", ["dflash-draft-vocab", "dspark-gated"])
-def test_probabilistic_drafts_come_with_their_probabilities(name, heads, checkpoints, target_weights, runner,
-                                                            prompt_ids):
+def test_probabilistic_drafts_come_with_their_probabilities(
+    name, heads, checkpoints, target_weights, runner, prompt_ids
+):
     head = heads[name]
     cfg, s = _reference_inputs(name, checkpoints, target_weights)
     proposer = _proposer_class(name)(head, 512, "probabilistic", seed=0)
@@ -391,100 +523,15 @@ def test_probabilistic_drafts_come_with_their_probabilities(name, heads, checkpo
         assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.token_ids))
         out = reference_block(cfg, s, req.hidden_states, req.token_ids[-1])
         if name.startswith("dflash"):  # slot 1's softmax, scattered through d2t
-            first = torch.zeros(V).index_copy_(0, torch.arange(200) + s["d2t"],
-                                               F.linear(out[1], s["lm_head.weight"]).softmax(-1))
+            first = torch.zeros(V).index_copy_(
+                0, torch.arange(200) + s["d2t"], F.linear(out[1], s["lm_head.weight"]).softmax(-1)
+            )
         else:  # slot 0 (anchor convention) with the gated Markov bias of the anchor
             e = s["markov_head.markov_w1.weight"][req.token_ids[-1]]
-            gate = torch.sigmoid(F.linear(torch.cat([out[0], e]), s["markov_head.gate_proj.weight"],
-                                          s["markov_head.gate_proj.bias"]))
+            gate = torch.sigmoid(
+                F.linear(torch.cat([out[0], e]), s["markov_head.gate_proj.weight"], s["markov_head.gate_proj.bias"])
+            )
             first = (F.linear(out[0], s["lm_head.weight"]) + s["markov_head.markov_w2.weight"] @ (gate * e)).softmax(-1)
         torch.testing.assert_close(draft.probs[0], first, rtol=1e-4, atol=1e-6)
     one, two = (_proposer_class(name)(head, 512, "probabilistic", seed=5).propose(requests) for _ in range(2))
     assert [d.token_ids for d in one] == [d.token_ids for d in two]
-
-
-# ---------------------------------------------------------------------------- through the server
-
-
-def write_fitted_dspark(out, tiny_model_dir):
-    """A DSpark checkpoint whose drafts follow the target on the sampling test's prompt: the
-    LM head is zero and the vanilla Markov head is a bigram table holding, for each of the
-    first token's top-k candidates t, the target's top-k logits after prompt + t. Drafts are
-    sampled at temperature 1, the requests at 1.5: q overlaps p but is sharper, so only a
-    correct q in min(1, p/q) and max(p - q, 0) gives p back."""
-    from tests.helpers import _load
-    from tests.test_sampling_server import PROMPT, TOP_K
-
-    state = dict(write_dspark(out, tiny_model_dir, markov_rank=TOP_K, confidence=False))
-    model, tokenizer = _load(str(tiny_model_dir))
-    ids = tokenizer(PROMPT)["input_ids"]
-    w1, w2 = torch.zeros(V, TOP_K), torch.zeros(V, TOP_K)
-    with torch.inference_mode():
-        firsts = model(input_ids=torch.tensor([ids])).logits[0, -1].topk(TOP_K).indices
-        for i, t in enumerate(firsts.tolist()):
-            w1[t, i] = 1.0
-            logits = model(input_ids=torch.tensor([ids + [t]])).logits[0, -1]
-            w2[:, i] = torch.full_like(logits, -30.0).scatter(0, logits.topk(TOP_K).indices,
-                                                               logits.topk(TOP_K).values)
-    state.update({"lm_head.weight": torch.zeros(V, H), "markov_head.markov_w1.weight": w1,
-                  "markov_head.markov_w2.weight": w2})
-    save_checkpoint(out, json.loads((out / "config.json").read_text()), state, "safetensors")
-    return out
-
-
-@pytest.fixture(scope="module")
-def dspark_server(tiny_model_dir, tmp_path_factory):
-    from tests.conftest import start_server
-
-    root = tmp_path_factory.mktemp("dspark-server")
-    config = {"method": "dspark", "model": str(write_fitted_dspark(root / "fitted", tiny_model_dir)),
-              "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
-    server = start_server(root, str(tiny_model_dir), json.dumps(config))
-    yield server
-    server.stop()
-
-
-def test_served_dflash_greedy_equals_target_greedy(checkpoints, tiny_model_dir, tmp_path):
-    from tests.conftest import start_server
-    from tests.helpers import served_greedy_results
-
-    config = {"method": "dflash", "model": str(checkpoints["dflash-causal-sliding"][0]), "num_speculative_tokens": 4}
-    server = start_server(tmp_path, str(tiny_model_dir), json.dumps(config))
-    try:
-        results = served_greedy_results(server, tiny_model_dir, PROMPTS, 24)
-        assert sum(r.total_draft_tokens for r in results) > 0
-    finally:
-        server.stop()
-
-
-def test_served_dspark_greedy_equals_target_greedy(dspark_server, tiny_model_dir):
-    """Greedy requests verify greedily whatever the drafter sampled: still the target's output."""
-    from tests.helpers import served_greedy_results
-
-    results = served_greedy_results(dspark_server, tiny_model_dir, PROMPTS, 24)
-    assert sum(r.total_draft_tokens for r in results) > 0
-
-
-def test_served_dspark_sampling_follows_the_target_distribution(dspark_server, tiny_model_dir):
-    """Hidden-state drafters draft from the second step on: with max_tokens 3 the second
-    token is verified against one probabilistic DSpark draft (its Markov-corrected q sent to
-    the verifier). Both sampled tokens must follow the target's own distribution."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from client.api.triton import grpc_generate
-    from tests.helpers import coarse_total_variation
-    from tests.test_sampling_server import PROMPT, SAMPLES, TEMPERATURE, TOP_K, exact_marginals
-
-    exact = exact_marginals(str(tiny_model_dir))
-    assert max(exact[1].values()) < 0.8  # no single token dominates
-
-    def one(seed):
-        return grpc_generate(dspark_server.grpc_url, PROMPT, max_tokens=3, temperature=TEMPERATURE, top_k=TOP_K,
-                             random_seed=seed, ignore_eos=True)
-
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(one, range(SAMPLES)))
-    assert sum(r.total_accepted_draft_tokens for r in results) > SAMPLES // 2  # q overlaps p
-    for position in range(2):
-        tv = coarse_total_variation([r.output_ids[position] for r in results], exact[position])
-        assert tv < 0.09, (position, tv)

@@ -3,12 +3,12 @@ are validated against the Compose Specification's JSON schema (as vendored by
 check-jsonschema), and every cross-reference is checked: image and release, the model
 repository and cache paths, GPU reservation, health check, ports, nginx upstreams,
 Prometheus targets, Grafana provisioning, the load test's input, and the README."""
+
 from __future__ import annotations
 
 import copy
 import json
 import re
-import shlex
 from importlib import resources
 from pathlib import Path
 
@@ -16,56 +16,8 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
-
-
-class _Reset:
-    """Compose's `!reset` tag: the override removes the value."""
-
-
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-_Loader.add_constructor("!reset", lambda loader, node: _Reset())
-
-
-def interpolate(value):
-    """Compose's variable substitution in every string of the parsed file (as compose does
-    it, after YAML parsing) with an empty environment: defaults only."""
-    if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def sub(m: re.Match) -> str:
-        if m.group(2) is None:
-            raise AssertionError(f"{m.group(0)} has no default")
-        return m.group(2)
-
-    return re.sub(r"(?<!\$)\$\{(\w+)(?::-([^}]*))?\}", sub, value).replace("$$", "$")
-
-
-def _merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, _Reset):
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def load_compose(*files: str) -> dict:
-    compose: dict = {}
-    for name in files:
-        compose = _merge(compose, interpolate(yaml.load((ROOT / name).read_text(), Loader=_Loader)))
-    return compose
+from tests.fixtures import ROOT
+from tests.fixtures.deploy import DEPLOY, load_compose, loadtest_args
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +102,10 @@ def test_gpus_are_reserved_and_the_model_cache_is_a_volume(compose):
         assert mounts(compose["services"][service])[cache] == "model-cache"
     assert "model-cache" in compose["volumes"]
     # The one-shot fetch fills the cache with the model the repository serves before any replica starts.
-    served = {re.search(r'key: "model" value: \{ string_value: "([^"]+)"', p.read_text()).group(1)
-              for p in (ROOT / "model_repository").glob("*/config.pbtxt")}
+    served = {
+        re.search(r'key: "model" value: \{ string_value: "([^"]+)"', p.read_text()).group(1)
+        for p in (ROOT / "model_repository").glob("*/config.pbtxt")
+    }
     assert compose["services"]["models"]["command"] == ["tritonspec", "models", "fetch", *served]
     assert triton["depends_on"]["models"]["condition"] == "service_completed_successfully"
 
@@ -185,7 +139,9 @@ def nginx_blocks(text: str) -> dict:
 
 def test_replicas_sit_behind_nginx(compose):
     triton, lb = compose["services"]["triton"], compose["services"]["lb"]
-    assert int(triton["deploy"]["replicas"]) == 1 and "${TRITON_REPLICAS:-1}" in (ROOT / "docker-compose.yml").read_text()
+    assert (
+        int(triton["deploy"]["replicas"]) == 1 and "${TRITON_REPLICAS:-1}" in (ROOT / "docker-compose.yml").read_text()
+    )
     assert "ports" not in triton  # replicas would clash on host ports; clients use lb
     assert mounts(lb)["/etc/nginx/nginx.conf"] == "./deploy/nginx.conf"
     conf = nginx_blocks((DEPLOY / "nginx.conf").read_text())
@@ -194,7 +150,9 @@ def test_replicas_sit_behind_nginx(compose):
     assert f"server triton:{flags['grpc-port']}" in conf["upstream triton_grpc"]
     listens = {int(d.split()[1]): d for server in conf["server"] for d in server if d.startswith("listen")}
     assert set(listens) == set(container_ports(lb)) == {int(flags["http-port"]), int(flags["grpc-port"])}
-    http, grpc = (next(s for s in conf["server"] if f"listen {p}" in s) for p in (flags["http-port"], flags["grpc-port"]))
+    http, grpc = (
+        next(s for s in conf["server"] if f"listen {p}" in s) for p in (flags["http-port"], flags["grpc-port"])
+    )
     assert "proxy_pass http://triton_http" in http and "proxy_buffering off" in http  # SSE streams
     assert "grpc_pass grpc://triton_grpc" in grpc and "http2 on" in grpc
 
@@ -231,13 +189,6 @@ def test_grafana_is_provisioned_with_the_dashboard(compose):
 # ---------------------------------------------------------------------------- load test, OpenAI
 
 
-def loadtest_args(compose: dict) -> list[str]:
-    """perf_analyzer's arguments in the loadtest service's command."""
-    script = compose["services"]["loadtest"]["command"][-1]
-    words = shlex.split(script)
-    return words[words.index("perf_analyzer") + 1:]
-
-
 def speculative_inputs() -> set[str]:
     text = (ROOT / "model_repository" / "speculative" / "config.pbtxt").read_text()
     return set(re.findall(r'\{\s*name:\s*"(\w+)"', text.split("output [")[0]))
@@ -268,18 +219,29 @@ def test_openai_service_talks_grpc_through_the_balancer(compose):
 
 def test_readme_documents_images_ports_and_volumes(compose):
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Deployment with Docker Compose"):]
-    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    section = readme[readme.index("## Deployment with Docker Compose") :]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
     base, _ = dockerfile()
-    for image in (base, f"{base}-sdk", compose["services"]["lb"]["image"], compose["services"]["prometheus"]["image"],
-                  compose["services"]["grafana"]["image"]):
+    for image in (
+        base,
+        f"{base}-sdk",
+        compose["services"]["lb"]["image"],
+        compose["services"]["prometheus"]["image"],
+        compose["services"]["grafana"]["image"],
+    ):
         assert image in section, image
     for name, service in compose["services"].items():
         assert f"`{name}`" in section, name
-        for container, host in container_ports(service).items():
+        for host in container_ports(service).values():
             assert re.search(rf"\b{host}\b", section), (name, host)
     for volume in compose["volumes"]:
         assert f"`{volume}`" in section, volume
-    for path in ("deploy/Dockerfile", "deploy/nginx.conf", "deploy/prometheus.yml", "deploy/cpu.yml",
-                 "deploy/grafana/dashboards/tritonspec.json", "deploy/perf_input.json"):
+    for path in (
+        "deploy/Dockerfile",
+        "deploy/nginx.conf",
+        "deploy/prometheus.yml",
+        "deploy/cpu.yml",
+        "deploy/grafana/dashboards/tritonspec.json",
+        "deploy/perf_input.json",
+    ):
         assert path in section and (ROOT / path).exists(), path

@@ -1,28 +1,27 @@
 """The GPU path: which device each model instance uses (backends/runtime/device.py), the device
 plumbing into the target runner and every model-based proposer, instance kinds in the
-launcher, and, on a CUDA host, the same drafts and tokens on the GPU as on the CPU, the
-OpenAI Triton kernels compiled there, and the real server with KIND_GPU instances.
+launcher, and, on a CUDA host, the same drafts and tokens on the GPU as on the CPU and the
+OpenAI Triton kernels compiled there (the real server's devices: tests/e2e/test_device_server.py).
 
 Tests marked `gpu` skip without CUDA; scripts/gpu_check.sh runs them on a GPU machine."""
+
 from __future__ import annotations
 
-import json
-import re
 import sys
 
 import pytest
 import torch
 
-from backends.serving import rejection
 from backends.config import SpeculativeConfig
 from backends.runtime.device import DeviceError, resolve_device
+from backends.serving import rejection
 from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 from backends.serving.target import TargetRunner, VerifyRequest
 from client.cli.launcher import RepositoryOverrides, patched_repository, set_instance_kind
-from tests.helpers import hf_greedy
-from tests.synthetic_blocks import write_dflash, write_dspark
-from tests.synthetic_checkpoints import write_eagle1, write_eagle3
-from tests.synthetic_heads import write_medusa, write_mlp_speculator, write_mtp
+from tests.fixtures.helpers import hf_greedy
+from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
+from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
+from tests.fixtures.synthetic_heads import write_medusa, write_mlp_speculator, write_mtp
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (scripts/gpu_check.sh)")
@@ -44,35 +43,41 @@ MODEL_BASED = {
 # ---------------------------------------------------------------------------- the rule
 
 
-@pytest.mark.parametrize("kind, device_id, parameter, environment, num_cuda, expected", [
-    ("GPU", "1", "", "", 2, "cuda:1"),  # KIND_GPU: the instance's own GPU
-    ("CPU", "0", "", "", 0, "cpu"),
-    ("CPU", "0", "", "", 1, "cpu"),  # KIND_CPU stays on the CPU even where there is a GPU
-    ("AUTO", "0", "", "", 0, "cpu"),
-    ("AUTO", "0", "", "", 1, "cuda:0"),
-    ("", "0", "", "", 1, "cuda:0"),
-    ("GPU", "0", "cpu", "", 1, "cpu"),  # the parameter overrides the kind ...
-    ("CPU", "0", "cuda:1", "", 2, "cuda:1"),
-    ("CPU", "0", "auto", "", 1, "cuda:0"),
-    ("CPU", "0", "AUTO", "", 0, "cpu"),
-    ("CPU", "0", "", "auto", 1, "cuda:0"),  # ... and so does $TRITONSPEC_DEVICE
-    ("CPU", "0", "cpu", "cuda", 1, "cpu"),  # the parameter wins over the environment
-    ("GPU", "1", "cuda", "", 2, "cuda:1"),  # `cuda` = the instance's GPU
-])
+@pytest.mark.parametrize(
+    "kind, device_id, parameter, environment, num_cuda, expected",
+    [
+        ("GPU", "1", "", "", 2, "cuda:1"),  # KIND_GPU: the instance's own GPU
+        ("CPU", "0", "", "", 0, "cpu"),
+        ("CPU", "0", "", "", 1, "cpu"),  # KIND_CPU stays on the CPU even where there is a GPU
+        ("AUTO", "0", "", "", 0, "cpu"),
+        ("AUTO", "0", "", "", 1, "cuda:0"),
+        ("", "0", "", "", 1, "cuda:0"),
+        ("GPU", "0", "cpu", "", 1, "cpu"),  # the parameter overrides the kind ...
+        ("CPU", "0", "cuda:1", "", 2, "cuda:1"),
+        ("CPU", "0", "auto", "", 1, "cuda:0"),
+        ("CPU", "0", "AUTO", "", 0, "cpu"),
+        ("CPU", "0", "", "auto", 1, "cuda:0"),  # ... and so does $TRITONSPEC_DEVICE
+        ("CPU", "0", "cpu", "cuda", 1, "cpu"),  # the parameter wins over the environment
+        ("GPU", "1", "cuda", "", 2, "cuda:1"),  # `cuda` = the instance's GPU
+    ],
+)
 def test_device_rule(kind, device_id, parameter, environment, num_cuda, expected):
     device, why = resolve_device(kind, device_id, parameter, environment, num_cuda)
     assert device == expected
     assert why  # logged beside the device
 
 
-@pytest.mark.parametrize("kind, parameter, environment, num_cuda, message", [
-    ("GPU", "", "", 0, r"instance_group KIND_GPU .*asks for a GPU, but torch .* has no CUDA device"),
-    ("CPU", "cuda", "", 0, r"parameter device='cuda' asks for a GPU"),
-    ("CPU", "", "cuda:0", 0, r"TRITONSPEC_DEVICE='cuda:0' asks for a GPU"),
-    ("CPU", "cuda:3", "", 2, r"asks for cuda:3, but torch sees 2 CUDA device"),
-    ("GPU", "tpu", "", 1, r"parameter device='tpu': not a device; use one of auto, cpu, cuda, cuda:N"),
-    ("CPU", "cuda:x", "", 1, r"not a device"),
-])
+@pytest.mark.parametrize(
+    "kind, parameter, environment, num_cuda, message",
+    [
+        ("GPU", "", "", 0, r"instance_group KIND_GPU .*asks for a GPU, but torch .* has no CUDA device"),
+        ("CPU", "cuda", "", 0, r"parameter device='cuda' asks for a GPU"),
+        ("CPU", "", "cuda:0", 0, r"TRITONSPEC_DEVICE='cuda:0' asks for a GPU"),
+        ("CPU", "cuda:3", "", 2, r"asks for cuda:3, but torch sees 2 CUDA device"),
+        ("GPU", "tpu", "", 1, r"parameter device='tpu': not a device; use one of auto, cpu, cuda, cuda:N"),
+        ("CPU", "cuda:x", "", 1, r"not a device"),
+    ],
+)
 def test_a_device_that_cannot_be_used_is_a_load_error(kind, parameter, environment, num_cuda, message):
     with pytest.raises(DeviceError, match=message):
         resolve_device(kind, 0, parameter, environment, num_cuda)
@@ -93,8 +98,9 @@ def test_instance_kinds_in_the_patched_repository(tmp_path):
     assert "kind: KIND_GPU" in set_instance_kind(verifier, "KIND_GPU")
     with pytest.raises(ValueError, match="KIND_CPU, KIND_GPU, KIND_AUTO"):
         set_instance_kind(verifier, "GPU")
-    overrides = RepositoryOverrides(instance_kinds={"verifier": "KIND_GPU", "drafter": "KIND_GPU"},
-                                    common={"device": "cpu"})
+    overrides = RepositoryOverrides(
+        instance_kinds={"verifier": "KIND_GPU", "drafter": "KIND_GPU"}, common={"device": "cpu"}
+    )
     out = patched_repository(DEFAULT_REPOSITORY, overrides, tmp_path / "repo")
     for name, kind in (("verifier", "KIND_GPU"), ("drafter", "KIND_GPU"), ("speculative", "KIND_CPU")):
         text = (out / name / "config.pbtxt").read_text()
@@ -126,13 +132,19 @@ def checkpoints(tmp_path_factory, target_dir, tiny_draft_dir):
     return out
 
 
-def make_proposer(method: str, checkpoints: dict, target_dir, device: str, sample: str = "greedy",
-                  seed: int | None = None):
+def make_proposer(
+    method: str, checkpoints: dict, target_dir, device: str, sample: str = "greedy", seed: int | None = None
+):
     config = SpeculativeConfig.from_json(
-        {"method": method, "model": str(checkpoints[method]), "num_speculative_tokens": K,
-         "draft_sample_method": sample}, target_model=str(target_dir))
-    return build_proposer(config, max_model_len=256, target_model=target_dir, dtype="float32", device=device,
-                          seed=seed)
+        {
+            "method": method,
+            "model": str(checkpoints[method]),
+            "num_speculative_tokens": K,
+            "draft_sample_method": sample,
+        },
+        target_model=str(target_dir),
+    )
+    return build_proposer(config, max_model_len=256, target_model=target_dir, dtype="float32", device=device, seed=seed)
 
 
 def tensors_of(proposer) -> list[torch.Tensor]:
@@ -150,13 +162,14 @@ def speculate(runner: TargetRunner, proposer, prompt_ids: list[int], sampling=No
     for _ in range(STEPS):
         draft = proposer.propose([DraftRequest(seq, list(tokens), K, hidden)])[0]
         drafts.append(draft)
-        result = runner.verify(VerifyRequest(seq, [], draft.token_ids, hidden_layer_ids=layers,
-                                             draft_probs=draft.probs))
+        result = runner.verify(
+            VerifyRequest(seq, [], draft.token_ids, hidden_layer_ids=layers, draft_probs=draft.probs)
+        )
         tokens += result.token_ids
         hidden = result.hidden_states
     runner.release(seq)
     proposer.release(seq)
-    return drafts, tokens[len(prompt_ids):]
+    return drafts, tokens[len(prompt_ids) :]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +179,7 @@ def prompt_ids(tokenizer):
 
 def assert_target_greedy(target_dir, out: list[int], prompt: str) -> None:
     expected = hf_greedy(str(target_dir), prompt, len(out))
-    assert out[:len(expected)] == list(expected)  # HF stops early only at EOS
+    assert out[: len(expected)] == list(expected)  # HF stops early only at EOS
 
 
 @pytest.mark.parametrize("method", MODEL_BASED)
@@ -203,60 +216,12 @@ def test_target_runner_and_ngram_gpu_take_the_device(target_dir):
 
 
 def test_int8_draft_model_runs_on_the_cpu_only(tiny_draft_dir, tiny_model_dir):
-    config = SpeculativeConfig.from_json({"method": "draft_model", "model": str(tiny_draft_dir),
-                                          "num_speculative_tokens": 3, "quantization": "int8"},
-                                         target_model=str(tiny_model_dir))
+    config = SpeculativeConfig.from_json(
+        {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "quantization": "int8"},
+        target_model=str(tiny_model_dir),
+    )
     with pytest.raises(ValueError, match="int8.*CPU only.*cuda:0"):
         build_proposer(config, max_model_len=256, target_model=tiny_model_dir, device="cuda:0")
-
-
-# ---------------------------------------------------------------------------- servers
-
-
-def server_log(server) -> str:
-    return server.log_path.read_text(errors="replace")
-
-
-@pytest.mark.skipif(CUDA, reason="checks the error a host without CUDA gives")
-def test_a_gpu_the_server_cannot_use_fails_that_models_load_with_the_reason(tiny_model_dir, tmp_path):
-    from tests.conftest import start_server
-
-    server = start_server(tmp_path, str(tiny_model_dir), require_all_models=False,
-                          per_model={"verifier": {"device": "cuda"}})
-    try:
-        states = server.model_states()
-        state, reason = states["verifier"]
-        assert state != "READY" and "parameter device='cuda' asks for a GPU" in reason, states["verifier"]
-        assert states["drafter"][0] == "READY"
-        assert re.search(r"drafter instance \S+: device cpu \(instance_group KIND_CPU\)", server_log(server))
-    finally:
-        server.stop()
-
-
-@gpu
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
-def test_served_greedy_on_kind_gpu_equals_target_greedy(method, checkpoints, target_dir, tmp_path):
-    """The real server with KIND_GPU verifier and drafter: weights on cuda:0 (the log says
-    so), hidden states across BLS for eagle3, output == the target's own greedy output."""
-    from client.api.triton import http_generate
-    from tests.conftest import start_server
-
-    config = json.dumps({"method": method, "model": str(checkpoints[method]), "num_speculative_tokens": K})
-    server = start_server(tmp_path, str(target_dir), config, sequence_idle_timeout_s="5",
-                          instance_kinds={"verifier": "KIND_GPU", "drafter": "KIND_GPU"})
-    try:
-        log = server_log(server)
-        for model in ("verifier", "drafter"):
-            assert re.search(rf"{model} instance \S+: device cuda:0 \(instance_group KIND_GPU, GPU 0\)", log), \
-                model
-        drafted = 0
-        for prompt in PROMPTS:
-            result = http_generate(server.http_url, prompt, max_tokens=24)
-            assert tuple(result.output_ids) == hf_greedy(str(target_dir), prompt, 24), prompt
-            drafted += result.total_draft_tokens
-        assert drafted > 0
-    finally:
-        server.stop()
 
 
 # ---------------------------------------------------------------------------- on the GPU
@@ -284,8 +249,7 @@ def test_target_runner_on_cuda_equals_cpu(target_dir, runner, prompt_ids):
 
 @gpu
 @pytest.mark.parametrize("method", MODEL_BASED)
-def test_proposers_on_cuda_draft_what_they_draft_on_the_cpu(method, checkpoints, target_dir, runner,
-                                                            prompt_ids):
+def test_proposers_on_cuda_draft_what_they_draft_on_the_cpu(method, checkpoints, target_dir, runner, prompt_ids):
     cuda_runner = TargetRunner(target_dir, dtype="float32", device="cuda")
     on_cpu = make_proposer(method, checkpoints, target_dir, "cpu")
     on_cuda = make_proposer(method, checkpoints, target_dir, "cuda")

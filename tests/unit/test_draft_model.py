@@ -1,28 +1,25 @@
 """The draft_model proposer: its drafts, per-sequence KV rollback, batching, probabilities,
 the heterogeneous-vocabulary bridge, and speculative decoding with it in process."""
+
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.serving.detokenize import TextStream
 from backends.methods.draft_model import DraftModelProposer, sample_drafts
-from backends.serving.drafting import DraftService
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime.model_store import load_causal_lm, load_tokenizer
-from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.drafting import DraftService
 from backends.serving.proposer import DraftRequest, build_proposer
-from backends.serving.request import GenerationRequest, SamplingParams
+from backends.serving.request import SamplingParams
 from backends.serving.target import VerifyRequest
 from client.cli.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
-from tests.helpers import assert_same_caches, check_ragged_batches, hf_greedy
-from tests.test_orchestrator import LocalDrafter, LocalVerifier
+from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, hf_greedy
+from backends.serving.local import generate_local
 
-PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
-           "for i in range(10):\n    print(i"]
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +52,10 @@ def cacheless_greedy(model, ids: list[int], k: int) -> list[int]:
 
 
 def draft_config(model_dir, target_dir, **extra) -> SpeculativeConfig:
-    return SpeculativeConfig.from_json({"method": "draft_model", "model": str(model_dir),
-                                        "num_speculative_tokens": 4, **extra}, target_model=str(target_dir))
+    return SpeculativeConfig.from_json(
+        {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 4, **extra},
+        target_model=str(target_dir),
+    )
 
 
 def test_drafts_are_the_drafters_greedy_continuation(draft_lm, prompt_ids):
@@ -97,8 +96,9 @@ def test_batched_equals_one_at_a_time(draft_lm, prompt_ids):
     batched, alone = DraftModelProposer(draft_lm, 512), DraftModelProposer(draft_lm, 512)
     alone.propose([DraftRequest(0, prompt_ids[0], 3)])
     batched.propose([DraftRequest(0, prompt_ids[0], 3)])
-    contexts = check_ragged_batches(batched, alone, prompt_ids, lambda seq, ids, k, _: DraftRequest(seq, ids, k),
-                                    steps=4, first_k=2, vocab_size=300)
+    contexts = check_ragged_batches(
+        batched, alone, prompt_ids, lambda seq, ids, k, _: DraftRequest(seq, ids, k), steps=4, first_k=2, vocab_size=300
+    )
     assert_same_caches(alone, batched, contexts, atol=1e-5)
 
 
@@ -123,8 +123,9 @@ def test_probabilistic_drafts_follow_each_requests_temperature(draft_lm, prompt_
     proposer = DraftModelProposer(draft_lm, 512, "probabilistic", seed=0)
     alone = proposer.propose([DraftRequest(9, prompt_ids[0], 4, temperature=0.0)])[0]
     assert alone.token_ids == greedy.token_ids and alone.probs is None  # an all-greedy batch: no q at all
-    drafts = proposer.propose([DraftRequest(s, ids, 4, temperature=t)
-                               for s, (ids, t) in enumerate(zip(prompt_ids, (0.0, 0.5, 2.0)))])
+    drafts = proposer.propose(
+        [DraftRequest(s, ids, 4, temperature=t) for s, (ids, t) in enumerate(zip(prompt_ids, (0.0, 0.5, 2.0)))]
+    )
     assert drafts[0].token_ids == greedy.token_ids  # greedy beside sampled rows
     with torch.inference_mode():
         logits = draft_lm(input_ids=torch.tensor([prompt_ids[1]])).logits[0, -1]
@@ -138,13 +139,13 @@ def test_sampled_drafts_follow_the_tempered_distribution():
     temperatures = [0.0] + [0.7] * 19999
     to_target = torch.tensor([3, 5, 6, 9])
     gen = torch.Generator().manual_seed(0)
-    tokens, probs = sample_drafts(logits, "probabilistic", temperatures, gen, to_target, 10)
+    tokens, probs = sample_drafts(logits, "probabilistic", temperatures, [gen] * 20000, to_target, 10)
     assert tokens[0] == 3 and probs.shape == (20000, 10) and probs[:, [0, 1, 2, 4, 7, 8]].sum() == 0
     expected = (logits[0] / 0.7).softmax(-1)
     torch.testing.assert_close(probs[1, to_target], expected)
     frequencies = torch.stack([(tokens[1:] == t).float().mean() for t in to_target])
     assert (frequencies - expected).abs().sum() / 2 < 0.015, (frequencies, expected)
-    assert sample_drafts(logits[:2], "greedy", [1.0, 1.0], gen)[1] is None  # greedy drafting: one-hot
+    assert sample_drafts(logits[:2], "greedy", [1.0, 1.0], [gen, gen])[1] is None  # greedy drafting: one-hot
 
 
 def test_release_frees_the_sequence(draft_lm, prompt_ids):
@@ -181,17 +182,7 @@ def speculate(runner, tokenizer, prompt, proposer, max_tokens=40):
     """The orchestrator's loop in process with `proposer` drafting; the output ids and stats."""
     # DraftService reads only the draft length from its config.
     config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4})
-    stats = GenerationStats()
-    seq_id = random.getrandbits(32)
-    drafter = LocalDrafter(DraftService(proposer, config))
-    out = []
-    request = GenerationRequest(prompt=prompt, max_tokens=max_tokens)
-    for step in generate(request, tokenizer(prompt)["input_ids"], seq_id, LocalVerifier(runner), drafter,
-                         TextStream(tokenizer), {0}, runner.max_model_len, stats):
-        out += step.token_ids
-    runner.release(seq_id)
-    drafter.release(seq_id)
-    return out, stats
+    return generate_local(prompt, tokenizer, runner, DraftService(proposer, config), {0}, max_tokens=max_tokens)
 
 
 def test_speculative_greedy_equals_target_greedy(runner, tokenizer, tiny_model_dir, draft_dir):
@@ -219,8 +210,9 @@ def test_sampled_verification_with_the_draft_probs(runner, tiny_model_dir, promp
                 logits = target(input_ids=torch.tensor([ids + emitted + draft.token_ids])).logits[0]
             torch.testing.assert_close(draft.probs, logits[-5:-1].softmax(-1), rtol=1e-4, atol=1e-6)
             sampling = SamplingParams(temperature=1.0, seed=3)
-            result = runner.verify(VerifyRequest(5, new, draft.token_ids, sampling,
-                                                 draft_probs=draft.probs if with_probs else None))
+            result = runner.verify(
+                VerifyRequest(5, new, draft.token_ids, sampling, draft_probs=draft.probs if with_probs else None)
+            )
             accepted += result.num_accepted
             emitted += result.token_ids
             new = []
@@ -240,9 +232,9 @@ def test_text_bridge_maps_draft_text_to_target_tokens(tiny_model_dir, hetero_dir
     draft_context = bridge.to_draft(target_ids)
     assert draft_context == draft(context)["input_ids"]
     whole = target(context + continuation)["input_ids"]
-    draft_drafts = draft(context + continuation)["input_ids"][len(draft_context):]
-    assert bridge.to_target(target_ids, draft_context, draft_drafts, 20) == whole[len(target_ids):]
-    assert bridge.to_target(target_ids, draft_context, draft_drafts, 2) == whole[len(target_ids):][:2]
+    draft_drafts = draft(context + continuation)["input_ids"][len(draft_context) :]
+    assert bridge.to_target(target_ids, draft_context, draft_drafts, 20) == whole[len(target_ids) :]
+    assert bridge.to_target(target_ids, draft_context, draft_drafts, 2) == whole[len(target_ids) :][:2]
 
 
 def test_heterogeneous_vocab_speculation_equals_target_greedy(runner, tokenizer, tiny_model_dir, hetero_dir):

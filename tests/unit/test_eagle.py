@@ -2,10 +2,10 @@
 ones, through the loader real checkpoints use), refusing checkpoints that do not fit,
 drafting against a cacheless reference, rollback, batching, draft probabilities, and
 speculative decoding in process with hidden states passed from verifier to drafter."""
+
 from __future__ import annotations
 
 import json
-import random
 from functools import partial
 
 import pytest
@@ -14,16 +14,13 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from backends.config import SpeculativeConfig
-from backends.serving.detokenize import TextStream
 from backends.methods.eagle import Eagle3Proposer, EagleCheckpointError, EagleProposer, load_eagle
-from backends.serving.orchestrator import GenerationStats, generate
 from backends.serving.proposer import DraftRequest, build_proposer
-from backends.serving.request import GenerationRequest
-from tests.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
-from tests.synthetic_checkpoints import assert_refused, write_eagle1, write_eagle3
+from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
+from backends.serving.local import generate_local
+from tests.fixtures.synthetic_checkpoints import assert_refused, write_eagle1, write_eagle3
 
-PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
-           "for i in range(10):\n    print(i"]
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 # Checkpoint variants: (writer, options).
 VARIANTS = {
     "eagle1-bin": (write_eagle1, {}),
@@ -145,12 +142,18 @@ def test_a_lone_pair_follows_the_published_formulas(name, checkpoints, target, t
         g = F.linear(hidden[0].flatten(), s["fc.weight"])  # low, mid, high
         normed = _rms(g, s["layers.0.hidden_norm.weight"], eps)
         y = (normed if head.norm_before_residual else g) + attention(
-            torch.cat([_rms(embed[x1], s["layers.0.input_layernorm.weight"], eps), normed]))
+            torch.cat([_rms(embed[x1], s["layers.0.input_layernorm.weight"], eps), normed])
+        )
         y = y + mlp(y)
         expected = F.linear(_rms(y, s["norm.weight"], eps), s["lm_head.weight"])
     with torch.inference_mode():
-        out = head(torch.tensor([[x1]]), head.features(hidden)[None], torch.zeros(1, 1, dtype=torch.long),
-                   torch.ones(1, 1, 1, 1, dtype=torch.bool), DynamicCache(config=head.config))
+        out = head(
+            torch.tensor([[x1]]),
+            head.features(hidden)[None],
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, 1, 1, 1, dtype=torch.bool),
+            DynamicCache(config=head.config),
+        )
         torch.testing.assert_close(head.logits(out[0, 0]), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -173,48 +176,97 @@ def _edit(state: dict, drop=(), **replace) -> dict:
 
 H, I, V = 64, 128, 384
 REFUSALS = {
-    "missing key": ("eagle3-midlayer", lambda s: _edit(s, drop=["midlayer.hidden_norm.weight"]), None,
-                    r"missing key 'layers\.0\.hidden_norm\.weight' \(expected shape \[64\]\)"),
+    "missing key": (
+        "eagle3-midlayer",
+        lambda s: _edit(s, drop=["midlayer.hidden_norm.weight"]),
+        None,
+        r"missing key 'layers\.0\.hidden_norm\.weight' \(expected shape \[64\]\)",
+    ),
     "missing fc bias": ("eagle1-bin", lambda s: _edit(s, drop=["fc.bias"]), None, r"missing key 'fc\.bias'"),
-    "unexpected key": ("eagle3-midlayer", lambda s: {**s, "midlayer.self_attn.q_norm.weight": torch.ones(16)}, None,
-                       r"unexpected key 'midlayer\.self_attn\.q_norm\.weight' \(shape \[16\]\)"),
-    "fc shape": ("eagle3-midlayer", lambda s: {**s, "fc.weight": torch.zeros(H, 2 * H)}, None,
-                 r"'fc\.weight' has shape \[64, 128\], expected \[64, 192\]"),
-    "layer shape": ("eagle1-bin", lambda s: {**s, "layers.0.mlp.down_proj.weight": torch.zeros(I, H)}, None,
-                    r"'layers\.0\.mlp\.down_proj\.weight' has shape \[128, 64\], expected \[64, 128\]"),
-    "config vocab": ("eagle1-bin", None, {"vocab_size": 500},
-                     r"vocab_size 500 in config\.json, but the target's vocabulary has 384 ids"),
-    "embedding vocab": ("eagle3-midlayer", lambda s: {**s, "embed_tokens.weight": torch.zeros(V + 8, H)}, None,
-                        r"'embed_tokens\.weight' has shape \[392, 64\], expected \[384, 64\]"),
-    "t2d vocab": ("eagle3-midlayer", lambda s: {**s, "t2d": torch.zeros(V + 16, dtype=torch.bool)}, None,
-                  r"'t2d' has shape \[400\], expected \[384\]"),
-    "d2t range": ("eagle3-midlayer", lambda s: {**s, "d2t": s["d2t"] + V}, None, r"d2t maps draft ids outside \[0, 384\)"),
-    "hidden size": ("eagle1-bin", None, {"hidden_size": 32},
-                    r"hidden_size 32 in config\.json, but the target's hidden size is 64"),
+    "unexpected key": (
+        "eagle3-midlayer",
+        lambda s: {**s, "midlayer.self_attn.q_norm.weight": torch.ones(16)},
+        None,
+        r"unexpected key 'midlayer\.self_attn\.q_norm\.weight' \(shape \[16\]\)",
+    ),
+    "fc shape": (
+        "eagle3-midlayer",
+        lambda s: {**s, "fc.weight": torch.zeros(H, 2 * H)},
+        None,
+        r"'fc\.weight' has shape \[64, 128\], expected \[64, 192\]",
+    ),
+    "layer shape": (
+        "eagle1-bin",
+        lambda s: {**s, "layers.0.mlp.down_proj.weight": torch.zeros(I, H)},
+        None,
+        r"'layers\.0\.mlp\.down_proj\.weight' has shape \[128, 64\], expected \[64, 128\]",
+    ),
+    "config vocab": (
+        "eagle1-bin",
+        None,
+        {"vocab_size": 500},
+        r"vocab_size 500 in config\.json, but the target's vocabulary has 384 ids",
+    ),
+    "embedding vocab": (
+        "eagle3-midlayer",
+        lambda s: {**s, "embed_tokens.weight": torch.zeros(V + 8, H)},
+        None,
+        r"'embed_tokens\.weight' has shape \[392, 64\], expected \[384, 64\]",
+    ),
+    "t2d vocab": (
+        "eagle3-midlayer",
+        lambda s: {**s, "t2d": torch.zeros(V + 16, dtype=torch.bool)},
+        None,
+        r"'t2d' has shape \[400\], expected \[384\]",
+    ),
+    "d2t range": (
+        "eagle3-midlayer",
+        lambda s: {**s, "d2t": s["d2t"] + V},
+        None,
+        r"d2t maps draft ids outside \[0, 384\)",
+    ),
+    "hidden size": (
+        "eagle1-bin",
+        None,
+        {"hidden_size": 32},
+        r"hidden_size 32 in config\.json, but the target's hidden size is 64",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", EagleCheckpointError,
-                   lambda bad: load_eagle(bad, target))
+    assert_refused(
+        REFUSALS[case], checkpoints, tmp_path / "bad", EagleCheckpointError, lambda bad: load_eagle(bad, target)
+    )
 
 
 def test_from_config_and_aux_layer_ids(checkpoints, target_dir):
     def config(name, method, **extra):
-        return SpeculativeConfig.from_json({"method": method, "model": str(checkpoints[name][0]),
-                                            "num_speculative_tokens": 3, **extra}, target_model=str(target_dir))
+        return SpeculativeConfig.from_json(
+            {"method": method, "model": str(checkpoints[name][0]), "num_speculative_tokens": 3, **extra},
+            target_model=str(target_dir),
+        )
 
     eagle = build_proposer(config("eagle1-bin", "eagle"), max_model_len=512, dtype="float32", target_model=target_dir)
     assert isinstance(eagle, EagleProposer) and eagle.hidden_layer_ids == (-1,)
-    eagle3 = build_proposer(config("eagle3-midlayer", "eagle3", eagle_aux_hidden_state_layer_ids=[2, 0, 1]),
-                            max_model_len=512, target_model=target_dir)
+    eagle3 = build_proposer(
+        config("eagle3-midlayer", "eagle3", eagle_aux_hidden_state_layer_ids=[2, 0, 1]),
+        max_model_len=512,
+        target_model=target_dir,
+    )
     assert isinstance(eagle3, Eagle3Proposer) and eagle3.hidden_layer_ids == (0, 1, 2)  # ascending, as vLLM
     assert next(eagle3.head.parameters()).dtype == torch.bfloat16
-    with pytest.raises(EagleCheckpointError, match=r"aux hidden-state layer ids \[0, 1, 3\] must be distinct "
-                                                   r"target layers in \[0, 2\]"):
-        build_proposer(config("eagle3-midlayer", "eagle3", eagle_aux_hidden_state_layer_ids=[0, 1, 3]),
-                       max_model_len=512, target_model=target_dir)
+    with pytest.raises(
+        EagleCheckpointError,
+        match=r"aux hidden-state layer ids \[0, 1, 3\] must be distinct "
+        r"target layers in \[0, 2\]",
+    ):
+        build_proposer(
+            config("eagle3-midlayer", "eagle3", eagle_aux_hidden_state_layer_ids=[0, 1, 3]),
+            max_model_len=512,
+            target_model=target_dir,
+        )
     with pytest.raises(EagleCheckpointError, match="needs an EAGLE-3 checkpoint"):
         build_proposer(config("eagle1-bin", "eagle3"), max_model_len=512, target_model=target_dir)
 
@@ -264,8 +316,9 @@ def test_batched_equals_one_at_a_time(method, heads, runner, prompt_ids):
     batch: the drafts and every sequence's cache must match lone runs (float32)."""
     head = heads[method]
     batched, alone = EagleProposer(head, 512), EagleProposer(head, 512)
-    contexts = check_ragged_batches(batched, alone, prompt_ids, partial(request, runner, head), steps=4, first_k=2,
-                                    vocab_size=V)
+    contexts = check_ragged_batches(
+        batched, alone, prompt_ids, partial(request, runner, head), steps=4, first_k=2, vocab_size=V
+    )
     assert_same_caches(alone, batched, contexts, atol=1e-4)
 
 
@@ -299,7 +352,7 @@ def test_hidden_state_contract(heads, runner, prompt_ids):
     assert proposer.num_sequences == 0
 
 
-# ---------------------------------------------------------------------------- end to end
+# ---------------------------------------------------------------------------- in process, end to end
 
 
 @pytest.mark.parametrize("method", HEADS)
@@ -307,35 +360,11 @@ def test_speculative_greedy_equals_target_greedy(method, heads, runner, tokenize
     """The orchestrator's loop carries the verifier's hidden states to the next draft call."""
     from backends.config import SpeculativeConfig
     from backends.serving.drafting import DraftService
-    from tests.test_orchestrator import LocalDrafter, LocalVerifier
 
     proposer = EagleProposer(heads[method], 512)
     config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4})  # k only
     for prompt in PROMPTS[:2]:
-        verifier, drafter = LocalVerifier(runner), LocalDrafter(DraftService(proposer, config))
-        stats, out, seq_id = GenerationStats(), [], random.getrandbits(32)
-        for step in generate(GenerationRequest(prompt=prompt, max_tokens=24), tokenizer(prompt)["input_ids"], seq_id,
-                             verifier, drafter, TextStream(tokenizer), {0}, runner.max_model_len, stats,
-                             adaptive=False):
-            out += step.token_ids
-        verifier.release(seq_id)
-        drafter.release(seq_id)
+        out, stats = generate_local(prompt, tokenizer, runner, DraftService(proposer, config), {0}, max_tokens=24)
         assert tuple(out) == hf_greedy(str(target_dir), prompt, 24)
         assert stats.acceptance.num_draft_tokens > 0
     assert proposer.num_sequences == 0 and not runner.sequences
-
-
-@pytest.mark.parametrize("method", HEADS)
-def test_served_greedy_equals_target_greedy(method, checkpoints, target_dir, tmp_path):
-    """Through the real server: the verifier returns the hidden states the head names, the
-    orchestrator carries them to the drafter, and the output is the target's own."""
-    from tests.conftest import start_server
-    from tests.helpers import served_greedy_results
-
-    config = {"method": method, "model": str(checkpoints[HEADS[method]][0]), "num_speculative_tokens": 3}
-    server = start_server(tmp_path, str(target_dir), json.dumps(config))
-    try:
-        results = served_greedy_results(server, target_dir, PROMPTS, 24)
-        assert sum(r.total_draft_tokens for r in results) > 0
-    finally:
-        server.stop()

@@ -1,6 +1,7 @@
 """Medusa heads: both published layouts (tiny synthetic checkpoints through the loader real
 ones use), refusals, drafts against the published formula, batching, draft probabilities,
 the writer the trainer uses, and speculative decoding through the real server."""
+
 from __future__ import annotations
 
 import json
@@ -10,13 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.methods.medusa import MedusaCheckpointError, MedusaHead, MedusaProposer, load_medusa, save_medusa
+from backends.methods.medusa import MedusaCheckpointError, MedusaProposer, load_medusa, save_medusa
 from backends.serving.proposer import DraftRequest, build_proposer
-from tests.head_server import (CONTEXTS, ServedHeadTests, assert_batched_equals_one_at_a_time, fit_and_save,
-                               soft_cross_entropy)
-from tests.helpers import target_hidden
-from tests.synthetic_checkpoints import assert_refused
-from tests.synthetic_heads import write_medusa
+from tests.fixtures.head_server import CONTEXTS, assert_batched_equals_one_at_a_time
+from tests.fixtures.helpers import target_hidden
+from tests.fixtures.synthetic_checkpoints import assert_refused
+from tests.fixtures.synthetic_heads import write_medusa
 
 H, V = 64, 384
 VARIANTS = {
@@ -24,8 +24,13 @@ VARIANTS = {
     "faster-pt": {"layout": "medusa", "config_heads": 2},
     "faster-2layers-prefixed": {"layout": "medusa", "num_layers": 2, "fmt": "safetensors", "prefix": "medusa_head."},
     "vllm": {"layout": "vllm", "fmt": "safetensors"},
-    "vllm-shared-truncated-nobias": {"layout": "vllm", "shared_lm_head": True, "draft_vocab_size": 200, "bias": False,
-                                     "fmt": "bin"},
+    "vllm-shared-truncated-nobias": {
+        "layout": "vllm",
+        "shared_lm_head": True,
+        "draft_vocab_size": 200,
+        "bias": False,
+        "fmt": "bin",
+    },
 }
 
 
@@ -53,8 +58,10 @@ def written_heads(name: str, written: dict) -> list[tuple[list, torch.Tensor]]:
             blocks = [(written[f"{p}{h}.{l}.linear.weight"], written[f"{p}{h}.{l}.linear.bias"]) for l in range(layers)]
             lm = written[f"{p}{h}.{layers}.weight"]
         else:
-            blocks = [(written[f"blocks.{h}.layers.{l}.weight"], written.get(f"blocks.{h}.layers.{l}.bias"))
-                      for l in range(layers)]
+            blocks = [
+                (written[f"blocks.{h}.layers.{l}.weight"], written.get(f"blocks.{h}.layers.{l}.bias"))
+                for l in range(layers)
+            ]
             lm = written["lm_heads.0.weight" if opts.get("shared_lm_head") else f"lm_heads.{h}.weight"]
         heads.append((blocks, lm))
     return heads
@@ -106,12 +113,14 @@ def test_greedy_drafts_follow_the_published_formula(name, checkpoints, target, h
 def test_head_count_is_num_speculative_tokens(checkpoints, target, tiny_model_dir):
     path, _ = checkpoints["faster-pt"]
     assert load_medusa(path, target, "float32", num_heads=2).num_heads == 2  # later heads not loaded
-    with pytest.raises(MedusaCheckpointError, match="num_speculative_tokens=5 needs 5 Medusa heads, but the "
-                                                    "checkpoint has 4"):
+    with pytest.raises(
+        MedusaCheckpointError, match="num_speculative_tokens=5 needs 5 Medusa heads, but the checkpoint has 4"
+    ):
         load_medusa(path, target, num_heads=5)
     # Through the config: the FasterDecoding config has no model_type; method medusa injects it.
-    config = SpeculativeConfig.from_json({"method": "medusa", "model": str(path), "num_speculative_tokens": 3},
-                                         target_model=str(tiny_model_dir))
+    config = SpeculativeConfig.from_json(
+        {"method": "medusa", "model": str(path), "num_speculative_tokens": 3}, target_model=str(tiny_model_dir)
+    )
     proposer = build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
     assert isinstance(proposer, MedusaProposer) and proposer.head.num_heads == 3
     assert proposer.hidden_layer_ids == (-1,)
@@ -125,32 +134,69 @@ def _deeper_head_1(state: dict) -> dict:
 
 
 REFUSALS = {
-    "missing bias": ("faster-pt", lambda s: {k: v for k, v in s.items() if k != "2.0.linear.bias"}, None,
-                     r"missing key '2\.0\.linear\.bias' \(expected shape \[64\]\)"),
-    "missing lm head": ("vllm", lambda s: {k: v for k, v in s.items() if k != "lm_heads.1.weight"}, None,
-                        r"missing key 'lm_heads\.1\.weight' \(expected shape \[384, 64\]\)"),
-    "block width": ("faster-pt", lambda s: {**s, "1.0.linear.weight": torch.zeros(32, 32)}, None,
-                    r"'1\.0\.linear\.weight' has shape \[32, 32\], expected \[64, 64\]"),
-    "vocabulary": ("faster-pt", lambda s: {**s, "3.1.weight": torch.zeros(V + 16, H)}, None,
-                   r"'3\.1\.weight' has shape \[400, 64\], expected \[384, 64\]"),
-    "unexpected": ("vllm", lambda s: {**s, "blocks.0.norm.weight": torch.ones(H)}, None,
-                   r"unexpected key 'blocks\.0\.norm\.weight' \(shape \[64\]\)"),
-    "ragged heads": ("faster-pt", _deeper_head_1, None,
-                     r"different numbers of blocks \(head 0: '0\.1\.weight', head 1: '1\.2\.weight'"),
-    "config hidden": ("vllm", None, {"hidden_size": 32},
-                      r"hidden_size 32 in config\.json, but the target's hidden size is 64"),
-    "fc bias": ("vllm-shared-truncated-nobias", None, {"medusa_fc_bias": True},
-                r"missing key 'blocks\.0\.layers\.0\.bias'"),
-    "token map": ("vllm-shared-truncated-nobias", lambda s: {**s, "token_map": s["token_map"] * 0}, None,
-                  r"token_map maps draft ids outside \[0, 384\) or two draft ids to one target id"),
+    "missing bias": (
+        "faster-pt",
+        lambda s: {k: v for k, v in s.items() if k != "2.0.linear.bias"},
+        None,
+        r"missing key '2\.0\.linear\.bias' \(expected shape \[64\]\)",
+    ),
+    "missing lm head": (
+        "vllm",
+        lambda s: {k: v for k, v in s.items() if k != "lm_heads.1.weight"},
+        None,
+        r"missing key 'lm_heads\.1\.weight' \(expected shape \[384, 64\]\)",
+    ),
+    "block width": (
+        "faster-pt",
+        lambda s: {**s, "1.0.linear.weight": torch.zeros(32, 32)},
+        None,
+        r"'1\.0\.linear\.weight' has shape \[32, 32\], expected \[64, 64\]",
+    ),
+    "vocabulary": (
+        "faster-pt",
+        lambda s: {**s, "3.1.weight": torch.zeros(V + 16, H)},
+        None,
+        r"'3\.1\.weight' has shape \[400, 64\], expected \[384, 64\]",
+    ),
+    "unexpected": (
+        "vllm",
+        lambda s: {**s, "blocks.0.norm.weight": torch.ones(H)},
+        None,
+        r"unexpected key 'blocks\.0\.norm\.weight' \(shape \[64\]\)",
+    ),
+    "ragged heads": (
+        "faster-pt",
+        _deeper_head_1,
+        None,
+        r"different numbers of blocks \(head 0: '0\.1\.weight', head 1: '1\.2\.weight'",
+    ),
+    "config hidden": (
+        "vllm",
+        None,
+        {"hidden_size": 32},
+        r"hidden_size 32 in config\.json, but the target's hidden size is 64",
+    ),
+    "fc bias": (
+        "vllm-shared-truncated-nobias",
+        None,
+        {"medusa_fc_bias": True},
+        r"missing key 'blocks\.0\.layers\.0\.bias'",
+    ),
+    "token map": (
+        "vllm-shared-truncated-nobias",
+        lambda s: {**s, "token_map": s["token_map"] * 0},
+        None,
+        r"token_map maps draft ids outside \[0, 384\) or two draft ids to one target id",
+    ),
     "no heads": ("vllm", lambda s: {"medusa.w": torch.zeros(2)}, None, r"no Medusa heads"),
 }
 
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", MedusaCheckpointError,
-                   lambda bad: load_medusa(bad, target))
+    assert_refused(
+        REFUSALS[case], checkpoints, tmp_path / "bad", MedusaCheckpointError, lambda bad: load_medusa(bad, target)
+    )
 
 
 # ---------------------------------------------------------------------------- drafting
@@ -196,8 +242,9 @@ def test_the_writer_writes_the_published_layout(layout, checkpoints, target, tmp
     head = load_medusa(checkpoints[source][0], target, "float32")
     save_medusa(head, tmp_path / "out", layout, base_model=str(tiny_model_dir))
     reference = tmp_path / "reference"
-    written = write_medusa(reference, tiny_model_dir, layout=layout, num_layers=head.num_layers,
-                           fmt="safetensors", bias=True)
+    written = write_medusa(
+        reference, tiny_model_dir, layout=layout, num_layers=head.num_layers, fmt="safetensors", bias=True
+    )
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert files == {p.name for p in reference.iterdir()}
     from safetensors.torch import load_file
@@ -209,32 +256,3 @@ def test_the_writer_writes_the_published_layout(layout, checkpoints, target, tmp
     again = load_medusa(tmp_path / "out", target, "float32")
     for (k, a), b in zip(head.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), k
-
-
-# ---------------------------------------------------------------------------- through the server
-
-
-@pytest.fixture(scope="module")
-def fitted_dir(tiny_model_dir, tmp_path_factory, target):
-    """Three heads fitted to the target's distributions at t+2..t+4 (blocks start at zero,
-    LM heads at the target's), saved in the FasterDecoding layout."""
-    head = MedusaHead({"num_heads": 3, "num_hidden_layers": 1}, target)
-    with torch.no_grad():
-        for block, lm in zip(head.blocks, head.lm_heads):
-            block.layers[0].weight.zero_()
-            block.layers[0].bias.zero_()
-            lm.weight.copy_(target.weight("lm_head"))
-
-    def loss(head, s):
-        n = s.ids.shape[1]
-        return sum(soft_cross_entropy(head.head_logits(i, s.hidden[:, :n - 1 - i]), s.probs[:, 1 + i:])
-                   for i in range(3))
-
-    return fit_and_save(head, loss, tiny_model_dir,
-                        lambda h, out: save_medusa(h, out, "medusa", base_model=str(tiny_model_dir)),
-                        tmp_path_factory.mktemp("medusa-fitted") / "head")
-
-
-class TestServed(ServedHeadTests):
-    # When sampling, head 0 cannot see the first sampled token, which spreads over four: its q is a mixture.
-    METHOD = "medusa"

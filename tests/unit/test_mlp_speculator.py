@@ -2,6 +2,7 @@
 prefixed keys, shared tensors stored once or repeated), refusals, drafts against the
 published algorithm, stage count, batching, draft probabilities, the writer the trainer
 uses, and speculative decoding through the real server."""
+
 from __future__ import annotations
 
 import json
@@ -12,14 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.methods.mlp_speculator import (MLPSpeculatorCheckpointError, MLPSpeculatorHead, MLPSpeculatorProposer,
-                                     load_mlp_speculator, save_mlp_speculator)
+from backends.methods.mlp_speculator import (
+    MLPSpeculatorCheckpointError,
+    MLPSpeculatorProposer,
+    load_mlp_speculator,
+    save_mlp_speculator,
+)
 from backends.serving.proposer import DraftRequest, build_proposer
-from tests.head_server import (CONTEXTS, ServedHeadTests, assert_batched_equals_one_at_a_time, fit_and_save,
-                               soft_cross_entropy)
-from tests.helpers import target_hidden
-from tests.synthetic_checkpoints import assert_refused
-from tests.synthetic_heads import write_mlp_speculator
+from tests.fixtures.head_server import CONTEXTS, assert_batched_equals_one_at_a_time
+from tests.fixtures.helpers import target_hidden
+from tests.fixtures.synthetic_checkpoints import assert_refused
+from tests.fixtures.synthetic_heads import write_mlp_speculator
 
 H, V = 64, 384
 VARIANTS = {
@@ -33,8 +37,10 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("mlp")
-    return {name: (root / name, write_mlp_speculator(root / name, tiny_model_dir, **opts))
-            for name, opts in VARIANTS.items()}
+    return {
+        name: (root / name, write_mlp_speculator(root / name, tiny_model_dir, **opts))
+        for name, opts in VARIANTS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +63,19 @@ def reference_logits(name: str, written: dict, f: torch.Tensor, tokens: list[int
     opts = VARIANTS[name]
     n_predict, d = opts.get("n_predict", 3), opts.get("inner_dim") or H
     state_weight = 0.5 ** (0.5 / n_predict)
-    emb_weight = math.sqrt((1 - state_weight ** 2) * d / 2)
+    emb_weight = math.sqrt((1 - state_weight**2) * d / 2)
     s = f
     if opts.get("scale_input", True):
         s = s / torch.sqrt(s.pow(2).mean() + 1e-6) / math.sqrt(2)
     logits = []
     for i, token in enumerate(tokens):
-        s = F.linear(s, stage_tensor(name, written, "proj", i)) + emb_weight / state_weight * \
-            stage_tensor(name, written, "emb", i)[token]
-        s = s / torch.sqrt(s.pow(2).mean() + 1e-6) * stage_tensor(name, written, "ln", i) + \
-            stage_tensor(name, written, "ln", i, "bias")
+        s = (
+            F.linear(s, stage_tensor(name, written, "proj", i))
+            + emb_weight / state_weight * stage_tensor(name, written, "emb", i)[token]
+        )
+        s = s / torch.sqrt(s.pow(2).mean() + 1e-6) * stage_tensor(name, written, "ln", i) + stage_tensor(
+            name, written, "ln", i, "bias"
+        )
         s = F.gelu(s)
         logits.append(F.linear(s, stage_tensor(name, written, "head", i)))
     return logits
@@ -110,13 +119,17 @@ def test_stages_follow_num_speculative_tokens(checkpoints, target, hidden, tiny_
     ids, rows = CONTEXTS[0], hidden[0]
     untied, _ = checkpoints["untied-4-bin"]
     assert load_mlp_speculator(untied, target, "float32", num_stages=2).num_steps == 2  # later stages unused
-    with pytest.raises(MLPSpeculatorCheckpointError, match=r"num_speculative_tokens=8 needs 8 stages, but the "
-                                                           r"checkpoint has weights for n_predict=4"):
+    with pytest.raises(
+        MLPSpeculatorCheckpointError,
+        match=r"num_speculative_tokens=8 needs 8 stages, but the "
+        r"checkpoint has weights for n_predict=4",
+    ):
         load_mlp_speculator(untied, target, num_stages=8)
     # Tied stages repeat: 6 stages from n_predict 3, state_weight still from n_predict.
     tied, written = checkpoints["tied-repeated-prefixed"]
-    config = SpeculativeConfig.from_json({"model": str(tied), "num_speculative_tokens": 6},
-                                         target_model=str(tiny_model_dir))
+    config = SpeculativeConfig.from_json(
+        {"model": str(tied), "num_speculative_tokens": 6}, target_model=str(tiny_model_dir)
+    )
     proposer = build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
     assert isinstance(proposer, MLPSpeculatorProposer) and proposer.hidden_layer_ids == (-1,)
     draft = proposer.propose([DraftRequest(0, ids, 6, rows)])[0]
@@ -124,29 +137,62 @@ def test_stages_follow_num_speculative_tokens(checkpoints, target, hidden, tiny_
 
 
 REFUSALS = {
-    "tied copies differ": ("tied-repeated-prefixed", lambda s: {**s, "speculator.emb.2.weight": s[
-        "speculator.emb.2.weight"] + 1}, None, r"tie_weights is true, but 'speculator\.emb\.2\.weight' differs from "
-                                               r"'speculator\.emb\.0\.weight'"),
-    "missing": ("untied", lambda s: {k: v for k, v in s.items() if k != "ln.1.bias"}, None,
-                r"missing key 'ln\.1\.bias' \(expected shape \[64\]\)"),
-    "projection": ("untied", lambda s: {**s, "proj.0.weight": torch.zeros(H, 32)}, None,
-                   r"'proj\.0\.weight' has shape \[64, 32\], expected \[64, 64\]"),
-    "stage beyond n_predict": ("untied", lambda s: {**s, "head.3.weight": torch.zeros(V, H)}, None,
-                               r"unexpected key 'head\.3\.weight' \(shape \[384, 64\]\)"),
+    "tied copies differ": (
+        "tied-repeated-prefixed",
+        lambda s: {**s, "speculator.emb.2.weight": s["speculator.emb.2.weight"] + 1},
+        None,
+        r"tie_weights is true, but 'speculator\.emb\.2\.weight' differs from "
+        r"'speculator\.emb\.0\.weight'",
+    ),
+    "missing": (
+        "untied",
+        lambda s: {k: v for k, v in s.items() if k != "ln.1.bias"},
+        None,
+        r"missing key 'ln\.1\.bias' \(expected shape \[64\]\)",
+    ),
+    "projection": (
+        "untied",
+        lambda s: {**s, "proj.0.weight": torch.zeros(H, 32)},
+        None,
+        r"'proj\.0\.weight' has shape \[64, 32\], expected \[64, 64\]",
+    ),
+    "stage beyond n_predict": (
+        "untied",
+        lambda s: {**s, "head.3.weight": torch.zeros(V, H)},
+        None,
+        r"unexpected key 'head\.3\.weight' \(shape \[384, 64\]\)",
+    ),
     "emb_dim": ("untied", None, {"emb_dim": 32}, r"emb_dim 32 in config\.json, but the target's hidden size is 64"),
-    "vocabulary": ("untied", None, {"vocab_size": 500},
-                   r"vocab_size 500 in config\.json, but the target's vocabulary size is 384"),
-    "model_type": ("untied", None, {"model_type": "llama"},
-                   r"config\.json has model_type 'llama', not 'mlp_speculator'"),
-    "tied single stage": ("untied", lambda s: {k: v for k, v in s.items() if k.split(".")[1] == "0"},
-                          {"tie_weights": True, "n_predict": 1}, r"tie_weights needs n_predict > 1"),
+    "vocabulary": (
+        "untied",
+        None,
+        {"vocab_size": 500},
+        r"vocab_size 500 in config\.json, but the target's vocabulary size is 384",
+    ),
+    "model_type": (
+        "untied",
+        None,
+        {"model_type": "llama"},
+        r"config\.json has model_type 'llama', not 'mlp_speculator'",
+    ),
+    "tied single stage": (
+        "untied",
+        lambda s: {k: v for k, v in s.items() if k.split(".")[1] == "0"},
+        {"tie_weights": True, "n_predict": 1},
+        r"tie_weights needs n_predict > 1",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", MLPSpeculatorCheckpointError,
-                   lambda bad: load_mlp_speculator(bad, target))
+    assert_refused(
+        REFUSALS[case],
+        checkpoints,
+        tmp_path / "bad",
+        MLPSpeculatorCheckpointError,
+        lambda bad: load_mlp_speculator(bad, target),
+    )
 
 
 # ---------------------------------------------------------------------------- drafting
@@ -187,34 +233,9 @@ def test_the_writer_writes_the_published_layout(name, checkpoints, target, tmp_p
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in reference.items()}
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     expected = json.loads((tmp_path / "reference" / "config.json").read_text())
-    assert {k: config[k] for k in expected if k not in ("top_k_tokens_per_head", "torch_dtype")} == \
-        {k: v for k, v in expected.items() if k not in ("top_k_tokens_per_head", "torch_dtype")}
+    assert {k: config[k] for k in expected if k not in ("top_k_tokens_per_head", "torch_dtype")} == {
+        k: v for k, v in expected.items() if k not in ("top_k_tokens_per_head", "torch_dtype")
+    }
     again = load_mlp_speculator(tmp_path / "out", target, "float32")
     for (k, a), b in zip(head.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), k
-
-
-# ---------------------------------------------------------------------------- through the server
-
-
-@pytest.fixture(scope="module")
-def fitted_dir(tiny_model_dir, tmp_path_factory, target):
-    """Three untied stages fitted to the target's distributions, teacher-forced with the
-    target's own tokens; heads start as the target's LM head."""
-    config = {"emb_dim": H, "inner_dim": 0, "vocab_size": V, "n_predict": 3, "scale_input": True}
-    head = MLPSpeculatorHead(config, target)
-    with torch.no_grad():
-        for lm in head.head:
-            lm.weight.copy_(target.weight("lm_head"))
-
-    def loss(head, s):
-        n, stages = s.ids.shape[1], 3
-        tokens = torch.stack([s.ids[:, 1 + i:n - stages + 1 + i] for i in range(stages)], dim=-1)
-        probs = torch.stack([s.probs[:, 1 + i:n - stages + 1 + i] for i in range(stages)], dim=-2)
-        return soft_cross_entropy(head(s.hidden[:, :n - stages], tokens), probs)
-
-    return fit_and_save(head, loss, tiny_model_dir, save_mlp_speculator, tmp_path_factory.mktemp("mlp-fitted") / "head")
-
-
-class TestServed(ServedHeadTests):
-    METHOD = "mlp_speculator"

@@ -1,5 +1,6 @@
 """Named models and groups, and assembling a GGUF from pinned chunk wheels, without any
 download: pip is replaced by copying fake wheels built here."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,8 +12,15 @@ from pathlib import Path
 import pytest
 
 from backends.runtime import model_store
-from backends.runtime.model_store import (NAMED_GROUPS, NAMED_MODELS, ModelNotFoundError, NamedModel, expand_name,
-                                  fetch_named, resolve_model)
+from backends.runtime.model_store import (
+    NAMED_GROUPS,
+    NAMED_MODELS,
+    ModelNotFoundError,
+    NamedModel,
+    expand_name,
+    fetch_named,
+    resolve_model,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +59,10 @@ def test_fetch_named_fetches_each_member_in_its_dtype(cache, monkeypatch):
     monkeypatch.setattr(model_store, "_convert_to_safetensors", convert)
     paths = fetch_named("qwen-coder")
     assert paths == [cache / "models" / "qwen2.5-coder-1.5b", cache / "models" / "qwen2.5-coder-0.5b"]
-    assert converted == [("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "bfloat16"),
-                         ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "bfloat16")]
+    assert converted == [
+        ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "bfloat16"),
+        ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "bfloat16"),
+    ]
     assert resolve_model("qwen2.5-coder-0.5b") == paths[1]
     fetch_named("qwen-coder")  # already converted: nothing runs again
     assert len(converted) == 2
@@ -70,8 +80,14 @@ ASSEMBLED = b"first-second-third"
 
 
 def fake_spec(sha256: str, parts: int = 3) -> NamedModel:
-    return NamedModel(name="fake", requirements=tuple(f"fake-part{i}==1.0" for i in range(parts)),
-                      member=r"/data/part(\d+)\.bin$", gguf_name="fake.gguf", sha256=sha256, license="none")
+    return NamedModel(
+        name="fake",
+        requirements=tuple(f"fake-part{i}==1.0" for i in range(parts)),
+        member=r"/data/part(\d+)\.bin$",
+        gguf_name="fake.gguf",
+        sha256=sha256,
+        license="none",
+    )
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ synthetic checkpoints through the loader real ones use, standalone or inside the
 checkpoint), refusals, the published formulas, drafting against a cacheless reference,
 rollback, batching, draft probabilities, the writer the trainer uses, and speculative
 decoding through the real server."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.methods.eagle import _causal_mask
 from backends.methods.mtp import MTPCheckpointError, MTPHead, MTPProposer, load_mtp, save_mtp
 from backends.serving.proposer import DraftRequest, build_proposer
-from tests.head_server import CONTEXTS, ServedHeadTests, fit_and_save, soft_cross_entropy
-from tests.helpers import check_ragged_batches, target_hidden
-from tests.synthetic_checkpoints import assert_refused
-from tests.synthetic_heads import write_mtp
+from tests.fixtures.head_server import CONTEXTS
+from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
+from tests.fixtures.synthetic_checkpoints import assert_refused
+from tests.fixtures.synthetic_heads import write_mtp
 
 H, I, V, L = 64, 128, 384, 2  # the tiny target
 VARIANTS = {
@@ -82,8 +82,9 @@ def lone_pair(name: str, t: dict, token: int, h: torch.Tensor, position: int) ->
     v = F.linear(a, t["self_attn.v_proj.weight"], t.get("self_attn.v_proj.bias")).view(2, -1)
     x = u + F.linear(v.repeat_interleave(2, 0).flatten(), t["self_attn.o_proj.weight"])
     m = _rms(x, t["post_attention_layernorm.weight"])
-    x = x + F.linear(F.silu(F.linear(m, t["mlp.gate_proj.weight"])) * F.linear(m, t["mlp.up_proj.weight"]),
-                     t["mlp.down_proj.weight"])
+    x = x + F.linear(
+        F.silu(F.linear(m, t["mlp.gate_proj.weight"])) * F.linear(m, t["mlp.up_proj.weight"]), t["mlp.down_proj.weight"]
+    )
     if mimo:
         fed = _rms(x, t["final_layernorm.weight"])
         return fed, F.linear(fed, t["head"])
@@ -96,8 +97,14 @@ def cacheless_drafts(head: MTPHead, context: list[int], hidden: torch.Tensor, k:
     ids, feats, drafts = list(context[1:]), head.features(hidden), []
     for step in range(k):
         n = len(ids)
-        out = head(torch.tensor([ids]), feats[None], torch.arange(n)[None],
-                   torch.ones(n, n, dtype=torch.bool).tril()[None, None], None, step)
+        out = head(
+            torch.tensor([ids]),
+            feats[None],
+            torch.arange(n)[None],
+            torch.ones(n, n, dtype=torch.bool).tril()[None, None],
+            None,
+            step,
+        )
         drafts.append(int(head.logits(out[0, -1], step).argmax()))
         ids.append(drafts[-1])
         feats = torch.cat([feats, out[0, -1:]])
@@ -135,8 +142,14 @@ def test_a_lone_pair_follows_the_published_formulas(name, position, checkpoints,
     for step in range(len(head.layers)):
         fed, logits = lone_pair(name, layer_tensors(name, checkpoints[name][1], target_weights, step), 42, h, position)
         with torch.inference_mode():
-            out = head(torch.tensor([[42]]), h[None, None], torch.tensor([[position]]),
-                       torch.ones(1, 1, 1, 1, dtype=torch.bool), None, step)
+            out = head(
+                torch.tensor([[42]]),
+                h[None, None],
+                torch.tensor([[position]]),
+                torch.ones(1, 1, 1, 1, dtype=torch.bool),
+                None,
+                step,
+            )
             torch.testing.assert_close(out[0, 0], fed, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(head.logits(out[0, 0], step), logits, rtol=1e-4, atol=1e-4)
 
@@ -148,25 +161,57 @@ def _mla(state: dict) -> dict:
 
 
 REFUSALS = {
-    "missing": ("deepseek", lambda s: {k: v for k, v in s.items() if k != f"model.layers.{L}.hnorm.weight"}, None,
-                r"missing key 'model\.layers\.2\.hnorm\.weight' \(expected shape \[64\]\)"),
-    "missing mimo": ("mimo", lambda s: {k: v for k, v in s.items() if k != "model.mtp_layers.0.token_layernorm.weight"},
-                     None, r"missing key 'model\.mtp_layers\.0\.token_layernorm\.weight'"),
-    "unexpected": ("deepseek", lambda s: {**s, f"model.layers.{L}.self_attn.q_norm.weight": torch.ones(16)}, None,
-                   r"unexpected key 'model\.layers\.2\.self_attn\.q_norm\.weight' \(shape \[16\]\)"),
-    "shape": ("mimo", lambda s: {**s, "model.mtp_layers.0.input_proj.weight": torch.zeros(H, H)}, None,
-              r"'model\.mtp_layers\.0\.input_proj\.weight' has shape \[64, 64\], expected \[64, 128\]"),
-    "shared head vocabulary": ("deepseek-shared-bin",
-                               lambda s: {**s, f"model.layers.{L}.shared_head.head.weight": torch.zeros(V + 8, H)},
-                               None, r"'model\.layers\.2\.shared_head\.head\.weight' has shape \[392, 64\]"),
-    "MLA attention": ("deepseek", _mla, None, r"not a Llama/Qwen2-style dense layer \(missing "
-                                              r"'model\.layers\.2\.self_attn\.q_proj\.weight'; it has .*q_a_proj"),
+    "missing": (
+        "deepseek",
+        lambda s: {k: v for k, v in s.items() if k != f"model.layers.{L}.hnorm.weight"},
+        None,
+        r"missing key 'model\.layers\.2\.hnorm\.weight' \(expected shape \[64\]\)",
+    ),
+    "missing mimo": (
+        "mimo",
+        lambda s: {k: v for k, v in s.items() if k != "model.mtp_layers.0.token_layernorm.weight"},
+        None,
+        r"missing key 'model\.mtp_layers\.0\.token_layernorm\.weight'",
+    ),
+    "unexpected": (
+        "deepseek",
+        lambda s: {**s, f"model.layers.{L}.self_attn.q_norm.weight": torch.ones(16)},
+        None,
+        r"unexpected key 'model\.layers\.2\.self_attn\.q_norm\.weight' \(shape \[16\]\)",
+    ),
+    "shape": (
+        "mimo",
+        lambda s: {**s, "model.mtp_layers.0.input_proj.weight": torch.zeros(H, H)},
+        None,
+        r"'model\.mtp_layers\.0\.input_proj\.weight' has shape \[64, 64\], expected \[64, 128\]",
+    ),
+    "shared head vocabulary": (
+        "deepseek-shared-bin",
+        lambda s: {**s, f"model.layers.{L}.shared_head.head.weight": torch.zeros(V + 8, H)},
+        None,
+        r"'model\.layers\.2\.shared_head\.head\.weight' has shape \[392, 64\]",
+    ),
+    "MLA attention": (
+        "deepseek",
+        _mla,
+        None,
+        r"not a Llama/Qwen2-style dense layer \(missing "
+        r"'model\.layers\.2\.self_attn\.q_proj\.weight'; it has .*q_a_proj",
+    ),
     "hidden size": ("deepseek", None, {"hidden_size": 32}, r"hidden_size 32 in config\.json, but the target's is 64"),
     "vocabulary": ("mimo", None, {"vocab_size": 500}, r"vocab_size 500 in config\.json, but the target's is 384"),
-    "layer index": ("deepseek", None, {"num_hidden_layers": 1},
-                    r"the first MTP layer is 'model\.layers\.2\.', but config\.json has num_hidden_layers 1"),
-    "declared layers": ("deepseek", None, {"num_nextn_predict_layers": 2},
-                        r"num_nextn_predict_layers is 2, but only 1 MTP layer\(s\) found"),
+    "layer index": (
+        "deepseek",
+        None,
+        {"num_hidden_layers": 1},
+        r"the first MTP layer is 'model\.layers\.2\.', but config\.json has num_hidden_layers 1",
+    ),
+    "declared layers": (
+        "deepseek",
+        None,
+        {"num_nextn_predict_layers": 2},
+        r"num_nextn_predict_layers is 2, but only 1 MTP layer\(s\) found",
+    ),
     "no MTP layers": ("deepseek", lambda s: {"mtp.fc.weight": torch.zeros(H, 2 * H)}, None, r"no MTP layers"),
 }
 
@@ -180,9 +225,11 @@ def test_from_config(checkpoints, tiny_model_dir):
     """An explicit mtp, a legacy MTP method name, or detection from the checkpoint's
     model_type (deepseek_v3 -> deepseek_mtp) all build the MTP proposer."""
     path = str(checkpoints["deepseek"][0])
-    for spec in ({"method": "mtp", "model": path, "num_speculative_tokens": 2},
-                 {"method": "deepseek_mtp", "model": path, "num_speculative_tokens": 2},
-                 {"model": path}):
+    for spec in (
+        {"method": "mtp", "model": path, "num_speculative_tokens": 2},
+        {"method": "deepseek_mtp", "model": path, "num_speculative_tokens": 2},
+        {"model": path},
+    ):
         config = SpeculativeConfig.from_json(spec, target_model=str(tiny_model_dir))
         assert config.method == "mtp"
         proposer = build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
@@ -210,13 +257,20 @@ def test_layer_0_is_reused_unless_layers_are_per_step(heads, hidden):
     single = MTPProposer(heads["deepseek"], 512)  # the same seed wrote the same first layer
     double = MTPProposer(heads["deepseek-2layers"], 512)
     ids, rows = CONTEXTS[2], hidden[2]
-    assert double.propose([DraftRequest(0, ids, 4, rows)])[0].token_ids == \
-        single.propose([DraftRequest(0, ids, 4, rows)])[0].token_ids
+    assert (
+        double.propose([DraftRequest(0, ids, 4, rows)])[0].token_ids
+        == single.propose([DraftRequest(0, ids, 4, rows)])[0].token_ids
+    )
     step3p5 = heads["step3p5"]
     with torch.inference_mode():
         n = len(ids) - 1
-        args = (torch.tensor([ids[1:]]), rows[:, 0][None], torch.arange(n)[None],
-                torch.ones(n, n, dtype=torch.bool).tril()[None, None], None)
+        args = (
+            torch.tensor([ids[1:]]),
+            rows[:, 0][None],
+            torch.arange(n)[None],
+            torch.ones(n, n, dtype=torch.bool).tril()[None, None],
+            None,
+        )
         assert not torch.allclose(step3p5(*args, 0), step3p5(*args, 1))
 
 
@@ -228,7 +282,9 @@ def test_rollback_after_verification_equals_a_fresh_proposer(accepted, heads, ru
     drafts = proposer.propose([DraftRequest(7, ids, 4, target_hidden(runner, ids[:-1], (-1,)))])[0].token_ids
     context = ids + drafts[:accepted] + [(drafts[accepted] + 1) % V if accepted < 4 else 42]
     full = target_hidden(runner, context[:-1], (-1,))
-    again = proposer.propose([DraftRequest(7, context, 3, full[len(ids) - 1:])])[0].token_ids  # only new rows
+    again = proposer.propose([DraftRequest(7, context, 3, full[len(ids) - 1 :], num_new=len(context) - len(ids))])[
+        0
+    ].token_ids  # only new rows
     assert again == MTPProposer(head, 512).propose([DraftRequest(7, context, 3, full)])[0].token_ids
     assert again == cacheless_drafts(head, context, full, 3)
 
@@ -239,7 +295,7 @@ def test_batched_equals_one_at_a_time(name, heads, runner):
     batched, alone = MTPProposer(head, 512), MTPProposer(head, 512)
 
     def make_request(seq, ids, k, delivered):
-        return DraftRequest(seq, ids, k, target_hidden(runner, ids[:-1], (-1,))[delivered:])
+        return request(runner, head, seq, ids, k, delivered)
 
     contexts = check_ragged_batches(batched, alone, CONTEXTS, make_request, steps=3, first_k=2, vocab_size=V)
     for seq in contexts:
@@ -255,8 +311,13 @@ def test_probabilistic_drafts_come_with_their_probabilities(heads, hidden):
         assert draft.probs.shape == (3, V)
         with torch.inference_mode():
             n = len(req.token_ids) - 1
-            out = head(torch.tensor([req.token_ids[1:]]), req.hidden_states[:, 0][None], torch.arange(n)[None],
-                       torch.ones(n, n, dtype=torch.bool).tril()[None, None], None)
+            out = head(
+                torch.tensor([req.token_ids[1:]]),
+                req.hidden_states[:, 0][None],
+                torch.arange(n)[None],
+                torch.ones(n, n, dtype=torch.bool).tril()[None, None],
+                None,
+            )
             first = head.logits(out[0, -1]).softmax(-1)
         torch.testing.assert_close(draft.probs[0], first, rtol=1e-4, atol=1e-6)
         assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.token_ids))
@@ -285,28 +346,3 @@ def test_the_writer_writes_the_published_layout(name, checkpoints, heads, target
     again = load_mtp(tmp_path / "out", target, "float32")
     for (k, a), b in zip(head.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), k
-
-
-# ---------------------------------------------------------------------------- through the server
-
-
-@pytest.fixture(scope="module")
-def fitted_dir(tiny_model_dir, tmp_path_factory, target):
-    """A DeepSeek-layout MTP layer over the target's own block config, fitted to the target's
-    distributions one token further (embedding and LM head stay the target's)."""
-    head = MTPHead(json.loads((tiny_model_dir / "config.json").read_text()), target)
-    for name, param in head.named_parameters():
-        param.requires_grad = name not in head.borrowed
-
-    def loss(head, s):
-        n = s.ids.shape[1] - 1
-        positions = torch.arange(n).expand(len(s.ids), n)
-        mask = _causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n)
-        out = head(s.ids[:, 1:], s.hidden[:, :-1], positions, mask, None)
-        return soft_cross_entropy(head.logits(out), s.probs[:, 1:])
-
-    return fit_and_save(head, loss, tiny_model_dir, save_mtp, tmp_path_factory.mktemp("mtp-fitted") / "head")
-
-
-class TestServed(ServedHeadTests):
-    METHOD = "mtp"

@@ -15,10 +15,10 @@ def reference_lookup(tokens, min_n, max_n, k, max_model_len):
     if k <= 0:
         return []
     for length in range(min(max_n, n - 1), min_n - 1, -1):
-        suffix = tokens[n - length:]
+        suffix = tokens[n - length :]
         for start in range(0, n - length):
-            if tokens[start:start + length] == suffix:
-                return tokens[start + length:start + length + k]
+            if tokens[start : start + length] == suffix:
+                return tokens[start + length : start + length + k]
     return []
 
 
@@ -70,8 +70,7 @@ def test_registry_builds_the_ngram_drafter():
     config = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}')
     drafter = build_proposer(config, max_model_len=100)
     assert isinstance(drafter, NgramDrafter)
-    drafts = drafter.propose([DraftRequest(1, [4, 5, 6, 7, 8, 4, 5, 6, 7, 8], 3),
-                              DraftRequest(2, [1, 2, 3], 3)])
+    drafts = drafter.propose([DraftRequest(1, [4, 5, 6, 7, 8, 4, 5, 6, 7, 8], 3), DraftRequest(2, [1, 2, 3], 3)])
     assert [d.token_ids for d in drafts] == [[4, 5, 6], []]  # default lookup n is 5..5
     drafts = drafter.propose([DraftRequest(1, [4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8], 3)])
     assert drafts[0].token_ids == [9, 4, 5]

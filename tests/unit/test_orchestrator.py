@@ -1,4 +1,5 @@
 """The draft -> verify loop in process (no Triton): exactness of accept/rollback."""
+
 from __future__ import annotations
 
 import random
@@ -8,41 +9,13 @@ import torch
 
 from backends.config import SpeculativeConfig
 from backends.serving.detokenize import TextStream
-from backends.serving.drafting import DraftCall, DraftService
-from backends.serving.orchestrator import GenerationStats, generate
-from backends.serving.proposer import Draft, Proposer, build_proposer
-from backends.serving.request import GenerationRequest, RequestError
+from backends.serving.drafting import DraftService
+from backends.serving.local import LocalDrafter, LocalVerifier, generate_local
+from backends.serving.orchestrator import GenerationStats, draft_length, generate
+from backends.serving.proposer import Draft, DrafterInfo, Proposer, build_proposer
+from backends.serving.request import GenerationRequest, RequestError, SamplingParams
 from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
-from tests.helpers import hf_greedy
-
-
-class LocalVerifier:
-    def __init__(self, runner: TargetRunner) -> None:
-        self.runner = runner
-
-    def verify(self, seq_id, new_token_ids, draft_token_ids, draft_probs, sampling, max_new_tokens=None,
-               hidden_layer_ids=()):
-        r = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling, hidden_layer_ids,
-                                             draft_probs=draft_probs, max_new_tokens=max_new_tokens))
-        return r.token_ids, r.forward_s, r.hidden_states
-
-    def release(self, seq_id):
-        self.runner.release(seq_id)
-
-
-class LocalDrafter:
-    def __init__(self, service: DraftService) -> None:
-        self.service = service
-        self.num_speculative_tokens = service.config.num_speculative_tokens
-        self.hidden_layer_ids = service.proposer.hidden_layer_ids
-
-    def draft(self, seq_id, new_token_ids, max_tokens, requested, hidden_states=None, temperature=1.0):
-        draft = self.service.draft([DraftCall(seq_id, new_token_ids, max_tokens, requested, hidden_states,
-                                              temperature)])[0]
-        return draft.token_ids, draft.probs, 0.0
-
-    def release(self, seq_id):
-        self.service.release(seq_id)
+from tests.fixtures.helpers import hf_greedy
 
 
 class OracleProposer(Proposer):
@@ -55,7 +28,7 @@ class OracleProposer(Proposer):
         out = []
         for r in batch:
             done = len(r.token_ids) - self.prompt_len
-            drafts = list(self.reference[done:done + r.num_tokens])
+            drafts = list(self.reference[done : done + r.num_tokens])
             if self.corrupt_every and drafts and done % self.corrupt_every == 0:
                 drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % 50
             out.append(Draft(drafts))
@@ -71,8 +44,18 @@ def run(runner, tokenizer, prompt, proposer, max_tokens=40, k=4, num_draft_token
     seq_id = random.getrandbits(32)
     out = []
     # A fixed k: the adaptive policy follows step timings, which a loaded machine skews.
-    for step in generate(req, ids, seq_id, LocalVerifier(runner), drafter, TextStream(tokenizer), {0},
-                         runner.max_model_len, stats, adaptive=False):
+    for step in generate(
+        req,
+        ids,
+        seq_id,
+        LocalVerifier(runner),
+        drafter,
+        TextStream(tokenizer),
+        {0},
+        runner.max_model_len,
+        stats,
+        adaptive=False,
+    ):
         out += step.token_ids
     runner.release(seq_id)
     return out, stats
@@ -88,8 +71,9 @@ def test_plain_loop_equals_hf(runner, tokenizer, tiny_model_dir):
 
 
 def test_ngram_loop_equals_hf(runner, tokenizer, tiny_model_dir):
-    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4,
-                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    config = SpeculativeConfig.from_json(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    )
     out, stats = run(runner, tokenizer, PROMPT, build_proposer(config, max_model_len=512))
     assert tuple(out) == hf_greedy(str(tiny_model_dir), PROMPT, 40)
     assert stats.acceptance.num_accepted_tokens > 0
@@ -134,8 +118,10 @@ def test_hidden_states_match_a_plain_forward(runner, tokenizer):
     ids = tokenizer(PROMPT)["input_ids"]
     captured = {}
     model = runner.model.model
-    hooks = [model.layers[0].register_forward_hook(lambda m, i, o: captured.setdefault("layer0", o)),
-             model.norm.register_forward_hook(lambda m, i, o: captured.setdefault("norm", o))]
+    hooks = [
+        model.layers[0].register_forward_hook(lambda m, i, o: captured.setdefault("layer0", o)),
+        model.norm.register_forward_hook(lambda m, i, o: captured.setdefault("norm", o)),
+    ]
     try:
         with torch.inference_mode():
             runner.model(input_ids=torch.tensor([ids]))
@@ -163,7 +149,7 @@ def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, t
     ids = tokenizer(PROMPT)["input_ids"]
     drafts = list(hf_greedy(str(tiny_model_dir), PROMPT, 3))
     with torch.inference_mode():
-        logits = runner.model(input_ids=torch.tensor([ids + drafts])).logits[0, len(ids) - 1:-1]
+        logits = runner.model(input_ids=torch.tensor([ids + drafts])).logits[0, len(ids) - 1 : -1]
     probs = logits.float().softmax(-1)
     sampling = SamplingParams(temperature=1.0, seed=3)
     result = runner.verify(VerifyRequest(99, ids, drafts, sampling, draft_probs=probs))
@@ -185,3 +171,69 @@ def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokeni
     assert len(runner.verify(VerifyRequest(1, [], [1, 2])).token_ids) >= 1  # the running one goes on
     runner.release(1)
     runner.verify(VerifyRequest(2, ids, [], max_new_tokens=100))  # room again
+
+
+class FailingProposer(Proposer):
+    """Drafts nothing useful and fails on its `fail_on`-th call."""
+
+    def __init__(self, fail_on: int) -> None:
+        self.calls, self.fail_on = 0, fail_on
+
+    def propose(self, batch):
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise RuntimeError("injected drafter fault")
+        return [Draft([1] * r.num_tokens) for r in batch]
+
+
+def test_a_failing_drafter_falls_back_to_plain_decoding(runner, tokenizer, tiny_model_dir):
+    """The target decides every token, so a drafter fault costs speed, never the request."""
+    out, stats = run(runner, tokenizer, PROMPT, FailingProposer(fail_on=2))
+    assert tuple(out) == hf_greedy(str(tiny_model_dir), PROMPT, 40)
+    assert stats.fallback.startswith("drafter failed: injected drafter fault")
+    assert stats.to_dict()["fallback"] == stats.fallback
+
+
+def _info(k: int, schedule=None) -> DrafterInfo:
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    if schedule:
+        spec["num_speculative_tokens_per_batch_size"] = schedule
+    return DrafterInfo(SpeculativeConfig.from_json(spec), ())
+
+
+def test_draft_length_is_decided_in_one_place():
+    info = _info(4, [[1, 8, 4], [9, 1024, 1]])
+    greedy = GenerationRequest(prompt="x")
+    assert draft_length(greedy, info, load=1, room=10, policy=None) == 4
+    assert draft_length(greedy, info, load=16, room=10, policy=None) == 1  # the batch-size schedule
+    assert draft_length(greedy, info, load=1, room=2, policy=None) == 2  # the room left
+    assert draft_length(GenerationRequest(prompt="x", num_draft_tokens=2), info, 1, 10, None) == 2
+    # A seeded sampled request's k ignores the load: its text must not depend on other requests.
+    seeded = GenerationRequest(prompt="x", sampling=SamplingParams(temperature=0.8, seed=7))
+    assert draft_length(seeded, info, load=16, room=10, policy=None) == 4
+
+
+def test_too_many_requested_drafts_are_refused_by_name(runner, tokenizer):
+    with pytest.raises(RequestError, match=r"num_draft_tokens=5 must be in \[0, 4\]"):
+        run(runner, tokenizer, PROMPT, FailingProposer(fail_on=0), num_draft_tokens=5)
+
+
+def test_generate_local_is_the_served_loop_in_process(runner, tokenizer, tiny_model_dir):
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    service = DraftService(build_proposer(config, max_model_len=512), config)
+    ids, stats = generate_local(PROMPT, tokenizer, runner, service, eos_token_ids={0}, max_tokens=30)
+    assert tuple(ids) == hf_greedy(str(tiny_model_dir), PROMPT, 30)
+    assert stats.acceptance.num_draft_tokens > 0 and service.num_sequences == 0 and not runner.sequences
+
+
+def test_synthetic_acceptance_reaches_the_verifier(runner, tokenizer):
+    """rejection_sample_method "synthetic" (benchmarking): drafts are accepted at the configured
+    rates even when the target disagrees: rates of 1 accept every (wrong) draft."""
+    config = SpeculativeConfig.from_json(
+        {"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+         "synthetic_acceptance_rates": [1.0, 1.0, 1.0]}
+    )
+    service = DraftService(FailingProposer(fail_on=0), config)
+    ids, stats = generate_local(PROMPT, tokenizer, runner, service, eos_token_ids=set(), max_tokens=8)
+    assert ids[:3] == [1, 1, 1] and ids[4:7] == [1, 1, 1]
+    assert stats.acceptance.num_accepted_tokens == stats.acceptance.num_draft_tokens > 0

@@ -5,8 +5,13 @@ import math
 import pytest
 import torch
 
-from backends.serving.rejection import (AcceptanceStats, apply_temperature_top_k_top_p, apply_top_k_top_p,
-                                rejection_sample, rejection_sample_batch)
+from backends.serving.rejection import (
+    AcceptanceStats,
+    apply_temperature_top_k_top_p,
+    apply_top_k_top_p,
+    rejection_sample,
+    rejection_sample_batch,
+)
 from kernels import rejection as rk
 
 VOCAB = 8
@@ -49,8 +54,13 @@ def test_greedy_ties_go_to_lowest_token_and_ignore_draft_probs_and_filters():
 def test_greedy_batch_of_different_draft_lengths():
     drafts = [[1, 2], [], [3, 4, 5], [6]]
     targets = [[1, 2, 7], [0], [3, 1, 5, 2], [5, 4]]
-    out = rejection_sample_batch(torch.tensor(sum(drafts, [])), [len(d) for d in drafts],
-                                 peaked_logits(sum(targets, [])), None, torch.zeros(len(drafts)))
+    out = rejection_sample_batch(
+        torch.tensor(sum(drafts, [])),
+        [len(d) for d in drafts],
+        peaked_logits(sum(targets, [])),
+        None,
+        torch.zeros(len(drafts)),
+    )
     assert out == [[1, 2, 7], [0], [3, 1], [5]]
 
 
@@ -68,8 +78,7 @@ def test_minus_one_draft_is_always_rejected():
 def test_mixed_greedy_and_random_batch():
     # Random request 1 has p concentrated on its drafts: it accepts both, then its bonus is 6.
     logits = torch.cat([peaked_logits([1, 2, 3]), 30 * peaked_logits([4, 5, 6])])
-    out = rejection_sample_batch(torch.tensor([1, 7, 4, 5]), [2, 2], logits, None,
-                                 torch.tensor([0.0, 1.0]))
+    out = rejection_sample_batch(torch.tensor([1, 7, 4, 5]), [2, 2], logits, None, torch.tensor([0.0, 1.0]))
     assert out == [[1, 2], [4, 5, 6]]
 
 
@@ -113,9 +122,14 @@ NUM_DRAFTS = 2
 TV_BOUND = 0.03
 
 
-def first_token_distribution(target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
-                             drafts: list[int] | None, temperature: float, top_k: int | None,
-                             top_p: float | None) -> torch.Tensor:
+def first_token_distribution(
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    drafts: list[int] | None,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+) -> torch.Tensor:
     """Frequencies of the first emitted token over NUM_TRIALS independent verifications.
 
     With ``draft_probs`` each trial draws its drafts from them (the premise of rejection
@@ -126,15 +140,19 @@ def first_token_distribution(target_logits: torch.Tensor, draft_probs: torch.Ten
     if draft_probs is None:
         draft_ids = torch.tensor(drafts, dtype=torch.int64).repeat(NUM_TRIALS)
     else:
-        draft_ids = torch.stack([torch.multinomial(q, NUM_TRIALS, replacement=True, generator=gen)
-                                 for q in draft_probs], dim=1).flatten()
+        draft_ids = torch.stack(
+            [torch.multinomial(q, NUM_TRIALS, replacement=True, generator=gen) for q in draft_probs], dim=1
+        ).flatten()
     torch.manual_seed(2)
     out = rejection_sample_batch(
-        draft_ids, [num_drafts] * NUM_TRIALS, target_logits.repeat(NUM_TRIALS, 1),
+        draft_ids,
+        [num_drafts] * NUM_TRIALS,
+        target_logits.repeat(NUM_TRIALS, 1),
         None if draft_probs is None else draft_probs.repeat(NUM_TRIALS, 1),
         torch.full((NUM_TRIALS,), temperature),
         None if top_k is None else torch.full((NUM_TRIALS,), top_k),
-        None if top_p is None else torch.full((NUM_TRIALS,), top_p))
+        None if top_p is None else torch.full((NUM_TRIALS,), top_p),
+    )
     first = torch.tensor([tokens[0] for tokens in out])
     return torch.bincount(first, minlength=VOCAB).float() / NUM_TRIALS
 
@@ -149,9 +167,11 @@ def random_case(temperature: float, top_k: int | None, top_p: float | None):
     target_logits = 1.5 * torch.randn(NUM_DRAFTS + 1, VOCAB, generator=gen)
     draft_probs = (1.5 * torch.randn(NUM_DRAFTS, VOCAB, generator=gen)).softmax(-1)
     p = apply_temperature_top_k_top_p(
-        target_logits[:1], torch.tensor([temperature]),
+        target_logits[:1],
+        torch.tensor([temperature]),
         None if top_k is None else torch.tensor([top_k]),
-        None if top_p is None else torch.tensor([top_p]))[0]
+        None if top_p is None else torch.tensor([top_p]),
+    )[0]
     return target_logits, draft_probs, p
 
 
@@ -182,8 +202,7 @@ def test_wrong_recovery_distribution_fails_the_same_bound(monkeypatch, temperatu
     assert total_variation(expected_wrong, p) > 3 * TV_BOUND
 
     def recover_from_p(drafts, req_ids, target_probs, _draft_probs, noise, is_greedy):
-        return correct(drafts, req_ids, target_probs, torch.zeros_like(target_probs), noise,
-                       is_greedy)
+        return correct(drafts, req_ids, target_probs, torch.zeros_like(target_probs), noise, is_greedy)
 
     correct = rk.sample_recovered_tokens_ref
     monkeypatch.setattr(rk, "sample_recovered_tokens_ref", recover_from_p)
@@ -201,10 +220,10 @@ def seeded_outputs(seed: int, global_seed: int) -> list[list[int]]:
     logits = torch.randn(6, 50, generator=gen)
     draft_probs = torch.randn(4, 50, generator=gen).softmax(-1)
     torch.manual_seed(global_seed)
-    generators = {0: torch.Generator().manual_seed(seed),
-                  1: torch.Generator().manual_seed(seed + 1)}
-    return rejection_sample_batch(torch.tensor([1, 2, 3, 4]), [4, 0], logits, draft_probs,
-                                  torch.ones(2), generators=generators)
+    generators = {0: torch.Generator().manual_seed(seed), 1: torch.Generator().manual_seed(seed + 1)}
+    return rejection_sample_batch(
+        torch.tensor([1, 2, 3, 4]), [4, 0], logits, draft_probs, torch.ones(2), generators=generators
+    )
 
 
 def test_seeded_requests_repeat_and_different_seeds_differ():
@@ -218,11 +237,21 @@ def test_seeded_request_does_not_depend_on_the_rest_of_the_batch():
     logits = torch.randn(9, 30, generator=gen)  # requests of 2, 3 and 1 drafts
     draft_probs = torch.rand(6, 30, generator=gen).softmax(-1)
     drafts = torch.randint(0, 30, (6,), generator=gen)
-    alone = rejection_sample(drafts[2:5].tolist(), logits[3:7], draft_probs[2:5], temperature=0.9,
-                             generator=torch.Generator().manual_seed(11))
-    batch = rejection_sample_batch(drafts, [2, 3, 1], logits, draft_probs,
-                                   torch.tensor([1.0, 0.9, 0.0]),
-                                   generators={1: torch.Generator().manual_seed(11)})
+    alone = rejection_sample(
+        drafts[2:5].tolist(),
+        logits[3:7],
+        draft_probs[2:5],
+        temperature=0.9,
+        generator=torch.Generator().manual_seed(11),
+    )
+    batch = rejection_sample_batch(
+        drafts,
+        [2, 3, 1],
+        logits,
+        draft_probs,
+        torch.tensor([1.0, 0.9, 0.0]),
+        generators={1: torch.Generator().manual_seed(11)},
+    )
     assert batch[1] == alone
 
 
@@ -239,9 +268,31 @@ def test_acceptance_stats():
     assert math.isclose(stats.acceptance_rate, 6 / 11)
     assert math.isclose(stats.mean_acceptance_length, 1 + 6 / 3)
     assert stats.to_dict() == {
-        "num_drafts": 3, "num_draft_tokens": 11, "num_accepted_tokens": 6,
-        "accepted_per_position": [2, 2, 1, 1], "acceptance_rate": 6 / 11,
-        "mean_acceptance_length": 3.0, "per_position_acceptance_rate": [2 / 3, 2 / 3, 1 / 3, 1 / 3],
+        "num_drafts": 3,
+        "num_draft_tokens": 11,
+        "num_accepted_tokens": 6,
+        "accepted_per_position": [2, 2, 1, 1],
+        "acceptance_rate": 6 / 11,
+        "mean_acceptance_length": 3.0,
+        "per_position_acceptance_rate": [2 / 3, 2 / 3, 1 / 3, 1 / 3],
     }
     with pytest.raises(ValueError):
         stats.update(2, 3)
+
+
+def test_synthetic_acceptance_follows_the_configured_rates():
+    """vLLM's benchmarking mode: drafts accepted at the configured unconditional rates,
+    whatever the target says; a rejection emits the target's token there, never the draft."""
+    from backends.serving.rejection import synthetic_sample
+
+    logits = torch.randn(5, 20, generator=torch.Generator().manual_seed(1))
+    target = logits.argmax(-1).tolist()
+    drafts = [(t + 1) % 20 for t in target[:4]]  # every draft differs from the target
+    assert synthetic_sample(drafts, logits, [1.0] * 4) == drafts + [target[4]]
+    assert synthetic_sample(drafts, logits, [0.0] * 4) == [target[0]]
+    gen = torch.Generator().manual_seed(0)
+    runs = [synthetic_sample(drafts, logits, [0.5, 0.25, 0.0, 0.0], generator=gen) for _ in range(4000)]
+    mean_accepted = sum(len(r) - 1 for r in runs) / len(runs)
+    assert abs(mean_accepted - 0.75) < 0.05  # rates are unconditional: 0.5 + 0.25
+    sampled = [synthetic_sample(drafts[:1], logits, [0.0], temperature=1.0, generator=gen)[0] for _ in range(500)]
+    assert drafts[0] not in sampled and len(set(sampled)) > 3

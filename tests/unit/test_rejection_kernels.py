@@ -43,8 +43,7 @@ def random_batch(seed: int, vocab_size: int) -> tuple[dict, torch.Generator]:
 def empty_output(batch: dict) -> torch.Tensor:
     cu = batch["cu_num_draft_tokens"]
     max_spec_len = int(torch.diff(cu, prepend=cu.new_zeros(1)).max())
-    return torch.full((len(cu), max_spec_len + 1), rk.PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
-                      device=DEVICE)
+    return torch.full((len(cu), max_spec_len + 1), rk.PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=DEVICE)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -53,10 +52,14 @@ def test_greedy_accept_matches_ref(seed):
     drafts = batch["draft_token_ids"].cpu()
     # Targets agree with most drafts, so that runs of accepted drafts occur.
     agree = torch.rand(len(drafts), generator=gen) < 0.7
-    target_argmax = torch.where(agree, drafts.clamp_min(0),
-                                torch.randint(0, 16, (len(drafts),), generator=gen))
-    args = (batch["cu_num_draft_tokens"], batch["draft_token_ids"], target_argmax.to(DEVICE),
-            batch["bonus_token_ids"], batch["is_greedy"])
+    target_argmax = torch.where(agree, drafts.clamp_min(0), torch.randint(0, 16, (len(drafts),), generator=gen))
+    args = (
+        batch["cu_num_draft_tokens"],
+        batch["draft_token_ids"],
+        target_argmax.to(DEVICE),
+        batch["bonus_token_ids"],
+        batch["is_greedy"],
+    )
     out, expected = empty_output(batch), empty_output(batch)
     rk.greedy_accept(out, *args)
     rk.greedy_accept_ref(expected, *args)
@@ -73,8 +76,13 @@ def test_random_accept_matches_ref(seed):
     q[torch.rand(num_tokens, generator=gen) < 0.1] = 0.0  # q = 0 never accepts
     uniform = torch.rand(num_tokens, dtype=torch.float64, generator=gen) * 0.8
     recovered = torch.randint(0, 16, (num_tokens,), generator=gen)
-    args = (batch["cu_num_draft_tokens"], batch["draft_token_ids"],
-            *on_device(p, q, uniform, recovered), batch["bonus_token_ids"], batch["is_greedy"])
+    args = (
+        batch["cu_num_draft_tokens"],
+        batch["draft_token_ids"],
+        *on_device(p, q, uniform, recovered),
+        batch["bonus_token_ids"],
+        batch["is_greedy"],
+    )
     out, expected = empty_output(batch), empty_output(batch)
     rk.random_accept(out, *args)
     rk.random_accept_ref(expected, *args)
@@ -85,10 +93,15 @@ def test_random_accept_matches_ref(seed):
 def test_random_accept_boundary_accepts_like_vllm():
     """p / q == u accepts (vLLM V1 compares with >=); q == 0 and -1 drafts reject."""
     cu, drafts, p, q, u, recovered, bonus, is_greedy = on_device(
-        torch.tensor([1, 2, 3, 4]), torch.tensor([5, 5, -1, 5]),
-        torch.tensor([0.25, 0.25, 1.0, 0.25]), torch.tensor([0.5, 0.0, 1.0, 0.5]),
+        torch.tensor([1, 2, 3, 4]),
+        torch.tensor([5, 5, -1, 5]),
+        torch.tensor([0.25, 0.25, 1.0, 0.25]),
+        torch.tensor([0.5, 0.0, 1.0, 0.5]),
         torch.tensor([0.5, 0.0, 0.0, 0.5000001], dtype=torch.float64),
-        torch.full((4,), 7), torch.full((4,), 9), torch.zeros(4, dtype=torch.bool))
+        torch.full((4,), 7),
+        torch.full((4,), 9),
+        torch.zeros(4, dtype=torch.bool),
+    )
     out = torch.full((4, 2), -1, device=DEVICE)
     rk.random_accept(out, cu, drafts, p, q, u, recovered, bonus, is_greedy)
     assert out.tolist() == [[5, 9], [7, -1], [7, -1], [7, -1]]
@@ -103,9 +116,12 @@ def test_recovered_tokens_match_ref(seed, with_draft_probs):
     target_probs = torch.rand(num_tokens, vocab_size, generator=gen).softmax(-1)
     draft_probs = torch.rand(num_tokens, vocab_size, generator=gen).softmax(-1)
     inv_noise = 1 / torch.empty(6, vocab_size).exponential_(generator=gen)
-    args = (batch["draft_token_ids"], batch["draft_req_ids"],
-            *on_device(target_probs, draft_probs if with_draft_probs else None, inv_noise),
-            batch["is_greedy"])
+    args = (
+        batch["draft_token_ids"],
+        batch["draft_req_ids"],
+        *on_device(target_probs, draft_probs if with_draft_probs else None, inv_noise),
+        batch["is_greedy"],
+    )
     recovered = rk.sample_recovered_tokens(*args)
     assert torch.equal(recovered, rk.sample_recovered_tokens_ref(*args))
     greedy_drafts = batch["is_greedy"][batch["draft_req_ids"]]
@@ -113,13 +129,19 @@ def test_recovered_tokens_match_ref(seed, with_draft_probs):
     assert (recovered[~greedy_drafts] >= 0).all()
 
 
-def recovered_both_ways(draft_token_ids: list[int], target_probs: torch.Tensor,
-                        draft_probs: torch.Tensor | None) -> list[int]:
+def recovered_both_ways(
+    draft_token_ids: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None
+) -> list[int]:
     """Recovered tokens of one random request under neutral noise (a plain argmax)."""
     num_drafts = len(draft_token_ids)
-    args = on_device(torch.tensor(draft_token_ids), torch.zeros(num_drafts, dtype=torch.int64),
-                     target_probs, draft_probs, torch.ones(1, target_probs.shape[1]),
-                     torch.tensor([False]))
+    args = on_device(
+        torch.tensor(draft_token_ids),
+        torch.zeros(num_drafts, dtype=torch.int64),
+        target_probs,
+        draft_probs,
+        torch.ones(1, target_probs.shape[1]),
+        torch.tensor([False]),
+    )
     recovered = rk.sample_recovered_tokens(*args).tolist()
     assert recovered == rk.sample_recovered_tokens_ref(*args).tolist()
     return recovered
@@ -145,12 +167,14 @@ def test_recovered_token_without_draft_probs_excludes_the_draft():
 
 def test_batch_without_drafts_emits_bonus_tokens():
     cu, none, bonus, is_greedy = on_device(
-        torch.zeros(3, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
-        torch.tensor([4, 5, 6]), torch.tensor([True, False, True]))
+        torch.zeros(3, dtype=torch.int64),
+        torch.empty(0, dtype=torch.int64),
+        torch.tensor([4, 5, 6]),
+        torch.tensor([True, False, True]),
+    )
     out = torch.full((3, 1), -1, device=DEVICE)
     rk.greedy_accept(out, cu, none, none, bonus, is_greedy)
-    rk.random_accept(out, cu, none, none.float(), none.float(), none.double(), none, bonus,
-                     is_greedy)
+    rk.random_accept(out, cu, none, none.float(), none.float(), none.double(), none, bonus, is_greedy)
     assert out.flatten().tolist() == [4, 5, 6]
     no_probs, noise = on_device(torch.empty(0, 8), torch.ones(3, 8))
     assert rk.sample_recovered_tokens(none, none, no_probs, None, noise, is_greedy).numel() == 0
@@ -170,11 +194,15 @@ def sample_mixed_batch(seed: int) -> list[list[int]]:
     drafts[1] = -1
     torch.manual_seed(seed)
     return rejection_sample_batch(
-        drafts, num_draft_tokens, target_logits, draft_probs if seed % 2 else None,
-        temperature=torch.tensor([1.0, 0.8, 0.0, 1.2, 0.0]), top_k=torch.tensor([0, 5, 0, 10, 0]),
+        drafts,
+        num_draft_tokens,
+        target_logits,
+        draft_probs if seed % 2 else None,
+        temperature=torch.tensor([1.0, 0.8, 0.0, 1.2, 0.0]),
+        top_k=torch.tensor([0, 5, 0, 10, 0]),
         top_p=torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0]),
-        generators={0: torch.Generator().manual_seed(seed),
-                    3: torch.Generator().manual_seed(seed + 1)})
+        generators={0: torch.Generator().manual_seed(seed), 3: torch.Generator().manual_seed(seed + 1)},
+    )
 
 
 @pytest.mark.skipif(not INTERPRET, reason="forces the kernel path on CPU tensors (interpreter)")

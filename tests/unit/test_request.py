@@ -21,8 +21,9 @@ def test_precedence_tensors_over_sampling_parameters_over_request_parameters():
 
 
 def test_genai_perf_style_strings_and_names():
-    r = parse_request({"text_input": "hi", "stream": True},
-                      sampling_json='{"max_tokens": "16", "seed": "3", "stop": "END"}')
+    r = parse_request(
+        {"text_input": "hi", "stream": True}, sampling_json='{"max_tokens": "16", "seed": "3", "stop": "END"}'
+    )
     assert (r.max_tokens, r.sampling.seed, r.stop, r.exclude_input_in_output) == (16, 3, ["END"], True)
 
 
@@ -38,27 +39,31 @@ def test_http_generate_echoes_input_names_as_parameters():
     assert r.max_tokens == 3
 
 
-@pytest.mark.parametrize("tensors,params,sampling,message", [
-    ({}, "", "", "text_input is required"),
-    ({"text_input": "  "}, "", "", "text_input is empty"),
-    ({"text_input": "x", "max_tokens": 0}, "", "", "max_tokens must be at least 1"),
-    ({"text_input": "x"}, "", '{"max_tokens": 2.5}', "max_tokens must be an integer"),
-    ({"text_input": "x"}, "", '{"max_tokens": true}', "max_tokens must be an integer"),
-    ({"text_input": "x"}, "", "[1, 2]", "sampling_parameters must be a JSON object"),
-    ({"text_input": "x"}, "", "{bad", "sampling_parameters is not valid JSON"),
-    ({"text_input": "x"}, '{"beam_width": 2}', "", "unknown key 'beam_width' in request parameters"),
-    ({"text_input": "x"}, "", '{"n": 2}', "unknown key 'n' in sampling_parameters"),
-    ({"text_input": "x", "temperature": -1.0}, "", "", "temperature must be >= 0"),
-    ({"text_input": "x"}, "", '{"temperature": NaN}', "temperature must be a finite number, got nan"),
-    ({"text_input": "x", "top_p": float("inf")}, "", "", "top_p must be a finite number"),
-    ({"text_input": "x", "top_p": 0.0}, "", "", "top_p must be in (0, 1]"),
-    ({"text_input": "x", "top_k": -5}, "", "", "top_k must be -1, 0"),
-    ({"text_input": "x"}, "", '{"seed": -1}', "seed must be a non-negative"),
-    ({"text_input": "x", "num_draft_tokens": -2}, "", "", "num_draft_tokens must be >= 0"),
-    ({"text_input": "x", "stream": True, "exclude_input_in_output": False}, "", "", "not supported with stream"),
-    ({"text_input": "x"}, "", '{"stop": 5}', "stop must be a string or a list"),
-    ({"text_input": "x"}, "", '{"ignore_eos": "maybe"}', "ignore_eos must be a boolean"),
-])
+@pytest.mark.parametrize(
+    "tensors,params,sampling,message",
+    [
+        ({}, "", "", "text_input is required"),
+        ({"text_input": "  "}, "", "", "text_input is empty"),
+        ({"text_input": "x", "max_tokens": 0}, "", "", "max_tokens must be at least 1"),
+        ({"text_input": "x"}, "", '{"max_tokens": 2.5}', "max_tokens must be an integer"),
+        ({"text_input": "x"}, "", '{"max_tokens": true}', "max_tokens must be an integer"),
+        ({"text_input": "x"}, "", "[1, 2]", "sampling_parameters must be a JSON object"),
+        ({"text_input": "x"}, "", "{bad", "sampling_parameters is not valid JSON"),
+        ({"text_input": "x"}, '{"beam_width": 2}', "", "unknown key 'beam_width' in request parameters"),
+        ({"text_input": "x"}, "", '{"n": 2}', "n is only supported at its default 1, got 2"),
+        ({"text_input": "x"}, "", '{"prompt_logprobs": 2}', "unknown key 'prompt_logprobs' in sampling_parameters"),
+        ({"text_input": "x", "temperature": -1.0}, "", "", "temperature must be >= 0"),
+        ({"text_input": "x"}, "", '{"temperature": NaN}', "temperature must be a finite number, got nan"),
+        ({"text_input": "x", "top_p": float("inf")}, "", "", "top_p must be a finite number"),
+        ({"text_input": "x", "top_p": 0.0}, "", "", "top_p must be in (0, 1]"),
+        ({"text_input": "x", "top_k": -5}, "", "", "top_k must be -1, 0"),
+        ({"text_input": "x"}, "", '{"seed": -1}', "seed must be a non-negative"),
+        ({"text_input": "x", "num_draft_tokens": -2}, "", "", "num_draft_tokens must be >= 0"),
+        ({"text_input": "x", "stream": True, "exclude_input_in_output": False}, "", "", "not supported with stream"),
+        ({"text_input": "x"}, "", '{"stop": 5}', "stop must be a string or a list"),
+        ({"text_input": "x"}, "", '{"ignore_eos": "maybe"}', "ignore_eos must be a boolean"),
+    ],
+)
 def test_bad_requests_name_the_problem(tensors, params, sampling, message):
     with pytest.raises(RequestError) as err:
         parse_request(tensors, params, sampling)

@@ -1,12 +1,13 @@
 """Suffix decoding against a brute-force model of the same semantics (reference §3.3)."""
+
 import random
 from collections import Counter
 
 import pytest
 
 from backends.config import SpeculativeConfig
-from backends.serving.proposer import DraftRequest, build_proposer
 from backends.methods.suffix import SuffixDecodingCache, SuffixDrafter, SuffixTree
+from backends.serving.proposer import DraftRequest, build_proposer
 
 
 class RefTree:
@@ -36,7 +37,7 @@ class RefTree:
         for seq in self.seqs.values():
             toks = [t for t, _ in seq]
             for i in range(len(toks) - len(s) + 1):
-                if tuple(toks[i:i + len(s)]) == s:
+                if tuple(toks[i : i + len(s)]) == s:
                     end = i + len(s) - 1
                     out.append((seq[end][1], toks[end + 1] if end + 1 < len(toks) else None))
         return out if len(s) <= self.depth else []
@@ -287,7 +288,8 @@ def test_text_seen_once_costs_about_a_node_per_token():
 
 def test_drafter_feeds_the_cache_from_whole_sequences():
     config = SpeculativeConfig.from_json(
-        '{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}')
+        '{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}'
+    )
     drafter = build_proposer(config, max_model_len=1000)
     assert isinstance(drafter, SuffixDrafter)
     tokens = [5, 6, 7, 8, 5, 6]
@@ -297,8 +299,14 @@ def test_drafter_feeds_the_cache_from_whole_sequences():
     ref = RefTree(8)
     ref.extend(1, tokens)
     assert drafter.cache.local_tree(1).counts() == ref.counts()
-    assert drafter.cache.global_tree.counts() == {(7,): 1, (8,): 1, (5,): 1, (7, 8): 1, (8, 5): 1,
-                                                  (7, 8, 5): 1}  # only the response
+    assert drafter.cache.global_tree.counts() == {
+        (7,): 1,
+        (8,): 1,
+        (5,): 1,
+        (7, 8): 1,
+        (8, 5): 1,
+        (7, 8, 5): 1,
+    }  # only the response
     drafter.release(1)
     drafter.release(2)  # never drafted for: nothing to release
     assert drafter.cache.active_requests == set() and drafter._seen == {}

@@ -1,6 +1,7 @@
 """The head trainer (`tritonspec train`) on a tiny target: training-time test sees what
 serving sees, heads learn, runs resume exactly, and the output loads through the same
 loaders as published checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -15,16 +16,14 @@ from backends.serving.proposer import DraftRequest
 from backends.training.corpus import OPENINGS, check_held_out, overlaps_held_out, training_prompts
 from backends.training.data import prepare, self_written_prompts
 from backends.training.eagle import unroll
-from backends.training.trainer import evaluate, head_trainer, make_batch, train, windows
-from tests.tiny_model import CORPUS, build_tiny_model
-
-METHODS = ["eagle", "eagle3"]
-SMALL = dict(epochs=1, num_prompts=24, max_new_tokens=24, batch_tokens=512, window=64)
+from backends.training.trainer import head_trainer, make_batch, train, windows
+from tests.fixtures.training import EAGLE_METHODS as METHODS
+from tests.fixtures.training import EAGLE_SMALL as SMALL
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("train-target"), num_layers=3)
+def target_dir(training_target_dir):
+    return training_target_dir
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def test_training_prompts_are_separate_from_the_benchmark():
 
 
 def test_data_is_the_targets_own_greedy_output(target_dir, data_dir):
-    from tests.helpers import _load
+    from tests.fixtures.helpers import _load
 
     _, _, data = _data(target_dir, data_dir, "eagle3")
     model, _ = _load(str(target_dir))
@@ -56,11 +55,10 @@ def test_data_is_the_targets_own_greedy_output(target_dir, data_dir):
     assert torch.equal(data.labels[data.sequence(i)], out.logits[0].argmax(-1))
     answer = slice(int(data.prompt_lens[i]), len(seq))
     # The answer continues greedily: every answer token is the argmax after the one before.
-    assert torch.equal(seq[answer.start:], out.logits[0, answer.start - 1:-1].argmax(-1))
+    assert torch.equal(seq[answer.start :], out.logits[0, answer.start - 1 : -1].argmax(-1))
     assert set(data.hidden) == {0, 1, 2}  # vLLM's default aux layers for 3 layers
     for layer, states in data.hidden.items():  # numbering as the verifier's: HF hidden_states[i]
-        torch.testing.assert_close(states[data.sequence(i)].float(), out.hidden_states[layer][0],
-                                   atol=0.02, rtol=0.02)
+        torch.testing.assert_close(states[data.sequence(i)].float(), out.hidden_states[layer][0], atol=0.02, rtol=0.02)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -76,8 +74,8 @@ def test_training_time_test_attends_like_serving(method, target_dir, data_dir):
         steps = unroll(head, batch, 3)
         feats = head.features(batch.hidden[0])
         for t in (2, 5, 9):
-            ids = batch.token_ids[0, 1:t + 2].tolist()
-            chain = feats[:t + 1]
+            ids = batch.token_ids[0, 1 : t + 2].tolist()
+            chain = feats[: t + 1]
             for s in range(1, 4):
                 inputs = torch.tensor([ids])
                 n = len(ids)
@@ -88,38 +86,10 @@ def test_training_time_test_attends_like_serving(method, target_dir, data_dir):
                 chain = torch.cat([chain, out[None]])
 
 
-def tiny_prompts(target_dir) -> list[str]:
-    """Every word-boundary prefix of the tiny model's training text (answers it gives with
-    conviction, so a head has something to learn), and the sampled test's prompt continued as
-    the target samples it (so drafts there overlap the target's distribution)."""
-    from tests.head_server import teacher
-    from tests.helpers import _load
-
-    prompts = []
-    for text in sorted(set(CORPUS)):
-        words = text.split(" ")
-        prompts += [" ".join(words[:n]) for n in range(1, len(words))]
-    _, tokenizer = _load(str(target_dir))
-    return prompts + tokenizer.batch_decode(teacher(target_dir, num_sampled=160)[-1].ids)
-
-
 @pytest.fixture(scope="module")
-def trained(target_dir, tmp_path_factory):
-    """method -> (head directory, validation before training, after), trained once on the
-    tiny model's answers to `tiny_prompts`."""
-    data_dir, prompts = tmp_path_factory.mktemp("corpus-data"), tiny_prompts(target_dir)
-    out = {}
-    for method in METHODS:
-        trainer, info = head_trainer(method), TargetInfo.load(target_dir)
-        data = prepare(target_dir, data_dir, trainer.layer_ids(info), None, 24, prompts=prompts)
-        torch.manual_seed(0)
-        _, val = data.split()
-        before = evaluate(trainer, trainer.build(info, data, {}), data, val, trainer.layer_ids(info), 64, 8, 3)
-        head = tmp_path_factory.mktemp(f"trained-{method}")
-        report = train(method, target_dir, head, data_dir=data_dir, **{**SMALL, "epochs": 8, "num_prompts": None},
-                       lr=3e-3, prompts=prompts)
-        out[method] = (head, data, before, report["history"][-1])
-    return out
+def trained(trained_eagle_heads):
+    """method -> (head directory, validation before training, after): tests/conftest.py."""
+    return trained_eagle_heads
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -147,23 +117,9 @@ def test_heads_learn_and_load_through_the_published_loader(method, trained, targ
     proposer = EagleProposer(load_eagle(head_dir, info, "float32", method), max_model_len=512)
     _, val = data.split()
     seq = data.token_ids[data.sequence(val[0])].tolist()
-    hidden = torch.stack([data.hidden[i][data.sequence(val[0])][:len(seq) - 1] for i in layer_ids], dim=1).float()
+    hidden = torch.stack([data.hidden[i][data.sequence(val[0])][: len(seq) - 1] for i in layer_ids], dim=1).float()
     drafts = proposer.propose([DraftRequest(1, seq, 3, hidden)])[0].token_ids
     assert len(drafts) == 3 and all(0 <= d < info.vocab_size for d in drafts)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_trained_heads_serve_losslessly(method, trained, target_dir, tmp_path):
-    """Through the real server: greedy output is the target's own, and with probabilistic
-    drafts the sampled tokens follow the target's distribution (tests/head_server.py)."""
-    from tests.head_server import check_sampled_distribution, check_served_greedy, start_head_server
-
-    server = start_head_server(tmp_path, target_dir, method, trained[method][0])
-    try:
-        check_served_greedy(server, target_dir)
-        check_sampled_distribution(server, target_dir, min_accepted=150)
-    finally:
-        server.stop()
 
 
 def test_an_interrupted_run_resumes_exactly(target_dir, data_dir, tmp_path, monkeypatch):
@@ -214,8 +170,24 @@ def test_self_written_prompts_need_a_chat_target(target_dir, tmp_path):
 def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys):
     from client.cli.main import main
 
-    code = main(["train", "eagle", "--target", str(target_dir), "--out", str(tmp_path / "h"),
-                 "--data-dir", str(data_dir), "--prompts", "24", "--max-new-tokens", "24", "--epochs", "1"])
+    code = main(
+        [
+            "train",
+            "eagle",
+            "--target",
+            str(target_dir),
+            "--out",
+            str(tmp_path / "h"),
+            "--data-dir",
+            str(data_dir),
+            "--prompts",
+            "24",
+            "--max-new-tokens",
+            "24",
+            "--epochs",
+            "1",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "estimated mean acceptance length" in out

@@ -1,6 +1,7 @@
 """The trainers for medusa, mlp_speculator, mtp, dflash and dspark on a tiny target: training
 computes what the proposers compute, the heads learn, their files load through the methods'
-own loaders with the trained weights, and served they reproduce the target's greedy output."""
+own loaders with the trained weights (served: tests/e2e/test_training_heads_server.py)."""
+
 from __future__ import annotations
 
 import json
@@ -11,45 +12,28 @@ import torch
 from backends.config import SpeculativeConfig
 from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 from backends.training.blocks import MaskEmbedding
-from backends.training.data import prepare
 from backends.training.eagle import unroll
 from backends.training.steps import greedy_chain
-from backends.training.trainer import evaluate, head_trainer, make_batch, train
-from tests.test_training import target_dir, tiny_prompts  # noqa: F401  (module fixture)
-
-METHODS = ["medusa", "mlp_speculator", "mtp", "dflash", "dspark"]
-STEPS = 3
-OPTIONS = {"num_steps": STEPS, "draft_vocab_size": 256}  # medusa, dflash, dspark: a draft vocabulary
-SMALL = dict(epochs=8, lr=1e-2, num_steps=STEPS, num_prompts=None, max_new_tokens=24, batch_tokens=2048, window=64,
-             options=OPTIONS)
+from backends.training.trainer import head_trainer, make_batch
+from tests.fixtures.training import HEAD_METHODS as METHODS
+from tests.fixtures.training import HEAD_STEPS as STEPS
 
 
 @pytest.fixture(scope="module")
-def corpus(target_dir, tmp_path_factory):  # noqa: F811
-    """The tiny target's answers with every layer these methods read (one states file)."""
-    from backends.methods.head_checkpoint import TargetInfo
-
-    data_dir, prompts = tmp_path_factory.mktemp("heads-data"), tiny_prompts(target_dir)
-    data = prepare(target_dir, data_dir, (-1, 0, 1, 2), None, 24, prompts=prompts)
-    return data_dir, prompts, data, TargetInfo.load(target_dir)
+def target_dir(training_target_dir):
+    return training_target_dir
 
 
 @pytest.fixture(scope="module")
-def trained(corpus, target_dir, tmp_path_factory):  # noqa: F811
+def corpus(heads_corpus):
+    """(data directory, prompts, data, TargetInfo): tests/conftest.py."""
+    return heads_corpus
+
+
+@pytest.fixture(scope="module")
+def trained(trained_heads):
     """method -> (head directory, the trained head in float32, validation before, after)."""
-    data_dir, prompts, data, info = corpus
-    out = {}
-    for method in METHODS:
-        trainer = head_trainer(method)
-        torch.manual_seed(0)
-        _, val = data.split()
-        fresh = trainer.build(info, data, OPTIONS)
-        before = evaluate(trainer, fresh, data, val, trainer.layer_ids(info), 64, 8, STEPS)
-        path = tmp_path_factory.mktemp(f"trained-{method}")
-        report = train(method, target_dir, path, data_dir=data_dir, prompts=prompts, **SMALL)
-        fresh.load_state_dict(torch.load(path / "train_state.pt", weights_only=False)["head"])
-        out[method] = (path, fresh.eval(), before, report["history"][-1])
-    return out
+    return trained_heads
 
 
 def _held_out_batches(corpus, layer_ids) -> list:
@@ -70,8 +54,7 @@ def _training_probs(method, trainer, head, batch, anchors: torch.Tensor, vocab_s
         steps = [logits for logits, _ in steps]
     probs = torch.stack(steps, dim=1).float().softmax(-1)
     if head.draft_to_target is not None:  # the proposer's are over the target's vocabulary
-        probs = probs.new_zeros(*probs.shape[:2], vocab_size).index_copy_(
-            -1, head.draft_to_target, probs)
+        probs = probs.new_zeros(*probs.shape[:2], vocab_size).index_copy_(-1, head.draft_to_target, probs)
     return probs
 
 
@@ -90,7 +73,7 @@ def test_training_computes_what_the_proposer_drafts(method, trained, corpus):
             expected = _training_probs(method, trainer, head, batch, anchors, corpus[3].vocab_size)
         ids = batch.token_ids[0].tolist()
         for i, t in enumerate(anchors.tolist()):
-            draft = proposer.propose([DraftRequest(0, ids[:t + 2], STEPS, batch.hidden[0, :t + 1])])[0]
+            draft = proposer.propose([DraftRequest(0, ids[: t + 2], STEPS, batch.hidden[0, : t + 1])])[0]
             proposer.release(0)
             assert len(draft.token_ids) == STEPS
             for d in range(STEPS):
@@ -102,13 +85,14 @@ def test_training_computes_what_the_proposer_drafts(method, trained, corpus):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_heads_learn_and_load_with_the_methods_loader(method, trained, corpus, target_dir):  # noqa: F811
+def test_heads_learn_and_load_with_the_methods_loader(method, trained, corpus, target_dir):
     path, head, before, after = trained[method]
     assert after["step_accuracy"][0] > before["step_accuracy"][0] + 0.1, (before, after)
     assert after["estimated_acceptance_length"] > before["estimated_acceptance_length"] + 0.1
 
-    config = SpeculativeConfig.from_json({"method": method, "model": str(path), "num_speculative_tokens": STEPS},
-                                         target_model=str(target_dir))
+    config = SpeculativeConfig.from_json(
+        {"method": method, "model": str(path), "num_speculative_tokens": STEPS}, target_model=str(target_dir)
+    )
     proposer = build_proposer(config, max_model_len=512, target_model=target_dir, dtype="float32")
     assert type(proposer) is proposer_class(method)
     # Every weight the loader ends up with is the trained one (stored in bfloat16).
@@ -123,24 +107,8 @@ def test_heads_learn_and_load_with_the_methods_loader(method, trained, corpus, t
     batch = _held_out_batches(corpus, proposer.hidden_layer_ids)[0]
     n = int(batch.valid.sum())
     ids = batch.token_ids[0, :n].tolist()
-    drafts = proposer.propose([DraftRequest(1, ids, STEPS, batch.hidden[0, :n - 1])])[0].token_ids
+    drafts = proposer.propose([DraftRequest(1, ids, STEPS, batch.hidden[0, : n - 1])])[0].token_ids
     assert len(drafts) == STEPS and all(0 <= d < corpus[3].vocab_size for d in drafts)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_trained_heads_serve_losslessly(method, trained, target_dir, tmp_path):  # noqa: F811
-    """Through the real server: greedy output is the target's own, with drafts accepted
-    (greedy drafts: the tiny heads' distributions are too flat for sampled drafts to be
-    accepted reliably in a few dozen tokens)."""
-    from tests.conftest import start_server
-    from tests.head_server import check_served_greedy
-
-    config = {"method": method, "model": str(trained[method][0]), "num_speculative_tokens": STEPS}
-    server = start_server(tmp_path, str(target_dir), json.dumps(config))
-    try:
-        check_served_greedy(server, target_dir)
-    finally:
-        server.stop()
 
 
 def test_the_published_layouts(trained, corpus):

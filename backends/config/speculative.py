@@ -17,30 +17,38 @@ Deliberate differences from vLLM:
   would coerce both). Every error is a ``SpeculativeConfigError`` (a ``ValueError``);
   step 10 of auto-detection also is a ``NotImplementedError``, like vLLM's.
 * A top-level key given both kebab- and snake-case is an error rather than last-one-wins.
+* Fields this server accepts but does not act on (``NO_EFFECT_FIELDS`` and a few
+  method-dependent ones) are logged when set, listed in ``no_effect_fields`` and marked in
+  :meth:`SpeculativeConfig.explain`.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import keyword
 import logging
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from backends.config.detect import (
+    DSPARK_ARCHS,
+    MTP_MODEL_TYPES,
+    MULTI_STEP_MTP_TYPES,
+    as_eagle_config,
+    aux_layer_ids,
+    detect_method,
+    hf_config_override,
+    hf_lookup,
+    is_custom_proposer_path,
+    speculators_draft_config,
+    speculators_spec,
+)
+from backends.config.errors import SpeculativeConfigError
+
 logger = logging.getLogger(__name__)
 
-# MTPModelTypes at c314af1 except the plain "mtp" (§2.2): legacy method names and the
-# model_types that make auto-detection pick mtp.
-MTP_MODEL_TYPES = (
-    "deepseek_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
-    "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp", "exaone4_5_mtp",
-    "qwen3_next_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "minimax_m3_mtp",
-    "bailing_hybrid_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "gemma4_mtp",
-    "inkling_mtp",
-)
 METHODS = (
     "ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle",
     "eagle3", "extract_hidden_states", "mtp", *MTP_MODEL_TYPES, "dflash", "ngram_gpu", "dspark",
@@ -48,26 +56,18 @@ METHODS = (
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
-# Methods whose explicit value auto-detection never overrides (§2.3 D step 1).
-_STICKY_METHODS = ("eagle", "eagle3", "dflash", "dspark")
+# Accepted for vLLM compatibility but read by nothing in this server (checked against
+# backends/): setting one is logged as having no effect.
+NO_EFFECT_FIELDS = (
+    "attention_backend", "kv_cache_dtype", "enforce_eager", "moe_backend", "revision",
+    "code_revision", "disable_padded_drafter_batch", "use_local_argmax_reduction",
+    "parallel_drafting", "draft_load_config",
+)
+
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp", "dflash", "dspark")
-_DSPARK_ARCHS = ("Qwen3DSparkModel", "Gemma4DSparkModel")
-# MTP types for which K > 1 does not mean "run the same MTP layer K times" (§2.3 step 8).
-_MULTI_STEP_MTP_TYPES = ("step3p5_mtp", "inkling_mtp")
-# vLLM's MiMo-V2 MTP constant: only the first MTP layer is supported.
-_MIMO_V2_N_PREDICT = 1
-# speculators_model_type -> method (§2.1); peagle is EAGLE-3 with parallel drafting.
-_SPECULATORS_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "peagle": "eagle3",
-                        "dflash": "dflash", "dspark": "dspark"}
+# Methods that load no draft network, so a draft tensor-parallel size means nothing to them.
+_MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix", "extract_hidden_states")
 _BATCH_SCHEDULE = "num_speculative_tokens_per_batch_size"
-
-
-class SpeculativeConfigError(ValueError):
-    """An invalid speculative config; the message names the offending field."""
-
-
-class UnsupportedSpeculativeMethodError(SpeculativeConfigError, NotImplementedError):
-    """Auto-detection found no method (vLLM raises NotImplementedError here)."""
 
 
 @dataclass
@@ -117,6 +117,7 @@ class SpeculativeConfig:
     target_hf_config: dict[str, Any] = field(default_factory=dict, init=False)
     draft_hf_config: dict[str, Any] | None = field(default=None, init=False)
     warnings: list[str] = field(default_factory=list, init=False)
+    no_effect_fields: list[str] = field(default_factory=list, init=False)
 
     # ------------------------------------------------------------------ construction
 
@@ -145,7 +146,7 @@ class SpeculativeConfig:
                                 target_tensor_parallel_size: int = 1) -> SpeculativeConfig:
         """Serve a speculators-format drafter directory: its verifier becomes the target."""
         raw = _read_model_config(target_dir, "target_model")
-        spec, verifier = _speculators_spec(raw, target_dir)
+        spec, verifier = speculators_spec(raw, target_dir)
         cfg = cls(**spec, model=target_dir, target_model=verifier,
                   target_max_model_len=target_max_model_len,
                   target_tensor_parallel_size=target_tensor_parallel_size)
@@ -156,11 +157,13 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         # vLLM order (§2.2): field checks, then __post_init__ resolution, then _verify_args.
         self._validate_fields()
+        given = self._non_default_values()  # before resolution sets some of them itself
         self.target_hf_config = _read_model_config(self.target_model, "target_model")
         if self.target_max_model_len is None:
             self.target_max_model_len = _max_position_embeddings(self.target_hf_config)
         self._resolve_method()
         self._verify_args()
+        self._flag_no_effect(given)
 
     # ------------------------------------------------------------------ step 1: fields
 
@@ -223,7 +226,7 @@ class SpeculativeConfig:
         # A. infer a missing method
         if self.method is not None:
             how = "explicit method"
-        elif _is_custom_proposer_path(self.model):
+        elif is_custom_proposer_path(self.model):
             self.method, how = "custom_class", f"model {self.model!r} is a dotted class path"
         elif self.model in ("ngram", "[ngram]"):
             self.method, how = "ngram", f"model {self.model!r}"
@@ -317,15 +320,12 @@ class SpeculativeConfig:
         hf = {**self.target_hf_config, **self._user_overrides(),
               "architectures": ["ExtractHiddenStatesModel"]}
         ids = hf.get("eagle_aux_hidden_state_layer_ids")
-        if not ids:
-            raise SpeculativeConfigError(
-                "eagle_aux_hidden_state_layer_ids must be set in the draft model config for "
-                "extract_hidden_states method")
         if self.num_speculative_tokens not in (None, 1):
             raise SpeculativeConfigError(
                 "num_speculative_tokens must be 1 for extract_hidden_states, got "
                 f"{self.num_speculative_tokens}")
-        self.eagle_aux_hidden_state_layer_ids = list(ids)
+        # Missing ids are accepted here, as in vLLM: building the extractor refuses them.
+        self.eagle_aux_hidden_state_layer_ids = list(ids) if ids else None
         self.draft_hf_config = hf
 
     def _resolve_draft(self, how: str) -> str:
@@ -335,11 +335,11 @@ class SpeculativeConfig:
             return how
         raw = _read_model_config(self.model, "model")
         if "speculators_model_type" in raw:
-            raw = _speculators_draft_config(raw, self.model)
+            raw = speculators_draft_config(raw, self.model)
         raw = {**raw, **self._user_overrides()}
         if self.method == "medusa":
             hf = {**raw, "model_type": "medusa"}  # old FasterDecoding checkpoints lack it
-            target_vocab = _lookup(self.target_hf_config, "vocab_size")
+            target_vocab = hf_lookup(self.target_hf_config, "vocab_size")
             if target_vocab is not None and hf.get("vocab_size") != target_vocab:
                 hf.update(vocab_size=target_vocab, truncated_vocab_size=target_vocab)
             rewritten = ""
@@ -350,18 +350,18 @@ class SpeculativeConfig:
 
         archs = list(hf.get("architectures") or [])
         model_type = hf.get("model_type")
-        self.method, how = _detect_method(self.method, self.model.lower(), archs, model_type, how)
+        self.method, how = detect_method(self.method, self.model.lower(), archs, model_type, how)
         how += rewritten
         k = self.num_speculative_tokens
         if (self.method == "mtp" and k is not None and k > 1
-                and model_type not in _MULTI_STEP_MTP_TYPES):
+                and model_type not in MULTI_STEP_MTP_TYPES):
             self._warn("Enabling num_speculative_tokens > 1 will run multiple times of forward "
                        "on same MTP layer, which may result in lower acceptance rate")
 
         if self.method in ("eagle", "eagle3", "dflash"):
-            hf = _as_eagle_config(hf, self.method)
+            hf = as_eagle_config(hf, self.method)
         if self.method == "dspark":
-            if not set(archs) & set(_DSPARK_ARCHS):  # the DeepSeek-V4 bundled drafter
+            if not set(archs) & set(DSPARK_ARCHS):  # the DeepSeek-V4 bundled drafter
                 hf.update(model_type="deepseek_v4", architectures=["DSparkDraftModel"])
             elif "Gemma4DSparkModel" in archs:
                 hf.setdefault("dspark_target_layer_ids", hf.get("target_layer_ids"))
@@ -403,7 +403,7 @@ class SpeculativeConfig:
         self.draft_max_model_len = _draft_max_model_len(
             self.max_model_len, _max_position_embeddings(hf), self.target_max_model_len)
         if self.method in ("eagle3", "dflash", "dspark"):
-            self.eagle_aux_hidden_state_layer_ids = _aux_layer_ids(hf, self.target_hf_config)
+            self.eagle_aux_hidden_state_layer_ids = aux_layer_ids(hf, self.target_hf_config)
         self.draft_hf_config = hf
         return how
 
@@ -456,8 +456,8 @@ class SpeculativeConfig:
                     "use_heterogeneous_vocab currently only supports greedy draft sampling "
                     f"(draft_sample_method='greedy'), got '{self.draft_sample_method}'")
         elif self.method == "draft_model":
-            target = _lookup(self.target_hf_config, "vocab_size")
-            draft = _lookup(self.draft_hf_config or {}, "vocab_size")
+            target = hf_lookup(self.target_hf_config, "vocab_size")
+            draft = hf_lookup(self.draft_hf_config or {}, "vocab_size")
             if target is not None and draft is not None and target != draft:
                 raise SpeculativeConfigError(
                     "Target and draft model should have the same vocabulary size. Target model "
@@ -509,31 +509,12 @@ class SpeculativeConfig:
 
     def num_tokens_for_request(self, requested: int | None) -> int:
         """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
-        if requested is None:
-            return self.num_speculative_tokens
-        if not _is_int(requested):
-            raise SpeculativeConfigError(
-                f"num_draft_tokens: input should be a valid integer, got {requested!r}")
-        if not 0 <= requested <= self.num_speculative_tokens:
-            raise SpeculativeConfigError(
-                f"num_draft_tokens={requested} must be in [0, {self.num_speculative_tokens}] "
-                "(the configured num_speculative_tokens)")
-        return requested
+        return request_num_tokens(self.num_speculative_tokens, requested)
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the §7 dynamic schedule (the configured K without)."""
-        if not _is_int(batch_size) or batch_size < 1:
-            raise SpeculativeConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        k = self.num_speculative_tokens
-        if self.num_speculative_tokens_per_batch_size is None:
-            return k
-        chosen = k
-        # Ranges are sorted and the first starts at 1; gaps and the tail keep the last K.
-        for start, _end, range_k in self.num_speculative_tokens_per_batch_size:
-            if start > batch_size:
-                break
-            chosen = min(range_k, k)
-        return chosen
+        return batch_num_tokens(self.num_speculative_tokens,
+                                self.num_speculative_tokens_per_batch_size, batch_size)
 
     # ------------------------------------------------------------------ §2.5 helpers
 
@@ -608,223 +589,72 @@ class SpeculativeConfig:
             lines.append(f"{name}: {summary or '(none read)'}")
         for warning in values.pop("warnings"):
             lines.append(f"warning: {warning}")
-        lines += [f"{name}: {value!r}" for name, value in values.items()]
+        ignored = {*NO_EFFECT_FIELDS, *values.pop("no_effect_fields")}
+        lines += [f"{name}: {value!r}" + (" (no effect here)" if name in ignored else "")
+                  for name, value in values.items()]
         return "\n".join(lines)
 
     def _warn(self, message: str) -> None:
         logger.warning(message)
         self.warnings.append(message)
 
+    # ------------------------------------------------------------------ no-effect fields
 
-# ---------------------------------------------------------------------- auto-detection
+    def _non_default_values(self) -> dict[str, Any]:
+        """The user-settable fields whose value is not the default."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.init and getattr(self, f.name) != f.default}
 
+    def _flag_no_effect(self, given: dict[str, Any]) -> None:
+        """One warning per field set here that this server accepts but does not act on."""
+        for name in NO_EFFECT_FIELDS:
+            if name in given:
+                self._no_effect(name, given[name], "accepted for vLLM compatibility")
+        if self.rejection_sample_method == "block":
+            self._no_effect("rejection_sample_method", "block",
+                            "standard rejection sampling runs, lossless like block")
+        tp = given.get("draft_tensor_parallel_size")
+        if tp is not None and tp > 1 and self.method in _MODEL_FREE_METHODS:
+            self._no_effect("draft_tensor_parallel_size", tp,
+                            f"method {self.method!r} loads no draft model")
+        if "quantization" in given and self.method not in ("draft_model", "custom_class"):
+            self._no_effect("quantization", given["quantization"],
+                            "only draft_model quantizes its draft")
 
-def _detect_method(method: str, name: str, archs: list[str], model_type: str | None,
-                   how: str) -> tuple[str, str]:
-    """§2.3 D steps 1-10: (method, reason). ``name`` is the lower-cased model path."""
-    if method in _STICKY_METHODS:
-        return method, how
-    for needle, detected in (("eagle-", "eagle"), ("eagle3", "eagle3"),
-                             ("dflash", "dflash"), ("dspark", "dspark")):
-        if needle in name:
-            return detected, f"name contains '{needle}'"
-    for arch in archs:
-        if arch in _DSPARK_ARCHS:
-            return "dspark", f"draft architecture '{arch}'"
-    if model_type in ("medusa", "mlp_speculator"):
-        return model_type, f"draft model_type '{model_type}'"
-    if model_type == "mtp" or model_type in MTP_MODEL_TYPES:
-        return "mtp", f"draft model_type '{model_type}'"
-    if method == "draft_model":
-        return method, how
-    raise UnsupportedSpeculativeMethodError(f"Unsupported speculative method: '{method}'")
-
-
-def _is_custom_proposer_path(model: str | None) -> bool:
-    """A dotted import path like ``my_module.MyProposer`` (no URL, no '/')."""
-    if model is None or model.startswith(("http://", "https://", "file://")) or "/" in model:
-        return False
-    parts = model.split(".")
-    return len(parts) >= 2 and all(p.isidentifier() and not keyword.iskeyword(p) for p in parts)
+    def _no_effect(self, name: str, value: Any, why: str) -> None:
+        self.no_effect_fields.append(name)
+        self._warn(f"{name}={value!r} has no effect on this server ({why})")
 
 
-def _as_eagle_config(hf: dict[str, Any], method: str) -> dict[str, Any]:
-    """Wrap a plain LM config as vLLM's EAGLEConfig: model_type 'eagle', prefixed archs."""
-    if hf.get("model_type") == "eagle" or "speculators_model_type" in hf:
-        return hf
-    prefix = {"eagle": "Eagle", "eagle3": "Eagle3", "dflash": "DFlash"}[method]
-
-    def rename(arch: str) -> str:
-        keep = arch.startswith(prefix) or (method != "eagle" and arch.endswith(prefix))
-        return arch if keep else prefix + arch
-
-    return {**hf, "model_type": "eagle",
-            "architectures": [rename(a) for a in hf.get("architectures") or []]}
+# ---------------------------------------------------------------------- K per request / batch
 
 
-def _aux_layer_ids(hf: dict[str, Any], target_hf: dict[str, Any]) -> list[int] | None:
-    """§3.6: the target layers whose hidden states feed the drafter (first source wins)."""
-    eagle_config = hf.get("eagle_config") or {}
-    if eagle_config.get("use_aux_hidden_state") is False:
-        return None  # single-hidden EAGLE-3 variant
-    if hf.get("eagle_aux_hidden_state_layer_ids"):
-        return list(hf["eagle_aux_hidden_state_layer_ids"])
-    dflash_config = hf.get("dflash_config") or {}
-    # 0-based layer indices name the layer; aux id k is the stream *after* k layers.
-    for ids in (dflash_config.get("target_layer_ids"), hf.get("dspark_target_layer_ids"),
-                hf.get("target_layer_ids")):
-        if ids:
-            return [i + 1 for i in ids]
-    for ids in (dflash_config.get("layer_ids"), eagle_config.get("layer_ids")):
-        if ids:
-            return list(ids)
-    layers = _lookup(target_hf, "num_hidden_layers")
-    return [2, layers // 2, layers - 3] if layers else None
-
-
-# ---------------------------------------------------------------------- §2.6
-
-
-def hf_config_override(config: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite a target-family checkpoint config into its MTP-draft form (§2.6).
-
-    Configs that match no row are returned unchanged (as a copy).
-    """
-    cfg = dict(config)
-    model_type = cfg.get("model_type") or ""
-    archs = set(cfg.get("architectures") or [])
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
-    nextn = _lookup(cfg, "num_nextn_predict_layers")
-
-    def mtp(new_type: str, n_predict: Any, arch: str | None = None,
-            base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-        out = {**(cfg if base is None else base), "model_type": new_type, "n_predict": n_predict,
-               **extra}
-        if arch is not None:
-            out["architectures"] = [arch]
-        return out
-
-    nemotron = ("nemotron_h", "nemotron_h_puzzle")
-    step = ("step3p5", "step3p7")
-    if model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
-        return mtp("deepseek_mtp", nextn, "DeepSeekMTPModel")
-    if model_type == "deepseek_v4":
-        return mtp("deepseek_mtp", nextn, "DeepSeekV4MTPModel")
-    if model_type == "pangu_ultra_moe":
-        return mtp("pangu_ultra_moe_mtp", nextn)
-    if "MiMoForCausalLM" in archs:
-        return mtp("mimo_mtp", nextn, num_hidden_layers=0)
-    if archs & {"MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM", "MiMoV2FlashForCausalLM"}:
-        return mtp("mimo_v2_mtp", _MIMO_V2_N_PREDICT)
-    for arch, new_type in (("Glm4MoeForCausalLM", "glm4_moe_mtp"),
-                           ("Glm4MoeLiteForCausalLM", "glm4_moe_lite_mtp"),
-                           ("GlmOcrForConditionalGeneration", "glm_ocr_mtp")):
-        if arch in archs:
-            return mtp(new_type, nextn)
-    if model_type == "ernie4_5_moe":
-        return mtp("ernie_mtp", nextn)
-    if model_type in nemotron or text.get("model_type") in nemotron:
-        base = cfg if model_type in nemotron else text  # a VL wrapper: promote its text_config
-        layers = base.get("num_nextn_predict_layers") or 0
-        if layers > 0:
-            return mtp("nemotron_h_mtp", layers, base=base)
-    if model_type == "qwen3_next":
-        return mtp("qwen3_next_mtp", nextn)
-    if model_type == "bailing_hybrid" or "BailingMoeV2_5ForCausalLM" in archs:
-        return mtp("bailing_hybrid_mtp", nextn)
-    if model_type == "exaone_moe":
-        return mtp("exaone_moe_mtp", nextn)
-    if "exaone4_5" in model_type:
-        return mtp("exaone4_5_mtp", nextn)
-    if model_type in ("qwen3_5", "qwen3_5_moe", "intern_s2_preview"):
-        return mtp("qwen3_5_mtp", _lookup(cfg, "mtp_num_hidden_layers"))
-    if model_type in ("longcat_flash", "longcat_flash_ngram"):
-        return mtp("longcat_flash_mtp", nextn or 1)
-    if model_type in step or text.get("model_type") in step:
-        base = text or cfg
-        return mtp("step3p5_mtp", base.get("num_nextn_predict_layers") or 1, base=base)
-    if model_type == "hy_v3":
-        return mtp("hy_v3_mtp", nextn)
-    if model_type in ("inkling_mm_model", "inkling_model"):
-        layers = (cfg.get("mtp_config") or {}).get("num_nextn_predict_layers") or 0
-        if layers < 1:
-            raise SpeculativeConfigError("The Inkling checkpoint does not contain MTP weights "
-                                         "(mtp_config.num_nextn_predict_layers < 1)")
-        return mtp("inkling_mtp", layers)
-    if model_type in ("gemma4_assistant", "gemma4_unified_assistant"):
-        return mtp("gemma4_mtp", 1, num_kv_shared_layers=0)
-    if model_type in ("minimax_m3_vl", "minimax_m3_mtp") or any(
-            a.startswith("MiniMaxM3Sparse") for a in archs):
-        return mtp("minimax_m3_mtp", _lookup(cfg, "num_mtp_modules"))
-    if "MistralLarge3ForCausalLM" in archs:
-        # model_type is kept, so detection stays name-based.
-        return {**cfg, "architectures": ["EagleMistralLarge3ForCausalLM"]}
-    return cfg
-
-
-# ---------------------------------------------------------------------- speculators (§2.1)
-
-
-def _speculators_spec(cfg: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
-    """The speculative config a speculators-format checkpoint implies, and its verifier."""
-    try:
-        speculators = cfg["speculators_config"]
-        methods = speculators["proposal_methods"]
-        verifier = speculators["verifier"]["name_or_path"]
-        kind = cfg["speculators_model_type"]
-    except (KeyError, TypeError) as e:
+def request_num_tokens(k: int, requested: int | None) -> int:
+    """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
+    if requested is None:
+        return k
+    if not _is_int(requested):
         raise SpeculativeConfigError(
-            f"Invalid speculators config structure in {path!r}: missing {e}") from e
-    if "transformer_layer_config" not in cfg:
-        raise SpeculativeConfigError("Must provide transformer_layer_config")
-    if not isinstance(cfg["transformer_layer_config"], dict):
-        raise SpeculativeConfigError("transformer_layer_config must be a dictionary")
-    if not methods or not isinstance(methods, list):
-        raise SpeculativeConfigError("No proposal methods found in speculators config")
-    first = methods[0] if isinstance(methods[0], dict) else {}
-    if first.get("speculative_tokens") is None:
+            f"num_draft_tokens: input should be a valid integer, got {requested!r}")
+    if not 0 <= requested <= k:
         raise SpeculativeConfigError(
-            f"Missing 'speculative_tokens' in proposal method. Got: {methods[0]}")
-    if kind not in _SPECULATORS_METHODS:
-        raise SpeculativeConfigError(
-            f"speculators_model_type={kind!r} is not supported; expected one of "
-            f"{sorted(_SPECULATORS_METHODS)}")
-    spec: dict[str, Any] = {"method": _SPECULATORS_METHODS[kind],
-                            "num_speculative_tokens": first["speculative_tokens"]}
-    if kind == "peagle":
-        spec["parallel_drafting"] = True
-    return spec, verifier
+            f"num_draft_tokens={requested} must be in [0, {k}] "
+            "(the configured num_speculative_tokens)")
+    return requested
 
 
-def _speculators_draft_config(cfg: dict[str, Any], path: str) -> dict[str, Any]:
-    """The draft config vLLM builds from a speculators-format directory (§2.1 rewrites)."""
-    layer = cfg.get("transformer_layer_config") or {}
-    hf = {**layer, **{k: v for k, v in cfg.items() if k != "transformer_layer_config"}}
-    kind = cfg.get("speculators_model_type")
-    aux = cfg.get("aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
-    if kind in ("eagle3", "peagle"):
-        qwen3 = layer.get("model_type") == "qwen3"
-        hf["architectures"] = ["Eagle3Qwen3ForCausalLM" if qwen3 else "Eagle3LlamaForCausalLM"]
-        hf.setdefault("norm_before_residual", True)  # the speculators default
-        if kind == "peagle" and "mask_token_id" in hf:
-            hf["pard_token"] = hf.pop("mask_token_id")
-    elif kind == "dflash":
-        dflash_config = dict(hf.get("dflash_config") or {})
-        mask = dflash_config.get("mask_token_id", hf.get("mask_token_id"))
-        if mask is None:
-            raise SpeculativeConfigError(
-                f"mask_token_id is required in the speculators dflash config of {path!r}")
-        dflash_config.update(mask_token_id=mask)
-        dflash_config.setdefault("sample_from_anchor", False)
-        if aux:
-            dflash_config["target_layer_ids"] = [a - 1 for a in aux]
-        hf.update(architectures=["DFlashDraftModel"], dflash_config=dflash_config)
-    elif kind == "dspark":
-        hf["architectures"] = ["Qwen3DSparkModel"]
-        hf.setdefault("sample_from_anchor", False)
-        if aux:
-            hf["target_layer_ids"] = [a - 1 for a in aux]
-    return hf
+def batch_num_tokens(k: int, schedule: list[tuple[int, int, int]] | None,
+                     batch_size: int) -> int:
+    """K for a batch of this size under a validated §7 schedule (``k`` without one)."""
+    if not _is_int(batch_size) or batch_size < 1:
+        raise SpeculativeConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    chosen = k
+    # Ranges are sorted and the first starts at 1; gaps and the tail keep the last K.
+    for start, _end, range_k in schedule or ():
+        if start > batch_size:
+            break
+        chosen = min(range_k, k)
+    return chosen
 
 
 # ---------------------------------------------------------------------- parsing helpers
@@ -919,21 +749,13 @@ def _read_model_config(path: str | None, field_name: str) -> dict[str, Any]:
     return config
 
 
-def _lookup(cfg: dict[str, Any], key: str) -> Any:
-    """A config value, falling back to the text_config of multimodal wrappers."""
-    if cfg.get(key) is not None:
-        return cfg[key]
-    text = cfg.get("text_config")
-    return text.get(key) if isinstance(text, dict) else None
-
-
 def _text_model_type(cfg: dict[str, Any]) -> str | None:
     text = cfg.get("text_config")
     return text.get("model_type") if isinstance(text, dict) else cfg.get("model_type")
 
 
 def _max_position_embeddings(cfg: dict[str, Any]) -> int | None:
-    return _lookup(cfg, "max_position_embeddings")
+    return hf_lookup(cfg, "max_position_embeddings")
 
 
 def _draft_max_model_len(spec: int | None, draft: int | None, target: int | None) -> int | None:

@@ -1,0 +1,86 @@
+"""The resolved runtime config a proposer is built from: what a :class:`SpeculativeConfig`
+decided, without its vLLM parsing state, so no loader parses the JSON or re-reads the
+draft's ``config.json`` (``draft_hf_config`` is the one read during resolution, with
+``hf_overrides`` and vLLM's rewrites applied). Field names are the SpeculativeConfig ones.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from backends.config.speculative import SpeculativeConfig, batch_num_tokens, request_num_tokens
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """What one proposer needs, resolved once at load. Build it with :meth:`from_speculative`."""
+
+    method: str
+    model: str | None  # draft model or head path; the method name for model-free methods
+    num_speculative_tokens: int  # k
+    # The draft's config.json as resolved (a copy of the SpeculativeConfig's). For ngram and
+    # custom_class it is the target's, for extract_hidden_states the target's plus the ids.
+    draft_hf_config: dict[str, Any]
+    draft_sample_method: str = "greedy"
+    # (start, end, k) batch-size ranges of vLLM's dynamic schedule (§7); None: always k.
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int = 1
+    # Target layers whose hidden states the drafter takes (eagle3, dflash, dspark) or
+    # extracts (extract_hidden_states): verifier numbering, see backends/serving/target.py.
+    eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: tuple[float, ...] | None = None  # per position, synthetic only
+    use_heterogeneous_vocab: bool = False
+    hf_overrides: dict[str, Any] | None = None  # keys over a checkpoint's own config.json (dflash/dspark)
+    max_model_len: int | None = None  # the drafter's context window (§2.5), None if unknown
+    # Method-specific knobs, passed through unchanged (defaults: SpeculativeConfig's).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = SpeculativeConfig.suffix_decoding_max_tree_depth
+    suffix_decoding_max_cached_requests: int = SpeculativeConfig.suffix_decoding_max_cached_requests
+    suffix_decoding_max_spec_factor: float = SpeculativeConfig.suffix_decoding_max_spec_factor
+    suffix_decoding_min_token_prob: float = SpeculativeConfig.suffix_decoding_min_token_prob
+
+    @classmethod
+    def from_speculative(cls, config: SpeculativeConfig) -> DrafterConfig:
+        """The runtime config of a resolved :class:`SpeculativeConfig`."""
+        max_len = config.draft_max_model_len
+        return cls(
+            method=config.method,
+            model=config.model,
+            num_speculative_tokens=config.num_speculative_tokens,
+            draft_hf_config=copy.deepcopy(config.draft_hf_config or {}),
+            draft_sample_method=config.draft_sample_method,
+            num_speculative_tokens_per_batch_size=_as_tuple(
+                config.num_speculative_tokens_per_batch_size),
+            quantization=config.quantization,
+            draft_tensor_parallel_size=config.draft_tensor_parallel_size or 1,
+            eagle_aux_hidden_state_layer_ids=_as_tuple(config.eagle_aux_hidden_state_layer_ids),
+            rejection_sample_method=config.rejection_sample_method,
+            synthetic_acceptance_rates=_as_tuple(config.synthetic_acceptance_rates),
+            use_heterogeneous_vocab=config.use_heterogeneous_vocab,
+            hf_overrides=copy.deepcopy(config.hf_overrides),
+            # Model-free methods have no draft length of their own: the target's bounds them.
+            max_model_len=config.target_max_model_len if max_len is None else max_len,
+            prompt_lookup_min=config.prompt_lookup_min,
+            prompt_lookup_max=config.prompt_lookup_max,
+            suffix_decoding_max_tree_depth=config.suffix_decoding_max_tree_depth,
+            suffix_decoding_max_cached_requests=config.suffix_decoding_max_cached_requests,
+            suffix_decoding_max_spec_factor=config.suffix_decoding_max_spec_factor,
+            suffix_decoding_min_token_prob=config.suffix_decoding_min_token_prob,
+        )
+
+    def num_tokens_for_request(self, requested: int | None) -> int:
+        """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
+        return request_num_tokens(self.num_speculative_tokens, requested)
+
+    def num_tokens_for_batch_size(self, batch_size: int) -> int:
+        """K for a batch of this size under the dynamic schedule (k without one)."""
+        return batch_num_tokens(self.num_speculative_tokens,
+                                self.num_speculative_tokens_per_batch_size, batch_size)
+
+
+def _as_tuple(values: list[Any] | None) -> tuple[Any, ...] | None:
+    return None if values is None else tuple(values)

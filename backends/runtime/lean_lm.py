@@ -1,0 +1,484 @@
+"""Lean batched forward for Llama-style decoders (Llama/SmolLM2, Qwen2, Qwen3, Mistral without
+sliding window) over the paged KV pool of ``kv_cache.py``.
+
+One ``forward`` call runs a ragged batch: every row brings its own new tokens (a prompt chunk, one
+token, k+1 tokens to verify) and attends over its own cached tokens plus those new tokens (causal
+among them by default, or any given ``[n, n]`` mask for trees). New K/V are written into the row's
+pool slots first; after the call the row's cached length has grown by n, and a caller that rejects
+drafts rolls back with ``pool.truncate``.
+
+How it is laid out, and why (numbers: ``scripts/bench_runtime.py`` on the 2-core CPU, SmolLM2-135M
+bf16; the report of the change that added this module has the table):
+
+- Matmuls go through oneDNN with weights prepacked once at load (``mkldnn._reorder_linear_weight``,
+  ``mkldnn._linear_pointwise``). On this CPU that was the fastest path at every row count measured
+  (1 to 40 rows): the 30 layers' matmuls took ~12 ms at 1 row vs ~18 ms for ``F.linear`` /
+  ``torch.mm``, and ~12 vs ~25 ms at 5 rows. So there is one path, not one per row count. The
+  residual add of o_proj and down_proj is fused into the matmul (oneDNN binary post-op).
+- Q, K, V come from one fused projection, gate and up from another; RoPE is applied in place on
+  the q|k part of the fused output (a half-swap and a sign-folded sin, so two arithmetic kernels),
+  and K|V, adjacent in that output, are written to the pool with one ``index_copy_``.
+- Attention is SDPA with GQA folded into the query axis (the ``heads/kv_heads`` query heads that
+  share a kv head become extra query rows): SDPA with ``enable_gqa=True`` took ~120 us per call
+  for one token at 200 keys, the folded call ~27 us. Long prompt chunks (where the folded mask
+  would grow ``heads/kv_heads`` times) use ``enable_gqa`` instead.
+- Rows are grouped by their number of new tokens; each group is one SDPA call. A group of one row
+  whose blocks are contiguous (the pool hands out one run of blocks when it can) reads a view of
+  the pool: no gather, no copy. Larger groups gather their blocks per layer into a padded batch.
+- Positions default to cached length + index; explicit per-row positions are accepted (trees).
+- RoPE cos/sin come from transformers' own init functions (default, linear, dynamic, yarn,
+  llama3, longrope) computed like its rotary embedding (float32, then cast), as a table by
+  position. ``dynamic`` and ``longrope`` change frequencies past a length: they are recomputed for
+  that row from the row's own length (transformers uses the batch's, and keeps a grown table
+  after a rollback; a single sequence decoding forward gets the same numbers).
+- Hidden states use vLLM's numbering: id i < num_layers is the residual stream entering decoder
+  layer i (transformers' ``hidden_states[i]``); id num_layers or -1 is the final normed state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .kv_cache import KVCachePool, SequenceError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+# Above this many new tokens in a row, GQA is not folded into the query axis (the mask would
+# grow heads/kv_heads times, and SDPA's own GQA is as fast for long query blocks).
+FOLD_MAX_TOKENS = 64
+
+
+class UnsupportedArchitecture(ValueError):
+    """The model is not one the lean runtime runs; serve it through transformers instead."""
+
+
+@dataclass
+class Row:
+    """One sequence's part of a step.
+
+    ``mask``: ``[n, n]`` bool among the new tokens, True where token i may attend to token j
+    (default causal); every token must be allowed to see itself. ``positions``: ``[n]`` RoPE
+    positions (default: cached length + index).
+    """
+
+    seq_id: Hashable
+    token_ids: torch.Tensor | Sequence[int]
+    mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+@dataclass
+class StepOutput:
+    """Per row, in the order of the rows given: logits ``[m, vocab]`` of the row's last m new
+    tokens, and ``{layer id as asked: [n, hidden]}`` over all n new tokens."""
+
+    logits: list[torch.Tensor]
+    hidden: list[dict[int, torch.Tensor]]
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the lean runtime cannot run this transformers config, or None when it can."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    if model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return f"sliding window attention (sliding_window={config.sliding_window})"
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return "sliding window attention on some layers (use_sliding_window)"
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") not in _ROPE_TYPES:
+        return f"rope_type {rope.get('rope_type')!r}"
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        return "partial rotary embeddings"
+    return None
+
+
+class _Linear:
+    """y = x W^T + b on a weight prepacked for oneDNN (optionally + residual, fused)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: _Linear
+    qk_norm: torch.Tensor | None  # Qwen3: [heads + kv_heads, head_dim] per-head RMSNorm weights
+    o: _Linear
+    mlp_norm: torch.Tensor
+    gate_up: _Linear
+    down: _Linear
+
+
+def _default_rope(config, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
+    # transformers keeps the plain RoPE formula on each model's rotary class, not in ROPE_INIT_FUNCTIONS
+    dim = _head_dim(config)
+    base = config.rope_parameters["rope_theta"]
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class _Rope:
+    """cos and sign-folded sin by position, computed as transformers' rotary embedding does."""
+
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+        rope = config.rope_parameters
+        kind = rope["rope_type"]
+        self.init_fn = _default_rope if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
+        # dynamic / longrope switch frequencies once a sequence is longer than this
+        self.limit = {"dynamic": config.max_position_embeddings}.get(kind)
+        if kind == "longrope":
+            self.limit = rope["original_max_position_embeddings"]
+        self.inv_freq, self.scale = self.init_fn(config)
+        self.cos, self.sin = self._table(torch.arange(self.limit or config.max_position_embeddings))
+
+    def _table(self, positions: torch.Tensor, inv_freq=None, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        scale = self.scale if scale is None else scale
+        freqs = positions[:, None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * scale).to(self.dtype)
+        sin = (emb.sin() * scale).to(self.dtype)
+        # rotate_half(x) * sin == swap_halves(x) * [-sin_lo, sin_hi]
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
+        return cos, sin
+
+    def lookup(self, positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[len(positions), head_dim]`` for a row whose sequence is ``seq_len`` long."""
+        if self.limit is not None and seq_len > self.limit:
+            inv_freq, scale = self.init_fn(self.config, None, seq_len=seq_len)
+            return self._table(positions, inv_freq, scale)
+        if seq_len > self.cos.shape[0]:  # static frequencies: grow the table
+            self.cos, self.sin = self._table(torch.arange(2 * seq_len))
+        return self.cos[positions], self.sin[positions]
+
+
+@dataclass
+class _Group:
+    """Rows with the same number of new tokens, adjacent in the flat token order: one SDPA call."""
+
+    t0: int  # flat token range
+    t1: int
+    rows: int
+    n: int  # new tokens per row
+    fold: bool  # GQA folded into the query axis
+    key_len: int  # keys per row (the longest row's; shorter rows are padded and masked)
+    mask: torch.Tensor | None  # additive, [rows, 1, queries, key_len]
+    causal: bool  # no mask: plain causal attention from position 0 (unfolded only)
+    views: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer (k, v): one contiguous row
+    slots: torch.Tensor | None  # otherwise: pool slots to gather, [rows * key_len]
+
+
+@dataclass
+class _Step:
+    ids: torch.Tensor  # [T] flat new tokens, rows ordered by n
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor
+    slots: torch.Tensor  # [T] pool slot of each new token
+    groups: list[_Group]
+    spans: list[tuple[int, int]]  # flat token range of each row, in the caller's row order
+
+
+class LeanCausalLM:
+    """A decoder-only LM run by plain torch ops over a paged KV pool. Build with ``from_hf``."""
+
+    def __init__(
+        self,
+        config,
+        embed: torch.Tensor,
+        layers: list[_Layer],
+        norm: torch.Tensor,
+        lm_head: _Linear,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = dtype
+        self.num_layers = len(layers)
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.vocab_size = embed.shape[0]
+        self.eps = config.rms_norm_eps
+        self.rope = _Rope(config, dtype)
+
+    @classmethod
+    def from_hf(cls, hf_model, dtype: torch.dtype | None = None) -> LeanCausalLM:
+        """Take the weights of a loaded transformers ``*ForCausalLM`` (fused and prepacked copies;
+        the embedding is shared). Raises UnsupportedArchitecture for models it does not run."""
+        config = hf_model.config
+        reason = unsupported_reason(config)
+        if reason is not None:
+            raise UnsupportedArchitecture(f"lean runtime cannot run this model: {reason}")
+        dtype = dtype or hf_model.dtype
+
+        def w(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+            if tensors[0] is None:
+                return None
+            return torch.cat([t.detach() for t in tensors]).to(dtype)
+
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
+
+        def regroup(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+            # query heads from transformers' order (kv head major) to group-major: see _attend
+            if t is None:
+                return None
+            return (
+                t.unflatten(dim, (kv_heads, heads // kv_heads, head_dim)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+            )
+
+        layers = []
+        for layer in hf_model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qk_norm = None
+            if hasattr(a, "q_norm"):
+                qk_norm = w(a.q_norm.weight.expand(heads, -1), a.k_norm.weight.expand(kv_heads, -1))
+            q_bias = regroup(a.q_proj.bias, 0)
+            layers.append(
+                _Layer(
+                    attn_norm=w(layer.input_layernorm.weight),
+                    qkv=_Linear(
+                        w(regroup(a.q_proj.weight, 0), a.k_proj.weight, a.v_proj.weight),
+                        w(q_bias, a.k_proj.bias, a.v_proj.bias),
+                    ),
+                    qk_norm=qk_norm,
+                    o=_Linear(w(regroup(a.o_proj.weight, 1)), w(a.o_proj.bias)),
+                    mlp_norm=w(layer.post_attention_layernorm.weight),
+                    gate_up=_Linear(
+                        w(mlp.gate_proj.weight, mlp.up_proj.weight), w(mlp.gate_proj.bias, mlp.up_proj.bias)
+                    ),
+                    down=_Linear(w(mlp.down_proj.weight), w(mlp.down_proj.bias)),
+                )
+            )
+        embed = hf_model.model.embed_tokens.weight.detach().to(dtype)
+        lm_head = hf_model.lm_head
+        return cls(
+            config, embed, layers, w(hf_model.model.norm.weight), _Linear(w(lm_head.weight), w(lm_head.bias)), dtype
+        )
+
+    def new_pool(
+        self, *, capacity_tokens: int | None = None, memory_gb: float | None = None, block_size: int = 16
+    ) -> KVCachePool:
+        """A KV pool shaped for this model (one per model instance)."""
+        return KVCachePool(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            capacity_tokens=capacity_tokens,
+            memory_gb=memory_gb,
+            block_size=block_size,
+            dtype=self.dtype,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        pool: KVCachePool,
+        rows: Sequence[Row],
+        logits_rows: int | Sequence[int] = 1,
+        hidden_layers: Sequence[int] = (),
+    ) -> StepOutput:
+        """Run one ragged step; each row's cached length in ``pool`` grows by its new tokens.
+
+        ``logits_rows``: logits for the last m new tokens of each row (one int for all rows, or
+        one per row; 0 = none). ``hidden_layers``: layer ids to return hidden states of (vLLM's
+        numbering, -1 = final normed).
+        """
+        counts = [logits_rows] * len(rows) if isinstance(logits_rows, int) else list(logits_rows)
+        step = self._plan(pool, rows, counts)
+        want = {self.num_layers if i == -1 else i for i in hidden_layers}
+        if not all(0 <= i <= self.num_layers for i in want):
+            raise ValueError(f"hidden layer ids must be in [-1, {self.num_layers}], got {list(hidden_layers)}")
+        saved = {}
+        h = F.embedding(step.ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            if i in want:
+                saved[i] = h
+            h = self._layer(i, layer, h, pool.layers[i], step)
+        logits = self._logits(h, step, counts, saved, self.num_layers in want)
+        hidden = [{i: saved[self.num_layers if i == -1 else i][a:b] for i in hidden_layers} for a, b in step.spans]
+        return StepOutput(logits, hidden)
+
+    __call__ = forward
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _plan(self, pool: KVCachePool, rows: Sequence[Row], counts: list[int]) -> _Step:
+        """Check the rows, order them by new-token count, grow their lengths, build the groups."""
+        if not rows:
+            raise SequenceError("a step needs at least one row")
+        if len(counts) != len(rows):
+            raise ValueError(f"logits_rows has {len(counts)} entries for {len(rows)} rows")
+        toks = [torch.as_tensor(r.token_ids, dtype=torch.long).reshape(-1) for r in rows]
+        seen = set()
+        for r, t, m in zip(rows, toks, counts):
+            n = t.shape[0]
+            if r.seq_id in seen:
+                raise SequenceError(f"sequence {r.seq_id!r} appears twice in one step")
+            seen.add(r.seq_id)
+            if n == 0 or not 0 <= m <= n:
+                raise SequenceError(f"sequence {r.seq_id!r}: {n} new tokens, {m} logits rows asked")
+            if r.mask is not None and tuple(r.mask.shape) != (n, n):
+                raise SequenceError(f"sequence {r.seq_id!r}: mask {tuple(r.mask.shape)} for {n} new tokens")
+            if r.positions is not None and tuple(r.positions.shape) != (n,):
+                raise SequenceError(f"sequence {r.seq_id!r}: positions {tuple(r.positions.shape)} for {n} new tokens")
+            if n > pool.room(r.seq_id):
+                raise SequenceError(
+                    f"sequence {r.seq_id!r}: {pool.length(r.seq_id)} cached + {n} new tokens exceed its "
+                    f"reservation of {pool.reserved(r.seq_id)}; admit it with a larger reserve_tokens"
+                )
+
+        order = sorted(range(len(rows)), key=lambda i: toks[i].shape[0])
+        cached = {i: pool.extend(rows[i].seq_id, toks[i].shape[0]) for i in order}
+        spans: list[tuple[int, int]] = [(0, 0)] * len(rows)
+        cos, sin, slots = [], [], []
+        t = 0
+        for i in order:
+            r, n, c = rows[i], toks[i].shape[0], cached[i]
+            positions = torch.arange(c, c + n) if r.positions is None else r.positions.long()
+            row_cos, row_sin = self.rope.lookup(positions, max(c + n, int(positions.max()) + 1))
+            cos.append(row_cos)
+            sin.append(row_sin)
+            slots.append(pool.slots(r.seq_id)[c : c + n])
+            spans[i] = (t, t + n)
+            t += n
+
+        groups, start = [], 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and toks[order[end]].shape[0] == toks[order[start]].shape[0]:
+                end += 1
+            members = order[start:end]
+            groups.append(
+                self._group(
+                    pool,
+                    [rows[i] for i in members],
+                    [cached[i] for i in members],
+                    spans[members[0]][0],
+                    toks[members[0]].shape[0],
+                )
+            )
+            start = end
+
+        cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)
+        return _Step(
+            ids=cat([toks[i] for i in order]),
+            cos=cat(cos).unsqueeze(1),
+            sin=cat(sin).unsqueeze(1),
+            slots=cat(slots),
+            groups=groups,
+            spans=spans,
+        )
+
+    def _group(self, pool: KVCachePool, rows: list[Row], cached: list[int], t0: int, n: int) -> _Group:
+        lengths = [c + n for c in cached]
+        key_len = max(lengths)
+        start = pool.contiguous_start(rows[0].seq_id) if len(rows) == 1 else None
+        views = slots = None
+        if start is not None:
+            # every layer's (k, v) view of this row, made by a few ops for the whole step
+            kv = pool.kv[:, start : start + key_len].permute(2, 0, 3, 1, 4).unsqueeze(2)
+            views = list(zip(kv[0].unbind(0), kv[1].unbind(0)))  # [1, kv_heads, key_len, head_dim]
+        else:
+            # pad shorter rows by repeating their last slot; the mask hides the padding
+            slots = torch.cat(
+                [pool.slots(r.seq_id)[torch.arange(key_len).clamp_(max=L - 1)] for r, L in zip(rows, lengths)]
+            )
+        fold = n <= FOLD_MAX_TOKENS
+        custom = any(r.mask is not None for r in rows)
+        causal = not fold and not custom and all(c == 0 for c in cached)
+        mask = None
+        if not causal and (n > 1 or custom or any(L != key_len for L in lengths)):
+            mask = torch.full((len(rows), 1, n, key_len), float("-inf"), dtype=self.dtype)
+            for m, r, c in zip(mask, rows, cached):
+                m[0, :, :c] = 0
+                allowed = torch.ones(n, n, dtype=torch.bool).tril_() if r.mask is None else r.mask.bool()
+                m[0, :, c : c + n].masked_fill_(allowed, 0)
+            if fold:
+                mask = mask.repeat_interleave(self.num_heads // self.num_kv_heads, dim=2)
+        return _Group(t0, t0 + len(rows) * n, len(rows), n, fold, key_len, mask, causal and n > 1, views, slots)
+
+    def _layer(self, index: int, layer: _Layer, h: torch.Tensor, kv_layer: torch.Tensor, step: _Step) -> torch.Tensor:
+        T = h.shape[0]
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.rms_norm(h, (self.hidden_size,), layer.attn_norm, self.eps)
+        qkv = layer.qkv(x)
+        qk = qkv[:, : (heads + kv_heads) * d].view(T, heads + kv_heads, d)
+        if layer.qk_norm is not None:
+            torch.mul(F.rms_norm(qk, (d,), None, self.eps), layer.qk_norm, out=qk)
+        swapped = qk.view(T, heads + kv_heads, 2, d // 2).flip(2).view(T, heads + kv_heads, d)
+        qk.mul_(step.cos).addcmul_(swapped, step.sin)
+        kv_layer.index_copy_(0, step.slots, qkv[:, heads * d :].view(T, 2, kv_heads, d))
+        q = qkv[:, : heads * d]
+        outs = [self._attend(q[g.t0 : g.t1], g, index, kv_layer) for g in step.groups]
+        h = layer.o.add(outs[0] if len(outs) == 1 else torch.cat(outs), h)
+        x = F.rms_norm(h, (self.hidden_size,), layer.mlp_norm, self.eps)
+        gate_up = layer.gate_up(x)
+        inter = gate_up.shape[1] // 2
+        return layer.down.add(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], h)
+
+    def _attend(self, q: torch.Tensor, g: _Group, index: int, kv_layer: torch.Tensor) -> torch.Tensor:
+        """Attention of one group: q ``[rows * n, heads * head_dim]`` -> same shape.
+
+        Query heads are stored group-major (head j * kv_heads + kv uses kv head kv), so folding the
+        query heads that share a kv head into extra query rows is a view for one new token (a
+        small copy for more), and unfolding the output is a view.
+        """
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if g.views is not None:
+            k, v = g.views[index]
+        else:
+            gathered = kv_layer.index_select(0, g.slots).view(g.rows, g.key_len, 2, kv_heads, d)
+            k, v = gathered.permute(2, 0, 3, 1, 4).unbind(0)
+        if g.fold:
+            q = q.reshape(g.rows, g.n * (heads // kv_heads), kv_heads, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask)
+            return o.transpose(1, 2).reshape(g.rows * g.n, heads * d)
+        # long blocks of new tokens: SDPA's own GQA, heads back in transformers' order
+        group = heads // kv_heads
+        q = q.view(g.rows * g.n, group, kv_heads, d).transpose(1, 2).reshape(g.rows, g.n, heads, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, is_causal=g.causal, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(g.rows * g.n, kv_heads, group, d).transpose(1, 2)
+        return o.reshape(g.rows * g.n, heads * d)
+
+    def _logits(
+        self, h: torch.Tensor, step: _Step, counts: list[int], saved: dict, keep_final: bool
+    ) -> list[torch.Tensor]:
+        if keep_final:
+            saved[self.num_layers] = F.rms_norm(h, (self.hidden_size,), self.norm, self.eps)
+        if sum(counts) == 0:
+            return [h.new_empty(0, self.vocab_size) for _ in counts]
+        if len(counts) == 1:
+            picked = slice(h.shape[0] - counts[0], h.shape[0])
+        else:
+            picked = torch.cat([torch.arange(b - m, b) for (_, b), m in zip(step.spans, counts)])
+        if keep_final:
+            x = saved[self.num_layers][picked]
+        else:
+            x = F.rms_norm(h[picked], (self.hidden_size,), self.norm, self.eps)
+        return list(self.lm_head(x).split(counts))

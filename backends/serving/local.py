@@ -1,0 +1,84 @@
+"""Speculative decoding in process, without Triton: the verifier and drafter roles played by
+a TargetRunner and a DraftService directly, driven by the same `generate` loop the server
+runs. For debugging a method, for the runtime's benchmarks, and for the loop tests.
+
+    runner = TargetRunner(model_path, dtype="float32")
+    service = DraftService(build_proposer(config, max_model_len=runner.max_model_len), config)
+    ids, stats = generate_local("def add(a, b):", tokenizer, runner, service, max_tokens=32)
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from backends.config import DrafterConfig
+from backends.serving.detokenize import TextStream
+from backends.serving.drafting import DraftCall, DraftService
+from backends.serving.logits import TokenLogprob
+from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.proposer import DrafterInfo
+from backends.serving.request import GenerationRequest, SamplingParams
+from backends.serving.target import TargetRunner, VerifyRequest
+
+
+class LocalVerifier:
+    """The orchestrator's Verifier over a TargetRunner in this process."""
+
+    def __init__(self, runner: TargetRunner) -> None:
+        self.runner = runner
+
+    def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
+               draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
+               max_new_tokens: int | None = None, hidden_layer_ids: tuple[int, ...] = (),
+               ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
+        result = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling, hidden_layer_ids,
+                                                  draft_probs=draft_probs, max_new_tokens=max_new_tokens))
+        return result.token_ids, result.forward_s, result.hidden_states, result.logprobs
+
+    def release(self, seq_id: int) -> None:
+        self.runner.release(seq_id)
+
+
+class LocalDrafter:
+    """The orchestrator's Drafter over a DraftService in this process."""
+
+    def __init__(self, service: DraftService) -> None:
+        self.service = service
+        self.info = DrafterInfo(DrafterConfig.from_speculative(service.config),
+                                tuple(service.proposer.hidden_layer_ids), service.proposer.proposes_drafts)
+
+    def draft(self, seq_id: int, new_token_ids: list[int], num_tokens: int, num_accepted: int,
+              hidden_states: torch.Tensor | None = None, temperature: float = 1.0, seed: int | None = None,
+              ) -> tuple[list[int], torch.Tensor | None, float]:
+        call = DraftCall(seq_id, new_token_ids, num_tokens, hidden_states, temperature, num_accepted, seed)
+        draft = self.service.draft([call])[0]
+        return draft.token_ids, draft.probs, 0.0
+
+    def release(self, seq_id: int) -> None:
+        self.service.release(seq_id)
+
+
+def generate_local(prompt: str, tokenizer: Any, runner: TargetRunner, service: DraftService | None = None,
+                   eos_token_ids: set[int] | None = None, adaptive: bool = False,
+                   **request: Any) -> tuple[list[int], GenerationStats]:
+    """One request through the draft -> verify loop: its output ids and statistics.
+    `request`: GenerationRequest fields (max_tokens, num_draft_tokens, sampling, stop, ...);
+    `service` None decodes plainly. A fixed k by default (adaptive k follows timings)."""
+    req = GenerationRequest(prompt=prompt, **request)
+    drafter = LocalDrafter(service) if service else None
+    extract = drafter.info.hidden_layer_ids if drafter and not drafter.info.proposes_drafts else ()
+    if eos_token_ids is None:
+        eos_token_ids = {tokenizer.eos_token_id} - {None}
+    seq_id, stats, ids = random.getrandbits(63), GenerationStats(), []
+    try:
+        for step in generate(req, tokenizer(prompt)["input_ids"], seq_id, LocalVerifier(runner), drafter,
+                             TextStream(tokenizer, req.stop), eos_token_ids, runner.max_model_len, stats,
+                             adaptive=adaptive, extract_layer_ids=extract):
+            ids += step.token_ids
+    finally:
+        runner.release(seq_id)
+        if service:
+            service.release(seq_id)
+    return ids, stats

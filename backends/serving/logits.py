@@ -1,0 +1,128 @@
+"""A request's token controls applied to the target's logits inside verification, and the
+logprobs reported for the tokens it emits.
+
+Order and formulas are vLLM V1's (Sampler.apply_logits_processors): bad words, min_tokens,
+logit_bias, then the repetition, frequency and presence penalties; temperature, top-k and
+top-p follow in rejection sampling. Row j of a verify step is the position after the
+sequence so far plus drafts d_1..d_j, and it is processed with exactly that history, so
+each position sees what a plain decoding step there would see: the output stays the one
+plain decoding gives with the same settings (vLLM treats its drafts the same way).
+
+Logprobs are vLLM V1's default (`logprobs_mode="raw_logprobs"`): the log-softmax of the
+target's own logits at the position, before any control, temperature or top-k/top-p.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backends.serving.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely; tokens as likely count as ahead (vLLM's rank)
+    top: tuple[tuple[int, float], ...] = ()  # the n most likely (id, logprob), best first
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingParams, output_ids: list[int],
+                   drafts: list[int], prompt_ids: list[int]) -> torch.Tensor:
+    """[k+1, V] target logits -> a float32 copy with the controls applied; row j's history
+    is `output_ids` (generated so far) + drafts[:j]. Placeholder drafts (-1) are never
+    accepted, so rows past one are never used; they are skipped in the history."""
+    rows = logits.float().clone()
+    histories = [output_ids + [d for d in drafts[:j] if d >= 0] for j in range(rows.shape[0])]
+    for row, history in zip(rows, histories):
+        _ban_bad_words(row, sampling.bad_words_ids, history)
+        if len(history) < sampling.min_tokens and sampling.min_tokens_stop_ids:
+            row[list(sampling.min_tokens_stop_ids)] = -math.inf
+    if sampling.logit_bias:
+        ids, biases = zip(*sampling.logit_bias)
+        rows[:, list(ids)] += torch.tensor(biases, device=rows.device)
+    if sampling.repetition_penalty != 1.0 or sampling.frequency_penalty or sampling.presence_penalty:
+        _apply_penalties(rows, sampling, histories, prompt_ids)
+    return rows
+
+
+def _ban_bad_words(row: torch.Tensor, bad_words: tuple[tuple[int, ...], ...], history: list[int]) -> None:
+    """A bad word's last token is banned where its other tokens end the history."""
+    for word in bad_words:
+        prefix = list(word[:-1])
+        if len(prefix) <= len(history) and history[len(history) - len(prefix):] == prefix:
+            row[word[-1]] = -math.inf
+
+
+def _apply_penalties(rows: torch.Tensor, sampling: SamplingParams, histories: list[list[int]],
+                     prompt_ids: list[int]) -> None:
+    """vLLM's apply_penalties: repetition over prompt and output tokens (positive logits
+    divided, negative multiplied), frequency per occurrence and presence once, over the
+    output only."""
+    vocab = rows.shape[-1]
+    counts = torch.stack([torch.bincount(torch.tensor(h, dtype=torch.int64), minlength=vocab)[:vocab]
+                          for h in histories]).to(rows.device, torch.float32)
+    if sampling.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt_ids:
+            seen[:, torch.tensor(prompt_ids, device=rows.device)] = True
+        penalty = torch.where(seen, sampling.repetition_penalty, 1.0)
+        rows *= torch.where(rows > 0, 1.0 / penalty, penalty)
+    rows -= sampling.frequency_penalty * counts
+    rows -= sampling.presence_penalty * (counts > 0).float()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """The raw logprob and rank of each emitted token (row i chose token_ids[i]) and the
+    `num_top` most likely alternatives there."""
+    logprobs = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+    out = []
+    for i, (token, logprob) in enumerate(zip(token_ids, chosen[:, 0].tolist())):
+        top = () if top_ids is None else tuple(zip(top_ids[i].tolist(), top_values[i].tolist()))
+        out.append(TokenLogprob(token, logprob, ranks[i], top))
+    return out
+
+
+LOGPROB_OUTPUTS = ("logprobs", "logprob_ranks", "top_logprob_ids", "top_logprobs")  # the verifier's
+
+
+def logprobs_to_arrays(logprobs: list[TokenLogprob]) -> dict[str, np.ndarray]:
+    """The verifier's outputs for a step's logprobs ([n] and [n, top] arrays)."""
+    shape = (len(logprobs), len(logprobs[0].top) if logprobs else 0)
+    return {
+        "logprobs": np.array([p.logprob for p in logprobs], dtype=np.float32),
+        "logprob_ranks": np.array([p.rank for p in logprobs], dtype=np.int64),
+        "top_logprob_ids": np.array([[t for t, _ in p.top] for p in logprobs], dtype=np.int64).reshape(shape),
+        "top_logprobs": np.array([[v for _, v in p.top] for p in logprobs], dtype=np.float32).reshape(shape),
+    }
+
+
+def logprobs_from_arrays(token_ids: list[int], arrays: dict[str, np.ndarray]) -> list[TokenLogprob]:
+    """Back from the verifier's outputs (each with a leading batch dimension of 1; the top
+    arrays are left out when no alternatives were asked for)."""
+    values, ranks = arrays["logprobs"].reshape(-1).tolist(), arrays["logprob_ranks"].reshape(-1).tolist()
+    empty = np.zeros((len(token_ids), 0))
+    top_ids = arrays.get("top_logprob_ids", empty).reshape(len(token_ids), -1).tolist()
+    top_values = arrays.get("top_logprobs", empty).reshape(len(token_ids), -1).tolist()
+    return [TokenLogprob(t, v, r, tuple(zip(ti, tv)))
+            for t, v, r, ti, tv in zip(token_ids, values, ranks, top_ids, top_values)]
+
+
+def vllm_logprobs(logprobs: list[TokenLogprob], decode: Callable[[int], str]) -> list[dict[int, dict]]:
+    """The vLLM backend's `logprobs` output: per token {token id: {"logprob", "rank",
+    "decoded_token"}}, the chosen token first, then the alternatives ranked 1..n (the chosen
+    one keeps its rank among them when it is one)."""
+    out = []
+    for p in logprobs:
+        entry = {p.token_id: {"logprob": p.logprob, "rank": p.rank, "decoded_token": decode(p.token_id)}}
+        for rank, (token, logprob) in enumerate(p.top, 1):
+            entry[token] = {"logprob": logprob, "rank": rank, "decoded_token": decode(token)}
+        out.append(entry)
+    return out

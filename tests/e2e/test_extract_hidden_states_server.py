@@ -1,0 +1,46 @@
+"""extract_hidden_states through the real server: the hidden states of the configured layers,
+as outputs of `speculative` and in the safetensors file it writes, equal a plain Hugging Face
+forward over prompt + output (all but the last token, which never goes through the target)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from backends.runtime.model_store import load_tokenizer
+from client.api.triton import grpc_generate
+from tests.fixtures.helpers import hf_greedy, hf_hidden_states
+from tests.fixtures.servers import start_server
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The"]
+LAYERS = [2, 0, 1]  # 2 = L: the final normed state (HF's last hidden_states entry); any order
+SPEC = {
+    "method": "extract_hidden_states",
+    "num_speculative_tokens": 1,
+    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
+}
+
+
+def test_served_hidden_states_and_files(tiny_model_dir, tmp_path):
+    server = start_server(tmp_path, str(tiny_model_dir), json.dumps(SPEC), hidden_states_dir=str(tmp_path / "states"))
+    try:
+        tokenizer = load_tokenizer(tiny_model_dir)
+        # Streamed and not; one token only: the prompt's states.
+        for prompt, stream, max_tokens in ((PROMPTS[0], True, 10), (PROMPTS[1], False, 10), (PROMPTS[1], True, 1)):
+            result = grpc_generate(server.grpc_url, prompt, max_tokens=max_tokens, stream=stream)
+            assert tuple(result.output_ids) == hf_greedy(str(tiny_model_dir), prompt, max_tokens)
+            tokens = tokenizer(prompt)["input_ids"] + result.output_ids
+            expected = hf_hidden_states(tiny_model_dir, tokens[:-1], LAYERS)
+            assert result.hidden_layer_ids == LAYERS and result.hidden_states.dtype == "float32"
+            torch.testing.assert_close(torch.tensor(result.hidden_states), expected, rtol=1e-4, atol=1e-5)
+            with safe_open(result.hidden_states_file, "pt") as f:
+                assert f.metadata()["num_prompt_tokens"] == str(len(tokenizer(prompt)["input_ids"]))
+                assert f.get_tensor("token_ids").tolist() == tokens
+                assert f.get_tensor("layer_ids").tolist() == LAYERS
+                torch.testing.assert_close(f.get_tensor("hidden_states"), expected, rtol=1e-4, atol=1e-5)
+        plain = grpc_generate(server.grpc_url, PROMPTS[0], max_tokens=4, num_draft_tokens=0)
+        assert plain.hidden_states is None and tuple(plain.output_ids) == hf_greedy(str(tiny_model_dir), PROMPTS[0], 4)
+    finally:
+        server.stop()

@@ -1,0 +1,112 @@
+"""The client side of issue 21 in process: the OpenAI layer's parameters and logprobs,
+errors that mean "Triton is down" (503, not 400), `tritonspec generate` against nothing,
+and `tritonspec perf` reporting the spread of unstable windows instead of failing."""
+from __future__ import annotations
+
+import pytest
+
+from client.api.openai_frontend import OpenAIError, _generation_error, openai_logprobs, sampling_inputs
+from client.api.triton import GenerationError, ServerUnavailableError, _failure
+from client.cli.perf import format_sweep, summarize_export
+
+# Two tokens' entries as the `speculative` model returns them (chosen first, then ranked).
+ENTRIES = [{"7": {"logprob": -0.5, "rank": 1, "decoded_token": " a"}, "9": {"logprob": -1.5, "rank": 2,
+                                                                             "decoded_token": " b"}},
+           {"3": {"logprob": -2.0, "rank": 2, "decoded_token": "é"}, "4": {"logprob": -0.2, "rank": 1,
+                                                                            "decoded_token": "x"}}]
+
+
+def test_penalties_logit_bias_and_logprobs_reach_the_model():
+    inputs = sampling_inputs({"frequency_penalty": 0.5, "presence_penalty": 0, "logit_bias": {"12": -100},
+                              "logprobs": 3, "min_tokens": 2, "repetition_penalty": 1.1, "stop_token_ids": [5],
+                              "bad_words": ["x"]}, 16, "completion")
+    assert inputs["frequency_penalty"] == 0.5 and "presence_penalty" not in inputs  # 0 changes nothing
+    assert inputs["sampling_parameters"] == {"logit_bias": {"12": -100}, "stop_token_ids": [5], "logprobs": 3}
+    assert inputs["return_logprobs"] and inputs["min_tokens"] == 2 and inputs["bad_words"] == ["x"]
+    chat = sampling_inputs({"logprobs": True, "top_logprobs": 4}, 16, "chat")
+    assert chat["sampling_parameters"] == {"logprobs": 4}
+    assert "sampling_parameters" not in sampling_inputs({"logprobs": False}, 16, "chat")
+
+
+@pytest.mark.parametrize("body,kind,message", [
+    ({"temperature": 2.1}, "completion", "'temperature' must be in [0, 2]"),
+    ({"top_p": 1.5}, "completion", "'top_p' must be in [0, 1]"),
+    ({"presence_penalty": -3}, "chat", "'presence_penalty' must be in [-2, 2]"),
+    ({"logprobs": 6}, "completion", "'logprobs' must be in [0, 5]"),
+    ({"top_logprobs": 21, "logprobs": True}, "chat", "'top_logprobs' must be in [0, 20]"),
+    ({"top_logprobs": 2}, "chat", "'top_logprobs' needs 'logprobs': true"),
+    ({"logit_bias": {"1": 101}}, "chat", "'logit_bias' values must be numbers in [-100, 100]"),
+])
+def test_openai_ranges_are_kept(body, kind, message):
+    with pytest.raises(OpenAIError) as err:
+        sampling_inputs(body, 16, kind)
+    assert err.value.status == 400 and message in err.value.message
+
+
+def test_logprobs_in_openai_shapes():
+    chat = openai_logprobs("chat", ENTRIES, 1)["content"]
+    assert [(t["token"], t["logprob"]) for t in chat] == [(" a", -0.5), ("é", -2.0)]
+    assert chat[1]["bytes"] == list("é".encode()) and chat[1]["top_logprobs"][0]["token"] == "x"
+    completion = openai_logprobs("completion", ENTRIES, 2, offset=10)
+    assert completion["tokens"] == [" a", "é"] and completion["token_logprobs"] == [-0.5, -2.0]
+    assert completion["text_offset"] == [10, 12] and completion["top_logprobs"][1] == {"x": -0.2, "é": -2.0}
+
+
+@pytest.mark.parametrize("message", [
+    "The stream is no longer in valid state, the error detail is reported through provided callback.",
+    "[StatusCode.UNAVAILABLE] failed to connect to all addresses",
+    "generation failed: Model verifier - Error when running inference: Server not ready",
+])
+def test_a_triton_that_is_down_or_restarting_is_503_not_400(message):
+    error = _failure(message)
+    assert isinstance(error, ServerUnavailableError)
+    assert _generation_error(error).status == 503
+
+
+def test_a_rejected_request_stays_400():
+    error = _failure("top_p must be in (0, 1], got 1.5")
+    assert type(error) is GenerationError and _generation_error(error).status == 400
+
+
+def test_generate_says_the_server_cannot_be_reached(capsys):
+    from client.cli.main import main
+
+    for protocol in ("grpc", "http"):
+        assert main(["generate", "--url", "127.0.0.1:1", "--protocol", protocol, "hello"]) == 1
+        err = capsys.readouterr().err
+        assert "the server cannot be reached at 127.0.0.1:1" in err and "Traceback" not in err
+
+
+def export(rates: list[float], per_window: int = 4) -> dict:
+    """A profile export whose consecutive windows run at these tokens/s (10 tokens each)."""
+    requests, t = [], 0
+    for rate in rates:
+        for _ in range(per_window):
+            seconds = 10 / rate
+            requests.append({"timestamp": int(t * 1e9), "response_timestamps": [int((t + seconds) * 1e9)],
+                             "response_outputs": [{"output_ids": list(range(10))}]})
+            t += seconds
+    return {"experiments": [{"requests": requests}]}
+
+
+def test_perf_reports_the_spread_of_unstable_windows_instead_of_failing():
+    steady = summarize_export(export([100, 102, 99]))
+    assert steady["stable"] and steady["spread"] < 0.05
+    noisy = summarize_export(export([100, 40, 100]))
+    assert not noisy["stable"] and noisy["spread"] == pytest.approx(0.6)
+    assert noisy["output_tokens_per_s"] > 0 and len(noisy["window_tokens_per_s"]) == 3
+    table = format_sweep({"modes": {"plain": {"1": steady}, "speculative": {"1": noisy}}})
+    assert "unstable" in table and "speculative c=1: windows 100.0, 40.0, 100.0" in table
+
+
+def test_an_error_body_with_status_200_is_raised_not_returned_empty(monkeypatch):
+    """Triton answers /generate with "stream": true by status 200 and an error body."""
+    import io
+    import urllib.request
+
+    from client.api.triton import http_generate
+
+    body = b'{"error": "generate expects model to produce exactly 1 response, use generate stream"}'
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: io.BytesIO(body))
+    with pytest.raises(GenerationError, match="use generate stream"):
+        http_generate("127.0.0.1:1", "hi")

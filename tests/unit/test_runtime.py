@@ -1,0 +1,355 @@
+"""The lean runtime (backends/runtime: KV cache pool + LeanCausalLM) against transformers.
+
+Tiny random models of each family run in float32; every expectation comes from transformers'
+own forward on the same weights (a full forward over the tokens so far), never from constants.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
+from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, unsupported_reason
+
+VOCAB = 96
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+ROPE_THETA = 10000.0
+
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**TINY)),
+    "llama-tied-biased": lambda: LlamaForCausalLM(
+        LlamaConfig(**TINY, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
+    ),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)),
+}
+
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    # dynamic and longrope change frequencies past 16 / 20 positions: the prompts below go past
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.3 * i for i in range(8)],
+        "original_max_position_embeddings": 20,
+    },
+}
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights far from init (norms and biases too) so a wrong term shows in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    return model.eval()
+
+
+def build(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return randomize(FAMILIES[family](), seed)
+
+
+def rope_model(kind: str) -> torch.nn.Module:
+    params = {"rope_theta": ROPE_THETA, **ROPES[kind]}
+    tiny = {**TINY, "max_position_embeddings": 16 if kind == "dynamic" else 64}
+    torch.manual_seed(0)
+    return randomize(LlamaForCausalLM(LlamaConfig(**tiny, head_dim=16, rope_parameters=params)))
+
+
+def reference(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits [len(tokens), vocab] from a full forward (no cache)."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    hf = build(request.param)
+    return hf, LeanCausalLM.from_hf(hf)
+
+
+def test_prefill_decode_verify_match_transformers(family):
+    hf, lm = family
+    pool = lm.new_pool(capacity_tokens=256)
+    pool.admit("s", 64)
+    seq = tokens(13, seed=1)
+    out = lm.forward(pool, [Row("s", seq)], logits_rows=13)
+    assert_close(out.logits[0], reference(hf, seq))
+    for step in range(3):  # plain decode steps
+        seq.append(tokens(1, seed=10 + step)[0])
+        out = lm.forward(pool, [Row("s", seq[-1:])])
+        assert_close(out.logits[0], reference(hf, seq)[-1:])
+    for step in range(2):  # verify steps: k + 1 = 5 tokens, all their logits
+        seq += tokens(5, seed=20 + step)
+        out = lm.forward(pool, [Row("s", seq[-5:])], logits_rows=5)
+        assert_close(out.logits[0], reference(hf, seq)[-5:])
+    assert pool.length("s") == len(seq)
+
+
+def test_greedy_tokens_match_generate(family):
+    hf, lm = family
+    prompt = tokens(9, seed=3)
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        expected = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    pool = lm.new_pool(capacity_tokens=64)
+    pool.admit(0, 32)
+    got, new = [], prompt
+    for _ in range(10):
+        new = [int(lm.forward(pool, [Row(0, new)]).logits[0][-1].argmax())]
+        got += new
+    assert got == expected
+
+
+def test_ragged_batch_equals_one_row_at_a_time(family):
+    hf, lm = family
+    prompts = {s: tokens(5 + 3 * s, seed=40 + s) for s in range(4)}
+    follow = {0: tokens(1, 50), 1: tokens(4, 51), 2: tokens(1, 52), 3: tokens(3, 53)}
+    batched, alone = lm.new_pool(capacity_tokens=256), lm.new_pool(capacity_tokens=256)
+    for s in prompts:
+        batched.admit(s, 32)
+        alone.admit(s, 32)
+    rows = [Row(s, p) for s, p in prompts.items()]
+    first = lm.forward(batched, rows, logits_rows=[len(p) for p in prompts.values()])
+    second = lm.forward(batched, [Row(s, f) for s, f in follow.items()], logits_rows=[1, 4, 1, 3])
+    for s in prompts:
+        one = lm.forward(alone, [Row(s, prompts[s])], logits_rows=len(prompts[s])).logits[0]
+        two = lm.forward(alone, [Row(s, follow[s])], logits_rows=len(follow[s])).logits[0]
+        torch.testing.assert_close(first.logits[s], one, atol=1e-5, rtol=0)
+        torch.testing.assert_close(second.logits[s], two, atol=1e-5, rtol=0)
+        assert_close(second.logits[s], reference(hf, prompts[s] + follow[s])[-len(follow[s]) :])
+        assert batched.length(s) == len(prompts[s]) + len(follow[s])
+
+
+def test_scattered_blocks_are_gathered():
+    hf = build("llama")
+    lm = LeanCausalLM.from_hf(hf)
+    pool = lm.new_pool(capacity_tokens=8 * 4, block_size=4)
+    for s, size in enumerate([8, 4, 8, 4, 8]):  # blocks 0-1, 2, 3-4, 5, 6-7
+        pool.admit(s, size)
+    pool.release(1)
+    pool.release(3)
+    pool.admit("x", 8)  # the only free blocks are 2 and 5: no run of two
+    assert pool.contiguous_start("x") is None and pool.contiguous_start(0) == 0
+    seq, other = tokens(6, 60), tokens(5, 61)
+    out = lm.forward(pool, [Row("x", seq), Row(0, other)], logits_rows=[6, 5])
+    assert_close(out.logits[0], reference(hf, seq))
+    assert_close(out.logits[1], reference(hf, other))
+    seq.append(7)
+    out = lm.forward(pool, [Row("x", seq[-1:])])
+    assert_close(out.logits[0], reference(hf, seq)[-1:])
+
+
+def test_rollback_then_continue_equals_fresh_run(family):
+    hf, lm = family
+    pool = lm.new_pool(capacity_tokens=128)
+    pool.admit("s", 40)
+    prompt, drafts = tokens(10, 70), tokens(4, 71)
+    lm.forward(pool, [Row("s", prompt)])
+    lm.forward(pool, [Row("s", drafts)], logits_rows=4)
+    pool.truncate("s", len(prompt) + 2)  # two drafts accepted, the rest rolled back
+    kept = prompt + drafts[:2]
+    out = lm.forward(pool, [Row("s", [5, 9])], logits_rows=2)
+    assert_close(out.logits[0], reference(hf, kept + [5, 9])[-2:])
+
+
+def test_tree_mask_and_positions():
+    hf = build("qwen3")
+    lm = LeanCausalLM.from_hf(hf)
+    pool = lm.new_pool(capacity_tokens=64)
+    pool.admit("t", 32)
+    prefix = tokens(8, 80)
+    lm.forward(pool, [Row("t", prefix)])
+    # a root with two children: [a, b1, b2], b1 and b2 both follow a
+    a, b1, b2 = 11, 22, 33
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    at = len(prefix)
+    out = lm.forward(pool, [Row("t", [a, b1, b2], mask, torch.tensor([at, at + 1, at + 1]))], logits_rows=3)
+    assert_close(out.logits[0][:2], reference(hf, prefix + [a, b1])[-2:])
+    assert_close(out.logits[0][2:], reference(hf, prefix + [a, b2])[-1:])
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_rope_scaling_matches_transformers(kind):
+    hf = rope_model(kind)
+    lm = LeanCausalLM.from_hf(hf)
+    pool = lm.new_pool(capacity_tokens=64)
+    pool.admit(0, 40)
+    seq = tokens(30, 90)  # past 16 / 20 positions: dynamic and longrope switch frequencies
+    out = lm.forward(pool, [Row(0, seq)], logits_rows=30)
+    assert_close(out.logits[0], reference(hf, seq))
+    if kind not in ("dynamic", "longrope"):  # their frequencies depend on the length of the call
+        seq += [3, 4]
+        out = lm.forward(pool, [Row(0, seq[-2:])], logits_rows=2)
+        assert_close(out.logits[0], reference(hf, seq)[-2:])
+
+
+def test_hidden_state_numbering_matches_transformers(family):
+    hf, lm = family
+    seq = tokens(7, 100)
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    pool = lm.new_pool(capacity_tokens=32)
+    pool.admit(0, 16)
+    ids = list(range(lm.num_layers + 1)) + [-1]
+    out = lm.forward(pool, [Row(0, seq)], hidden_layers=ids)
+    for i in ids:
+        torch.testing.assert_close(out.hidden[0][i], ref[i][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.hidden[0][-1], out.hidden[0][lm.num_layers])
+
+
+def test_bfloat16_runs_close_to_transformers():
+    hf = build("llama").to(torch.bfloat16)
+    lm = LeanCausalLM.from_hf(hf)
+    pool = lm.new_pool(capacity_tokens=64)
+    pool.admit(0, 32)
+    seq = tokens(12, 110)
+    ours = lm.forward(pool, [Row(0, seq)], logits_rows=12).logits[0]
+    assert ours.dtype == torch.bfloat16
+    ref = reference(hf, seq)
+    assert torch.nn.functional.cosine_similarity(ours.float(), ref.float(), dim=-1).min() > 0.99
+
+
+# -- the pool -------------------------------------------------------------------------------
+
+
+def test_pool_admission_release_and_refusal():
+    pool = KVCachePool(2, 2, 8, capacity_tokens=64, block_size=16, dtype=torch.float32)
+    assert pool.capacity_tokens == 64 and pool.reserved_tokens == 0
+    pool.admit("a", 40)  # three blocks
+    assert pool.has("a") and pool.reserved("a") == 48 and pool.reserved_tokens == 48
+    with pytest.raises(KVCacheFullError) as err:
+        pool.admit("b", 20)
+    message = str(err.value)
+    assert "20 tokens" in message and "48 of 64" in message
+    assert "max_tokens" in message and "kv_cache_memory_gb" in message
+    assert isinstance(err.value, SequenceError) and isinstance(err.value, ValueError)
+    assert not pool.has("b") and pool.num_sequences == 1
+    pool.admit("c", 16)  # exactly the last block: what is free is usable
+    pool.release("a")
+    pool.release("a")  # idempotent
+    assert pool.reserved_tokens == 16 and pool.num_sequences == 1
+    pool.admit("b", 48)
+    assert pool.contiguous_start("b") == 0  # the released run is handed out whole
+    pool.release("b")
+    pool.release("c")
+    assert pool.reserved_tokens == 0 and pool.num_sequences == 0 and pool.free_tokens == 64
+
+
+def test_pool_sized_by_memory():
+    pool = KVCachePool(4, 2, 8, memory_gb=1 / 1024, block_size=16, dtype=torch.bfloat16)
+    per_token = 2 * 4 * 2 * 8 * 2
+    assert pool.bytes_per_token == per_token
+    assert pool.capacity_tokens == (2**20 // per_token) // 16 * 16
+    assert pool.kv.numel() * 2 == pool.capacity_tokens * per_token
+
+
+def test_pool_truncate_and_errors():
+    pool = KVCachePool(1, 1, 4, capacity_tokens=32, block_size=8, dtype=torch.float32)
+    pool.admit(1, 10)
+    assert pool.extend(1, 6) == 0 and pool.length(1) == 6
+    pool.truncate(1, 2)
+    assert pool.length(1) == 2
+    with pytest.raises(SequenceError):
+        pool.truncate(1, 3)  # cannot grow by truncating
+    with pytest.raises(SequenceError):
+        pool.extend(1, 15)  # 2 + 15 > 16 reserved
+    with pytest.raises(SequenceError):
+        pool.admit(1, 4)  # already admitted
+    with pytest.raises(SequenceError):
+        pool.length("unknown")
+
+
+def test_step_over_reservation_is_refused_and_leaves_pool_unchanged(family):
+    _, lm = family
+    pool = lm.new_pool(capacity_tokens=64, block_size=16)
+    pool.admit("a", 16)
+    pool.admit("b", 16)
+    lm.forward(pool, [Row("a", tokens(10, 120))])
+    with pytest.raises(SequenceError, match="reservation"):
+        lm.forward(pool, [Row("b", [1, 2]), Row("a", tokens(7, 121))])
+    assert pool.length("a") == 10 and pool.length("b") == 0
+
+
+# -- what the runtime refuses ---------------------------------------------------------------
+
+
+def test_unsupported_architectures_are_refused():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(UnsupportedArchitecture, match="gpt2"):
+        LeanCausalLM.from_hf(gpt2)
+    sliding = MistralForCausalLM(MistralConfig(**TINY, sliding_window=32))
+    with pytest.raises(UnsupportedArchitecture, match="sliding"):
+        LeanCausalLM.from_hf(sliding)
+    qwen_sliding = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=0)
+    assert "sliding" in unsupported_reason(qwen_sliding)
+    assert "hidden_act" in unsupported_reason(LlamaConfig(**TINY, hidden_act="gelu"))
+    assert unsupported_reason(LlamaConfig(**TINY)) is None
+    assert unsupported_reason(Qwen2Config(**TINY)) is None
+
+
+def test_long_blocks_use_unfolded_attention(monkeypatch):
+    """Rows with more new tokens than FOLD_MAX_TOKENS take SDPA's own GQA path."""
+    from backends.runtime import lean_lm
+
+    monkeypatch.setattr(lean_lm, "FOLD_MAX_TOKENS", 2)
+    hf = build("qwen2")
+    lm = LeanCausalLM.from_hf(hf)
+    pool = lm.new_pool(capacity_tokens=128)
+    prompts = {s: tokens(6 + s, seed=130 + s) for s in range(3)}
+    for s in prompts:
+        pool.admit(s, 32)
+    out = lm.forward(pool, [Row(0, prompts[0])], logits_rows=6)  # from position 0: causal flag
+    assert_close(out.logits[0], reference(hf, prompts[0]))
+    out = lm.forward(pool, [Row(s, prompts[s]) for s in (1, 2)], logits_rows=[7, 8])
+    follow = tokens(5, seed=140)
+    out = lm.forward(pool, [Row(s, follow) for s in prompts], logits_rows=5)  # cached, ragged lengths
+    for s in prompts:
+        assert_close(out.logits[s], reference(hf, prompts[s] + follow)[-5:])
