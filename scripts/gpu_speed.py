@@ -92,13 +92,13 @@ def rejection_step(device: str, batch: int, repeat: int, kernels: bool) -> float
     temperature = torch.tensor([0.0, 0.8] * (batch // 2))
     functions = ((rk.greedy_accept, rk.random_accept, rk.sample_recovered_tokens) if kernels
                  else (rk.greedy_accept_ref, rk.random_accept_ref, rk.sample_recovered_tokens_ref))
-    original = rejection._accept_functions
-    rejection._accept_functions = lambda _device: functions
+    original = rejection.accept_functions
+    rejection.accept_functions = lambda _device: functions
     try:
         return timed(lambda: rejection.rejection_sample_batch(drafts, counts, logits, draft_probs, temperature),
                      device, repeat)
     finally:
-        rejection._accept_functions = original
+        rejection.accept_functions = original
 
 
 def main() -> None:

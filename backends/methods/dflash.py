@@ -77,7 +77,7 @@ class BlockCheckpointError(HeadCheckpointError):
     """A DFlash / DSpark checkpoint that does not fit its layout or the target."""
 
 
-def _field(cfg: dict[str, Any], *names: str) -> Any:
+def config_field(cfg: dict[str, Any], *names: str) -> Any:
     """The first of `names` found in `dflash_config`, then at the top level."""
     nested = cfg.get("dflash_config") or {}
     for source in (nested, cfg):
@@ -113,21 +113,21 @@ class BlockSpec:
     @classmethod
     def parse(cls, cfg: dict[str, Any], target: TargetInfo, where: str) -> "BlockSpec":
         for name, bad, why in (
-                ("dflash_config.use_swa", _field(cfg, "use_swa"), "use layer_types + sliding_window instead"),
-                ("dflash_config.attention_sink_bias", _field(cfg, "attention_sink_bias"), "no attention sinks here"),
+                ("dflash_config.use_swa", config_field(cfg, "use_swa"), "use layer_types + sliding_window instead"),
+                ("dflash_config.attention_sink_bias", config_field(cfg, "attention_sink_bias"), "no attention sinks here"),
                 ("is_neox_style", cfg.get("is_neox_style") is False, "only the neox RoPE layout is implemented"),
-                ("dflash_config.use_aux_hidden_state", _field(cfg, "use_aux_hidden_state") is False,
+                ("dflash_config.use_aux_hidden_state", config_field(cfg, "use_aux_hidden_state") is False,
                  "the drafter reads the target layers in target_layer_ids"),
-                ("dflash_config.projector_type", _field(cfg, "projector_type") not in (None, "dspark"),
+                ("dflash_config.projector_type", config_field(cfg, "projector_type") not in (None, "dspark"),
                  "only the plain projector (and DSpark's) are implemented")):
             if bad:
-                raise BlockCheckpointError(f"{where}: {name}={_field(cfg, name.rpartition('.')[2])!r} is not "
+                raise BlockCheckpointError(f"{where}: {name}={config_field(cfg, name.rpartition('.')[2])!r} is not "
                                            f"supported ({why})")
-        block = _field(cfg, "block_size", "dspark_block_size")
+        block = config_field(cfg, "block_size", "dspark_block_size")
         if not isinstance(block, int) or isinstance(block, bool) or block < 2:
             raise BlockCheckpointError(f"{where}: block_size={block!r} in config.json (top level or "
                                        "dflash_config); expected an integer >= 2")
-        mask = _field(cfg, *_MASK_KEYS)
+        mask = config_field(cfg, *_MASK_KEYS)
         if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < target.vocab_size:
             raise BlockCheckpointError(f"{where}: mask_token_id={mask!r} (dflash_config.mask_token_id) must be "
                                        f"a row of the target's embedding, in [0, {target.vocab_size})")
@@ -152,7 +152,7 @@ class BlockSpec:
         if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
             raise BlockCheckpointError(f"{where}: sliding_attention layers need a positive sliding_window, "
                                        f"got {window!r}")
-        causal = bool(_field(cfg, "causal") or cfg.get("is_causal"))
+        causal = bool(config_field(cfg, "causal") or cfg.get("is_causal"))
         target_hidden = cfg.get("target_hidden_size") or cfg.get("hidden_size")
         if target_hidden != target.hidden_size:
             raise BlockCheckpointError(f"{where}: target_hidden_size {target_hidden} (hidden_size when absent) "
@@ -237,7 +237,7 @@ class DFlashHead(nn.Module):
 
     def __init__(self, cfg: dict[str, Any], target: TargetInfo, where: str = "DFlash head") -> None:
         super().__init__()
-        if self.layout == "dflash" and _field(cfg, "sample_from_anchor"):
+        if self.layout == "dflash" and config_field(cfg, "sample_from_anchor"):
             raise BlockCheckpointError(f"{where}: sample_from_anchor=true is DSpark's slot convention; a DFlash "
                                        "drafter fills slots 1..B-1 (vLLM refuses it too)")
         self.spec = BlockSpec.parse(cfg, target, where)
@@ -324,7 +324,7 @@ def read_block_config(path: Path, overrides: dict[str, Any] | None = None) -> di
 def detect_layout(cfg: dict[str, Any]) -> str | None:
     """"dspark", "dflash", or None (not a block drafter) from config fields alone."""
     archs = cfg.get("architectures") or []
-    if "Qwen3DSparkModel" in archs or _field(cfg, "projector_type") == "dspark" or _field(cfg, "markov_rank"):
+    if "Qwen3DSparkModel" in archs or config_field(cfg, "projector_type") == "dspark" or config_field(cfg, "markov_rank"):
         return "dspark"
     if "dflash_config" in cfg or any(a.startswith("DFlash") for a in archs):
         return "dflash"
@@ -449,7 +449,7 @@ class _Context:
 
 
 @dataclass
-class _Work:
+class BlockWork:
     index: int
     context: _Context
     anchor: int  # x_{n-1}
@@ -496,7 +496,7 @@ class DFlashProposer(HeadProposer):
             drafts[w.index] = Draft(w.drafts, w.probs)
         return drafts
 
-    def _prepare(self, index: int, req: DraftRequest) -> _Work | None:
+    def _prepare(self, index: int, req: DraftRequest) -> BlockWork | None:
         """Bring the sequence's context up to position n-2 with the delivered hidden states."""
         n, hidden = len(req.token_ids), req.hidden_states
         num_drafts = min(req.num_tokens, len(self.head.draft_slots), self.max_model_len - n)
@@ -520,9 +520,9 @@ class DFlashProposer(HeadProposer):
         positions = torch.arange(start, n - 1, device=self.device)[None]
         context.append([(k[0], v[0]) for k, v in self.head.context_kv(ctx, positions)])
         context.token_ids = list(req.token_ids)
-        return _Work(index, context, req.token_ids[-1], n - 1, num_drafts, req.temperature, self.generator_for(req))
+        return BlockWork(index, context, req.token_ids[-1], n - 1, num_drafts, req.temperature, self.generator_for(req))
 
-    def _run_block(self, work: list[_Work]) -> torch.Tensor:
+    def _run_block(self, work: list[BlockWork]) -> torch.Tensor:
         """One forward of every sequence's block: contexts left-padded to the longest, a
         key mask over the padding. Returns the normed block outputs [batch, B, H]."""
         size, longest = self.head.block_size, max(w.context.length for w in work)
@@ -543,7 +543,7 @@ class DFlashProposer(HeadProposer):
                        for i in range(len(self.head.layers))]
         return self.head(block_ids, positions, context, key_positions, key_valid)
 
-    def _draft(self, hidden: torch.Tensor, work: list[_Work]) -> None:
+    def _draft(self, hidden: torch.Tensor, work: list[BlockWork]) -> None:
         """DFlash: every slot's draft at once, from the slot's own logits."""
         slots = list(self.head.draft_slots)
         tokens, probs = self._sample(self.head.logits(hidden[:, slots]), work)
@@ -552,7 +552,7 @@ class DFlashProposer(HeadProposer):
             if probs is not None:
                 w.probs = probs[row, :w.num_drafts]
 
-    def _sample(self, logits: torch.Tensor, work: list[_Work]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(self, logits: torch.Tensor, work: list[BlockWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocabulary logits [B, ..., V_d] (row i: work[i]) -> target ids [B, ...] and,
         when sampled, the probabilities they were drawn from in the target vocabulary [B, ..., V]."""
         return sample_drafts(logits, self.sample_method, [w.temperature for w in work],

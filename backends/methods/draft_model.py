@@ -182,7 +182,7 @@ class DraftModelProposer(SequenceProposer):
         cached = [len(w.state.token_ids) for w in work]
         lengths = [len(w.new_ids) for w in work]
         max_cached, max_len = max(cached), max(lengths)
-        cache = _stack_caches([w.state.cache for w in work], cached, self.model.config)
+        cache = stack_caches([w.state.cache for w in work], cached, self.model.config)
         input_ids = [w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)]
         mask = torch.tensor([[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n)
                              for c, n in zip(cached, lengths)], device=self.device)
@@ -251,7 +251,7 @@ def gather_drafts(steps: list[tuple[torch.Tensor, torch.Tensor | None]],
             [None if probs is None else probs[row, :n] for row, n in enumerate(counts)])
 
 
-def _stack_caches(caches: list[DynamicCache], lengths: list[int], config: Any) -> DynamicCache:
+def stack_caches(caches: list[DynamicCache], lengths: list[int], config: Any) -> DynamicCache:
     """One batched cache from per-sequence caches of `lengths`, each left-padded to the longest."""
     batched = DynamicCache(config=config)
     longest = max(lengths)

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from backends.methods.dflash import (
-    BlockCheckpointError, DFlashHead, DFlashProposer, TargetInfo, _field, _Work,
+    BlockCheckpointError, DFlashHead, DFlashProposer, TargetInfo, config_field, BlockWork,
 )
 from backends.methods.dflash import default_config as dflash_default_config
 
@@ -124,16 +124,16 @@ class DSparkHead(DFlashHead):
         self.omitted_on_save = ()
         self.sample_from_anchor = sample_from_anchor(cfg, where)
         h = cfg["hidden_size"]
-        rank = _field(cfg, "markov_rank") or 0
-        kind = _field(cfg, "markov_head_type") or "vanilla"
+        rank = config_field(cfg, "markov_rank") or 0
+        kind = config_field(cfg, "markov_head_type") or "vanilla"
         if not isinstance(rank, int) or rank < 0:
             raise BlockCheckpointError(f"{where}: markov_rank={rank!r}; expected an integer >= 0")
         if kind not in MARKOV_HEADS:
             raise BlockCheckpointError(f"{where}: markov_head_type={kind!r} is not one of {MARKOV_HEADS}")
         self.markov_head = _MarkovHead(kind, target.vocab_size, self.spec.draft_vocab_size, rank, h) if rank else None
         self.confidence_head = None
-        if _field(cfg, "enable_confidence_head", "use_confidence_head"):
-            with_markov = bool(_field(cfg, "confidence_head_with_markov"))
+        if config_field(cfg, "enable_confidence_head", "use_confidence_head"):
+            with_markov = bool(config_field(cfg, "confidence_head_with_markov"))
             if with_markov and not rank:
                 raise BlockCheckpointError(f"{where}: confidence_head_with_markov needs a Markov head "
                                            "(markov_rank > 0)")
@@ -161,7 +161,7 @@ class DSparkProposer(DFlashProposer):
     method = "dspark"
     head_class = DSparkHead
 
-    def _draft(self, hidden: torch.Tensor, work: list[_Work]) -> None:
+    def _draft(self, hidden: torch.Tensor, work: list[BlockWork]) -> None:
         """The block's base logits at once, then the Markov chain slot by slot."""
         steps = max(w.num_drafts for w in work)
         slots = list(self.head.draft_slots)[:steps]

@@ -57,7 +57,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
-from backends.methods.draft_model import _stack_caches, gather_drafts, sample_drafts
+from backends.methods.draft_model import stack_caches, gather_drafts, sample_drafts
 from backends.runtime.model_store import resolve_model
 from backends.methods.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
                                       read_config, read_state_dict)
@@ -75,7 +75,7 @@ class EagleCheckpointError(HeadCheckpointError):
 # ---------------------------------------------------------------------------- the heads
 
 
-class _Layer(nn.Module):
+class EagleLayer(nn.Module):
     """A Llama decoder layer whose attention may read a wider input (EAGLE-3: 2H) and which
     registers only the norms its layout has."""
 
@@ -136,7 +136,7 @@ class Eagle1Head(EagleHead):
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         # Layer 0 reads fc's output directly (no input_layernorm); later layers are standard.
-        self.layers = nn.ModuleList(_Layer(cfg, i, h, () if i == 0 else ("input_layernorm",))
+        self.layers = nn.ModuleList(EagleLayer(cfg, i, h, () if i == 0 else ("input_layernorm",))
                                     for i in range(cfg.num_hidden_layers))
         self.lm_head = nn.Linear(h, target.vocab_size, bias=False)
 
@@ -162,7 +162,7 @@ class Eagle3Head(EagleHead):
         super().__init__(cfg, target)
         h = cfg.hidden_size
         self.fc = nn.Linear(num_aux * target.hidden_size, h, bias=False)
-        self.layers = nn.ModuleList([_Layer(cfg, 0, 2 * h, ("input_layernorm", "hidden_norm"))])
+        self.layers = nn.ModuleList([EagleLayer(cfg, 0, 2 * h, ("input_layernorm", "hidden_norm"))])
         self.norm = LlamaRMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
@@ -193,7 +193,7 @@ def detect_layout(cfg: dict[str, Any], keys: set[str]) -> str:
     return "eagle3" if eagle3 else "eagle"
 
 
-def _llama_config(cfg: dict[str, Any]) -> LlamaConfig:
+def llama_config(cfg: dict[str, Any]) -> LlamaConfig:
     llama = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
     llama._attn_implementation = "sdpa"
     return llama
@@ -215,7 +215,7 @@ def load_eagle(path: Path | str, target: TargetInfo, dtype: str = "bfloat16", me
     if cfg.get("vocab_size") != target.vocab_size:
         raise EagleCheckpointError(f"{where}: vocab_size {cfg.get('vocab_size')} in config.json, but the "
                                    f"target's vocabulary has {target.vocab_size} ids")
-    llama = _llama_config(cfg)
+    llama = llama_config(cfg)
     borrowed = {"embed_tokens.weight": "embed"}  # taken from the target when absent
     if layout == "eagle":
         if llama.hidden_size != target.hidden_size:
@@ -348,7 +348,7 @@ class EagleProposer(HeadProposer):
         lengths = [len(w.new_ids) for w in work]
         max_cached, max_len = max(w.start for w in work), max(lengths)
         alone = len(work) == 1
-        cache = work[0].state.cache if alone else _stack_caches(
+        cache = work[0].state.cache if alone else stack_caches(
             [w.state.cache for w in work], [w.start for w in work], self.head.config)
         ids = torch.tensor([w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)], device=self.device)
         features = torch.stack([F.pad(w.features, (0, 0, 0, max_len - n)) for w, n in zip(work, lengths)])
@@ -359,7 +359,7 @@ class EagleProposer(HeadProposer):
         rows = torch.arange(len(work), device=self.device)
         steps, sampled = max(w.num_drafts for w in work), []
         for step in range(steps):
-            hidden = self.head(ids, features, positions, _causal_mask(keys, ids.shape[1]), cache, step)
+            hidden = self.head(ids, features, positions, causal_mask(keys, ids.shape[1]), cache, step)
             hidden = hidden[rows, last]
             tokens = self._sample(self.head.logits(hidden, step), work, sampled)
             if step + 1 == steps:
@@ -404,7 +404,7 @@ class Eagle3Proposer(EagleProposer):
         return tuple(sorted(ids))
 
 
-def _causal_mask(keys: torch.Tensor, num_new: int) -> torch.Tensor:
+def causal_mask(keys: torch.Tensor, num_new: int) -> torch.Tensor:
     """[B, 1, num_new, K] bool: query i (the i-th of the new positions, which are the last
     num_new keys) sees the valid keys up to and including itself."""
     total = keys.shape[1]

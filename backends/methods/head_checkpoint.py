@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from backends.config import speculators_draft_config
-from backends.runtime.model_store import _gguf_kwargs, load_causal_lm
+from backends.runtime.model_store import gguf_kwargs, load_causal_lm
 
 
 class HeadCheckpointError(ValueError):
@@ -34,7 +34,7 @@ class TargetInfo:
     @classmethod
     def load(cls, path: Path | str) -> "TargetInfo":
         path = Path(path)
-        where, kwargs = _gguf_kwargs(path)
+        where, kwargs = gguf_kwargs(path)
         cfg = AutoConfig.from_pretrained(where, **kwargs).get_text_config()
         return cls(path, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers)
 

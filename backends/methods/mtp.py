@@ -45,7 +45,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backends.config import MULTI_STEP_MTP_TYPES, hf_config_override
-from backends.methods.eagle import EagleHead, EagleProposer, _Layer, _llama_config
+from backends.methods.eagle import EagleHead, EagleProposer, EagleLayer, llama_config
 from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
 from backends.runtime.model_store import resolve_model
 
@@ -68,7 +68,7 @@ class _SharedHead(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
 
 
-class _MTPLayer(_Layer):
+class _MTPLayer(EagleLayer):
     """One MTP layer: the input norms and projection, a Llama/Qwen2 decoder block, and the
     family's output part (DeepSeek: shared_head; MiMo: final_layernorm)."""
 
@@ -112,7 +112,7 @@ class MTPHead(EagleHead):
                  zero_first_embedding: bool = True, borrow: bool = True) -> None:
         if family not in FAMILIES:
             raise ValueError(f"MTP family must be one of {FAMILIES}, got {family!r}")
-        llama = _llama_config({**config, "num_hidden_layers": num_layers})  # one cache layer per MTP layer
+        llama = llama_config({**config, "num_hidden_layers": num_layers})  # one cache layer per MTP layer
         super().__init__(llama, target)
         self.block_config = dict(config)
         self.family, self.first_layer = family, target.num_layers  # DeepSeek numbers MTP layers after the target's

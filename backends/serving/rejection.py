@@ -183,7 +183,7 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, num_draft_tokens: list
     max_spec_len = max(num_draft_tokens, default=0)
     vocab_size = target_logits.shape[-1]
     device = target_logits.device
-    greedy_accept, random_accept, sample_recovered_tokens = _accept_functions(device)
+    greedy_accept, random_accept, sample_recovered_tokens = accept_functions(device)
 
     drafts = draft_token_ids.to(device, torch.int64)
     counts = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)
@@ -234,7 +234,7 @@ def parse_output(output_token_ids: torch.Tensor) -> list[list[int]]:
     return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in output_token_ids.tolist()]
 
 
-def _accept_functions(device: torch.device) -> tuple[Callable, Callable, Callable]:
+def accept_functions(device: torch.device) -> tuple[Callable, Callable, Callable]:
     """The OpenAI Triton kernels on CUDA or with TRITONSPEC_USE_KERNELS=1, else the references."""
     if device.type == "cuda" or os.environ.get("TRITONSPEC_USE_KERNELS") == "1":
         return rk.greedy_accept, rk.random_accept, rk.sample_recovered_tokens

@@ -120,7 +120,7 @@ def _check_token_controls(sampling: SamplingParams, vocab_size: int) -> None:
         raise SequenceError(f"logprobs={sampling.logprobs} is above the vocabulary size {vocab_size}")
 
 
-def _select_hidden(hidden_states: tuple, row: int, kept: int, layer_ids: tuple[int, ...]) -> torch.Tensor:
+def select_hidden(hidden_states: tuple, row: int, kept: int, layer_ids: tuple[int, ...]) -> torch.Tensor:
     """Layer id i = the residual stream entering decoder layer i (vLLM's and EAGLE-3's
     numbering: HF's hidden_states[i]); id num_layers or -1 = the final hidden state after the
     final norm (what EAGLE-1, Medusa and MTP read)."""
@@ -272,7 +272,7 @@ class TargetRunner:
         if rejected:
             step.seq.cache.crop(-rejected)
         if step.req.hidden_layer_ids:
-            result.hidden_states = _select_hidden(out.hidden_states, 0, step.num_kept(result), step.req.hidden_layer_ids)
+            result.hidden_states = select_hidden(out.hidden_states, 0, step.num_kept(result), step.req.hidden_layer_ids)
         return result
 
     def _forward_batch(self, steps: list["_Step"]) -> list[VerifyResult]:
@@ -315,7 +315,7 @@ class TargetRunner:
                     new = slice(max_cached, max_cached + kept)
                     own.update(shared.keys[row : row + 1, :, new], shared.values[row : row + 1, :, new])
                 if step.req.hidden_layer_ids:
-                    result.hidden_states = _select_hidden(out.hidden_states, row, kept, step.req.hidden_layer_ids)
+                    result.hidden_states = select_hidden(out.hidden_states, row, kept, step.req.hidden_layer_ids)
             except Exception as e:
                 result = e
             results.append(result)

@@ -43,7 +43,7 @@ from backends.methods.dspark import DSparkHead
 from backends.methods.dspark import default_config as dspark_config
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
-from backends.training.eagle import Eagle3Trainer, _init_layer, _target_layer, draft_vocabulary
+from backends.training.eagle import Eagle3Trainer, init_layer, target_layer, draft_vocabulary
 from backends.training.steps import StepTrainer, draft_labels
 from backends.training.trainer import Batch
 
@@ -92,9 +92,9 @@ class DFlashTrainer(StepTrainer):
             config["draft_vocab_size"] = len(keep)
         head = self.head_class(config, target)
         head.take_target_weights(target)
-        source = _target_layer(target)
+        source = target_layer(target)
         for layer in head.layers:
-            _init_layer(layer, source)
+            init_layer(layer, source)
         h = target.hidden_size
         with torch.no_grad():
             head.norm.weight.copy_(source["final_norm"])

@@ -7,7 +7,7 @@ All stages are cached under the data directory and resumable:
 - `generations.jsonl`: one line per prompt (its index, prompt length, prompt + answer ids),
   appended batch by batch; a rerun skips the prompts already answered.
 - `states.safetensors`: for every position of every sequence, the hidden states of the
-  requested layers (bfloat16, numbered as the verifier numbers them, `target._select_hidden`)
+  requested layers (bfloat16, numbered as the verifier numbers them, `target.select_hidden`)
   and the target's argmax there (the token it would emit next). Recomputed only when a head
   asks for a layer the file lacks.
 """
@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from backends.runtime.model_store import load_causal_lm, load_tokenizer
-from backends.serving.target import _select_hidden
+from backends.serving.target import select_hidden
 from backends.training.corpus import CHAT, OPENINGS, check_held_out, overlaps_held_out, training_prompts
 
 
@@ -187,7 +187,7 @@ def target_states(target: Path, data_dir: Path, records: list[dict], layer_ids: 
             out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         for row, i in enumerate(order[start:start + batch_size]):
             n = len(batch[row])
-            states = _select_hidden(out.hidden_states, row, n, layer_ids).to(torch.bfloat16)
+            states = select_hidden(out.hidden_states, row, n, layer_ids).to(torch.bfloat16)
             per_record[i] = (states, out.logits[row, :n].argmax(-1))
     for i in range(len(records)):
         states, argmax = per_record[i]

@@ -32,7 +32,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from backends.config import aux_layer_ids
-from backends.methods.eagle import Eagle1Head, Eagle3Head, EagleHead, _llama_config
+from backends.methods.eagle import Eagle1Head, Eagle3Head, EagleHead, llama_config
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
 from backends.training.trainer import Batch, HeadTrainer, StepMetrics
@@ -52,7 +52,7 @@ def head_config(target: TargetInfo, **extra: Any) -> dict[str, Any]:
     return {**cfg, **extra}
 
 
-def _target_layer(target: TargetInfo) -> dict[str, torch.Tensor]:
+def target_layer(target: TargetInfo) -> dict[str, torch.Tensor]:
     """The target's last decoder layer and final norm, keyed as a head layer names them."""
     from safetensors import safe_open
 
@@ -70,7 +70,7 @@ def _target_layer(target: TargetInfo) -> dict[str, torch.Tensor]:
     return out
 
 
-def _init_layer(layer: nn.Module, source: dict[str, torch.Tensor]) -> None:
+def init_layer(layer: nn.Module, source: dict[str, torch.Tensor]) -> None:
     """Copy the target layer into the head's; a 2H-wide q/k/v gets it in its hidden half."""
     with torch.no_grad():
         for name, param in layer.named_parameters():
@@ -121,7 +121,7 @@ def unroll(head: EagleHead, batch: Batch, num_steps: int) -> list[tuple[torch.Te
     return outputs
 
 
-def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def position_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cross entropy over labels >= 0 (-1: not in the draft vocabulary), and top-1 hits."""
     known = labels >= 0
     loss = F.cross_entropy(logits[known], labels[known]) if known.any() else logits.sum() * 0
@@ -151,7 +151,7 @@ def draft_vocabulary(data: TrainingData, target: TargetInfo, size: int,
     return keep, target_to_draft
 
 
-class _EagleTrainer(HeadTrainer):
+class EagleTrainerBase(HeadTrainer):
     ce_positions = CE_POSITIONS
 
     def loss(self, head: EagleHead, batch: Batch, num_steps: int) -> StepMetrics:
@@ -159,7 +159,7 @@ class _EagleTrainer(HeadTrainer):
         correct, counted = [], []
         for s, (out, target, ok) in enumerate(unroll(head, batch, num_steps)):
             where = loss_positions(ok, head.training, self.ce_positions)
-            token, hits = _token_loss(head.logits(out[where]), self.draft_labels(head, target[where]))
+            token, hits = position_token_loss(head.logits(out[where]), self.draft_labels(head, target[where]))
             total = total + STEP_DECAY ** s * self.step_loss(head, batch, s, out, ok, token)
             correct.append(hits)
             counted.append(len(where[0]))
@@ -172,7 +172,7 @@ class _EagleTrainer(HeadTrainer):
         return token_loss
 
 
-class Eagle1Trainer(_EagleTrainer):
+class Eagle1Trainer(EagleTrainerBase):
     method = "eagle"
     ce_positions = CE_POSITIONS // 4  # its LM head is the target's full vocabulary; the feature loss leads
 
@@ -181,13 +181,13 @@ class Eagle1Trainer(_EagleTrainer):
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> Eagle1Head:
         cfg = head_config(target)
-        head = Eagle1Head(_llama_config(cfg), target, fc_bias=True)
+        head = Eagle1Head(llama_config(cfg), target, fc_bias=True)
         head.saved_config = cfg
         # The feature loss is measured in units of the target's typical state size, so its
         # weight against the token loss does not depend on the target's scale.
         head.feature_scale = data.hidden[-1][:100_000].float().pow(2).mean().sqrt().item()
         _freeze_target_parts(head, target, own_lm_head=False)
-        _init_layer(head.layers[0], _target_layer(target))
+        init_layer(head.layers[0], target_layer(target))
         h = target.hidden_size
         layer = head.layers[0]
         with torch.no_grad():
@@ -214,7 +214,7 @@ class Eagle1Trainer(_EagleTrainer):
         _write(out, head.saved_config, state)
 
 
-class Eagle3Trainer(_EagleTrainer):
+class Eagle3Trainer(EagleTrainerBase):
     method = "eagle3"
     draft_vocab_size = 8192
 
@@ -226,14 +226,14 @@ class Eagle3Trainer(_EagleTrainer):
         keep, target_to_draft = draft_vocabulary(data, target, size, self.method)
         size = len(keep)
         cfg = head_config(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=size)
-        head = Eagle3Head(_llama_config(cfg), target, len(self.layer_ids(target)), size, norm_before_residual=False)
+        head = Eagle3Head(llama_config(cfg), target, len(self.layer_ids(target)), size, norm_before_residual=False)
         head.saved_config = cfg
         head.draft_to_target = keep
         head.d2t.copy_(keep - torch.arange(size))
         head.target_to_draft = target_to_draft
         _freeze_target_parts(head, target, own_lm_head=True)
-        source = _target_layer(target)
-        _init_layer(head.layers[0], source)
+        source = target_layer(target)
+        init_layer(head.layers[0], source)
         h = target.hidden_size
         with torch.no_grad():
             head.norm.weight.copy_(source["final_norm"])

@@ -37,7 +37,7 @@ from backends.methods.head_checkpoint import TargetInfo
 from backends.methods.medusa import MedusaHead, save_medusa
 from backends.methods.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
 from backends.training.data import TrainingData
-from backends.training.eagle import CE_POSITIONS, Eagle3Trainer, _target_layer, draft_vocabulary
+from backends.training.eagle import CE_POSITIONS, Eagle3Trainer, target_layer, draft_vocabulary
 from backends.training.steps import StepTrainer, draft_labels, served_copy
 from backends.training.trainer import Batch
 
@@ -97,7 +97,7 @@ class MLPSpeculatorTrainer(_LastHiddenTrainer):
         with torch.no_grad():
             head.emb[0].weight.copy_(embed * (1 / math.sqrt(target.hidden_size)) / embed.pow(2).mean().sqrt())
             head.head[0].weight.copy_(target.weight("lm_head").float())
-            head.ln[0].weight.copy_(_target_layer(target)["final_norm"])
+            head.ln[0].weight.copy_(target_layer(target)["final_norm"])
             head.ln[0].bias.zero_()
             for proj in head.proj:
                 proj.weight.copy_(torch.eye(target.hidden_size))

@@ -23,11 +23,11 @@ import torch
 from backends.methods.head_checkpoint import TargetInfo
 from backends.methods.mtp import MTPHead, save_mtp
 from backends.training.data import TrainingData
-from backends.training.eagle import CE_POSITIONS, _EagleTrainer, _init_layer, _target_layer, head_config
+from backends.training.eagle import CE_POSITIONS, EagleTrainerBase, init_layer, target_layer, head_config
 from backends.training.steps import served_copy
 
 
-class MTPTrainer(_EagleTrainer):
+class MTPTrainer(EagleTrainerBase):
     method = "mtp"
     ce_positions = CE_POSITIONS // 4  # its LM head is the target's, over the whole vocabulary
 
@@ -39,8 +39,8 @@ class MTPTrainer(_EagleTrainer):
         layer = head.layers[0]
         head.embed_tokens.requires_grad_(False)
         layer.shared_head.head.requires_grad_(False)
-        source = _target_layer(target)
-        _init_layer(layer, source)
+        source = target_layer(target)
+        init_layer(layer, source)
         h = target.hidden_size
         with torch.no_grad():
             layer.shared_head.norm.weight.copy_(source["final_norm"])

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from backends.training.eagle import CE_POSITIONS, STEP_DECAY, _token_loss, loss_positions
+from backends.training.eagle import CE_POSITIONS, STEP_DECAY, position_token_loss, loss_positions
 from backends.training.trainer import Batch, HeadTrainer, StepMetrics
 
 
@@ -71,7 +71,7 @@ class StepTrainer(HeadTrainer):
         for chunk in chunks:
             r, a = rows[chunk], anchors[chunk]
             for d, (logits, labels) in enumerate(self.predictions(head, batch, r, a, chain[r, a], num_steps)):
-                ce, hits = _token_loss(logits, labels)
+                ce, hits = position_token_loss(logits, labels)
                 total = total + STEP_DECAY ** d * ce
                 correct[d] += hits
                 counted[d] += len(labels)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import _load, coarse_total_variation, served_greedy_results
+from tests.fixtures.helpers import load_hf_model, coarse_total_variation, served_greedy_results
 from tests.fixtures.sampling import PROMPT, SAMPLES, TEMPERATURE, TOP_K, exact_marginals
 from tests.fixtures.servers import start_server
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
@@ -28,7 +28,7 @@ def write_fitted_dspark(out, tiny_model_dir):
     sampled at temperature 1, the requests at 1.5: q overlaps p but is sharper, so only a
     correct q in min(1, p/q) and max(p - q, 0) gives p back."""
     state = dict(write_dspark(out, tiny_model_dir, markov_rank=TOP_K, confidence=False))
-    model, tokenizer = _load(str(tiny_model_dir))
+    model, tokenizer = load_hf_model(str(tiny_model_dir))
     ids = tokenizer(PROMPT)["input_ids"]
     w1, w2 = torch.zeros(V, TOP_K), torch.zeros(V, TOP_K)
     with torch.inference_mode():

@@ -53,7 +53,7 @@ def test_loadtest_arguments_and_input_work_against_the_server(tiny_server, tmp_p
         "-u": tiny_server.grpc_url,
         "--input-data": str(data),
         "--concurrency-range": "1:2:1",
-        "--request-count": "4",
+        "--measurement-request-count": "4",
         "--profile-export-file": str(export),
     }
     args = [local.get(previous, arg) for previous, arg in zip(["", *args], args)]

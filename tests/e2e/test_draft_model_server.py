@@ -42,9 +42,9 @@ def test_greedy_equals_target_greedy(draft_server, tiny_model_dir):
 def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.fixtures.helpers import _load
+    from tests.fixtures.helpers import load_hf_model
 
-    model, tokenizer = _load(str(tiny_model_dir))
+    model, tokenizer = load_hf_model(str(tiny_model_dir))
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([tokenizer(SAMPLED_PROMPT)["input_ids"]])).logits[0, -1]
     exact = dict(enumerate((logits / 1.2).softmax(-1).tolist()))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from backends.methods.eagle import _causal_mask
+from backends.methods.eagle import causal_mask
 from backends.methods.mtp import MTPHead, save_mtp
 from tests.fixtures.head_server import ServedHeadTests, fit_and_save, soft_cross_entropy
 
@@ -24,7 +24,7 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
     def loss(head, s):
         n = s.ids.shape[1] - 1
         positions = torch.arange(n).expand(len(s.ids), n)
-        mask = _causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n)
+        mask = causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n)
         out = head(s.ids[:, 1:], s.hidden[:, :-1], positions, mask, None)
         return soft_cross_entropy(head.logits(out), s.probs[:, 1:])
 

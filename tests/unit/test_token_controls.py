@@ -14,7 +14,7 @@ from backends.serving.request import (
     RequestError, SamplingParams, bad_words_token_ids, bind_token_ids, parse_request,
 )
 from backends.serving.target import VerifyRequest
-from tests.fixtures.helpers import _load
+from tests.fixtures.helpers import load_hf_model
 
 PROMPT = "def add(a, b):\n    return a + b\ndef add(a, b):"
 CONTROLS = {"repetition_penalty": 1.3, "frequency_penalty": 0.7, "presence_penalty": 0.4, "min_tokens": 6,
@@ -191,7 +191,7 @@ def test_greedy_with_controls_verified_with_drafts_equals_plain_decoding(runner,
 
 
 def test_logprobs_are_the_targets_own_at_each_position(runner, tokenizer, target_dir):
-    model, _ = _load(str(target_dir))
+    model, _ = load_hf_model(str(target_dir))
     prompt = tokenizer(PROMPT)["input_ids"]
     plain, _ = plain_decode(runner, 1004, prompt, SamplingParams(), 12)
     _, logprobs, _ = speculative_decode(runner, 1005, prompt, SamplingParams(logprobs=2), plain, k=4,

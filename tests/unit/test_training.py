@@ -44,10 +44,10 @@ def test_training_prompts_are_separate_from_the_benchmark():
 
 
 def test_data_is_the_targets_own_greedy_output(target_dir, data_dir):
-    from tests.fixtures.helpers import _load
+    from tests.fixtures.helpers import load_hf_model
 
     _, _, data = _data(target_dir, data_dir, "eagle3")
-    model, _ = _load(str(target_dir))
+    model, _ = load_hf_model(str(target_dir))
     i = 3
     seq = data.token_ids[data.sequence(i)]
     with torch.inference_mode():
