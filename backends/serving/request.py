@@ -218,14 +218,12 @@ def _check_token_controls(params: SamplingParams) -> None:
 
 
 def _tuples(values: Any) -> Any:
-    """SamplingParams' fields as JSON carried them (tuples became lists)."""
+    """SamplingParams' fields as JSON carried them: its tuples (of tuples) became lists."""
     if not isinstance(values, dict):
         return values
-    for name in ("logit_bias", "bad_words_ids"):
-        if isinstance(values.get(name), list):
-            values[name] = tuple(tuple(item) if isinstance(item, list) else item for item in values[name])
-    if isinstance(values.get("min_tokens_stop_ids"), list):
-        values["min_tokens_stop_ids"] = tuple(values["min_tokens_stop_ids"])
+    for name, value in values.items():
+        if isinstance(value, list):
+            values[name] = tuple(tuple(item) if isinstance(item, list) else item for item in value)
     return values
 
 

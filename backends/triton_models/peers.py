@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backends.serving.proposer import DrafterInfo
 from backends.serving.logits import LOGPROB_OUTPUTS, TokenLogprob, logprobs_from_arrays
+from backends.serving.proposer import DrafterInfo
 from backends.serving.request import SamplingParams
 from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, bls
 from backends.triton_models.peer_token import with_token

@@ -112,8 +112,27 @@ def test_perf_analyzer_without_input_data(tiny_server):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "client.cli.main", "perf-analyzer", "-m", "speculative",
-                           "-u", tiny_server.grpc_url, "-i", "grpc", "--streaming", "--concurrency-range", "2",
-                           "--request-count", "4"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "client.cli.main",
+            "perf-analyzer",
+            "-m",
+            "speculative",
+            "-u",
+            tiny_server.grpc_url,
+            "-i",
+            "grpc",
+            "--streaming",
+            "--concurrency-range",
+            "2",
+            "--request-count",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "no --input-data given; sending the" in done.stderr and "Concurrency: 2, throughput" in done.stdout

@@ -162,21 +162,37 @@ def test_logprobs_and_penalties_equal_the_speculative_model(client, tiny_server)
     controls = {"frequency_penalty": 0.8, "presence_penalty": 0.4}
     free = reference(tiny_server, PROMPT, max_tokens=12, temperature=0.0)
     bias = {str(free.output_ids[2]): -100}  # the third token can no longer be chosen
-    ref = reference(tiny_server, PROMPT, max_tokens=12, temperature=0.0, return_logprobs=True,
-                    sampling_parameters={"logprobs": 2, "logit_bias": bias}, **controls)
+    ref = reference(
+        tiny_server,
+        PROMPT,
+        max_tokens=12,
+        temperature=0.0,
+        return_logprobs=True,
+        sampling_parameters={"logprobs": 2, "logit_bias": bias},
+        **controls,
+    )
     assert ref.text != free.text
     chosen = [next(iter(entry.values())) for entry in ref.logprobs]
     for stream in (False, True):
-        out = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2,
-                                        logit_bias=bias, stream=stream, **controls)
+        out = client.completions.create(
+            model="speculative",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            logprobs=2,
+            logit_bias=bias,
+            stream=stream,
+            **controls,
+        )
         choices = [c.choices[0] for c in out] if stream else [out.choices[0]]
         assert "".join(c.text for c in choices) == ref.text
         logprobs = [c.logprobs for c in choices if c.logprobs]
         assert [t for lp in logprobs for t in lp.token_logprobs] == [c["logprob"] for c in chosen]
         assert [t for lp in logprobs for t in lp.tokens] == [c["decoded_token"] for c in chosen]
         assert all(len(top) == 2 for lp in logprobs for top in lp.top_logprobs)
-    out = client.chat.completions.create(model="speculative", messages=MESSAGES, max_tokens=6, temperature=0,
-                                         logprobs=True, top_logprobs=3, **controls)
+    out = client.chat.completions.create(
+        model="speculative", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, **controls
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in content)
@@ -188,9 +204,22 @@ def test_an_unreachable_triton_is_503(tiny_model_dir, tmp_path):
     """Triton down (or restarting) is 503, which OpenAI SDKs retry, streamed or not."""
     port, dead = free_ports(2)
     with open(tmp_path / "openai.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "client.cli.main", "openai", "--url", f"127.0.0.1:{dead}",
-                                 "--port", str(port), "--model", str(tiny_model_dir)], stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "client.cli.main",
+                "openai",
+                "--url",
+                f"127.0.0.1:{dead}",
+                "--port",
+                str(port),
+                "--model",
+                str(tiny_model_dir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         unreachable = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         deadline = time.monotonic() + 60
@@ -202,7 +231,9 @@ def test_an_unreachable_triton_is_503(tiny_model_dir, tmp_path):
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "openai.log").read_text()
                 time.sleep(0.3)
         for stream in (False, True):
-            error = _error(lambda: unreachable.completions.create(model="speculative", prompt=PROMPT, stream=stream))
+            error = _error(
+                lambda stream=stream: unreachable.completions.create(model="speculative", prompt=PROMPT, stream=stream)
+            )
             assert error.status_code == 503 and "unavailable" in error.message
     finally:
         proc.terminate()

@@ -104,9 +104,14 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens must be at least 1"),
     ({"prompt": "hi", "max_tokens": 100000}, "above the model's limit"),
     ({"prompt": "hi", "sampling_parameters": "{not json"}, "sampling_parameters is not valid JSON"),
-    ({"prompt": "hi", "sampling_parameters": {"max_tokens": 4, "best_of": 2}}, "best_of is only supported at its default 1"),
-    ({"prompt": "hi", "sampling_parameters": {"max_tokens": 4, "use_beam_search": True}},
-     "use_beam_search is only supported at its default false"),
+    (
+        {"prompt": "hi", "sampling_parameters": {"max_tokens": 4, "best_of": 2}},
+        "best_of is only supported at its default 1",
+    ),
+    (
+        {"prompt": "hi", "sampling_parameters": {"max_tokens": 4, "use_beam_search": True}},
+        "use_beam_search is only supported at its default false",
+    ),
     ({"prompt": "hi", "sampling_parameters": {"frequency_penalty": 3}}, "frequency_penalty must be in [-2, 2]"),
     ({"prompt": "hi", "sampling_parameters": {"logit_bias": {"99999": 1}}}, "logit_bias: token id 99999 is outside"),
     ({"prompt": "hi", "sampling_parameters": {"temperature": "hot"}}, "temperature must be a number"),

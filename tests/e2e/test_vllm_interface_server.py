@@ -3,6 +3,7 @@ ngram drafting): the r24.12+ return_* flags over gRPC with tritonclient, the exa
 Triton's own OpenAI-compatible frontend, penalties and token controls that leave speculative
 output equal to plain decoding (greedy) or distributed as the target's (sampled), logprobs
 equal to plain decoding's, and vLLM's latency and token metrics on /metrics."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import load_hf_model, coarse_total_variation, metric_values, wait_for_no_active_sequences
+from tests.fixtures.helpers import coarse_total_variation, load_hf_model, metric_values, wait_for_no_active_sequences
 from tests.fixtures.sampling import SAMPLES, TEMPERATURE, TOP_K
 
 PROMPTS = [
@@ -35,8 +36,9 @@ def stream_infer(url: str, tensors: dict[str, np.ndarray]) -> list:
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     inputs = []
     for name, value in tensors.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), "BYTES" if value.dtype == np.object_ else
-                                       {np.dtype(bool): "BOOL"}[value.dtype])
+        tensor = grpcclient.InferInput(
+            name, list(value.shape), "BYTES" if value.dtype == np.object_ else {np.dtype(bool): "BOOL"}[value.dtype]
+        )
         tensor.set_data_from_numpy(value)
         inputs.append(tensor)
     client.async_stream_infer("speculative", inputs, enable_empty_final_response=True)
@@ -71,11 +73,19 @@ def test_vllm_backend_return_flags_over_grpc(tiny_server, stream):
     """Each flag puts its output on every response, with the vLLM backend's meaning."""
     prompt = PROMPTS[0]
     plain = grpc_generate(tiny_server.grpc_url, prompt, max_tokens=20, stream=False)
-    responses = stream_infer(tiny_server.grpc_url, {
-        "text_input": text(prompt), "stream": flag(stream), "exclude_input_in_output": flag(True),
-        "sampling_parameters": text(json.dumps({"max_tokens": "20", "logprobs": "2"})),
-        **{f"return_{name}": flag(True) for name in
-           ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")}})
+    responses = stream_infer(
+        tiny_server.grpc_url,
+        {
+            "text_input": text(prompt),
+            "stream": flag(stream),
+            "exclude_input_in_output": flag(True),
+            "sampling_parameters": text(json.dumps({"max_tokens": "20", "logprobs": "2"})),
+            **{
+                f"return_{name}": flag(True)
+                for name in ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
+            },
+        },
+    )
     assert len(responses) > 1 if stream else len(responses) == 1
     reasons = [r["finish_reason"][0].decode() for r in responses]
     assert reasons[-1] == plain.finish_reason and set(reasons[:-1]) <= {"None"}
@@ -86,17 +96,26 @@ def test_vllm_backend_return_flags_over_grpc(tiny_server, stream):
     assert [len(entries) for entries in logprobs] == per_response
     chosen = [next(iter(entry.items())) for entries in logprobs for entry in entries]
     assert [int(token) for token, _ in chosen] == plain.output_ids
-    assert all(len(entry) in (2, 3) and all({"logprob", "rank", "decoded_token"} == set(v) for v in entry.values())
-               for entries in logprobs for entry in entries)
+    assert all(
+        len(entry) in (2, 3) and all({"logprob", "rank", "decoded_token"} == set(v) for v in entry.values())
+        for entries in logprobs
+        for entry in entries
+    )
     cumulative = [float(r["cumulative_logprob"][0]) for r in responses]
     assert cumulative[-1] == pytest.approx(sum(v["logprob"] for _, v in chosen), abs=1e-3)
     assert cumulative == sorted(cumulative, reverse=True)  # each response adds logprobs <= 0
 
 
 def test_logprobs_output_is_null_without_logprobs_in_the_sampling_parameters(tiny_server):
-    (response,) = stream_infer(tiny_server.grpc_url, {"text_input": text("The quick"), "stream": flag(False),
-                                                      "return_logprobs": flag(True),
-                                                      "sampling_parameters": text('{"max_tokens": 3}')})
+    (response,) = stream_infer(
+        tiny_server.grpc_url,
+        {
+            "text_input": text("The quick"),
+            "stream": flag(False),
+            "return_logprobs": flag(True),
+            "sampling_parameters": text('{"max_tokens": 3}'),
+        },
+    )
     assert response["logprobs"][0] == b"null" and "cumulative_logprob" not in response
 
 
@@ -107,18 +126,42 @@ def frontend_request(prompt: str, body: dict, stream: bool, echo: bool | None = 
     """What server/python/openai (engine/utils/triton.py, _create_vllm_generate_request) sends a
     vLLM-backend model, as it runs with `--backend vllm`: the OpenAI body minus its non-sampling
     fields as sampling_parameters (pydantic's non-None defaults included), and these tensors."""
-    excludes = {"model", "stream", "messages", "prompt", "echo", "stream_options", "max_tokens",
-                "max_completion_tokens", "logprobs", "top_logprobs", "best_of", "user"}
+    excludes = {
+        "model",
+        "stream",
+        "messages",
+        "prompt",
+        "echo",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "best_of",
+        "user",
+    }
     sampling = {k: v for k, v in body.items() if k not in excludes and v is not None}
     sampling["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-    return {"text_input": text(prompt), "stream": flag(stream), "exclude_input_in_output": flag(not echo),
-            "sampling_parameters": text(json.dumps(sampling)), "return_num_input_tokens": flag(True),
-            "return_num_output_tokens": flag(True), "return_logprobs": flag(False)}
+    return {
+        "text_input": text(prompt),
+        "stream": flag(stream),
+        "exclude_input_in_output": flag(not echo),
+        "sampling_parameters": text(json.dumps(sampling)),
+        "return_num_input_tokens": flag(True),
+        "return_num_output_tokens": flag(True),
+        "return_logprobs": flag(False),
+    }
 
 
 # The schema defaults a bare request carries: completions (temperature 1) and chat (0.7).
-COMPLETION_DEFAULTS = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "temperature": 1,
-                       "top_p": 1}
+COMPLETION_DEFAULTS = {
+    "frequency_penalty": 0,
+    "ignore_eos": False,
+    "n": 1,
+    "presence_penalty": 0,
+    "temperature": 1,
+    "top_p": 1,
+}
 CHAT_DEFAULTS = {**COMPLETION_DEFAULTS, "temperature": 0.7, "logprobs": False}
 
 
@@ -131,13 +174,21 @@ def test_triton_openai_frontend_requests(tiny_server, defaults, stream):
     prompt = PROMPTS[1]
     body = {**defaults, "temperature": 0, "seed": 3, "max_tokens": 12, "stop": ["print(4"]}
     responses = stream_infer(tiny_server.grpc_url, frontend_request(prompt, body, stream))
-    ref = grpc_generate(tiny_server.grpc_url, prompt, stream=False, exclude_input_in_output=True, max_tokens=12,
-                        temperature=0.0, stop_words=["print(4"])
+    ref = grpc_generate(
+        tiny_server.grpc_url,
+        prompt,
+        stream=False,
+        exclude_input_in_output=True,
+        max_tokens=12,
+        temperature=0.0,
+        stop_words=["print(4"],
+    )
     if not stream:
         assert len(responses) == 1
     assert all(r["text_output"].size == 1 for r in responses)
-    assert all(r["num_input_tokens"].dtype == np.uint32 and r["num_output_tokens"].dtype == np.uint32
-               for r in responses)
+    assert all(
+        r["num_input_tokens"].dtype == np.uint32 and r["num_output_tokens"].dtype == np.uint32 for r in responses
+    )
     assert "".join(r["text_output"][0].decode() for r in responses) == ref.text
     assert sum(int(r["num_output_tokens"][0]) for r in responses) == ref.num_output_tokens
     assert int(responses[0]["num_input_tokens"][0]) == ref.num_input_tokens
@@ -145,11 +196,25 @@ def test_triton_openai_frontend_requests(tiny_server, defaults, stream):
 
 def test_triton_openai_frontend_echo_and_penalties(tiny_server):
     prompt = PROMPTS[2]
-    body = {**COMPLETION_DEFAULTS, "temperature": 0, "max_tokens": 8, "frequency_penalty": 0.5, "min_tokens": 2,
-            "logit_bias": {"5": 2}}
+    body = {
+        **COMPLETION_DEFAULTS,
+        "temperature": 0,
+        "max_tokens": 8,
+        "frequency_penalty": 0.5,
+        "min_tokens": 2,
+        "logit_bias": {"5": 2},
+    }
     (response,) = stream_infer(tiny_server.grpc_url, frontend_request(prompt, body, stream=False, echo=True))
-    ref = grpc_generate(tiny_server.grpc_url, prompt, stream=False, max_tokens=8, temperature=0.0,
-                        frequency_penalty=0.5, min_tokens=2, sampling_parameters={"logit_bias": {"5": 2}})
+    ref = grpc_generate(
+        tiny_server.grpc_url,
+        prompt,
+        stream=False,
+        max_tokens=8,
+        temperature=0.0,
+        frequency_penalty=0.5,
+        min_tokens=2,
+        sampling_parameters={"logit_bias": {"5": 2}},
+    )
     assert response["text_output"][0].decode() == ref.text and ref.text.startswith(prompt)
 
 
@@ -163,8 +228,12 @@ def controls(tiny_server, tiny_model_dir) -> dict:
     free = grpc_generate(tiny_server.grpc_url, PROMPTS[0], max_tokens=24, stream=False).output_ids
     _, tokenizer = load_hf_model(str(tiny_model_dir))
     word = tokenizer.decode([free[3]]).strip() or "return"
-    return {**PENALTIES, "min_tokens": 4, "bad_words": [word], "sampling_parameters": {
-        "logit_bias": {str(free[1]): -5.0, str(free[6]): 3.0}, "stop_token_ids": [free[20]]}}
+    return {
+        **PENALTIES,
+        "min_tokens": 4,
+        "bad_words": [word],
+        "sampling_parameters": {"logit_bias": {str(free[1]): -5.0, str(free[6]): 3.0}, "stop_token_ids": [free[20]]},
+    }
 
 
 def test_greedy_with_penalties_and_controls_speculative_equals_plain(tiny_server, controls):
@@ -227,8 +296,18 @@ def test_sampled_tokens_with_penalties_follow_the_target_distribution(tiny_serve
     assert max(exact[0].values()) < 0.8
 
     def one(seed: int) -> list[int]:
-        return grpc_generate(tiny_server.grpc_url, PROMPTS[1], max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K,
-                             random_seed=seed, ignore_eos=True, stream=False, num_draft_tokens=3, **params).output_ids
+        return grpc_generate(
+            tiny_server.grpc_url,
+            PROMPTS[1],
+            max_tokens=2,
+            temperature=TEMPERATURE,
+            top_k=TOP_K,
+            random_seed=seed,
+            ignore_eos=True,
+            stream=False,
+            num_draft_tokens=3,
+            **params,
+        ).output_ids
 
     # The ngram draft for this prompt is the first token 20% of the time, so both accepted
     # and rejected drafts are verified under the penalties. 300 samples keep the test short:
@@ -250,8 +329,13 @@ def test_latency_and_token_metrics_as_vllm_names_them(tiny_server):
     def value(name: str) -> float:
         return metric_values(tiny_server, name).get(labels, 0.0)
 
-    names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
-             "vllm:e2e_request_latency_seconds_count", "vllm:inter_token_latency_seconds_count")
+    names = (
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+    )
     before = {n: value(n) for n in names}
     r = grpc_generate(tiny_server.grpc_url, PROMPTS[0], max_tokens=16, ignore_eos=True)
     deadline = time.monotonic() + 10  # metrics are written from a thread of their own

@@ -1,6 +1,7 @@
 """The client side of issue 21 in process: the OpenAI layer's parameters and logprobs,
 errors that mean "Triton is down" (503, not 400), `tritonspec generate` against nothing,
 and `tritonspec perf` reporting the spread of unstable windows instead of failing."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,16 +11,30 @@ from client.api.triton import GenerationError, ServerUnavailableError, _failure
 from client.cli.perf import format_sweep, summarize_export
 
 # Two tokens' entries as the `speculative` model returns them (chosen first, then ranked).
-ENTRIES = [{"7": {"logprob": -0.5, "rank": 1, "decoded_token": " a"}, "9": {"logprob": -1.5, "rank": 2,
-                                                                             "decoded_token": " b"}},
-           {"3": {"logprob": -2.0, "rank": 2, "decoded_token": "é"}, "4": {"logprob": -0.2, "rank": 1,
-                                                                            "decoded_token": "x"}}]
+ENTRIES = [
+    {
+        "7": {"logprob": -0.5, "rank": 1, "decoded_token": " a"},
+        "9": {"logprob": -1.5, "rank": 2, "decoded_token": " b"},
+    },
+    {"3": {"logprob": -2.0, "rank": 2, "decoded_token": "é"}, "4": {"logprob": -0.2, "rank": 1, "decoded_token": "x"}},
+]
 
 
 def test_penalties_logit_bias_and_logprobs_reach_the_model():
-    inputs = sampling_inputs({"frequency_penalty": 0.5, "presence_penalty": 0, "logit_bias": {"12": -100},
-                              "logprobs": 3, "min_tokens": 2, "repetition_penalty": 1.1, "stop_token_ids": [5],
-                              "bad_words": ["x"]}, 16, "completion")
+    inputs = sampling_inputs(
+        {
+            "frequency_penalty": 0.5,
+            "presence_penalty": 0,
+            "logit_bias": {"12": -100},
+            "logprobs": 3,
+            "min_tokens": 2,
+            "repetition_penalty": 1.1,
+            "stop_token_ids": [5],
+            "bad_words": ["x"],
+        },
+        16,
+        "completion",
+    )
     assert inputs["frequency_penalty"] == 0.5 and "presence_penalty" not in inputs  # 0 changes nothing
     assert inputs["sampling_parameters"] == {"logit_bias": {"12": -100}, "stop_token_ids": [5], "logprobs": 3}
     assert inputs["return_logprobs"] and inputs["min_tokens"] == 2 and inputs["bad_words"] == ["x"]
@@ -28,15 +43,18 @@ def test_penalties_logit_bias_and_logprobs_reach_the_model():
     assert "sampling_parameters" not in sampling_inputs({"logprobs": False}, 16, "chat")
 
 
-@pytest.mark.parametrize("body,kind,message", [
-    ({"temperature": 2.1}, "completion", "'temperature' must be in [0, 2]"),
-    ({"top_p": 1.5}, "completion", "'top_p' must be in [0, 1]"),
-    ({"presence_penalty": -3}, "chat", "'presence_penalty' must be in [-2, 2]"),
-    ({"logprobs": 6}, "completion", "'logprobs' must be in [0, 5]"),
-    ({"top_logprobs": 21, "logprobs": True}, "chat", "'top_logprobs' must be in [0, 20]"),
-    ({"top_logprobs": 2}, "chat", "'top_logprobs' needs 'logprobs': true"),
-    ({"logit_bias": {"1": 101}}, "chat", "'logit_bias' values must be numbers in [-100, 100]"),
-])
+@pytest.mark.parametrize(
+    "body,kind,message",
+    [
+        ({"temperature": 2.1}, "completion", "'temperature' must be in [0, 2]"),
+        ({"top_p": 1.5}, "completion", "'top_p' must be in [0, 1]"),
+        ({"presence_penalty": -3}, "chat", "'presence_penalty' must be in [-2, 2]"),
+        ({"logprobs": 6}, "completion", "'logprobs' must be in [0, 5]"),
+        ({"top_logprobs": 21, "logprobs": True}, "chat", "'top_logprobs' must be in [0, 20]"),
+        ({"top_logprobs": 2}, "chat", "'top_logprobs' needs 'logprobs': true"),
+        ({"logit_bias": {"1": 101}}, "chat", "'logit_bias' values must be numbers in [-100, 100]"),
+    ],
+)
 def test_openai_ranges_are_kept(body, kind, message):
     with pytest.raises(OpenAIError) as err:
         sampling_inputs(body, 16, kind)
@@ -52,11 +70,14 @@ def test_logprobs_in_openai_shapes():
     assert completion["text_offset"] == [10, 12] and completion["top_logprobs"][1] == {"x": -0.2, "é": -2.0}
 
 
-@pytest.mark.parametrize("message", [
-    "The stream is no longer in valid state, the error detail is reported through provided callback.",
-    "[StatusCode.UNAVAILABLE] failed to connect to all addresses",
-    "generation failed: Model verifier - Error when running inference: Server not ready",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "The stream is no longer in valid state, the error detail is reported through provided callback.",
+        "[StatusCode.UNAVAILABLE] failed to connect to all addresses",
+        "generation failed: Model verifier - Error when running inference: Server not ready",
+    ],
+)
 def test_a_triton_that_is_down_or_restarting_is_503_not_400(message):
     error = _failure(message)
     assert isinstance(error, ServerUnavailableError)
@@ -83,8 +104,13 @@ def export(rates: list[float], per_window: int = 4) -> dict:
     for rate in rates:
         for _ in range(per_window):
             seconds = 10 / rate
-            requests.append({"timestamp": int(t * 1e9), "response_timestamps": [int((t + seconds) * 1e9)],
-                             "response_outputs": [{"output_ids": list(range(10))}]})
+            requests.append(
+                {
+                    "timestamp": int(t * 1e9),
+                    "response_timestamps": [int((t + seconds) * 1e9)],
+                    "response_outputs": [{"output_ids": list(range(10))}],
+                }
+            )
             t += seconds
     return {"experiments": [{"requests": requests}]}
 

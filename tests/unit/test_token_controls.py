@@ -1,6 +1,7 @@
 """Penalties, token controls and logprobs in process: what parsing accepts, the logits
 processing against a plain per-position reference, and verification with drafts giving
 exactly what plain decoding gives with the same settings."""
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,24 @@ import torch
 
 from backends.serving.logits import process_logits, token_logprobs
 from backends.serving.request import (
-    RequestError, SamplingParams, bad_words_token_ids, bind_token_ids, parse_request,
+    RequestError,
+    SamplingParams,
+    bad_words_token_ids,
+    bind_token_ids,
+    parse_request,
 )
 from backends.serving.target import VerifyRequest
 from tests.fixtures.helpers import load_hf_model
 
 PROMPT = "def add(a, b):\n    return a + b\ndef add(a, b):"
-CONTROLS = {"repetition_penalty": 1.3, "frequency_penalty": 0.7, "presence_penalty": 0.4, "min_tokens": 6,
-            "logit_bias": {"40": 4.0, "41": -3.0}, "bad_words": ["return"]}
+CONTROLS = {
+    "repetition_penalty": 1.3,
+    "frequency_penalty": 0.7,
+    "presence_penalty": 0.4,
+    "min_tokens": 6,
+    "logit_bias": {"40": 4.0, "41": -3.0},
+    "bad_words": ["return"],
+}
 
 
 def parse(sampling: dict, **tensors):
@@ -31,33 +42,60 @@ def parse(sampling: dict, **tensors):
 def test_triton_openai_frontend_defaults_are_accepted():
     """What Triton's OpenAI frontend puts in sampling_parameters for a bare chat request
     (its schema's non-None defaults) changes nothing."""
-    req = parse({"frequency_penalty": 0, "n": 1, "presence_penalty": 0, "temperature": 0.7, "top_p": 1,
-                 "ignore_eos": False, "max_tokens": 8, "best_of": 1, "logprobs": None})
+    req = parse(
+        {
+            "frequency_penalty": 0,
+            "n": 1,
+            "presence_penalty": 0,
+            "temperature": 0.7,
+            "top_p": 1,
+            "ignore_eos": False,
+            "max_tokens": 8,
+            "best_of": 1,
+            "logprobs": None,
+        }
+    )
     assert not req.sampling.processes_logits and req.sampling.logprobs is None
     assert req.sampling.temperature == pytest.approx(0.7) and req.max_tokens == 8
 
 
-@pytest.mark.parametrize("neutral", [{"n": 1}, {"best_of": "1"}, {"min_p": 0}, {"use_beam_search": False},
-                                     {"skip_special_tokens": True}, {"include_stop_str_in_output": False},
-                                     {"repetition_penalty": 1}, {"frequency_penalty": "0"}, {"min_tokens": 0},
-                                     {"logit_bias": {}}, {"bad_words": []}, {"stop_token_ids": []}])
+@pytest.mark.parametrize(
+    "neutral",
+    [
+        {"n": 1},
+        {"best_of": "1"},
+        {"min_p": 0},
+        {"use_beam_search": False},
+        {"skip_special_tokens": True},
+        {"include_stop_str_in_output": False},
+        {"repetition_penalty": 1},
+        {"frequency_penalty": "0"},
+        {"min_tokens": 0},
+        {"logit_bias": {}},
+        {"bad_words": []},
+        {"stop_token_ids": []},
+    ],
+)
 def test_values_that_change_nothing_are_accepted(neutral):
     assert not parse(neutral).sampling.processes_logits
 
 
-@pytest.mark.parametrize("sampling,message", [
-    ({"n": 2}, "n is only supported at its default 1"),
-    ({"best_of": 3}, "best_of is only supported at its default 1"),
-    ({"min_p": 0.1}, "min_p is only supported at its default 0.0"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 100]"),
-    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
-    ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
-    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in [0, max_tokens=10]"),
-    ({"logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]"),
-    ({"logit_bias": [5]}, "logit_bias must be an object"),
-    ({"logprobs": 21}, "logprobs must be in [0, 20]"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids must be token ids"),
-])
+@pytest.mark.parametrize(
+    "sampling,message",
+    [
+        ({"n": 2}, "n is only supported at its default 1"),
+        ({"best_of": 3}, "best_of is only supported at its default 1"),
+        ({"min_p": 0.1}, "min_p is only supported at its default 0.0"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 100]"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in [0, max_tokens=10]"),
+        ({"logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]"),
+        ({"logit_bias": [5]}, "logit_bias must be an object"),
+        ({"logprobs": 21}, "logprobs must be in [0, 20]"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be token ids"),
+    ],
+)
 def test_out_of_range_controls_are_refused_by_name(sampling, message):
     with pytest.raises(RequestError) as err:
         parse(sampling)
@@ -65,8 +103,13 @@ def test_out_of_range_controls_are_refused_by_name(sampling, message):
 
 
 def test_controls_arrive_as_tensors_json_or_parameters_and_round_trip_to_the_verifier():
-    req = parse({"logprobs": 3, "stop_token_ids": [7], "logit_bias": {"9": 1.5}}, repetition_penalty=1.2,
-                min_length=2, return_logprobs=True, return_num_output_tokens=1)
+    req = parse(
+        {"logprobs": 3, "stop_token_ids": [7], "logit_bias": {"9": 1.5}},
+        repetition_penalty=1.2,
+        min_length=2,
+        return_logprobs=True,
+        return_num_output_tokens=1,
+    )
     assert req.sampling.repetition_penalty == pytest.approx(1.2) and req.sampling.min_tokens == 2
     assert req.stop_token_ids == [7] and req.returns == {"logprobs", "num_output_tokens"}
     assert SamplingParams.from_json(req.sampling.to_json()) == req.sampling
@@ -100,7 +143,7 @@ def reference_row(logits: torch.Tensor, sampling: SamplingParams, prompt: list[i
     """One position processed the obvious way, token by token (vLLM's formulas)."""
     row = logits.float().clone()
     for word in sampling.bad_words_ids:
-        if list(word[:-1]) == history[len(history) - len(word) + 1:] or len(word) == 1:
+        if list(word[:-1]) == history[len(history) - len(word) + 1 :] or len(word) == 1:
             row[word[-1]] = -math.inf
     if len(history) < sampling.min_tokens:
         for t in sampling.min_tokens_stop_ids:
@@ -157,13 +200,14 @@ def plain_decode(runner, seq_id: int, prompt: list[int], sampling: SamplingParam
     return out, logprobs
 
 
-def speculative_decode(runner, seq_id: int, prompt: list[int], sampling: SamplingParams, reference: list[int],
-                       k: int, corrupt_every: int):
+def speculative_decode(
+    runner, seq_id: int, prompt: list[int], sampling: SamplingParams, reference: list[int], k: int, corrupt_every: int
+):
     """Drafts are the reference continuation, every `corrupt_every`-th one corrupted."""
     out, logprobs, accepted = [], [], 0
     new = prompt
     while len(out) < len(reference):
-        drafts = list(reference[len(out): len(out) + min(k, len(reference) - len(out) - 1)])
+        drafts = list(reference[len(out) : len(out) + min(k, len(reference) - len(out) - 1)])
         if drafts and len(out) % corrupt_every == 0:
             drafts[-1] = (drafts[-1] + 1) % 50
         r = runner.verify(VerifyRequest(seq_id, new, drafts, sampling, max_new_tokens=len(reference)))
@@ -194,10 +238,9 @@ def test_logprobs_are_the_targets_own_at_each_position(runner, tokenizer, target
     model, _ = load_hf_model(str(target_dir))
     prompt = tokenizer(PROMPT)["input_ids"]
     plain, _ = plain_decode(runner, 1004, prompt, SamplingParams(), 12)
-    _, logprobs, _ = speculative_decode(runner, 1005, prompt, SamplingParams(logprobs=2), plain, k=4,
-                                        corrupt_every=5)
+    _, logprobs, _ = speculative_decode(runner, 1005, prompt, SamplingParams(logprobs=2), plain, k=4, corrupt_every=5)
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([prompt + plain])).logits[0, len(prompt) - 1: -1]
+        logits = model(input_ids=torch.tensor([prompt + plain])).logits[0, len(prompt) - 1 : -1]
     expected = torch.log_softmax(logits.float(), -1)
     for i, p in enumerate(logprobs):
         assert p.logprob == pytest.approx(expected[i, plain[i]].item(), abs=1e-5)
