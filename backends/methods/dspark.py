@@ -37,7 +37,7 @@ drafters bundled in the target checkpoint are refused.
 
 Drafts per pass: the convention's count, at most k (the block always runs at its trained
 size; the sequential stage stops after k). vLLM requires k >= dspark_block_size for the
-V4 drafter (backends/config.py checks it); here k only caps the drafts.
+V4 drafter (backends/config/ checks it); here k only caps the drafts.
 
 `draft_sample_method`: greedy (argmax, one-hot in rejection) or probabilistic (each draft
 sampled from its Markov-corrected softmax at the request's temperature, which then

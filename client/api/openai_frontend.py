@@ -260,7 +260,7 @@ def _usage(result: Generation) -> dict[str, int]:
             "total_tokens": int(result.num_input_tokens + result.num_output_tokens)}
 
 
-def _generation_error(e: Exception) -> OpenAIError:
+def generation_error(e: Exception) -> OpenAIError:
     """Triton's answer to a failed request, as an HTTP status: what the model rejected is the
     client's (400); transport failures and a full KV budget are 503; the rest is ours (500)."""
     message = str(e)
@@ -410,13 +410,13 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
     if not stream:
         event, value = await run.next()
         if event == "error":
-            raise _generation_error(value)
+            raise generation_error(value)
         return JSONResponse(choice.body((prompt if echo else "") + value.text, value))
 
     # Wait for the first event before answering, so a rejected request gets its HTTP status.
     first = await run.next()
     if first[0] == "error":
-        raise _generation_error(first[1])
+        raise generation_error(first[1])
 
     async def events() -> AsyncIterator[str]:
         event, value = first
@@ -438,7 +438,7 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
                         yield _sse(choice.usage_chunk(value))
                     break
                 else:  # the headers are gone: the error travels in the stream, as vLLM does
-                    yield _sse(_generation_error(value).body())
+                    yield _sse(generation_error(value).body())
                     break
                 event, value = await run.next()
             yield _sse("[DONE]")

@@ -31,7 +31,7 @@ class ServerUnavailableError(GenerationError):
 _UNAVAILABLE = ("StatusCode.UNAVAILABLE", "Server not ready", "Server is stopping", "no longer in valid state")
 
 
-def _failure(error: object) -> GenerationError:
+def server_error(error: object) -> GenerationError:
     message = str(error)
     if any(mark in message for mark in _UNAVAILABLE):
         return ServerUnavailableError(message)
@@ -173,7 +173,7 @@ def grpc_generate(
                 client.stop_stream(cancel_requests=True)
                 break
             if error is not None:
-                raise _failure(error)
+                raise server_error(error)
             params = response.get_response().parameters
             final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
             out = _decode_outputs(response, OUTPUTS + HIDDEN_OUTPUTS)
@@ -256,7 +256,7 @@ def http_generate(
             if not stream:
                 body = json.loads(response.read())
                 if "error" in body:  # Triton answers some failures with 200 and an error body
-                    raise _failure(body["error"])
+                    raise server_error(body["error"])
                 result.add(_http_outputs(body))
             else:
                 for line in response:
@@ -265,13 +265,13 @@ def http_generate(
                         continue
                     event = json.loads(line[5:])
                     if "error" in event:
-                        raise _failure(event["error"])
+                        raise server_error(event["error"])
                     out = _http_outputs(event)
                     result.add(out)
                     if on_text and out.get("text_output"):
                         on_text(out["text_output"])
     except urllib.error.HTTPError as e:
-        raise _failure(json.loads(e.read() or b"{}").get("error", str(e))) from None
+        raise server_error(json.loads(e.read() or b"{}").get("error", str(e))) from None
     except urllib.error.URLError as e:  # refused, unknown host: nothing answered
         raise ServerUnavailableError(f"cannot reach the Triton server at {url}: {e.reason}") from None
     except TimeoutError:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from client.api.openai_frontend import OpenAIError, _generation_error, openai_logprobs, sampling_inputs
-from client.api.triton import GenerationError, ServerUnavailableError, _failure
+from client.api.openai_frontend import OpenAIError, generation_error, openai_logprobs, sampling_inputs
+from client.api.triton import GenerationError, ServerUnavailableError, server_error
 from client.cli.perf import format_sweep, summarize_export
 
 # Two tokens' entries as the `speculative` model returns them (chosen first, then ranked).
@@ -79,14 +79,14 @@ def test_logprobs_in_openai_shapes():
     ],
 )
 def test_a_triton_that_is_down_or_restarting_is_503_not_400(message):
-    error = _failure(message)
+    error = server_error(message)
     assert isinstance(error, ServerUnavailableError)
-    assert _generation_error(error).status == 503
+    assert generation_error(error).status == 503
 
 
 def test_a_rejected_request_stays_400():
-    error = _failure("top_p must be in (0, 1], got 1.5")
-    assert type(error) is GenerationError and _generation_error(error).status == 400
+    error = server_error("top_p must be in (0, 1], got 1.5")
+    assert type(error) is GenerationError and generation_error(error).status == 400
 
 
 def test_generate_says_the_server_cannot_be_reached(capsys):
