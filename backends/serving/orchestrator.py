@@ -21,6 +21,7 @@ from backends.serving.proposer import DrafterInfo
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
 
 log = logging.getLogger("tritonspec.orchestrator")
+DRAFTER_KEEPALIVE_S = 30.0  # a quarter of the peers' max_sequence_idle_microseconds (120 s)
 
 
 class Drafter(Protocol):
@@ -176,6 +177,7 @@ def generate(
     # Wall time runs from step to step, so the caller's streaming of a step's output counts
     # toward the next step's overhead.
     clock = time.perf_counter()
+    last_drafter_call = time.monotonic()
     while True:
         if is_cancelled():
             yield StepOutput([], "", "cancelled")
@@ -184,7 +186,11 @@ def generate(
         room = min(req.max_tokens - num_generated, max_model_len - num_tokens) - 1
         k = draft_length(req, drafter.info, load(), room, policy) if speculate else 0
         drafts, probs, draft_s, draft_wall = [], None, 0.0, 0.0
-        if k > 0:
+        # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
+        # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
+        call_drafter = k > 0 or (speculate and time.monotonic() - last_drafter_call > DRAFTER_KEEPALIVE_S)
+        if call_drafter:
+            last_drafter_call = time.monotonic()
             start = time.perf_counter()
             try:
                 drafts, probs, draft_s = drafter.draft(
@@ -202,7 +208,7 @@ def generate(
         verify_wall = time.perf_counter() - start
         if hidden is not None and speculate:
             hidden_rows.append(hidden)
-        if k > 0:
+        if call_drafter:
             num_accepted = len(emitted) - 1 if drafts else 0
         unseen_by_verifier, sampling = [], None
         stats.record(len(drafts), len(emitted), draft_s, verify_s)

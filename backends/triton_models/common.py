@@ -7,12 +7,15 @@ import logging
 import queue
 import sys
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.runtime.device import resolve_device
+from backends.runtime.model_store import DEFAULT_MODEL, resolve_model
 
 SEQUENCE_START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -29,6 +32,28 @@ def model_parameters(args: dict) -> dict[str, str]:
     """config.pbtxt `parameters` as a plain dict of strings."""
     params = json.loads(args["model_config"]).get("parameters", {})
     return {k: v["string_value"] for k, v in params.items()}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The config.pbtxt parameters that the speculative, verifier and drafter models read alike."""
+
+    params: dict[str, str]  # all of them, as strings
+    target: Path  # the target model (the `model` parameter, else the default model)
+    dtype: str
+    max_model_len: int | None  # a cap on the target's context window; None: no cap
+
+
+def initialize_model(args: dict) -> ModelSettings:
+    """The start of every model's initialize: logging set up, then its settings."""
+    setup_logging()
+    params = model_parameters(args)
+    return ModelSettings(
+        params=params,
+        target=resolve_model(params.get("model") or DEFAULT_MODEL),
+        dtype=params.get("dtype", "bfloat16"),
+        max_model_len=int(params.get("max_model_len") or 0) or None,
+    )
 
 
 def instance_device(args: dict, params: dict[str, str], log: logging.Logger) -> str:

@@ -13,12 +13,10 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
+from backends.runtime.model_store import context_window, load_config
 from backends.serving.drafting import DraftCall, DraftService
-from backends.runtime.model_store import DEFAULT_MODEL, context_window, load_config, resolve_model
 from backends.serving.proposer import Draft, build_proposer, describe_drafter
-from backends.triton_models.common import (
-    input_array, input_ids, input_scalar, instance_device, model_parameters, setup_logging,
-)
+from backends.triton_models.common import initialize_model, input_array, input_ids, input_scalar, instance_device
 from backends.triton_models.sequence_model import SequenceBatchedModel
 
 log = logging.getLogger("tritonspec.drafter")
@@ -26,20 +24,18 @@ log = logging.getLogger("tritonspec.drafter")
 
 class TritonPythonModel(SequenceBatchedModel):
     role = "drafter"
-    log = log
 
     def initialize(self, args: dict) -> None:
-        setup_logging()
-        params = model_parameters(args)
-        target = resolve_model(params.get("model") or DEFAULT_MODEL)
-        max_len = context_window(load_config(target), int(params.get("max_model_len") or 0))
+        settings = initialize_model(args)
+        target = settings.target
+        max_len = context_window(load_config(target), settings.max_model_len)
         # A bad speculative_config fails this model's load with the config's own message.
         self.config = SpeculativeConfig.from_json(
-            params.get("speculative_config", ""), target_model=str(target), target_max_model_len=max_len
+            settings.params.get("speculative_config", ""), target_model=str(target), target_max_model_len=max_len
         )
-        device = instance_device(args, params, log)  # model-free methods ignore it
+        device = instance_device(args, settings.params, log)  # model-free methods ignore it
         proposer = build_proposer(self.config, max_model_len=max_len, target_model=target,
-                                  dtype=params.get("dtype", "bfloat16"), device=device)
+                                  dtype=settings.dtype, device=device)
         # The orchestrator learnt the layers from the config alone (describe_drafter): they must agree.
         described = describe_drafter(self.config, target).hidden_layer_ids
         if tuple(proposer.hidden_layer_ids) != described:
@@ -47,8 +43,7 @@ class TritonPythonModel(SequenceBatchedModel):
                                f"but its config describes {described}; a custom proposer declares "
                                "hidden_layer_ids as a class attribute")
         self.service = DraftService(proposer, self.config)
-        self.init_sequences(args, params)
-        self.service.clock = self.clock
+        self.init_sequences(args, settings.params, self.service)
         log.info("drafter ready: method=%s k=%d device=%s", self.config.method,
                  self.config.num_speculative_tokens, device)
 
@@ -86,12 +81,6 @@ class TritonPythonModel(SequenceBatchedModel):
             pb_utils.Tensor("draft_ids", np.array([draft.token_ids], dtype=np.int64)),
             pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
         ])
-
-    def release(self, seq_id: int) -> None:
-        self.service.release(seq_id)
-
-    def release_idle(self, idle_s: float, keep: set[int]) -> None:
-        self.service.release_idle(idle_s, keep)
 
     @property
     def num_sequences(self) -> int:

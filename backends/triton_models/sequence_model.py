@@ -12,22 +12,46 @@ its token (backends/triton_models/peer_token.py) is refused and touches no state
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, Protocol
 
 from backends.serving.idle import IdleClock
 from backends.triton_models.common import SEQUENCE_END, ActiveSequencesGauge, error_response
 from backends.triton_models.peer_token import has_token, server_token
 
 
-class SequenceBatchedModel:
-    role = ""  # "verifier" / "drafter": the prefix of this model's error messages
-    log: logging.Logger
+class SequenceState(Protocol):
+    """What holds a model's per-sequence state (the verifier's TargetRunner, the drafter's
+    DraftService): it measures idleness on `clock`, which the model sets."""
 
-    def init_sequences(self, args: dict, params: dict[str, str]) -> None:
+    clock: Callable[[], float]
+
+    def release(self, seq_id: int) -> object: ...
+
+    def release_idle(self, idle_s: float, keep: Collection[int]) -> object: ...
+
+
+class SequenceBatchedModel:
+    role = ""  # "verifier" / "drafter": the prefix of this model's error messages and logger
+
+    @property
+    def log(self) -> logging.Logger:
+        return logging.getLogger(f"tritonspec.{self.role}")
+
+    def init_sequences(self, args: dict, params: dict[str, str], state: SequenceState) -> None:
         self.idle_s = float(params.get("sequence_idle_timeout_s", "60"))
-        self.clock = IdleClock()  # the subclass's runner measures idleness on it
+        self.clock = IdleClock()
+        self.state = state
+        state.clock = self.clock
         self.active = ActiveSequencesGauge(args["model_name"])
         self.token = server_token()
+
+    def release(self, seq_id: int) -> None:
+        self.state.release(seq_id)
+
+    def release_idle(self, idle_s: float, keep: set[int]) -> None:
+        """Release sequences idle for `idle_s` on self.clock, except those in `keep`."""
+        self.state.release_idle(idle_s, keep)
 
     # -- what a subclass provides -------------------------------------------------------
     def parse(self, request: Any) -> Any:
@@ -39,13 +63,6 @@ class SequenceBatchedModel:
         raise NotImplementedError
 
     def respond(self, result: Any) -> Any:
-        raise NotImplementedError
-
-    def release(self, seq_id: int) -> None:
-        raise NotImplementedError
-
-    def release_idle(self, idle_s: float, keep: set[int]) -> None:
-        """Release sequences idle for `idle_s` on self.clock, except those in `keep`."""
         raise NotImplementedError
 
     @property

@@ -19,17 +19,26 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
+from backends.methods.extract_hidden_states import save_hidden_states
+from backends.runtime.model_store import context_window, load_config, load_tokenizer
 from backends.serving.detokenize import TextStream
 from backends.serving.logits import TokenLogprob, vllm_logprobs
-from backends.serving.proposer import DrafterInfo, describe_drafter
-from backends.methods.extract_hidden_states import save_hidden_states
-from backends.runtime.model_store import DEFAULT_MODEL, context_window, load_config, load_tokenizer, resolve_model
 from backends.serving.orchestrator import GenerationStats, StepOutput, generate
+from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.serving.request import (
-    RETURN_OUTPUTS, GenerationRequest, RequestError, bind_token_ids, check_prompt_size, parse_request,
+    RETURN_OUTPUTS,
+    GenerationRequest,
+    RequestError,
+    bind_token_ids,
+    check_prompt_size,
+    parse_request,
 )
 from backends.triton_models.common import (
-    ServingMetrics, SpecDecodeCounters, error_response, input_scalar, model_parameters, setup_logging,
+    ServingMetrics,
+    SpecDecodeCounters,
+    error_response,
+    initialize_model,
+    input_scalar,
 )
 from backends.triton_models.pbtxt import get_parameter
 from backends.triton_models.peer_token import server_token
@@ -63,12 +72,11 @@ class CancellationPoll:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        setup_logging()
-        params = model_parameters(args)
-        model_path = resolve_model(params.get("model") or DEFAULT_MODEL)
+        settings = initialize_model(args)
+        params, model_path = settings.params, settings.target
         self.tokenizer = load_tokenizer(model_path)
         config = load_config(model_path)
-        self.max_model_len = context_window(config, int(params.get("max_model_len") or 0))
+        self.max_model_len = context_window(config, settings.max_model_len)
         eos = getattr(config, "eos_token_id", None)
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -211,7 +219,7 @@ class TritonPythonModel:
                     except Exception:
                         log.exception("could not release sequence %d in %s", seq_id, peer.model_name)
 
-    def _count(self, drafter: "BlsDrafter | None", stats: "GenerationStats | None") -> None:
+    def _count(self, drafter: BlsDrafter | None, stats: GenerationStats | None) -> None:
         """Add a request's acceptance (and a drafter fallback) to the server-wide counters."""
         if drafter is not None and stats is not None:
             self.counters.add(drafter.info.method, stats.acceptance, bool(stats.fallback))

@@ -9,11 +9,10 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from backends.runtime.model_store import DEFAULT_MODEL, resolve_model
 from backends.serving.logits import logprobs_to_arrays
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
-from backends.triton_models.common import input_array, input_ids, instance_device, model_parameters, setup_logging
+from backends.triton_models.common import initialize_model, input_array, input_ids, instance_device
 from backends.triton_models.sequence_model import SequenceBatchedModel
 
 log = logging.getLogger("tritonspec.verifier")
@@ -21,22 +20,16 @@ log = logging.getLogger("tritonspec.verifier")
 
 class TritonPythonModel(SequenceBatchedModel):
     role = "verifier"
-    log = log
 
     def initialize(self, args: dict) -> None:
-        setup_logging()
-        params = model_parameters(args)
-        path = resolve_model(params.get("model") or DEFAULT_MODEL)
-        dtype = params.get("dtype", "bfloat16")
-        max_len = int(params["max_model_len"]) if params.get("max_model_len") else None
-        budget = float(params.get("kv_cache_memory_gb", "4"))
-        device = instance_device(args, params, log)  # a GPU that cannot be used fails the load here
-        self.runner = TargetRunner(path, dtype=dtype, device=device, max_model_len=max_len,
-                                   kv_cache_memory_gb=budget or None)
-        self.init_sequences(args, params)
-        self.runner.clock = self.clock
-        log.info("verifier ready: %s (%s on %s, context %d, KV budget %s tokens)", path, dtype, device,
-                 self.runner.max_model_len, self.runner.kv_budget_tokens or "unlimited")
+        settings = initialize_model(args)
+        budget = float(settings.params.get("kv_cache_memory_gb", "4"))
+        device = instance_device(args, settings.params, log)  # a GPU that cannot be used fails the load here
+        self.runner = TargetRunner(settings.target, dtype=settings.dtype, device=device,
+                                   max_model_len=settings.max_model_len, kv_cache_memory_gb=budget or None)
+        self.init_sequences(args, settings.params, self.runner)
+        log.info("verifier ready: %s (%s on %s, context %d, KV budget %s tokens)", settings.target, settings.dtype,
+                 device, self.runner.max_model_len, self.runner.kv_budget_tokens or "unlimited")
 
     def parse(self, request) -> VerifyRequest:
         params = json.loads(request.parameters() or "{}")
@@ -73,12 +66,6 @@ class TritonPythonModel(SequenceBatchedModel):
             outputs += [pb_utils.Tensor(name, array[None])
                         for name, array in logprobs_to_arrays(result.logprobs).items() if array.size]
         return pb_utils.InferenceResponse(output_tensors=outputs)
-
-    def release(self, seq_id: int) -> None:
-        self.runner.release(seq_id)
-
-    def release_idle(self, idle_s: float, keep: set[int]) -> None:
-        self.runner.release_idle(idle_s, keep)
 
     @property
     def num_sequences(self) -> int:

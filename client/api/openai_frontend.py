@@ -359,7 +359,7 @@ def _sse(payload: dict | str) -> str:
 # ---------------------------------------------------------------------------- generation
 
 
-class _Run:
+class GenerationRun:
     """One request to the `speculative` model on a worker thread; its text deltas and the
     end (result or error) arrive on an asyncio queue."""
 
@@ -406,7 +406,7 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
     inputs = sampling_inputs(body, default_max, kind)
     echo = kind == "completion" and bool(_check_type(body, "echo", (bool,), "a boolean"))
     choice = _Choice(kind, backend.served_model_name, requested_logprobs(body, kind), len(prompt) if echo else 0)
-    run = _Run(backend, prompt, inputs, stream)
+    run = GenerationRun(backend, prompt, inputs, stream)
     if not stream:
         event, value = await run.next()
         if event == "error":

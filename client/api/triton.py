@@ -168,7 +168,7 @@ def grpc_generate(
         except InferenceServerException as e:  # the stream died first; its callback has the reason
             raise ServerUnavailableError(_stream_failure(responses, e)) from None
         while True:
-            response, error = _next_response(responses, timeout_s, cancel)
+            response, error = next_response(responses, timeout_s, cancel)
             if response is None and error is None:  # cancelled by the caller
                 client.stop_stream(cancel_requests=True)
                 break
@@ -206,7 +206,7 @@ def _stream_failure(responses: queue.Queue, e: Exception) -> str:
     return f"the stream to the Triton server closed: {error or e}"
 
 
-def _next_response(responses: queue.Queue, timeout_s: float | None, cancel: threading.Event | None) -> tuple:
+def next_response(responses: queue.Queue, timeout_s: float | None, cancel: threading.Event | None) -> tuple:
     """The next (result, error) from the stream; (None, None) once `cancel` is set."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while cancel is None or not cancel.is_set():

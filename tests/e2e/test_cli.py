@@ -14,13 +14,13 @@ from tests.fixtures import ROOT
 from tests.fixtures.servers import free_ports
 
 
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "client.cli.main", "serve", *args]
+
+
 def test_serve_prints_endpoints_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_path):
     http, grpc, metrics = free_ports(3)
-    cli = [
-        sys.executable,
-        "-m",
-        "client.cli.main",
-        "serve",
+    cli = serve_command(
         "--model",
         str(tiny_model_dir),
         "--dtype",
@@ -31,7 +31,7 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_
         str(grpc),
         "--metrics-port",
         str(metrics),
-    ]
+    )
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(cli, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
@@ -55,29 +55,9 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_
 
 
 def test_serve_refuses_bad_arguments_before_starting(tiny_model_dir):
-    result = subprocess.run(
-        [sys.executable, "-m", "client.cli.main", "serve", "--model", "/no/such/model"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert result.returncode == 2 and "neither a local directory" in result.stderr
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "client.cli.main",
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "-sc",
-            '{"method": "ngram", "bogus": 1}',
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert result.returncode == 2
-    assert "Unknown key 'bogus'" in result.stderr
+    for args, message in (
+        (["--model", "/no/such/model"], "neither a local directory"),
+        (["--model", str(tiny_model_dir), "-sc", '{"method": "ngram", "bogus": 1}'], "Unknown key 'bogus'"),
+    ):
+        result = subprocess.run(serve_command(*args), capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == 2 and message in result.stderr

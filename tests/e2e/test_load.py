@@ -8,7 +8,26 @@ import csv
 import json
 
 from client.cli.perf_analyzer import run
-from tests.fixtures.helpers import wait_for_no_active_sequences
+from tests.fixtures.helpers import genai_perf_report, wait_for_no_active_sequences
+
+
+def streaming_args(url: str, concurrency: int, request_count: int, *extra: str) -> list[str]:
+    """perf_analyzer's arguments for gRPC streams to `speculative`: one measurement of
+    `request_count` requests (no stability windows for a busy machine to fail)."""
+    return [
+        "-m",
+        "speculative",
+        "-u",
+        url,
+        "-i",
+        "grpc",
+        "--streaming",
+        "--concurrency-range",
+        str(concurrency),
+        "--request-count",
+        str(request_count),
+        *extra,
+    ]
 
 
 def test_perf_analyzer_streaming_load(tiny_server, tmp_path):
@@ -29,23 +48,7 @@ def test_perf_analyzer_streaming_load(tiny_server, tmp_path):
     )
     report = tmp_path / "pa.csv"
     result = run(
-        [
-            "-m",
-            "speculative",
-            "-u",
-            tiny_server.grpc_url,
-            "-i",
-            "grpc",
-            "--streaming",
-            "--input-data",
-            str(data),
-            "--concurrency-range",
-            "4",
-            "--request-count",  # one measurement: no stability windows for a busy machine to fail
-            "16",
-            "-f",
-            str(report),
-        ],
+        streaming_args(tiny_server.grpc_url, 4, 16, "--input-data", str(data), "-f", str(report)),
         capture_output=True,
         text=True,
         timeout=300,
@@ -60,47 +63,7 @@ def test_perf_analyzer_streaming_load(tiny_server, tmp_path):
 def test_genai_perf_against_the_server(tiny_server, tiny_model_dir, tmp_path):
     """genai-perf as users run it (vLLM-backend request format: text_input, stream,
     exclude_input_in_output, sampling_parameters with numbers as strings)."""
-    import subprocess
-
-    from client.cli.genai_perf import install
-
-    exe, env = install()
-    artifacts = tmp_path / "genai-perf"
-    result = subprocess.run(
-        [
-            str(exe),
-            "profile",
-            "-m",
-            "speculative",
-            "--endpoint-type",
-            "kserve",
-            "--backend",
-            "vllm",
-            "--streaming",
-            "-u",
-            tiny_server.grpc_url,
-            "--tokenizer",
-            str(tiny_model_dir),
-            "--synthetic-input-tokens-mean",
-            "16",
-            "--output-tokens-mean",
-            "8",
-            "--concurrency",
-            "2",
-            "--request-count",
-            "8",
-            "--artifact-dir",
-            str(artifacts),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = next(artifacts.rglob("profile_export_genai_perf.csv")).read_text()
-    assert "Request Throughput" in report and "Time To First Token" in report
+    genai_perf_report(tmp_path, tiny_server.grpc_url, tiny_model_dir, "--endpoint-type", "kserve", "--backend", "vllm")
     assert tiny_server.is_ready()
     assert not any(wait_for_no_active_sequences(tiny_server).values())
 
@@ -113,23 +76,7 @@ def test_perf_analyzer_without_input_data(tiny_server):
     import sys
 
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "client.cli.main",
-            "perf-analyzer",
-            "-m",
-            "speculative",
-            "-u",
-            tiny_server.grpc_url,
-            "-i",
-            "grpc",
-            "--streaming",
-            "--concurrency-range",
-            "2",
-            "--request-count",
-            "4",
-        ],
+        [sys.executable, "-m", "client.cli.main", "perf-analyzer", *streaming_args(tiny_server.grpc_url, 2, 4)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -5,19 +5,22 @@ their HTTP status; a client that leaves mid-stream cancels the generation."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
 from backends.runtime.model_store import load_tokenizer
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import wait_for_no_active_sequences
+from tests.fixtures.helpers import genai_perf_report, wait_for_no_active_sequences
 from tests.fixtures.servers import free_ports
 
 # A plain template for the tiny model, whose tokenizer has none.
@@ -29,43 +32,43 @@ PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "def add(a, b):"}]
 
 
+@contextlib.contextmanager
+def openai_api(port: int, triton_url: str, log_path: Path, *options: str) -> Iterator[str]:
+    """`tritonspec openai` on `port` in front of the Triton server at `triton_url`, once it
+    answers: its base URL."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "client.cli.main", "openai", "--url", triton_url, "--port", str(port), *options],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"tritonspec openai did not start: {log_path.read_text()}") from None
+                time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def api(tiny_server, tmp_path_factory):
     """`tritonspec openai` in front of the tiny server (model found from the server's config)."""
     tmp = tmp_path_factory.mktemp("openai")
     (tmp / "template.jinja").write_text(TEMPLATE)
     port = free_ports(1)[0]
-    log = open(tmp / "openai.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "client.cli.main",
-            "openai",
-            "--url",
-            tiny_server.grpc_url,
-            "--port",
-            str(port),
-            "--chat-template",
-            str(tmp / "template.jinja"),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/v1/models", timeout=2).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tritonspec openai did not start: {(tmp / 'openai.log').read_text()}") from None
-            time.sleep(0.3)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=10)
-    log.close()
+    with openai_api(
+        port, tiny_server.grpc_url, tmp / "openai.log", "--chat-template", str(tmp / "template.jinja")
+    ) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -203,41 +206,13 @@ def test_logprobs_and_penalties_equal_the_speculative_model(client, tiny_server)
 def test_an_unreachable_triton_is_503(tiny_model_dir, tmp_path):
     """Triton down (or restarting) is 503, which OpenAI SDKs retry, streamed or not."""
     port, dead = free_ports(2)
-    with open(tmp_path / "openai.log", "w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "client.cli.main",
-                "openai",
-                "--url",
-                f"127.0.0.1:{dead}",
-                "--port",
-                str(port),
-                "--model",
-                str(tiny_model_dir),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        unreachable = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                unreachable.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "openai.log").read_text()
-                time.sleep(0.3)
+    with openai_api(port, f"127.0.0.1:{dead}", tmp_path / "openai.log", "--model", str(tiny_model_dir)) as base:
+        unreachable = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         for stream in (False, True):
             error = _error(
                 lambda stream=stream: unreachable.completions.create(model="speculative", prompt=PROMPT, stream=stream)
             )
             assert error.status_code == 503 and "unavailable" in error.message
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def _error(call) -> openai.APIStatusError:
@@ -318,40 +293,4 @@ def test_a_client_leaving_mid_stream_cancels_the_generation(client, tiny_server)
 def test_genai_perf_openai_chat_mode(api, tiny_model_dir, tmp_path):
     """genai-perf's OpenAI mode (chat, streaming) runs its requests through the API and reports
     (`--endpoint-type completions` works the same way; checked by hand)."""
-    from client.cli.genai_perf import install
-
-    exe, env = install()
-    artifacts = tmp_path / "genai-perf"
-    result = subprocess.run(
-        [
-            str(exe),
-            "profile",
-            "-m",
-            "speculative",
-            "--endpoint-type",
-            "chat",
-            "--streaming",
-            "-u",
-            api.removeprefix("http://"),
-            "--tokenizer",
-            str(tiny_model_dir),
-            "--synthetic-input-tokens-mean",
-            "16",
-            "--output-tokens-mean",
-            "8",
-            "--concurrency",
-            "2",
-            "--request-count",
-            "8",
-            "--artifact-dir",
-            str(artifacts),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = next(artifacts.rglob("profile_export_genai_perf.csv")).read_text()
-    assert "Request Throughput" in report and "Time To First Token" in report
+    genai_perf_report(tmp_path, api.removeprefix("http://"), tiny_model_dir, "--endpoint-type", "chat")

@@ -27,7 +27,7 @@ from backends.methods.dspark import default_config as dspark_default_config
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
-from tests.fixtures.synthetic_checkpoints import assert_refused, save_checkpoint, write_eagle1
+from tests.fixtures.synthetic_checkpoints import refusal_test, save_checkpoint, write_eagle1
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 MASK, V, H = 383, 384, 64
@@ -400,15 +400,9 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("case", REFUSALS)
-def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    assert_refused(
-        REFUSALS[case],
-        checkpoints,
-        tmp_path / "bad",
-        BlockCheckpointError,
-        lambda bad: load_head(_head_class(REFUSALS[case][0]), bad, target),
-    )
+test_checkpoints_that_do_not_fit_are_refused = refusal_test(
+    REFUSALS, BlockCheckpointError, lambda path, target, name: load_head(_head_class(name), path, target)
+)
 
 
 def test_hf_overrides_settle_the_slot_convention(checkpoints, tiny_model_dir, target, tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -14,29 +13,7 @@ from backends.config import (
     UnsupportedSpeculativeMethodError,
     hf_config_override,
 )
-
-LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "num_hidden_layers": 32,
-}
-
-
-@pytest.fixture
-def mkmodel(tmp_path_factory):
-    """A local model dir with this config.json. The base dir name is neutral on purpose:
-    detection looks for 'eagle-', 'eagle3', 'dflash', 'dspark' in the *whole* path."""
-    base = tmp_path_factory.mktemp("models")
-
-    def make(name: str, **config) -> str:
-        d = base / name
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(config))
-        return str(d)
-
-    return make
+from tests.fixtures.helpers import LLAMA_CONFIG
 
 
 def build(spec, **kw) -> SpeculativeConfig:
@@ -310,7 +287,7 @@ def test_ngram_min_above_max():
 
 
 def test_ngram_uses_target_config_and_max_len(mkmodel):
-    target = mkmodel("target", **LLAMA)
+    target = mkmodel("target", **LLAMA_CONFIG)
     cfg = build({"method": "ngram", "num_speculative_tokens": 3}, target_model=target)
     assert cfg.draft_hf_config["vocab_size"] == 32000
     assert cfg.target_max_model_len == 4096
@@ -373,7 +350,7 @@ def test_extract_hidden_states_without_layer_ids_parses():
     ],
 )
 def test_extract_hidden_states(ids_spec, mkmodel):
-    target = mkmodel("target", **LLAMA)
+    target = mkmodel("target", **LLAMA_CONFIG)
     cfg = build({"method": "extract_hidden_states", "num_speculative_tokens": 1, **ids_spec}, target_model=target)
     assert cfg.model == "extract_hidden_states"
     assert cfg.eagle_aux_hidden_state_layer_ids == [1, 5]
@@ -464,18 +441,18 @@ def test_step8_no_layer_reuse_warning_for_step3p5(mkmodel):
 
 @pytest.mark.parametrize("given,reason", [(None, "default draft_model"), ("draft_model", "explicit method")])
 def test_step9_draft_model_kept(given, reason, mkmodel):
-    draft = mkmodel("small", **LLAMA)
+    draft = mkmodel("small", **LLAMA_CONFIG)
     spec = {"model": draft, "num_speculative_tokens": 3}
     if given:
         spec["method"] = given
-    cfg = build(spec, target_model=mkmodel("target", **LLAMA))
+    cfg = build(spec, target_model=mkmodel("target", **LLAMA_CONFIG))
     assert (cfg.method, cfg.resolution) == ("draft_model", reason)
     assert cfg.uses_draft_model()
 
 
 @pytest.mark.parametrize("method", ["mlp_speculator", "mtp"])
 def test_step10_unsupported(method, mkmodel):
-    draft = mkmodel("small", **LLAMA)
+    draft = mkmodel("small", **LLAMA_CONFIG)
     fails(
         {"method": method, "model": draft, "num_speculative_tokens": 3},
         f"Unsupported speculative method: '{method}'",
@@ -495,7 +472,7 @@ def test_explicit_medusa_needs_k(mkmodel):
 
 def test_medusa_vocab_is_aligned_to_target(mkmodel):
     draft = mkmodel("heads", vocab_size=32000)
-    target = mkmodel("target", **{**LLAMA, "vocab_size": 32001})
+    target = mkmodel("target", **{**LLAMA_CONFIG, "vocab_size": 32001})
     cfg = build({"method": "medusa", "model": draft, "num_speculative_tokens": 2}, target_model=target)
     assert cfg.draft_hf_config["vocab_size"] == 32001
     assert cfg.draft_hf_config["truncated_vocab_size"] == 32001
@@ -588,7 +565,7 @@ def test_hf_config_override_extras():
     assert mistral == {"model_type": "mistral", "architectures": ["EagleMistralLarge3ForCausalLM"]}
 
 
-@pytest.mark.parametrize("config", [dict(LLAMA), {"model_type": "nemotron_h", "num_nextn_predict_layers": 0}])
+@pytest.mark.parametrize("config", [dict(LLAMA_CONFIG), {"model_type": "nemotron_h", "num_nextn_predict_layers": 0}])
 def test_hf_config_override_leaves_other_configs(config):
     out = hf_config_override(config)
     assert out == config and out is not config
@@ -627,7 +604,7 @@ def test_gemma4_assistant_is_gemma4_mtp(mkmodel):
     ],
 )
 def test_eagle_family_config_is_wrapped(method, arch, renamed, mkmodel):
-    draft = mkmodel("head", **{**LLAMA, "architectures": [arch]})
+    draft = mkmodel("head", **{**LLAMA_CONFIG, "architectures": [arch]})
     cfg = build({"method": method, "model": draft, "num_speculative_tokens": 3})
     assert cfg.draft_hf_config["model_type"] == "eagle"
     assert cfg.draft_hf_config["architectures"] == [renamed]
@@ -685,7 +662,7 @@ def test_zero_n_predict_is_rejected(mkmodel):
 
 
 def test_model_without_k_or_n_predict(mkmodel):
-    draft = mkmodel("small", **LLAMA)
+    draft = mkmodel("small", **LLAMA_CONFIG)
     fails({"model": draft}, "A speculative model was provided, but `num_speculative_tokens`")
 
 
@@ -743,8 +720,8 @@ def test_draft_model_tp_must_equal_target_tp():
     "spec_len,target_len,expected", [(None, None, 2048), (1024, None, 1024), (None, 1000, 1000), (2048, None, 2048)]
 )
 def test_draft_max_model_len(spec_len, target_len, expected, mkmodel):
-    draft = mkmodel("small", **{**LLAMA, "max_position_embeddings": 2048})
-    target = mkmodel("target", **LLAMA)
+    draft = mkmodel("small", **{**LLAMA_CONFIG, "max_position_embeddings": 2048})
+    target = mkmodel("target", **LLAMA_CONFIG)
     spec = {"model": draft, "num_speculative_tokens": 3}
     if spec_len:
         spec["max_model_len"] = spec_len
@@ -760,7 +737,7 @@ def test_draft_max_model_len(spec_len, target_len, expected, mkmodel):
     ],
 )
 def test_draft_max_model_len_limits(spec_len, target_len, needle, mkmodel):
-    draft = mkmodel("small", **{**LLAMA, "max_position_embeddings": 2048})
+    draft = mkmodel("small", **{**LLAMA_CONFIG, "max_position_embeddings": 2048})
     fails(
         {"model": draft, "num_speculative_tokens": 3, "max_model_len": spec_len},
         "max_model_len",
@@ -861,8 +838,8 @@ def test_disable_padded_drafter_batch_allowed_for_eagle():
 
 
 def test_vocab_sizes_must_match_for_draft_model(mkmodel):
-    draft = mkmodel("small", **{**LLAMA, "vocab_size": 49152})
-    target = mkmodel("target", **LLAMA)
+    draft = mkmodel("small", **{**LLAMA_CONFIG, "vocab_size": 49152})
+    target = mkmodel("target", **LLAMA_CONFIG)
     fails(
         {"model": draft, "num_speculative_tokens": 3},
         "same vocabulary size",
@@ -875,8 +852,8 @@ def test_vocab_sizes_must_match_for_draft_model(mkmodel):
 
 
 def test_vocab_check_only_for_draft_model(mkmodel):
-    head = mkmodel("head", **{**LLAMA, "vocab_size": 49152})
-    target = mkmodel("target", **LLAMA)
+    head = mkmodel("head", **{**LLAMA_CONFIG, "vocab_size": 49152})
+    target = mkmodel("target", **LLAMA_CONFIG)
     assert build({"method": "eagle", "model": head, "num_speculative_tokens": 3}, target_model=target).method == "eagle"
 
 
@@ -909,15 +886,16 @@ def test_heterogeneous_vocab_rules(spec, needle):
     ],
 )
 def test_aux_layer_ids(draft_extra, expected, mkmodel):
-    draft = mkmodel("head", **LLAMA, **draft_extra)
+    draft = mkmodel("head", **LLAMA_CONFIG, **draft_extra)
     cfg = build(
-        {"method": "eagle3", "model": draft, "num_speculative_tokens": 3}, target_model=mkmodel("target", **LLAMA)
+        {"method": "eagle3", "model": draft, "num_speculative_tokens": 3},
+        target_model=mkmodel("target", **LLAMA_CONFIG),
     )
     assert cfg.eagle_aux_hidden_state_layer_ids == expected
 
 
 def test_user_aux_layer_ids_win_over_the_draft_config(mkmodel):
-    draft = mkmodel("head", **LLAMA, eagle_aux_hidden_state_layer_ids=[1, 10, 20])
+    draft = mkmodel("head", **LLAMA_CONFIG, eagle_aux_hidden_state_layer_ids=[1, 10, 20])
     cfg = build(
         {"method": "eagle3", "model": draft, "num_speculative_tokens": 3, "eagle_aux_hidden_state_layer_ids": [4, 5, 6]}
     )
@@ -925,7 +903,7 @@ def test_user_aux_layer_ids_win_over_the_draft_config(mkmodel):
 
 
 def test_hf_overrides_apply_before_the_mtp_rewrite(mkmodel):
-    draft = mkmodel("small", **LLAMA)
+    draft = mkmodel("small", **LLAMA_CONFIG)
     cfg = build({"model": draft, "hf_overrides": {"model_type": "qwen3_next", "num_nextn_predict_layers": 1}})
     assert cfg.method == "mtp" and cfg.draft_hf_config["model_type"] == "qwen3_next_mtp"
 
@@ -962,7 +940,7 @@ def test_speculators_target_replaces_the_user_spec(mkmodel):
 
 
 def test_speculators_qwen3_eagle3_and_local_verifier(mkmodel):
-    verifier = mkmodel("verifier", **{**LLAMA, "num_hidden_layers": 36})
+    verifier = mkmodel("verifier", **{**LLAMA_CONFIG, "num_hidden_layers": 36})
     raw = speculators(verifier=verifier)
     raw["transformer_layer_config"]["model_type"] = "qwen3"
     cfg = SpeculativeConfig.from_target_speculators(mkmodel("q3-speculator", **raw))
@@ -1059,7 +1037,7 @@ def test_compute_hash_tracks_only_graph_factors(mkmodel):
         build({"method": "ngram", "num_speculative_tokens": 2}).compute_hash()
         == build({"method": "ngram", "num_speculative_tokens": 5}).compute_hash()
     )
-    head = mkmodel("head", **LLAMA)
+    head = mkmodel("head", **LLAMA_CONFIG)
     a = build(
         {"method": "eagle3", "model": head, "num_speculative_tokens": 2, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
     )

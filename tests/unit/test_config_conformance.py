@@ -13,22 +13,9 @@ import pytest
 from backends.config import NO_EFFECT_FIELDS, DrafterConfig, SpeculativeConfig
 from backends.serving.proposer import build_proposer
 from client.cli.main import build_parser, with_spec_shorthands
+from tests.fixtures.helpers import LLAMA_CONFIG
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
-LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "num_hidden_layers": 32,
-}
-
-
-def write_model(tmp_path, name: str, **config) -> str:
-    path = tmp_path / name
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def no_effect_warnings(cfg: SpeculativeConfig) -> list[str]:
@@ -64,12 +51,12 @@ def test_no_effect_field_is_warned_once_and_marked(name, value, caplog):
     assert line.endswith("(no effect here)")
 
 
-def test_defaults_and_resolved_values_are_not_warned(tmp_path):
+def test_defaults_and_resolved_values_are_not_warned(mkmodel):
     assert not no_effect_warnings(SpeculativeConfig.from_json({**NGRAM, "attention_backend": "auto"}))
     # Resolution sets enforce_eager (deepseek_v32 MTP) and parallel_drafting (dflash) itself.
-    target = write_model(tmp_path, "target", model_type="deepseek_v32", num_nextn_predict_layers=1)
+    target = mkmodel("target", model_type="deepseek_v32", num_nextn_predict_layers=1)
     mtp = SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 1}, target_model=target)
-    draft = write_model(tmp_path, "block-draft", **LLAMA)
+    draft = mkmodel("block-draft", **LLAMA_CONFIG)
     dflash = SpeculativeConfig.from_json({"method": "dflash", "model": draft, "num_speculative_tokens": 4})
     assert mtp.enforce_eager and dflash.parallel_drafting
     assert not no_effect_warnings(mtp) and not no_effect_warnings(dflash)
@@ -188,9 +175,9 @@ def test_drafter_config_ngram_with_schedule_and_synthetic_rates():
         drafter.num_speculative_tokens = 5
 
 
-def test_drafter_config_draft_model_reads_nothing_again(tmp_path):
-    target = write_model(tmp_path, "target", **LLAMA)
-    draft = write_model(tmp_path, "small", **{**LLAMA, "max_position_embeddings": 2048})
+def test_drafter_config_draft_model_reads_nothing_again(mkmodel):
+    target = mkmodel("target", **LLAMA_CONFIG)
+    draft = mkmodel("small", **{**LLAMA_CONFIG, "max_position_embeddings": 2048})
     cfg = SpeculativeConfig.from_json(
         {"model": draft, "num_speculative_tokens": 4, "quantization": "int8", "draft_sample_method": "probabilistic"},
         target_model=target,
@@ -202,9 +189,9 @@ def test_drafter_config_draft_model_reads_nothing_again(tmp_path):
     assert drafter.draft_tensor_parallel_size == 1 and drafter.eagle_aux_hidden_state_layer_ids is None
 
 
-def test_drafter_config_aux_layers_and_mtp_on_the_target(tmp_path):
-    target = write_model(tmp_path, "target", **LLAMA)
-    head = write_model(tmp_path, "head", **LLAMA)
+def test_drafter_config_aux_layers_and_mtp_on_the_target(mkmodel):
+    target = mkmodel("target", **LLAMA_CONFIG)
+    head = mkmodel("head", **LLAMA_CONFIG)
     eagle3 = DrafterConfig.from_speculative(
         SpeculativeConfig.from_json(
             {"method": "eagle3", "model": head, "num_speculative_tokens": 3}, target_model=target
@@ -212,9 +199,7 @@ def test_drafter_config_aux_layers_and_mtp_on_the_target(tmp_path):
     )
     assert eagle3.eagle_aux_hidden_state_layer_ids == (2, 16, 29)  # vLLM's default for 32 layers
     assert eagle3.draft_hf_config["architectures"] == ["Eagle3LlamaForCausalLM"]
-    mtp_target = write_model(
-        tmp_path, "dsv3", model_type="deepseek_v3", num_nextn_predict_layers=1, max_position_embeddings=8192
-    )
+    mtp_target = mkmodel("dsv3", model_type="deepseek_v3", num_nextn_predict_layers=1, max_position_embeddings=8192)
     mtp = DrafterConfig.from_speculative(
         SpeculativeConfig.from_json({"method": "mtp", "num_speculative_tokens": 1}, target_model=mtp_target)
     )

@@ -3,7 +3,6 @@ the heterogeneous-vocabulary bridge, and speculative decoding with it in process
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -12,29 +11,19 @@ from backends.methods.draft_model import DraftModelProposer, sample_drafts
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime.model_store import load_causal_lm, load_tokenizer
 from backends.serving.drafting import DraftService
+from backends.serving.local import generate_local
 from backends.serving.proposer import DraftRequest, build_proposer
 from backends.serving.request import SamplingParams
 from backends.serving.target import VerifyRequest
 from client.cli.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
 from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, hf_greedy
-from backends.serving.local import generate_local
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tiny_draft_dir):
-    return tiny_draft_dir
-
-
-@pytest.fixture(scope="module")
-def hetero_dir(tiny_hetero_dir):
-    return tiny_hetero_dir
-
-
-@pytest.fixture(scope="module")
-def draft_lm(draft_dir):
-    return load_causal_lm(draft_dir, "float32")
+def draft_lm(tiny_draft_dir):
+    return load_causal_lm(tiny_draft_dir, "float32")
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +152,16 @@ def test_no_drafts_past_the_context_window(draft_lm, prompt_ids):
     assert proposer.propose([DraftRequest(2, prompt_ids[1], 5)])[0].token_ids == []
 
 
-def test_from_config(draft_dir, tiny_model_dir, prompt_ids):
-    proposer = build_proposer(draft_config(draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
+def test_from_config(tiny_draft_dir, tiny_model_dir, prompt_ids):
+    proposer = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
     assert isinstance(proposer, DraftModelProposer)
     assert next(proposer.model.parameters()).dtype == torch.float32
-    int8 = build_proposer(draft_config(draft_dir, tiny_model_dir, quantization="int8"), max_model_len=512)
+    int8 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int8"), max_model_len=512)
     assert "DynamicQuantizedLinear" in repr(int8.model)
     assert len(int8.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
     with pytest.raises(ValueError, match="quantization='fp8'"):
-        build_proposer(draft_config(draft_dir, tiny_model_dir, quantization="fp8"), max_model_len=512)
-    config = draft_config(draft_dir, tiny_model_dir)
+        build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="fp8"), max_model_len=512)
+    config = draft_config(tiny_draft_dir, tiny_model_dir)
     config.draft_tensor_parallel_size = 2
     with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
         build_proposer(config, max_model_len=512)
@@ -185,8 +174,8 @@ def speculate(runner, tokenizer, prompt, proposer, max_tokens=40):
     return generate_local(prompt, tokenizer, runner, DraftService(proposer, config), {0}, max_tokens=max_tokens)
 
 
-def test_speculative_greedy_equals_target_greedy(runner, tokenizer, tiny_model_dir, draft_dir):
-    proposer = build_proposer(draft_config(draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
+def test_speculative_greedy_equals_target_greedy(runner, tokenizer, tiny_model_dir, tiny_draft_dir):
+    proposer = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
     for prompt in PROMPTS:
         out, stats = speculate(runner, tokenizer, prompt, proposer)
         assert tuple(out) == hf_greedy(str(tiny_model_dir), prompt, 40)
@@ -223,8 +212,8 @@ def test_sampled_verification_with_the_draft_probs(runner, tiny_model_dir, promp
     assert run(with_probs=False) < 16
 
 
-def test_text_bridge_maps_draft_text_to_target_tokens(tiny_model_dir, hetero_dir):
-    target, draft = load_tokenizer(tiny_model_dir), load_tokenizer(hetero_dir)
+def test_text_bridge_maps_draft_text_to_target_tokens(tiny_model_dir, tiny_hetero_dir):
+    target, draft = load_tokenizer(tiny_model_dir), load_tokenizer(tiny_hetero_dir)
     context, continuation = "def add(a, b):", "\n    return a + b"
     assert target(context)["input_ids"] != draft(context)["input_ids"]  # really another vocabulary
     bridge = TextBridge(target, draft)
@@ -237,8 +226,8 @@ def test_text_bridge_maps_draft_text_to_target_tokens(tiny_model_dir, hetero_dir
     assert bridge.to_target(target_ids, draft_context, draft_drafts, 2) == whole[len(target_ids) :][:2]
 
 
-def test_heterogeneous_vocab_speculation_equals_target_greedy(runner, tokenizer, tiny_model_dir, hetero_dir):
-    config = draft_config(hetero_dir, tiny_model_dir, use_heterogeneous_vocab=True)
+def test_heterogeneous_vocab_speculation_equals_target_greedy(runner, tokenizer, tiny_model_dir, tiny_hetero_dir):
+    config = draft_config(tiny_hetero_dir, tiny_model_dir, use_heterogeneous_vocab=True)
     proposer = build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
     vocab = runner.model.config.vocab_size
     drafts = proposer.propose([DraftRequest(1, tokenizer(PROMPTS[0])["input_ids"], 4)])[0]
@@ -250,11 +239,11 @@ def test_heterogeneous_vocab_speculation_equals_target_greedy(runner, tokenizer,
         assert stats.acceptance.num_draft_tokens > 0
 
 
-def test_hf_baselines_reproduce_plain_greedy(tiny_model_dir, draft_dir):
+def test_hf_baselines_reproduce_plain_greedy(tiny_model_dir, tiny_draft_dir):
     prompts = PROMPTS[:2]
     runs = {
         "greedy": hf_greedy_timed(tiny_model_dir, prompts, 20, dtype="float32"),
-        "assisted": hf_assisted(tiny_model_dir, draft_dir, prompts, 20, dtype="float32"),
+        "assisted": hf_assisted(tiny_model_dir, tiny_draft_dir, prompts, 20, dtype="float32"),
         "prompt_lookup": hf_prompt_lookup(tiny_model_dir, prompts, 20, num_tokens=3, dtype="float32"),
     }
     for results in runs.values():

@@ -15,10 +15,10 @@ from transformers import DynamicCache
 
 from backends.config import SpeculativeConfig
 from backends.methods.eagle import Eagle3Proposer, EagleCheckpointError, EagleProposer, load_eagle
+from backends.serving.local import generate_local
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
-from backends.serving.local import generate_local
-from tests.fixtures.synthetic_checkpoints import assert_refused, write_eagle1, write_eagle3
+from tests.fixtures.synthetic_checkpoints import refusal_test, write_eagle1, write_eagle3
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 # Checkpoint variants: (writer, options).
@@ -234,11 +234,9 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("case", REFUSALS)
-def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    assert_refused(
-        REFUSALS[case], checkpoints, tmp_path / "bad", EagleCheckpointError, lambda bad: load_eagle(bad, target)
-    )
+test_checkpoints_that_do_not_fit_are_refused = refusal_test(
+    REFUSALS, EagleCheckpointError, lambda path, target, _: load_eagle(path, target)
+)
 
 
 def test_from_config_and_aux_layer_ids(checkpoints, target_dir):

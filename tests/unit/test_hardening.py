@@ -205,16 +205,16 @@ def test_train_state_is_loaded_without_running_code():
 # -- client timeouts ------------------------------------------------------------------------------------------------
 
 def test_a_client_timeout_says_what_happened():
-    from client.api.triton import GenerationTimeout, _next_response
+    from client.api.triton import GenerationTimeout, next_response
 
     for cancel in (None, threading.Event()):
         start = time.monotonic()
         with pytest.raises(GenerationTimeout, match="no response from the server within 0.2 s"):
-            _next_response(queue.Queue(), 0.2, cancel)
+            next_response(queue.Queue(), 0.2, cancel)
         assert 0.15 < time.monotonic() - start < 2.0
     ready: queue.Queue = queue.Queue()
     ready.put(("result", None))
-    assert _next_response(ready, None, None) == ("result", None)
+    assert next_response(ready, None, None) == ("result", None)
 
 
 def test_the_openai_front_end_sets_no_timeout_of_its_own(monkeypatch):
@@ -233,10 +233,10 @@ def test_the_openai_front_end_sets_no_timeout_of_its_own(monkeypatch):
     backend = openai_frontend.Backend("127.0.0.1:1", "m", None, 100)
 
     async def run():
-        return await openai_frontend._Run(backend, "hi", {"max_tokens": 3}, False).next()
+        return await openai_frontend.GenerationRun(backend, "hi", {"max_tokens": 3}, False).next()
 
     assert asyncio.run(run())[0] == "done"
     assert "timeout_s" in seen and seen["timeout_s"] is None
     # An exception without a message still answers with one.
-    error = openai_frontend._generation_error(queue.Empty())
+    error = openai_frontend.generation_error(queue.Empty())
     assert error.status == 500 and error.message == "generation failed: Empty"

@@ -15,7 +15,7 @@ from backends.methods.medusa import MedusaCheckpointError, MedusaProposer, load_
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.head_server import CONTEXTS, assert_batched_equals_one_at_a_time
 from tests.fixtures.helpers import target_hidden
-from tests.fixtures.synthetic_checkpoints import assert_refused
+from tests.fixtures.synthetic_checkpoints import refusal_test
 from tests.fixtures.synthetic_heads import write_medusa
 
 H, V = 64, 384
@@ -192,11 +192,9 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("case", REFUSALS)
-def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    assert_refused(
-        REFUSALS[case], checkpoints, tmp_path / "bad", MedusaCheckpointError, lambda bad: load_medusa(bad, target)
-    )
+test_checkpoints_that_do_not_fit_are_refused = refusal_test(
+    REFUSALS, MedusaCheckpointError, lambda path, target, _: load_medusa(path, target)
+)
 
 
 # ---------------------------------------------------------------------------- drafting

@@ -17,7 +17,7 @@ from backends.methods.mtp import MTPCheckpointError, MTPHead, MTPProposer, load_
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.head_server import CONTEXTS
 from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
-from tests.fixtures.synthetic_checkpoints import assert_refused
+from tests.fixtures.synthetic_checkpoints import refusal_test
 from tests.fixtures.synthetic_heads import write_mtp
 
 H, I, V, L = 64, 128, 384, 2  # the tiny target
@@ -216,9 +216,9 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("case", REFUSALS)
-def test_checkpoints_that_do_not_fit_are_refused(case, checkpoints, target, tmp_path):
-    assert_refused(REFUSALS[case], checkpoints, tmp_path / "bad", MTPCheckpointError, lambda bad: load_mtp(bad, target))
+test_checkpoints_that_do_not_fit_are_refused = refusal_test(
+    REFUSALS, MTPCheckpointError, lambda path, target, _: load_mtp(path, target)
+)
 
 
 def test_from_config(checkpoints, tiny_model_dir):

@@ -237,3 +237,22 @@ def test_synthetic_acceptance_reaches_the_verifier(runner, tokenizer):
     ids, stats = generate_local(PROMPT, tokenizer, runner, service, eos_token_ids=set(), max_tokens=8)
     assert ids[:3] == [1, 1, 1] and ids[4:7] == [1, 1, 1]
     assert stats.acceptance.num_accepted_tokens == stats.acceptance.num_draft_tokens > 0
+
+
+def test_a_drafter_asked_for_nothing_still_hears_from_its_sequence(runner, tokenizer, monkeypatch):
+    """Under a load that keeps k at 0, the drafter still gets a k = 0 call now and then, so
+    Triton's sequence batcher does not forget the sequence (it would fail the next draft)."""
+    import backends.serving.orchestrator as orchestrator
+
+    monkeypatch.setattr(orchestrator, "DRAFTER_KEEPALIVE_S", 0.0)
+    config = SpeculativeConfig.from_json(
+        {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 1024, 0]]}
+    )
+    proposer = FailingProposer(fail_on=-1)
+    service = DraftService(proposer, config)
+    seen: list[int] = []
+    real_draft = service.draft
+    monkeypatch.setattr(service, "draft", lambda calls: seen.extend(c.num_tokens for c in calls) or real_draft(calls))
+    ids, stats = generate_local(PROMPT, tokenizer, runner, service, eos_token_ids=set(), max_tokens=5)
+    assert len(ids) == 5 and stats.acceptance.num_draft_tokens == 0 and proposer.calls == 0
+    assert seen and set(seen) == {0}

@@ -46,6 +46,15 @@ def empty_output(batch: dict) -> torch.Tensor:
     return torch.full((len(cu), max_spec_len + 1), rk.PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=DEVICE)
 
 
+def accept_both_ways(accept, accept_ref, batch: dict, *args: torch.Tensor) -> torch.Tensor:
+    """The output rows an accept kernel fills, checked bit for bit against its torch reference."""
+    out, expected = empty_output(batch), empty_output(batch)
+    accept(out, *args)
+    accept_ref(expected, *args)
+    assert torch.equal(out, expected)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_accept_matches_ref(seed):
     batch, gen = random_batch(seed, vocab_size=16)
@@ -53,17 +62,16 @@ def test_greedy_accept_matches_ref(seed):
     # Targets agree with most drafts, so that runs of accepted drafts occur.
     agree = torch.rand(len(drafts), generator=gen) < 0.7
     target_argmax = torch.where(agree, drafts.clamp_min(0), torch.randint(0, 16, (len(drafts),), generator=gen))
-    args = (
+    out = accept_both_ways(
+        rk.greedy_accept,
+        rk.greedy_accept_ref,
+        batch,
         batch["cu_num_draft_tokens"],
         batch["draft_token_ids"],
         target_argmax.to(DEVICE),
         batch["bonus_token_ids"],
         batch["is_greedy"],
     )
-    out, expected = empty_output(batch), empty_output(batch)
-    rk.greedy_accept(out, *args)
-    rk.greedy_accept_ref(expected, *args)
-    assert torch.equal(out, expected)
     assert (out[~batch["is_greedy"]] == rk.PLACEHOLDER_TOKEN_ID).all()
 
 
@@ -76,17 +84,16 @@ def test_random_accept_matches_ref(seed):
     q[torch.rand(num_tokens, generator=gen) < 0.1] = 0.0  # q = 0 never accepts
     uniform = torch.rand(num_tokens, dtype=torch.float64, generator=gen) * 0.8
     recovered = torch.randint(0, 16, (num_tokens,), generator=gen)
-    args = (
+    out = accept_both_ways(
+        rk.random_accept,
+        rk.random_accept_ref,
+        batch,
         batch["cu_num_draft_tokens"],
         batch["draft_token_ids"],
         *on_device(p, q, uniform, recovered),
         batch["bonus_token_ids"],
         batch["is_greedy"],
     )
-    out, expected = empty_output(batch), empty_output(batch)
-    rk.random_accept(out, *args)
-    rk.random_accept_ref(expected, *args)
-    assert torch.equal(out, expected)
     assert (out[batch["is_greedy"]] == rk.PLACEHOLDER_TOKEN_ID).all()
 
 

@@ -24,18 +24,6 @@ def target_dir(training_target_dir):
     return training_target_dir
 
 
-@pytest.fixture(scope="module")
-def corpus(heads_corpus):
-    """(data directory, prompts, data, TargetInfo): tests/conftest.py."""
-    return heads_corpus
-
-
-@pytest.fixture(scope="module")
-def trained(trained_heads):
-    """method -> (head directory, the trained head in float32, validation before, after)."""
-    return trained_heads
-
-
 def _held_out_batches(corpus, layer_ids) -> list:
     """Each held-out sequence as a batch of its own."""
     _, _, data, _ = corpus
@@ -59,18 +47,18 @@ def _training_probs(method, trainer, head, batch, anchors: torch.Tensor, vocab_s
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_training_computes_what_the_proposer_drafts(method, trained, corpus):
+def test_training_computes_what_the_proposer_drafts(method, trained_heads, heads_corpus):
     """At anchors on the greedy chain, each draft step's distribution in training equals the
     proposer's for that step (probabilistic drafts carry it), as long as the proposer's
     earlier drafts were the sequence's own tokens (what training feeds those steps)."""
-    _, head, _, _ = trained[method]
+    _, head, _, _ = trained_heads[method]
     trainer = head_trainer(method)
     proposer = proposer_class(method)(head, max_model_len=512, sample_method="probabilistic", seed=0)
     compared = [0] * STEPS
-    for batch in _held_out_batches(corpus, trainer.layer_ids(corpus[3])):
+    for batch in _held_out_batches(heads_corpus, trainer.layer_ids(heads_corpus[3])):
         anchors = (greedy_chain(batch)[0] >= STEPS).nonzero().flatten()
         with torch.no_grad():
-            expected = _training_probs(method, trainer, head, batch, anchors, corpus[3].vocab_size)
+            expected = _training_probs(method, trainer, head, batch, anchors, heads_corpus[3].vocab_size)
         ids = batch.token_ids[0].tolist()
         for i, t in enumerate(anchors.tolist()):
             draft = proposer.propose([DraftRequest(0, ids[: t + 2], STEPS, batch.hidden[0, : t + 1])])[0]
@@ -85,8 +73,8 @@ def test_training_computes_what_the_proposer_drafts(method, trained, corpus):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_heads_learn_and_load_with_the_methods_loader(method, trained, corpus, target_dir):
-    path, head, before, after = trained[method]
+def test_heads_learn_and_load_with_the_methods_loader(method, trained_heads, heads_corpus, target_dir):
+    path, head, before, after = trained_heads[method]
     assert after["step_accuracy"][0] > before["step_accuracy"][0] + 0.1, (before, after)
     assert after["estimated_acceptance_length"] > before["estimated_acceptance_length"] + 0.1
 
@@ -104,23 +92,23 @@ def test_heads_learn_and_load_with_the_methods_loader(method, trained, corpus, t
     for key, value in loaded.items():
         torch.testing.assert_close(value, expected[key].to(value.dtype), atol=2e-2, rtol=1e-2, msg=key)
 
-    batch = _held_out_batches(corpus, proposer.hidden_layer_ids)[0]
+    batch = _held_out_batches(heads_corpus, proposer.hidden_layer_ids)[0]
     n = int(batch.valid.sum())
     ids = batch.token_ids[0, :n].tolist()
     drafts = proposer.propose([DraftRequest(1, ids, STEPS, batch.hidden[0, : n - 1])])[0].token_ids
-    assert len(drafts) == STEPS and all(0 <= d < corpus[3].vocab_size for d in drafts)
+    assert len(drafts) == STEPS and all(0 <= d < heads_corpus[3].vocab_size for d in drafts)
 
 
-def test_the_published_layouts(trained, corpus):
+def test_the_published_layouts(trained_heads, heads_corpus):
     """What each writer put down is the method's published layout (keys and config fields)."""
     from safetensors import safe_open
 
     def keys(method):
-        path = trained[method][0]
+        path = trained_heads[method][0]
         with safe_open(next(path.glob("*.safetensors")), "pt") as st:
             return set(st.keys()), json.loads((path / "config.json").read_text())
 
-    num_layers = corpus[3].num_layers
+    num_layers = heads_corpus[3].num_layers
     medusa, cfg = keys("medusa")
     assert cfg["model_type"] == "medusa" and cfg["num_heads"] == STEPS and cfg["truncated_vocab_size"] == 256
     assert {f"lm_heads.{i}.weight" for i in range(STEPS)} | {"blocks.0.layers.0.weight", "token_map"} <= medusa
@@ -135,7 +123,7 @@ def test_the_published_layouts(trained, corpus):
     assert cfg["block_size"] == STEPS + 1 and cfg["dflash_config"]["target_layer_ids"] == [-1, 0, 1]
     assert cfg["draft_vocab_size"] == 256 and {"fc.weight", "lm_head.weight", "d2t"} <= dflash
     assert "embed_tokens.weight" not in dflash
-    assert (trained["dflash"][0] / "mask_embedding.pt").exists()
+    assert (trained_heads["dflash"][0] / "mask_embedding.pt").exists()
     dspark, cfg = keys("dspark")
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == STEPS
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "embed_tokens.weight", "d2t"} <= dspark
