@@ -3,6 +3,9 @@ handle per sequence (START on the first call, END on release). They implement th
 `Drafter` / `Verifier` protocols of backends.serving.orchestrator over Triton."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
 import numpy as np
 import torch
 
@@ -11,6 +14,13 @@ from backends.serving.proposer import DrafterInfo
 from backends.serving.request import SamplingParams
 from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, bls
 from backends.triton_models.peer_token import with_token
+
+
+class PeerTimeoutError(TimeoutError):
+    """A peer model did not answer a call in time (the orchestrator then decodes plainly)."""
+
+
+_BOUNDED_CALLS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="bls-bounded")
 
 
 class SequencePeer:
@@ -25,10 +35,21 @@ class SequencePeer:
         self.seq_id = seq_id
         self.started = False
 
+    # Seconds a call may take before the request stops waiting for it (None: no bound). A
+    # BLS call cannot be cancelled in this Triton, so a bounded one runs on a helper thread
+    # that is left to finish on its own.
+    timeout_s: float | None = None
+
     def call(self, inputs: dict, outputs: list[str], parameters: dict | None = None) -> dict:
         flags = 0 if self.started else SEQUENCE_START
         self.started = True
-        return bls(self.model_name, inputs, outputs, self.seq_id, flags, with_token(parameters, self.token))
+        args = (self.model_name, inputs, outputs, self.seq_id, flags, with_token(parameters, self.token))
+        if self.timeout_s is None:
+            return bls(*args)
+        try:
+            return _BOUNDED_CALLS.submit(bls, *args).result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise PeerTimeoutError(f"{self.model_name} did not answer within {self.timeout_s:g} s") from None
 
     def release(self, empty_inputs: dict) -> None:
         if self.started:

@@ -85,6 +85,8 @@ class TritonPythonModel:
         self.verifier_name = params.get("verifier_model_name", "verifier")
         self.drafter_name = params.get("drafter_model_name", "")
         self.drafter_info = self._describe_drafter(args, model_path) if self.drafter_name else None
+        # A drafter call that takes longer is abandoned: that request decodes plainly from there.
+        BlsDrafter.timeout_s = float(params.get("drafter_timeout_s", "30")) or None
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
         self.extract_layer_ids = (self.drafter_info.hidden_layer_ids
                                   if self.drafter_info and not self.drafter_info.proposes_drafts else ())

@@ -5,13 +5,17 @@ coming back out."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from client.api.triton import grpc_generate
-from tests.fixtures.helpers import load_hf_model, coarse_total_variation, served_greedy_results
+from tests.fixtures.helpers import (
+    coarse_total_variation,
+    load_hf_model,
+    seeded_results,
+    served_greedy_results,
+    served_greedy_results_once,
+)
 from tests.fixtures.sampling import PROMPT, SAMPLES, TEMPERATURE, TOP_K, exact_marginals
 from tests.fixtures.servers import start_server
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
@@ -62,12 +66,8 @@ def test_served_dflash_greedy_equals_target_greedy(tiny_model_dir, tmp_path):
     head = tmp_path / "dflash-causal-sliding"
     write_dflash(head, tiny_model_dir, causal=True, sliding_window=3, block_size=5)
     config = {"method": "dflash", "model": str(head), "num_speculative_tokens": 4}
-    server = start_server(tmp_path, str(tiny_model_dir), json.dumps(config))
-    try:
-        results = served_greedy_results(server, tiny_model_dir, PROMPTS, 24)
-        assert sum(r.total_draft_tokens for r in results) > 0
-    finally:
-        server.stop()
+    results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 24)
+    assert sum(r.total_draft_tokens for r in results) > 0
 
 
 def test_served_dspark_greedy_equals_target_greedy(dspark_server, tiny_model_dir):
@@ -82,20 +82,9 @@ def test_served_dspark_sampling_follows_the_target_distribution(dspark_server, t
     the verifier). Both sampled tokens must follow the target's own distribution."""
     exact = exact_marginals(str(tiny_model_dir))
     assert max(exact[1].values()) < 0.8  # no single token dominates
-
-    def one(seed):
-        return grpc_generate(
-            dspark_server.grpc_url,
-            PROMPT,
-            max_tokens=3,
-            temperature=TEMPERATURE,
-            top_k=TOP_K,
-            random_seed=seed,
-            ignore_eos=True,
-        )
-
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(one, range(SAMPLES)))
+    results = seeded_results(
+        dspark_server, PROMPT, SAMPLES, workers=8, max_tokens=3, temperature=TEMPERATURE, top_k=TOP_K
+    )
     assert sum(r.total_accepted_draft_tokens for r in results) > SAMPLES // 2  # q overlaps p
     for position in range(2):
         tv = coarse_total_variation([r.output_ids[position] for r in results], exact[position])

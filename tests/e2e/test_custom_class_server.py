@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import hf_greedy, served_greedy_results
+from tests.fixtures.helpers import hf_greedy, served_greedy_results_once
 from tests.fixtures.servers import start_server
 
 EXAMPLE = "client.examples.bigram_proposer.BigramProposer"
@@ -19,12 +19,9 @@ PROMPTS = [
 
 
 def test_served_example_equals_target_greedy(tiny_model_dir, tmp_path):
-    server = start_server(tmp_path, str(tiny_model_dir), json.dumps({"model": EXAMPLE, "num_speculative_tokens": 4}))
-    try:
-        results = served_greedy_results(server, tiny_model_dir, PROMPTS, 32)
-        assert sum(r.total_accepted_draft_tokens for r in results) > 0
-    finally:
-        server.stop()
+    config = {"model": EXAMPLE, "num_speculative_tokens": 4}
+    results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 32)
+    assert sum(r.total_accepted_draft_tokens for r in results) > 0
 
 
 def test_a_bad_class_fails_the_drafter_load_only(tiny_model_dir, tmp_path):

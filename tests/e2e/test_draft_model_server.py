@@ -10,8 +10,13 @@ import json
 import pytest
 import torch
 
-from client.api.triton import grpc_generate
-from tests.fixtures.helpers import coarse_total_variation, served_greedy_results
+from tests.fixtures.helpers import (
+    coarse_total_variation,
+    load_hf_model,
+    seeded_results,
+    served_greedy_results,
+    served_greedy_results_once,
+)
 from tests.fixtures.servers import start_server
 
 SAMPLED_PROMPT = "The dog"  # the tiny model's next token: one likely, a few plausible
@@ -40,10 +45,6 @@ def test_greedy_equals_target_greedy(draft_server, tiny_model_dir):
 
 
 def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_dir):
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tests.fixtures.helpers import load_hf_model
-
     model, tokenizer = load_hf_model(str(tiny_model_dir))
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([tokenizer(SAMPLED_PROMPT)["input_ids"]])).logits[0, -1]
@@ -53,16 +54,9 @@ def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_
     # correct q in min(1, p/q) and max(p - q, 0) brings the output back to p.
     assert 0.4 < top3 < 0.9
 
-    def first_token(seed):
-        r = grpc_generate(
-            draft_server.grpc_url, SAMPLED_PROMPT, max_tokens=4, temperature=1.2, random_seed=seed, ignore_eos=True
-        )
-        return r.output_ids[0], r.total_accepted_draft_tokens
-
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(first_token, range(600)))
-    assert sum(a for _, a in results) > 100  # q overlaps p: many drafts pass
-    assert coarse_total_variation([t for t, _ in results], exact) < 0.09
+    results = seeded_results(draft_server, SAMPLED_PROMPT, 600, max_tokens=4, temperature=1.2)
+    assert sum(r.total_accepted_draft_tokens for r in results) > 100  # q overlaps p: many drafts pass
+    assert coarse_total_variation([r.output_ids[0] for r in results], exact) < 0.09
 
 
 def test_heterogeneous_vocab_drafter_through_the_server(tiny_model_dir, tiny_hetero_dir, tmp_path):
@@ -73,12 +67,8 @@ def test_heterogeneous_vocab_drafter_through_the_server(tiny_model_dir, tiny_het
         "num_speculative_tokens": 3,
         "use_heterogeneous_vocab": True,
     }
-    server = start_server(tmp_path, str(tiny_model_dir), json.dumps(config))
-    try:
-        results = served_greedy_results(server, tiny_model_dir, PROMPTS, 32)
-        assert sum(r.total_draft_tokens for r in results) > 0
-    finally:
-        server.stop()
+    results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 32)
+    assert sum(r.total_draft_tokens for r in results) > 0
 
 
 def test_mismatched_vocabulary_is_refused_at_load(tiny_model_dir, tiny_hetero_dir, tmp_path):

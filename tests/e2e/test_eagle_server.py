@@ -4,12 +4,9 @@ the output is the target's own."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.fixtures.helpers import served_greedy_results
-from tests.fixtures.servers import start_server
+from tests.fixtures.helpers import served_greedy_results_once
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
@@ -27,9 +24,5 @@ def test_served_greedy_equals_target_greedy(method, target_dir, tmp_path):
     head = tmp_path / method
     WRITERS[method](head, target_dir)
     config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
-    server = start_server(tmp_path, str(target_dir), json.dumps(config))
-    try:
-        results = served_greedy_results(server, target_dir, PROMPTS, 24)
-        assert sum(r.total_draft_tokens for r in results) > 0
-    finally:
-        server.stop()
+    results = served_greedy_results_once(tmp_path, target_dir, config, PROMPTS, 24)
+    assert sum(r.total_draft_tokens for r in results) > 0

@@ -11,20 +11,16 @@ from safetensors import safe_open
 
 from backends.runtime.model_store import load_tokenizer
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import hf_greedy, hf_hidden_states
+from tests.fixtures.helpers import EXTRACT_LAYERS, EXTRACT_SPEC, hf_greedy, hf_hidden_states
 from tests.fixtures.servers import start_server
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The"]
-LAYERS = [2, 0, 1]  # 2 = L: the final normed state (HF's last hidden_states entry); any order
-SPEC = {
-    "method": "extract_hidden_states",
-    "num_speculative_tokens": 1,
-    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
-}
 
 
 def test_served_hidden_states_and_files(tiny_model_dir, tmp_path):
-    server = start_server(tmp_path, str(tiny_model_dir), json.dumps(SPEC), hidden_states_dir=str(tmp_path / "states"))
+    server = start_server(
+        tmp_path, str(tiny_model_dir), json.dumps(EXTRACT_SPEC), hidden_states_dir=str(tmp_path / "states")
+    )
     try:
         tokenizer = load_tokenizer(tiny_model_dir)
         # Streamed and not; one token only: the prompt's states.
@@ -32,13 +28,13 @@ def test_served_hidden_states_and_files(tiny_model_dir, tmp_path):
             result = grpc_generate(server.grpc_url, prompt, max_tokens=max_tokens, stream=stream)
             assert tuple(result.output_ids) == hf_greedy(str(tiny_model_dir), prompt, max_tokens)
             tokens = tokenizer(prompt)["input_ids"] + result.output_ids
-            expected = hf_hidden_states(tiny_model_dir, tokens[:-1], LAYERS)
-            assert result.hidden_layer_ids == LAYERS and result.hidden_states.dtype == "float32"
+            expected = hf_hidden_states(tiny_model_dir, tokens[:-1], EXTRACT_LAYERS)
+            assert result.hidden_layer_ids == EXTRACT_LAYERS and result.hidden_states.dtype == "float32"
             torch.testing.assert_close(torch.tensor(result.hidden_states), expected, rtol=1e-4, atol=1e-5)
             with safe_open(result.hidden_states_file, "pt") as f:
                 assert f.metadata()["num_prompt_tokens"] == str(len(tokenizer(prompt)["input_ids"]))
                 assert f.get_tensor("token_ids").tolist() == tokens
-                assert f.get_tensor("layer_ids").tolist() == LAYERS
+                assert f.get_tensor("layer_ids").tolist() == EXTRACT_LAYERS
                 torch.testing.assert_close(f.get_tensor("hidden_states"), expected, rtol=1e-4, atol=1e-5)
         plain = grpc_generate(server.grpc_url, PROMPTS[0], max_tokens=4, num_draft_tokens=0)
         assert plain.hidden_states is None and tuple(plain.output_ids) == hf_greedy(str(tiny_model_dir), PROMPTS[0], 4)

@@ -3,34 +3,11 @@ emitted tokens follow the target's own (temperature / top-k) distribution exactl
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import coarse_total_variation
+from tests.fixtures.helpers import coarse_total_variation, seeded_results
 from tests.fixtures.sampling import PROMPT, SAMPLES, TEMPERATURE, TOP_K, exact_marginals
-
-
-def sample(server, num_draft_tokens: int | None, seeds: range, with_stats: bool = False, max_tokens: int = 2) -> list:
-    """`max_tokens` sampled tokens per seed: their ids (or the whole results, `with_stats`)."""
-    extra = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
-
-    def one(seed):
-        result = grpc_generate(
-            server.grpc_url,
-            PROMPT,
-            max_tokens=max_tokens,
-            temperature=TEMPERATURE,
-            top_k=TOP_K,
-            random_seed=seed,
-            ignore_eos=True,
-            **extra,
-        )
-        return result if with_stats else result.output_ids
-
-    with ThreadPoolExecutor(4) as pool:
-        return list(pool.map(one, seeds))
 
 
 def test_seeded_requests_reproduce(tiny_server):
@@ -49,9 +26,10 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_server, tiny_model_d
     exact = exact_marginals(str(tiny_model_dir))
     # The test only means something if no single token dominates.
     assert max(exact[0].values()) < 0.8
-    results = sample(tiny_server, None if mode == "ngram" else 0, range(SAMPLES))
+    plain = {} if mode == "ngram" else {"num_draft_tokens": 0}
+    results = seeded_results(tiny_server, PROMPT, SAMPLES, max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, **plain)
     for position in range(2):
-        tv = coarse_total_variation([r[position] for r in results], exact[position])
+        tv = coarse_total_variation([r.output_ids[position] for r in results], exact[position])
         assert tv < 0.09, (mode, position, tv)
 
 

@@ -4,15 +4,13 @@ on the held-out benchmark prompts, and their drafts are accepted for real."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
 from backends.training import TRAINERS, head_dir
 from client.cli.bench import load_prompts
-from tests.fixtures.helpers import served_greedy_results
-from tests.fixtures.servers import start_server
+from tests.fixtures.helpers import served_greedy_results_once
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITONSPEC_TRAINED_HEADS") != "1",
@@ -27,11 +25,7 @@ def test_trained_head_is_lossless_and_accepted(method, smollm2_dir, tmp_path):
         pytest.skip(f"no trained head at {head}: run `tritonspec train {method}`")
     _, prompts = load_prompts()
     config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
-    server = start_server(tmp_path, str(smollm2_dir), json.dumps(config))
-    try:
-        results = served_greedy_results(server, smollm2_dir, [ps[0] for ps in prompts.values()], 48)
-    finally:
-        server.stop()
+    results = served_greedy_results_once(tmp_path, smollm2_dir, config, [ps[0] for ps in prompts.values()], 48)
     drafts = sum(r.perf_metrics["num_drafts"] for r in results)
     accepted = sum(r.total_accepted_draft_tokens for r in results)
     # Real but modest: the CPU-trained SmolLM2 heads measured 1.1-1.3 (README, Training).

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -17,7 +16,13 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import coarse_total_variation, load_hf_model, metric_values, wait_for_no_active_sequences
+from tests.fixtures.helpers import (
+    coarse_total_variation,
+    load_hf_model,
+    metric_values,
+    seeded_results,
+    wait_for_no_active_sequences,
+)
 from tests.fixtures.sampling import SAMPLES, TEMPERATURE, TOP_K
 
 PROMPTS = [
@@ -295,27 +300,22 @@ def test_sampled_tokens_with_penalties_follow_the_target_distribution(tiny_serve
     exact = penalized_marginals(str(tiny_model_dir), PROMPTS[1], params)
     assert max(exact[0].values()) < 0.8
 
-    def one(seed: int) -> list[int]:
-        return grpc_generate(
-            tiny_server.grpc_url,
-            PROMPTS[1],
-            max_tokens=2,
-            temperature=TEMPERATURE,
-            top_k=TOP_K,
-            random_seed=seed,
-            ignore_eos=True,
-            stream=False,
-            num_draft_tokens=3,
-            **params,
-        ).output_ids
-
     # The ngram draft for this prompt is the first token 20% of the time, so both accepted
     # and rejected drafts are verified under the penalties. 300 samples keep the test short:
     # the coarse TV's p99.99 is then 0.12; ignoring the penalties would be off by 0.37 / 0.46.
-    with ThreadPoolExecutor(4) as pool:
-        samples = list(pool.map(one, range(SAMPLES // 2)))
+    samples = seeded_results(
+        tiny_server,
+        PROMPTS[1],
+        SAMPLES // 2,
+        max_tokens=2,
+        temperature=TEMPERATURE,
+        top_k=TOP_K,
+        stream=False,
+        num_draft_tokens=3,
+        **params,
+    )
     for position in range(2):
-        tv = coarse_total_variation([s[position] for s in samples], exact[position])
+        tv = coarse_total_variation([s.output_ids[position] for s in samples], exact[position])
         assert tv < 0.125, (position, tv)
     assert not any(wait_for_no_active_sequences(tiny_server).values())
 

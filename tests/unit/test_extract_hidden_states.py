@@ -15,26 +15,20 @@ from backends.methods.extract_hidden_states import HiddenStateExtractor
 from backends.runtime.model_store import load_tokenizer
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
+from backends.serving.local import LocalVerifier
 from backends.serving.orchestrator import GenerationStats, generate
 from backends.serving.proposer import build_proposer, describe_drafter
 from backends.serving.request import GenerationRequest
 from backends.serving.target import TargetRunner
-from tests.fixtures.helpers import hf_greedy, hf_hidden_states
-from backends.serving.local import LocalVerifier
+from tests.fixtures.helpers import EXTRACT_LAYERS, EXTRACT_SPEC, hf_greedy, hf_hidden_states
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The"]
-LAYERS = [2, 0, 1]  # 2 = L: the final normed state (HF's last hidden_states entry); any order
-SPEC = {
-    "method": "extract_hidden_states",
-    "num_speculative_tokens": 1,
-    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
-}
 
 
 def test_config_and_proposer(tiny_model_dir):
-    config = SpeculativeConfig.from_json(SPEC, target_model=str(tiny_model_dir))
+    config = SpeculativeConfig.from_json(EXTRACT_SPEC, target_model=str(tiny_model_dir))
     proposer = build_proposer(config, max_model_len=512, target_model=tiny_model_dir)
-    assert isinstance(proposer, HiddenStateExtractor) and proposer.hidden_layer_ids == tuple(LAYERS)
+    assert isinstance(proposer, HiddenStateExtractor) and proposer.hidden_layer_ids == tuple(EXTRACT_LAYERS)
     assert DraftService(proposer, config).num_speculative_tokens == 0  # it never drafts
     with pytest.raises(
         ValueError,
@@ -43,7 +37,7 @@ def test_config_and_proposer(tiny_model_dir):
     ):
         build_proposer(
             SpeculativeConfig.from_json(
-                {**SPEC, "eagle_aux_hidden_state_layer_ids": [0, 3]}, target_model=str(tiny_model_dir)
+                {**EXTRACT_SPEC, "eagle_aux_hidden_state_layer_ids": [0, 3]}, target_model=str(tiny_model_dir)
             ),
             max_model_len=512,
             target_model=tiny_model_dir,
@@ -52,7 +46,7 @@ def test_config_and_proposer(tiny_model_dir):
 
 def test_in_process_hidden_states_equal_a_plain_forward(tiny_model_dir):
     runner, tokenizer = TargetRunner(tiny_model_dir, dtype="float32"), load_tokenizer(tiny_model_dir)
-    config = SpeculativeConfig.from_json(SPEC, target_model=str(tiny_model_dir))
+    config = SpeculativeConfig.from_json(EXTRACT_SPEC, target_model=str(tiny_model_dir))
     service = DraftService(build_proposer(config, max_model_len=512, target_model=tiny_model_dir), config)
     info = describe_drafter(config, tiny_model_dir)  # what the orchestrator learns at load
     assert not info.proposes_drafts and info.hidden_layer_ids == service.proposer.hidden_layer_ids
@@ -78,5 +72,7 @@ def test_in_process_hidden_states_equal_a_plain_forward(tiny_model_dir):
         assert tuple(out) == hf_greedy(str(tiny_model_dir), prompt, 12)
         assert stats.acceptance.num_draft_tokens == 0 and stats.num_steps == len(out)
         hidden, tokens = torch.cat(parts), prompt_ids + out
-        assert hidden.shape == (len(tokens) - 1, len(LAYERS), 64)
-        torch.testing.assert_close(hidden, hf_hidden_states(tiny_model_dir, tokens[:-1], LAYERS), rtol=1e-4, atol=1e-5)
+        assert hidden.shape == (len(tokens) - 1, len(EXTRACT_LAYERS), 64)
+        torch.testing.assert_close(
+            hidden, hf_hidden_states(tiny_model_dir, tokens[:-1], EXTRACT_LAYERS), rtol=1e-4, atol=1e-5
+        )
