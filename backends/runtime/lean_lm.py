@@ -7,32 +7,41 @@ among them by default, or any given ``[n, n]`` mask for trees). New K/V are writ
 pool slots first; after the call the row's cached length has grown by n, and a caller that rejects
 drafts rolls back with ``pool.truncate``.
 
-How it is laid out, and why (numbers: ``scripts/bench_runtime.py`` on the 2-core CPU, SmolLM2-135M
-bf16; the report of the change that added this module has the table):
+How it is laid out, and why (2-core CPU, SmolLM2-135M bf16, 2 threads; the step table is printed
+by ``scripts/bench_runtime.py``):
 
 - Matmuls go through oneDNN with weights prepacked once at load (``mkldnn._reorder_linear_weight``,
-  ``mkldnn._linear_pointwise``). On this CPU that was the fastest path at every row count measured
-  (1 to 40 rows): the 30 layers' matmuls took ~12 ms at 1 row vs ~18 ms for ``F.linear`` /
-  ``torch.mm``, and ~12 vs ~25 ms at 5 rows. So there is one path, not one per row count. The
-  residual add of o_proj and down_proj is fused into the matmul (oneDNN binary post-op).
+  ``mkldnn._linear_pointwise``): the fastest path at every row count measured, 1 to 40. The 30
+  layers' matmuls took ~12 ms at 1 row and at 5 rows, vs ~16 and ~18-25 ms for ``F.linear`` /
+  ``torch.mm`` (the lm head 2.5 vs 3.5-4 ms). So there is one path, not one per row count. The
+  residual adds after o_proj and down_proj are fused into those matmuls (oneDNN binary post-op).
 - Q, K, V come from one fused projection, gate and up from another; RoPE is applied in place on
-  the q|k part of the fused output (a half-swap and a sign-folded sin, so two arithmetic kernels),
-  and K|V, adjacent in that output, are written to the pool with one ``index_copy_``.
-- Attention is SDPA with GQA folded into the query axis (the ``heads/kv_heads`` query heads that
-  share a kv head become extra query rows): SDPA with ``enable_gqa=True`` took ~120 us per call
-  for one token at 200 keys, the folded call ~27 us. Long prompt chunks (where the folded mask
-  would grow ``heads/kv_heads`` times) use ``enable_gqa`` instead.
+  the q|k part of the fused output (a half-swap and a sign-folded sin: two arithmetic kernels),
+  and K|V, adjacent in that output, go into the pool with one ``index_copy_``.
+- Attention is SDPA with GQA folded into the query axis: the ``heads / kv_heads`` query heads that
+  share a kv head become extra query rows of one head. Per call at 200 cached keys, folded vs
+  ``enable_gqa=True``: 27 vs 114 us for 1 new token, 57 vs 79 us for 5, 106 vs 131 us for 17,
+  2.1 vs 2.2 ms for 256. Query heads are stored group-major (the q_proj rows and o_proj columns
+  are permuted at load), so the fold is a view for one token and unfolding the output is a view.
+  Past ``FOLD_MAX_TOKENS`` new tokens in a row (long prompt chunks) the folded mask would cost
+  ``heads / kv_heads`` times the memory, so those use SDPA's own GQA (no mask from position 0).
 - Rows are grouped by their number of new tokens; each group is one SDPA call. A group of one row
   whose blocks are contiguous (the pool hands out one run of blocks when it can) reads a view of
-  the pool: no gather, no copy. Larger groups gather their blocks per layer into a padded batch.
+  the pool: no gather, no copy. Larger groups gather their keys per layer into a padded batch:
+  for 8 rows at 200 keys, gather + one SDPA took 164 us per layer (1 token) and 278 us (5
+  tokens), one SDPA per row on views 242 and 410 us.
 - Positions default to cached length + index; explicit per-row positions are accepted (trees).
 - RoPE cos/sin come from transformers' own init functions (default, linear, dynamic, yarn,
-  llama3, longrope) computed like its rotary embedding (float32, then cast), as a table by
+  llama3, longrope), computed like its rotary embedding (float32, then cast), as a table by
   position. ``dynamic`` and ``longrope`` change frequencies past a length: they are recomputed for
-  that row from the row's own length (transformers uses the batch's, and keeps a grown table
-  after a rollback; a single sequence decoding forward gets the same numbers).
+  the row from the row's own length (transformers uses the batch's longest, and keeps a grown
+  table after a rollback; a single sequence decoding forward gets the same numbers).
 - Hidden states use vLLM's numbering: id i < num_layers is the residual stream entering decoder
   layer i (transformers' ``hidden_states[i]``); id num_layers or -1 is the final normed state.
+
+Not here (yet): a ``torch.compile`` path. Inductor cannot trace the prepacked oneDNN weights
+(opaque ``_mkldnn`` tensors fail ``fullgraph`` compilation), so a compiled step would keep plain
+weights as frozen module parameters and let ``freezing=True`` prepack them itself.
 """
 
 from __future__ import annotations
@@ -48,9 +57,9 @@ from .kv_cache import KVCachePool, SequenceError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-# Above this many new tokens in a row, GQA is not folded into the query axis (the mask would
-# grow heads/kv_heads times, and SDPA's own GQA is as fast for long query blocks).
-FOLD_MAX_TOKENS = 64
+# Above this many new tokens in a row GQA is not folded into the query axis: folding measured
+# faster up to 256, but its mask grows heads/kv_heads times (long prompt chunks).
+FOLD_MAX_TOKENS = 256
 
 
 class UnsupportedArchitecture(ValueError):
@@ -92,7 +101,7 @@ def unsupported_reason(config) -> str | None:
         return f"sliding window attention (sliding_window={config.sliding_window})"
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return "sliding window attention on some layers (use_sliding_window)"
-    rope = config.rope_parameters or {}
+    rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in _ROPE_TYPES:
         return f"rope_type {rope.get('rope_type')!r}"
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
@@ -235,6 +244,8 @@ class LeanCausalLM:
         reason = unsupported_reason(config)
         if reason is not None:
             raise UnsupportedArchitecture(f"lean runtime cannot run this model: {reason}")
+        if hf_model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            raise UnsupportedArchitecture("lean runtime cannot run this model: it runs on CPU with oneDNN only")
         dtype = dtype or hf_model.dtype
 
         def w(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -258,13 +269,12 @@ class LeanCausalLM:
             qk_norm = None
             if hasattr(a, "q_norm"):
                 qk_norm = w(a.q_norm.weight.expand(heads, -1), a.k_norm.weight.expand(kv_heads, -1))
-            q_bias = regroup(a.q_proj.bias, 0)
             layers.append(
                 _Layer(
                     attn_norm=w(layer.input_layernorm.weight),
                     qkv=_Linear(
                         w(regroup(a.q_proj.weight, 0), a.k_proj.weight, a.v_proj.weight),
-                        w(q_bias, a.k_proj.bias, a.v_proj.bias),
+                        w(regroup(a.q_proj.bias, 0), a.k_proj.bias, a.v_proj.bias),
                     ),
                     qk_norm=qk_norm,
                     o=_Linear(w(regroup(a.o_proj.weight, 1)), w(a.o_proj.bias)),
@@ -310,10 +320,10 @@ class LeanCausalLM:
         numbering, -1 = final normed).
         """
         counts = [logits_rows] * len(rows) if isinstance(logits_rows, int) else list(logits_rows)
-        step = self._plan(pool, rows, counts)
         want = {self.num_layers if i == -1 else i for i in hidden_layers}
         if not all(0 <= i <= self.num_layers for i in want):
             raise ValueError(f"hidden layer ids must be in [-1, {self.num_layers}], got {list(hidden_layers)}")
+        step = self._plan(pool, rows, counts)
         saved = {}
         h = F.embedding(step.ids, self.embed)
         for i, layer in enumerate(self.layers):

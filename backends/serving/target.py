@@ -1,9 +1,14 @@
 """The target model: one forward over a sequence's uncached tokens plus its drafts, then
 accept/reject right here so logits never leave the process.
 
-Each sequence keeps its own KV cache. After a step the cache covers every token but the
-last emitted one (that token has not been through the model yet); rejected drafts are
-cropped off, so the cache never holds a token that is not part of the output.
+Two engines run the forward. The lean runtime (backends/runtime: one preallocated paged KV
+pool, a ragged batched forward; Llama, Qwen2, Qwen3, Mistral on the CPU) runs every step of
+a batch, prompts and verifications together, in one call. Other models and devices go
+through transformers with a DynamicCache per sequence (said in the load log).
+
+After a step the cache covers every token but the last emitted one (that token has not been
+through the model yet); rejected drafts are cut off (the pool: a shorter length, no copy),
+so the cache never holds a token that is not part of the output.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
+from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import context_window, load_causal_lm
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
@@ -24,12 +31,6 @@ from backends.serving.request import SamplingParams
 log = logging.getLogger("tritonspec.target")
 
 
-class SequenceError(ValueError):
-    """A request that does not fit the sequence it names (unknown sequence, too long...)."""
-
-
-class KVCacheFullError(SequenceError):
-    """A new sequence's worst-case KV cache would not fit the configured memory budget."""
 
 
 @dataclass
@@ -54,7 +55,7 @@ class VerifyResult:
 
 @dataclass
 class _Sequence:
-    cache: DynamicCache
+    cache: DynamicCache | None  # the transformers engine's; None on the lean runtime (the pool)
     sampling: SamplingParams
     generator: torch.Generator
     reserved_tokens: int  # worst-case KV length, held against the budget until release
@@ -136,7 +137,10 @@ class TargetRunner:
         device: str = "cpu",
         max_model_len: int | None = None,
         kv_cache_memory_gb: float | None = None,
+        runtime: str = "auto",
     ) -> None:
+        """`runtime`: "auto" (the lean runtime where it runs, else transformers), "lean" (fail
+        where it does not), "hf" (transformers)."""
         self.model = load_causal_lm(model_path, dtype).to(device)
         self.device = torch.device(device)
         self.max_model_len = context_window(self.model.config, max_model_len)
@@ -153,10 +157,40 @@ class TargetRunner:
         self.clock: Callable[[], float] = time.monotonic
         self.kv_budget_tokens = (int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.model.config, dtype))
                                  if kv_cache_memory_gb else None)
+        self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb)
+        if self.pool is not None:
+            self.kv_budget_tokens = self.pool.capacity_tokens
+
+    def _lean_runtime(self, runtime: str, memory_gb: float | None) -> tuple[LeanCausalLM | None, KVCachePool | None]:
+        """The lean runtime and its KV pool, when this model and device have it (else transformers)."""
+        if runtime == "hf" or self.device.type != "cpu":
+            log.info("target runs through transformers (runtime=%s, device %s)", runtime, self.device)
+            return None, None
+        try:
+            lean = LeanCausalLM.from_hf(self.model)
+        except UnsupportedArchitecture as e:
+            if runtime == "lean":
+                raise
+            log.info("target runs through transformers: %s", e)
+            return None, None
+        # Without a budget: room for 8 sequences at the full context window.
+        pool = (lean.new_pool(memory_gb=memory_gb) if memory_gb
+                else lean.new_pool(capacity_tokens=8 * (self.max_model_len + MAX_SPEC_LEN)))
+        log.info("target runs on the lean runtime: KV pool of %d tokens (%.2f GB)", pool.capacity_tokens,
+                 pool.capacity_tokens * pool.bytes_per_token / 2**30)
+        return lean, pool
 
     @property
     def reserved_tokens(self) -> int:
+        if self.pool is not None:
+            return self.pool.reserved_tokens
         return sum(seq.reserved_tokens for seq in self.sequences.values())
+
+    def cached_tokens(self, seq_id: int) -> int:
+        """Tokens of the sequence held in the KV cache."""
+        if self.pool is not None:
+            return self.pool.length(seq_id)
+        return self.sequences[seq_id].cache.get_seq_length()
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         result = self.verify_batch([req])[0]
@@ -185,6 +219,8 @@ class TargetRunner:
             except Exception as e:
                 results[i] = self._fail(req.seq_id, e)
         running = [(i, step) for i, step in steps if step.seq.num_cached > 0]
+        if self.lean is not None:  # prompts and verifications share one ragged forward
+            running = steps
         if len(running) > 1:
             try:
                 batched = self._forward_batch([step for _, step in running])
@@ -257,6 +293,11 @@ class TargetRunner:
             raise SequenceError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
 
     def _forward_one(self, step: "_Step") -> VerifyResult:
+        if self.lean is not None:
+            result = self._forward_batch([step])[0]
+            if isinstance(result, Exception):
+                raise result
+            return result
         start = time.perf_counter()
         out = self.model(
             input_ids=torch.tensor([step.input_ids], device=self.device),
@@ -275,11 +316,37 @@ class TargetRunner:
             result.hidden_states = select_hidden(out.hidden_states, 0, step.num_kept(result), step.req.hidden_layer_ids)
         return result
 
-    def _forward_batch(self, steps: list["_Step"]) -> list[VerifyResult]:
+    def _forward_lean(self, steps: list["_Step"]) -> list[VerifyResult | Exception]:
+        """One ragged forward of the lean runtime over every step; each sequence's pool length
+        then drops back to what it keeps (its pending tokens and accepted drafts)."""
+        layers = sorted({i for step in steps for i in step.req.hidden_layer_ids})
+        rows = [Row(step.req.seq_id, step.input_ids) for step in steps]
+        for step in steps:  # a retried step starts from what the sequence keeps
+            self.pool.truncate(step.req.seq_id, step.seq.num_cached)
+        start = time.perf_counter()
+        out = self.lean.forward(self.pool, rows, [step.num_rows for step in steps], layers)
+        forward_s = (time.perf_counter() - start) / len(steps)  # each sequence's share
+        results: list[VerifyResult | Exception] = []
+        for row, step in enumerate(steps):
+            try:  # from here on each row is its own sequence's business
+                result = self._accept(step, out.logits[row], forward_s)
+                self.pool.truncate(step.req.seq_id, step.seq.num_cached)
+                if step.req.hidden_layer_ids:
+                    kept = step.num_kept(result)
+                    hidden = [out.hidden[row][i][:kept] for i in step.req.hidden_layer_ids]
+                    result.hidden_states = torch.stack(hidden, dim=1).float().cpu()
+            except Exception as e:
+                result = e
+            results.append(result)
+        return results
+
+    def _forward_batch(self, steps: list["_Step"]) -> list[VerifyResult | Exception]:
         """One forward over several running sequences. Their caches are left-padded to the
         longest and stacked; inputs are right-padded; the attention mask hides both pads and
         explicit positions keep each sequence's own RoPE offsets. The kept part of the new
         KV is then appended to each sequence's own cache."""
+        if self.lean is not None:
+            return self._forward_lean(steps)
         cached = [step.seq.num_cached for step in steps]
         lengths = [len(step.input_ids) for step in steps]
         max_cached, max_len = max(cached), max(lengths)
@@ -351,7 +418,9 @@ class TargetRunner:
         # running sequence never runs out of room: new sequences are refused instead.
         reserve = min(self.max_model_len, len(req.new_token_ids) + (req.max_new_tokens or self.max_model_len)
                       + MAX_SPEC_LEN)
-        if self.kv_budget_tokens is not None and self.reserved_tokens + reserve > self.kv_budget_tokens:
+        if self.pool is not None:
+            self.pool.admit(req.seq_id, reserve)
+        elif self.kv_budget_tokens is not None and self.reserved_tokens + reserve > self.kv_budget_tokens:
             raise KVCacheFullError(
                 f"KV cache budget full: this request may need {reserve} tokens and running sequences "
                 f"hold {self.reserved_tokens} of {self.kv_budget_tokens}; retry later, lower max_tokens, "
@@ -361,14 +430,16 @@ class TargetRunner:
         seq_id = req.seq_id
         generator = new_generator(self.device, sampling.seed)
         _check_token_controls(sampling, self.logits_size)
-        seq = _Sequence(DynamicCache(config=self.model.config), sampling, generator, reserve,
-                        num_prompt_tokens=len(req.new_token_ids))
+        cache = None if self.pool is not None else DynamicCache(config=self.model.config)
+        seq = _Sequence(cache, sampling, generator, reserve, num_prompt_tokens=len(req.new_token_ids))
         self.sequences[seq_id] = seq
         log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))
         return seq
 
     def release(self, seq_id: int) -> bool:
         """Drop a sequence's KV cache; True when it existed."""
+        if self.pool is not None:
+            self.pool.release(seq_id)
         return self.sequences.pop(seq_id, None) is not None
 
     def release_idle(self, idle_s: float, keep: Collection[int] = ()) -> list[int]:

@@ -26,7 +26,8 @@ class TritonPythonModel(SequenceBatchedModel):
         budget = float(settings.params.get("kv_cache_memory_gb", "4"))
         device = instance_device(args, settings.params, log)  # a GPU that cannot be used fails the load here
         self.runner = TargetRunner(settings.target, dtype=settings.dtype, device=device,
-                                   max_model_len=settings.max_model_len, kv_cache_memory_gb=budget or None)
+                                   max_model_len=settings.max_model_len, kv_cache_memory_gb=budget or None,
+                                   runtime=settings.params.get("runtime", "auto"))
         self.init_sequences(args, settings.params, self.runner)
         log.info("verifier ready: %s (%s on %s, context %d, KV budget %s tokens)", settings.target, settings.dtype,
                  device, self.runner.max_model_len, self.runner.kv_budget_tokens or "unlimited")

@@ -30,6 +30,8 @@ PROFILES: dict[str, dict] = {
 }
 
 
+RUNTIMES = ["auto", "lean", "hf"]
+
 def _local_speculative_config(spec: str, target: str) -> str:
     """Fetch a named draft model in the config's `model` and put its local path there, so the
     config reads the draft's config.json (vocab checks, method detection) like vLLM does. A
@@ -107,6 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides.common["model"] = model if model in NAMED_MODELS else str(target)
     if args.dtype:
         overrides.common["dtype"] = args.dtype
+    if args.runtime:
+        overrides.common["runtime"] = args.runtime
     if args.max_model_len:
         overrides.common["max_model_len"] = str(args.max_model_len)
     if args.device:
@@ -270,7 +274,7 @@ def _bench(args: argparse.Namespace) -> int:
                 return 2
         if args.num_speculative_tokens:
             config["num_speculative_tokens"] = args.num_speculative_tokens
-        overrides = RepositoryOverrides(common={"model": str(target), "dtype": args.dtype},
+        overrides = RepositoryOverrides(common={"model": str(target), "dtype": args.dtype, "runtime": args.runtime},
                                         per_model={"drafter": {"speculative_config": json.dumps(config)}})
         with _own_server(args.port, overrides, out / f"server-{method}.log") as server:
             runs = measure(server.grpc_url, prompts, args.max_tokens, args.repeats, method,
@@ -466,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--profile", choices=sorted(PROFILES),
                        help="a ready target + drafter pair (fetched when needed), e.g. qwen-coder")
     serve.add_argument("--dtype", choices=["bfloat16", "float32"], help="target dtype (default bfloat16)")
+    serve.add_argument("--runtime", choices=RUNTIMES, help="the target's forward engine: the lean runtime where "
+                       "it runs, else transformers (auto, the default), lean, or hf (transformers)")
     serve.add_argument("--max-model-len", type=int, help="cap the context window")
     serve.add_argument("--device", help="verifier and drafter device: auto, cpu, cuda or cuda:N (default: the "
                        "instance_group kind; see README, Running on a GPU)")
@@ -503,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-model", help="drafter for draft_model (named, HF directory or GGUF)")
     bench.add_argument("--profile", choices=sorted(PROFILES), help="target + drafter pair, e.g. qwen-coder")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    bench.add_argument("--runtime", default="auto", choices=RUNTIMES, help="the target's forward engine (see serve)")
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
     bench.add_argument("--prompt-file", help="your own prompts: a JSON list or {category: [prompts]} (e.g. a "
                        "trained head's validation_prompts.json), or one per line in a file not named *.json")

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fixtures.servers import start_server
+from tests.fixtures.servers import fixture_server
 
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("tiny-server"), str(tiny_model_dir), sequence_idle_timeout_s="5")
-    yield server
-    server.stop()
+    yield from fixture_server(tmp_path_factory, "tiny-server", tiny_model_dir, sequence_idle_timeout_s="5")

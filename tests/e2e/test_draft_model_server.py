@@ -17,7 +17,7 @@ from tests.fixtures.helpers import (
     served_greedy_results,
     served_greedy_results_once,
 )
-from tests.fixtures.servers import start_server
+from tests.fixtures.servers import fixture_server, start_server
 
 SAMPLED_PROMPT = "The dog"  # the tiny model's next token: one likely, a few plausible
 
@@ -32,11 +32,9 @@ def draft_server(tiny_model_dir, tmp_path_factory):
         "num_speculative_tokens": 3,
         "draft_sample_method": "probabilistic",
     }
-    server = start_server(
-        tmp_path_factory.mktemp("draft-server"), str(tiny_model_dir), json.dumps(config), sequence_idle_timeout_s="5"
+    yield from fixture_server(
+        tmp_path_factory, "draft-server", tiny_model_dir, json.dumps(config), sequence_idle_timeout_s="5"
     )
-    yield server
-    server.stop()
 
 
 def test_greedy_equals_target_greedy(draft_server, tiny_model_dir):

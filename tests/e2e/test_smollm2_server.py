@@ -7,7 +7,7 @@ import pytest
 
 from client.api.triton import http_generate
 from tests.fixtures.helpers import hf_greedy, served_greedy_results
-from tests.fixtures.servers import start_server
+from tests.fixtures.servers import fixture_server
 
 PROMPTS = [
     "Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig.\n"
@@ -20,13 +20,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_dir, tmp_path_factory):
-    server = start_server(
-        tmp_path_factory.mktemp("smollm2"),
-        str(smollm2_dir),
-        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
-    )
-    yield server
-    server.stop()
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+    yield from fixture_server(tmp_path_factory, "smollm2", smollm2_dir, config)
 
 
 def test_ngram_greedy_equals_target_greedy(smollm2_server, smollm2_dir):

@@ -20,9 +20,10 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def runners(tiny_model_dir):
-    return TargetRunner(tiny_model_dir, dtype="float32"), TargetRunner(tiny_model_dir, dtype="float32")
+@pytest.fixture(scope="module", params=["lean", "hf"])
+def runners(tiny_model_dir, request):
+    """Both engines: the lean runtime's paged pool and transformers' DynamicCache."""
+    return tuple(TargetRunner(tiny_model_dir, dtype="float32", runtime=request.param) for _ in range(2))
 
 
 def test_batched_steps_equal_single_steps(runners, tiny_model_dir):
@@ -49,7 +50,7 @@ def test_batched_steps_equal_single_steps(runners, tiny_model_dir):
             outputs[req.seq_id] += a.token_ids
     for seq_id in prompts:
         assert alone.sequences[seq_id].token_ids == together.sequences[seq_id].token_ids
-        assert alone.sequences[seq_id].cache.get_seq_length() == together.sequences[seq_id].cache.get_seq_length()
+        assert alone.cached_tokens(seq_id) == together.cached_tokens(seq_id) == len(alone.sequences[seq_id].token_ids) - 1
         alone.release(seq_id)
         together.release(seq_id)
 

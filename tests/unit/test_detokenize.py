@@ -1,8 +1,8 @@
 from backends.serving.detokenize import TextStream
 
 
-def stream_text(tokenizer, ids, stop=None):
-    text = TextStream(tokenizer, stop)
+def stream_text(tokenizer, ids, stop=None, prompt_ids=None):
+    text = TextStream(tokenizer, stop, prompt_ids)
     pieces = []
     for token in ids:
         text.add(token)
@@ -68,12 +68,8 @@ def test_metaspace_output_keeps_its_leading_space():
     prompt = tokenizer("The capital of France is")["input_ids"]
     output = tokenizer("The capital of France is Paris. Rome is")["input_ids"][len(prompt):]
     assert tokenizer.convert_ids_to_tokens(output)[0].startswith("▁Paris")
-    text = TextStream(tokenizer, prompt_ids=prompt)
-    pieces = []
-    for token in output:
-        text.add(token)
-        pieces.append(text.take())
-    assert "".join(pieces) + text.take(final=True) == " Paris. Rome is"
+    pieces, text = stream_text(tokenizer, output, prompt_ids=prompt)
+    assert "".join(pieces) == " Paris. Rome is"
     assert text.text == " Paris. Rome is"
     # Without the prompt as context the first space is lost: what the fix is about.
     assert tokenizer.decode(output, skip_special_tokens=True) == "Paris. Rome is"
@@ -85,12 +81,8 @@ def test_byte_level_output_is_the_same_with_prompt_context(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt = tokenizer("café naïve")["input_ids"]
     output = tokenizer(" 東京 ✓ done")["input_ids"]
-    text = TextStream(tokenizer, prompt_ids=prompt)
-    pieces = []
-    for token in output:
-        text.add(token)
-        pieces.append(text.take())
-    assert "".join(pieces) + text.take(final=True) == " 東京 ✓ done"
+    pieces, _ = stream_text(tokenizer, output, prompt_ids=prompt)
+    assert "".join(pieces) == " 東京 ✓ done"
 
 
 class CharTokenizer:

@@ -56,25 +56,9 @@ INPUTS = {
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    """A random three-layer Llama: eagle3's default aux layers (2, L//2, L-3) are distinct."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    out = tmp_path_factory.mktemp("onnx-target")
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+def target_dir(tiny3_model_dir):
+    """Three layers: eagle3's default aux layers (2, L//2, L-3) are distinct."""
+    return tiny3_model_dir
 
 
 @pytest.fixture(scope="module")

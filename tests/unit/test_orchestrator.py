@@ -157,16 +157,17 @@ def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, t
     assert result.num_accepted == 3 and result.token_ids[:3] == drafts
 
 
-def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokenizer):
+@pytest.mark.parametrize("engine", ["lean", "hf"])
+def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokenizer, engine):
     from backends.serving.target import KVCacheFullError, kv_bytes_per_token
 
-    probe = TargetRunner(tiny_model_dir, dtype="float32")
+    probe = TargetRunner(tiny_model_dir, dtype="float32", runtime="hf")
     per_token = kv_bytes_per_token(probe.model.config, "float32")
-    runner = TargetRunner(tiny_model_dir, dtype="float32", kv_cache_memory_gb=400 * per_token / 2**30)
-    assert runner.kv_budget_tokens == 400
+    runner = TargetRunner(tiny_model_dir, dtype="float32", kv_cache_memory_gb=400 * per_token / 2**30, runtime=engine)
+    assert runner.kv_budget_tokens == 400 and (runner.pool is not None) == (engine == "lean")
     ids = tokenizer(PROMPT)["input_ids"]
     runner.verify(VerifyRequest(1, ids, [], max_new_tokens=100))  # reserves prompt + 100 + 128
-    with pytest.raises(KVCacheFullError, match="KV cache budget full"):
+    with pytest.raises(KVCacheFullError, match="KV cache (budget )?full"):
         runner.verify(VerifyRequest(2, ids, [], max_new_tokens=100))
     assert len(runner.verify(VerifyRequest(1, [], [1, 2])).token_ids) >= 1  # the running one goes on
     runner.release(1)

@@ -353,3 +353,31 @@ def test_long_blocks_use_unfolded_attention(monkeypatch):
     out = lm.forward(pool, [Row(s, follow) for s in prompts], logits_rows=5)  # cached, ragged lengths
     for s in prompts:
         assert_close(out.logits[s], reference(hf, prompts[s] + follow)[-5:])
+
+
+def test_smollm2_matches_transformers(smollm2_dir):
+    """The real SmolLM2-135M weights (slow: loads them), float32: prefill, decode, verify, and a
+    ragged batch of two sequences, against transformers' full forward."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    lm = LeanCausalLM.from_hf(hf)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, hf.config.vocab_size, (40,), generator=gen).tolist() for _ in range(2)]
+    refs = [reference(hf, s) for s in seqs]
+    pool = lm.new_pool(capacity_tokens=256)
+    for s in range(2):
+        pool.admit(s, 64)
+
+    def check(ours: torch.Tensor, ref: torch.Tensor) -> None:
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+    out = lm.forward(pool, [Row(0, seqs[0][:30]), Row(1, seqs[1][:27])], logits_rows=[30, 27])
+    check(out.logits[0], refs[0][:30])
+    check(out.logits[1], refs[1][:27])
+    # row 0 decodes one token a step while row 1 verifies 5, then 3 tokens
+    for i, (a, b) in zip((30, 31), ((27, 32), (32, 35))):
+        out = lm.forward(pool, [Row(0, seqs[0][i : i + 1]), Row(1, seqs[1][a:b])], logits_rows=[1, b - a])
+        check(out.logits[0], refs[0][i : i + 1])
+        check(out.logits[1], refs[1][a:b])

@@ -22,10 +22,10 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture()
-def runners(tiny_model_dir, tokenizer):
-    """Two runners holding the same two running sequences (1 greedy, 2 seeded sampling)."""
-    pair = TargetRunner(tiny_model_dir, dtype="float32"), TargetRunner(tiny_model_dir, dtype="float32")
+@pytest.fixture(params=["lean", "hf"])
+def runners(tiny_model_dir, tokenizer, request):
+    """Two runners (on each engine) holding the same two running sequences (1 greedy, 2 seeded sampling)."""
+    pair = tuple(TargetRunner(tiny_model_dir, dtype="float32", runtime=request.param) for _ in range(2))
     for runner in pair:
         for seq_id, prompt in PROMPTS.items():
             sampling = SamplingParams(temperature=0.8, seed=7) if seq_id == 2 else None
@@ -107,16 +107,27 @@ def test_a_failing_batched_forward_is_retried_step_by_step(runners, tokenizer, m
     alone, together = runners
     start_culprit(together, tokenizer)
     poison = together.logits_size - 1
-    forward = together.model.forward
     calls = []
+    if together.lean is not None:
+        forward = together.lean.forward
 
-    def poisoned(*args, input_ids=None, **kwargs):
-        calls.append(input_ids.shape[0])
-        if (input_ids == poison).any():
-            raise RuntimeError("poisoned token in the batch")
-        return forward(*args, input_ids=input_ids, **kwargs)
+        def poisoned(pool, rows, *args, **kwargs):
+            calls.append(len(rows))
+            if any(poison in list(row.token_ids) for row in rows):
+                raise RuntimeError("poisoned token in the batch")
+            return forward(pool, rows, *args, **kwargs)
 
-    monkeypatch.setattr(together.model, "forward", poisoned)
+        monkeypatch.setattr(together.lean, "forward", poisoned)
+    else:
+        forward = together.model.forward
+
+        def poisoned(*args, input_ids=None, **kwargs):
+            calls.append(input_ids.shape[0])
+            if (input_ids == poison).any():
+                raise RuntimeError("poisoned token in the batch")
+            return forward(*args, input_ids=input_ids, **kwargs)
+
+        monkeypatch.setattr(together.model, "forward", poisoned)
     check_isolated(alone, together, VerifyRequest(CULPRIT, [], [poison]), "verification failed: RuntimeError: "
                    "poisoned token in the batch")
     assert calls[:4] == [3, 1, 1, 1]  # the batch of three, then each step alone
