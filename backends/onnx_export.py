@@ -29,14 +29,15 @@ Medusa / MLP speculator step (heads on the target's last hidden state; backends/
 Stage i depends on token_ids[:, :i+1] only: Medusa drafts all K at once, an MLP speculator
 drafts greedily in K calls, each filling in the draft just made.
 """
+
 from __future__ import annotations
 
 import importlib
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -105,8 +106,9 @@ class _TargetVocab(nn.Module):
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         if self.identity:
             return logits
-        return torch.where(self.in_draft_vocab, logits[..., self.target_to_draft],
-                           torch.full_like(logits[..., :1], float("-inf")))
+        return torch.where(
+            self.in_draft_vocab, logits[..., self.target_to_draft], torch.full_like(logits[..., :1], float("-inf"))
+        )
 
 
 class _EagleStep(nn.Module):
@@ -115,8 +117,14 @@ class _EagleStep(nn.Module):
         self.head = head
         self.vocab = _TargetVocab(head.draft_to_target, vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                draft_ids: torch.Tensor, draft_hidden: torch.Tensor):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        draft_ids: torch.Tensor,
+        draft_hidden: torch.Tensor,
+    ):
         batch, tokens = input_ids.shape
         features = self.head.features(hidden_states.flatten(0, 1)).unflatten(0, (batch, tokens))
         drafted = torch.arange(1, draft_ids.shape[1] + 1, device=input_ids.device)
@@ -138,21 +146,32 @@ def eagle_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
     layers, width, size = len(head.hidden_layer_ids), info.hidden_size, head.config.hidden_size
 
     def make_inputs(batch: int, tokens: int, drafted: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"input_ids": torch.randint(0, info.vocab_size, (batch, tokens), generator=gen),
-                "hidden_states": torch.randn(batch, tokens, layers, width, generator=gen),
-                "position_ids": torch.arange(tokens).repeat(batch, 1) + torch.randint(0, 8, (batch, 1), generator=gen),
-                "draft_ids": torch.randint(0, info.vocab_size, (batch, drafted), generator=gen),
-                "draft_hidden": torch.randn(batch, drafted, size, generator=gen)}
+        return {
+            "input_ids": torch.randint(0, info.vocab_size, (batch, tokens), generator=gen),
+            "hidden_states": torch.randn(batch, tokens, layers, width, generator=gen),
+            "position_ids": torch.arange(tokens).repeat(batch, 1) + torch.randint(0, 8, (batch, 1), generator=gen),
+            "draft_ids": torch.randint(0, info.vocab_size, (batch, drafted), generator=gen),
+            "draft_hidden": torch.randn(batch, drafted, size, generator=gen),
+        }
 
     pairs, drafts = {0: "batch", 1: "tokens"}, {0: "batch", 1: "drafted"}
     return OnnxStep(
         module=_EagleStep(head, info.vocab_size).eval(),
         example_inputs=make_inputs(2, 5, 3, torch.Generator().manual_seed(0)),
         outputs=("logits", "hidden"),
-        dynamic_axes={"input_ids": pairs, "hidden_states": pairs, "position_ids": pairs,
-                      "draft_ids": drafts, "draft_hidden": drafts},
-        metadata={"method": method, "hidden_layer_ids": json.dumps(list(head.hidden_layer_ids)),
-                  "target_vocab_size": str(info.vocab_size), "hidden_size": str(head.config.hidden_size)},
+        dynamic_axes={
+            "input_ids": pairs,
+            "hidden_states": pairs,
+            "position_ids": pairs,
+            "draft_ids": drafts,
+            "draft_hidden": drafts,
+        },
+        metadata={
+            "method": method,
+            "hidden_layer_ids": json.dumps(list(head.hidden_layer_ids)),
+            "target_vocab_size": str(info.vocab_size),
+            "hidden_size": str(head.config.hidden_size),
+        },
         make_inputs=make_inputs,
         check_shapes=((1, 1, 0), (3, 7, 0), (2, 4, 1), (1, 6, 5)),  # (batch, tokens, drafted)
     )
@@ -181,16 +200,22 @@ def _last_hidden_step(method: str, head, info) -> OnnxStep:
     steps = head.num_steps
 
     def make_inputs(batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"hidden_states": torch.randn(batch, info.hidden_size, generator=gen),
-                "token_ids": torch.randint(0, info.vocab_size, (batch, steps), generator=gen)}
+        return {
+            "hidden_states": torch.randn(batch, info.hidden_size, generator=gen),
+            "token_ids": torch.randint(0, info.vocab_size, (batch, steps), generator=gen),
+        }
 
     return OnnxStep(
         module=_LastHiddenStep(head, info.vocab_size).eval(),
         example_inputs=make_inputs(2, torch.Generator().manual_seed(0)),
         outputs=("logits",),
         dynamic_axes={"hidden_states": {0: "batch"}, "token_ids": {0: "batch"}},
-        metadata={"method": method, "num_steps": str(steps), "hidden_layer_ids": json.dumps([-1]),
-                  "target_vocab_size": str(info.vocab_size)},
+        metadata={
+            "method": method,
+            "num_steps": str(steps),
+            "hidden_layer_ids": json.dumps([-1]),
+            "target_vocab_size": str(info.vocab_size),
+        },
         make_inputs=make_inputs,
         check_shapes=((1,), (5,)),  # (batch,)
     )
@@ -222,14 +247,24 @@ def export_step(step: OnnxStep, out: Path | str) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     dims: dict[str, torch.export.Dim] = {}
-    shapes = {name: {axis: dims.setdefault(label, torch.export.Dim(label)) for axis, label in axes.items()}
-              for name, axes in step.dynamic_axes.items()}
+    shapes = {
+        name: {axis: dims.setdefault(label, torch.export.Dim(label)) for axis, label in axes.items()}
+        for name, axes in step.dynamic_axes.items()
+    }
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's notes on axis names and deprecations
-        torch.onnx.export(step.module, tuple(step.example_inputs.values()), str(out), dynamo=True,
-                          external_data=False, input_names=list(step.example_inputs),
-                          output_names=list(step.outputs), dynamic_shapes=shapes, opset_version=OPSET,
-                          verbose=False)
+        torch.onnx.export(
+            step.module,
+            tuple(step.example_inputs.values()),
+            str(out),
+            dynamo=True,
+            external_data=False,
+            input_names=list(step.example_inputs),
+            output_names=list(step.outputs),
+            dynamic_shapes=shapes,
+            opset_version=OPSET,
+            verbose=False,
+        )
     model = onnx.load(str(out))
     for key, value in step.metadata.items():
         model.metadata_props.add(key=key, value=value)
@@ -238,8 +273,14 @@ def export_step(step: OnnxStep, out: Path | str) -> Path:
     return out
 
 
-def check_step(step: OnnxStep, path: Path | str, shapes: tuple[tuple[int, ...], ...] | None = None,
-               rtol: float = 1e-4, atol: float = 1e-4, seed: int = 0) -> float:
+def check_step(
+    step: OnnxStep,
+    path: Path | str,
+    shapes: tuple[tuple[int, ...], ...] | None = None,
+    rtol: float = 1e-4,
+    atol: float = 1e-4,
+    seed: int = 0,
+) -> float:
     """Run the ONNX file with onnxruntime (CPU) and the torch step on fresh inputs of other
     shapes than the export's (default: the step's check_shapes); the largest absolute
     difference, or OnnxExportError naming the output that differs beyond tolerance."""
@@ -255,16 +296,21 @@ def check_step(step: OnnxStep, path: Path | str, shapes: tuple[tuple[int, ...], 
         got = session.run(list(step.outputs), {k: v.numpy() for k, v in inputs.items()})
         for name, want, have in zip(step.outputs, expected, got):
             if want.shape != have.shape:
-                raise OnnxExportError(f"{path}: output {name!r} has shape {list(have.shape)} at input shape "
-                                      f"{shape}; the torch head gives {list(want.shape)}")
+                raise OnnxExportError(
+                    f"{path}: output {name!r} has shape {list(have.shape)} at input shape "
+                    f"{shape}; the torch head gives {list(want.shape)}"
+                )
             finite = np.isfinite(want)
             if not np.array_equal(finite, np.isfinite(have)) or not np.array_equal(want[~finite], have[~finite]):
-                raise OnnxExportError(f"{path}: output {name!r} has infinities where the torch head has none "
-                                      "(or the reverse)")
+                raise OnnxExportError(
+                    f"{path}: output {name!r} has infinities where the torch head has none (or the reverse)"
+                )
             diff = float(np.abs(want[finite] - have[finite]).max(initial=0.0))
             if not np.allclose(want[finite], have[finite], rtol=rtol, atol=atol):
-                raise OnnxExportError(f"{path}: output {name!r} differs from the torch head by up to {diff:.3g} "
-                                      f"at input shape {shape} (tolerance rtol={rtol}, atol={atol})")
+                raise OnnxExportError(
+                    f"{path}: output {name!r} differs from the torch head by up to {diff:.3g} "
+                    f"at input shape {shape} (tolerance rtol={rtol}, atol={atol})"
+                )
             worst = max(worst, diff)
     return worst
 
@@ -283,16 +329,23 @@ def triton_config(name: str, onnx_path: Path | str) -> str:
     def tensors(values) -> str:
         rows = []
         for v in values:
-            dims = ", ".join(str(d.dim_value) if d.HasField("dim_value") else "-1" for d in v.type.tensor_type.shape.dim)
-            rows.append(f'  {{ name: "{v.name}" data_type: {_TRITON_TYPES[v.type.tensor_type.elem_type]} dims: [ {dims} ] }}')
+            dims = ", ".join(
+                str(d.dim_value) if d.HasField("dim_value") else "-1" for d in v.type.tensor_type.shape.dim
+            )
+            rows.append(
+                f'  {{ name: "{v.name}" data_type: {_TRITON_TYPES[v.type.tensor_type.elem_type]} dims: [ {dims} ] }}'
+            )
         return ",\n".join(rows)
 
-    return (f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 0\n'
-            f"input [\n{tensors(graph.input)}\n]\noutput [\n{tensors(graph.output)}\n]\n")
+    return (
+        f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 0\n'
+        f"input [\n{tensors(graph.input)}\n]\noutput [\n{tensors(graph.output)}\n]\n"
+    )
 
 
-def export_head(method: str, checkpoint: Path | str, target: Path | str, out_dir: Path | str,
-                check: bool = True) -> tuple[Path, float | None]:
+def export_head(
+    method: str, checkpoint: Path | str, target: Path | str, out_dir: Path | str, check: bool = True
+) -> tuple[Path, float | None]:
     """Export `method`'s head as a Triton model directory (`out_dir/1/model.onnx` +
     `out_dir/config.pbtxt`) and, by default, check it against the torch head; the ONNX file
     and the largest difference found."""

@@ -10,6 +10,7 @@ Windows are identified by their end e: the match length at e is how many tokens,
 backwards, agree with the end of the sequence. The best window is the longest, then the
 earliest, so one pass computes per-end match lengths and reduces with a single key.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ PAD_TOKEN_ID = -1
 _BLOCK = 1024  # window ends per kernel iteration
 
 
-def ngram_match_ref(tokens: torch.Tensor, seq_lens: torch.Tensor, min_n: int, max_n: int,
-                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ngram_match_ref(
+    tokens: torch.Tensor, seq_lens: torch.Tensor, min_n: int, max_n: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch version: [batch, T] work per n, vectorised over the whole batch."""
     if tokens.shape[1] == 0:  # all rows empty: one pad column keeps the indexing below valid
         tokens = tokens.new_zeros((tokens.shape[0], 1))
@@ -45,9 +47,20 @@ def ngram_match_ref(tokens: torch.Tensor, seq_lens: torch.Tensor, min_n: int, ma
 
 
 @triton.jit
-def _ngram_match_kernel(tokens_ptr, tokens_stride, seq_lens_ptr, drafts_ptr, drafts_stride,
-                        num_valid_ptr, min_n, width, MAX_N: tl.constexpr, K: tl.constexpr,
-                        K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def _ngram_match_kernel(
+    tokens_ptr,
+    tokens_stride,
+    seq_lens_ptr,
+    drafts_ptr,
+    drafts_stride,
+    num_valid_ptr,
+    min_n,
+    width,
+    MAX_N: tl.constexpr,
+    K: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     row_ptr = tokens_ptr + row.to(tl.int64) * tokens_stride
     n = tl.load(seq_lens_ptr + row)
@@ -80,8 +93,9 @@ def _ngram_match_kernel(tokens_ptr, tokens_stride, seq_lens_ptr, drafts_ptr, dra
     tl.store(num_valid_ptr + row, tl.sum(valid.to(tl.int32), axis=0))
 
 
-def ngram_match(tokens: torch.Tensor, seq_lens: torch.Tensor, min_n: int, max_n: int,
-                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ngram_match(
+    tokens: torch.Tensor, seq_lens: torch.Tensor, min_n: int, max_n: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel version: one program per sequence; same arguments and results as the reference."""
     batch, width = tokens.shape
     drafts = torch.empty((batch, k), dtype=torch.int32, device=tokens.device)
@@ -89,8 +103,19 @@ def ngram_match(tokens: torch.Tensor, seq_lens: torch.Tensor, min_n: int, max_n:
     if batch and k:
         tokens = tokens.contiguous()
         _ngram_match_kernel[(batch,)](
-            tokens, tokens.stride(0), seq_lens.contiguous(), drafts, drafts.stride(0), num_valid,
-            min_n, width, MAX_N=max_n, K=k, K_BLOCK=triton.next_power_of_2(k), BLOCK=_BLOCK)
+            tokens,
+            tokens.stride(0),
+            seq_lens.contiguous(),
+            drafts,
+            drafts.stride(0),
+            num_valid,
+            min_n,
+            width,
+            MAX_N=max_n,
+            K=k,
+            K_BLOCK=triton.next_power_of_2(k),
+            BLOCK=_BLOCK,
+        )
     elif batch:
         num_valid.zero_()
     return drafts, num_valid

@@ -36,15 +36,15 @@ def _request_drafts(cu_num_draft_tokens_ptr, draft_token_ids_ptr, BLOCK: tl.cons
 
 
 @triton.jit
-def _emit_tokens(out_ptr, out_stride, req, num_drafts, accepted, accept_tokens, reject_tokens,
-                 bonus, enabled, BLOCK: tl.constexpr):
+def _emit_tokens(
+    out_ptr, out_stride, req, num_drafts, accepted, accept_tokens, reject_tokens, bonus, enabled, BLOCK: tl.constexpr
+):
     """Write the accepted prefix, then the reject token at the first rejection (or the bonus)."""
     offs = tl.arange(0, BLOCK)
     in_drafts = offs < num_drafts
     # Branch-free walk: the first rejected position (num_drafts if none) ends the emitted run.
     first_reject = tl.min(tl.where(in_drafts & (accepted == 0), offs, num_drafts), axis=0)
-    tokens = tl.where(offs < first_reject, accept_tokens,
-                      tl.where(in_drafts, reject_tokens, bonus))
+    tokens = tl.where(offs < first_reject, accept_tokens, tl.where(in_drafts, reject_tokens, bonus))
     # Disabled rows stop before slot 0. (Folding the scalar flag into the index rather than and-ing
     # it into the mask also dodges a TRITON_INTERPRET bug: a broadcast scalar comparison turns into
     # int32 data, which the interpreter's store rejects as a mask.)
@@ -52,9 +52,15 @@ def _emit_tokens(out_ptr, out_stride, req, num_drafts, accepted, accept_tokens, 
     tl.store(out_ptr + req * out_stride + offs, tokens, mask=offs <= last)
 
 
-def _emit_tokens_ref(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor, rows: list[bool],
-                     accepted: list[bool], accept_tokens: list[int], reject_tokens: list[int],
-                     bonus_token_ids: list[int]) -> None:
+def _emit_tokens_ref(
+    out: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    rows: list[bool],
+    accepted: list[bool],
+    accept_tokens: list[int],
+    reject_tokens: list[int],
+    bonus_token_ids: list[int],
+) -> None:
     """Torch twin of ``_emit_tokens``, written as the sequential walk of vLLM's pseudo-code."""
     start = 0
     for req, end in enumerate(cu_num_draft_tokens.tolist()):
@@ -75,64 +81,127 @@ def _emit_tokens_ref(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor, rows:
 
 
 @triton.jit
-def _greedy_accept_kernel(out_ptr, out_stride, cu_num_draft_tokens_ptr, draft_token_ids_ptr,
-                          target_argmax_ptr, bonus_token_ids_ptr, is_greedy_ptr,
-                          BLOCK: tl.constexpr):
-    req, num_drafts, slots, in_drafts, draft = _request_drafts(cu_num_draft_tokens_ptr,
-                                                               draft_token_ids_ptr, BLOCK)
+def _greedy_accept_kernel(
+    out_ptr,
+    out_stride,
+    cu_num_draft_tokens_ptr,
+    draft_token_ids_ptr,
+    target_argmax_ptr,
+    bonus_token_ids_ptr,
+    is_greedy_ptr,
+    BLOCK: tl.constexpr,
+):
+    req, num_drafts, slots, in_drafts, draft = _request_drafts(cu_num_draft_tokens_ptr, draft_token_ids_ptr, BLOCK)
     target = tl.load(target_argmax_ptr + slots, mask=in_drafts, other=-1)
     # An accepted draft equals the target token, so the target token is emitted at every position.
-    _emit_tokens(out_ptr, out_stride, req, num_drafts, draft == target, target, target,
-                 tl.load(bonus_token_ids_ptr + req), tl.load(is_greedy_ptr + req) != 0, BLOCK)
+    _emit_tokens(
+        out_ptr,
+        out_stride,
+        req,
+        num_drafts,
+        draft == target,
+        target,
+        target,
+        tl.load(bonus_token_ids_ptr + req),
+        tl.load(is_greedy_ptr + req) != 0,
+        BLOCK,
+    )
 
 
-def greedy_accept(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
-                  draft_token_ids: torch.Tensor, target_argmax: torch.Tensor,
-                  bonus_token_ids: torch.Tensor, is_greedy: torch.Tensor) -> None:
+def greedy_accept(
+    out: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    target_argmax: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    is_greedy: torch.Tensor,
+) -> None:
     """Fill the greedy requests' rows of ``out``: accept while draft == target argmax.
 
     ``target_argmax``: [num_drafts], the argmax of each draft's target row (never a -1 draft).
     """
     _greedy_accept_kernel[(len(cu_num_draft_tokens),)](
-        out, out.stride(0), cu_num_draft_tokens, draft_token_ids, target_argmax, bonus_token_ids,
-        is_greedy, BLOCK=triton.next_power_of_2(out.shape[1]))
+        out,
+        out.stride(0),
+        cu_num_draft_tokens,
+        draft_token_ids,
+        target_argmax,
+        bonus_token_ids,
+        is_greedy,
+        BLOCK=triton.next_power_of_2(out.shape[1]),
+    )
 
 
-def greedy_accept_ref(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
-                      draft_token_ids: torch.Tensor, target_argmax: torch.Tensor,
-                      bonus_token_ids: torch.Tensor, is_greedy: torch.Tensor) -> None:
+def greedy_accept_ref(
+    out: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    target_argmax: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    is_greedy: torch.Tensor,
+) -> None:
     """Torch reference of :func:`greedy_accept`."""
     target = target_argmax.tolist()
-    _emit_tokens_ref(out, cu_num_draft_tokens, is_greedy.tolist(),
-                     (draft_token_ids == target_argmax).tolist(), target, target,
-                     bonus_token_ids.tolist())
+    _emit_tokens_ref(
+        out,
+        cu_num_draft_tokens,
+        is_greedy.tolist(),
+        (draft_token_ids == target_argmax).tolist(),
+        target,
+        target,
+        bonus_token_ids.tolist(),
+    )
 
 
 # --- (b) random accept ----------------------------------------------------------------------------
 
 
 @triton.jit
-def _random_accept_kernel(out_ptr, out_stride, cu_num_draft_tokens_ptr, draft_token_ids_ptr,
-                          target_probs_ptr, draft_probs_ptr, uniform_probs_ptr,
-                          recovered_token_ids_ptr, bonus_token_ids_ptr, is_greedy_ptr,
-                          BLOCK: tl.constexpr):
-    req, num_drafts, slots, in_drafts, draft = _request_drafts(cu_num_draft_tokens_ptr,
-                                                               draft_token_ids_ptr, BLOCK)
+def _random_accept_kernel(
+    out_ptr,
+    out_stride,
+    cu_num_draft_tokens_ptr,
+    draft_token_ids_ptr,
+    target_probs_ptr,
+    draft_probs_ptr,
+    uniform_probs_ptr,
+    recovered_token_ids_ptr,
+    bonus_token_ids_ptr,
+    is_greedy_ptr,
+    BLOCK: tl.constexpr,
+):
+    req, num_drafts, slots, in_drafts, draft = _request_drafts(cu_num_draft_tokens_ptr, draft_token_ids_ptr, BLOCK)
     p = tl.load(target_probs_ptr + slots, mask=in_drafts, other=0.0).to(tl.float64)
     q = tl.load(draft_probs_ptr + slots, mask=in_drafts, other=1.0).to(tl.float64)
     u = tl.load(uniform_probs_ptr + slots, mask=in_drafts, other=1.0)
     # p / q >= u, written as a product so it rounds the same on every device.
     accepted = (draft >= 0) & (q > 0) & (p >= u * q)
     recovered = tl.load(recovered_token_ids_ptr + slots, mask=in_drafts, other=-1)
-    _emit_tokens(out_ptr, out_stride, req, num_drafts, accepted, draft, recovered,
-                 tl.load(bonus_token_ids_ptr + req), tl.load(is_greedy_ptr + req) == 0, BLOCK)
+    _emit_tokens(
+        out_ptr,
+        out_stride,
+        req,
+        num_drafts,
+        accepted,
+        draft,
+        recovered,
+        tl.load(bonus_token_ids_ptr + req),
+        tl.load(is_greedy_ptr + req) == 0,
+        BLOCK,
+    )
 
 
-def random_accept(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
-                  draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
-                  draft_probs: torch.Tensor, uniform_probs: torch.Tensor,
-                  recovered_token_ids: torch.Tensor, bonus_token_ids: torch.Tensor,
-                  is_greedy: torch.Tensor) -> None:
+def random_accept(
+    out: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniform_probs: torch.Tensor,
+    recovered_token_ids: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    is_greedy: torch.Tensor,
+) -> None:
     """Fill the random requests' rows of ``out``: accept draft x while p(x) / q(x) >= u.
 
     ``target_probs`` / ``draft_probs``: p and q already gathered at each draft token ([num_drafts]
@@ -140,31 +209,61 @@ def random_accept(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
     ``uniform_probs``: one float64 U[0, 1) per draft; ``recovered_token_ids``: [num_drafts].
     """
     _random_accept_kernel[(len(cu_num_draft_tokens),)](
-        out, out.stride(0), cu_num_draft_tokens, draft_token_ids, target_probs, draft_probs,
-        uniform_probs, recovered_token_ids, bonus_token_ids, is_greedy,
-        BLOCK=triton.next_power_of_2(out.shape[1]))
+        out,
+        out.stride(0),
+        cu_num_draft_tokens,
+        draft_token_ids,
+        target_probs,
+        draft_probs,
+        uniform_probs,
+        recovered_token_ids,
+        bonus_token_ids,
+        is_greedy,
+        BLOCK=triton.next_power_of_2(out.shape[1]),
+    )
 
 
-def random_accept_ref(out: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
-                      draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
-                      draft_probs: torch.Tensor, uniform_probs: torch.Tensor,
-                      recovered_token_ids: torch.Tensor, bonus_token_ids: torch.Tensor,
-                      is_greedy: torch.Tensor) -> None:
+def random_accept_ref(
+    out: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniform_probs: torch.Tensor,
+    recovered_token_ids: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    is_greedy: torch.Tensor,
+) -> None:
     """Torch reference of :func:`random_accept`."""
     q = draft_probs.double()
     accepted = (draft_token_ids >= 0) & (q > 0) & (target_probs.double() >= uniform_probs * q)
-    _emit_tokens_ref(out, cu_num_draft_tokens, (~is_greedy).tolist(), accepted.tolist(),
-                     draft_token_ids.tolist(), recovered_token_ids.tolist(),
-                     bonus_token_ids.tolist())
+    _emit_tokens_ref(
+        out,
+        cu_num_draft_tokens,
+        (~is_greedy).tolist(),
+        accepted.tolist(),
+        draft_token_ids.tolist(),
+        recovered_token_ids.tolist(),
+        bonus_token_ids.tolist(),
+    )
 
 
 # --- (c) recovered-token sampling -----------------------------------------------------------------
 
 
 @triton.jit
-def _recovered_tokens_kernel(out_ptr, draft_token_ids_ptr, draft_req_ids_ptr, target_probs_ptr,
-                             draft_probs_ptr, inv_exp_noise_ptr, is_greedy_ptr, vocab_size,
-                             HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr):
+def _recovered_tokens_kernel(
+    out_ptr,
+    draft_token_ids_ptr,
+    draft_req_ids_ptr,
+    target_probs_ptr,
+    draft_probs_ptr,
+    inv_exp_noise_ptr,
+    is_greedy_ptr,
+    vocab_size,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     token = tl.program_id(0)
     req = tl.load(draft_req_ids_ptr + token)
     if tl.load(is_greedy_ptr + req) == 0:
@@ -193,9 +292,14 @@ def _recovered_tokens_kernel(out_ptr, draft_token_ids_ptr, draft_req_ids_ptr, ta
         tl.store(out_ptr + token, best_token)
 
 
-def sample_recovered_tokens(draft_token_ids: torch.Tensor, draft_req_ids: torch.Tensor,
-                            target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                            inv_exp_noise: torch.Tensor, is_greedy: torch.Tensor) -> torch.Tensor:
+def sample_recovered_tokens(
+    draft_token_ids: torch.Tensor,
+    draft_req_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    inv_exp_noise: torch.Tensor,
+    is_greedy: torch.Tensor,
+) -> torch.Tensor:
     """The token to emit if each draft is rejected: [num_drafts], -1 for greedy requests' drafts.
 
     Samples normalize(max(p - q, 0)) by the exponential race argmax(residual / E), given
@@ -204,22 +308,32 @@ def sample_recovered_tokens(draft_token_ids: torch.Tensor, draft_req_ids: torch.
     ``target_probs`` / ``draft_probs``: [num_drafts, V] fp32; ``draft_req_ids``: their requests.
     """
     num_tokens, vocab_size = target_probs.shape
-    out = torch.full((num_tokens,), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
-                     device=target_probs.device)
+    out = torch.full((num_tokens,), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=target_probs.device)
     if num_tokens:
         has_draft_probs = draft_probs is not None
         _recovered_tokens_kernel[(num_tokens,)](
-            out, draft_token_ids, draft_req_ids, target_probs.contiguous(),
+            out,
+            draft_token_ids,
+            draft_req_ids,
+            target_probs.contiguous(),
             draft_probs.contiguous() if has_draft_probs else target_probs,  # unread stand-in
-            inv_exp_noise.contiguous(), is_greedy, vocab_size, HAS_DRAFT_PROBS=has_draft_probs,
-            BLOCK_V=min(triton.next_power_of_2(vocab_size), _MAX_VOCAB_BLOCK))
+            inv_exp_noise.contiguous(),
+            is_greedy,
+            vocab_size,
+            HAS_DRAFT_PROBS=has_draft_probs,
+            BLOCK_V=min(triton.next_power_of_2(vocab_size), _MAX_VOCAB_BLOCK),
+        )
     return out
 
 
-def sample_recovered_tokens_ref(draft_token_ids: torch.Tensor, draft_req_ids: torch.Tensor,
-                                target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                                inv_exp_noise: torch.Tensor,
-                                is_greedy: torch.Tensor) -> torch.Tensor:
+def sample_recovered_tokens_ref(
+    draft_token_ids: torch.Tensor,
+    draft_req_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    inv_exp_noise: torch.Tensor,
+    is_greedy: torch.Tensor,
+) -> torch.Tensor:
     """Torch reference of :func:`sample_recovered_tokens`."""
     if draft_probs is None:
         vocab_ids = torch.arange(target_probs.shape[1], device=target_probs.device)

@@ -6,6 +6,7 @@ CUDA vs their torch references). Random weights: only the times mean anything.
     python scripts/gpu_speed.py [--out results.json]
 
 Run by scripts/gpu_check.sh; needs a CUDA device."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.serving import rejection  # noqa: E402
 from backends.methods.draft_model import DraftModelProposer  # noqa: E402
+from backends.serving import rejection  # noqa: E402
 from backends.serving.proposer import DraftRequest  # noqa: E402
 from backends.serving.target import TargetRunner, VerifyRequest  # noqa: E402
 from kernels import rejection as rk  # noqa: E402
@@ -32,9 +33,15 @@ def random_llama(out: Path, hidden: int, layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
-                         max_position_embeddings=4096)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        max_position_embeddings=4096,
+    )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     return out
 
@@ -90,13 +97,17 @@ def rejection_step(device: str, batch: int, repeat: int, kernels: bool) -> float
     drafts = torch.randint(0, VOCAB, (sum(counts),), generator=gen).to(device)
     draft_probs = torch.rand(sum(counts), VOCAB, generator=gen).softmax(-1).to(device)
     temperature = torch.tensor([0.0, 0.8] * (batch // 2))
-    functions = ((rk.greedy_accept, rk.random_accept, rk.sample_recovered_tokens) if kernels
-                 else (rk.greedy_accept_ref, rk.random_accept_ref, rk.sample_recovered_tokens_ref))
+    functions = (
+        (rk.greedy_accept, rk.random_accept, rk.sample_recovered_tokens)
+        if kernels
+        else (rk.greedy_accept_ref, rk.random_accept_ref, rk.sample_recovered_tokens_ref)
+    )
     original = rejection.accept_functions
     rejection.accept_functions = lambda _device: functions
     try:
-        return timed(lambda: rejection.rejection_sample_batch(drafts, counts, logits, draft_probs, temperature),
-                     device, repeat)
+        return timed(
+            lambda: rejection.rejection_sample_batch(drafts, counts, logits, draft_probs, temperature), device, repeat
+        )
     finally:
         rejection.accept_functions = original
 
@@ -112,17 +123,28 @@ def main() -> None:
         target = random_llama(Path(tmp) / "target", hidden=1024, layers=8)
         drafter = random_llama(Path(tmp) / "drafter", hidden=512, layers=2)
         for batch in (1, 8):
-            for name, fn in ((f"verify step, {K} drafts, batch {batch}", lambda d, r: verify_step(target, d, batch, r)),
-                             (f"draft {K} tokens (draft_model), batch {batch}",
-                              lambda d, r: draft_step(drafter, d, batch, r))):
+            # batch is bound as a default: each lambda runs within its own loop pass anyway
+            for name, fn in (
+                (f"verify step, {K} drafts, batch {batch}", lambda d, r, b=batch: verify_step(target, d, b, r)),
+                (f"draft {K} tokens (draft_model), batch {batch}", lambda d, r, b=batch: draft_step(drafter, d, b, r)),
+            ):
                 cpu, cuda = fn("cpu", 2), fn("cuda", 20)
                 rows.append({"what": name, "cpu_ms": cpu * 1e3, "cuda_ms": cuda * 1e3})
         batch = 32
-        rows.append({"what": f"rejection sampling, batch {batch} x {K} drafts, V={VOCAB} (cuda: Triton kernels)",
-                     "cpu_ms": rejection_step("cpu", batch, 2, kernels=False) * 1e3,
-                     "cuda_ms": rejection_step("cuda", batch, 20, kernels=True) * 1e3})
-        rows.append({"what": "  same on cuda with the torch references",
-                     "cpu_ms": None, "cuda_ms": rejection_step("cuda", batch, 20, kernels=False) * 1e3})
+        rows.append(
+            {
+                "what": f"rejection sampling, batch {batch} x {K} drafts, V={VOCAB} (cuda: Triton kernels)",
+                "cpu_ms": rejection_step("cpu", batch, 2, kernels=False) * 1e3,
+                "cuda_ms": rejection_step("cuda", batch, 20, kernels=True) * 1e3,
+            }
+        )
+        rows.append(
+            {
+                "what": "  same on cuda with the torch references",
+                "cpu_ms": None,
+                "cuda_ms": rejection_step("cuda", batch, 20, kernels=False) * 1e3,
+            }
+        )
     print(f"\n{'':62} {'CPU ms':>9} {'CUDA ms':>9} {'speedup':>8}")
     for row in rows:
         cpu = "" if row["cpu_ms"] is None else f"{row['cpu_ms']:9.2f}"

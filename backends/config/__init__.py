@@ -1,6 +1,7 @@
 """The speculative config: vLLM's ``--speculative-config`` parsed, validated and resolved
 (:mod:`.speculative`, with auto-detection in :mod:`.detect`), and the small resolved
 config a proposer takes (:mod:`.drafter`)."""
+
 from backends.config.detect import (
     MTP_MODEL_TYPES,
     MULTI_STEP_MTP_TYPES,
@@ -13,7 +14,15 @@ from backends.config.errors import SpeculativeConfigError, UnsupportedSpeculativ
 from backends.config.speculative import METHODS, NO_EFFECT_FIELDS, SpeculativeConfig
 
 __all__ = [
-    "METHODS", "MTP_MODEL_TYPES", "MULTI_STEP_MTP_TYPES", "NO_EFFECT_FIELDS", "DrafterConfig",
-    "SpeculativeConfig", "SpeculativeConfigError", "UnsupportedSpeculativeMethodError",
-    "aux_layer_ids", "hf_config_override", "speculators_draft_config",
+    "METHODS",
+    "MTP_MODEL_TYPES",
+    "MULTI_STEP_MTP_TYPES",
+    "NO_EFFECT_FIELDS",
+    "DrafterConfig",
+    "SpeculativeConfig",
+    "SpeculativeConfigError",
+    "UnsupportedSpeculativeMethodError",
+    "aux_layer_ids",
+    "hf_config_override",
+    "speculators_draft_config",
 ]

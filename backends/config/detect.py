@@ -5,6 +5,7 @@ layer ids (§3.6) of ``/work/shared/reference/vllm_spec_reference.md``.
 Pure functions over config dicts; :mod:`backends.config.speculative` reads the files and
 calls them in vLLM's order.
 """
+
 from __future__ import annotations
 
 import keyword
@@ -15,10 +16,25 @@ from backends.config.errors import SpeculativeConfigError, UnsupportedSpeculativ
 # MTPModelTypes at c314af1 except the plain "mtp" (§2.2): legacy method names and the
 # model_types that make auto-detection pick mtp.
 MTP_MODEL_TYPES = (
-    "deepseek_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
-    "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp", "exaone4_5_mtp",
-    "qwen3_next_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "minimax_m3_mtp",
-    "bailing_hybrid_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "gemma4_mtp",
+    "deepseek_mtp",
+    "mimo_mtp",
+    "mimo_v2_mtp",
+    "glm4_moe_mtp",
+    "glm4_moe_lite_mtp",
+    "glm_ocr_mtp",
+    "ernie_mtp",
+    "nemotron_h_mtp",
+    "exaone_moe_mtp",
+    "exaone4_5_mtp",
+    "qwen3_next_mtp",
+    "qwen3_5_mtp",
+    "longcat_flash_mtp",
+    "minimax_m3_mtp",
+    "bailing_hybrid_mtp",
+    "pangu_ultra_moe_mtp",
+    "step3p5_mtp",
+    "hy_v3_mtp",
+    "gemma4_mtp",
     "inkling_mtp",
 )
 DSPARK_ARCHS = ("Qwen3DSparkModel", "Gemma4DSparkModel")
@@ -29,20 +45,23 @@ _STICKY_METHODS = ("eagle", "eagle3", "dflash", "dspark")
 # vLLM's MiMo-V2 MTP constant: only the first MTP layer is supported.
 _MIMO_V2_N_PREDICT = 1
 # speculators_model_type -> method (§2.1); peagle is EAGLE-3 with parallel drafting.
-_SPECULATORS_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "peagle": "eagle3",
-                        "dflash": "dflash", "dspark": "dspark"}
+_SPECULATORS_METHODS = {
+    "eagle": "eagle",
+    "eagle3": "eagle3",
+    "peagle": "eagle3",
+    "dflash": "dflash",
+    "dspark": "dspark",
+}
 
 
 # ---------------------------------------------------------------------- auto-detection (§2.3 D)
 
 
-def detect_method(method: str, name: str, archs: list[str], model_type: str | None,
-                  how: str) -> tuple[str, str]:
+def detect_method(method: str, name: str, archs: list[str], model_type: str | None, how: str) -> tuple[str, str]:
     """§2.3 D steps 1-10: (method, reason). ``name`` is the lower-cased model path."""
     if method in _STICKY_METHODS:
         return method, how
-    for needle, detected in (("eagle-", "eagle"), ("eagle3", "eagle3"),
-                             ("dflash", "dflash"), ("dspark", "dspark")):
+    for needle, detected in (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark")):
         if needle in name:
             return detected, f"name contains '{needle}'"
     for arch in archs:
@@ -75,8 +94,7 @@ def as_eagle_config(hf: dict[str, Any], method: str) -> dict[str, Any]:
         keep = arch.startswith(prefix) or (method != "eagle" and arch.endswith(prefix))
         return arch if keep else prefix + arch
 
-    return {**hf, "model_type": "eagle",
-            "architectures": [rename(a) for a in hf.get("architectures") or []]}
+    return {**hf, "model_type": "eagle", "architectures": [rename(a) for a in hf.get("architectures") or []]}
 
 
 def aux_layer_ids(hf: dict[str, Any], target_hf: dict[str, Any]) -> list[int] | None:
@@ -88,8 +106,7 @@ def aux_layer_ids(hf: dict[str, Any], target_hf: dict[str, Any]) -> list[int] | 
         return list(hf["eagle_aux_hidden_state_layer_ids"])
     dflash_config = hf.get("dflash_config") or {}
     # 0-based layer indices name the layer; aux id k is the stream *after* k layers.
-    for ids in (dflash_config.get("target_layer_ids"), hf.get("dspark_target_layer_ids"),
-                hf.get("target_layer_ids")):
+    for ids in (dflash_config.get("target_layer_ids"), hf.get("dspark_target_layer_ids"), hf.get("target_layer_ids")):
         if ids:
             return [i + 1 for i in ids]
     for ids in (dflash_config.get("layer_ids"), eagle_config.get("layer_ids")):
@@ -113,10 +130,10 @@ def hf_config_override(config: dict[str, Any]) -> dict[str, Any]:
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     nextn = hf_lookup(cfg, "num_nextn_predict_layers")
 
-    def mtp(new_type: str, n_predict: Any, arch: str | None = None,
-            base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-        out = {**(cfg if base is None else base), "model_type": new_type, "n_predict": n_predict,
-               **extra}
+    def mtp(
+        new_type: str, n_predict: Any, arch: str | None = None, base: dict[str, Any] | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        out = {**(cfg if base is None else base), "model_type": new_type, "n_predict": n_predict, **extra}
         if arch is not None:
             out["architectures"] = [arch]
         return out
@@ -133,9 +150,11 @@ def hf_config_override(config: dict[str, Any]) -> dict[str, Any]:
         return mtp("mimo_mtp", nextn, num_hidden_layers=0)
     if archs & {"MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM", "MiMoV2FlashForCausalLM"}:
         return mtp("mimo_v2_mtp", _MIMO_V2_N_PREDICT)
-    for arch, new_type in (("Glm4MoeForCausalLM", "glm4_moe_mtp"),
-                           ("Glm4MoeLiteForCausalLM", "glm4_moe_lite_mtp"),
-                           ("GlmOcrForConditionalGeneration", "glm_ocr_mtp")):
+    for arch, new_type in (
+        ("Glm4MoeForCausalLM", "glm4_moe_mtp"),
+        ("Glm4MoeLiteForCausalLM", "glm4_moe_lite_mtp"),
+        ("GlmOcrForConditionalGeneration", "glm_ocr_mtp"),
+    ):
         if arch in archs:
             return mtp(new_type, nextn)
     if model_type == "ernie4_5_moe":
@@ -165,13 +184,13 @@ def hf_config_override(config: dict[str, Any]) -> dict[str, Any]:
     if model_type in ("inkling_mm_model", "inkling_model"):
         layers = (cfg.get("mtp_config") or {}).get("num_nextn_predict_layers") or 0
         if layers < 1:
-            raise SpeculativeConfigError("The Inkling checkpoint does not contain MTP weights "
-                                         "(mtp_config.num_nextn_predict_layers < 1)")
+            raise SpeculativeConfigError(
+                "The Inkling checkpoint does not contain MTP weights (mtp_config.num_nextn_predict_layers < 1)"
+            )
         return mtp("inkling_mtp", layers)
     if model_type in ("gemma4_assistant", "gemma4_unified_assistant"):
         return mtp("gemma4_mtp", 1, num_kv_shared_layers=0)
-    if model_type in ("minimax_m3_vl", "minimax_m3_mtp") or any(
-            a.startswith("MiniMaxM3Sparse") for a in archs):
+    if model_type in ("minimax_m3_vl", "minimax_m3_mtp") or any(a.startswith("MiniMaxM3Sparse") for a in archs):
         return mtp("minimax_m3_mtp", hf_lookup(cfg, "num_mtp_modules"))
     if "MistralLarge3ForCausalLM" in archs:
         # model_type is kept, so detection stays name-based.
@@ -190,8 +209,7 @@ def speculators_spec(cfg: dict[str, Any], path: str) -> tuple[dict[str, Any], st
         verifier = speculators["verifier"]["name_or_path"]
         kind = cfg["speculators_model_type"]
     except (KeyError, TypeError) as e:
-        raise SpeculativeConfigError(
-            f"Invalid speculators config structure in {path!r}: missing {e}") from e
+        raise SpeculativeConfigError(f"Invalid speculators config structure in {path!r}: missing {e}") from e
     if "transformer_layer_config" not in cfg:
         raise SpeculativeConfigError("Must provide transformer_layer_config")
     if not isinstance(cfg["transformer_layer_config"], dict):
@@ -200,14 +218,12 @@ def speculators_spec(cfg: dict[str, Any], path: str) -> tuple[dict[str, Any], st
         raise SpeculativeConfigError("No proposal methods found in speculators config")
     first = methods[0] if isinstance(methods[0], dict) else {}
     if first.get("speculative_tokens") is None:
-        raise SpeculativeConfigError(
-            f"Missing 'speculative_tokens' in proposal method. Got: {methods[0]}")
+        raise SpeculativeConfigError(f"Missing 'speculative_tokens' in proposal method. Got: {methods[0]}")
     if kind not in _SPECULATORS_METHODS:
         raise SpeculativeConfigError(
-            f"speculators_model_type={kind!r} is not supported; expected one of "
-            f"{sorted(_SPECULATORS_METHODS)}")
-    spec: dict[str, Any] = {"method": _SPECULATORS_METHODS[kind],
-                            "num_speculative_tokens": first["speculative_tokens"]}
+            f"speculators_model_type={kind!r} is not supported; expected one of {sorted(_SPECULATORS_METHODS)}"
+        )
+    spec: dict[str, Any] = {"method": _SPECULATORS_METHODS[kind], "num_speculative_tokens": first["speculative_tokens"]}
     if kind == "peagle":
         spec["parallel_drafting"] = True
     return spec, verifier
@@ -229,8 +245,7 @@ def speculators_draft_config(cfg: dict[str, Any], path: str) -> dict[str, Any]:
         dflash_config = dict(hf.get("dflash_config") or {})
         mask = dflash_config.get("mask_token_id", hf.get("mask_token_id"))
         if mask is None:
-            raise SpeculativeConfigError(
-                f"mask_token_id is required in the speculators dflash config of {path!r}")
+            raise SpeculativeConfigError(f"mask_token_id is required in the speculators dflash config of {path!r}")
         dflash_config.update(mask_token_id=mask)
         dflash_config.setdefault("sample_from_anchor", False)
         if aux:
@@ -253,4 +268,3 @@ def hf_lookup(cfg: dict[str, Any], key: str) -> Any:
         return cfg[key]
     text = cfg.get("text_config")
     return text.get(key) if isinstance(text, dict) else None
-

@@ -3,6 +3,7 @@ decided, without its vLLM parsing state, so no loader parses the JSON or re-read
 draft's ``config.json`` (``draft_hf_config`` is the one read during resolution, with
 ``hf_overrides`` and vLLM's rewrites applied). Field names are the SpeculativeConfig ones.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,8 +54,7 @@ class DrafterConfig:
             num_speculative_tokens=config.num_speculative_tokens,
             draft_hf_config=copy.deepcopy(config.draft_hf_config or {}),
             draft_sample_method=config.draft_sample_method,
-            num_speculative_tokens_per_batch_size=_as_tuple(
-                config.num_speculative_tokens_per_batch_size),
+            num_speculative_tokens_per_batch_size=_as_tuple(config.num_speculative_tokens_per_batch_size),
             quantization=config.quantization,
             draft_tensor_parallel_size=config.draft_tensor_parallel_size or 1,
             eagle_aux_hidden_state_layer_ids=_as_tuple(config.eagle_aux_hidden_state_layer_ids),
@@ -78,8 +78,7 @@ class DrafterConfig:
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the dynamic schedule (k without one)."""
-        return batch_num_tokens(self.num_speculative_tokens,
-                                self.num_speculative_tokens_per_batch_size, batch_size)
+        return batch_num_tokens(self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, batch_size)
 
 
 def _as_tuple(values: list[Any] | None) -> tuple[Any, ...] | None:

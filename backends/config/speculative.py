@@ -21,6 +21,7 @@ Deliberate differences from vLLM:
   method-dependent ones) are logged when set, listed in ``no_effect_fields`` and marked in
   :meth:`SpeculativeConfig.explain`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,20 @@ from backends.config.errors import SpeculativeConfigError
 logger = logging.getLogger(__name__)
 
 METHODS = (
-    "ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle",
-    "eagle3", "extract_hidden_states", "mtp", *MTP_MODEL_TYPES, "dflash", "ngram_gpu", "dspark",
+    "ngram",
+    "medusa",
+    "mlp_speculator",
+    "draft_model",
+    "suffix",
+    "custom_class",
+    "eagle",
+    "eagle3",
+    "extract_hidden_states",
+    "mtp",
+    *MTP_MODEL_TYPES,
+    "dflash",
+    "ngram_gpu",
+    "dspark",
 )
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -59,9 +72,16 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 # Accepted for vLLM compatibility but read by nothing in this server (checked against
 # backends/): setting one is logged as having no effect.
 NO_EFFECT_FIELDS = (
-    "attention_backend", "kv_cache_dtype", "enforce_eager", "moe_backend", "revision",
-    "code_revision", "disable_padded_drafter_batch", "use_local_argmax_reduction",
-    "parallel_drafting", "draft_load_config",
+    "attention_backend",
+    "kv_cache_dtype",
+    "enforce_eager",
+    "moe_backend",
+    "revision",
+    "code_revision",
+    "disable_padded_drafter_batch",
+    "use_local_argmax_reduction",
+    "parallel_drafting",
+    "draft_load_config",
 )
 
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp", "dflash", "dspark")
@@ -122,36 +142,51 @@ class SpeculativeConfig:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_json(cls, spec: str | dict[str, Any], target_model: str | None = None,
-                  target_max_model_len: int | None = None,
-                  target_tensor_parallel_size: int = 1) -> SpeculativeConfig:
+    def from_json(
+        cls,
+        spec: str | dict[str, Any],
+        target_model: str | None = None,
+        target_max_model_len: int | None = None,
+        target_tensor_parallel_size: int = 1,
+    ) -> SpeculativeConfig:
         """Parse a ``--speculative-config`` JSON object (string or dict) and resolve it.
 
         A target directory in speculators format replaces ``spec`` entirely (§2.1).
         """
         data = _parse_spec(spec)
         if _read_model_config(target_model, "target_model").get("speculators_config") is not None:
-            cfg = cls.from_target_speculators(target_model, target_max_model_len,
-                                              target_tensor_parallel_size)
+            cfg = cls.from_target_speculators(target_model, target_max_model_len, target_tensor_parallel_size)
             if data:
-                cfg._warn(f"speculative_config {data} is discarded: {target_model!r} is a "
-                          "speculators-format checkpoint that defines its own")
+                cfg._warn(
+                    f"speculative_config {data} is discarded: {target_model!r} is a "
+                    "speculators-format checkpoint that defines its own"
+                )
             return cfg
-        return cls(**_normalize_keys(data), target_model=target_model,
-                   target_max_model_len=target_max_model_len,
-                   target_tensor_parallel_size=target_tensor_parallel_size)
+        return cls(
+            **_normalize_keys(data),
+            target_model=target_model,
+            target_max_model_len=target_max_model_len,
+            target_tensor_parallel_size=target_tensor_parallel_size,
+        )
 
     @classmethod
-    def from_target_speculators(cls, target_dir: str, target_max_model_len: int | None = None,
-                                target_tensor_parallel_size: int = 1) -> SpeculativeConfig:
+    def from_target_speculators(
+        cls, target_dir: str, target_max_model_len: int | None = None, target_tensor_parallel_size: int = 1
+    ) -> SpeculativeConfig:
         """Serve a speculators-format drafter directory: its verifier becomes the target."""
         raw = _read_model_config(target_dir, "target_model")
         spec, verifier = speculators_spec(raw, target_dir)
-        cfg = cls(**spec, model=target_dir, target_model=verifier,
-                  target_max_model_len=target_max_model_len,
-                  target_tensor_parallel_size=target_tensor_parallel_size)
-        cfg.resolution = (f"speculators_model_type {raw['speculators_model_type']!r} in "
-                          f"{target_dir!r} (verifier {verifier!r}); {cfg.resolution}")
+        cfg = cls(
+            **spec,
+            model=target_dir,
+            target_model=verifier,
+            target_max_model_len=target_max_model_len,
+            target_tensor_parallel_size=target_tensor_parallel_size,
+        )
+        cfg.resolution = (
+            f"speculators_model_type {raw['speculators_model_type']!r} in "
+            f"{target_dir!r} (verifier {verifier!r}); {cfg.resolution}"
+        )
         return cfg
 
     def __post_init__(self) -> None:
@@ -169,52 +204,79 @@ class SpeculativeConfig:
 
     def _validate_fields(self) -> None:
         v = vars(self)
-        for name in ("model", "quantization", "moe_backend", "attention_backend",
-                     "kv_cache_dtype", "revision", "code_revision", "target_model"):
+        for name in (
+            "model",
+            "quantization",
+            "moe_backend",
+            "attention_backend",
+            "kv_cache_dtype",
+            "revision",
+            "code_revision",
+            "target_model",
+        ):
             _check(name, v[name], v[name] is None or isinstance(v[name], str), "a valid string")
-        for name in ("disable_padded_drafter_batch", "use_local_argmax_reduction",
-                     "use_heterogeneous_vocab", "parallel_drafting"):
+        for name in (
+            "disable_padded_drafter_batch",
+            "use_local_argmax_reduction",
+            "use_heterogeneous_vocab",
+            "parallel_drafting",
+        ):
             _check(name, v[name], isinstance(v[name], bool), "a valid boolean")
         eager = self.enforce_eager
         _check("enforce_eager", eager, eager is None or isinstance(eager, bool), "a valid boolean")
         k = self.num_speculative_tokens
         _check("num_speculative_tokens", k, k is None or _is_int(k), "a valid integer")
         _check("num_speculative_tokens", k, k is None or k > 0, "greater than 0")
-        for name in ("draft_tensor_parallel_size", "max_model_len", "prompt_lookup_max",
-                     "prompt_lookup_min", "target_max_model_len"):
+        for name in (
+            "draft_tensor_parallel_size",
+            "max_model_len",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "target_max_model_len",
+        ):
             _check(name, v[name], v[name] is None or _is_int(v[name]), "a valid integer")
             _check(name, v[name], v[name] is None or v[name] >= 1, "greater than or equal to 1")
-        _check("target_tensor_parallel_size", self.target_tensor_parallel_size,
-               _is_int(self.target_tensor_parallel_size) and self.target_tensor_parallel_size >= 1,
-               "an integer >= 1")
-        _check("tensor_parallel_size", self.tensor_parallel_size,
-               self.tensor_parallel_size is None or _is_int(self.tensor_parallel_size),
-               "a valid integer")
+        _check(
+            "target_tensor_parallel_size",
+            self.target_tensor_parallel_size,
+            _is_int(self.target_tensor_parallel_size) and self.target_tensor_parallel_size >= 1,
+            "an integer >= 1",
+        )
+        _check(
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            self.tensor_parallel_size is None or _is_int(self.tensor_parallel_size),
+            "a valid integer",
+        )
         for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
             _check(name, v[name], _is_int(v[name]), "a valid integer")
         for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
             _check(name, v[name], _is_number(v[name]), "a valid number")
         _check_choice("method", self.method, METHODS, optional=True)
-        _check_choice("rejection_sample_method", self.rejection_sample_method,
-                      REJECTION_SAMPLE_METHODS)
+        _check_choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
         _check_choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         rates = self.synthetic_acceptance_rates
-        _check("synthetic_acceptance_rates", rates,
-               rates is None or (isinstance(rates, list) and all(map(_is_number, rates))),
-               "a list of numbers")
+        _check(
+            "synthetic_acceptance_rates",
+            rates,
+            rates is None or (isinstance(rates, list) and all(map(_is_number, rates))),
+            "a list of numbers",
+        )
         length = self.synthetic_acceptance_length
-        _check("synthetic_acceptance_length", length, length is None or _is_number(length),
-               "a valid number")
+        _check("synthetic_acceptance_length", length, length is None or _is_number(length), "a valid number")
         for name in ("draft_load_config", "hf_overrides"):
-            _check(name, v[name], v[name] is None or isinstance(v[name], dict),
-                   "a valid dictionary")
+            _check(name, v[name], v[name] is None or isinstance(v[name], dict), "a valid dictionary")
         ids = self.eagle_aux_hidden_state_layer_ids
-        _check("eagle_aux_hidden_state_layer_ids", ids, ids is None or (
-            isinstance(ids, list) and all(_is_int(i) and i >= 0 for i in ids)),
-            "a list of non-negative integers")
+        _check(
+            "eagle_aux_hidden_state_layer_ids",
+            ids,
+            ids is None or (isinstance(ids, list) and all(_is_int(i) and i >= 0 for i in ids)),
+            "a list of non-negative integers",
+        )
         if self.num_speculative_tokens_per_batch_size is not None:
             self.num_speculative_tokens_per_batch_size = _validate_batch_schedule(
-                self.num_speculative_tokens_per_batch_size)
+                self.num_speculative_tokens_per_batch_size
+            )
         # Parsed case-insensitively like vLLM's enum; "auto" means "let the engine choose".
         if self.attention_backend is not None:
             backend = self.attention_backend.upper()
@@ -257,23 +319,21 @@ class SpeculativeConfig:
         if self.method in ("mtp", "dspark"):
             # The draft layers live in the target checkpoint.
             if self.target_model is None:
-                raise SpeculativeConfigError(
-                    f"target_model_config must be present for {self.method}")
+                raise SpeculativeConfigError(f"target_model_config must be present for {self.method}")
             if self.method == "mtp" and _text_model_type(self.target_hf_config) == "deepseek_v32":
                 self.enforce_eager = True
             self.model = self.target_model
             if self.quantization is None:
-                self.quantization = (self.target_hf_config.get("quantization_config")
-                                     or {}).get("quant_method")
+                self.quantization = (self.target_hf_config.get("quantization_config") or {}).get("quant_method")
         elif self.method in ("ngram", "ngram_gpu", "suffix", "extract_hidden_states"):
             self.model = self.method
         elif self.method == "custom_class":
             raise SpeculativeConfigError(
                 "method='custom_class' requires 'model' to contain the custom proposer module "
-                "path (e.g., 'my_module.MyProposer').")
+                "path (e.g., 'my_module.MyProposer')."
+            )
         else:
-            raise SpeculativeConfigError(
-                "num_speculative_tokens was provided but without speculative model.")
+            raise SpeculativeConfigError("num_speculative_tokens was provided but without speculative model.")
 
     def _resolve_ngram(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -284,46 +344,43 @@ class SpeculativeConfig:
         elif hi is None:
             hi = lo
         if lo > hi:
-            raise SpeculativeConfigError(
-                f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+            raise SpeculativeConfigError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         self.draft_hf_config = self.target_hf_config  # only its vocab size is used
 
     def _validate_suffix_decoding(self) -> None:
         for name, ok, bound in (
-                ("suffix_decoding_max_tree_depth",
-                 self.suffix_decoding_max_tree_depth >= 1, ">= 1"),
-                ("suffix_decoding_max_cached_requests",
-                 self.suffix_decoding_max_cached_requests >= 0, ">= 0"),
-                ("suffix_decoding_max_spec_factor",
-                 self.suffix_decoding_max_spec_factor >= 0, ">= 0"),
-                ("suffix_decoding_min_token_prob",
-                 0 <= self.suffix_decoding_min_token_prob <= 1, "in [0, 1]")):
+            ("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth >= 1, ">= 1"),
+            ("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests >= 0, ">= 0"),
+            ("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor >= 0, ">= 0"),
+            ("suffix_decoding_min_token_prob", 0 <= self.suffix_decoding_min_token_prob <= 1, "in [0, 1]"),
+        ):
             if not ok:
                 raise SpeculativeConfigError(f"{name}={getattr(self, name)} must be {bound}")
         if self.num_speculative_tokens is None:
             # K is only a cap for suffix drafts, whose length varies per step.
             self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
-            self._warn("num_speculative_tokens defaults to suffix_decoding_max_tree_depth="
-                       f"{self.suffix_decoding_max_tree_depth} for suffix decoding")
+            self._warn(
+                "num_speculative_tokens defaults to suffix_decoding_max_tree_depth="
+                f"{self.suffix_decoding_max_tree_depth} for suffix decoding"
+            )
 
     def _resolve_custom_class(self) -> None:
         self._warn("method='custom_class' is experimental")
         if self.model is not None and "." not in self.model:
             raise SpeculativeConfigError(
-                f"Invalid custom proposer module path model={self.model!r}: expected "
-                "'module.ClassName'")
+                f"Invalid custom proposer module path model={self.model!r}: expected 'module.ClassName'"
+            )
         self.prompt_lookup_min = self.prompt_lookup_max = 0
         self.draft_hf_config = self.target_hf_config
 
     def _resolve_extract_hidden_states(self) -> None:
-        hf = {**self.target_hf_config, **self._user_overrides(),
-              "architectures": ["ExtractHiddenStatesModel"]}
+        hf = {**self.target_hf_config, **self._user_overrides(), "architectures": ["ExtractHiddenStatesModel"]}
         ids = hf.get("eagle_aux_hidden_state_layer_ids")
         if self.num_speculative_tokens not in (None, 1):
             raise SpeculativeConfigError(
-                "num_speculative_tokens must be 1 for extract_hidden_states, got "
-                f"{self.num_speculative_tokens}")
+                f"num_speculative_tokens must be 1 for extract_hidden_states, got {self.num_speculative_tokens}"
+            )
         # Missing ids are accepted here, as in vLLM: building the extractor refuses them.
         self.eagle_aux_hidden_state_layer_ids = list(ids) if ids else None
         self.draft_hf_config = hf
@@ -345,18 +402,22 @@ class SpeculativeConfig:
             rewritten = ""
         else:
             hf = hf_config_override(raw)
-            rewritten = "" if hf.get("model_type") == raw.get("model_type") else (
-                f" (config model_type {raw.get('model_type')!r} rewritten by hf_config_override)")
+            rewritten = (
+                ""
+                if hf.get("model_type") == raw.get("model_type")
+                else (f" (config model_type {raw.get('model_type')!r} rewritten by hf_config_override)")
+            )
 
         archs = list(hf.get("architectures") or [])
         model_type = hf.get("model_type")
         self.method, how = detect_method(self.method, self.model.lower(), archs, model_type, how)
         how += rewritten
         k = self.num_speculative_tokens
-        if (self.method == "mtp" and k is not None and k > 1
-                and model_type not in MULTI_STEP_MTP_TYPES):
-            self._warn("Enabling num_speculative_tokens > 1 will run multiple times of forward "
-                       "on same MTP layer, which may result in lower acceptance rate")
+        if self.method == "mtp" and k is not None and k > 1 and model_type not in MULTI_STEP_MTP_TYPES:
+            self._warn(
+                "Enabling num_speculative_tokens > 1 will run multiple times of forward "
+                "on same MTP layer, which may result in lower acceptance rate"
+            )
 
         if self.method in ("eagle", "eagle3", "dflash"):
             hf = as_eagle_config(hf, self.method)
@@ -381,27 +442,30 @@ class SpeculativeConfig:
             if not _is_int(n_predict) or n_predict < 1:
                 raise SpeculativeConfigError(
                     f"n_predict={n_predict!r} in the draft config of model={self.model!r}: "
-                    "the checkpoint has no prediction layers")
+                    "the checkpoint has no prediction layers"
+                )
             if k is None:
                 k = self.num_speculative_tokens = n_predict
             elif k > n_predict and k % n_predict != 0:
-                raise SpeculativeConfigError(
-                    f"num_speculative_tokens:{k} must be divisible by n_predict={n_predict}")
+                raise SpeculativeConfigError(f"num_speculative_tokens:{k} must be divisible by n_predict={n_predict}")
         if k is None:
             raise SpeculativeConfigError(
-                "A speculative model was provided, but `num_speculative_tokens` was not provided")
+                "A speculative model was provided, but `num_speculative_tokens` was not provided"
+            )
         if hf.get("model_type") == "inkling_mtp" and k != 1:
             raise SpeculativeConfigError(
-                f"Inkling MTP currently supports exactly one speculative token "
-                f"(num_speculative_tokens={k})")
+                f"Inkling MTP currently supports exactly one speculative token (num_speculative_tokens={k})"
+            )
         block = hf.get("dspark_block_size")
         if self.method == "dspark" and block is not None and k < block:
             raise SpeculativeConfigError(
-                f"DSpark requires num_speculative_tokens >= dspark_block_size ({block}); got {k}.")
+                f"DSpark requires num_speculative_tokens >= dspark_block_size ({block}); got {k}."
+            )
 
         self.draft_tensor_parallel_size = self._draft_tensor_parallel_size(hf.get("model_type"))
         self.draft_max_model_len = _draft_max_model_len(
-            self.max_model_len, _max_position_embeddings(hf), self.target_max_model_len)
+            self.max_model_len, _max_position_embeddings(hf), self.target_max_model_len
+        )
         if self.method in ("eagle3", "dflash", "dspark"):
             self.eagle_aux_hidden_state_layer_ids = aux_layer_ids(hf, self.target_hf_config)
         self.draft_hf_config = hf
@@ -419,14 +483,16 @@ class SpeculativeConfig:
         if self.draft_tensor_parallel_size is None:
             if draft_model_type == "mlp_speculator":
                 if target_tp > 1:
-                    self._warn("mlp_speculator cannot use tensor parallelism; the draft runs "
-                               "with draft_tensor_parallel_size=1")
+                    self._warn(
+                        "mlp_speculator cannot use tensor parallelism; the draft runs with draft_tensor_parallel_size=1"
+                    )
                 return 1
             return target_tp
         if self.draft_tensor_parallel_size not in (1, target_tp):
             raise SpeculativeConfigError(
                 f"draft_tensor_parallel_size={self.draft_tensor_parallel_size} cannot be other "
-                f"value than 1 or target model tensor_parallel_size={target_tp}")
+                f"value than 1 or target model tensor_parallel_size={target_tp}"
+            )
         return self.draft_tensor_parallel_size
 
     # ------------------------------------------------------------------ step 3: §2.4
@@ -435,26 +501,29 @@ class SpeculativeConfig:
         if self.tensor_parallel_size is not None:
             raise SpeculativeConfigError(
                 "'tensor_parallel_size' is not a valid argument in the speculative_config. "
-                "Please pass 'draft_tensor_parallel_size' instead.")
+                "Please pass 'draft_tensor_parallel_size' instead."
+            )
         if self.num_speculative_tokens is None:
             raise SpeculativeConfigError(
                 "num_speculative_tokens must be provided with speculative model unless the "
-                "draft model config contains an n_predict parameter.")
+                "draft model config contains an n_predict parameter."
+            )
         self._resolve_synthetic_rates()
         if self.disable_padded_drafter_batch and (
-                self.parallel_drafting or self.method in ("draft_model", "extract_hidden_states")):
+            self.parallel_drafting or self.method in ("draft_model", "extract_hidden_states")
+        ):
             what = "parallel_drafting" if self.parallel_drafting else f"method='{self.method}'"
-            raise SpeculativeConfigError(
-                f"disable_padded_drafter_batch is not supported with {what}")
+            raise SpeculativeConfigError(f"disable_padded_drafter_batch is not supported with {what}")
         if self.use_heterogeneous_vocab:
             if self.method != "draft_model":
                 raise SpeculativeConfigError(
-                    "use_heterogeneous_vocab only works with method='draft_model', "
-                    f"got method='{self.method}'")
+                    f"use_heterogeneous_vocab only works with method='draft_model', got method='{self.method}'"
+                )
             if self.draft_sample_method != "greedy":
                 raise SpeculativeConfigError(
                     "use_heterogeneous_vocab currently only supports greedy draft sampling "
-                    f"(draft_sample_method='greedy'), got '{self.draft_sample_method}'")
+                    f"(draft_sample_method='greedy'), got '{self.draft_sample_method}'"
+                )
         elif self.method == "draft_model":
             target = hf_lookup(self.target_hf_config, "vocab_size")
             draft = hf_lookup(self.draft_hf_config or {}, "vocab_size")
@@ -462,13 +531,14 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(
                     "Target and draft model should have the same vocabulary size. Target model "
                     f"vocab_size={target}. Draft model vocab_size={draft}. Set "
-                    "use_heterogeneous_vocab=true for a draft with another vocabulary.")
-        if self.method == "draft_model" \
-                and self.draft_tensor_parallel_size != self.target_tensor_parallel_size:
+                    "use_heterogeneous_vocab=true for a draft with another vocabulary."
+                )
+        if self.method == "draft_model" and self.draft_tensor_parallel_size != self.target_tensor_parallel_size:
             raise SpeculativeConfigError(
                 "Currently, 'draft_tensor_parallel_size' and 'tensor_parallel_size' must be the "
                 f"same for draft_model (draft_tensor_parallel_size="
-                f"{self.draft_tensor_parallel_size}, target {self.target_tensor_parallel_size})")
+                f"{self.draft_tensor_parallel_size}, target {self.target_tensor_parallel_size})"
+            )
 
     def _resolve_synthetic_rates(self) -> None:
         rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
@@ -477,27 +547,26 @@ class SpeculativeConfig:
             if rates is not None or length is not None:
                 raise SpeculativeConfigError(
                     "synthetic_acceptance_rates / synthetic_acceptance_length are only valid "
-                    "with rejection_sample_method='synthetic'.")
+                    "with rejection_sample_method='synthetic'."
+                )
             return
         if (rates is None) == (length is None):
             raise SpeculativeConfigError(
                 "rejection_sample_method='synthetic' requires exactly one of "
-                "synthetic_acceptance_rates or synthetic_acceptance_length.")
+                "synthetic_acceptance_rates or synthetic_acceptance_length."
+            )
         if rates is not None:
             if len(rates) != k:
                 raise SpeculativeConfigError(
-                    f"synthetic_acceptance_rates must have length {k} (num_speculative_tokens), "
-                    f"got {len(rates)}.")
+                    f"synthetic_acceptance_rates must have length {k} (num_speculative_tokens), got {len(rates)}."
+                )
             if not all(0 <= r <= 1 for r in rates):
-                raise SpeculativeConfigError(
-                    f"synthetic_acceptance_rates entries must be in [0, 1], got {rates}.")
+                raise SpeculativeConfigError(f"synthetic_acceptance_rates entries must be in [0, 1], got {rates}.")
             if any(later > earlier for earlier, later in zip(rates, rates[1:])):
-                raise SpeculativeConfigError(
-                    f"synthetic_acceptance_rates must be non-increasing, got {rates}.")
+                raise SpeculativeConfigError(f"synthetic_acceptance_rates must be non-increasing, got {rates}.")
         else:
             if not 1 <= length <= k + 1:
-                raise SpeculativeConfigError(
-                    f"synthetic_acceptance_length must be in [1, {k + 1}], got {length}.")
+                raise SpeculativeConfigError(f"synthetic_acceptance_length must be in [1, {k + 1}], got {length}.")
             # Minimum-variance schedule: certain acceptance, one fractional step, then none.
             a = length - 1
             f = math.floor(a)
@@ -513,8 +582,7 @@ class SpeculativeConfig:
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the §7 dynamic schedule (the configured K without)."""
-        return batch_num_tokens(self.num_speculative_tokens,
-                                self.num_speculative_tokens_per_batch_size, batch_size)
+        return batch_num_tokens(self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, batch_size)
 
     # ------------------------------------------------------------------ §2.5 helpers
 
@@ -568,10 +636,13 @@ class SpeculativeConfig:
         """Every field (resolved and derived) plus the §2.5 predicates."""
         out = dataclasses.asdict(self)
         out.update(
-            use_eagle=self.use_eagle(), use_dflash=self.use_dflash(), use_dspark=self.use_dspark(),
+            use_eagle=self.use_eagle(),
+            use_dflash=self.use_dflash(),
+            use_dspark=self.use_dspark(),
             uses_draft_model=self.uses_draft_model(),
             uses_extract_hidden_states=self.uses_extract_hidden_states(),
-            use_ngram_gpu=self.use_ngram_gpu(), use_gemma4_mtp=self.use_gemma4_mtp(),
+            use_ngram_gpu=self.use_ngram_gpu(),
+            use_gemma4_mtp=self.use_gemma4_mtp(),
             use_step3p5_mtp=self.use_step3p5_mtp(),
             uses_dynamic_speculative_decoding=self.uses_dynamic_speculative_decoding(),
             max_num_new_slots_for_drafting=self.max_num_new_slots_for_drafting,
@@ -590,8 +661,9 @@ class SpeculativeConfig:
         for warning in values.pop("warnings"):
             lines.append(f"warning: {warning}")
         ignored = {*NO_EFFECT_FIELDS, *values.pop("no_effect_fields")}
-        lines += [f"{name}: {value!r}" + (" (no effect here)" if name in ignored else "")
-                  for name, value in values.items()]
+        lines += [
+            f"{name}: {value!r}" + (" (no effect here)" if name in ignored else "") for name, value in values.items()
+        ]
         return "\n".join(lines)
 
     def _warn(self, message: str) -> None:
@@ -602,8 +674,11 @@ class SpeculativeConfig:
 
     def _non_default_values(self) -> dict[str, Any]:
         """The user-settable fields whose value is not the default."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.init and getattr(self, f.name) != f.default}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.init and getattr(self, f.name) != f.default
+        }
 
     def _flag_no_effect(self, given: dict[str, Any]) -> None:
         """One warning per field set here that this server accepts but does not act on."""
@@ -611,15 +686,12 @@ class SpeculativeConfig:
             if name in given:
                 self._no_effect(name, given[name], "accepted for vLLM compatibility")
         if self.rejection_sample_method == "block":
-            self._no_effect("rejection_sample_method", "block",
-                            "standard rejection sampling runs, lossless like block")
+            self._no_effect("rejection_sample_method", "block", "standard rejection sampling runs, lossless like block")
         tp = given.get("draft_tensor_parallel_size")
         if tp is not None and tp > 1 and self.method in _MODEL_FREE_METHODS:
-            self._no_effect("draft_tensor_parallel_size", tp,
-                            f"method {self.method!r} loads no draft model")
+            self._no_effect("draft_tensor_parallel_size", tp, f"method {self.method!r} loads no draft model")
         if "quantization" in given and self.method not in ("draft_model", "custom_class"):
-            self._no_effect("quantization", given["quantization"],
-                            "only draft_model quantizes its draft")
+            self._no_effect("quantization", given["quantization"], "only draft_model quantizes its draft")
 
     def _no_effect(self, name: str, value: Any, why: str) -> None:
         self.no_effect_fields.append(name)
@@ -634,17 +706,15 @@ def request_num_tokens(k: int, requested: int | None) -> int:
     if requested is None:
         return k
     if not _is_int(requested):
-        raise SpeculativeConfigError(
-            f"num_draft_tokens: input should be a valid integer, got {requested!r}")
+        raise SpeculativeConfigError(f"num_draft_tokens: input should be a valid integer, got {requested!r}")
     if not 0 <= requested <= k:
         raise SpeculativeConfigError(
-            f"num_draft_tokens={requested} must be in [0, {k}] "
-            "(the configured num_speculative_tokens)")
+            f"num_draft_tokens={requested} must be in [0, {k}] (the configured num_speculative_tokens)"
+        )
     return requested
 
 
-def batch_num_tokens(k: int, schedule: list[tuple[int, int, int]] | None,
-                     batch_size: int) -> int:
+def batch_num_tokens(k: int, schedule: list[tuple[int, int, int]] | None, batch_size: int) -> int:
     """K for a batch of this size under a validated §7 schedule (``k`` without one)."""
     if not _is_int(batch_size) or batch_size < 1:
         raise SpeculativeConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -667,14 +737,12 @@ def _parse_spec(spec: str | dict[str, Any]) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise SpeculativeConfigError(f"speculative_config is not valid JSON: {e}") from e
     if not isinstance(spec, dict):
-        raise SpeculativeConfigError(
-            f"speculative_config must be a JSON object, got {type(spec).__name__}")
+        raise SpeculativeConfigError(f"speculative_config must be a JSON object, got {type(spec).__name__}")
     return spec
 
 
 # Keys a user may give; target_* are injected by the caller, not read from the JSON.
-_USER_KEYS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig)
-                   if f.init and not f.name.startswith("target_"))
+_USER_KEYS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.init and not f.name.startswith("target_"))
 
 
 def _normalize_keys(data: dict[str, Any]) -> dict[str, Any]:
@@ -688,12 +756,14 @@ def _normalize_keys(data: dict[str, Any]) -> dict[str, Any]:
             # vLLM's way to pass draft hf_config keys (extract_hidden_states layer ids).
             if not isinstance(value, dict) or set(value) - {"hf_config"}:
                 raise SpeculativeConfigError(
-                    f"draft_model_config: only {{'hf_config': {{...}}}} is accepted, got {value!r}")
+                    f"draft_model_config: only {{'hf_config': {{...}}}} is accepted, got {value!r}"
+                )
             name, value = "hf_overrides", value.get("hf_config")
         elif name not in _USER_KEYS:
             raise SpeculativeConfigError(
                 f"Unknown key '{key}' in speculative_config: Extra inputs are not permitted. "
-                f"Valid keys: {', '.join(sorted(_USER_KEYS))}, draft_model_config")
+                f"Valid keys: {', '.join(sorted(_USER_KEYS))}, draft_model_config"
+            )
         if name in out:
             raise SpeculativeConfigError(f"{name}: given more than once in speculative_config")
         out[name] = value
@@ -709,28 +779,25 @@ def _validate_batch_schedule(schedule: Any) -> list[tuple[int, int, int]]:
         raise SpeculativeConfigError(f"{name} must not be empty")
     entries = []
     for entry in schedule:
-        if not isinstance(entry, (list, tuple)) or len(entry) != 3 \
-                or not all(_is_int(x) for x in entry):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(_is_int(x) for x in entry):
             raise SpeculativeConfigError(
                 f"{name} entries must be a 3-item sequence of integers (start, end, "
-                f"num_speculative_tokens), got {entry!r}")
+                f"num_speculative_tokens), got {entry!r}"
+            )
         start, end, k = entry
         if start <= 0 or end <= 0:
             raise SpeculativeConfigError(f"{name} batch sizes must be positive, got {entry!r}")
         if start > end:
             raise SpeculativeConfigError(f"{name} range start must be <= end, got {entry!r}")
         if k < 0:
-            raise SpeculativeConfigError(
-                f"{name} num_speculative_tokens values must be >= 0, got {entry!r}")
+            raise SpeculativeConfigError(f"{name} num_speculative_tokens values must be >= 0, got {entry!r}")
         entries.append((start, end, k))
     entries.sort()
     for (_, prev_end, _), (start, _, _) in zip(entries, entries[1:]):
         if start <= prev_end:
-            raise SpeculativeConfigError(
-                f"{name} ranges must be non-overlapping and sorted, got {schedule!r}")
+            raise SpeculativeConfigError(f"{name} ranges must be non-overlapping and sorted, got {schedule!r}")
     if entries[0][0] != 1:
-        raise SpeculativeConfigError(
-            f"The first batch-size range must start at 1 in {name}, got {entries[0]!r}")
+        raise SpeculativeConfigError(f"The first batch-size range must start at 1 in {name}, got {entries[0]!r}")
     return entries
 
 
@@ -763,8 +830,7 @@ def _draft_max_model_len(spec: int | None, draft: int | None, target: int | None
     if spec is not None:
         for name, limit in (("draft", draft), ("target", target)):
             if limit is not None and spec > limit:
-                raise SpeculativeConfigError(
-                    f"max_model_len: spec={spec} cannot be larger than {name}={limit}")
+                raise SpeculativeConfigError(f"max_model_len: spec={spec} cannot be larger than {name}={limit}")
         return spec
     known = [n for n in (draft, target) if n is not None]
     return min(known) if known else None

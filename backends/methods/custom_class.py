@@ -18,6 +18,7 @@ is a load error naming the cause (the drafter model does not load, the others se
 proposer that answers with the wrong shape fails its requests with an error saying what
 was wrong. client/examples/bigram_proposer.py is a worked example.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -38,8 +39,9 @@ def load_class(path: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an import error inside the user's module is theirs to read
-        raise ImportError(f"Cannot import module {module_name!r} for the custom proposer {path!r}: "
-                          f"{type(e).__name__}: {e}") from e
+        raise ImportError(
+            f"Cannot import module {module_name!r} for the custom proposer {path!r}: {type(e).__name__}: {e}"
+        ) from e
     cls = getattr(module, class_name, None)
     if cls is None:
         raise AttributeError(f"Module {module_name!r} has no attribute {class_name!r} (custom proposer {path!r})")
@@ -48,13 +50,17 @@ def load_class(path: str) -> type:
     for name, args in (("propose", ([],)), ("release", (0,))):
         method = getattr(cls, name, None)
         if not callable(method):
-            raise TypeError(f"custom proposer class {path!r} has no callable {name}(); implement the interface "
-                            "of backends.proposer.Proposer (subclass it)")
+            raise TypeError(
+                f"custom proposer class {path!r} has no callable {name}(); implement the interface "
+                "of backends.proposer.Proposer (subclass it)"
+            )
         try:
             inspect.signature(method).bind(None, *args)  # self plus the interface's arguments
         except TypeError as e:
-            raise TypeError(f"custom proposer class {path!r}: {name}{inspect.signature(method)} does not take "
-                            f"{'(self, batch)' if name == 'propose' else '(self, seq_id)'}: {e}") from e
+            raise TypeError(
+                f"custom proposer class {path!r}: {name}{inspect.signature(method)} does not take "
+                f"{'(self, batch)' if name == 'propose' else '(self, seq_id)'}: {e}"
+            ) from e
     return cls
 
 
@@ -74,14 +80,15 @@ class CustomClass(Proposer):
         self.proposes_drafts = bool(getattr(inner, "proposes_drafts", True))
 
     @classmethod
-    def from_config(cls, config: Any, **context: Any) -> "CustomClass":
+    def from_config(cls, config: Any, **context: Any) -> CustomClass:
         user_class = load_class(config.model)
         try:
             factory = getattr(user_class, "from_config", None)
             inner = factory(config, **context) if callable(factory) else user_class(config)
         except Exception as e:
-            raise RuntimeError(f"Failed to instantiate custom proposer class {config.model!r}: "
-                               f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"Failed to instantiate custom proposer class {config.model!r}: {type(e).__name__}: {e}"
+            ) from e
         target = context.get("target_model")
         return cls(inner, config.model, load_config(target).vocab_size if target else None)
 
@@ -95,16 +102,23 @@ class CustomClass(Proposer):
         drafts = self.inner.propose(batch)
         if not isinstance(drafts, list) or len(drafts) != len(batch):
             got = f"a list of {len(drafts)}" if isinstance(drafts, list) else f"a {type(drafts).__name__}"
-            raise TypeError(f"custom proposer {self.path!r} returned {got} for {len(batch)} requests; expected a "
-                            "list with one Draft per request")
+            raise TypeError(
+                f"custom proposer {self.path!r} returned {got} for {len(batch)} requests; expected a "
+                "list with one Draft per request"
+            )
         for req, draft in zip(batch, drafts):
             if not isinstance(draft, Draft) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in draft.token_ids):
-                raise TypeError(f"custom proposer {self.path!r} returned {draft!r} for sequence {req.seq_id}; "
-                                "expected a backends.proposer.Draft of int token ids")
+                isinstance(t, int) and not isinstance(t, bool) for t in draft.token_ids
+            ):
+                raise TypeError(
+                    f"custom proposer {self.path!r} returned {draft!r} for sequence {req.seq_id}; "
+                    "expected a backends.proposer.Draft of int token ids"
+                )
             if len(draft.token_ids) > req.num_tokens:
-                raise ValueError(f"custom proposer {self.path!r} returned {len(draft.token_ids)} drafts for "
-                                 f"sequence {req.seq_id}, which asked for at most {req.num_tokens}")
+                raise ValueError(
+                    f"custom proposer {self.path!r} returned {len(draft.token_ids)} drafts for "
+                    f"sequence {req.seq_id}, which asked for at most {req.num_tokens}"
+                )
             self._check_values(req, draft)
         return drafts
 
@@ -119,11 +133,17 @@ class CustomClass(Proposer):
         if probs is None:
             return
         rows = len(draft.token_ids)
-        if (not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[0] != rows
-                or (vocab is not None and probs.shape[1] != vocab)):
+        if (
+            not isinstance(probs, torch.Tensor)
+            or probs.dim() != 2
+            or probs.shape[0] != rows
+            or (vocab is not None and probs.shape[1] != vocab)
+        ):
             shape = list(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
-            raise ValueError(f"{where} probs of shape {shape}; expected a tensor [{rows}, {vocab or 'V'}], one "
-                             "distribution over the target's vocabulary per draft")
+            raise ValueError(
+                f"{where} probs of shape {shape}; expected a tensor [{rows}, {vocab or 'V'}], one "
+                "distribution over the target's vocabulary per draft"
+            )
         if not probs.dtype.is_floating_point or not torch.isfinite(probs).all() or (probs < 0).any():
             raise ValueError(f"{where} probs that are not finite, non-negative probabilities")
 

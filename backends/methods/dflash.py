@@ -47,6 +47,7 @@ Greedy drafts come without probabilities (one-hot); `probabilistic` drafts are s
 each slot's softmax at the request's temperature (a greedy request: the argmax) and come
 with them, mapped to the target vocabulary.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,10 +63,17 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from backends.config import aux_layer_ids
 from backends.methods.draft_model import sample_drafts
-from backends.methods.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
-                                      read_config, read_state_dict)
-from backends.runtime.model_store import load_config, resolve_model
+from backends.methods.head_checkpoint import (
+    HeadCheckpointError,
+    TargetInfo,
+    check_keys,
+    draft_to_target,
+    normalize_keys,
+    read_config,
+    read_state_dict,
+)
 from backends.methods.head_proposer import HeadProposer
+from backends.runtime.model_store import load_config, resolve_model
 from backends.serving.proposer import Draft, DraftRequest
 
 # vLLM's order for the mask token's id (§3.11); dflash_config first, then the top level.
@@ -111,55 +119,80 @@ class BlockSpec:
     windows: list[int | None]  # per draft layer: sliding window, None = full attention
 
     @classmethod
-    def parse(cls, cfg: dict[str, Any], target: TargetInfo, where: str) -> "BlockSpec":
+    def parse(cls, cfg: dict[str, Any], target: TargetInfo, where: str) -> BlockSpec:
         for name, bad, why in (
-                ("dflash_config.use_swa", config_field(cfg, "use_swa"), "use layer_types + sliding_window instead"),
-                ("dflash_config.attention_sink_bias", config_field(cfg, "attention_sink_bias"), "no attention sinks here"),
-                ("is_neox_style", cfg.get("is_neox_style") is False, "only the neox RoPE layout is implemented"),
-                ("dflash_config.use_aux_hidden_state", config_field(cfg, "use_aux_hidden_state") is False,
-                 "the drafter reads the target layers in target_layer_ids"),
-                ("dflash_config.projector_type", config_field(cfg, "projector_type") not in (None, "dspark"),
-                 "only the plain projector (and DSpark's) are implemented")):
+            ("dflash_config.use_swa", config_field(cfg, "use_swa"), "use layer_types + sliding_window instead"),
+            ("dflash_config.attention_sink_bias", config_field(cfg, "attention_sink_bias"), "no attention sinks here"),
+            ("is_neox_style", cfg.get("is_neox_style") is False, "only the neox RoPE layout is implemented"),
+            (
+                "dflash_config.use_aux_hidden_state",
+                config_field(cfg, "use_aux_hidden_state") is False,
+                "the drafter reads the target layers in target_layer_ids",
+            ),
+            (
+                "dflash_config.projector_type",
+                config_field(cfg, "projector_type") not in (None, "dspark"),
+                "only the plain projector (and DSpark's) are implemented",
+            ),
+        ):
             if bad:
-                raise BlockCheckpointError(f"{where}: {name}={config_field(cfg, name.rpartition('.')[2])!r} is not "
-                                           f"supported ({why})")
+                raise BlockCheckpointError(
+                    f"{where}: {name}={config_field(cfg, name.rpartition('.')[2])!r} is not supported ({why})"
+                )
         block = config_field(cfg, "block_size", "dspark_block_size")
         if not isinstance(block, int) or isinstance(block, bool) or block < 2:
-            raise BlockCheckpointError(f"{where}: block_size={block!r} in config.json (top level or "
-                                       "dflash_config); expected an integer >= 2")
+            raise BlockCheckpointError(
+                f"{where}: block_size={block!r} in config.json (top level or dflash_config); expected an integer >= 2"
+            )
         mask = config_field(cfg, *_MASK_KEYS)
         if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < target.vocab_size:
-            raise BlockCheckpointError(f"{where}: mask_token_id={mask!r} (dflash_config.mask_token_id) must be "
-                                       f"a row of the target's embedding, in [0, {target.vocab_size})")
+            raise BlockCheckpointError(
+                f"{where}: mask_token_id={mask!r} (dflash_config.mask_token_id) must be "
+                f"a row of the target's embedding, in [0, {target.vocab_size})"
+            )
         layers = cfg.get("num_hidden_layers")
         if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-            raise BlockCheckpointError(f"{where}: num_hidden_layers={layers!r} in config.json; expected an "
-                                       "integer >= 1")
+            raise BlockCheckpointError(
+                f"{where}: num_hidden_layers={layers!r} in config.json; expected an integer >= 1"
+            )
         num_target_layers = cfg.get("num_target_layers")
         if num_target_layers is not None and num_target_layers != target.num_layers:
-            raise BlockCheckpointError(f"{where}: num_target_layers {num_target_layers} in config.json, but the "
-                                       f"target has {target.num_layers} decoder layers")
+            raise BlockCheckpointError(
+                f"{where}: num_target_layers {num_target_layers} in config.json, but the "
+                f"target has {target.num_layers} decoder layers"
+            )
         ids = aux_layer_ids(cfg, {}) or [i + 1 for i in default_target_layer_ids(target.num_layers, layers)]
         if len(set(ids)) != len(ids) or not all(0 <= i <= target.num_layers for i in ids):
             raise BlockCheckpointError(
                 f"{where}: target layer ids {[i - 1 for i in ids]} (dflash_config.target_layer_ids) must be "
-                f"distinct layers of the target, in [-1, {target.num_layers - 1}]")
+                f"distinct layers of the target, in [-1, {target.num_layers - 1}]"
+            )
         types = cfg.get("layer_types") or ["full_attention"] * layers
         if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
-            raise BlockCheckpointError(f"{where}: layer_types {types} must give one of {_LAYER_TYPES} for each "
-                                       f"of the {layers} layers")
+            raise BlockCheckpointError(
+                f"{where}: layer_types {types} must give one of {_LAYER_TYPES} for each of the {layers} layers"
+            )
         window = cfg.get("sliding_window")
         if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
-            raise BlockCheckpointError(f"{where}: sliding_attention layers need a positive sliding_window, "
-                                       f"got {window!r}")
+            raise BlockCheckpointError(
+                f"{where}: sliding_attention layers need a positive sliding_window, got {window!r}"
+            )
         causal = bool(config_field(cfg, "causal") or cfg.get("is_causal"))
         target_hidden = cfg.get("target_hidden_size") or cfg.get("hidden_size")
         if target_hidden != target.hidden_size:
-            raise BlockCheckpointError(f"{where}: target_hidden_size {target_hidden} (hidden_size when absent) "
-                                       f"in config.json, but the target's hidden size is {target.hidden_size}")
-        return cls(block, mask, tuple(ids), target_hidden, cfg.get("draft_vocab_size") or target.vocab_size,
-                   [causal or t == "sliding_attention" for t in types],
-                   [window if t == "sliding_attention" else None for t in types])
+            raise BlockCheckpointError(
+                f"{where}: target_hidden_size {target_hidden} (hidden_size when absent) "
+                f"in config.json, but the target's hidden size is {target.hidden_size}"
+            )
+        return cls(
+            block,
+            mask,
+            tuple(ids),
+            target_hidden,
+            cfg.get("draft_vocab_size") or target.vocab_size,
+            [causal or t == "sliding_attention" for t in types],
+            [window if t == "sliding_attention" else None for t in types],
+        )
 
 
 def _qwen3_config(cfg: dict[str, Any]) -> Qwen3Config:
@@ -188,13 +221,19 @@ class _BlockAttention(nn.Module):
         keys = _rotate(self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2), rope)
         return keys, self.v_proj(x).view(shape).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, rope: tuple, keys: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         b, s = x.shape[:2]
         q = _rotate(self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2), rope)
         groups = self.heads // self.kv_heads
-        out = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
-                                             attn_mask=mask, scale=self.head_dim ** -0.5)
+        out = F.scaled_dot_product_attention(
+            q,
+            keys.repeat_interleave(groups, 1),
+            values.repeat_interleave(groups, 1),
+            attn_mask=mask,
+            scale=self.head_dim**-0.5,
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -211,8 +250,9 @@ class _BlockLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple, context: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple, context: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
         normed = self.input_layernorm(x)
         keys, values = self.self_attn.kv(normed, rope)
         keys, values = torch.cat([context[0], keys], dim=2), torch.cat([context[1], values], dim=2)
@@ -238,8 +278,10 @@ class DFlashHead(nn.Module):
     def __init__(self, cfg: dict[str, Any], target: TargetInfo, where: str = "DFlash head") -> None:
         super().__init__()
         if self.layout == "dflash" and config_field(cfg, "sample_from_anchor"):
-            raise BlockCheckpointError(f"{where}: sample_from_anchor=true is DSpark's slot convention; a DFlash "
-                                       "drafter fills slots 1..B-1 (vLLM refuses it too)")
+            raise BlockCheckpointError(
+                f"{where}: sample_from_anchor=true is DSpark's slot convention; a DFlash "
+                "drafter fills slots 1..B-1 (vLLM refuses it too)"
+            )
         self.spec = BlockSpec.parse(cfg, target, where)
         self.config = dict(cfg)  # written back as config.json by save_head
         qwen = _qwen3_config(cfg)
@@ -280,9 +322,14 @@ class DFlashHead(nn.Module):
         rope = self.rotary_emb(ctx, positions)
         return [layer.self_attn.kv(ctx, rope) for layer in self.layers]
 
-    def forward(self, block_ids: torch.Tensor, positions: torch.Tensor,
-                context: list[tuple[torch.Tensor, torch.Tensor]], key_positions: torch.Tensor,
-                key_valid: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        key_positions: torch.Tensor,
+        key_valid: torch.Tensor,
+    ) -> torch.Tensor:
         """Normed block outputs [B, S, H] for `block_ids` [B, S] at `positions` [B, S], over the
         per-layer `context` K/V [B, kv_heads, C, head_dim]; `key_positions` and `key_valid`
         [B, C + S] describe every key (context, then block)."""
@@ -322,17 +369,26 @@ def read_block_config(path: Path, overrides: dict[str, Any] | None = None) -> di
 
 
 def detect_layout(cfg: dict[str, Any]) -> str | None:
-    """"dspark", "dflash", or None (not a block drafter) from config fields alone."""
+    """ "dspark", "dflash", or None (not a block drafter) from config fields alone."""
     archs = cfg.get("architectures") or []
-    if "Qwen3DSparkModel" in archs or config_field(cfg, "projector_type") == "dspark" or config_field(cfg, "markov_rank"):
+    if (
+        "Qwen3DSparkModel" in archs
+        or config_field(cfg, "projector_type") == "dspark"
+        or config_field(cfg, "markov_rank")
+    ):
         return "dspark"
     if "dflash_config" in cfg or any(a.startswith("DFlash") for a in archs):
         return "dflash"
     return None
 
 
-def load_head(head_class: type[DFlashHead], path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
-              overrides: dict[str, Any] | None = None) -> DFlashHead:
+def load_head(
+    head_class: type[DFlashHead],
+    path: Path | str,
+    target: TargetInfo,
+    dtype: str = "bfloat16",
+    overrides: dict[str, Any] | None = None,
+) -> DFlashHead:
     """Load a checkpoint directory of `head_class`'s layout for `target`, refusing a checkpoint
     of another layout, or whose keys, shapes or vocabulary do not fit, by name."""
     path = Path(path)
@@ -342,22 +398,37 @@ def load_head(head_class: type[DFlashHead], path: Path | str, target: TargetInfo
     where = f"{names[head_class.layout]} checkpoint {path}"
     bundled = [k for k in ("dspark_block_size", "dspark_target_layer_ids", "dspark_markov_rank") if k in cfg]
     if bundled:
-        raise BlockCheckpointError(f"{where}: config.json has {', '.join(bundled)}: a DeepSeek-V4 drafter bundled "
-                                   "in the target checkpoint (mtp.* weights), which is not supported here")
+        raise BlockCheckpointError(
+            f"{where}: config.json has {', '.join(bundled)}: a DeepSeek-V4 drafter bundled "
+            "in the target checkpoint (mtp.* weights), which is not supported here"
+        )
     if layout != head_class.layout:
-        found = f"config.json describes a {names[layout]} drafter" if layout else (
-            "config.json has neither dflash_config nor a DFlash/DSpark architecture")
-        raise BlockCheckpointError(f"{where}: method {head_class.layout!r} needs a {names[head_class.layout]} "
-                                   f"checkpoint, but {found}")
+        found = (
+            f"config.json describes a {names[layout]} drafter"
+            if layout
+            else ("config.json has neither dflash_config nor a DFlash/DSpark architecture")
+        )
+        raise BlockCheckpointError(
+            f"{where}: method {head_class.layout!r} needs a {names[head_class.layout]} checkpoint, but {found}"
+        )
     if cfg.get("vocab_size") != target.vocab_size:
-        raise BlockCheckpointError(f"{where}: vocab_size {cfg.get('vocab_size')} in config.json, but the target's "
-                                   f"vocabulary has {target.vocab_size} ids")
+        raise BlockCheckpointError(
+            f"{where}: vocab_size {cfg.get('vocab_size')} in config.json, but the target's "
+            f"vocabulary has {target.vocab_size} ids"
+        )
     head = head_class(cfg, target, where)
     state, spelled = normalize_keys(read_state_dict(path, error=BlockCheckpointError))
     borrowed = set(head.borrows) if head.config["hidden_size"] == target.hidden_size else set()
     defaults = head.defaults()
-    check_keys(head, state, spelled, borrowed | set(defaults),
-               {"t2d": (target.vocab_size,)} if hasattr(head, "d2t") else {}, where, error=BlockCheckpointError)
+    check_keys(
+        head,
+        state,
+        spelled,
+        borrowed | set(defaults),
+        {"t2d": (target.vocab_size,)} if hasattr(head, "d2t") else {},
+        where,
+        error=BlockCheckpointError,
+    )
     for key in borrowed - set(state):
         state[key] = target.weight("embed" if key.startswith("embed") else "lm_head")
     for key, value in defaults.items():
@@ -368,8 +439,10 @@ def load_head(head_class: type[DFlashHead], path: Path | str, target: TargetInfo
     if mask_file.exists():
         row = torch.load(mask_file, map_location="cpu", weights_only=True).reshape(-1)
         if row.numel() != head.embed_tokens.embedding_dim:
-            raise BlockCheckpointError(f"{where}: mask_embedding.pt has {row.numel()} values, expected "
-                                       f"{head.embed_tokens.embedding_dim} (the hidden size)")
+            raise BlockCheckpointError(
+                f"{where}: mask_embedding.pt has {row.numel()} values, expected "
+                f"{head.embed_tokens.embedding_dim} (the hidden size)"
+            )
         with torch.no_grad():
             head.embed_tokens.weight[head.spec.mask_token_id] = row
     if hasattr(head, "d2t"):
@@ -377,8 +450,9 @@ def load_head(head_class: type[DFlashHead], path: Path | str, target: TargetInfo
     return head.to(getattr(torch, dtype)).eval()
 
 
-def load_dflash(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
-                overrides: dict[str, Any] | None = None) -> DFlashHead:
+def load_dflash(
+    path: Path | str, target: TargetInfo, dtype: str = "bfloat16", overrides: dict[str, Any] | None = None
+) -> DFlashHead:
     return load_head(DFlashHead, path, target, dtype, overrides)
 
 
@@ -396,23 +470,39 @@ def save_head(head: DFlashHead, out: Path | str, dtype: str = "bfloat16") -> Pat
     return out
 
 
-def default_config(target: TargetInfo, *, mask_token_id: int, block_size: int = 8, num_hidden_layers: int = 1,
-                   target_layer_ids: list[int] | None = None) -> dict[str, Any]:
+def default_config(
+    target: TargetInfo,
+    *,
+    mask_token_id: int,
+    block_size: int = 8,
+    num_hidden_layers: int = 1,
+    target_layer_ids: list[int] | None = None,
+) -> dict[str, Any]:
     """A DFlash config.json for a new head on `target` (z-lab's field names), its layers
     shaped like the target's."""
     t = load_config(target.path).get_text_config()
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_hidden_layers)
     return {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": block_size,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": block_size,
         "num_target_layers": target.num_layers,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(ids)},
-        "hidden_size": target.hidden_size, "intermediate_size": t.intermediate_size,
-        "num_hidden_layers": num_hidden_layers, "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_key_value_heads, "head_dim": head_dim, "vocab_size": target.vocab_size,
-        "rms_norm_eps": t.rms_norm_eps, "rope_theta": _rope_theta(t), "hidden_act": "silu",
-        "max_position_embeddings": t.max_position_embeddings, "attention_bias": False,
-        "layer_types": ["full_attention"] * num_hidden_layers, "tie_word_embeddings": False,
+        "hidden_size": target.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": head_dim,
+        "vocab_size": target.vocab_size,
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": _rope_theta(t),
+        "hidden_act": "silu",
+        "max_position_embeddings": t.max_position_embeddings,
+        "attention_bias": False,
+        "layer_types": ["full_attention"] * num_hidden_layers,
+        "tie_word_embeddings": False,
     }
 
 
@@ -506,7 +596,8 @@ class DFlashProposer(HeadProposer):
         if hidden.dim() != 3 or tuple(hidden.shape[1:]) != (layers, width) or not 0 < hidden.shape[0] < n:
             raise ValueError(
                 f"sequence {req.seq_id}: hidden_states has shape {list(hidden.shape)}; expected [rows, {layers}, "
-                f"{width}] (layers {self.hidden_layer_ids}) with 1 <= rows <= {n - 1} (one per target position)")
+                f"{width}] (layers {self.hidden_layer_ids}) with 1 <= rows <= {n - 1} (one per target position)"
+            )
         start = n - 1 - hidden.shape[0]
         context = self._seqs.setdefault(req.seq_id, _Context())
         valid = min(context.length, req.num_kept)
@@ -514,7 +605,8 @@ class DFlashProposer(HeadProposer):
             raise ValueError(
                 f"sequence {req.seq_id}: hidden states start at position {start}, but the drafter has target "
                 f"states up to position {valid - 1} only; deliver every position the target processed since "
-                "the last draft call")
+                "the last draft call"
+            )
         context.crop(start)
         ctx = self.head.context(hidden.to(self.device, self.dtype))[None]
         positions = torch.arange(start, n - 1, device=self.device)[None]
@@ -531,16 +623,26 @@ class DFlashProposer(HeadProposer):
         block_ids[:, 0] = torch.tensor([w.anchor for w in work], device=self.device)
         positions = torch.tensor([w.position for w in work], device=self.device)[:, None] + offsets
         pads = [longest - w.context.length for w in work]
-        key_positions = torch.cat([torch.arange(longest, device=self.device)[None] - torch.tensor(
-            pads, device=self.device)[:, None], positions], dim=1)
-        key_valid = torch.cat([key_positions[:, :longest] >= 0,
-                               torch.ones(len(work), size, dtype=torch.bool, device=self.device)], dim=1)
+        key_positions = torch.cat(
+            [
+                torch.arange(longest, device=self.device)[None] - torch.tensor(pads, device=self.device)[:, None],
+                positions,
+            ],
+            dim=1,
+        )
+        key_valid = torch.cat(
+            [key_positions[:, :longest] >= 0, torch.ones(len(work), size, dtype=torch.bool, device=self.device)], dim=1
+        )
         if len(work) == 1:  # a lone sequence attends to its own cache, uncopied
             context = [(k[None], v[None]) for k, v in zip(work[0].context.keys, work[0].context.values)]
         else:
-            context = [(torch.stack([F.pad(w.context.keys[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]),
-                        torch.stack([F.pad(w.context.values[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]))
-                       for i in range(len(self.head.layers))]
+            context = [
+                (
+                    torch.stack([F.pad(w.context.keys[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]),
+                    torch.stack([F.pad(w.context.values[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]),
+                )
+                for i in range(len(self.head.layers))
+            ]
         return self.head(block_ids, positions, context, key_positions, key_valid)
 
     def _draft(self, hidden: torch.Tensor, work: list[BlockWork]) -> None:
@@ -548,13 +650,18 @@ class DFlashProposer(HeadProposer):
         slots = list(self.head.draft_slots)
         tokens, probs = self._sample(self.head.logits(hidden[:, slots]), work)
         for row, w in enumerate(work):
-            w.drafts = tokens[row, :w.num_drafts].tolist()
+            w.drafts = tokens[row, : w.num_drafts].tolist()
             if probs is not None:
-                w.probs = probs[row, :w.num_drafts]
+                w.probs = probs[row, : w.num_drafts]
 
     def _sample(self, logits: torch.Tensor, work: list[BlockWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocabulary logits [B, ..., V_d] (row i: work[i]) -> target ids [B, ...] and,
         when sampled, the probabilities they were drawn from in the target vocabulary [B, ..., V]."""
-        return sample_drafts(logits, self.sample_method, [w.temperature for w in work],
-                             [w.generator for w in work],
-                             self.head.draft_to_target, self.head.embed_tokens.num_embeddings)
+        return sample_drafts(
+            logits,
+            self.sample_method,
+            [w.temperature for w in work],
+            [w.generator for w in work],
+            self.head.draft_to_target,
+            self.head.embed_tokens.num_embeddings,
+        )

@@ -18,6 +18,7 @@ probability 1. `probabilistic` drafts are sampled from the softmax at the reques
 temperature and come with it; a greedy request still drafts the argmax (vLLM: sampling
 drafts for a request that accepts only the argmax would only lower its acceptance).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -94,18 +95,31 @@ class DraftModelProposer(SequenceProposer):
         super().__init__()
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
-                    target_model: Path | str | None = None, seed: int | None = None,
-                    device: str = "cpu", **_: Any) -> "DraftModelProposer":
+    def from_config(
+        cls,
+        config: Any,
+        max_model_len: int,
+        dtype: str = "bfloat16",
+        target_model: Path | str | None = None,
+        seed: int | None = None,
+        device: str = "cpu",
+        **_: Any,
+    ) -> DraftModelProposer:
         if (config.draft_tensor_parallel_size or 1) != 1:
-            raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
-                             "the draft model runs on one device here; use 1")
+            raise ValueError(
+                f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
+                "the draft model runs on one device here; use 1"
+            )
         if config.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={config.quantization!r} is not supported for the draft "
-                             "model; use null or 'int8' (dynamic int8 of the linear layers)")
+            raise ValueError(
+                f"quantization={config.quantization!r} is not supported for the draft "
+                "model; use null or 'int8' (dynamic int8 of the linear layers)"
+            )
         if config.quantization == "int8" and torch.device(device).type != "cpu":
-            raise ValueError(f"quantization='int8' (dynamic int8) runs on the CPU only, but this drafter's device "
-                             f"is {device}; drop the quantization or run the drafter on cpu")
+            raise ValueError(
+                f"quantization='int8' (dynamic int8) runs on the CPU only, but this drafter's device "
+                f"is {device}; drop the quantization or run the drafter on cpu"
+            )
         if not config.model:
             raise ValueError("draft_model needs `model`: a named model, an HF directory or a GGUF file")
         path = resolve_model(config.model)
@@ -117,8 +131,9 @@ class DraftModelProposer(SequenceProposer):
         bridge = None
         if config.use_heterogeneous_vocab:
             if target_model is None:
-                raise ValueError("use_heterogeneous_vocab needs the target model's tokenizer "
-                                 "(target_model was not given)")
+                raise ValueError(
+                    "use_heterogeneous_vocab needs the target model's tokenizer (target_model was not given)"
+                )
             bridge = TextBridge(load_tokenizer(Path(target_model)), load_tokenizer(path))
         return cls(model, max_model_len, config.draft_sample_method, bridge, seed)
 
@@ -134,8 +149,17 @@ class DraftModelProposer(SequenceProposer):
             state = self._seqs.get(req.seq_id)
             if state is None:
                 state = self._seqs[req.seq_id] = _SeqState(DynamicCache(config=self.model.config))
-            work.append(_Work(i, state, context, self._rollback(state, context, req), num_drafts, req.temperature,
-                              self.generator_for(req)))
+            work.append(
+                _Work(
+                    i,
+                    state,
+                    context,
+                    self._rollback(state, context, req),
+                    num_drafts,
+                    req.temperature,
+                    self.generator_for(req),
+                )
+            )
         if len(work) == 1:
             self._run_one(work[0])
         elif work:
@@ -163,8 +187,9 @@ class DraftModelProposer(SequenceProposer):
     def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
         """One draft per row of `logits` [B, V] (row i: work[i]); the tokens [B] stay on the
         device and are fed back as they are, `steps` collects (tokens, probs) for `gather_drafts`."""
-        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work],
-                                     [w.generator for w in work])
+        tokens, probs = sample_drafts(
+            logits, self.sample_method, [w.temperature for w in work], [w.generator for w in work]
+        )
         steps.append((tokens, probs))
         return tokens
 
@@ -184,15 +209,23 @@ class DraftModelProposer(SequenceProposer):
         max_cached, max_len = max(cached), max(lengths)
         cache = stack_caches([w.state.cache for w in work], cached, self.model.config)
         input_ids = [w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)]
-        mask = torch.tensor([[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n)
-                             for c, n in zip(cached, lengths)], device=self.device)
+        mask = torch.tensor(
+            [[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n) for c, n in zip(cached, lengths)],
+            device=self.device,
+        )
         positions = torch.tensor([list(range(c, c + max_len)) for c in cached], device=self.device)
         last = torch.tensor([[n - 1] for n in lengths], device=self.device)  # each row's last real token
         steps = max(w.num_drafts for w in work)
         ids, sampled = torch.tensor(input_ids, device=self.device), []
         for step in range(steps):
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                use_cache=True, logits_to_keep=last).logits[:, -1]
+            logits = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=last,
+            ).logits[:, -1]
             ids = self._sample(logits, work, sampled).unsqueeze(1)
             if step + 1 == steps:
                 break
@@ -203,18 +236,27 @@ class DraftModelProposer(SequenceProposer):
             w.drafts, w.probs = drafted, probs
         # Back into each sequence's cache: its new tokens, then the drafts that were fed.
         for row, w in enumerate(work):
-            keep = torch.cat([torch.arange(max_cached, max_cached + lengths[row], device=self.device),
-                              torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1,
-                                           device=self.device)])
+            keep = torch.cat(
+                [
+                    torch.arange(max_cached, max_cached + lengths[row], device=self.device),
+                    torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1, device=self.device),
+                ]
+            )
             for layer_idx, layer in enumerate(cache.layers):
-                w.state.cache.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep],
-                                     layer_idx)
+                w.state.cache.update(
+                    layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx
+                )
             w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
 
 
-def sample_drafts(logits: torch.Tensor, sample_method: str, temperatures: list[float],
-                  generators: list[torch.Generator | None], to_target: torch.Tensor | None = None,
-                  target_vocab_size: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_drafts(
+    logits: torch.Tensor,
+    sample_method: str,
+    temperatures: list[float],
+    generators: list[torch.Generator | None],
+    to_target: torch.Tensor | None = None,
+    target_vocab_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Drafts from `logits` [B, ..., V_d] (row i belongs to a request at `temperatures[i]`):
     the argmax for greedy drafting and for greedy requests (temperature < 1e-5); otherwise a
     sample from softmax(logits / temperature), as vLLM's probabilistic drafting (temperature
@@ -240,15 +282,18 @@ def sample_drafts(logits: torch.Tensor, sample_method: str, temperatures: list[f
     return (tokens if to_target is None else to_target[tokens]), probs
 
 
-def gather_drafts(steps: list[tuple[torch.Tensor, torch.Tensor | None]],
-                  counts: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+def gather_drafts(
+    steps: list[tuple[torch.Tensor, torch.Tensor | None]], counts: list[int]
+) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """Each row's drafts from the (tokens [B], probs [B, V] or None) of every draft step, cut
     to the row's count, and its probabilities [count, V] (None for greedy drafts). The ids
     cross to the host once per propose call; the probabilities stay on the device."""
     tokens = torch.stack([t for t, _ in steps], dim=1).tolist()
     probs = None if steps[0][1] is None else torch.stack([p for _, p in steps], dim=1)
-    return ([row[:n] for row, n in zip(tokens, counts)],
-            [None if probs is None else probs[row, :n] for row, n in enumerate(counts)])
+    return (
+        [row[:n] for row, n in zip(tokens, counts)],
+        [None if probs is None else probs[row, :n] for row, n in enumerate(counts)],
+    )
 
 
 def stack_caches(caches: list[DynamicCache], lengths: list[int], config: Any) -> DynamicCache:

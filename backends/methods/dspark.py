@@ -44,6 +44,7 @@ sampled from its Markov-corrected softmax at the request's temperature, which th
 conditions the next draft's bias; the probabilities travel to the verifier, so sampled
 decoding stays lossless).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -52,7 +53,12 @@ import torch
 from torch import nn
 
 from backends.methods.dflash import (
-    BlockCheckpointError, DFlashHead, DFlashProposer, TargetInfo, config_field, BlockWork,
+    BlockCheckpointError,
+    BlockWork,
+    DFlashHead,
+    DFlashProposer,
+    TargetInfo,
+    config_field,
 )
 from backends.methods.dflash import default_config as dflash_default_config
 
@@ -63,8 +69,7 @@ def sample_from_anchor(cfg: dict[str, Any], where: str) -> bool:
     """Which slot convention a DSpark config.json uses (see the module docstring)."""
     given = {cfg.get("sample_from_anchor"), (cfg.get("dflash_config") or {}).get("sample_from_anchor")} - {None}
     if len(given) > 1:
-        raise BlockCheckpointError(f"{where}: sample_from_anchor is both true and false (top level and "
-                                   "dflash_config)")
+        raise BlockCheckpointError(f"{where}: sample_from_anchor is both true and false (top level and dflash_config)")
     if given:
         value = given.pop()
         if not isinstance(value, bool):
@@ -76,7 +81,8 @@ def sample_from_anchor(cfg: dict[str, Any], where: str) -> bool:
         f"{where}: cannot tell which slot convention this DSpark checkpoint was trained with (no "
         "sample_from_anchor, architectures not Qwen3DSparkModel); set hf_overrides "
         '{"sample_from_anchor": true} if slot i predicts the token after it (DeepSpec), false if slot j '
-        "fills position anchor+j (speculators)")
+        "fills position anchor+j (speculators)"
+    )
 
 
 class _MarkovHead(nn.Module):
@@ -90,8 +96,9 @@ class _MarkovHead(nn.Module):
         elif kind == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
-    def forward(self, prev: torch.Tensor, hidden: torch.Tensor,
-                state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logit bias [B, V_d] for previous target ids `prev` [B] and slot states `hidden`
         [B, H]; `state` is the rnn head's recurrent state (None before the first slot)."""
         embedded = self.markov_w1(prev)
@@ -135,8 +142,9 @@ class DSparkHead(DFlashHead):
         if config_field(cfg, "enable_confidence_head", "use_confidence_head"):
             with_markov = bool(config_field(cfg, "confidence_head_with_markov"))
             if with_markov and not rank:
-                raise BlockCheckpointError(f"{where}: confidence_head_with_markov needs a Markov head "
-                                           "(markov_rank > 0)")
+                raise BlockCheckpointError(
+                    f"{where}: confidence_head_with_markov needs a Markov head (markov_rank > 0)"
+                )
             self.confidence_head = _ConfidenceHead(h + (rank if with_markov else 0))
 
     @property
@@ -147,8 +155,9 @@ class DSparkHead(DFlashHead):
         # Some exports write the confidence projection without its bias.
         return {"confidence_head.proj.bias": torch.zeros(1)} if self.confidence_head is not None else {}
 
-    def step_logits(self, base: torch.Tensor, prev: torch.Tensor, hidden: torch.Tensor,
-                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step_logits(
+        self, base: torch.Tensor, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One sequential step: slot logits `base` [B, V_d] plus the Markov bias for the
         previous tokens `prev` [B]; float32."""
         if self.markov_head is None:
@@ -178,18 +187,38 @@ class DSparkProposer(DFlashProposer):
         if probs[0] is not None:  # sampled (probabilistic drafting, a sampled request)
             stacked = torch.stack(probs, dim=1)
             for row, w in enumerate(work):
-                w.probs = stacked[row, :w.num_drafts]
+                w.probs = stacked[row, : w.num_drafts]
 
 
-def default_config(target: TargetInfo, *, mask_token_id: int, block_size: int = 7, num_hidden_layers: int = 1,
-                   target_layer_ids: list[int] | None = None, markov_rank: int = 64,
-                   markov_head_type: str = "vanilla", confidence_head: bool = True) -> dict[str, Any]:
+def default_config(
+    target: TargetInfo,
+    *,
+    mask_token_id: int,
+    block_size: int = 7,
+    num_hidden_layers: int = 1,
+    target_layer_ids: list[int] | None = None,
+    markov_rank: int = 64,
+    markov_head_type: str = "vanilla",
+    confidence_head: bool = True,
+) -> dict[str, Any]:
     """A DeepSpec Qwen3DSparkModel config.json for a new head on `target`."""
-    cfg = dflash_default_config(target, mask_token_id=mask_token_id, block_size=block_size,
-                                num_hidden_layers=num_hidden_layers, target_layer_ids=target_layer_ids)
+    cfg = dflash_default_config(
+        target,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        num_hidden_layers=num_hidden_layers,
+        target_layer_ids=target_layer_ids,
+    )
     dflash = cfg.pop("dflash_config")
     cfg.pop("auto_map", None)
-    return {**cfg, "architectures": ["Qwen3DSparkModel"], "mask_token_id": dflash["mask_token_id"],
-            "target_layer_ids": dflash["target_layer_ids"], "markov_rank": markov_rank,
-            "markov_head_type": markov_head_type, "enable_confidence_head": confidence_head,
-            "confidence_head_with_markov": confidence_head and markov_rank > 0, "num_anchors": 512}
+    return {
+        **cfg,
+        "architectures": ["Qwen3DSparkModel"],
+        "mask_token_id": dflash["mask_token_id"],
+        "target_layer_ids": dflash["target_layer_ids"],
+        "markov_rank": markov_rank,
+        "markov_head_type": markov_head_type,
+        "enable_confidence_head": confidence_head,
+        "confidence_head_with_markov": confidence_head and markov_rank > 0,
+        "num_anchors": 512,
+    }

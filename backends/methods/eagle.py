@@ -44,6 +44,7 @@ Greedy drafts come without probabilities (one-hot, as in draft_model); `probabil
 drafts are sampled and come with [k, V_target] probabilities (eagle3 scatters its draft
 vocabulary into the target's through d2t; target ids outside it get probability 0).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,11 +58,18 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
-from backends.methods.draft_model import stack_caches, gather_drafts, sample_drafts
-from backends.runtime.model_store import resolve_model
-from backends.methods.head_checkpoint import (HeadCheckpointError, TargetInfo, check_keys, draft_to_target, normalize_keys,
-                                      read_config, read_state_dict)
+from backends.methods.draft_model import gather_drafts, sample_drafts, stack_caches
+from backends.methods.head_checkpoint import (
+    HeadCheckpointError,
+    TargetInfo,
+    check_keys,
+    draft_to_target,
+    normalize_keys,
+    read_config,
+    read_state_dict,
+)
 from backends.methods.head_proposer import HeadProposer
+from backends.runtime.model_store import resolve_model
 from backends.serving.proposer import Draft, DraftRequest
 
 LAYOUTS = ("eagle", "eagle3")
@@ -91,8 +99,9 @@ class EagleLayer(nn.Module):
         for name in norms:
             setattr(self, name, LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
-    def run(self, attn_input: torch.Tensor, residual: torch.Tensor, rope: tuple, mask: torch.Tensor,
-            cache: DynamicCache) -> torch.Tensor:
+    def run(
+        self, attn_input: torch.Tensor, residual: torch.Tensor, rope: tuple, mask: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
         x = residual + self.self_attn(attn_input, position_embeddings=rope, attention_mask=mask, cache=cache)[0]
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -117,8 +126,15 @@ class EagleHead(nn.Module):
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor, cache: DynamicCache | None, step: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: DynamicCache | None,
+        step: int = 0,
+    ) -> torch.Tensor:
         """`step`: the draft step (0 = the pass over the target's states); only heads with a
         layer per step (multi-layer MTP) use it."""
         raise NotImplementedError
@@ -136,8 +152,9 @@ class Eagle1Head(EagleHead):
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         # Layer 0 reads fc's output directly (no input_layernorm); later layers are standard.
-        self.layers = nn.ModuleList(EagleLayer(cfg, i, h, () if i == 0 else ("input_layernorm",))
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            EagleLayer(cfg, i, h, () if i == 0 else ("input_layernorm",)) for i in range(cfg.num_hidden_layers)
+        )
         self.lm_head = nn.Linear(h, target.vocab_size, bias=False)
 
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -157,8 +174,9 @@ class Eagle1Head(EagleHead):
 class Eagle3Head(EagleHead):
     layout = "eagle3"
 
-    def __init__(self, cfg: LlamaConfig, target: TargetInfo, num_aux: int, draft_vocab_size: int,
-                 norm_before_residual: bool) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, target: TargetInfo, num_aux: int, draft_vocab_size: int, norm_before_residual: bool
+    ) -> None:
         super().__init__(cfg, target)
         h = cfg.hidden_size
         self.fc = nn.Linear(num_aux * target.hidden_size, h, bias=False)
@@ -188,8 +206,11 @@ class Eagle3Head(EagleHead):
 
 def detect_layout(cfg: dict[str, Any], keys: set[str]) -> str:
     """eagle3 when the config or the keys say so (draft vocabulary, hidden_norm, midlayer)."""
-    eagle3 = (cfg.get("speculators_model_type") in ("eagle3", "peagle") or "draft_vocab_size" in cfg
-              or any(k == "d2t" or k.startswith("midlayer.") or ".hidden_norm." in k for k in keys))
+    eagle3 = (
+        cfg.get("speculators_model_type") in ("eagle3", "peagle")
+        or "draft_vocab_size" in cfg
+        or any(k == "d2t" or k.startswith("midlayer.") or ".hidden_norm." in k for k in keys)
+    )
     return "eagle3" if eagle3 else "eagle"
 
 
@@ -199,8 +220,13 @@ def llama_config(cfg: dict[str, Any]) -> LlamaConfig:
     return llama
 
 
-def load_eagle(path: Path | str, target: TargetInfo, dtype: str = "bfloat16", method: str | None = None,
-               aux_layer_ids: list[int] | None = None) -> EagleHead:
+def load_eagle(
+    path: Path | str,
+    target: TargetInfo,
+    dtype: str = "bfloat16",
+    method: str | None = None,
+    aux_layer_ids: list[int] | None = None,
+) -> EagleHead:
     """Load an EAGLE-1/2 or EAGLE-3 checkpoint directory for `target`. `method` (eagle or
     eagle3), when given, must match the layout found. `aux_layer_ids` overrides eagle3's
     target layers (default: the checkpoint's, else vLLM's (2, L//2, L-3))."""
@@ -210,17 +236,23 @@ def load_eagle(path: Path | str, target: TargetInfo, dtype: str = "bfloat16", me
     layout = detect_layout(cfg, set(state))
     where = f"{_NAMES[layout]} checkpoint {path}"
     if method is not None and method != layout:
-        raise EagleCheckpointError(f"{where}: method {method!r} needs an {_NAMES[method]} checkpoint, "
-                                   f"but config.json and the keys are {_NAMES[layout]}'s")
+        raise EagleCheckpointError(
+            f"{where}: method {method!r} needs an {_NAMES[method]} checkpoint, "
+            f"but config.json and the keys are {_NAMES[layout]}'s"
+        )
     if cfg.get("vocab_size") != target.vocab_size:
-        raise EagleCheckpointError(f"{where}: vocab_size {cfg.get('vocab_size')} in config.json, but the "
-                                   f"target's vocabulary has {target.vocab_size} ids")
+        raise EagleCheckpointError(
+            f"{where}: vocab_size {cfg.get('vocab_size')} in config.json, but the "
+            f"target's vocabulary has {target.vocab_size} ids"
+        )
     llama = llama_config(cfg)
     borrowed = {"embed_tokens.weight": "embed"}  # taken from the target when absent
     if layout == "eagle":
         if llama.hidden_size != target.hidden_size:
-            raise EagleCheckpointError(f"{where}: hidden_size {llama.hidden_size} in config.json, but the "
-                                       f"target's hidden size is {target.hidden_size}")
+            raise EagleCheckpointError(
+                f"{where}: hidden_size {llama.hidden_size} in config.json, but the "
+                f"target's hidden size is {target.hidden_size}"
+            )
         head: EagleHead = Eagle1Head(llama, target, fc_bias=cfg.get("bias", True))
         borrowed["lm_head.weight"] = "lm_head"
     else:
@@ -228,8 +260,15 @@ def load_eagle(path: Path | str, target: TargetInfo, dtype: str = "bfloat16", me
     if llama.hidden_size != target.hidden_size:
         borrowed.pop("embed_tokens.weight")  # another width: the checkpoint must have its own
     optional = set(borrowed) | ({"d2t"} if head.lm_head.out_features == target.vocab_size else set())
-    check_keys(head, state, spelled, optional, {"t2d": (target.vocab_size,)} if layout == "eagle3" else {},
-               where, error=EagleCheckpointError)
+    check_keys(
+        head,
+        state,
+        spelled,
+        optional,
+        {"t2d": (target.vocab_size,)} if layout == "eagle3" else {},
+        where,
+        error=EagleCheckpointError,
+    )
     for key, which in borrowed.items():
         if key not in state:
             state[key] = target.weight(which)
@@ -242,26 +281,41 @@ def load_eagle(path: Path | str, target: TargetInfo, dtype: str = "bfloat16", me
     return head.to(getattr(torch, dtype)).eval()
 
 
-def _eagle3_head(cfg: dict[str, Any], llama: LlamaConfig, target: TargetInfo, state: dict[str, torch.Tensor],
-                 where: str, aux_layer_ids: list[int] | None) -> Eagle3Head:
+def _eagle3_head(
+    cfg: dict[str, Any],
+    llama: LlamaConfig,
+    target: TargetInfo,
+    state: dict[str, torch.Tensor],
+    where: str,
+    aux_layer_ids: list[int] | None,
+) -> Eagle3Head:
     if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
-        raise EagleCheckpointError(f"{where}: the single-hidden-state variant (use_aux_hidden_state: false) "
-                                   "is not supported")
+        raise EagleCheckpointError(
+            f"{where}: the single-hidden-state variant (use_aux_hidden_state: false) is not supported"
+        )
     if llama.num_hidden_layers != 1:
-        raise EagleCheckpointError(f"{where}: num_hidden_layers {llama.num_hidden_layers}; only "
-                                   "one-layer EAGLE-3 heads are supported")
+        raise EagleCheckpointError(
+            f"{where}: num_hidden_layers {llama.num_hidden_layers}; only one-layer EAGLE-3 heads are supported"
+        )
     target_hidden = cfg.get("target_hidden_size") or llama.hidden_size
     if target_hidden != target.hidden_size:
-        raise EagleCheckpointError(f"{where}: target_hidden_size {target_hidden}, but the target's hidden "
-                                   f"size is {target.hidden_size}")
+        raise EagleCheckpointError(
+            f"{where}: target_hidden_size {target_hidden}, but the target's hidden size is {target.hidden_size}"
+        )
     ids = aux_layer_ids or checkpoint_aux_layer_ids(cfg, {"num_hidden_layers": target.num_layers})
     # fc reads one target hidden state per id (then its shape is checked against that).
     if len(set(ids)) != len(ids) or not all(0 <= i < target.num_layers for i in ids):
         raise EagleCheckpointError(
             f"{where}: aux hidden-state layer ids {list(ids)} must be distinct target layers in "
-            f"[0, {target.num_layers - 1}]; set eagle_aux_hidden_state_layer_ids")
-    head = Eagle3Head(llama, target, len(ids), cfg.get("draft_vocab_size") or target.vocab_size,
-                      bool(cfg.get("norm_before_residual", False)))
+            f"[0, {target.num_layers - 1}]; set eagle_aux_hidden_state_layer_ids"
+        )
+    head = Eagle3Head(
+        llama,
+        target,
+        len(ids),
+        cfg.get("draft_vocab_size") or target.vocab_size,
+        bool(cfg.get("norm_before_residual", False)),
+    )
     head.hidden_layer_ids = tuple(sorted(ids))  # vLLM collects them in ascending layer order
     return head
 
@@ -298,8 +352,9 @@ class EagleProposer(HeadProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> EagleHead:
-        return load_eagle(resolve_model(config.model), target, dtype, cls.method,
-                          config.eagle_aux_hidden_state_layer_ids)
+        return load_eagle(
+            resolve_model(config.model), target, dtype, cls.method, config.eagle_aux_hidden_state_layer_ids
+        )
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -318,12 +373,17 @@ class EagleProposer(HeadProposer):
         if hidden is None or num_drafts <= 0:
             return None  # the target has not run yet (first step), or no room
         width = len(self.hidden_layer_ids) * self.head.target_hidden_size
-        if hidden.dim() != 3 or hidden.shape[1] != len(self.hidden_layer_ids) \
-                or hidden.shape[1] * hidden.shape[2] != width or not 0 < hidden.shape[0] < n:
+        if (
+            hidden.dim() != 3
+            or hidden.shape[1] != len(self.hidden_layer_ids)
+            or hidden.shape[1] * hidden.shape[2] != width
+            or not 0 < hidden.shape[0] < n
+        ):
             raise ValueError(
                 f"sequence {req.seq_id}: hidden_states has shape {list(hidden.shape)}; expected [rows, "
                 f"{len(self.hidden_layer_ids)}, {width // len(self.hidden_layer_ids)}] (layers "
-                f"{self.hidden_layer_ids}) with 1 <= rows <= {n - 1} (one per target position)")
+                f"{self.hidden_layer_ids}) with 1 <= rows <= {n - 1} (one per target position)"
+            )
         start = n - 1 - hidden.shape[0]
         state = self._seqs.get(req.seq_id)
         if state is None:
@@ -333,14 +393,23 @@ class EagleProposer(HeadProposer):
             raise ValueError(
                 f"sequence {req.seq_id}: hidden states start at position {start}, but the drafter has "
                 f"target states up to position {valid - 1} only; deliver every position the target "
-                "processed since the last draft call")
+                "processed since the last draft call"
+            )
         cached = state.cache.get_seq_length()
         if cached > start:
             state.cache.crop(start - cached)
         state.token_ids = list(req.token_ids)
         features = self.head.features(hidden.to(self.device, self.dtype))
-        return _Work(index, state, start, req.token_ids[start + 1:], features, num_drafts, req.temperature,
-                     self.generator_for(req))
+        return _Work(
+            index,
+            state,
+            start,
+            req.token_ids[start + 1 :],
+            features,
+            num_drafts,
+            req.temperature,
+            self.generator_for(req),
+        )
 
     def _run(self, work: list[_Work]) -> None:
         """One forward per draft position for the whole batch: caches left-padded and stacked
@@ -348,12 +417,18 @@ class EagleProposer(HeadProposer):
         lengths = [len(w.new_ids) for w in work]
         max_cached, max_len = max(w.start for w in work), max(lengths)
         alone = len(work) == 1
-        cache = work[0].state.cache if alone else stack_caches(
-            [w.state.cache for w in work], [w.start for w in work], self.head.config)
+        cache = (
+            work[0].state.cache
+            if alone
+            else stack_caches([w.state.cache for w in work], [w.start for w in work], self.head.config)
+        )
         ids = torch.tensor([w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)], device=self.device)
         features = torch.stack([F.pad(w.features, (0, 0, 0, max_len - n)) for w, n in zip(work, lengths)])
-        keys = torch.tensor([[0] * (max_cached - w.start) + [1] * (w.start + n) + [0] * (max_len - n)
-                             for w, n in zip(work, lengths)], dtype=torch.bool, device=self.device)
+        keys = torch.tensor(
+            [[0] * (max_cached - w.start) + [1] * (w.start + n) + [0] * (max_len - n) for w, n in zip(work, lengths)],
+            dtype=torch.bool,
+            device=self.device,
+        )
         positions = torch.tensor([list(range(w.start, w.start + max_len)) for w in work], device=self.device)
         last = torch.tensor(lengths, device=self.device) - 1  # each row's last real pair
         rows = torch.arange(len(work), device=self.device)
@@ -374,18 +449,29 @@ class EagleProposer(HeadProposer):
         if alone:
             return
         for row, w in enumerate(work):
-            keep = torch.cat([torch.arange(max_cached, max_cached + lengths[row], device=self.device),
-                              torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1,
-                                           device=self.device)])
+            keep = torch.cat(
+                [
+                    torch.arange(max_cached, max_cached + lengths[row], device=self.device),
+                    torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1, device=self.device),
+                ]
+            )
             for layer_idx, layer in enumerate(cache.layers):
-                w.state.cache.update(layer.keys[row:row + 1, :, keep], layer.values[row:row + 1, :, keep], layer_idx)
+                w.state.cache.update(
+                    layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx
+                )
 
     def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
         """One draft per row of draft-vocabulary `logits` [B, V_d] (row i: work[i]), as target
         ids [B] that stay on the device; `steps` collects (tokens, target-vocabulary probs) for
         `gather_drafts`."""
-        tokens, probs = sample_drafts(logits, self.sample_method, [w.temperature for w in work],
-                                      [w.generator for w in work], self.head.draft_to_target, self.head.embed_tokens.num_embeddings)
+        tokens, probs = sample_drafts(
+            logits,
+            self.sample_method,
+            [w.temperature for w in work],
+            [w.generator for w in work],
+            self.head.draft_to_target,
+            self.head.embed_tokens.num_embeddings,
+        )
         steps.append((tokens, probs))
         return tokens
 
@@ -408,6 +494,8 @@ def causal_mask(keys: torch.Tensor, num_new: int) -> torch.Tensor:
     """[B, 1, num_new, K] bool: query i (the i-th of the new positions, which are the last
     num_new keys) sees the valid keys up to and including itself."""
     total = keys.shape[1]
-    causal = torch.arange(total, device=keys.device)[None, :] <= torch.arange(total - num_new, total,
-                                                                              device=keys.device)[:, None]
+    causal = (
+        torch.arange(total, device=keys.device)[None, :]
+        <= torch.arange(total - num_new, total, device=keys.device)[:, None]
+    )
     return (keys[:, None, :] & causal[None])[:, None]

@@ -23,6 +23,7 @@ t = 0 .. len(prompt) + len(output) - 2, i.e. every token that went through the t
 state at t is the one that predicted token t+1); the last output token never went through
 it. A request with `num_draft_tokens: 0` skips the drafter, so it returns no hidden states.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,19 +41,26 @@ class HiddenStateExtractor(Proposer):
     proposes_drafts = False
 
     def __init__(self, layer_ids: list[int], num_layers: int) -> None:
-        if not layer_ids or len(set(layer_ids)) != len(layer_ids) or not all(
-                isinstance(i, int) and 0 <= i <= num_layers for i in layer_ids):
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {layer_ids} must be distinct layer ids in "
-                             f"[0, {num_layers}] (i = the input of decoder layer i, {num_layers} = the final "
-                             "normed state)")
+        if (
+            not layer_ids
+            or len(set(layer_ids)) != len(layer_ids)
+            or not all(isinstance(i, int) and 0 <= i <= num_layers for i in layer_ids)
+        ):
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids {layer_ids} must be distinct layer ids in "
+                f"[0, {num_layers}] (i = the input of decoder layer i, {num_layers} = the final "
+                "normed state)"
+            )
         self.hidden_layer_ids = tuple(layer_ids)
 
     @classmethod
-    def from_config(cls, config: Any, target_model: Path | str | None = None, **_: Any) -> "HiddenStateExtractor":
+    def from_config(cls, config: Any, target_model: Path | str | None = None, **_: Any) -> HiddenStateExtractor:
         # The config accepts missing ids, as vLLM's does; like vLLM, building refuses them.
         if not config.eagle_aux_hidden_state_layer_ids:
-            raise ValueError("eagle_aux_hidden_state_layer_ids must be set in the draft model config for "
-                             "extract_hidden_states method")
+            raise ValueError(
+                "eagle_aux_hidden_state_layer_ids must be set in the draft model config for "
+                "extract_hidden_states method"
+            )
         if target_model is None:
             raise ValueError("extract_hidden_states needs the target model (its number of layers)")
         return cls(list(config.eagle_aux_hidden_state_layer_ids), TargetInfo.load(target_model).num_layers)
@@ -65,18 +73,23 @@ class HiddenStateExtractor(Proposer):
         return [Draft() for _ in batch]
 
 
-def save_hidden_states(path: Path, hidden_states: torch.Tensor, token_ids: list[int], layer_ids: tuple[int, ...],
-                       num_prompt_tokens: int) -> Path:
+def save_hidden_states(
+    path: Path, hidden_states: torch.Tensor, token_ids: list[int], layer_ids: tuple[int, ...], num_prompt_tokens: int
+) -> Path:
     """One request's safetensors file: `hidden_states` FP32 [T, layers, H] (row t = position
     t), `token_ids` int64 [T + 1] (prompt + output), `layer_ids` int64 [layers]; the prompt
     length in the metadata. Written to `path`, or to `<stem>-N<suffix>` when that exists
     (another run's or replica's file is never overwritten); returns the path written."""
     from safetensors.torch import save
 
-    data = save({"hidden_states": hidden_states.float().contiguous(),
-                 "token_ids": torch.tensor(token_ids, dtype=torch.int64),
-                 "layer_ids": torch.tensor(layer_ids, dtype=torch.int64)},
-                metadata={"num_prompt_tokens": str(num_prompt_tokens)})
+    data = save(
+        {
+            "hidden_states": hidden_states.float().contiguous(),
+            "token_ids": torch.tensor(token_ids, dtype=torch.int64),
+            "layer_ids": torch.tensor(layer_ids, dtype=torch.int64),
+        },
+        metadata={"num_prompt_tokens": str(num_prompt_tokens)},
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     for n in itertools.count():
         candidate = path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")

@@ -3,12 +3,14 @@ Medusa, MLP speculator, DFlash, DSpark): the target a head drafts for, a checkpo
 config.json and tensors, and the key-by-key check that names whatever does not fit. Each
 family raises its own subclass of `HeadCheckpointError`.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +34,7 @@ class TargetInfo:
     num_layers: int
 
     @classmethod
-    def load(cls, path: Path | str) -> "TargetInfo":
+    def load(cls, path: Path | str) -> TargetInfo:
         path = Path(path)
         where, kwargs = gguf_kwargs(path)
         cfg = AutoConfig.from_pretrained(where, **kwargs).get_text_config()
@@ -41,8 +43,10 @@ class TargetInfo:
     def weight(self, which: str) -> torch.Tensor:
         """The target's "embed" or "lm_head" weight, read alone from its safetensors when
         possible (a full load only for other formats)."""
-        names = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
-                 "lm_head": ("lm_head.weight", "model.embed_tokens.weight")}[which]  # tied: embed
+        names = {
+            "embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
+            "lm_head": ("lm_head.weight", "model.embed_tokens.weight"),
+        }[which]  # tied: embed
         if self.path.is_dir():
             from safetensors import safe_open
 
@@ -56,9 +60,12 @@ class TargetInfo:
         return module.weight.detach()
 
 
-def read_state_dict(path: Path, bins: tuple[str, ...] = ("pytorch_model*.bin",),
-                    keep: Callable[[str], bool] | None = None,
-                    error: type[HeadCheckpointError] = HeadCheckpointError) -> dict[str, torch.Tensor]:
+def read_state_dict(
+    path: Path,
+    bins: tuple[str, ...] = ("pytorch_model*.bin",),
+    keep: Callable[[str], bool] | None = None,
+    error: type[HeadCheckpointError] = HeadCheckpointError,
+) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint directory: *.safetensors, else the files matching `bins`;
     only the keys `keep` accepts when given (safetensors then reads nothing else, so heads
     stored inside a large target checkpoint load without it)."""
@@ -74,8 +81,12 @@ def read_state_dict(path: Path, bins: tuple[str, ...] = ("pytorch_model*.bin",),
     files = sorted({f for pattern in bins for f in path.glob(pattern)})
     if not files:
         raise error(f"{path}: no *.safetensors or {' / '.join(bins)}")
-    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()
-            if keep is None or keep(k)}
+    return {
+        k: v
+        for f in files
+        for k, v in torch.load(f, map_location="cpu", weights_only=True).items()
+        if keep is None or keep(k)
+    }
 
 
 def read_config(path: Path, error: type[HeadCheckpointError] = HeadCheckpointError) -> dict[str, Any]:
@@ -99,16 +110,26 @@ def normalize_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return out, spelled
 
 
-def check_keys(head: nn.Module, state: dict[str, torch.Tensor], spelled: dict[str, str], optional: set[str],
-               extra: dict[str, tuple[int, ...]], where: str, spell: Callable[[str], str] | None = None,
-               error: type[HeadCheckpointError] = HeadCheckpointError) -> None:
+def check_keys(
+    head: nn.Module,
+    state: dict[str, torch.Tensor],
+    spelled: dict[str, str],
+    optional: set[str],
+    extra: dict[str, tuple[int, ...]],
+    where: str,
+    spell: Callable[[str], str] | None = None,
+    error: type[HeadCheckpointError] = HeadCheckpointError,
+) -> None:
     """Refuse missing, unexpected or misshapen tensors, naming each one (a missing key as
     `spell` writes it in the checkpoint's layout, when given) with an `error`."""
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     expected.update(extra)
     spell = spell or (lambda k: k)
-    problems = [f"missing key {spell(k)!r} (expected shape {list(shape)})"
-                for k, shape in expected.items() if k not in state and k not in optional and k not in extra]
+    problems = [
+        f"missing key {spell(k)!r} (expected shape {list(shape)})"
+        for k, shape in expected.items()
+        if k not in state and k not in optional and k not in extra
+    ]
     for key, value in state.items():
         if key not in expected:
             problems.append(f"unexpected key {spelled[key]!r} (shape {list(value.shape)})")
@@ -118,8 +139,9 @@ def check_keys(head: nn.Module, state: dict[str, torch.Tensor], spelled: dict[st
         raise error(f"{where} does not fit the target: " + "; ".join(problems))
 
 
-def draft_to_target(d2t: torch.Tensor, vocab_size: int, where: str,
-                    error: type[HeadCheckpointError] = HeadCheckpointError) -> torch.Tensor:
+def draft_to_target(
+    d2t: torch.Tensor, vocab_size: int, where: str, error: type[HeadCheckpointError] = HeadCheckpointError
+) -> torch.Tensor:
     """Target ids of the draft vocabulary (target id = draft id + d2t[draft id]), checked."""
     ids = torch.arange(len(d2t)) + d2t.long()
     if ids.min() < 0 or ids.max() >= vocab_size or len(ids.unique()) != len(ids):

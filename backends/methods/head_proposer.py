@@ -2,6 +2,7 @@
 EAGLE-3, MTP, DFlash, DSpark, Medusa, MLP speculator): the checks of the speculative config,
 the sampling setup and per-sequence state. A method adds its head's loader (`load_head`)
 and its `propose`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,9 @@ class HeadProposer(SequenceProposer):
     method = ""
     needs_model = True  # False: the head may live in the target's own checkpoint (MTP)
 
-    def __init__(self, head: nn.Module, max_model_len: int, sample_method: str = "greedy",
-                 seed: int | None = None) -> None:
+    def __init__(
+        self, head: nn.Module, max_model_len: int, sample_method: str = "greedy", seed: int | None = None
+    ) -> None:
         if sample_method not in SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
         super().__init__()
@@ -33,16 +35,25 @@ class HeadProposer(SequenceProposer):
         self.generator = new_generator(self.device, seed)
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, dtype: str = "bfloat16",
-                    target_model: Path | str | None = None, seed: int | None = None,
-                    device: str = "cpu", **_: Any) -> "HeadProposer":
+    def from_config(
+        cls,
+        config: Any,
+        max_model_len: int,
+        dtype: str = "bfloat16",
+        target_model: Path | str | None = None,
+        seed: int | None = None,
+        device: str = "cpu",
+        **_: Any,
+    ) -> HeadProposer:
         if cls.needs_model and not config.model:
             raise ValueError(f"{cls.method} needs `model`: the {cls.method} checkpoint directory")
         if target_model is None:
             raise ValueError(f"{cls.method} needs the target model (its hidden size, vocabulary, embedding)")
         if (config.draft_tensor_parallel_size or 1) != 1:
-            raise ValueError(f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
-                             f"the {cls.method} head runs on one device here; use 1")
+            raise ValueError(
+                f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
+                f"the {cls.method} head runs on one device here; use 1"
+            )
         head = cls.load_head(config, TargetInfo.load(target_model), dtype)
         return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
 

@@ -7,6 +7,7 @@ vLLM): the drafter's probabilities live in another vocabulary and cannot feed th
 rejection sampler. Drafts that come out wrong only cost acceptance; the target decides
 every token.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,12 +32,11 @@ class TextBridge:
         text = self.target.decode(target_ids, skip_special_tokens=False)
         return self.draft(text, add_special_tokens=False)["input_ids"]
 
-    def to_target(self, target_ids: list[int], draft_context: list[int], draft_ids: list[int],
-                  limit: int) -> list[int]:
+    def to_target(self, target_ids: list[int], draft_context: list[int], draft_ids: list[int], limit: int) -> list[int]:
         """At most `limit` target tokens that spell what `draft_ids` add to the context."""
         tail = draft_context[-_DECODE_TAIL:]
         before = self.draft.decode(tail, skip_special_tokens=False)
-        text = self.draft.decode(tail + draft_ids, skip_special_tokens=False)[len(before):]
+        text = self.draft.decode(tail + draft_ids, skip_special_tokens=False)[len(before) :]
         text = text.rstrip("\ufffd")  # an incomplete UTF-8 character would be encoded as U+FFFD
         if not text:
             return []
@@ -44,7 +44,7 @@ class TextBridge:
         prefix = self.target.decode(context, skip_special_tokens=False)
         ids = self.target(prefix + text, add_special_tokens=False)["input_ids"]
         if ids[: len(context)] == context:
-            ids = ids[len(context):]
+            ids = ids[len(context) :]
         else:  # the draft text merges into the context's last token: tokenize it alone
             ids = self.target(text, add_special_tokens=False)["input_ids"]
         return ids[:limit]

@@ -17,6 +17,7 @@ Greedy drafts are argmax and come without probabilities (one-hot, as in draft_mo
 temperature and come with those probabilities over the target vocabulary (0 outside a
 truncated draft vocabulary).
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,14 @@ class LastHiddenProposer(HeadProposer):
         ids, steps = torch.tensor(tokens, device=self.device), []
         for step in range(max(counts)):
             logits, state = self.head.step(step, state, ids)
-            ids, step_probs = sample_drafts(logits, self.sample_method, temperatures, generators,
-                                            self.head.draft_to_target, self.head.target_vocab_size)
+            ids, step_probs = sample_drafts(
+                logits,
+                self.sample_method,
+                temperatures,
+                generators,
+                self.head.draft_to_target,
+                self.head.target_vocab_size,
+            )
             steps.append((ids, step_probs))
         for i, drafted, probs in zip(rows, *gather_drafts(steps, counts)):
             drafts[i] = Draft(drafted, probs)
@@ -59,6 +66,8 @@ class LastHiddenProposer(HeadProposer):
     def _last_state(self, req: DraftRequest) -> torch.Tensor:
         hidden, width = req.hidden_states, self.head.target_hidden_size
         if hidden.dim() != 3 or hidden.shape[0] < 1 or hidden.shape[1:] != (1, width):
-            raise ValueError(f"sequence {req.seq_id}: hidden_states has shape {list(hidden.shape)}; expected "
-                             f"[rows >= 1, 1, {width}] (the target's final hidden state, layer -1)")
+            raise ValueError(
+                f"sequence {req.seq_id}: hidden_states has shape {list(hidden.shape)}; expected "
+                f"[rows >= 1, 1, {width}] (the target's final hidden state, layer -1)"
+            )
         return hidden[-1, 0]

@@ -21,6 +21,7 @@ Checkpoint layouts, decided from the keys (never the name):
 The head count is `num_speculative_tokens` as in vLLM: heads beyond it are not loaded. Unlike
 vLLM, which leaves missing heads uninitialised, a checkpoint with fewer heads is refused.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,9 @@ class MedusaHead(nn.Module):
         vocab = config.get("truncated_vocab_size") or target.vocab_size
         self.target_hidden_size, self.target_vocab_size = h, target.vocab_size
         self.blocks = nn.ModuleList(_Blocks(h, self.num_layers, self.bias) for _ in range(self.num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(h, vocab, bias=False)
-                                      for _ in range(1 if self.shared_lm_head else self.num_heads))
+        self.lm_heads = nn.ModuleList(
+            nn.Linear(h, vocab, bias=False) for _ in range(1 if self.shared_lm_head else self.num_heads)
+        )
         # [V_d] target id of each draft id; None: the draft vocabulary is the target's.
         self.register_buffer("token_map", torch.arange(vocab) if vocab != target.vocab_size else None)
 
@@ -101,8 +103,9 @@ class MedusaHead(nn.Module):
 # ---------------------------------------------------------------------------- loading
 
 
-def load_medusa(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
-                num_heads: int | None = None) -> MedusaHead:
+def load_medusa(
+    path: Path | str, target: TargetInfo, dtype: str = "bfloat16", num_heads: int | None = None
+) -> MedusaHead:
     """Load a Medusa checkpoint directory (either layout) for `target`, keeping its first
     `num_heads` heads (default: all)."""
     path = Path(path)
@@ -124,16 +127,24 @@ def load_medusa(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
     if found == 0:
         raise MedusaCheckpointError(
             f"{where}: no Medusa heads: expected 'lm_heads.{{h}}.weight' (vLLM layout) or '{{h}}.{{L}}.weight' "
-            f"(FasterDecoding layout) keys; found {sorted(spelled.values())[:5]}")
+            f"(FasterDecoding layout) keys; found {sorted(spelled.values())[:5]}"
+        )
     keep = found if num_heads is None else num_heads
     if keep > found:
-        raise MedusaCheckpointError(f"{where}: num_speculative_tokens={keep} needs {keep} Medusa heads, "
-                                    f"but the checkpoint has {found}")
+        raise MedusaCheckpointError(
+            f"{where}: num_speculative_tokens={keep} needs {keep} Medusa heads, but the checkpoint has {found}"
+        )
     if cfg.get("hidden_size", target.hidden_size) != target.hidden_size:
-        raise MedusaCheckpointError(f"{where}: hidden_size {cfg['hidden_size']} in config.json, but the target's "
-                                    f"hidden size is {target.hidden_size}")
-    config = {"num_heads": keep, "num_hidden_layers": layers, "medusa_fc_bias": bool(bias),
-              "original_lm_head": bool(cfg.get("original_lm_head", False))}
+        raise MedusaCheckpointError(
+            f"{where}: hidden_size {cfg['hidden_size']} in config.json, but the target's "
+            f"hidden size is {target.hidden_size}"
+        )
+    config = {
+        "num_heads": keep,
+        "num_hidden_layers": layers,
+        "medusa_fc_bias": bool(bias),
+        "original_lm_head": bool(cfg.get("original_lm_head", False)),
+    }
     token_map = state.get("token_map")
     if token_map is not None and len(token_map) < target.vocab_size:
         config["truncated_vocab_size"] = len(token_map)
@@ -157,8 +168,9 @@ def _count(state: dict[str, torch.Tensor], pattern: str) -> int:
     return max(found) + 1 if found else 0
 
 
-def _from_faster_decoding(state: dict[str, torch.Tensor], spelled: dict[str, str],
-                          where: str) -> tuple[dict[str, torch.Tensor], dict[str, str], int]:
+def _from_faster_decoding(
+    state: dict[str, torch.Tensor], spelled: dict[str, str], where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str], int]:
     """FasterDecoding keys under vLLM's names, and the number of blocks per head."""
     layers = {int(m.group(1)): int(m.group(2)) for k in state if (m := _HEAD.fullmatch(k))}
     out, names = {}, {}
@@ -179,15 +191,15 @@ def _from_faster_decoding(state: dict[str, torch.Tensor], spelled: dict[str, str
 
 def _check_token_map(token_map: torch.Tensor, vocab_size: int, where: str) -> None:
     if token_map.min() < 0 or token_map.max() >= vocab_size or len(token_map.unique()) != len(token_map):
-        raise MedusaCheckpointError(f"{where}: token_map maps draft ids outside [0, {vocab_size}) or two draft ids "
-                                    "to one target id")
+        raise MedusaCheckpointError(
+            f"{where}: token_map maps draft ids outside [0, {vocab_size}) or two draft ids to one target id"
+        )
 
 
 # ---------------------------------------------------------------------------- saving
 
 
-def save_medusa(head: MedusaHead, out: Path | str, layout: str = "vllm",
-                base_model: str | None = None) -> None:
+def save_medusa(head: MedusaHead, out: Path | str, layout: str = "vllm", base_model: str | None = None) -> None:
     """Write `head` as config.json + model.safetensors in the vLLM-converted layout (detected
     as medusa by its model_type), or `layout="medusa"`: FasterDecoding's
     medusa_lm_head.safetensors with a `medusa_num_heads` / `medusa_num_layers` config."""
@@ -199,20 +211,31 @@ def save_medusa(head: MedusaHead, out: Path | str, layout: str = "vllm",
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     if layout == "vllm":
-        config = {"model_type": "medusa", "architectures": ["MedusaModel"],
-                  "hidden_size": head.target_hidden_size, "vocab_size": head.target_vocab_size,
-                  "num_heads": head.num_heads, "num_hidden_layers": head.num_layers,
-                  "medusa_fc_bias": head.bias, "original_lm_head": head.shared_lm_head}
+        config = {
+            "model_type": "medusa",
+            "architectures": ["MedusaModel"],
+            "hidden_size": head.target_hidden_size,
+            "vocab_size": head.target_vocab_size,
+            "num_heads": head.num_heads,
+            "num_hidden_layers": head.num_layers,
+            "medusa_fc_bias": head.bias,
+            "original_lm_head": head.shared_lm_head,
+        }
         if head.token_map is not None:
             config["truncated_vocab_size"] = len(head.token_map)
         name = "model.safetensors"
     else:
         if head.shared_lm_head or head.token_map is not None or not head.bias:
-            raise ValueError("the FasterDecoding layout has a biased block and an own full-vocabulary LM head "
-                             "per head; save this head with layout='vllm'")
+            raise ValueError(
+                "the FasterDecoding layout has a biased block and an own full-vocabulary LM head "
+                "per head; save this head with layout='vllm'"
+            )
         state = {_faster_decoding_key(k, head.num_layers): v for k, v in state.items()}
-        config = {"medusa_num_heads": head.num_heads, "medusa_num_layers": head.num_layers,
-                  "base_model_name_or_path": base_model}
+        config = {
+            "medusa_num_heads": head.num_heads,
+            "medusa_num_layers": head.num_layers,
+            "base_model_name_or_path": base_model,
+        }
         name = "medusa_lm_head.safetensors"
     save_file(state, out / name)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

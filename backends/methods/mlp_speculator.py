@@ -26,6 +26,7 @@ Stages: `num_speculative_tokens` (K) of them, as vLLM builds (its `num_lookahead
 multiple) runs the shared stages again with tied weights; untied checkpoints have no weights
 for those stages (vLLM would leave them uninitialised), so that is refused.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,16 @@ from backends.runtime.model_store import resolve_model
 
 EPS = 1e-6
 # MLPSpeculatorConfig's defaults (vLLM); emb_dim's alias is hidden_size.
-DEFAULTS = {"vocab_size": 32000, "emb_dim": 4096, "inner_dim": 0, "n_predict": 3, "top_k_tokens_per_head": None,
-            "n_candidates": 5, "tie_weights": False, "scale_input": False}
+DEFAULTS = {
+    "vocab_size": 32000,
+    "emb_dim": 4096,
+    "inner_dim": 0,
+    "n_predict": 3,
+    "top_k_tokens_per_head": None,
+    "n_candidates": 5,
+    "tie_weights": False,
+    "scale_input": False,
+}
 _KEY = re.compile(r"(emb|proj|head|ln)\.(\d+)\.(weight|bias)")
 
 
@@ -83,11 +92,12 @@ class MLPSpeculatorHead(nn.Module):
         self.target_hidden_size, self.target_vocab_size = target.hidden_size, target.vocab_size
         self.draft_to_target = None  # the speculator drafts over the target's vocabulary
         self.state_weight = 0.5 ** (0.5 / n_predict)
-        self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * inner / 2)
+        self.emb_weight = math.sqrt((1 - self.state_weight**2) * inner / 2)
         if cfg["tie_weights"]:
             if n_predict < 2:
                 raise MLPSpeculatorCheckpointError(
-                    f"tie_weights needs n_predict > 1 (stages to share), got {n_predict}")
+                    f"tie_weights needs n_predict > 1 (stages to share), got {n_predict}"
+                )
             emb, head, ln = nn.Embedding(vocab, inner), nn.Linear(inner, vocab, bias=False), _LayerNorm(inner)
             tied = nn.Linear(inner, inner, bias=False)
             self.emb = nn.ModuleList([emb] * stages)
@@ -122,30 +132,36 @@ class MLPSpeculatorHead(nn.Module):
 # ---------------------------------------------------------------------------- loading
 
 
-def load_mlp_speculator(path: Path | str, target: TargetInfo, dtype: str = "bfloat16",
-                        num_stages: int | None = None) -> MLPSpeculatorHead:
+def load_mlp_speculator(
+    path: Path | str, target: TargetInfo, dtype: str = "bfloat16", num_stages: int | None = None
+) -> MLPSpeculatorHead:
     """Load an MLP speculator checkpoint directory for `target` with `num_stages` stages
     (default: its n_predict)."""
     path = Path(path)
     where = f"MLP speculator checkpoint {path}"
     cfg = read_config(path, MLPSpeculatorCheckpointError)
     if cfg.get("model_type") != "mlp_speculator":
-        raise MLPSpeculatorCheckpointError(f"{where}: config.json has model_type {cfg.get('model_type')!r}, "
-                                           "not 'mlp_speculator'")
+        raise MLPSpeculatorCheckpointError(
+            f"{where}: config.json has model_type {cfg.get('model_type')!r}, not 'mlp_speculator'"
+        )
     if "emb_dim" not in cfg and "hidden_size" in cfg:
         cfg["emb_dim"] = cfg["hidden_size"]  # MLPSpeculatorConfig's alias
     cfg = {**DEFAULTS, **cfg}
-    for name, wanted, what in (("emb_dim", target.hidden_size, "hidden size"),
-                               ("vocab_size", target.vocab_size, "vocabulary size")):
+    for name, wanted, what in (
+        ("emb_dim", target.hidden_size, "hidden size"),
+        ("vocab_size", target.vocab_size, "vocabulary size"),
+    ):
         if cfg[name] != wanted:
-            raise MLPSpeculatorCheckpointError(f"{where}: {name} {cfg[name]} in config.json, but the target's "
-                                               f"{what} is {wanted}")
+            raise MLPSpeculatorCheckpointError(
+                f"{where}: {name} {cfg[name]} in config.json, but the target's {what} is {wanted}"
+            )
     n_predict, tied = cfg["n_predict"], bool(cfg["tie_weights"])
     stages = num_stages or n_predict
     if stages > n_predict and not tied:
         raise MLPSpeculatorCheckpointError(
             f"{where}: num_speculative_tokens={stages} needs {stages} stages, but the checkpoint has weights for "
-            f"n_predict={n_predict} (tie_weights false: no shared stages to repeat)")
+            f"n_predict={n_predict} (tie_weights false: no shared stages to repeat)"
+        )
     head = MLPSpeculatorHead(cfg, target, stages)
     raw = read_state_dict(path, error=MLPSpeculatorCheckpointError)
     state, spelled = _stage_tensors(raw, n_predict, stages, tied, where)
@@ -161,8 +177,9 @@ def _source(kind: str, index: int, tied: bool) -> int:
     return min(index, 1) if kind == "proj" else 0
 
 
-def _stage_tensors(raw: dict[str, torch.Tensor], n_predict: int, stages: int, tied: bool,
-                   where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _stage_tensors(
+    raw: dict[str, torch.Tensor], n_predict: int, stages: int, tied: bool, where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The file's tensors under the head's names for its `stages` stages (a shared tensor
     under every stage that uses it; stages past `stages` dropped), and each name's spelling
     in the file. Keys that are no stage tensor of this checkpoint pass through as they are,
@@ -177,8 +194,9 @@ def _stage_tensors(raw: dict[str, torch.Tensor], n_predict: int, stages: int, ti
         kind, index, param = match.group(1), int(match.group(2)), match.group(3)
         shared = f"{kind}.{_source(kind, index, tied)}.{param}"
         if shared in sources and not torch.equal(sources[shared][1], value):
-            raise MLPSpeculatorCheckpointError(f"{where}: tie_weights is true, but {key!r} differs from "
-                                               f"{sources[shared][0]!r} (one shared tensor)")
+            raise MLPSpeculatorCheckpointError(
+                f"{where}: tie_weights is true, but {key!r} differs from {sources[shared][0]!r} (one shared tensor)"
+            )
         sources.setdefault(shared, (key, value))
     for shared, (key, value) in sources.items():
         kind, index, param = _KEY.fullmatch(shared).groups()

@@ -32,6 +32,7 @@ When the draft model_type is Step-3.5's (`step3p5_mtp`, one lm_head per layer), 
 uses layer s mod n; here every layer runs over every pair so all layers' caches cover the
 whole chain, and step s reads layer s mod n's output.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backends.config import MULTI_STEP_MTP_TYPES, hf_config_override
-from backends.methods.eagle import EagleHead, EagleProposer, EagleLayer, llama_config
+from backends.methods.eagle import EagleHead, EagleLayer, EagleProposer, llama_config
 from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
 from backends.runtime.model_store import resolve_model
 
@@ -53,8 +54,15 @@ FAMILIES = ("deepseek", "mimo")
 # MiMo's names for the DeepSeek parts (the head uses DeepSeek's).
 _MIMO_NAMES = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj"}
 _MIMO_SPELLING = {v: k for k, v in _MIMO_NAMES.items()}
-_BLOCK_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_BLOCK_KEYS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
 
 
 class MTPCheckpointError(HeadCheckpointError):
@@ -87,8 +95,9 @@ class _MTPLayer(EagleLayer):
         self.hnorm = LlamaRMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
 
-    def predict(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: tuple, mask: torch.Tensor,
-                cache: Any) -> torch.Tensor:
+    def predict(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, rope: tuple, mask: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
         e, h = self.enorm(embeds), self.hnorm(hidden)
         u = self.eh_proj(torch.cat([h, e] if self.family == "mimo" else [e, h], dim=-1))
         x = self.run(self.input_layernorm(u), u, rope, mask, cache)
@@ -108,8 +117,15 @@ class MTPHead(EagleHead):
     layout = "mtp"
     hidden_layer_ids = (-1,)  # the target's final normed state
 
-    def __init__(self, config: dict[str, Any], target: TargetInfo, family: str = "deepseek", num_layers: int = 1,
-                 zero_first_embedding: bool = True, borrow: bool = True) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        target: TargetInfo,
+        family: str = "deepseek",
+        num_layers: int = 1,
+        zero_first_embedding: bool = True,
+        borrow: bool = True,
+    ) -> None:
         if family not in FAMILIES:
             raise ValueError(f"MTP family must be one of {FAMILIES}, got {family!r}")
         llama = llama_config({**config, "num_hidden_layers": num_layers})  # one cache layer per MTP layer
@@ -120,8 +136,11 @@ class MTPHead(EagleHead):
         self.layers = nn.ModuleList(_MTPLayer(llama, j, family, target.vocab_size) for j in range(num_layers))
         if family == "mimo":
             self.lm_head = nn.Linear(llama.hidden_size, target.vocab_size, bias=False)
-        lm_heads = ["lm_head.weight"] if family == "mimo" else [f"layers.{j}.shared_head.head.weight"
-                                                                for j in range(num_layers)]
+        lm_heads = (
+            ["lm_head.weight"]
+            if family == "mimo"
+            else [f"layers.{j}.shared_head.head.weight" for j in range(num_layers)]
+        )
         self.borrowed: set[str] = set()
         if borrow:
             lm_head = target.weight("lm_head")
@@ -173,23 +192,36 @@ def load_mtp(path: Path | str, target: TargetInfo, dtype: str = "bfloat16") -> M
         if cfg.get(name) != wanted:
             raise MTPCheckpointError(f"{where}: {name} {cfg.get(name)} in config.json, but the target's is {wanted}")
     if declared is not None and len(prefixes) < declared:
-        raise MTPCheckpointError(f"{where}: num_nextn_predict_layers is {declared}, but only {len(prefixes)} MTP "
-                                 f"layer(s) found ({', '.join(prefixes)})")
+        raise MTPCheckpointError(
+            f"{where}: num_nextn_predict_layers is {declared}, but only {len(prefixes)} MTP "
+            f"layer(s) found ({', '.join(prefixes)})"
+        )
     used = prefixes if per_step else prefixes[:1]
     state, spelled = _head_names(raw, used, family)
     missing = [p + k for p in used for k in _BLOCK_KEYS if p + k not in raw]
     if missing:
-        known = {p + k.replace(".weight", ".bias") for p in used for k in _BLOCK_KEYS} | \
-            {p + k for p in used for k in _BLOCK_KEYS}
-        others = sorted(k for k in raw if k.startswith(tuple(used)) and ("self_attn." in k or "mlp." in k)
-                        and k not in known)[:4]
+        known = {p + k.replace(".weight", ".bias") for p in used for k in _BLOCK_KEYS} | {
+            p + k for p in used for k in _BLOCK_KEYS
+        }
+        others = sorted(
+            k for k in raw if k.startswith(tuple(used)) and ("self_attn." in k or "mlp." in k) and k not in known
+        )[:4]
         raise MTPCheckpointError(
             f"{where}: the MTP block is not a Llama/Qwen2-style dense layer (missing {missing[0]!r}; it has "
-            f"{others}); only q/k/v/o_proj attention with a gate/up/down MLP runs here")
+            f"{others}); only q/k/v/o_proj attention with a gate/up/down MLP runs here"
+        )
     head = MTPHead(cfg, target, family, len(used), zero_first_embedding=model_type != "step3p5_mtp")
     head.borrowed -= set(state)  # the checkpoint's own copies win
-    check_keys(head, state, spelled, set(head.borrowed), {}, where, lambda k: _file_key(k, used, family),
-               error=MTPCheckpointError)
+    check_keys(
+        head,
+        state,
+        spelled,
+        set(head.borrowed),
+        {},
+        where,
+        lambda k: _file_key(k, used, family),
+        error=MTPCheckpointError,
+    )
     head.load_state_dict(state, strict=False)  # complete but for the borrowed copies (checked above)
     return head.to(getattr(torch, dtype)).eval()
 
@@ -206,11 +238,13 @@ def _find_layers(raw: dict[str, torch.Tensor], cfg: dict[str, Any], where: str) 
         if not found:
             raise MTPCheckpointError(
                 f"{where}: no MTP layers: expected 'model.layers.{{num_hidden_layers}}.eh_proj.weight' "
-                "(DeepSeek layout) or 'model.mtp_layers.0.*' (MiMo layout)")
+                "(DeepSeek layout) or 'model.mtp_layers.0.*' (MiMo layout)"
+            )
         if first is None or found[0] != first:
             raise MTPCheckpointError(
                 f"{where}: the first MTP layer is 'model.layers.{found[0]}.', but config.json has "
-                f"num_hidden_layers {first} (MTP layers follow the target's layers)")
+                f"num_hidden_layers {first} (MTP layers follow the target's layers)"
+            )
         prefixes = [f"model.layers.{i}." for i in found]
         family = "deepseek"
         mimo = [i - first for i in found]
@@ -219,8 +253,9 @@ def _find_layers(raw: dict[str, torch.Tensor], cfg: dict[str, Any], where: str) 
     return family, prefixes
 
 
-def _head_names(raw: dict[str, torch.Tensor], used: list[str],
-                family: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _head_names(
+    raw: dict[str, torch.Tensor], used: list[str], family: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The used layers' tensors under the head's names; later layers' keys are not read."""
     state, spelled = {}, {}
     for key, value in raw.items():
@@ -267,16 +302,23 @@ def save_mtp(head: MTPHead, out: Path | str) -> None:
     n = len(head.layers)
     if head.family == "deepseek":
         prefixes = [f"model.layers.{head.first_layer + j}." for j in range(n)]
-        config = {**head.block_config, "model_type": "deepseek_mtp", "architectures": ["DeepSeekMTPModel"],
-                  "n_predict": n}
+        config = {
+            **head.block_config,
+            "model_type": "deepseek_mtp",
+            "architectures": ["DeepSeekMTPModel"],
+            "n_predict": n,
+        }
     else:
         prefixes = [f"model.mtp_layers.{j}." for j in range(n)]
         config = {**head.block_config, "model_type": "mimo", "architectures": ["MiMoForCausalLM"]}
     config.update(num_hidden_layers=head.first_layer, num_nextn_predict_layers=n)
     # MiMo's embedding and LM head are always the target's; the layout has no place for them.
     skip = head.borrowed | ({"embed_tokens.weight", "lm_head.weight"} if head.family == "mimo" else set())
-    state = {_file_key(k, prefixes, head.family): v.detach().contiguous().cpu()
-             for k, v in head.state_dict().items() if k not in skip}
+    state = {
+        _file_key(k, prefixes, head.family): v.detach().contiguous().cpu()
+        for k, v in head.state_dict().items()
+        if k not in skip
+    }
     save_file(state, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

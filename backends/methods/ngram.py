@@ -5,9 +5,11 @@ Find the longest n-gram, min_n <= n <= max_n, that ends the sequence and occurre
 overlap it); among equally long ones the earliest occurrence wins; propose the tokens that
 followed it, at most k of them and never past max_model_len. No match: no proposal.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -17,8 +19,7 @@ from backends.serving.proposer import Draft, DraftRequest, Proposer
 def check_lookup_bounds(prompt_lookup_min: int, prompt_lookup_max: int) -> None:
     if not 1 <= prompt_lookup_min <= prompt_lookup_max:
         raise ValueError(
-            f"prompt_lookup_min={prompt_lookup_min} must be >= 1 and <= "
-            f"prompt_lookup_max={prompt_lookup_max}"
+            f"prompt_lookup_min={prompt_lookup_min} must be >= 1 and <= prompt_lookup_max={prompt_lookup_max}"
         )
 
 
@@ -100,7 +101,7 @@ class NgramDrafter(Proposer):
         self.history = TokenHistory()
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, **_: Any) -> "NgramDrafter":
+    def from_config(cls, config: Any, max_model_len: int, **_: Any) -> NgramDrafter:
         return cls(
             NgramProposer(
                 config.prompt_lookup_min,
@@ -111,8 +112,10 @@ class NgramDrafter(Proposer):
         )
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
-        return [Draft(self.proposer.propose(self.history.update(r.seq_id, r.token_ids, r.num_new),
-                                            r.num_tokens)) for r in batch]
+        return [
+            Draft(self.proposer.propose(self.history.update(r.seq_id, r.token_ids, r.num_new), r.num_tokens))
+            for r in batch
+        ]
 
     def release(self, seq_id: int) -> None:
         self.history.release(seq_id)

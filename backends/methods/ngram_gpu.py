@@ -5,10 +5,12 @@ proposer has none; the caller's clamp to the context window still applies). The 
 one padded [batch, T] tensor: the OpenAI Triton kernel on CUDA (or with
 TRITONSPEC_USE_KERNELS=1), its torch reference elsewhere (kernels/ngram.py).
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +21,13 @@ from kernels.ngram import ngram_match, ngram_match_ref
 
 
 class NgramGPUDrafter(Proposer):
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        prompt_lookup_min: int,
+        prompt_lookup_max: int,
+        num_speculative_tokens: int,
+        device: torch.device | str | None = None,
+    ) -> None:
         check_lookup_bounds(prompt_lookup_min, prompt_lookup_max)
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
@@ -29,7 +36,7 @@ class NgramGPUDrafter(Proposer):
         self.history = TokenHistory()
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, device: str | None = None, **_: Any) -> "NgramGPUDrafter":
+    def from_config(cls, config: Any, max_model_len: int, device: str | None = None, **_: Any) -> NgramGPUDrafter:
         return cls(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens, device)
 
     def propose_batch(self, sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

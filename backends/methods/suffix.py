@@ -12,11 +12,13 @@ at most a node per distinct string and in practice a few per token (random text:
 append touches only the nodes of suffixes seen before, at most max_tree_depth of them.
 Probabilities are Python floats (arctic-inference uses float32; only exact ties can differ).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 from backends.serving.proposer import Draft, DraftRequest, Proposer
 
@@ -175,13 +177,14 @@ class SuffixTree:
                     return None
         return node, extra
 
-    def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
-                  min_token_prob: float) -> SuffixDraft:
+    def speculate(
+        self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
+    ) -> SuffixDraft:
         """The best single-path draft over every match length 1..len(context)-1."""
         best = SuffixDraft()
         n = len(context)
         for match_len in range(1, n):
-            match = self._match(context[n - match_len:])
+            match = self._match(context[n - match_len :])
             if match is None:
                 return best  # a longer tail cannot match either
             max_tokens = max(0, min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6)))
@@ -237,8 +240,9 @@ class SuffixDecodingCache:
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000) -> None:
         if max_tree_depth < 1 or max_cached_requests < 0:
-            raise ValueError(f"max_tree_depth={max_tree_depth} must be >= 1 and "
-                             f"max_cached_requests={max_cached_requests} >= 0")
+            raise ValueError(
+                f"max_tree_depth={max_tree_depth} must be >= 1 and max_cached_requests={max_cached_requests} >= 0"
+            )
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.global_tree = SuffixTree(max_tree_depth)
@@ -287,9 +291,15 @@ class SuffixDecodingCache:
         if req_id in self.global_tree:  # a request that produced nothing left no trace
             self.global_tree.remove(req_id)
 
-    def speculate(self, req_id: Hashable, context: Sequence[int], max_spec_tokens: int | None = None,
-                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> SuffixDraft:
-        context = context[-self.max_tree_depth:]
+    def speculate(
+        self,
+        req_id: Hashable,
+        context: Sequence[int],
+        max_spec_tokens: int | None = None,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+    ) -> SuffixDraft:
+        context = context[-self.max_tree_depth :]
         if max_spec_tokens is None:
             max_spec_tokens = self.max_tree_depth
         args = (context, max_spec_tokens, max_spec_factor, min_token_prob)
@@ -309,9 +319,8 @@ class SuffixDrafter(Proposer):
         self._seen: dict[int, int] = {}  # seq_id -> tokens already given to the cache
 
     @classmethod
-    def from_config(cls, config: Any, **_: Any) -> "SuffixDrafter":
-        cache = SuffixDecodingCache(config.suffix_decoding_max_tree_depth,
-                                    config.suffix_decoding_max_cached_requests)
+    def from_config(cls, config: Any, **_: Any) -> SuffixDrafter:
+        cache = SuffixDecodingCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests)
         return cls(cache, config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -324,8 +333,13 @@ class SuffixDrafter(Proposer):
                 self.cache.add_active_response(r.seq_id, r.token_ids[seen:])
             self._seen[r.seq_id] = len(r.token_ids)
             # num_tokens is already clamped to max_tokens and the context window by the caller.
-            draft = self.cache.speculate(r.seq_id, r.token_ids[-self.cache.max_tree_depth:],
-                                         r.num_tokens, self.max_spec_factor, self.min_token_prob)
+            draft = self.cache.speculate(
+                r.seq_id,
+                r.token_ids[-self.cache.max_tree_depth :],
+                r.num_tokens,
+                self.max_spec_factor,
+                self.min_token_prob,
+            )
             drafts.append(Draft(draft.token_ids))
         return drafts
 

@@ -11,6 +11,7 @@ A setting is `auto` (CUDA when torch has it, else CPU), `cpu`, `cuda` (the insta
 or `cuda:N`. A GPU that is asked for but cannot be used (a CPU-only torch build, no such
 device) is a load error saying so, never a silent fallback to the CPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,13 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_device(instance_kind: str = "", device_id: int | str = 0, parameter: str = "",
-                   environment: str | None = None, num_cuda: int | None = None) -> tuple[str, str]:
+def resolve_device(
+    instance_kind: str = "",
+    device_id: int | str = 0,
+    parameter: str = "",
+    environment: str | None = None,
+    num_cuda: int | None = None,
+) -> tuple[str, str]:
     """(device, why): the torch device string for a model instance, and which setting chose
     it. `instance_kind` and `device_id` are the Python backend's `model_instance_kind` ("CPU",
     "GPU", ...) and `model_instance_device_id`; `environment` defaults to $TRITONSPEC_DEVICE
@@ -39,8 +45,10 @@ def resolve_device(instance_kind: str = "", device_id: int | str = 0, parameter:
     environment = os.environ.get(ENV_VAR, "") if environment is None else environment
     num_cuda = cuda_device_count() if num_cuda is None else num_cuda
     gpu = int(device_id or 0)
-    for source, setting in ((f"parameter device={parameter!r}", parameter),
-                            (f"{ENV_VAR}={environment!r}", environment)):
+    for source, setting in (
+        (f"parameter device={parameter!r}", parameter),
+        (f"{ENV_VAR}={environment!r}", environment),
+    ):
         if setting.strip():
             return _from_setting(setting.strip().lower(), gpu, num_cuda, source), source
     kind = (instance_kind or "").upper().removeprefix("KIND_")
@@ -70,7 +78,8 @@ def _cuda(index: int, num_cuda: int, source: str) -> str:
         raise DeviceError(
             f"{source} asks for a GPU, but torch {torch.__version__} in this Python has no CUDA device "
             "(a CPU-only build, or no GPU visible); install a CUDA build of torch, or use KIND_CPU / "
-            "device=cpu")
+            "device=cpu"
+        )
     if index >= num_cuda:
         raise DeviceError(f"{source} asks for cuda:{index}, but torch sees {num_cuda} CUDA device(s)")
     return f"cuda:{index}"

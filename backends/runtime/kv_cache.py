@@ -199,23 +199,18 @@ class KVCachePool:
     def _take(self, need: int) -> list[int]:
         """Best fit: the smallest run of free blocks that holds ``need``; else the lowest free blocks."""
         free = self._free
-        best = None  # (run length, index in free)
+        best_len, best_at = None, 0  # smallest fitting run: its length and index in ``free``
         i = 0
         while i < len(free):
             j = i
             while j + 1 < len(free) and free[j + 1] == free[j] + 1:
                 j += 1
             run = j - i + 1
-            if run >= need and (best is None or run < best[0]):
-                best = (run, i)
+            if run >= need and (best_len is None or run < best_len):
+                best_len, best_at = run, i
                 if run == need:
                     break
             i = j + 1
-        first = best[1] if best is not None else 0
-        if best is None:
-            taken = free[:need]
-            del free[:need]
-        else:
-            taken = free[first : first + need]
-            del free[first : first + need]
+        taken = free[best_at : best_at + need]
+        del free[best_at : best_at + need]
         return taken

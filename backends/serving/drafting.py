@@ -6,6 +6,7 @@ tokens are new since the proposer last saw it, and how many of the drafts it mad
 accepted. A call for k = 0 does not reach the proposer: its new tokens and hidden-state
 rows wait for the next call that does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,8 +64,18 @@ class DraftService:
             seq = self._take(call)
             if call.num_tokens > 0 and seq.token_ids:
                 hidden = torch.cat(seq.hidden) if seq.hidden else None
-                batch.append(DraftRequest(call.seq_id, seq.token_ids, call.num_tokens, hidden, call.temperature,
-                                          seq.num_new, seq.num_accepted, call.seed))
+                batch.append(
+                    DraftRequest(
+                        call.seq_id,
+                        seq.token_ids,
+                        call.num_tokens,
+                        hidden,
+                        call.temperature,
+                        seq.num_new,
+                        seq.num_accepted,
+                        call.seed,
+                    )
+                )
                 index.append(i)
         drafts = [Draft() for _ in calls]
         for i, draft in zip(index, self.proposer.propose(batch) if batch else []):

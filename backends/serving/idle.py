@@ -1,5 +1,6 @@
 """What a model's sequence idleness is measured on (the idle timeout frees the state of
 sequences whose client vanished without END)."""
+
 from __future__ import annotations
 
 import time

@@ -6,6 +6,7 @@ runs. For debugging a method, for the runtime's benchmarks, and for the loop tes
     service = DraftService(build_proposer(config, max_model_len=runner.max_model_len), config)
     ids, stats = generate_local("def add(a, b):", tokenizer, runner, service, max_tokens=32)
 """
+
 from __future__ import annotations
 
 import random
@@ -29,12 +30,27 @@ class LocalVerifier:
     def __init__(self, runner: TargetRunner) -> None:
         self.runner = runner
 
-    def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
-               draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
-               max_new_tokens: int | None = None, hidden_layer_ids: tuple[int, ...] = (),
-               ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
-        result = self.runner.verify(VerifyRequest(seq_id, new_token_ids, draft_token_ids, sampling, hidden_layer_ids,
-                                                  draft_probs=draft_probs, max_new_tokens=max_new_tokens))
+    def verify(
+        self,
+        seq_id: int,
+        new_token_ids: list[int],
+        draft_token_ids: list[int],
+        draft_probs: torch.Tensor | None,
+        sampling: SamplingParams | None,
+        max_new_tokens: int | None = None,
+        hidden_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
+        result = self.runner.verify(
+            VerifyRequest(
+                seq_id,
+                new_token_ids,
+                draft_token_ids,
+                sampling,
+                hidden_layer_ids,
+                draft_probs=draft_probs,
+                max_new_tokens=max_new_tokens,
+            )
+        )
         return result.token_ids, result.forward_s, result.hidden_states, result.logprobs
 
     def release(self, seq_id: int) -> None:
@@ -46,12 +62,22 @@ class LocalDrafter:
 
     def __init__(self, service: DraftService) -> None:
         self.service = service
-        self.info = DrafterInfo(DrafterConfig.from_speculative(service.config),
-                                tuple(service.proposer.hidden_layer_ids), service.proposer.proposes_drafts)
+        self.info = DrafterInfo(
+            DrafterConfig.from_speculative(service.config),
+            tuple(service.proposer.hidden_layer_ids),
+            service.proposer.proposes_drafts,
+        )
 
-    def draft(self, seq_id: int, new_token_ids: list[int], num_tokens: int, num_accepted: int,
-              hidden_states: torch.Tensor | None = None, temperature: float = 1.0, seed: int | None = None,
-              ) -> tuple[list[int], torch.Tensor | None, float]:
+    def draft(
+        self,
+        seq_id: int,
+        new_token_ids: list[int],
+        num_tokens: int,
+        num_accepted: int,
+        hidden_states: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> tuple[list[int], torch.Tensor | None, float]:
         call = DraftCall(seq_id, new_token_ids, num_tokens, hidden_states, temperature, num_accepted, seed)
         draft = self.service.draft([call])[0]
         return draft.token_ids, draft.probs, 0.0
@@ -60,9 +86,15 @@ class LocalDrafter:
         self.service.release(seq_id)
 
 
-def generate_local(prompt: str, tokenizer: Any, runner: TargetRunner, service: DraftService | None = None,
-                   eos_token_ids: set[int] | None = None, adaptive: bool = False,
-                   **request: Any) -> tuple[list[int], GenerationStats]:
+def generate_local(
+    prompt: str,
+    tokenizer: Any,
+    runner: TargetRunner,
+    service: DraftService | None = None,
+    eos_token_ids: set[int] | None = None,
+    adaptive: bool = False,
+    **request: Any,
+) -> tuple[list[int], GenerationStats]:
     """One request through the draft -> verify loop: its output ids and statistics.
     `request`: GenerationRequest fields (max_tokens, num_draft_tokens, sampling, stop, ...);
     `service` None decodes plainly. A fixed k by default (adaptive k follows timings)."""
@@ -73,9 +105,19 @@ def generate_local(prompt: str, tokenizer: Any, runner: TargetRunner, service: D
         eos_token_ids = {tokenizer.eos_token_id} - {None}
     seq_id, stats, ids = random.getrandbits(63), GenerationStats(), []
     try:
-        for step in generate(req, tokenizer(prompt)["input_ids"], seq_id, LocalVerifier(runner), drafter,
-                             TextStream(tokenizer, req.stop), eos_token_ids, runner.max_model_len, stats,
-                             adaptive=adaptive, extract_layer_ids=extract):
+        for step in generate(
+            req,
+            tokenizer(prompt)["input_ids"],
+            seq_id,
+            LocalVerifier(runner),
+            drafter,
+            TextStream(tokenizer, req.stop),
+            eos_token_ids,
+            runner.max_model_len,
+            stats,
+            adaptive=adaptive,
+            extract_layer_ids=extract,
+        ):
             ids += step.token_ids
     finally:
         runner.release(seq_id)

@@ -11,6 +11,7 @@ plain decoding gives with the same settings (vLLM treats its drafts the same way
 Logprobs are vLLM V1's default (`logprobs_mode="raw_logprobs"`): the log-softmax of the
 target's own logits at the position, before any control, temperature or top-k/top-p.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,9 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # the n most likely (id, logprob), best first
 
 
-def process_logits(logits: torch.Tensor, sampling: SamplingParams, output_ids: list[int],
-                   drafts: list[int], prompt_ids: list[int]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, sampling: SamplingParams, output_ids: list[int], drafts: list[int], prompt_ids: list[int]
+) -> torch.Tensor:
     """[k+1, V] target logits -> a float32 copy with the controls applied; row j's history
     is `output_ids` (generated so far) + drafts[:j]. Placeholder drafts (-1) are never
     accepted, so rows past one are never used; they are skipped in the history."""
@@ -54,18 +56,20 @@ def _ban_bad_words(row: torch.Tensor, bad_words: tuple[tuple[int, ...], ...], hi
     """A bad word's last token is banned where its other tokens end the history."""
     for word in bad_words:
         prefix = list(word[:-1])
-        if len(prefix) <= len(history) and history[len(history) - len(prefix):] == prefix:
+        if len(prefix) <= len(history) and history[len(history) - len(prefix) :] == prefix:
             row[word[-1]] = -math.inf
 
 
-def _apply_penalties(rows: torch.Tensor, sampling: SamplingParams, histories: list[list[int]],
-                     prompt_ids: list[int]) -> None:
+def _apply_penalties(
+    rows: torch.Tensor, sampling: SamplingParams, histories: list[list[int]], prompt_ids: list[int]
+) -> None:
     """vLLM's apply_penalties: repetition over prompt and output tokens (positive logits
     divided, negative multiplied), frequency per occurrence and presence once, over the
     output only."""
     vocab = rows.shape[-1]
-    counts = torch.stack([torch.bincount(torch.tensor(h, dtype=torch.int64), minlength=vocab)[:vocab]
-                          for h in histories]).to(rows.device, torch.float32)
+    counts = torch.stack(
+        [torch.bincount(torch.tensor(h, dtype=torch.int64), minlength=vocab)[:vocab] for h in histories]
+    ).to(rows.device, torch.float32)
     if sampling.repetition_penalty != 1.0:
         seen = counts > 0
         if prompt_ids:
@@ -111,8 +115,10 @@ def logprobs_from_arrays(token_ids: list[int], arrays: dict[str, np.ndarray]) ->
     empty = np.zeros((len(token_ids), 0))
     top_ids = arrays.get("top_logprob_ids", empty).reshape(len(token_ids), -1).tolist()
     top_values = arrays.get("top_logprobs", empty).reshape(len(token_ids), -1).tolist()
-    return [TokenLogprob(t, v, r, tuple(zip(ti, tv)))
-            for t, v, r, ti, tv in zip(token_ids, values, ranks, top_ids, top_values)]
+    return [
+        TokenLogprob(t, v, r, tuple(zip(ti, tv)))
+        for t, v, r, ti, tv in zip(token_ids, values, ranks, top_ids, top_values)
+    ]
 
 
 def vllm_logprobs(logprobs: list[TokenLogprob], decode: Callable[[int], str]) -> list[dict[int, dict]]:

@@ -4,20 +4,22 @@ string, max_tokens or the end of the context window.
 It only sees two small interfaces, so the same loop runs over Triton BLS calls in the
 server and over in-process objects in tests.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 
 from backends.serving.adaptive import AdaptiveDraftLength
 from backends.serving.detokenize import TextStream
 from backends.serving.logits import TokenLogprob
-from backends.serving.rejection import AcceptanceStats
 from backends.serving.proposer import DrafterInfo
+from backends.serving.rejection import AcceptanceStats
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
 
 log = logging.getLogger("tritonspec.orchestrator")
@@ -27,9 +29,16 @@ DRAFTER_KEEPALIVE_S = 30.0  # a quarter of the peers' max_sequence_idle_microsec
 class Drafter(Protocol):
     info: DrafterInfo  # what it is (method, k, layers), known before the first request
 
-    def draft(self, seq_id: int, new_token_ids: list[int], num_tokens: int, num_accepted: int,
-              hidden_states: torch.Tensor | None = None, temperature: float = 1.0, seed: int | None = None,
-              ) -> tuple[list[int], torch.Tensor | None, float]:
+    def draft(
+        self,
+        seq_id: int,
+        new_token_ids: list[int],
+        num_tokens: int,
+        num_accepted: int,
+        hidden_states: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> tuple[list[int], torch.Tensor | None, float]:
         """Up to `num_tokens` draft ids (the final k), their [k, V] probabilities (None:
         one-hot / model-free) and the seconds spent proposing. `new_token_ids`: the tokens
         since the last call; `num_accepted`: how many drafts of its last answer the target
@@ -41,10 +50,16 @@ class Drafter(Protocol):
 
 
 class Verifier(Protocol):
-    def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
-               draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
-               max_new_tokens: int | None = None, hidden_layer_ids: tuple[int, ...] = (),
-               ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
+    def verify(
+        self,
+        seq_id: int,
+        new_token_ids: list[int],
+        draft_token_ids: list[int],
+        draft_probs: torch.Tensor | None,
+        sampling: SamplingParams | None,
+        max_new_tokens: int | None = None,
+        hidden_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
         """Emitted ids, forward seconds, the hidden states of the kept positions for
         `hidden_layer_ids`, and the emitted tokens' logprobs when the sequence's sampling
         parameters asked for them."""
@@ -109,8 +124,9 @@ def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
         raise RequestError(f"max_tokens={max_tokens} is above the model's limit of {max_model_len}")
 
 
-def draft_length(req: GenerationRequest, info: DrafterInfo, load: int, room: int,
-                 policy: AdaptiveDraftLength | None) -> int:
+def draft_length(
+    req: GenerationRequest, info: DrafterInfo, load: int, room: int, policy: AdaptiveDraftLength | None
+) -> int:
     """The one place a step's k is decided: the client's num_draft_tokens (validated at the
     start of the request) or the configured k; the batch-size schedule at the current load,
     except for a seeded request, whose output must not depend on who else is served; the
@@ -170,8 +186,11 @@ def generate(
         sampling = replace(sampling, synthetic_acceptance_rates=tuple(drafter.info.config.synthetic_acceptance_rates))
     # A seeded sampled request keeps a fixed draft length: adaptive k follows timings, and a
     # different k would change which random draws each token uses (no reproducibility).
-    policy = (AdaptiveDraftLength(drafter.info.num_speculative_tokens)
-              if speculate and adaptive and req.num_draft_tokens is None and not seeded(req) else None)
+    policy = (
+        AdaptiveDraftLength(drafter.info.num_speculative_tokens)
+        if speculate and adaptive and req.num_draft_tokens is None and not seeded(req)
+        else None
+    )
     layer_ids = extract_layer_ids or (drafter.info.hidden_layer_ids if speculate else ())
     hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
     # Wall time runs from step to step, so the caller's streaming of a step's output counts
@@ -194,8 +213,14 @@ def generate(
             start = time.perf_counter()
             try:
                 drafts, probs, draft_s = drafter.draft(
-                    seq_id, unseen_by_drafter, k, num_accepted, torch.cat(hidden_rows) if hidden_rows else None,
-                    req.sampling.temperature, req.sampling.seed)
+                    seq_id,
+                    unseen_by_drafter,
+                    k,
+                    num_accepted,
+                    torch.cat(hidden_rows) if hidden_rows else None,
+                    req.sampling.temperature,
+                    req.sampling.seed,
+                )
             except Exception as e:  # the target decides every token: carry on without drafts
                 log.warning("sequence %d: drafter failed, decoding plainly from here: %s", seq_id, e)
                 stats.fallback, speculate, layer_ids = f"drafter failed: {e}", False, extract_layer_ids
@@ -203,8 +228,9 @@ def generate(
             draft_wall = time.perf_counter() - start
             unseen_by_drafter, hidden_rows = [], []
         start = time.perf_counter()
-        emitted, verify_s, hidden, logprobs = verifier.verify(seq_id, unseen_by_verifier, drafts, probs, sampling,
-                                                              req.max_tokens if sampling else None, layer_ids)
+        emitted, verify_s, hidden, logprobs = verifier.verify(
+            seq_id, unseen_by_verifier, drafts, probs, sampling, req.max_tokens if sampling else None, layer_ids
+        )
         verify_wall = time.perf_counter() - start
         if hidden is not None and speculate:
             hidden_rows.append(hidden)
@@ -235,7 +261,12 @@ def generate(
         now = time.perf_counter()
         stats.total_s += now - clock
         clock = now
-        yield StepOutput(taken, text.take(final=finish is not None), finish,
-                         hidden if extract_layer_ids else None, logprobs and logprobs[: len(taken)])
+        yield StepOutput(
+            taken,
+            text.take(final=finish is not None),
+            finish,
+            hidden if extract_layer_ids else None,
+            logprobs and logprobs[: len(taken)],
+        )
         if finish:
             return

@@ -5,11 +5,13 @@ A proposer is batched from the start: it gets the sequences that need drafts in 
 and returns one draft per sequence. State per sequence (n-gram indexes, suffix trees, KV
 caches) is keyed by the sequence id and dropped in `release`.
 """
+
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -157,8 +159,7 @@ def registered_methods() -> list[str]:
 def proposer_class(method: str) -> Callable[..., Proposer]:
     if method not in _REGISTRY:
         raise ValueError(
-            f"speculative method {method!r} has no drafter backend here; "
-            f"available: {', '.join(registered_methods())}"
+            f"speculative method {method!r} has no drafter backend here; available: {', '.join(registered_methods())}"
         )
     module_name, _, cls_name = _REGISTRY[method].partition(":")
     return getattr(importlib.import_module(module_name), cls_name)

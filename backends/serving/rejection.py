@@ -40,8 +40,7 @@ PLACEHOLDER_TOKEN_ID = rk.PLACEHOLDER_TOKEN_ID
 # --- sampling parameters ----------------------------------------------------------------------
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask ``logits`` [N, V] to -inf outside each row's top-k, then outside its top-p nucleus.
 
     Per-row ``top_k`` <= 0 or >= V and ``top_p`` = 1 disable the filter for that row. As in vLLM,
@@ -66,9 +65,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, ascending)
 
 
-def apply_temperature_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor,
-                                  top_k: torch.Tensor | None = None,
-                                  top_p: torch.Tensor | None = None) -> torch.Tensor:
+def apply_temperature_top_k_top_p(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Target probabilities [N, V] (float32) from logits [N, V] and per-row parameters [N].
 
     Greedy rows (temperature < 1e-5) are divided by 1, as vLLM does; their probabilities go unused.
@@ -92,10 +94,15 @@ def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
 # --- rejection sampling -----------------------------------------------------------------------
 
 
-def rejection_sample(draft_token_ids: list[int], target_logits: torch.Tensor,
-                     draft_probs: torch.Tensor | None = None, temperature: float = 0.0,
-                     top_k: int | None = None, top_p: float | None = None,
-                     generator: torch.Generator | None = None) -> list[int]:
+def rejection_sample(
+    draft_token_ids: list[int],
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """Verify one request's drafts: returns the accepted drafts plus the recovered or bonus token.
 
     ``target_logits``: [len(drafts) + 1, V]; ``draft_probs``: [len(drafts), V] or None;
@@ -105,17 +112,27 @@ def rejection_sample(draft_token_ids: list[int], target_logits: torch.Tensor,
         return _greedy_accept_one(draft_token_ids, target_logits)
     device = target_logits.device
     return rejection_sample_batch(
-        torch.tensor(draft_token_ids, dtype=torch.int64, device=device), [len(draft_token_ids)],
-        target_logits, draft_probs, torch.tensor([temperature]),
+        torch.tensor(draft_token_ids, dtype=torch.int64, device=device),
+        [len(draft_token_ids)],
+        target_logits,
+        draft_probs,
+        torch.tensor([temperature]),
         # Disabled filters are dropped, not applied as no-ops (vLLM skips them too): saves a sort.
         top_k=torch.tensor([top_k]) if top_k is not None and top_k > 0 else None,
         top_p=torch.tensor([top_p]) if top_p is not None and top_p < 1 else None,
-        generators=None if generator is None else {0: generator})[0]
+        generators=None if generator is None else {0: generator},
+    )[0]
 
 
-def synthetic_sample(draft_token_ids: list[int], target_logits: torch.Tensor, rates: list[float],
-                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                     generator: torch.Generator | None = None) -> list[int]:
+def synthetic_sample(
+    draft_token_ids: list[int],
+    target_logits: torch.Tensor,
+    rates: list[float],
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """vLLM's synthetic acceptance (`rejection_sample_method: "synthetic"`, for benchmarking a
     drafter's speed at a chosen acceptance, NOT lossless): draft i is accepted with the
     conditional probability rates[i] / rates[i - 1] (rates[0] first), whatever the target
@@ -131,15 +148,24 @@ def synthetic_sample(draft_token_ids: list[int], target_logits: torch.Tensor, ra
     return emitted + [_target_token(target_logits[-1], temperature, top_k, top_p, generator)]
 
 
-def _target_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                  generator: torch.Generator | None, exclude: int = -1) -> int:
+def _target_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    exclude: int = -1,
+) -> int:
     """The target's token at one row: the argmax when greedy, else a sample (`exclude`: a
     rejected draft that cannot be drawn, the residual of a one-hot draft)."""
     if temperature < GREEDY_TEMPERATURE_EPS:
         return int(logits.float().argmax())
-    probs = apply_temperature_top_k_top_p(logits[None], torch.tensor([temperature]),
-                                          None if top_k is None else torch.tensor([top_k]),
-                                          None if top_p is None else torch.tensor([top_p]))[0]
+    probs = apply_temperature_top_k_top_p(
+        logits[None],
+        torch.tensor([temperature]),
+        None if top_k is None else torch.tensor([top_k]),
+        None if top_p is None else torch.tensor([top_p]),
+    )[0]
     if 0 <= exclude < probs.numel() and probs[exclude] < 1:
         probs[exclude] = 0.0
     return int(torch.multinomial(probs, 1, generator=generator))
@@ -152,8 +178,7 @@ def _greedy_accept_one(draft_token_ids: list[int], target_logits: torch.Tensor) 
     if num_drafts > MAX_SPEC_LEN:
         raise ValueError(f"num_draft_tokens must be in [0, {MAX_SPEC_LEN}], got [{num_drafts}]")
     if target_logits.dim() != 2 or target_logits.shape[0] != num_drafts + 1:
-        raise ValueError(f"target_logits must have shape ({num_drafts + 1}, V), "
-                         f"got {tuple(target_logits.shape)}")
+        raise ValueError(f"target_logits must have shape ({num_drafts + 1}, V), got {tuple(target_logits.shape)}")
     if min(draft_token_ids) < -1 or max(draft_token_ids) >= target_logits.shape[-1]:
         raise ValueError(f"draft token ids must be -1 or in [0, {target_logits.shape[-1]})")
     target = target_logits.float().argmax(dim=-1).tolist()  # bf16 argmax is 3x slower on CPU
@@ -165,11 +190,16 @@ def _greedy_accept_one(draft_token_ids: list[int], target_logits: torch.Tensor) 
     return accepted + [target[-1]]
 
 
-def rejection_sample_batch(draft_token_ids: torch.Tensor, num_draft_tokens: list[int],
-                           target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
-                           temperature: torch.Tensor, top_k: torch.Tensor | None = None,
-                           top_p: torch.Tensor | None = None,
-                           generators: dict[int, torch.Generator] | None = None) -> list[list[int]]:
+def rejection_sample_batch(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: list[int],
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+) -> list[list[int]]:
     """Verify a batch of requests, greedy and random mixed, in vLLM V1's layout.
 
     ``draft_token_ids``: [sum(n_i)] int64, flattened; ``num_draft_tokens``: n_i per request;
@@ -177,8 +207,7 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, num_draft_tokens: list
     ``top_k``, ``top_p``: [batch] (top-k / top-p may be None); ``generators``: request index ->
     generator on the logits' device, for seeded requests.
     """
-    _check_inputs(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature,
-                  top_k, top_p)
+    _check_inputs(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, top_k, top_p)
     batch_size, num_tokens = len(num_draft_tokens), sum(num_draft_tokens)
     max_spec_len = max(num_draft_tokens, default=0)
     vocab_size = target_logits.shape[-1]
@@ -197,35 +226,37 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, num_draft_tokens: list
     is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
 
     logits = target_logits.float()
-    out = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
-                     device=device)
+    out = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
     bonus = logits[bonus_rows].argmax(dim=-1)  # greedy requests' bonus; random ones resample it
     if not all(greedy):
         row_req_ids = req_ids.repeat_interleave(counts + 1)
         probs = apply_temperature_top_k_top_p(
-            logits, temperature.to(device)[row_req_ids],
+            logits,
+            temperature.to(device)[row_req_ids],
             None if top_k is None else top_k.to(device)[row_req_ids],
-            None if top_p is None else top_p.to(device)[row_req_ids])
+            None if top_p is None else top_p.to(device)[row_req_ids],
+        )
         bonus_noise, uniform_probs, recovered_noise = _draw_random_inputs(
-            num_draft_tokens, greedy, generators or {}, vocab_size, device)
+            num_draft_tokens, greedy, generators or {}, vocab_size, device
+        )
         # Exponential race: argmax(p / E) is a sample of p.
         sampled_bonus = (probs[bonus_rows] * bonus_noise).argmax(dim=-1)
         bonus = torch.where(is_greedy, bonus, sampled_bonus)
         target_probs = probs[draft_rows]
         if draft_probs is not None:
             draft_probs = draft_probs.to(device, torch.float32)
-        recovered = sample_recovered_tokens(drafts, draft_req_ids, target_probs, draft_probs,
-                                            recovered_noise, is_greedy)
+        recovered = sample_recovered_tokens(
+            drafts, draft_req_ids, target_probs, draft_probs, recovered_noise, is_greedy
+        )
         # p and q at each draft token; a -1 draft reads column 0 but is rejected regardless.
         at_draft = drafts.clamp_min(0).unsqueeze(1)
         p_at_draft = target_probs.gather(1, at_draft).squeeze(1)
-        q_at_draft = (torch.ones_like(p_at_draft) if draft_probs is None
-                      else draft_probs.gather(1, at_draft).squeeze(1))
-        random_accept(out, cu_num_draft_tokens, drafts, p_at_draft, q_at_draft, uniform_probs,
-                      recovered, bonus, is_greedy)
+        q_at_draft = torch.ones_like(p_at_draft) if draft_probs is None else draft_probs.gather(1, at_draft).squeeze(1)
+        random_accept(
+            out, cu_num_draft_tokens, drafts, p_at_draft, q_at_draft, uniform_probs, recovered, bonus, is_greedy
+        )
     if any(greedy):
-        greedy_accept(out, cu_num_draft_tokens, drafts, logits[draft_rows].argmax(dim=-1), bonus,
-                      is_greedy)
+        greedy_accept(out, cu_num_draft_tokens, drafts, logits[draft_rows].argmax(dim=-1), bonus, is_greedy)
     return parse_output(out)
 
 
@@ -241,9 +272,13 @@ def accept_functions(device: torch.device) -> tuple[Callable, Callable, Callable
     return rk.greedy_accept_ref, rk.random_accept_ref, rk.sample_recovered_tokens_ref
 
 
-def _draw_random_inputs(num_draft_tokens: list[int], greedy: list[bool],
-                        generators: dict[int, torch.Generator], vocab_size: int,
-                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _draw_random_inputs(
+    num_draft_tokens: list[int],
+    greedy: list[bool],
+    generators: dict[int, torch.Generator],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bonus noise [batch, V], float64 uniforms [sum(n_i)], recovered noise [batch, V].
 
     Only random requests draw; greedy rows are never read. Noise is returned as 1/E, E ~ Exp(1), so
@@ -260,7 +295,7 @@ def _draw_random_inputs(num_draft_tokens: list[int], greedy: list[bool],
             generator = generators.get(req)
             # Uniforms, made exponential below (torch's exponential_ is ~6x slower on CPU).
             bonus_noise[req].uniform_(generator=generator)
-            uniform_probs[start:start + num_drafts].uniform_(generator=generator)
+            uniform_probs[start : start + num_drafts].uniform_(generator=generator)
             if num_drafts:
                 recovered_noise[req].uniform_(generator=generator)
         start += num_drafts
@@ -273,25 +308,29 @@ def _inverse_exponential(uniform: torch.Tensor) -> torch.Tensor:
     return exponential.clamp_min_(torch.finfo(torch.float32).tiny).reciprocal_()
 
 
-def _check_inputs(draft_token_ids: torch.Tensor, num_draft_tokens: list[int],
-                  target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
-                  temperature: torch.Tensor, top_k: torch.Tensor | None,
-                  top_p: torch.Tensor | None) -> None:
+def _check_inputs(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: list[int],
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> None:
     batch_size, num_tokens = len(num_draft_tokens), sum(num_draft_tokens)
     vocab_size = target_logits.shape[-1]
     if min(num_draft_tokens, default=0) < 0 or max(num_draft_tokens, default=0) > MAX_SPEC_LEN:
         raise ValueError(f"num_draft_tokens must be in [0, {MAX_SPEC_LEN}], got {num_draft_tokens}")
     if draft_token_ids.shape != (num_tokens,):
-        raise ValueError(f"draft_token_ids must have shape ({num_tokens},), "
-                         f"got {tuple(draft_token_ids.shape)}")
+        raise ValueError(f"draft_token_ids must have shape ({num_tokens},), got {tuple(draft_token_ids.shape)}")
     if num_tokens and ((draft_token_ids < -1) | (draft_token_ids >= vocab_size)).any():
         raise ValueError(f"draft token ids must be -1 or in [0, {vocab_size})")
     if target_logits.dim() != 2 or target_logits.shape[0] != num_tokens + batch_size:
-        raise ValueError(f"target_logits must have shape ({num_tokens + batch_size}, V), "
-                         f"got {tuple(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must have shape ({num_tokens + batch_size}, V), got {tuple(target_logits.shape)}"
+        )
     if draft_probs is not None and draft_probs.shape != (num_tokens, vocab_size):
-        raise ValueError(f"draft_probs must have shape ({num_tokens}, {vocab_size}), "
-                         f"got {tuple(draft_probs.shape)}")
+        raise ValueError(f"draft_probs must have shape ({num_tokens}, {vocab_size}), got {tuple(draft_probs.shape)}")
     for name, param in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
         if param is not None and param.shape != (batch_size,):
             raise ValueError(f"{name} must have shape ({batch_size},), got {tuple(param.shape)}")
@@ -312,8 +351,7 @@ class AcceptanceStats:
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Record one step (num_accepted = emitted tokens - 1); steps without drafts are skipped."""
         if not 0 <= num_accepted <= num_drafted:
-            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted=}, "
-                             f"{num_drafted=}")
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted=}, {num_drafted=}")
         if num_drafted == 0:
             return
         self.num_drafts += 1

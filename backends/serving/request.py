@@ -5,12 +5,14 @@ as tensors, inside the `sampling_parameters` JSON (numbers may be strings, as ge
 sends them), or as request parameters (HTTP `/generate` puts unknown keys there). Explicit
 tensors win over `sampling_parameters`, which wins over request parameters.
 """
+
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 
 class RequestError(ValueError):
@@ -52,31 +54,44 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0 or bool(self.logit_bias) or bool(self.bad_words_ids))
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or bool(self.bad_words_ids)
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
 
     @classmethod
-    def from_json(cls, text: str) -> "SamplingParams":
+    def from_json(cls, text: str) -> SamplingParams:
         """The orchestrator's parameters as the verifier receives them, checked again: the
         verifier must not trust what reaches it (RequestError names the bad field)."""
         try:
             params = cls(**_tuples(json.loads(text)))
         except (TypeError, ValueError, RecursionError) as e:
             raise RequestError(f"malformed sampling parameters: {str(e)[:200]}") from None
-        for name, value, low, high in (("temperature", params.temperature, 0, MAX_FLOAT32),
-                                       ("top_k", params.top_k, 1, MAX_INT32),
-                                       ("top_p", params.top_p, 0, 1),
-                                       ("seed", params.seed, 0, 2**63 - 1)):
+        for name, value, low, high in (
+            ("temperature", params.temperature, 0, MAX_FLOAT32),
+            ("top_k", params.top_k, 1, MAX_INT32),
+            ("top_p", params.top_p, 0, 1),
+            ("seed", params.seed, 0, 2**63 - 1),
+        ):
             integral = name in ("top_k", "seed")
             if value is None and name != "temperature":
                 continue
-            if (isinstance(value, bool) or not isinstance(value, int if integral else (int, float))
-                    or not low <= value <= high):
-                raise RequestError(f"sampling parameter {name} must be {'an integer' if integral else 'a number'} "
-                                   f"in [{low}, {high}], got {_shown(value)}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int if integral else (int, float))
+                or not low <= value <= high
+            ):
+                raise RequestError(
+                    f"sampling parameter {name} must be {'an integer' if integral else 'a number'} "
+                    f"in [{low}, {high}], got {_shown(value)}"
+                )
         _check_token_controls(params)
         return params
 
@@ -151,8 +166,9 @@ def _to_str_list(name: str, v: Any) -> list[str]:
         raise RequestError(f"{name}: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     longest = max(stops, key=len, default="")
     if len(longest) > MAX_STOP_CHARS:
-        raise RequestError(f"{name}: a stop string may have at most {MAX_STOP_CHARS} characters, "
-                           f"got one of {len(longest)}")
+        raise RequestError(
+            f"{name}: a stop string may have at most {MAX_STOP_CHARS} characters, got one of {len(longest)}"
+        )
     return stops
 
 
@@ -269,9 +285,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
 def _collect(source: str, values: dict[str, Any], into: dict[str, Any]) -> None:
     for key, value in values.items():
         if key not in _KEYS:
-            raise RequestError(
-                f"unknown key {_shown(key)} in {source}; supported: {', '.join(sorted(_KEYS))}"
-            )
+            raise RequestError(f"unknown key {_shown(key)} in {source}; supported: {', '.join(sorted(_KEYS))}")
         name, convert = _KEYS[key]
         converted = convert(key, value)
         if name:
@@ -290,9 +304,7 @@ def _parse_json_object(source: str, text: str) -> dict[str, Any]:
     return value
 
 
-def parse_request(
-    tensors: dict[str, Any], parameters_json: str = "", sampling_json: str = ""
-) -> GenerationRequest:
+def parse_request(tensors: dict[str, Any], parameters_json: str = "", sampling_json: str = "") -> GenerationRequest:
     """Build a GenerationRequest from decoded input tensors (python scalars/lists),
     the request's parameters JSON and the `sampling_parameters` JSON."""
     prompt = tensors.get("text_input")
@@ -377,8 +389,9 @@ def _check_controls(values: dict[str, Any], max_tokens: int) -> None:
         raise RequestError(f"stop_token_ids must be token ids (>= 0), got {values['stop_token_ids']}")
 
 
-def bind_token_ids(req: GenerationRequest, tokenizer: Any, eos_token_ids: set[int],
-                   vocab_size: int) -> GenerationRequest:
+def bind_token_ids(
+    req: GenerationRequest, tokenizer: Any, eos_token_ids: set[int], vocab_size: int
+) -> GenerationRequest:
     """What needs the served model: token ids checked against its vocabulary, bad words
     tokenized (vLLM's way), and the tokens min_tokens holds back (EOS unless ignore_eos,
     and stop_token_ids), all in the sampling parameters the verifier receives."""
@@ -387,8 +400,11 @@ def bind_token_ids(req: GenerationRequest, tokenizer: Any, eos_token_ids: set[in
         if outside:
             raise RequestError(f"{where}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
     held = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
-    sampling = replace(req.sampling, bad_words_ids=bad_words_token_ids(req.bad_words, tokenizer),
-                       min_tokens_stop_ids=tuple(sorted(held)) if req.sampling.min_tokens else ())
+    sampling = replace(
+        req.sampling,
+        bad_words_ids=bad_words_token_ids(req.bad_words, tokenizer),
+        min_tokens_stop_ids=tuple(sorted(held)) if req.sampling.min_tokens else (),
+    )
     return replace(req, sampling=sampling)
 
 
@@ -416,5 +432,7 @@ MAX_PROMPT_CHARS_PER_TOKEN = 64
 def check_prompt_size(prompt: str, max_model_len: int) -> None:
     limit = MAX_PROMPT_CHARS_PER_TOKEN * max_model_len
     if len(prompt) > limit:
-        raise RequestError(f"text_input has {len(prompt)} characters, more than fit the context window of "
-                           f"{max_model_len} tokens (at most {limit} characters are accepted)")
+        raise RequestError(
+            f"text_input has {len(prompt)} characters, more than fit the context window of "
+            f"{max_model_len} tokens (at most {limit} characters are accepted)"
+        )

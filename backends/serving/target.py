@@ -10,6 +10,7 @@ After a step the cache covers every token but the last emitted one (that token h
 through the model yet); rejected drafts are cut off (the pool: a shorter length, no copy),
 so the cache never holds a token that is not part of the output.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,6 @@ from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sa
 from backends.serving.request import SamplingParams
 
 log = logging.getLogger("tritonspec.target")
-
-
 
 
 @dataclass
@@ -77,7 +76,7 @@ class _Step:
     """One sequence's part of a verify call."""
 
     req: VerifyRequest
-    seq: "_Sequence"
+    seq: _Sequence
     pending: list[int]  # tokens not yet through the model: the prompt, or the last emitted one
 
     @property
@@ -101,22 +100,28 @@ def check_sliding_window(config, max_model_len: int) -> None:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or []
     windowed = "sliding_attention" in layer_types or (
-        bool(window) and getattr(config, "use_sliding_window", True) is not False)
+        bool(window) and getattr(config, "use_sliding_window", True) is not False
+    )
     if windowed and window and window < max_model_len:
         raise ValueError(
             f"the target uses sliding-window attention over {window} tokens, below its context of "
             f"{max_model_len}; this server does not run windowed attention: serve it with max_model_len "
-            f"<= {window} (tritonspec serve --max-model-len {window}, or the max_model_len parameter)")
+            f"<= {window} (tritonspec serve --max-model-len {window}, or the max_model_len parameter)"
+        )
 
 
 def _check_token_controls(sampling: SamplingParams, vocab_size: int) -> None:
     """Token ids of the sequence's controls must index the logits."""
-    ids = ([t for t, _ in sampling.logit_bias] + [t for word in sampling.bad_words_ids for t in word]
-           + list(sampling.min_tokens_stop_ids))
+    ids = (
+        [t for t, _ in sampling.logit_bias]
+        + [t for word in sampling.bad_words_ids for t in word]
+        + list(sampling.min_tokens_stop_ids)
+    )
     outside = [t for t in ids if not 0 <= t < vocab_size]
     if outside:
-        raise SequenceError(f"token id {outside[0]} in the sampling parameters is outside the vocabulary "
-                            f"[0, {vocab_size})")
+        raise SequenceError(
+            f"token id {outside[0]} in the sampling parameters is outside the vocabulary [0, {vocab_size})"
+        )
     if sampling.logprobs is not None and sampling.logprobs > vocab_size:
         raise SequenceError(f"logprobs={sampling.logprobs} is above the vocabulary size {vocab_size}")
 
@@ -155,8 +160,11 @@ class TargetRunner:
         # What idleness is measured on; the Triton verifier counts only the time it waits for
         # work (sequence_model.IdleClock), so a step queued behind others never looks idle.
         self.clock: Callable[[], float] = time.monotonic
-        self.kv_budget_tokens = (int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.model.config, dtype))
-                                 if kv_cache_memory_gb else None)
+        self.kv_budget_tokens = (
+            int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.model.config, dtype))
+            if kv_cache_memory_gb
+            else None
+        )
         self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb)
         if self.pool is not None:
             self.kv_budget_tokens = self.pool.capacity_tokens
@@ -174,10 +182,16 @@ class TargetRunner:
             log.info("target runs through transformers: %s", e)
             return None, None
         # Without a budget: room for 8 sequences at the full context window.
-        pool = (lean.new_pool(memory_gb=memory_gb) if memory_gb
-                else lean.new_pool(capacity_tokens=8 * (self.max_model_len + MAX_SPEC_LEN)))
-        log.info("target runs on the lean runtime: KV pool of %d tokens (%.2f GB)", pool.capacity_tokens,
-                 pool.capacity_tokens * pool.bytes_per_token / 2**30)
+        pool = (
+            lean.new_pool(memory_gb=memory_gb)
+            if memory_gb
+            else lean.new_pool(capacity_tokens=8 * (self.max_model_len + MAX_SPEC_LEN))
+        )
+        log.info(
+            "target runs on the lean runtime: KV pool of %d tokens (%.2f GB)",
+            pool.capacity_tokens,
+            pool.capacity_tokens * pool.bytes_per_token / 2**30,
+        )
         return lean, pool
 
     @property
@@ -225,8 +239,9 @@ class TargetRunner:
             try:
                 batched = self._forward_batch([step for _, step in running])
             except Exception:
-                log.exception("a batched verification of %d sequences failed; verifying them one at a time",
-                              len(running))
+                log.exception(
+                    "a batched verification of %d sequences failed; verifying them one at a time", len(running)
+                )
             else:
                 for (i, step), result in zip(running, batched):
                     results[i] = self._fail(step.req.seq_id, result) if isinstance(result, Exception) else result
@@ -249,7 +264,7 @@ class TargetRunner:
         log.warning("sequence %d: verification failed", seq_id, exc_info=error)
         return SequenceError(f"sequence {seq_id}: verification failed: {type(error).__name__}: {error}")
 
-    def _prepare(self, req: VerifyRequest) -> "_Step":
+    def _prepare(self, req: VerifyRequest) -> _Step:
         seq = self.sequences.get(req.seq_id)
         if seq is None and not req.new_token_ids:
             raise SequenceError(f"sequence {req.seq_id} is unknown (ended or timed out)")
@@ -278,21 +293,25 @@ class TargetRunner:
         if probs is not None:
             expected = (len(req.draft_token_ids), self.logits_size)
             if tuple(probs.shape) != expected:
-                raise SequenceError(f"{where}: draft_probs must have shape {list(expected)} (one row over the "
-                                    f"vocabulary per draft), got {list(probs.shape)}")
+                raise SequenceError(
+                    f"{where}: draft_probs must have shape {list(expected)} (one row over the "
+                    f"vocabulary per draft), got {list(probs.shape)}"
+                )
             if not probs.dtype.is_floating_point or not torch.isfinite(probs).all() or (probs < 0).any():
                 raise SequenceError(f"{where}: draft_probs must be finite, non-negative probabilities")
         bad_layers = [i for i in req.hidden_layer_ids if not -1 <= i <= self.num_layers]
         if bad_layers:
             raise SequenceError(f"{where}: hidden layer id {bad_layers[0]} is not in [-1, {self.num_layers}]")
         if len(req.hidden_layer_ids) > self.num_layers + 2:
-            raise SequenceError(f"{where}: {len(req.hidden_layer_ids)} hidden layer ids; this target has "
-                                f"{self.num_layers + 2} (-1 and 0..{self.num_layers})")
+            raise SequenceError(
+                f"{where}: {len(req.hidden_layer_ids)} hidden layer ids; this target has "
+                f"{self.num_layers + 2} (-1 and 0..{self.num_layers})"
+            )
         max_new = req.max_new_tokens
         if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
             raise SequenceError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
 
-    def _forward_one(self, step: "_Step") -> VerifyResult:
+    def _forward_one(self, step: _Step) -> VerifyResult:
         if self.lean is not None:
             result = self._forward_batch([step])[0]
             if isinstance(result, Exception):
@@ -316,7 +335,7 @@ class TargetRunner:
             result.hidden_states = select_hidden(out.hidden_states, 0, step.num_kept(result), step.req.hidden_layer_ids)
         return result
 
-    def _forward_lean(self, steps: list["_Step"]) -> list[VerifyResult | Exception]:
+    def _forward_lean(self, steps: list[_Step]) -> list[VerifyResult | Exception]:
         """One ragged forward of the lean runtime over every step; each sequence's pool length
         then drops back to what it keeps (its pending tokens and accepted drafts)."""
         layers = sorted({i for step in steps for i in step.req.hidden_layer_ids})
@@ -340,7 +359,7 @@ class TargetRunner:
             results.append(result)
         return results
 
-    def _forward_batch(self, steps: list["_Step"]) -> list[VerifyResult | Exception]:
+    def _forward_batch(self, steps: list[_Step]) -> list[VerifyResult | Exception]:
         """One forward over several running sequences. Their caches are left-padded to the
         longest and stacked; inputs are right-padded; the attention mask hides both pads and
         explicit positions keep each sequence's own RoPE offsets. The kept part of the new
@@ -388,7 +407,7 @@ class TargetRunner:
             results.append(result)
         return results
 
-    def _accept(self, step: "_Step", logits: torch.Tensor, forward_s: float) -> VerifyResult:
+    def _accept(self, step: _Step, logits: torch.Tensor, forward_s: float) -> VerifyResult:
         """Accept/reject the step's drafts against its logit rows; commit the tokens."""
         seq, drafts = step.seq, step.req.draft_token_ids
         raw = logits
@@ -396,8 +415,15 @@ class TargetRunner:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             logits = process_logits(logits, seq.sampling, seq.token_ids[seq.num_prompt_tokens :], drafts, prompt)
         if seq.sampling.synthetic_acceptance_rates and drafts:
-            emitted = synthetic_sample(drafts, logits, list(seq.sampling.synthetic_acceptance_rates),
-                                       seq.sampling.temperature, seq.sampling.top_k, seq.sampling.top_p, seq.generator)
+            emitted = synthetic_sample(
+                drafts,
+                logits,
+                list(seq.sampling.synthetic_acceptance_rates),
+                seq.sampling.temperature,
+                seq.sampling.top_k,
+                seq.sampling.top_p,
+                seq.generator,
+            )
         else:
             emitted = rejection_sample(
                 drafts,
@@ -416,8 +442,9 @@ class TargetRunner:
     def _start(self, req: VerifyRequest) -> _Sequence:
         # Reserve the worst case up front (prompt + every new token + a full draft), so a
         # running sequence never runs out of room: new sequences are refused instead.
-        reserve = min(self.max_model_len, len(req.new_token_ids) + (req.max_new_tokens or self.max_model_len)
-                      + MAX_SPEC_LEN)
+        reserve = min(
+            self.max_model_len, len(req.new_token_ids) + (req.max_new_tokens or self.max_model_len) + MAX_SPEC_LEN
+        )
         if self.pool is not None:
             self.pool.admit(req.seq_id, reserve)
         elif self.kv_budget_tokens is not None and self.reserved_tokens + reserve > self.kv_budget_tokens:

@@ -1,5 +1,6 @@
 """Drafter-head training (`tritonspec train`): the corpus, the target's data, one loop, and
 one HeadTrainer per method. Importing this package stays light (no torch)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -27,10 +27,12 @@ row of the mask token (the rarest token in the training data), which is learned 
 as `mask_embedding.pt` where the layout leaves the embedding out (DFlash), or in the written
 embedding (DSpark's layout carries it).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,7 @@ from backends.methods.dspark import DSparkHead
 from backends.methods.dspark import default_config as dspark_config
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
-from backends.training.eagle import Eagle3Trainer, init_layer, target_layer, draft_vocabulary
+from backends.training.eagle import Eagle3Trainer, draft_vocabulary, init_layer, target_layer
 from backends.training.steps import StepTrainer, draft_labels
 from backends.training.trainer import Batch
 
@@ -80,8 +82,12 @@ class DFlashTrainer(StepTrainer):
         return tuple(sorted(aux_layer_ids({}, {"num_hidden_layers": target.num_layers})))
 
     def config(self, target: TargetInfo, mask_token_id: int, num_drafts: int) -> dict[str, Any]:
-        return dflash_config(target, mask_token_id=mask_token_id, block_size=num_drafts + 1,
-                             target_layer_ids=[i - 1 for i in self.layer_ids(target)])  # 0-based layer outputs
+        return dflash_config(
+            target,
+            mask_token_id=mask_token_id,
+            block_size=num_drafts + 1,
+            target_layer_ids=[i - 1 for i in self.layer_ids(target)],
+        )  # 0-based layer outputs
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> DFlashHead:
         mask = int(torch.bincount(data.token_ids, minlength=target.vocab_size).argmin())
@@ -109,8 +115,15 @@ class DFlashTrainer(StepTrainer):
         head.embed_tokens = MaskEmbedding(head.embed_tokens.weight, mask)
         return head
 
-    def predictions(self, head: DFlashHead, batch: Batch, rows: torch.Tensor, anchors: torch.Tensor,
-                    depth: torch.Tensor, num_steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def predictions(
+        self,
+        head: DFlashHead,
+        batch: Batch,
+        rows: torch.Tensor,
+        anchors: torch.Tensor,
+        depth: torch.Tensor,
+        num_steps: int,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # `anchors` are the last context positions t; the block's anchor token is x_{t+1}.
         size, width = head.block_size, batch.token_ids.shape[1]
         kv = head.context_kv(head.context(batch.hidden), batch.positions)
@@ -119,8 +132,9 @@ class DFlashTrainer(StepTrainer):
         block_ids[:, 0] = batch.token_ids[rows, anchors + 1]
         positions = batch.positions[rows, anchors + 1][:, None] + torch.arange(size)
         key_positions = torch.cat([batch.positions[rows], positions], dim=1)
-        key_valid = torch.cat([torch.arange(width)[None] <= anchors[:, None],
-                               torch.ones(len(rows), size, dtype=torch.bool)], dim=1)
+        key_valid = torch.cat(
+            [torch.arange(width)[None] <= anchors[:, None], torch.ones(len(rows), size, dtype=torch.bool)], dim=1
+        )
         out = head(block_ids, positions, context, key_positions, key_valid)
         alive, state = torch.arange(len(rows)), None
         for d, slot in enumerate(list(head.draft_slots)[:num_steps]):
@@ -128,12 +142,19 @@ class DFlashTrainer(StepTrainer):
             alive = alive[keep]
             state = state[keep] if state is not None else None
             ahead = rows[alive], anchors[alive] + 1 + d
-            logits, state = self.chain_logits(head, head.logits(out[alive, slot]).float(),
-                                              batch.token_ids[ahead], out[alive, slot], state)
+            logits, state = self.chain_logits(
+                head, head.logits(out[alive, slot]).float(), batch.token_ids[ahead], out[alive, slot], state
+            )
             yield logits, draft_labels(head, batch.labels[ahead])
 
-    def chain_logits(self, head: DFlashHead, logits: torch.Tensor, prev: torch.Tensor, hidden: torch.Tensor,
-                     state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def chain_logits(
+        self,
+        head: DFlashHead,
+        logits: torch.Tensor,
+        prev: torch.Tensor,
+        hidden: torch.Tensor,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A slot's logits given the token before its draft (DFlash: independent of it)."""
         return logits, None
 
@@ -153,9 +174,14 @@ class DSparkTrainer(DFlashTrainer):
     head_class = DSparkHead
 
     def config(self, target: TargetInfo, mask_token_id: int, num_drafts: int) -> dict[str, Any]:
-        return dspark_config(target, mask_token_id=mask_token_id, block_size=num_drafts,
-                             target_layer_ids=[i - 1 for i in self.layer_ids(target)], markov_rank=MARKOV_RANK,
-                             confidence_head=False)
+        return dspark_config(
+            target,
+            mask_token_id=mask_token_id,
+            block_size=num_drafts,
+            target_layer_ids=[i - 1 for i in self.layer_ids(target)],
+            markov_rank=MARKOV_RANK,
+            confidence_head=False,
+        )
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> DSparkHead:
         head = super().build(target, data, options)

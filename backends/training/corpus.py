@@ -6,6 +6,7 @@ greedy continuations. The benchmark prompts (`client/data/bench_prompts.json`) a
 held-out evaluation set: `check_held_out` refuses a training prompt that shares a run of
 words with any of them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,53 +21,225 @@ CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 BENCH_PROMPTS = Path(__file__).resolve().parents[2] / "client" / "data" / "bench_prompts.json"
 
 TOPICS = [
-    "photosynthesis", "volcanoes", "the water cycle", "compound interest", "black holes", "the printing press",
-    "vaccines", "plate tectonics", "the internet", "honey bees", "electric cars", "the moon landing",
-    "recycling", "the human heart", "rainbows", "solar panels", "the Roman aqueducts", "coral reefs",
-    "machine learning", "the stock market", "earthquakes", "the immune system", "bicycles", "chess",
-    "the ancient pyramids", "climate change", "sleep", "coffee", "the periodic table", "democracy",
-    "tides", "bread baking", "friction", "the speed of light", "migratory birds", "batteries",
-    "the Renaissance", "gravity", "supply and demand", "rain forests", "password security", "glaciers",
-    "the telephone", "meditation", "DNA", "wind turbines", "inflation", "the Olympic games",
-    "octopuses", "magnets", "the Silk Road", "deserts", "public libraries", "thunderstorms",
-    "compilers", "the metric system", "origami", "time zones", "recursion", "sourdough", "satellites",
-    "the violin", "penguins", "antibiotics", "opera", "lighthouses", "spreadsheets", "fungi",
-    "the Great Wall of China", "typewriters", "open source software", "clouds", "bridges", "trains",
+    "photosynthesis",
+    "volcanoes",
+    "the water cycle",
+    "compound interest",
+    "black holes",
+    "the printing press",
+    "vaccines",
+    "plate tectonics",
+    "the internet",
+    "honey bees",
+    "electric cars",
+    "the moon landing",
+    "recycling",
+    "the human heart",
+    "rainbows",
+    "solar panels",
+    "the Roman aqueducts",
+    "coral reefs",
+    "machine learning",
+    "the stock market",
+    "earthquakes",
+    "the immune system",
+    "bicycles",
+    "chess",
+    "the ancient pyramids",
+    "climate change",
+    "sleep",
+    "coffee",
+    "the periodic table",
+    "democracy",
+    "tides",
+    "bread baking",
+    "friction",
+    "the speed of light",
+    "migratory birds",
+    "batteries",
+    "the Renaissance",
+    "gravity",
+    "supply and demand",
+    "rain forests",
+    "password security",
+    "glaciers",
+    "the telephone",
+    "meditation",
+    "DNA",
+    "wind turbines",
+    "inflation",
+    "the Olympic games",
+    "octopuses",
+    "magnets",
+    "the Silk Road",
+    "deserts",
+    "public libraries",
+    "thunderstorms",
+    "compilers",
+    "the metric system",
+    "origami",
+    "time zones",
+    "recursion",
+    "sourdough",
+    "satellites",
+    "the violin",
+    "penguins",
+    "antibiotics",
+    "opera",
+    "lighthouses",
+    "spreadsheets",
+    "fungi",
+    "the Great Wall of China",
+    "typewriters",
+    "open source software",
+    "clouds",
+    "bridges",
+    "trains",
 ]
 
 INSTRUCTIONS = [
-    "Explain {} in simple terms.", "Give me three facts about {}.", "Write a short paragraph about {}.",
-    "What are the pros and cons of {}?", "Summarize what you know about {} in two sentences.",
-    "Why is {} important?", "Write a haiku about {}.", "Describe {} to someone who has never heard of it.",
-    "List five words related to {}.", "What is a common misconception about {}?",
-    "Write a short story that involves {}.", "How would you teach a child about {}?",
-    "Give a one-sentence definition of {}.", "What questions would a student ask about {}?",
+    "Explain {} in simple terms.",
+    "Give me three facts about {}.",
+    "Write a short paragraph about {}.",
+    "What are the pros and cons of {}?",
+    "Summarize what you know about {} in two sentences.",
+    "Why is {} important?",
+    "Write a haiku about {}.",
+    "Describe {} to someone who has never heard of it.",
+    "List five words related to {}.",
+    "What is a common misconception about {}?",
+    "Write a short story that involves {}.",
+    "How would you teach a child about {}?",
+    "Give a one-sentence definition of {}.",
+    "What questions would a student ask about {}?",
 ]
 
-COUNTRIES = [("Spain", "Madrid"), ("Germany", "Berlin"), ("Japan", "Tokyo"), ("Canada", "Ottawa"),
-             ("Egypt", "Cairo"), ("Brazil", "Brasilia"), ("Norway", "Oslo"), ("Kenya", "Nairobi"),
-             ("Peru", "Lima"), ("Greece", "Athens"), ("Poland", "Warsaw"), ("Chile", "Santiago")]
+COUNTRIES = [
+    ("Spain", "Madrid"),
+    ("Germany", "Berlin"),
+    ("Japan", "Tokyo"),
+    ("Canada", "Ottawa"),
+    ("Egypt", "Cairo"),
+    ("Brazil", "Brasilia"),
+    ("Norway", "Oslo"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Greece", "Athens"),
+    ("Poland", "Warsaw"),
+    ("Chile", "Santiago"),
+]
 
-ITEMS = ["carrot", "violin", "maple", "granite", "teapot", "comet", "lantern", "walnut", "harbor", "pepper",
-         "saddle", "meadow", "copper", "pillow", "falcon", "ribbon", "canyon", "pebble", "tulip", "anchor"]
+ITEMS = [
+    "carrot",
+    "violin",
+    "maple",
+    "granite",
+    "teapot",
+    "comet",
+    "lantern",
+    "walnut",
+    "harbor",
+    "pepper",
+    "saddle",
+    "meadow",
+    "copper",
+    "pillow",
+    "falcon",
+    "ribbon",
+    "canyon",
+    "pebble",
+    "tulip",
+    "anchor",
+]
 
 # Standard-library modules whose documented functions become code prompts.
-CODE_MODULES = ["textwrap", "statistics", "fractions", "heapq", "bisect", "calendar", "shutil", "glob",
-                "fnmatch", "difflib", "ipaddress", "colorsys", "base64", "html/__init__", "random", "posixpath",
-                "string", "csv", "json/__init__", "quopri", "shlex", "tokenize", "copy", "functools", "operator",
-                "filecmp", "gettext", "locale", "mimetypes", "netrc", "ntpath", "pprint", "secrets", "uuid",
-                "zipfile/__init__", "tarfile", "imghdr", "wave", "plistlib", "urllib/parse", "email/utils"]
+CODE_MODULES = [
+    "textwrap",
+    "statistics",
+    "fractions",
+    "heapq",
+    "bisect",
+    "calendar",
+    "shutil",
+    "glob",
+    "fnmatch",
+    "difflib",
+    "ipaddress",
+    "colorsys",
+    "base64",
+    "html/__init__",
+    "random",
+    "posixpath",
+    "string",
+    "csv",
+    "json/__init__",
+    "quopri",
+    "shlex",
+    "tokenize",
+    "copy",
+    "functools",
+    "operator",
+    "filecmp",
+    "gettext",
+    "locale",
+    "mimetypes",
+    "netrc",
+    "ntpath",
+    "pprint",
+    "secrets",
+    "uuid",
+    "zipfile/__init__",
+    "tarfile",
+    "imghdr",
+    "wave",
+    "plistlib",
+    "urllib/parse",
+    "email/utils",
+]
 
 
 # How the target's own requests begin (`data.self_written_prompts`): a spread of openings
 # keeps sampled requests from collapsing onto the few the model likes best.
 OPENINGS = [
-    "Write a Python function", "Write a Python script", "How do I", "How can I", "What is", "What are",
-    "Explain", "Can you explain", "Can you help me", "Give me", "Why do", "Why is", "Write a short",
-    "Summarize", "List", "Compare", "Describe", "Create a", "I'm trying to", "I need", "What's the difference",
-    "Suggest", "Tell me about", "Write an email", "Write a poem", "Help me write", "Is it true that",
-    "Rewrite", "Translate", "Fix this Python code:", "What happens when", "Plan", "Write a story",
-    "In Python,", "Write a function that", "Outline", "Which", "When should I", "Teach me",
+    "Write a Python function",
+    "Write a Python script",
+    "How do I",
+    "How can I",
+    "What is",
+    "What are",
+    "Explain",
+    "Can you explain",
+    "Can you help me",
+    "Give me",
+    "Why do",
+    "Why is",
+    "Write a short",
+    "Summarize",
+    "List",
+    "Compare",
+    "Describe",
+    "Create a",
+    "I'm trying to",
+    "I need",
+    "What's the difference",
+    "Suggest",
+    "Tell me about",
+    "Write an email",
+    "Write a poem",
+    "Help me write",
+    "Is it true that",
+    "Rewrite",
+    "Translate",
+    "Fix this Python code:",
+    "What happens when",
+    "Plan",
+    "Write a story",
+    "In Python,",
+    "Write a function that",
+    "Outline",
+    "Which",
+    "When should I",
+    "Teach me",
 ]
 
 
@@ -76,11 +249,18 @@ def chat_prompts(rng: random.Random) -> list[str]:
         prompts.append(
             CHAT.format(f"Which city is the capital of {country}?")
             + f"{capital} is the capital city of {country}.<|im_end|>\n"
-            + CHAT.format(f"Now {other}, please, in the same form."))
+            + CHAT.format(f"Now {other}, please, in the same form.")
+        )
     for _ in range(40):
         words = rng.sample(ITEMS, 6)
-        task = rng.choice(["Sort this list alphabetically", "Rewrite this list in capital letters",
-                           "Write one sentence using each of these words", "Number these items"])
+        task = rng.choice(
+            [
+                "Sort this list alphabetically",
+                "Rewrite this list in capital letters",
+                "Write one sentence using each of these words",
+                "Number these items",
+            ]
+        )
         prompts.append(CHAT.format(f"{task}: {', '.join(words)}."))
     return prompts
 
@@ -101,13 +281,14 @@ def code_prompts(rng: random.Random) -> list[str]:
             if not doc or node.name.startswith("_"):
                 continue
             summary = doc.strip().splitlines()[0].strip()
-            header = "\n".join(lines[node.lineno - 1:node.body[0].lineno - 1])
+            header = "\n".join(lines[node.lineno - 1 : node.body[0].lineno - 1])
             if rng.random() < 0.5:
                 prompts.append(f'{header}\n    """{summary}"""\n')
             else:
                 args = ", ".join(a.arg for a in node.args.args)
-                prompts.append(CHAT.format(f"Write a Python function {node.name}({args}). It should do this: "
-                                           f"{summary}"))
+                prompts.append(
+                    CHAT.format(f"Write a Python function {node.name}({args}). It should do this: {summary}")
+                )
     return prompts
 
 
@@ -117,14 +298,22 @@ def document_prompts(rng: random.Random) -> list[str]:
     prompts = []
     for name in CODE_MODULES:
         path = stdlib / f"{name}.py"
-        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8", errors="replace"))) \
-            if path.exists() else None
+        doc = (
+            ast.get_docstring(ast.parse(path.read_text(encoding="utf-8", errors="replace"))) if path.exists() else None
+        )
         if not doc or len(doc) < 120:
             continue
-        question = rng.choice(["What is this document about?", "Summarize the document in one sentence.",
-                               "Which functions or terms does the document mention?"])
-        prompts.append("<|im_start|>system\nReply from the given text only, citing its words.<|im_end|>\n"
-                       + CHAT.format(f"Document: {doc[:600]}\nQuestion: {question}"))
+        question = rng.choice(
+            [
+                "What is this document about?",
+                "Summarize the document in one sentence.",
+                "Which functions or terms does the document mention?",
+            ]
+        )
+        prompts.append(
+            "<|im_start|>system\nReply from the given text only, citing its words.<|im_end|>\n"
+            + CHAT.format(f"Document: {doc[:600]}\nQuestion: {question}")
+        )
     return prompts
 
 
@@ -138,7 +327,7 @@ def training_prompts(limit: int | None = None, seed: int = 0) -> list[str]:
 
 def _shingles(text: str, n: int = 6) -> set[tuple[str, ...]]:
     words = re.findall(r"\w+", re.sub(r"<\|im_(start|end)\|>(system|user|assistant)?", " ", text).lower())
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 @functools.cache
@@ -157,5 +346,6 @@ def check_held_out(prompts: list[str]) -> None:
     for prompt in prompts:
         shared = overlaps_held_out(prompt)
         if shared:
-            raise ValueError(f"training prompt overlaps the held-out benchmark prompts ({' '.join(min(shared))!r}): "
-                             f"{prompt[:80]!r}")
+            raise ValueError(
+                f"training prompt overlaps the held-out benchmark prompts ({' '.join(min(shared))!r}): {prompt[:80]!r}"
+            )

@@ -11,6 +11,7 @@ All stages are cached under the data directory and resumable:
   and the target's argmax there (the token it would emit next). Recomputed only when a head
   asks for a layer the file lacks.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,11 +65,12 @@ def generate(target: Path, data_dir: Path, prompts: list[str], max_new_tokens: i
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="target answers", unit="prompt")
         with path.open("a") as out:
             for start in range(0, len(todo), batch_size):
-                batch = todo[start:start + batch_size]
+                batch = todo[start : start + batch_size]
                 enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True)
                 with torch.inference_mode():
-                    gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, top_k=None,
-                                         top_p=None, pad_token_id=pad)
+                    gen = model.generate(
+                        **enc, max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, pad_token_id=pad
+                    )
                 width = enc["input_ids"].shape[1]
                 for row, i in enumerate(batch):
                     prompt_ids = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
@@ -82,8 +84,7 @@ def generate(target: Path, data_dir: Path, prompts: list[str], max_new_tokens: i
     return sorted((d for d in done if d["prompt"] < len(prompts)), key=lambda d: d["prompt"])
 
 
-def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: int = 32,
-                         seed: int = 0) -> list[str]:
+def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: int = 32, seed: int = 0) -> list[str]:
     """`count` user requests written by the target (cached in self_prompts.json): inside a
     user turn the target continues an opening from `OPENINGS`, sampled; a request counts once
     the target ends the turn, repeats and overlaps with the benchmark prompts are dropped."""
@@ -104,18 +105,28 @@ def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: i
     idle = 0  # batches in a row that gave nothing usable
     while len(prompts) < count:
         if idle == 4:
-            raise ValueError(f"{target} stopped writing usable requests after {len(prompts)} of {count} (none of "
-                             f"its last {4 * batch_size} ended its turn or was new); use fewer --self-prompts")
+            raise ValueError(
+                f"{target} stopped writing usable requests after {len(prompts)} of {count} (none of "
+                f"its last {4 * batch_size} ended its turn or was new); use fewer --self-prompts"
+            )
         before = len(prompts)
         openings = [rng.choice(OPENINGS) for _ in range(batch_size)]
         enc = tokenizer([system + o for o in openings], return_tensors="pt", padding=True)
         with torch.inference_mode():
-            gen = model.generate(**enc, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95, top_k=None,
-                                 eos_token_id=end, pad_token_id=tokenizer.pad_token_id)
-        for opening, row in zip(openings, gen[:, enc["input_ids"].shape[1]:].tolist()):
+            gen = model.generate(
+                **enc,
+                max_new_tokens=64,
+                do_sample=True,
+                temperature=0.8,
+                top_p=0.95,
+                top_k=None,
+                eos_token_id=end,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        for opening, row in zip(openings, gen[:, enc["input_ids"].shape[1] :].tolist()):
             if end not in row or len(prompts) == count:
                 continue  # ran out of tokens mid-request, or enough already
-            request = (opening + tokenizer.decode(row[:row.index(end)])).strip()
+            request = (opening + tokenizer.decode(row[: row.index(end)])).strip()
             prompt = CHAT.format(request)
             if len(request) < len(opening) + 12 or prompt in seen or overlaps_held_out(prompt):
                 continue
@@ -141,9 +152,10 @@ def _check_prompts(data_dir: Path, prompts: list[str]) -> None:
     """Answers are stored by prompt index: refuse a data directory made for other prompts."""
     path = data_dir / "prompts.json"
     known = json.loads(path.read_text()) if path.exists() else []
-    if known[:len(prompts)] != prompts[:len(known)]:
-        raise ValueError(f"{data_dir} holds the target's answers to other prompts; "
-                         "choose another --data-dir for this prompt list")
+    if known[: len(prompts)] != prompts[: len(known)]:
+        raise ValueError(
+            f"{data_dir} holds the target's answers to other prompts; choose another --data-dir for this prompt list"
+        )
     if len(prompts) > len(known):
         path.write_text(json.dumps(prompts, indent=0))
 
@@ -157,20 +169,22 @@ def _eos_ids(model, tokenizer) -> list[int]:
 def _until_eos(ids: list[int], eos: set[int]) -> list[int]:
     for n, token in enumerate(ids):
         if token in eos:
-            return ids[:n + 1]
+            return ids[: n + 1]
     return ids
 
 
-def target_states(target: Path, data_dir: Path, records: list[dict], layer_ids: tuple[int, ...],
-                  batch_size: int = 8) -> TrainingData:
+def target_states(
+    target: Path, data_dir: Path, records: list[dict], layer_ids: tuple[int, ...], batch_size: int = 8
+) -> TrainingData:
     """Hidden states of `layer_ids` and the target's argmax at every position (cached)."""
     path = data_dir / "states.safetensors"
     from safetensors.torch import load_file, save_file
 
     if path.exists():
         cached = load_file(path)
-        if (all(f"hidden.{i}" in cached for i in layer_ids)
-                and cached["offsets"][-1] == sum(len(r["token_ids"]) for r in records)):
+        if all(f"hidden.{i}" in cached for i in layer_ids) and cached["offsets"][-1] == sum(
+            len(r["token_ids"]) for r in records
+        ):
             return _as_data(cached, layer_ids)
         layer_ids = tuple(sorted(set(layer_ids) | {int(k.split(".")[1]) for k in cached if k.startswith("hidden.")}))
     model = load_causal_lm(target, "float32")
@@ -179,13 +193,13 @@ def target_states(target: Path, data_dir: Path, records: list[dict], layer_ids: 
     order = sorted(range(len(records)), key=lambda i: len(records[i]["token_ids"]))  # little padding
     per_record: dict[int, tuple] = {}
     for start in tqdm(range(0, len(order), batch_size), desc="target hidden states", unit="batch"):
-        batch = [records[i]["token_ids"] for i in order[start:start + batch_size]]
+        batch = [records[i]["token_ids"] for i in order[start : start + batch_size]]
         width = max(map(len, batch))
         ids = torch.tensor([s + [0] * (width - len(s)) for s in batch])
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch])
         with torch.inference_mode():
             out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        for row, i in enumerate(order[start:start + batch_size]):
+        for row, i in enumerate(order[start : start + batch_size]):
             n = len(batch[row])
             states = select_hidden(out.hidden_states, row, n, layer_ids).to(torch.bfloat16)
             per_record[i] = (states, out.logits[row, :n].argmax(-1))
@@ -207,13 +221,25 @@ def target_states(target: Path, data_dir: Path, records: list[dict], layer_ids: 
 
 
 def _as_data(tensors: dict[str, torch.Tensor], layer_ids: tuple[int, ...]) -> TrainingData:
-    return TrainingData(tensors["token_ids"], tensors["labels"], {i: tensors[f"hidden.{i}"] for i in layer_ids},
-                        tensors["offsets"], tensors["prompt_lens"])
+    return TrainingData(
+        tensors["token_ids"],
+        tensors["labels"],
+        {i: tensors[f"hidden.{i}"] for i in layer_ids},
+        tensors["offsets"],
+        tensors["prompt_lens"],
+    )
 
 
-def prepare(target: Path, data_dir: Path, layer_ids: tuple[int, ...], num_prompts: int | None = None,
-            max_new_tokens: int = 128, batch_size: int = 16, prompts: list[str] | None = None,
-            self_prompts: int = 0) -> TrainingData:
+def prepare(
+    target: Path,
+    data_dir: Path,
+    layer_ids: tuple[int, ...],
+    num_prompts: int | None = None,
+    max_new_tokens: int = 128,
+    batch_size: int = 16,
+    prompts: list[str] | None = None,
+    self_prompts: int = 0,
+) -> TrainingData:
     """Generate (or reuse) the target's answers to the first `num_prompts` prompts (default:
     the built-in training prompts) followed by `self_prompts` requests the target writes
     itself, then (or reuse) their hidden states."""

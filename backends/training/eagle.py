@@ -20,6 +20,7 @@ the head starts by passing the target's state through), EAGLE-3's norm and lm_he
 final norm and LM head rows; embeddings (and EAGLE-1's LM head) stay the target's, frozen,
 and are not written out (both loaders borrow them from the target).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,11 +45,29 @@ CE_POSITIONS = 1024  # token-loss positions per step while training (the LM head
 def head_config(target: TargetInfo, **extra: Any) -> dict[str, Any]:
     """A one-layer Llama config.json shaped like the target's (as the published heads are)."""
     t = json.loads((target.path / "config.json").read_text())
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "rope_parameters", "rope_theta", "max_position_embeddings", "hidden_act",
-            "vocab_size", "bos_token_id", "eos_token_id")
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **{k: t[k] for k in keep if k in t},
-           "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    keep = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_parameters",
+        "rope_theta",
+        "max_position_embeddings",
+        "hidden_act",
+        "vocab_size",
+        "bos_token_id",
+        "eos_token_id",
+    )
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **{k: t[k] for k in keep if k in t},
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
     return {**cfg, **extra}
 
 
@@ -80,8 +99,8 @@ def init_layer(layer: nn.Module, source: dict[str, torch.Tensor]) -> None:
             if param.shape == weight.shape:
                 param.copy_(weight)
             elif param.shape[1] == 2 * weight.shape[1]:  # EAGLE-3: [embedding | hidden] input
-                param[:, weight.shape[1]:].copy_(weight)
-                param[:, :weight.shape[1]].mul_(0.1)
+                param[:, weight.shape[1] :].copy_(weight)
+                param[:, : weight.shape[1]].mul_(0.1)
 
 
 def _freeze_target_parts(head: EagleHead, target: TargetInfo, own_lm_head: bool) -> None:
@@ -137,8 +156,9 @@ def loss_positions(ok: torch.Tensor, training: bool, limit: int = CE_POSITIONS) 
     return where
 
 
-def draft_vocabulary(data: TrainingData, target: TargetInfo, size: int,
-                     method: str) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_vocabulary(
+    data: TrainingData, target: TargetInfo, size: int, method: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft vocabulary: the `size` tokens the target emits most often (target ids, in
     order), and each target id's draft id (-1: not in it)."""
     size = min(size, target.vocab_size)
@@ -160,7 +180,7 @@ class EagleTrainerBase(HeadTrainer):
         for s, (out, target, ok) in enumerate(unroll(head, batch, num_steps)):
             where = loss_positions(ok, head.training, self.ce_positions)
             token, hits = position_token_loss(head.logits(out[where]), self.draft_labels(head, target[where]))
-            total = total + STEP_DECAY ** s * self.step_loss(head, batch, s, out, ok, token)
+            total = total + STEP_DECAY**s * self.step_loss(head, batch, s, out, ok, token)
             correct.append(hits)
             counted.append(len(where[0]))
         return StepMetrics(total, correct, counted)
@@ -203,14 +223,13 @@ class Eagle1Trainer(EagleTrainerBase):
     def step_loss(self, head, batch, s, out, ok, token_loss):
         # The target's final state at the position this step drafts from: h_{t+s}.
         t = out.shape[1]
-        wanted = F.pad(batch.hidden[:, s + 1:, 0], (0, 0, 0, s))[:, :t]
+        wanted = F.pad(batch.hidden[:, s + 1 :, 0], (0, 0, 0, s))[:, :t]
         scale = head.feature_scale
         feature = F.smooth_l1_loss(out[ok] / scale, wanted[ok] / scale) if ok.any() else out.sum() * 0
         return FEATURE_LOSS * feature + TOKEN_LOSS * token_loss
 
     def save(self, head: Eagle1Head, out: Path) -> None:
-        state = {k: v for k, v in head.state_dict().items()
-                 if k.startswith(("fc.", "layers.")) and "rotary" not in k}
+        state = {k: v for k, v in head.state_dict().items() if k.startswith(("fc.", "layers.")) and "rotary" not in k}
         _write(out, head.saved_config, state)
 
 
@@ -261,5 +280,7 @@ def _write(out: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state.items()},
-              out / "model.safetensors")
+    save_file(
+        {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state.items()},
+        out / "model.safetensors",
+    )

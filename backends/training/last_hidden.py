@@ -24,11 +24,13 @@ most of the first stage's input; the LM head is the target's, the norm's scale t
 final norm, the projections the identity. The format has no draft vocabulary, so each batch
 trains on fewer anchors. Written with `save_mlp_speculator`.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +39,7 @@ from backends.methods.head_checkpoint import TargetInfo
 from backends.methods.medusa import MedusaHead, save_medusa
 from backends.methods.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
 from backends.training.data import TrainingData
-from backends.training.eagle import CE_POSITIONS, Eagle3Trainer, target_layer, draft_vocabulary
+from backends.training.eagle import CE_POSITIONS, Eagle3Trainer, draft_vocabulary, target_layer
 from backends.training.steps import StepTrainer, draft_labels, served_copy
 from backends.training.trainer import Batch
 
@@ -46,8 +48,15 @@ class _LastHiddenTrainer(StepTrainer):
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
         return (-1,)
 
-    def predictions(self, head: nn.Module, batch: Batch, rows: torch.Tensor, anchors: torch.Tensor,
-                    depth: torch.Tensor, num_steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def predictions(
+        self,
+        head: nn.Module,
+        batch: Batch,
+        rows: torch.Tensor,
+        anchors: torch.Tensor,
+        depth: torch.Tensor,
+        num_steps: int,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         last = batch.token_ids.shape[1] - 1
         state = head.begin(batch.hidden[rows, anchors, 0])
         for d in range(min(num_steps, head.num_steps)):
@@ -90,8 +99,16 @@ class MLPSpeculatorTrainer(_LastHiddenTrainer):
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> MLPSpeculatorHead:
         n = int(options.get("num_steps", 3))
-        config = {"emb_dim": target.hidden_size, "inner_dim": 0, "vocab_size": target.vocab_size, "n_predict": n,
-                  "tie_weights": n > 1, "scale_input": True, "top_k_tokens_per_head": [1] * n, "n_candidates": 1}
+        config = {
+            "emb_dim": target.hidden_size,
+            "inner_dim": 0,
+            "vocab_size": target.vocab_size,
+            "n_predict": n,
+            "tie_weights": n > 1,
+            "scale_input": True,
+            "top_k_tokens_per_head": [1] * n,
+            "n_candidates": 1,
+        }
         head = MLPSpeculatorHead(config, target)
         embed = target.weight("embed").float()
         with torch.no_grad():

@@ -13,6 +13,7 @@ head (`shared_head.head`) are the target's, frozen, and not written out (the loa
 them). Written with `save_mtp` in the DeepSeek layout (`model.layers.{L}.*`, model_type
 `deepseek_mtp`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from backends.methods.head_checkpoint import TargetInfo
 from backends.methods.mtp import MTPHead, save_mtp
 from backends.training.data import TrainingData
-from backends.training.eagle import CE_POSITIONS, EagleTrainerBase, init_layer, target_layer, head_config
+from backends.training.eagle import CE_POSITIONS, EagleTrainerBase, head_config, init_layer, target_layer
 from backends.training.steps import served_copy
 
 

@@ -15,15 +15,16 @@ loss is the cross entropy per step, later steps weighted down as in EAGLE (and M
 In training a random sample of anchors is used (the LM heads dominate CPU time), in
 evaluation all of them, in chunks.
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from backends.training.eagle import CE_POSITIONS, STEP_DECAY, position_token_loss, loss_positions
+from backends.training.eagle import CE_POSITIONS, STEP_DECAY, loss_positions, position_token_loss
 from backends.training.trainer import Batch, HeadTrainer, StepMetrics
 
 
@@ -55,8 +56,15 @@ class StepTrainer(HeadTrainer):
 
     anchors_per_batch = CE_POSITIONS  # training anchors per batch (each costs a vocabulary projection per step)
 
-    def predictions(self, head: nn.Module, batch: Batch, rows: torch.Tensor, anchors: torch.Tensor,
-                    depth: torch.Tensor, num_steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def predictions(
+        self,
+        head: nn.Module,
+        batch: Batch,
+        rows: torch.Tensor,
+        anchors: torch.Tensor,
+        depth: torch.Tensor,
+        num_steps: int,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """For anchors (rows[i], anchors[i]) with `depth[i]` greedy tokens after them, yield per
         draft step d < num_steps the logits and the labels (draft vocabulary) where depth > d."""
         raise NotImplementedError
@@ -64,15 +72,18 @@ class StepTrainer(HeadTrainer):
     def loss(self, head: nn.Module, batch: Batch, num_steps: int) -> StepMetrics:
         chain = greedy_chain(batch)
         rows, anchors = loss_positions(chain > 0, head.training, self.anchors_per_batch)
-        chunks = [slice(None)] if head.training else [slice(i, i + self.anchors_per_batch)
-                                                      for i in range(0, len(rows), self.anchors_per_batch)]
+        chunks = (
+            [slice(None)]
+            if head.training
+            else [slice(i, i + self.anchors_per_batch) for i in range(0, len(rows), self.anchors_per_batch)]
+        )
         total = torch.zeros(())
         correct, counted = [0] * num_steps, [0] * num_steps
         for chunk in chunks:
             r, a = rows[chunk], anchors[chunk]
             for d, (logits, labels) in enumerate(self.predictions(head, batch, r, a, chain[r, a], num_steps)):
                 ce, hits = position_token_loss(logits, labels)
-                total = total + STEP_DECAY ** d * ce
+                total = total + STEP_DECAY**d * ce
                 correct[d] += hits
                 counted[d] += len(labels)
         return StepMetrics(total, correct, counted)

@@ -15,6 +15,7 @@ gives, per draft step, the head's top-1 agreement with the target there and the 
 mean acceptance length of a chain of that many drafts (1 + sum of the running products).
 The benchmark prompts (`tritonspec bench`) are a second, independent held-out set.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training import TRAINERS
 from backends.training.data import TrainingData, prepare
+
 
 @dataclass
 class Batch:
@@ -102,19 +104,33 @@ def make_batch(data: TrainingData, spans: list[tuple[int, int]], layer_ids: tupl
     return Batch(pad(data.token_ids), pad(data.labels), hidden, positions, valid)
 
 
-def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int = 2, lr: float = 1e-3,
-          batch_tokens: int = 1024, window: int = 256, num_steps: int | None = None, num_prompts: int | None = None,
-          max_new_tokens: int = 128,
-          held_out: float = 0.05, save_every: int = 20, seed: int = 0, options: dict | None = None,
-          prompts: list[str] | None = None, self_prompts: int = 0) -> dict:
+def train(
+    method: str,
+    target: Path,
+    out: Path,
+    *,
+    data_dir: Path,
+    epochs: int = 2,
+    lr: float = 1e-3,
+    batch_tokens: int = 1024,
+    window: int = 256,
+    num_steps: int | None = None,
+    num_prompts: int | None = None,
+    max_new_tokens: int = 128,
+    held_out: float = 0.05,
+    save_every: int = 20,
+    seed: int = 0,
+    options: dict | None = None,
+    prompts: list[str] | None = None,
+    self_prompts: int = 0,
+) -> dict:
     """Train `method`'s head for `target` on its answers to `prompts` (default: the built-in
     training prompts) and to `self_prompts` requests it writes itself; write it to `out` in
     the published layout and return the report (also written as `out/training_report.json`)."""
     trainer, info = head_trainer(method), TargetInfo.load(target)
     num_steps = num_steps or trainer.num_steps
     layer_ids = trainer.layer_ids(info)
-    data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens, prompts=prompts,
-                   self_prompts=self_prompts)
+    data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens, prompts=prompts, self_prompts=self_prompts)
     train_seqs, val_seqs = data.split(held_out)
     torch.manual_seed(seed)
     head = trainer.build(info, data, {"num_steps": num_steps, **(options or {})})
@@ -124,8 +140,9 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
     spans = windows(data, train_seqs, window)
     steps_per_epoch = math.ceil(len(spans) / per_batch)
     total = epochs * steps_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (
-        1 + math.cos(math.pi * min(s, total) / total)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+    )
     out.mkdir(parents=True, exist_ok=True)
     # The validation sequences' prompts (never trained on), for `tritonspec bench --prompt-file`.
     prompt_list = json.loads((data_dir / "prompts.json").read_text())
@@ -133,15 +150,25 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
     state_path = out / "train_state.pt"
     step, history = 0, []
     # A saved state continues only the run that made it: same data, same schedule.
-    settings = {"method": method, "epochs": epochs, "lr": lr, "batch_tokens": batch_tokens, "window": window,
-                "num_steps": num_steps, "seed": seed, "options": options or {},
-                "num_train_tokens": sum(b - a for a, b in spans)}
+    settings = {
+        "method": method,
+        "epochs": epochs,
+        "lr": lr,
+        "batch_tokens": batch_tokens,
+        "window": window,
+        "num_steps": num_steps,
+        "seed": seed,
+        "options": options or {},
+        "num_train_tokens": sum(b - a for a, b in spans),
+    }
     if state_path.exists():
         state = torch.load(state_path, weights_only=True)  # tensors and plain data: a file runs no code
         if state.get("settings") != settings:
             changed = sorted(k for k in settings if state.get("settings", {}).get(k) != settings[k])
-            raise ValueError(f"{state_path} belongs to a training run with other settings ({', '.join(changed)}); "
-                             "delete it to start over, or choose another --out")
+            raise ValueError(
+                f"{state_path} belongs to a training run with other settings ({', '.join(changed)}); "
+                "delete it to start over, or choose another --out"
+            )
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -154,7 +181,7 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
         epoch, index = divmod(step, steps_per_epoch)
         order = list(spans)
         random.Random(seed + epoch).shuffle(order)
-        batch = make_batch(data, order[index * per_batch:(index + 1) * per_batch], layer_ids)
+        batch = make_batch(data, order[index * per_batch : (index + 1) * per_batch], layer_ids)
         head.train()
         metrics = trainer.loss(head, batch, num_steps)
         optimizer.zero_grad()
@@ -164,36 +191,68 @@ def train(method: str, target: Path, out: Path, *, data_dir: Path, epochs: int =
         schedule.step()
         step += 1
         bar.update()
-        bar.set_postfix(loss=f"{metrics.loss.item():.3f}",
-                        acc="/".join(f"{c / max(n, 1):.2f}" for c, n in zip(metrics.correct, metrics.counted)))
+        bar.set_postfix(
+            loss=f"{metrics.loss.item():.3f}",
+            acc="/".join(f"{c / max(n, 1):.2f}" for c, n in zip(metrics.correct, metrics.counted)),
+        )
         if step % steps_per_epoch == 0 or step == total:
-            history.append({"epoch": epoch + 1, "step": step, **evaluate(trainer, head, data, val_seqs, layer_ids,
-                                                                        window, per_batch, num_steps)})
+            history.append(
+                {
+                    "epoch": epoch + 1,
+                    "step": step,
+                    **evaluate(trainer, head, data, val_seqs, layer_ids, window, per_batch, num_steps),
+                }
+            )
             tqdm.write(f"epoch {epoch + 1}: validation {history[-1]}")
         if step % save_every == 0 or step == total:
-            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(), "step": step, "history": history,
-                        "rng": torch.get_rng_state(), "settings": settings}, state_path)
+            torch.save(
+                {
+                    "head": head.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(),
+                    "step": step,
+                    "history": history,
+                    "rng": torch.get_rng_state(),
+                    "settings": settings,
+                },
+                state_path,
+            )
     bar.close()
     trainer.save(head, out)
-    report = {"method": method, "target": str(target), "epochs": epochs, "steps": total, "lr": lr,
-              "num_train_sequences": len(train_seqs), "num_validation_sequences": len(val_seqs),
-              "num_train_tokens": settings["num_train_tokens"], "train_seconds_this_run": time.monotonic() - started,
-              "history": history}
+    report = {
+        "method": method,
+        "target": str(target),
+        "epochs": epochs,
+        "steps": total,
+        "lr": lr,
+        "num_train_sequences": len(train_seqs),
+        "num_validation_sequences": len(val_seqs),
+        "num_train_tokens": settings["num_train_tokens"],
+        "train_seconds_this_run": time.monotonic() - started,
+        "history": history,
+    }
     (out / "training_report.json").write_text(json.dumps(report, indent=2))
     return report
 
 
 @torch.no_grad()
-def evaluate(trainer: HeadTrainer, head: nn.Module, data: TrainingData, sequences: list[int],
-             layer_ids: tuple[int, ...], window: int, per_batch: int, num_steps: int) -> dict:
+def evaluate(
+    trainer: HeadTrainer,
+    head: nn.Module,
+    data: TrainingData,
+    sequences: list[int],
+    layer_ids: tuple[int, ...],
+    window: int,
+    per_batch: int,
+    num_steps: int,
+) -> dict:
     """Per-step top-1 agreement with the target on held-out sequences, and the estimated mean
     acceptance length of a chain (step s is accepted only if steps 1..s are)."""
     head.eval()
     spans = windows(data, sequences, window)
     correct, counted = [0] * num_steps, [0] * num_steps
     for i in range(0, len(spans), per_batch):
-        m = trainer.loss(head, make_batch(data, spans[i:i + per_batch], layer_ids), num_steps)
+        m = trainer.loss(head, make_batch(data, spans[i : i + per_batch], layer_ids), num_steps)
         correct = [a + b for a, b in zip(correct, m.correct)]
         counted = [a + b for a, b in zip(counted, m.counted)]
     accuracy = [c / max(n, 1) for c, n in zip(correct, counted)]

@@ -1,5 +1,6 @@
 """Small helpers shared by the Triton-facing model classes (importable only inside the stub,
 where `triton_python_backend_utils` exists)."""
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,7 @@ SEQUENCE_END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 
 def setup_logging() -> None:
     # The stub's stdout/stderr land in the server log; give our loggers a plain format.
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s"
-    )
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -59,8 +58,9 @@ def initialize_model(args: dict) -> ModelSettings:
 def instance_device(args: dict, params: dict[str, str], log: logging.Logger) -> str:
     """The torch device of this model instance (backends/runtime/device.py's rule over its
     instance_group kind and GPU, the `device` parameter and $TRITONSPEC_DEVICE), logged."""
-    device, why = resolve_device(args.get("model_instance_kind", ""), args.get("model_instance_device_id", 0),
-                                 params.get("device", ""))
+    device, why = resolve_device(
+        args.get("model_instance_kind", ""), args.get("model_instance_device_id", 0), params.get("device", "")
+    )
     log.info("%s instance %s: device %s (%s)", args["model_name"], args.get("model_instance_name", ""), device, why)
     return device
 
@@ -90,8 +90,14 @@ def error_response(message: str) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
-def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str], seq_id: int,
-        flags: int = 0, parameters: dict | None = None) -> dict[str, np.ndarray]:
+def bls(
+    model_name: str,
+    inputs: dict[str, np.ndarray],
+    outputs: list[str],
+    seq_id: int,
+    flags: int = 0,
+    parameters: dict | None = None,
+) -> dict[str, np.ndarray]:
     """One synchronous BLS call into a sequence-batched, non-decoupled model."""
     request = pb_utils.InferenceRequest(
         model_name=model_name,
@@ -136,16 +142,22 @@ class SpecDecodeCounters:
         "drafts": ("tritonspec_spec_decode_num_drafts", "Verification steps that had drafts"),
         "draft_tokens": ("tritonspec_spec_decode_num_draft_tokens", "Draft tokens proposed"),
         "accepted": ("tritonspec_spec_decode_num_accepted_tokens", "Draft tokens accepted"),
-        "per_position": ("tritonspec_spec_decode_num_accepted_tokens_per_pos",
-                         "Draft tokens accepted at each draft position"),
-        "fallbacks": ("tritonspec_spec_decode_drafter_fallbacks",
-                      "Requests that stopped speculating because the drafter failed (decoded plainly)"),
+        "per_position": (
+            "tritonspec_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position",
+        ),
+        "fallbacks": (
+            "tritonspec_spec_decode_drafter_fallbacks",
+            "Requests that stopped speculating because the drafter failed (decoded plainly)",
+        ),
     }
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.families = {key: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
-                         for key, (name, text) in self._FAMILIES.items()}
+        self.families = {
+            key: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+            for key, (name, text) in self._FAMILIES.items()
+        }
         self.metrics: dict[tuple, Any] = {}
         self.lock = threading.Lock()
 
@@ -182,12 +194,77 @@ class ServingMetrics:
 
     # vLLM's buckets (vllm/v1/metrics/loggers.py); inter-token latency gains three finer ones,
     # since a speculative step's tokens arrive milliseconds apart.
-    TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-    ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-    E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0]
+    TTFT_BUCKETS = [
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        160.0,
+        640.0,
+        2560.0,
+    ]
+    ITL_BUCKETS = [
+        0.001,
+        0.0025,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+    ]
+    E2E_BUCKETS = [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+        120.0,
+        240.0,
+        480.0,
+        960.0,
+        1920.0,
+        7680.0,
+    ]
 
     def __init__(self, model_name: str, version: str) -> None:
         labels = {"model": model_name, "version": version}
@@ -200,15 +277,27 @@ class ServingMetrics:
 
         self.families: list = []
         self.prompt_tokens = metric("vllm:prompt_tokens_total", "Number of prefill tokens processed.", kinds.COUNTER)
-        self.generation_tokens = metric("vllm:generation_tokens_total", "Number of generation tokens processed.",
-                                        kinds.COUNTER)
-        self.ttft = metric("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                           kinds.HISTOGRAM, self.TTFT_BUCKETS)
-        self.itl = metric("vllm:inter_token_latency_seconds",
-                          "Histogram of inter-token latency in seconds (per step: its gap / its tokens).",
-                          kinds.HISTOGRAM, self.ITL_BUCKETS)
-        self.e2e = metric("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-                          kinds.HISTOGRAM, self.E2E_BUCKETS)
+        self.generation_tokens = metric(
+            "vllm:generation_tokens_total", "Number of generation tokens processed.", kinds.COUNTER
+        )
+        self.ttft = metric(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            kinds.HISTOGRAM,
+            self.TTFT_BUCKETS,
+        )
+        self.itl = metric(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds (per step: its gap / its tokens).",
+            kinds.HISTOGRAM,
+            self.ITL_BUCKETS,
+        )
+        self.e2e = metric(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            kinds.HISTOGRAM,
+            self.E2E_BUCKETS,
+        )
         self.running = metric("vllm:num_requests_running", "Number of requests being generated.", kinds.GAUGE)
         self.waiting = metric("vllm:num_requests_waiting", "Number of requests waiting for a worker.", kinds.GAUGE)
         self.updates: queue.Queue = queue.Queue()

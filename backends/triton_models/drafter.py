@@ -3,6 +3,7 @@ Triton's sequence batcher. Inputs per step: the tokens new since the last call, 
 orchestrator decided, how many drafts of the last answer were accepted, the request's
 temperature and seed, and the target's hidden states when the method reads them; outputs:
 the draft ids (and their probabilities when sampled)."""
+
 from __future__ import annotations
 
 import logging
@@ -34,18 +35,22 @@ class TritonPythonModel(SequenceBatchedModel):
             settings.params.get("speculative_config", ""), target_model=str(target), target_max_model_len=max_len
         )
         device = instance_device(args, settings.params, log)  # model-free methods ignore it
-        proposer = build_proposer(self.config, max_model_len=max_len, target_model=target,
-                                  dtype=settings.dtype, device=device)
+        proposer = build_proposer(
+            self.config, max_model_len=max_len, target_model=target, dtype=settings.dtype, device=device
+        )
         # The orchestrator learnt the layers from the config alone (describe_drafter): they must agree.
         described = describe_drafter(self.config, target).hidden_layer_ids
         if tuple(proposer.hidden_layer_ids) != described:
-            raise RuntimeError(f"{self.config.method} proposer asks for target layers {proposer.hidden_layer_ids}, "
-                               f"but its config describes {described}; a custom proposer declares "
-                               "hidden_layer_ids as a class attribute")
+            raise RuntimeError(
+                f"{self.config.method} proposer asks for target layers {proposer.hidden_layer_ids}, "
+                f"but its config describes {described}; a custom proposer declares "
+                "hidden_layer_ids as a class attribute"
+            )
         self.service = DraftService(proposer, self.config)
         self.init_sequences(args, settings.params, self.service)
-        log.info("drafter ready: method=%s k=%d device=%s", self.config.method,
-                 self.config.num_speculative_tokens, device)
+        log.info(
+            "drafter ready: method=%s k=%d device=%s", self.config.method, self.config.num_speculative_tokens, device
+        )
 
     def parse(self, request) -> DraftCall:
         hidden = input_array(request, "hidden_states")
@@ -77,10 +82,13 @@ class TritonPythonModel(SequenceBatchedModel):
         # verification needs q); greedy drafts are one-hot and send none.
         probs = draft.probs
         extra = [] if probs is None else [pb_utils.Tensor("draft_probs", probs.float().cpu().numpy()[None])]
-        return pb_utils.InferenceResponse(output_tensors=extra + [
-            pb_utils.Tensor("draft_ids", np.array([draft.token_ids], dtype=np.int64)),
-            pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
-        ])
+        return pb_utils.InferenceResponse(
+            output_tensors=extra
+            + [
+                pb_utils.Tensor("draft_ids", np.array([draft.token_ids], dtype=np.int64)),
+                pb_utils.Tensor("propose_ms", np.array([[propose_s * 1e3]], dtype=np.float64)),
+            ]
+        )
 
     @property
     def num_sequences(self) -> int:

@@ -1,5 +1,6 @@
 """Reading and writing string `parameters` of a config.pbtxt text (what the launcher patches
 and what the orchestrator reads of its drafter's entry at load)."""
+
 from __future__ import annotations
 
 import re

@@ -15,6 +15,7 @@ parameters would not do, Triton serves them on `/v2/models/<name>/config`. The s
 under `tritonspec serve`, a plain `tritonserver --model-repository model_repository` and a
 read-only repository (docker-compose mounts it so).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -44,9 +45,11 @@ def _check_private(path: Path, what: str) -> None:
     # Someone else's file or directory could hand us a token they know.
     info = path.lstat()
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077 or stat.S_ISLNK(info.st_mode):
-        raise PeerTokenError(f"{path}: the {what} holding the internal token must be owned by uid {os.getuid()} "
-                             "with no group or other access (chmod 700 / 600), or set TRITONSPEC_RUNTIME_DIR "
-                             "to a private directory")
+        raise PeerTokenError(
+            f"{path}: the {what} holding the internal token must be owned by uid {os.getuid()} "
+            "with no group or other access (chmod 700 / 600), or set TRITONSPEC_RUNTIME_DIR "
+            "to a private directory"
+        )
 
 
 def _process(pid: int) -> tuple[str, int, int]:

@@ -1,6 +1,7 @@
 """The orchestrator's handles on its BLS peers: the `drafter` and `verifier` models, one
 handle per sequence (START on the first call, END on release). They implement the
 `Drafter` / `Verifier` protocols of backends.serving.orchestrator over Triton."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -62,9 +63,16 @@ class BlsDrafter(SequencePeer):
         super().__init__(model_name, seq_id)
         self.info = info
 
-    def draft(self, seq_id: int, new_token_ids: list[int], num_tokens: int, num_accepted: int,
-              hidden_states: torch.Tensor | None = None, temperature: float = 1.0, seed: int | None = None,
-              ) -> tuple[list[int], torch.Tensor | None, float]:
+    def draft(
+        self,
+        seq_id: int,
+        new_token_ids: list[int],
+        num_tokens: int,
+        num_accepted: int,
+        hidden_states: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> tuple[list[int], torch.Tensor | None, float]:
         inputs = self._inputs(new_token_ids, num_tokens)
         inputs["num_accepted_drafts"] = np.array([[num_accepted]], dtype=np.int32)
         inputs["temperature"] = np.array([[temperature]], dtype=np.float32)
@@ -74,9 +82,11 @@ class BlsDrafter(SequencePeer):
             inputs["hidden_states"] = hidden_states.numpy()[None]
         out = self.call(inputs, ["draft_ids", "propose_ms", "draft_probs"])
         probs = out.get("draft_probs")
-        return (out["draft_ids"].reshape(-1).tolist(),
-                None if probs is None else torch.from_numpy(probs.reshape(probs.shape[-2:])),
-                float(out["propose_ms"].item()) / 1e3)
+        return (
+            out["draft_ids"].reshape(-1).tolist(),
+            None if probs is None else torch.from_numpy(probs.reshape(probs.shape[-2:])),
+            float(out["propose_ms"].item()) / 1e3,
+        )
 
     @staticmethod
     def _inputs(token_ids: list[int], num_tokens: int) -> dict:
@@ -92,10 +102,16 @@ class BlsDrafter(SequencePeer):
 class BlsVerifier(SequencePeer):
     logprobs = False  # the sequence asked for logprobs (its first step's sampling parameters)
 
-    def verify(self, seq_id: int, new_token_ids: list[int], draft_token_ids: list[int],
-               draft_probs: torch.Tensor | None, sampling: SamplingParams | None,
-               max_new_tokens: int | None = None, hidden_layer_ids: tuple[int, ...] = (),
-               ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
+    def verify(
+        self,
+        seq_id: int,
+        new_token_ids: list[int],
+        draft_token_ids: list[int],
+        draft_probs: torch.Tensor | None,
+        sampling: SamplingParams | None,
+        max_new_tokens: int | None = None,
+        hidden_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
         # The first step carries the sequence's sampling parameters and its KV reservation.
         params = {"sampling": sampling.to_json(), "max_new_tokens": max_new_tokens} if sampling else None
         if sampling:
@@ -112,9 +128,12 @@ class BlsVerifier(SequencePeer):
         out = self.call(inputs, outputs, params)
         hidden = out.get("hidden_states")
         token_ids = out["output_ids"].reshape(-1).tolist()
-        return (token_ids, float(out["forward_ms"].item()) / 1e3,
-                None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
-                logprobs_from_arrays(token_ids, out) if self.logprobs else None)
+        return (
+            token_ids,
+            float(out["forward_ms"].item()) / 1e3,
+            None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
+            logprobs_from_arrays(token_ids, out) if self.logprobs else None,
+        )
 
     @staticmethod
     def _inputs(token_ids: list[int], draft_ids: list[int]) -> dict:

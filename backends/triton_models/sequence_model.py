@@ -9,6 +9,7 @@ its own result or its own error; a failed sequence is released. Sequences idle f
 Only the `speculative` model of the same server may call these models: a request without
 its token (backends/triton_models/peer_token.py) is refused and touches no state.
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,7 +90,8 @@ class SequenceBatchedModel:
                 self.log.warning("refused a request for sequence %d without the internal token", seq_id)
                 responses[i] = error_response(
                     f"{self.role}: this model only serves the `speculative` model of this server (the request "
-                    "lacks its internal token); send generation requests to `speculative`")
+                    "lacks its internal token); send generation requests to `speculative`"
+                )
                 continue
             if request.flags() & SEQUENCE_END:
                 self.release(seq_id)

@@ -1,6 +1,7 @@
 """`speculative` model: the client-facing, decoupled orchestrator. Each request runs the
 draft -> verify loop of `backends.serving.orchestrator` in its own worker thread, calling the
 `drafter` and `verifier` models through (non-decoupled) BLS, and streams text back."""
+
 from __future__ import annotations
 
 import functools
@@ -46,10 +47,24 @@ from backends.triton_models.peers import BlsDrafter, BlsVerifier, SequencePeer
 
 log = logging.getLogger("tritonspec.speculative")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-TENSOR_INPUTS = ("text_input", "stream", "exclude_input_in_output", "max_tokens", "temperature",
-                 "top_k", "top_p", "random_seed", "num_draft_tokens", "ignore_eos", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "min_tokens", "min_length",
-                 *(f"return_{name}" for name in RETURN_OUTPUTS))
+TENSOR_INPUTS = (
+    "text_input",
+    "stream",
+    "exclude_input_in_output",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "random_seed",
+    "num_draft_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "min_length",
+    *(f"return_{name}" for name in RETURN_OUTPUTS),
+)
 LIST_INPUTS = ("stop_words", "bad_words")  # STRING [-1]
 
 
@@ -88,8 +103,9 @@ class TritonPythonModel:
         # A drafter call that takes longer is abandoned: that request decodes plainly from there.
         BlsDrafter.timeout_s = float(params.get("drafter_timeout_s", "30")) or None
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
-        self.extract_layer_ids = (self.drafter_info.hidden_layer_ids
-                                  if self.drafter_info and not self.drafter_info.proposes_drafts else ())
+        self.extract_layer_ids = (
+            self.drafter_info.hidden_layer_ids if self.drafter_info and not self.drafter_info.proposes_drafts else ()
+        )
         self.active_requests = 0
         self.adaptive = params.get("adaptive_draft_length", "true").lower() == "true"
         # With an extract_hidden_states drafter: also write each request's hidden states here.
@@ -105,8 +121,12 @@ class TritonPythonModel:
         self.outbox: queue.Queue = queue.Queue()
         self.sender_thread = threading.Thread(target=self._drain_outbox, name="spec-send", daemon=True)
         self.sender_thread.start()
-        log.info("speculative ready: verifier=%s drafter=%s context=%d",
-                 self.verifier_name, self.drafter_name or "(none: plain decoding)", self.max_model_len)
+        log.info(
+            "speculative ready: verifier=%s drafter=%s context=%d",
+            self.verifier_name,
+            self.drafter_name or "(none: plain decoding)",
+            self.max_model_len,
+        )
 
     def _describe_drafter(self, args: dict, target: Path) -> DrafterInfo | None:
         """What the drafter is (method, k, layers), from its config.pbtxt in this repository,
@@ -117,14 +137,22 @@ class TritonPythonModel:
             repository = repository.parent
         try:
             pbtxt = (repository / self.drafter_name / "config.pbtxt").read_text()
-            config = SpeculativeConfig.from_json(get_parameter(pbtxt, "speculative_config") or "",
-                                                 target_model=str(target), target_max_model_len=self.max_model_len)
+            config = SpeculativeConfig.from_json(
+                get_parameter(pbtxt, "speculative_config") or "",
+                target_model=str(target),
+                target_max_model_len=self.max_model_len,
+            )
             info = describe_drafter(config, target)
         except Exception as e:
             log.error("drafter %r: %s; serving plain decoding", self.drafter_name, e)
             return None
-        log.info("drafter %r: method=%s k=%d layers=%s", self.drafter_name, info.method,
-                 info.num_speculative_tokens, list(info.hidden_layer_ids))
+        log.info(
+            "drafter %r: method=%s k=%d layers=%s",
+            self.drafter_name,
+            info.method,
+            info.num_speculative_tokens,
+            list(info.hidden_layer_ids),
+        )
         return info
 
     def _drain_outbox(self) -> None:
@@ -168,9 +196,21 @@ class TritonPythonModel:
             prompt_ids = self.tokenizer(req.prompt)["input_ids"]
             text = TextStream(self.tokenizer, req.stop, prompt_ids)
             stats = GenerationStats()
-            steps = generate(req, prompt_ids, seq_id, verifier, drafter, text, self.eos_token_ids,
-                             self.max_model_len, stats, CancellationPoll(sender), self.adaptive,
-                             self.extract_layer_ids, lambda: self.active_requests)
+            steps = generate(
+                req,
+                prompt_ids,
+                seq_id,
+                verifier,
+                drafter,
+                text,
+                self.eos_token_ids,
+                self.max_model_len,
+                stats,
+                CancellationPoll(sender),
+                self.adaptive,
+                self.extract_layer_ids,
+                lambda: self.active_requests,
+            )
             all_ids: list[int] = []
             all_logprobs: list[TokenLogprob] = []
             hidden_parts: list[torch.Tensor] = []
@@ -196,13 +236,17 @@ class TritonPythonModel:
                     counted = True
                 if req.stream and (step.text or step.token_ids or step.finish_reason):
                     extra.update(vllm.outputs(step.finish_reason, len(prompt_ids), step.token_ids, step.logprobs))
-                    self._post(sender, self._response(step, step.token_ids, step.text, len(prompt_ids),
-                                                      len(all_ids), stats, extra), step.finish_reason is not None)
+                    self._post(
+                        sender,
+                        self._response(step, step.token_ids, step.text, len(prompt_ids), len(all_ids), stats, extra),
+                        step.finish_reason is not None,
+                    )
             if not req.stream:
                 body = text.text if req.exclude_input_in_output else req.prompt + text.text
                 extra.update(vllm.outputs(step.finish_reason, len(prompt_ids), all_ids, all_logprobs))
-                self._post(sender, self._response(step, all_ids, body, len(prompt_ids), len(all_ids), stats, extra),
-                           final=True)
+                self._post(
+                    sender, self._response(step, all_ids, body, len(prompt_ids), len(all_ids), stats, extra), final=True
+                )
         except RequestError as e:
             self._post(sender, error_response(str(e)), final=True)
         except Exception as e:  # never leave a decoupled client waiting
@@ -234,33 +278,50 @@ class TritonPythonModel:
             for name in LIST_INPUTS:
                 strings = pb_utils.get_input_tensor_by_name(request, name)
                 if strings is not None:
-                    tensors[name] = [s.decode() if isinstance(s, bytes) else str(s)
-                                     for s in strings.as_numpy().reshape(-1)]
+                    tensors[name] = [
+                        s.decode() if isinstance(s, bytes) else str(s) for s in strings.as_numpy().reshape(-1)
+                    ]
             sampling_json = input_scalar(request, "sampling_parameters") or ""
         except UnicodeDecodeError as e:  # BYTES tensors may hold anything
-            raise RequestError(f"text_input, stop_words and sampling_parameters must be UTF-8 text: {e.reason} "
-                               f"at byte {e.start}") from None
+            raise RequestError(
+                f"text_input, stop_words and sampling_parameters must be UTF-8 text: {e.reason} at byte {e.start}"
+            ) from None
         return parse_request(tensors, request.parameters() or "", sampling_json)
 
-    def _hidden_outputs(self, seq_id: int, parts: list[torch.Tensor], prompt_ids: list[int],
-                        output_ids: list[int]) -> dict[str, np.ndarray]:
+    def _hidden_outputs(
+        self, seq_id: int, parts: list[torch.Tensor], prompt_ids: list[int], output_ids: list[int]
+    ) -> dict[str, np.ndarray]:
         """The extracted hidden states of the whole request (rows for positions 0 .. prompt +
         output - 2), their layer ids, and the file they were written to when asked."""
         if not parts:
             return {}
         token_ids = prompt_ids + output_ids
         hidden = torch.cat(parts)[: len(token_ids) - 1]  # never a position past the output
-        outputs = {"hidden_states": hidden.float().numpy(),
-                   "hidden_layer_ids": np.array(self.extract_layer_ids, dtype=np.int32)}
+        outputs = {
+            "hidden_states": hidden.float().numpy(),
+            "hidden_layer_ids": np.array(self.extract_layer_ids, dtype=np.int32),
+        }
         if self.hidden_states_dir:
-            path = save_hidden_states(Path(self.hidden_states_dir) / f"{seq_id}.safetensors", hidden, token_ids,
-                                      self.extract_layer_ids, len(prompt_ids))
+            path = save_hidden_states(
+                Path(self.hidden_states_dir) / f"{seq_id}.safetensors",
+                hidden,
+                token_ids,
+                self.extract_layer_ids,
+                len(prompt_ids),
+            )
             outputs["hidden_states_file"] = np.array([str(path).encode()], dtype=np.object_)
         return outputs
 
     @staticmethod
-    def _response(step: StepOutput, token_ids: list[int], text: str, num_input: int, num_output: int,
-                  stats: GenerationStats, extra: dict[str, np.ndarray] | None = None) -> object:
+    def _response(
+        step: StepOutput,
+        token_ids: list[int],
+        text: str,
+        num_input: int,
+        num_output: int,
+        stats: GenerationStats,
+        extra: dict[str, np.ndarray] | None = None,
+    ) -> object:
         """A streamed step carries its text and ids (and `extra`: the outputs the return_*
         flags asked for); the last response also the statistics (and, from an
         extract_hidden_states drafter, the hidden states)."""
@@ -270,15 +331,17 @@ class TritonPythonModel:
         }
         if step.finish_reason is not None:
             acceptance = stats.acceptance
-            outputs.update({
-                "finish_reason": np.array([step.finish_reason.encode()], dtype=np.object_),
-                "num_input_tokens": np.array([num_input], dtype=np.uint32),
-                "num_output_tokens": np.array([num_output], dtype=np.uint32),
-                "total_draft_tokens": np.array([acceptance.num_draft_tokens], dtype=np.int64),
-                "total_accepted_draft_tokens": np.array([acceptance.num_accepted_tokens], dtype=np.int64),
-                "acceptance_rate": np.array([acceptance.acceptance_rate or 0.0], dtype=np.float32),
-                "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
-            })
+            outputs.update(
+                {
+                    "finish_reason": np.array([step.finish_reason.encode()], dtype=np.object_),
+                    "num_input_tokens": np.array([num_input], dtype=np.uint32),
+                    "num_output_tokens": np.array([num_output], dtype=np.uint32),
+                    "total_draft_tokens": np.array([acceptance.num_draft_tokens], dtype=np.int64),
+                    "total_accepted_draft_tokens": np.array([acceptance.num_accepted_tokens], dtype=np.int64),
+                    "acceptance_rate": np.array([acceptance.acceptance_rate or 0.0], dtype=np.float32),
+                    "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
+                }
+            )
         outputs.update(extra or {})  # the vLLM backend's flagged outputs go on every response
         return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
@@ -301,15 +364,18 @@ class VllmOutputs:
         self.decode = decode
         self.cumulative = 0.0
 
-    def outputs(self, finish_reason: str | None, num_input: int, token_ids: list[int],
-                logprobs: list[TokenLogprob] | None) -> dict[str, np.ndarray]:
+    def outputs(
+        self, finish_reason: str | None, num_input: int, token_ids: list[int], logprobs: list[TokenLogprob] | None
+    ) -> dict[str, np.ndarray]:
         self.cumulative += sum(p.logprob for p in logprobs or [])
         values = {
             "finish_reason": lambda: np.array([str(finish_reason).encode()], dtype=np.object_),
             "num_input_tokens": lambda: np.array([num_input], dtype=np.uint32),
             "num_output_tokens": lambda: np.array([len(token_ids)], dtype=np.uint32),
             "cumulative_logprob": lambda: np.array([self.cumulative], dtype=np.float32),
-            "logprobs": lambda: np.array([json.dumps(vllm_logprobs(logprobs or [], self.decode)
-                                                     if self.report_logprobs else None).encode()], dtype=np.object_),
+            "logprobs": lambda: np.array(
+                [json.dumps(vllm_logprobs(logprobs or [], self.decode) if self.report_logprobs else None).encode()],
+                dtype=np.object_,
+            ),
         }
         return {name: values[name]() for name in self.returns}

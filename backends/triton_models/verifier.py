@@ -1,5 +1,6 @@
 """`verifier` model: the target model behind Triton's sequence batcher (one KV cache per
 correlation id). Inputs per step: new token ids and draft ids; outputs: the emitted ids."""
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,23 @@ class TritonPythonModel(SequenceBatchedModel):
         settings = initialize_model(args)
         budget = float(settings.params.get("kv_cache_memory_gb", "4"))
         device = instance_device(args, settings.params, log)  # a GPU that cannot be used fails the load here
-        self.runner = TargetRunner(settings.target, dtype=settings.dtype, device=device,
-                                   max_model_len=settings.max_model_len, kv_cache_memory_gb=budget or None,
-                                   runtime=settings.params.get("runtime", "auto"))
+        self.runner = TargetRunner(
+            settings.target,
+            dtype=settings.dtype,
+            device=device,
+            max_model_len=settings.max_model_len,
+            kv_cache_memory_gb=budget or None,
+            runtime=settings.params.get("runtime", "auto"),
+        )
         self.init_sequences(args, settings.params, self.runner)
-        log.info("verifier ready: %s (%s on %s, context %d, KV budget %s tokens)", settings.target, settings.dtype,
-                 device, self.runner.max_model_len, self.runner.kv_budget_tokens or "unlimited")
+        log.info(
+            "verifier ready: %s (%s on %s, context %d, KV budget %s tokens)",
+            settings.target,
+            settings.dtype,
+            device,
+            self.runner.max_model_len,
+            self.runner.kv_budget_tokens or "unlimited",
+        )
 
     def parse(self, request) -> VerifyRequest:
         params = json.loads(request.parameters() or "{}")
@@ -55,8 +67,9 @@ class TritonPythonModel(SequenceBatchedModel):
             return [e] * len(calls)
 
     def respond(self, result: VerifyResult | None) -> object:
-        token_ids, forward_s, hidden = ([], 0.0, None) if result is None else (
-            result.token_ids, result.forward_s, result.hidden_states)
+        token_ids, forward_s, hidden = (
+            ([], 0.0, None) if result is None else (result.token_ids, result.forward_s, result.hidden_states)
+        )
         outputs = [
             pb_utils.Tensor("output_ids", np.array([token_ids], dtype=np.int64)),
             pb_utils.Tensor("forward_ms", np.array([[forward_s * 1e3]], dtype=np.float64)),
@@ -64,8 +77,11 @@ class TritonPythonModel(SequenceBatchedModel):
         if hidden is not None:
             outputs.append(pb_utils.Tensor("hidden_states", hidden.numpy()[None]))
         if result is not None and result.logprobs is not None:  # top arrays only with alternatives
-            outputs += [pb_utils.Tensor(name, array[None])
-                        for name, array in logprobs_to_arrays(result.logprobs).items() if array.size]
+            outputs += [
+                pb_utils.Tensor(name, array[None])
+                for name, array in logprobs_to_arrays(result.logprobs).items()
+                if array.size
+            ]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     @property

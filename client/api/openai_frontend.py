@@ -10,6 +10,7 @@ window). Errors come back in OpenAI's shape, {"error": {"message", "type", "para
 unknown model or route, 503 when Triton is unreachable or its KV cache budget is full, and
 500 for a failure inside generation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +19,10 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -41,8 +43,14 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "api_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "api_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 @dataclass
@@ -83,8 +91,9 @@ def _check_unsupported(body: dict, kind: str) -> None:
             raise OpenAIError(400, "tool calling is not supported", param="tools")
         fmt = body.get("response_format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise OpenAIError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
-                              param="response_format")
+            raise OpenAIError(
+                400, '\'response_format\' other than {"type": "text"} is not supported', param="response_format"
+            )
 
 
 def _number(body: dict, name: str, low: float, high: float) -> float | None:
@@ -209,8 +218,12 @@ def completion_prompt(body: dict) -> str:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise OpenAIError(400, "'prompt' must be a string (or a list of one string; token ids and several "
-                          "prompts per request are not supported)", param="prompt")
+        raise OpenAIError(
+            400,
+            "'prompt' must be a string (or a list of one string; token ids and several "
+            "prompts per request are not supported)",
+            param="prompt",
+        )
     if not prompt:
         raise OpenAIError(400, "'prompt' is empty", param="prompt")
     return prompt
@@ -239,8 +252,12 @@ def chat_prompt(body: dict, tokenizer: Any) -> str:
         raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
     messages = [_message_text(m, i) for i, m in enumerate(messages)]
     if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(400, "the served model's tokenizer has no chat template (start the server with "
-                          "--chat-template FILE, or use /v1/completions)", param="messages")
+        raise OpenAIError(
+            400,
+            "the served model's tokenizer has no chat template (start the server with "
+            "--chat-template FILE, or use /v1/completions)",
+            param="messages",
+        )
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template itself raises on inputs it does not accept
@@ -248,7 +265,7 @@ def chat_prompt(body: dict, tokenizer: Any) -> str:
     # The model tokenizes the text with its special tokens: a BOS the template wrote would be doubled.
     bos = tokenizer.bos_token
     if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
-        text = text[len(bos):]
+        text = text[len(bos) :]
     return text
 
 
@@ -256,8 +273,11 @@ def chat_prompt(body: dict, tokenizer: Any) -> str:
 
 
 def _usage(result: Generation) -> dict[str, int]:
-    return {"prompt_tokens": int(result.num_input_tokens), "completion_tokens": int(result.num_output_tokens),
-            "total_tokens": int(result.num_input_tokens + result.num_output_tokens)}
+    return {
+        "prompt_tokens": int(result.num_input_tokens),
+        "completion_tokens": int(result.num_output_tokens),
+        "total_tokens": int(result.num_input_tokens + result.num_output_tokens),
+    }
 
 
 def generation_error(e: Exception) -> OpenAIError:
@@ -266,8 +286,11 @@ def generation_error(e: Exception) -> OpenAIError:
     message = str(e)
     if not message:  # never an empty message: at least say what failed
         return OpenAIError(500, f"generation failed: {type(e).__name__}")
-    if (isinstance(e, (OSError, ServerUnavailableError)) or message.startswith("[StatusCode.")
-            or "StatusCode.UNAVAILABLE" in message):
+    if (
+        isinstance(e, (OSError, ServerUnavailableError))
+        or message.startswith("[StatusCode.")
+        or "StatusCode.UNAVAILABLE" in message
+    ):
         return OpenAIError(503, f"the Triton server is unavailable: {message}")
     if "KV cache budget full" in message:
         return OpenAIError(503, message, code="kv_cache_full")
@@ -289,17 +312,26 @@ def openai_logprobs(kind: str, entries: list[dict], num_top: int, offset: int = 
     chosen = [next(iter(entry.values())) for entry in entries]
     tops = [_ranked(entry)[:num_top] for entry in entries]
     if kind == "chat":
+
         def item(text: str, logprob: float) -> dict:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return {"content": [{**item(c["decoded_token"], c["logprob"]), "top_logprobs": [item(*t) for t in top]}
-                            for c, top in zip(chosen, tops)]}
+        return {
+            "content": [
+                {**item(c["decoded_token"], c["logprob"]), "top_logprobs": [item(*t) for t in top]}
+                for c, top in zip(chosen, tops)
+            ]
+        }
     offsets = []
     for c in chosen:
         offsets.append(offset)
         offset += len(c["decoded_token"])
-    return {"tokens": [c["decoded_token"] for c in chosen], "token_logprobs": [c["logprob"] for c in chosen],
-            "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+    return {
+        "tokens": [c["decoded_token"] for c in chosen],
+        "token_logprobs": [c["logprob"] for c in chosen],
+        "top_logprobs": [dict(top) for top in tops],
+        "text_offset": offsets,
+    }
 
 
 class _Choice:
@@ -329,14 +361,24 @@ class _Choice:
     def body(self, text: str, result: Generation) -> dict:
         logprobs = self.logprobs(result.logprobs)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": result.finish_reason or None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": result.finish_reason or None,
+            }
             return self._envelope("chat.completion", [choice], _usage(result))
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason or None}
         return self._envelope("text_completion", [choice], _usage(result))
 
-    def chunk(self, text: str | None, finish_reason: str | None, with_usage: bool, first: bool = False,
-              entries: list[dict] | None = None) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        with_usage: bool,
+        first: bool = False,
+        entries: list[dict] | None = None,
+    ) -> dict:
         logprobs = self.logprobs(entries) if entries else None
         if self.kind == "chat":
             delta: dict = {"role": "assistant", "content": ""} if first else {}
@@ -376,10 +418,17 @@ class GenerationRun:
                 # No timeout of our own: max_tokens and the context window bound the request
                 # (a fixed 300 s used to throw away long finished generations with an empty
                 # HTTP 400); a streaming client that leaves cancels it.
-                result = grpc_generate(backend.grpc_url, prompt, backend.triton_model, stream=stream,
-                                       on_response=(lambda out: put("text", out)) if stream else None,
-                                       cancel=self.cancel, timeout_s=None, exclude_input_in_output=True,
-                                       **inputs)
+                result = grpc_generate(
+                    backend.grpc_url,
+                    prompt,
+                    backend.triton_model,
+                    stream=stream,
+                    on_response=(lambda out: put("text", out)) if stream else None,
+                    cancel=self.cancel,
+                    timeout_s=None,
+                    exclude_input_in_output=True,
+                    **inputs,
+                )
                 put("done", result)
             except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP error
                 put("error", e)
@@ -394,8 +443,12 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
     """Shared by both endpoints: validate, render, run; a JSON body or an SSE stream."""
     model = body.get("model")
     if model is not None and model != backend.served_model_name:
-        raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                          f"{backend.served_model_name!r}", param="model", code="model_not_found")
+        raise OpenAIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {backend.served_model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
     stream, include_usage = _stream_flags(body)
     if kind == "chat":
         prompt = chat_prompt(body, backend.tokenizer)
@@ -472,8 +525,13 @@ def create_app(backend: Backend) -> FastAPI:
         return body
 
     def model_card() -> dict:
-        return {"id": backend.served_model_name, "object": "model", "created": 0, "owned_by": "tritonspec",
-                "max_model_len": backend.context_window}
+        return {
+            "id": backend.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tritonspec",
+            "max_model_len": backend.context_window,
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -528,8 +586,13 @@ def served_model_settings(grpc_url: str, triton_model: str) -> tuple[str, int | 
     return params["model"], int(params.get("max_model_len") or 0) or None
 
 
-def build_backend(grpc_url: str, triton_model: str = "speculative", model: str | None = None,
-                  served_model_name: str | None = None, chat_template: Path | None = None) -> Backend:
+def build_backend(
+    grpc_url: str,
+    triton_model: str = "speculative",
+    model: str | None = None,
+    served_model_name: str | None = None,
+    chat_template: Path | None = None,
+) -> Backend:
     """Everything the app needs: the tokenizer (and chat template) and context window of the
     model Triton serves (from its config, or `model`)."""
     from backends.runtime.model_store import context_window, load_config, load_tokenizer, local_model
@@ -541,13 +604,15 @@ def build_backend(grpc_url: str, triton_model: str = "speculative", model: str |
     tokenizer = load_tokenizer(path)
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
-    return Backend(grpc_url, served_model_name or triton_model, tokenizer,
-                   context_window(load_config(path), cap), triton_model)
+    return Backend(
+        grpc_url, served_model_name or triton_model, tokenizer, context_window(load_config(path), cap), triton_model
+    )
 
 
 def serve(backend: Backend, host: str, port: int) -> None:
     import uvicorn
 
-    log.info("OpenAI-compatible API on http://%s:%d/v1 -> %s (gRPC %s)", host, port, backend.triton_model,
-             backend.grpc_url)
+    log.info(
+        "OpenAI-compatible API on http://%s:%d/v1 -> %s (gRPC %s)", host, port, backend.triton_model, backend.grpc_url
+    )
     uvicorn.run(create_app(backend), host=host, port=port, log_level="warning")

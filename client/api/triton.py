@@ -1,5 +1,6 @@
 """Client side of the `speculative` model: gRPC streaming and HTTP /generate(_stream),
 returning the text, the ids and the per-request statistics."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -66,8 +68,14 @@ class Generation:
         self.num_responses += 1
         self.text += out.get("text_output", "")
         self.output_ids += list(out.get("output_ids", []))
-        for key in ("finish_reason", "num_input_tokens", "num_output_tokens", "total_draft_tokens",
-                    "total_accepted_draft_tokens", "acceptance_rate"):
+        for key in (
+            "finish_reason",
+            "num_input_tokens",
+            "num_output_tokens",
+            "total_draft_tokens",
+            "total_accepted_draft_tokens",
+            "acceptance_rate",
+        ):
             if key in out and out[key] != "":
                 setattr(self, key, out[key])
         if out.get("perf_metrics"):
@@ -107,9 +115,19 @@ def _decode_outputs(result: Any, names: list[str]) -> dict[str, Any]:
     return out
 
 
-OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
-           "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "perf_metrics",
-           "cumulative_logprob", "logprobs"]
+OUTPUTS = [
+    "text_output",
+    "output_ids",
+    "finish_reason",
+    "num_input_tokens",
+    "num_output_tokens",
+    "total_draft_tokens",
+    "total_accepted_draft_tokens",
+    "acceptance_rate",
+    "perf_metrics",
+    "cumulative_logprob",
+    "logprobs",
+]
 HIDDEN_OUTPUTS = ["hidden_states", "hidden_layer_ids", "hidden_states_file"]  # gRPC only
 
 
@@ -134,14 +152,23 @@ def grpc_generate(
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    tensors = {"text_input": np.array([prompt.encode()], dtype=np.object_),
-               "stream": np.array([stream], dtype=bool)}
+    tensors = {"text_input": np.array([prompt.encode()], dtype=np.object_), "stream": np.array([stream], dtype=bool)}
     if sampling_parameters is not None:
         tensors["sampling_parameters"] = np.array([json.dumps(sampling_parameters).encode()], dtype=np.object_)
-    dtypes = {"max_tokens": np.int32, "num_draft_tokens": np.int32, "top_k": np.int32, "min_tokens": np.int32,
-              "temperature": np.float32, "top_p": np.float32, "random_seed": np.uint64,
-              "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
-              "exclude_input_in_output": bool, "ignore_eos": bool}
+    dtypes = {
+        "max_tokens": np.int32,
+        "num_draft_tokens": np.int32,
+        "top_k": np.int32,
+        "min_tokens": np.int32,
+        "temperature": np.float32,
+        "top_p": np.float32,
+        "random_seed": np.uint64,
+        "repetition_penalty": np.float32,
+        "presence_penalty": np.float32,
+        "frequency_penalty": np.float32,
+        "exclude_input_in_output": bool,
+        "ignore_eos": bool,
+    }
     for name, value in inputs.items():
         if name.startswith("return_"):  # the vLLM backend's flags: return_logprobs=True, ...
             tensors[name] = np.array([value], dtype=bool)
@@ -163,8 +190,12 @@ def grpc_generate(
     finished = False
     try:
         try:
-            client.async_stream_infer(model, infer_inputs, enable_empty_final_response=True,
-                                      outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS + HIDDEN_OUTPUTS])
+            client.async_stream_infer(
+                model,
+                infer_inputs,
+                enable_empty_final_response=True,
+                outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS + HIDDEN_OUTPUTS],
+            )
         except InferenceServerException as e:  # the stream died first; its callback has the reason
             raise ServerUnavailableError(_stream_failure(responses, e)) from None
         while True:
@@ -218,8 +249,10 @@ def next_response(responses: queue.Queue, timeout_s: float | None, cancel: threa
             return responses.get(timeout=wait)
         except queue.Empty:
             if deadline is not None and time.monotonic() >= deadline:
-                raise GenerationTimeout(f"no response from the server within {timeout_s:g} s (the client's "
-                                        "timeout_s); the request was cancelled") from None
+                raise GenerationTimeout(
+                    f"no response from the server within {timeout_s:g} s (the client's "
+                    "timeout_s); the request was cancelled"
+                ) from None
     return None, None
 
 
@@ -246,7 +279,8 @@ def http_generate(
         body["parameters"] = parameters
     endpoint = "generate_stream" if stream else "generate"
     request = urllib.request.Request(
-        f"http://{url}/v2/models/{model}/{endpoint}", data=json.dumps(body).encode(),
+        f"http://{url}/v2/models/{model}/{endpoint}",
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     result = Generation()

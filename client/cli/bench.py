@@ -9,6 +9,7 @@ mean acceptance length, per-position acceptance, and time per step split into dr
 the verifier's forward pass and everything else (BLS hops, accept/reject, detokenization,
 streaming): the orchestration overhead.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,15 +52,18 @@ def read_prompt_file(path: Path) -> dict[str, list[str]]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read prompts from {path}: {e}") from e
     prompts = {"custom": loaded} if isinstance(loaded, list) else loaded
-    if not isinstance(prompts, dict) or not prompts or not all(
-            isinstance(ps, list) and ps and all(isinstance(p, str) and p for p in ps) for ps in prompts.values()):
-        raise ValueError(f"{path}: expected a JSON list of non-empty prompts, {{category: [prompts]}}, "
-                         "or one prompt per line")
+    if (
+        not isinstance(prompts, dict)
+        or not prompts
+        or not all(isinstance(ps, list) and ps and all(isinstance(p, str) and p for p in ps) for ps in prompts.values())
+    ):
+        raise ValueError(
+            f"{path}: expected a JSON list of non-empty prompts, {{category: [prompts]}}, or one prompt per line"
+        )
     return prompts
 
 
-def load_prompts(categories: list[str] | None = None,
-                 path: Path | None = None) -> tuple[str, dict[str, list[str]]]:
+def load_prompts(categories: list[str] | None = None, path: Path | None = None) -> tuple[str, dict[str, list[str]]]:
     """The versioned benchmark prompts, or a file of your own (`read_prompt_file`)."""
     if path is None:
         data = json.loads(PROMPT_FILE.read_text())
@@ -74,22 +78,35 @@ def load_prompts(categories: list[str] | None = None,
     return version, prompts
 
 
-def measure(grpc_url: str, prompts: dict[str, list[str]], max_tokens: int, repeats: int,
-            label: str, draft_tokens: int | None = None,
-            ignore_eos: bool = True) -> dict[str, dict[str, list[Generation]]]:
+def measure(
+    grpc_url: str,
+    prompts: dict[str, list[str]],
+    max_tokens: int,
+    repeats: int,
+    label: str,
+    draft_tokens: int | None = None,
+    ignore_eos: bool = True,
+) -> dict[str, dict[str, list[Generation]]]:
     """{category: {"plain": [...], "speculative": [...]}}, runs interleaved. `draft_tokens`:
     the speculative requests ask for exactly that many drafts per step (no adaptive length).
     `ignore_eos` (the default) makes every run `max_tokens` long; without it a run ends where
     the model ends its answer, so drafts are judged on the text the model means to write."""
     grpc_generate(grpc_url, "warm up", max_tokens=8)
     runs: dict[str, dict[str, list[Generation]]] = {c: {"plain": [], "speculative": []} for c in prompts}
-    jobs = [(c, p, mode) for _ in range(repeats) for c, ps in prompts.items() for p in ps
-            for mode in ("plain", "speculative")]
+    jobs = [
+        (c, p, mode)
+        for _ in range(repeats)
+        for c, ps in prompts.items()
+        for p in ps
+        for mode in ("plain", "speculative")
+    ]
     for category, prompt, mode in tqdm(jobs, desc=f"bench {label}", unit="request"):
-        extra = {"num_draft_tokens": 0} if mode == "plain" else (
-            {"num_draft_tokens": draft_tokens} if draft_tokens else {})
+        extra = (
+            {"num_draft_tokens": 0} if mode == "plain" else ({"num_draft_tokens": draft_tokens} if draft_tokens else {})
+        )
         runs[category][mode].append(
-            grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos, **extra))
+            grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos, **extra)
+        )
     return runs
 
 
@@ -103,8 +120,9 @@ def summarize(results: list[Generation]) -> dict[str, Any]:
     accepted = sum(m["num_accepted_tokens"] for m in metrics)
     drafted = sum(m["num_draft_tokens"] for m in metrics)
     width = max((len(m["accepted_per_position"]) for m in metrics), default=0)
-    per_position = [sum(m["accepted_per_position"][i] for m in metrics if i < len(m["accepted_per_position"]))
-                    for i in range(width)]
+    per_position = [
+        sum(m["accepted_per_position"][i] for m in metrics if i < len(m["accepted_per_position"])) for i in range(width)
+    ]
     return {
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
@@ -135,25 +153,33 @@ def compare(runs: dict[str, dict[str, list[Generation]]]) -> dict[str, dict]:
     out = {}
     for category, by_mode in runs.items():
         plain, spec = summarize(by_mode["plain"]), summarize(by_mode["speculative"])
-        divergence = [first_divergence(a, b) for a, b in zip(plain.pop("output_token_ids"),
-                                                              spec.pop("output_token_ids"))]
-        out[category] = {"plain": plain, "speculative": spec,
-                         "identical_outputs": sum(d is None for d in divergence), "outputs": len(divergence),
-                         "first_divergence": divergence,
-                         "speedup_vs_plain": spec["tokens_per_s"] / plain["tokens_per_s"]}
+        divergence = [
+            first_divergence(a, b) for a, b in zip(plain.pop("output_token_ids"), spec.pop("output_token_ids"))
+        ]
+        out[category] = {
+            "plain": plain,
+            "speculative": spec,
+            "identical_outputs": sum(d is None for d in divergence),
+            "outputs": len(divergence),
+            "first_divergence": divergence,
+            "speedup_vs_plain": spec["tokens_per_s"] / plain["tokens_per_s"],
+        }
     return out
 
 
-def hf_comparison(target: str, draft: str | None, prompts: dict[str, list[str]], max_tokens: int,
-                  dtype: str) -> dict[str, dict[str, float]]:
+def hf_comparison(
+    target: str, draft: str | None, prompts: dict[str, list[str]], max_tokens: int, dtype: str
+) -> dict[str, dict[str, float]]:
     """Hugging Face plain greedy, assisted generation (with a draft model) and prompt lookup
     on the same prompts: tokens/s per category."""
     from client.cli.hf_baseline import hf_assisted, hf_greedy_timed, hf_prompt_lookup
 
     flat = [(c, p) for c, ps in prompts.items() for p in ps]
     texts = [p for _, p in flat]
-    runners = {"hf_greedy": lambda: hf_greedy_timed(target, texts, max_tokens, dtype),
-               "hf_prompt_lookup": lambda: hf_prompt_lookup(target, texts, max_tokens, dtype=dtype)}
+    runners = {
+        "hf_greedy": lambda: hf_greedy_timed(target, texts, max_tokens, dtype),
+        "hf_prompt_lookup": lambda: hf_prompt_lookup(target, texts, max_tokens, dtype=dtype),
+    }
     if draft:
         runners["hf_assisted"] = lambda: hf_assisted(target, draft, texts, max_tokens, dtype)
     out: dict[str, dict[str, float]] = {}
@@ -161,16 +187,19 @@ def hf_comparison(target: str, draft: str | None, prompts: dict[str, list[str]],
         rows = runner()
         for category in prompts:
             picked = [r for (c, _), r in zip(flat, rows) if c == category]
-            out.setdefault(category, {})[name] = (sum(r["num_tokens"] for r in picked)
-                                                 / sum(r["seconds"] for r in picked))
+            out.setdefault(category, {})[name] = sum(r["num_tokens"] for r in picked) / sum(
+                r["seconds"] for r in picked
+            )
     return out
 
 
 def format_report(report: dict) -> str:
-    lines = [f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "
-             f"target {report['model']} ({report['dtype']})",
-             f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'accept':>7} "
-             f"{'draft':>6} {'verify':>7} {'ovh':>5} {'ovh%':>5} {'same':>5} {'diverge@':>9}  per-position acceptance"]
+    lines = [
+        f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "
+        f"target {report['model']} ({report['dtype']})",
+        f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'accept':>7} "
+        f"{'draft':>6} {'verify':>7} {'ovh':>5} {'ovh%':>5} {'same':>5} {'diverge@':>9}  per-position acceptance",
+    ]
     for method, by_category in report["methods"].items():
         for category, r in by_category.items():
             s = r["speculative"]
@@ -180,7 +209,8 @@ def format_report(report: dict) -> str:
                 f"{s['draft_ms_per_step']:6.1f} {s['verify_ms_per_step']:7.1f} {s['overhead_ms_per_step']:5.1f} "
                 f"{s['overhead_share']:5.1%} {r['identical_outputs']:>2}/{r['outputs']:<2} "
                 f"{','.join('-' if d is None else str(d) for d in r['first_divergence']):>9} "
-                + " ".join(f"{a:.2f}" for a in s["per_position_acceptance"]))
+                + " ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
+            )
     for category, hf in report.get("huggingface", {}).items():
         lines.append(f"{'huggingface':12} {category:11} " + "  ".join(f"{k}={v:.1f} tok/s" for k, v in hf.items()))
     return "\n".join(lines)
@@ -193,8 +223,12 @@ def plot_report(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     categories = list(next(iter(report["methods"].values())))
-    series = {"plain": [statistics.median(report["methods"][m][c]["plain"]["tokens_per_s"]
-                                          for m in report["methods"]) for c in categories]}
+    series = {
+        "plain": [
+            statistics.median(report["methods"][m][c]["plain"]["tokens_per_s"] for m in report["methods"])
+            for c in categories
+        ]
+    }
     for method, by_category in report["methods"].items():
         series[method] = [by_category[c]["speculative"]["tokens_per_s"] for c in categories]
     for name in ("hf_greedy", "hf_assisted", "hf_prompt_lookup"):
@@ -214,8 +248,9 @@ def plot_report(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def verify_batch_cost(model: Path, dtype: str, batch: int, drafts: int, context: int = 200,
-                      repeats: int = 10) -> dict[str, float]:
+def verify_batch_cost(
+    model: Path, dtype: str, batch: int, drafts: int, context: int = 200, repeats: int = 10
+) -> dict[str, float]:
     """Wall time of one verify step for `batch` sequences in one forward vs for one sequence
     (in process, no server): what batched verification costs as load grows."""
     from backends.serving.target import TargetRunner, VerifyRequest

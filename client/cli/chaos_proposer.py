@@ -11,6 +11,7 @@ of drafts fails that way, once:
 Without the variable it never fails. The target verifies every draft, so no fault may change
 any request's output; at most it costs speed or ends a request with an error.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,12 @@ SLOW_S = 3.0
 
 class ChaosNgram(Proposer):
     def __init__(self, num_speculative_tokens: int, max_model_len: int) -> None:
-        self.ngram = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3,
-                                   num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len)
+        self.ngram = NgramProposer(
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+            num_speculative_tokens=num_speculative_tokens,
+            max_model_len=max_model_len,
+        )
         trigger = os.environ.get("TRITONSPEC_CHAOS_TRIGGER", "")
         self.trigger = Path(trigger) if trigger else None
 

@@ -1,6 +1,7 @@
 """genai-perf (NVIDIA's LLM benchmark on top of perf_analyzer) in a virtualenv of its own:
 it needs numpy 2, which would break this Triton's Python stub in the project's venv. Its
 perf_analyzer is ours (client.perf_analyzer), put first on its PATH by a small wrapper."""
+
 from __future__ import annotations
 
 import logging

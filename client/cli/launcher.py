@@ -11,6 +11,7 @@ What the launcher does that a bare `tritonserver` call does not:
   --dtype, --speculative-config) the way `vllm serve -sc` configures vLLM, and instance
   kinds (KIND_GPU for the verifier and drafter on a GPU host).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -71,8 +72,11 @@ def backend_directory() -> Path:
     root = cache_dir() / "backends" / f"py{version}"
     python = root / "python"
     python.mkdir(parents=True, exist_ok=True)
-    for src in (WHEEL / "backends/python/libtriton_python.so",
-                WHEEL / "backends/python/triton_python_backend_utils.py", stub):
+    for src in (
+        WHEEL / "backends/python/libtriton_python.so",
+        WHEEL / "backends/python/triton_python_backend_utils.py",
+        stub,
+    ):
         link = python / src.name
         if not (link.is_symlink() and os.readlink(link) == str(src)):
             link.unlink(missing_ok=True)
@@ -187,7 +191,7 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         return env
 
-    def start(self, timeout_s: float = 300.0, require_all_models: bool = True) -> "TritonServer":
+    def start(self, timeout_s: float = 300.0, require_all_models: bool = True) -> TritonServer:
         """Start and wait until ready. Models that failed to load raise ServerStartError
         (with Triton's reason for each) unless require_all_models is False."""
         repository = self.source_repository
@@ -197,7 +201,10 @@ class TritonServer:
         out = open(self.log_path, "ab") if self.log_path else None
         log.info("starting tritonserver on %s (HTTP), %s (gRPC)", self.http_url, self.grpc_url)
         self.process = subprocess.Popen(
-            self.command(repository), env=self.environment(), stdout=out, stderr=subprocess.STDOUT,
+            self.command(repository),
+            env=self.environment(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # our own process group: stop() can reach every stub
             preexec_fn=_terminate_with_parent,
         )
@@ -216,8 +223,10 @@ class TritonServer:
         """{model: sequences holding state} from the `tritonspec_active_sequences` gauge."""
         with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        return {m.group(1): float(m.group(2))
-                for m in re.finditer(r'tritonspec_active_sequences\{model="([^"]+)"\} (\S+)', text)}
+        return {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r'tritonspec_active_sequences\{model="([^"]+)"\} (\S+)', text)
+        }
 
     def model_states(self) -> dict[str, tuple[str, str]]:
         """{model: (state, reason)} from the repository index."""
@@ -286,7 +295,7 @@ class TritonServer:
             except ProcessLookupError:
                 pass
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,5 @@
 """`tritonspec`: serve, generate, models."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,27 +11,42 @@ import time
 from pathlib import Path
 
 from backends.config import SpeculativeConfig
-from backends.training import TRAINERS, data_dir, head_dir
 from backends.runtime.model_store import (
-    DEFAULT_MODEL, NAMED_GROUPS, NAMED_MODELS, ModelNotFoundError, fetch, fetch_named, local_model, resolve_model,
+    DEFAULT_MODEL,
+    NAMED_GROUPS,
+    NAMED_MODELS,
+    ModelNotFoundError,
+    fetch,
+    fetch_named,
+    local_model,
+    resolve_model,
 )
+from backends.training import TRAINERS, data_dir, head_dir
 
 # Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
 # The smollm2-* profiles draft with the heads `tritonspec train METHOD` writes (no `model`).
 PROFILES: dict[str, dict] = {
     "smollm2-eagle": {"model": "smollm2-135m", "speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
-    "smollm2-eagle3": {"model": "smollm2-135m", "speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}},
+    "smollm2-eagle3": {
+        "model": "smollm2-135m",
+        "speculative_config": {"method": "eagle3", "num_speculative_tokens": 3},
+    },
     "qwen-coder": {
         "model": "qwen2.5-coder-1.5b",
         # Dynamic int8 halves the drafter's step time on CPU (measured 2.75x vs plain, against
         # 1.7x with a bf16 drafter); the target still decides every token.
-        "speculative_config": {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4,
-                               "quantization": "int8"},
+        "speculative_config": {
+            "method": "draft_model",
+            "model": "qwen2.5-coder-0.5b",
+            "num_speculative_tokens": 4,
+            "quantization": "int8",
+        },
     },
 }
 
 
 RUNTIMES = ["auto", "lean", "hf"]
+
 
 def _local_speculative_config(spec: str, target: str) -> str:
     """Fetch a named draft model in the config's `model` and put its local path there, so the
@@ -43,8 +59,11 @@ def _local_speculative_config(spec: str, target: str) -> str:
     method = config.get("method")
     if config.get("model") in NAMED_MODELS:
         config["model"] = str(fetch(config["model"]))
-    elif method in TRAINERS and not config.get("model") and (
-            method != "mtp" or (head_dir(target, method) / "config.json").exists()):
+    elif (
+        method in TRAINERS
+        and not config.get("model")
+        and (method != "mtp" or (head_dir(target, method) / "config.json").exists())
+    ):
         config["model"] = str(trained_head(target, method))
     return json.dumps(config)
 
@@ -52,8 +71,10 @@ def _local_speculative_config(spec: str, target: str) -> str:
 def trained_head(target: str, method: str) -> Path:
     path = head_dir(target, method)
     if not (path / "config.json").exists():
-        raise ModelNotFoundError(f"no trained {method} head for {target} at {path}: train it first with "
-                                 f"`tritonspec train {method} --target {target}`")
+        raise ModelNotFoundError(
+            f"no trained {method} head for {target} at {path}: train it first with "
+            f"`tritonspec train {method} --target {target}`"
+        )
     return path
 
 
@@ -132,11 +153,12 @@ def _serve(args: argparse.Namespace) -> int:
         f"  metrics http://{args.host}:{args.metrics_port}/metrics\n\n"
         "Try:\n"
         f"  curl -s -X POST http://{server.http_url}/v2/models/speculative/generate \\\n"
-        "       -d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 32}'\n"
-        f"  tritonspec generate --stream --url {server.grpc_url} \"Write a haiku about rivers.\"\n\n"
+        '       -d \'{"text_input": "The capital of France is", "max_tokens": 32}\'\n'
+        f'  tritonspec generate --stream --url {server.grpc_url} "Write a haiku about rivers."\n\n'
         "Ctrl-C stops the server.\n",
         flush=True,
     )
+
     # Ctrl-C and SIGTERM (process managers, `docker stop`) both stop cleanly, even where the
     # shell started us with SIGINT ignored (a background job).
     def stop(signum, frame):
@@ -216,7 +238,9 @@ def _models(args: argparse.Namespace) -> int:
                 where = str(resolve_model(name))
             except ModelNotFoundError:
                 where = "(not fetched)"
-            wheels = spec.requirements[0] + (f" (+{len(spec.requirements) - 1} parts)" if len(spec.requirements) > 1 else "")
+            wheels = spec.requirements[0] + (
+                f" (+{len(spec.requirements) - 1} parts)" if len(spec.requirements) > 1 else ""
+            )
             print(f"{name:20} {spec.license:12} {wheels:42} {where}")
         return 0
     try:
@@ -233,12 +257,21 @@ def _own_server(http_port: int, overrides, log_path: Path):
     """A server for a measuring command: HTTP on `http_port`, gRPC and metrics right after."""
     from client.cli.launcher import TritonServer
 
-    return TritonServer(http_port=http_port, grpc_port=http_port + 1, metrics_port=http_port + 2,
-                        overrides=overrides, log_path=log_path)
+    return TritonServer(
+        http_port=http_port, grpc_port=http_port + 1, metrics_port=http_port + 2, overrides=overrides, log_path=log_path
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from client.cli.bench import METHOD_CONFIGS, compare, format_report, hf_comparison, load_prompts, measure, plot_report
+    from client.cli.bench import (
+        METHOD_CONFIGS,
+        compare,
+        format_report,
+        hf_comparison,
+        load_prompts,
+        measure,
+        plot_report,
+    )
     from client.cli.launcher import RepositoryOverrides
 
     if args.profile:
@@ -255,8 +288,15 @@ def _bench(args: argparse.Namespace) -> int:
         draft = local_model(args.draft_model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"prompt_set": version, "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "fixed_k": args.fixed_k, "methods": {}}
+    report = {
+        "prompt_set": version,
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "fixed_k": args.fixed_k,
+        "methods": {},
+    }
     for method in args.methods:
         config = dict(METHOD_CONFIGS[method])
         if args.profile and PROFILES[args.profile]["speculative_config"]["method"] == method:
@@ -274,11 +314,20 @@ def _bench(args: argparse.Namespace) -> int:
                 return 2
         if args.num_speculative_tokens:
             config["num_speculative_tokens"] = args.num_speculative_tokens
-        overrides = RepositoryOverrides(common={"model": str(target), "dtype": args.dtype, "runtime": args.runtime},
-                                        per_model={"drafter": {"speculative_config": json.dumps(config)}})
+        overrides = RepositoryOverrides(
+            common={"model": str(target), "dtype": args.dtype, "runtime": args.runtime},
+            per_model={"drafter": {"speculative_config": json.dumps(config)}},
+        )
         with _own_server(args.port, overrides, out / f"server-{method}.log") as server:
-            runs = measure(server.grpc_url, prompts, args.max_tokens, args.repeats, method,
-                           config["num_speculative_tokens"] if args.fixed_k else None, not args.stop_at_eos)
+            runs = measure(
+                server.grpc_url,
+                prompts,
+                args.max_tokens,
+                args.repeats,
+                method,
+                config["num_speculative_tokens"] if args.fixed_k else None,
+                not args.stop_at_eos,
+            )
             if args.sweep:
                 from client.cli.perf import plot_sweep, run_sweep
 
@@ -287,8 +336,9 @@ def _bench(args: argparse.Namespace) -> int:
                 report.setdefault("sweeps", {})[method] = sweep
         report["methods"][method] = compare(runs)
     if args.hf:
-        report["huggingface"] = hf_comparison(str(target), str(draft) if draft else None, prompts,
-                                              args.max_tokens, args.dtype)
+        report["huggingface"] = hf_comparison(
+            str(target), str(draft) if draft else None, prompts, args.max_tokens, args.dtype
+        )
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     plot_report(report, out / "bench.png")
     print(format_report(report))
@@ -310,9 +360,11 @@ def _soak(args: argparse.Namespace) -> int:
         active = server.active_sequences()
         ready = server.is_ready()
     memory = result["memory_mb"]
-    print(f"{result['requests']} requests in {result['seconds']:.0f}s from {args.concurrency} streams: "
-          f"{result['wrong']} wrong, {result['errors']} errors; server ready: {ready}; "
-          f"sequence state left: {active}")
+    print(
+        f"{result['requests']} requests in {result['seconds']:.0f}s from {args.concurrency} streams: "
+        f"{result['wrong']} wrong, {result['errors']} errors; server ready: {ready}; "
+        f"sequence state left: {active}"
+    )
     print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in memory))
     return 0 if not result["wrong"] and not result["errors"] and ready and not any(active.values()) else 1
 
@@ -333,10 +385,14 @@ def _chaos_soak(args: argparse.Namespace, overrides) -> int:
             active = wait_until_idle(server)
             ready = server.is_ready()
     print(f"chaos soak: {r['seconds']:.0f}s, {args.concurrency} streams, a drafter fault every {args.fault_every:.0f}s")
-    print(f"completed {r['completed']} ({r['wrong']} wrong); cancelled mid-stream {r['cancelled']} "
-          f"({r['cancelled_wrong']} not a prefix of their reference); failed {r['errors']}")
-    print(f"bad requests refused by name {r['bad_refused']}, misjudged {r['bad_misjudged']}; drafter faults "
-          f"injected {r['faults_injected']}, taken {r['faults_taken']}")
+    print(
+        f"completed {r['completed']} ({r['wrong']} wrong); cancelled mid-stream {r['cancelled']} "
+        f"({r['cancelled_wrong']} not a prefix of their reference); failed {r['errors']}"
+    )
+    print(
+        f"bad requests refused by name {r['bad_refused']}, misjudged {r['bad_misjudged']}; drafter faults "
+        f"injected {r['faults_injected']}, taken {r['faults_taken']}"
+    )
     print(f"server ready: {ready}; sequence state left: {active}")
     print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in r["memory_mb"]))
     for problem in r["problems"]:
@@ -350,14 +406,16 @@ def _verify_cost(args: argparse.Namespace) -> int:
 
     model = local_model(args.model)
     cost = verify_batch_cost(model, args.dtype, args.batch, args.drafts)
-    print(f"one verify step: 1 sequence {cost['one_ms']:.1f} ms, {args.batch} sequences {cost['batch_ms']:.1f} ms "
-          f"({cost['ratio']:.2f}x), {args.drafts} drafts each")
+    print(
+        f"one verify step: 1 sequence {cost['one_ms']:.1f} ms, {args.batch} sequences {cost['batch_ms']:.1f} ms "
+        f"({cost['ratio']:.2f}x), {args.drafts} drafts each"
+    )
     return 0
 
 
 def _perf(args: argparse.Namespace) -> int:
-    from client.cli.perf import format_sweep, plot_sweep, run_sweep, speedup_table
     from client.cli.launcher import RepositoryOverrides
+    from client.cli.perf import format_sweep, plot_sweep, run_sweep, speedup_table
 
     out = Path(args.out)
     server = None
@@ -387,8 +445,9 @@ def _export_onnx(args: argparse.Namespace) -> int:
     from backends.onnx_export import export_head
 
     try:
-        path, diff = export_head(args.method, args.checkpoint, local_model(args.target), args.out,
-                                 check=not args.no_check)
+        path, diff = export_head(
+            args.method, args.checkpoint, local_model(args.target), args.out, check=not args.no_check
+        )
     except (ValueError, ModelNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -409,18 +468,30 @@ def _train(args: argparse.Namespace) -> int:
             from client.cli.bench import read_prompt_file
 
             prompts = [p for ps in read_prompt_file(Path(args.prompt_file)).values() for p in ps]
-        report = train(args.method, target, out, data_dir=Path(args.data_dir) if args.data_dir else data_dir(args.target),
-                       epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, num_steps=args.ttt_steps,
-                       num_prompts=args.prompts,
-                       max_new_tokens=args.max_new_tokens, options={"draft_vocab_size": args.draft_vocab_size},
-                       prompts=prompts, self_prompts=args.self_prompts)
+        report = train(
+            args.method,
+            target,
+            out,
+            data_dir=Path(args.data_dir) if args.data_dir else data_dir(args.target),
+            epochs=args.epochs,
+            lr=args.lr,
+            batch_tokens=args.batch_tokens,
+            num_steps=args.ttt_steps,
+            num_prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            options={"draft_vocab_size": args.draft_vocab_size},
+            prompts=prompts,
+            self_prompts=args.self_prompts,
+        )
     except (ValueError, ModelNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     final = report["history"][-1]
     print(f"written: {out} ({args.method} head for {target})")
-    print(f"held-out validation: top-1 agreement per draft step {final['step_accuracy']}, "
-          f"estimated mean acceptance length {final['estimated_acceptance_length']}")
+    print(
+        f"held-out validation: top-1 agreement per draft step {final['step_accuracy']}, "
+        f"estimated mean acceptance length {final['estimated_acceptance_length']}"
+    )
     return 0
 
 
@@ -428,13 +499,21 @@ def _openai(args: argparse.Namespace) -> int:
     from client.api.openai_frontend import build_backend, serve
 
     try:
-        backend = build_backend(args.url, args.triton_model, args.model, args.served_model_name,
-                                Path(args.chat_template) if args.chat_template else None)
+        backend = build_backend(
+            args.url,
+            args.triton_model,
+            args.model,
+            args.served_model_name,
+            Path(args.chat_template) if args.chat_template else None,
+        )
     except Exception as e:  # unreachable server, unknown model, unreadable template: say which
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {backend.served_model_name!r}) "
-          f"-> {args.triton_model} at {args.url}", flush=True)
+    print(
+        f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {backend.served_model_name!r}) "
+        f"-> {args.triton_model} at {args.url}",
+        flush=True,
+    )
     serve(backend, args.host, args.port)
     return 0
 
@@ -446,9 +525,12 @@ def _paths(args: argparse.Namespace) -> int:
     from client.cli.launcher import WHEEL, TritonServer, backend_directory
 
     env = TritonServer.environment()
-    for key, value in (("TRITONSERVER", str(WHEEL / "bin" / "tritonserver")),
-                       ("TRITON_BACKEND_DIR", str(backend_directory())),
-                       ("PATH", env["PATH"]), ("LD_LIBRARY_PATH", env["LD_LIBRARY_PATH"])):
+    for key, value in (
+        ("TRITONSERVER", str(WHEEL / "bin" / "tritonserver")),
+        ("TRITON_BACKEND_DIR", str(backend_directory())),
+        ("PATH", env["PATH"]),
+        ("LD_LIBRARY_PATH", env["LD_LIBRARY_PATH"]),
+    ):
         print(f"export {key}={shlex.quote(value)}")
     return 0
 
@@ -465,21 +547,35 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"target model: a named model ({', '.join(NAMED_MODELS)}), an HF directory or a .gguf file")
-    serve.add_argument("--profile", choices=sorted(PROFILES),
-                       help="a ready target + drafter pair (fetched when needed), e.g. qwen-coder")
+    serve.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"target model: a named model ({', '.join(NAMED_MODELS)}), an HF directory or a .gguf file",
+    )
+    serve.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        help="a ready target + drafter pair (fetched when needed), e.g. qwen-coder",
+    )
     serve.add_argument("--dtype", choices=["bfloat16", "float32"], help="target dtype (default bfloat16)")
-    serve.add_argument("--runtime", choices=RUNTIMES, help="the target's forward engine: the lean runtime where "
-                       "it runs, else transformers (auto, the default), lean, or hf (transformers)")
+    serve.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        help="the target's forward engine: the lean runtime where "
+        "it runs, else transformers (auto, the default), lean, or hf (transformers)",
+    )
     serve.add_argument("--max-model-len", type=int, help="cap the context window")
-    serve.add_argument("--device", help="verifier and drafter device: auto, cpu, cuda or cuda:N (default: the "
-                       "instance_group kind; see README, Running on a GPU)")
+    serve.add_argument(
+        "--device",
+        help="verifier and drafter device: auto, cpu, cuda or cuda:N (default: the "
+        "instance_group kind; see README, Running on a GPU)",
+    )
     serve.add_argument("-sc", "--speculative-config", help="vLLM --speculative-config JSON for the drafter")
     serve.add_argument("--spec-method", metavar="METHOD", help="shorthand for the -sc key `method` (vLLM's flag)")
     serve.add_argument("--spec-model", metavar="MODEL", help="shorthand for the -sc key `model` (vLLM's flag)")
-    serve.add_argument("--spec-tokens", type=int, metavar="K",
-                       help="shorthand for the -sc key `num_speculative_tokens` (vLLM's flag)")
+    serve.add_argument(
+        "--spec-tokens", type=int, metavar="K", help="shorthand for the -sc key `num_speculative_tokens` (vLLM's flag)"
+    )
     serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
     serve.add_argument("--startup-timeout", type=float, default=600)
     serve.set_defaults(func=_serve)
@@ -501,44 +597,72 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="also print the whole result as JSON")
     gen.set_defaults(func=_generate)
 
-    bench = sub.add_parser("bench", help="speculative methods vs plain decoding (and Hugging Face) through a real server")
-    bench.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
-                       choices=list(METHOD_CONFIGS), help="trainable head methods (eagle, eagle3, ...) use "
-                       "the head `tritonspec train METHOD --target MODEL` wrote")
+    bench = sub.add_parser(
+        "bench", help="speculative methods vs plain decoding (and Hugging Face) through a real server"
+    )
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ngram", "suffix"],
+        choices=list(METHOD_CONFIGS),
+        help="trainable head methods (eagle, eagle3, ...) use the head `tritonspec train METHOD --target MODEL` wrote",
+    )
     bench.add_argument("--model", default=DEFAULT_MODEL, help="target (named, HF directory or GGUF)")
     bench.add_argument("--draft-model", help="drafter for draft_model (named, HF directory or GGUF)")
     bench.add_argument("--profile", choices=sorted(PROFILES), help="target + drafter pair, e.g. qwen-coder")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     bench.add_argument("--runtime", default="auto", choices=RUNTIMES, help="the target's forward engine (see serve)")
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
-    bench.add_argument("--prompt-file", help="your own prompts: a JSON list or {category: [prompts]} (e.g. a "
-                       "trained head's validation_prompts.json), or one per line in a file not named *.json")
-    bench.add_argument("--stop-at-eos", action="store_true", help="end each run at the model's end of answer "
-                       "(default: always --max-tokens tokens)")
+    bench.add_argument(
+        "--prompt-file",
+        help="your own prompts: a JSON list or {category: [prompts]} (e.g. a "
+        "trained head's validation_prompts.json), or one per line in a file not named *.json",
+    )
+    bench.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end each run at the model's end of answer (default: always --max-tokens tokens)",
+    )
     bench.add_argument("--num-speculative-tokens", type=int, help="k for every method")
-    bench.add_argument("--fixed-k", action="store_true", help="draft k tokens every step (requests ask for "
-                       "num_draft_tokens=k; no adaptive draft length): per-position acceptance at every position")
+    bench.add_argument(
+        "--fixed-k",
+        action="store_true",
+        help="draft k tokens every step (requests ask for "
+        "num_draft_tokens=k; no adaptive draft length): per-position acceptance at every position",
+    )
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--hf", action="store_true", help="also run Hugging Face greedy / assisted / prompt lookup")
-    bench.add_argument("--sweep", type=int, nargs="+", metavar="C",
-                       help="also a perf_analyzer concurrency sweep per method at these concurrencies")
+    bench.add_argument(
+        "--sweep",
+        type=int,
+        nargs="+",
+        metavar="C",
+        help="also a perf_analyzer concurrency sweep per method at these concurrencies",
+    )
     bench.add_argument("--port", type=int, default=18800, help="HTTP port; gRPC and metrics follow")
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=_bench)
 
     soak = sub.add_parser("soak", help="many concurrent greedy streams for a while: correctness, memory, leaks")
     soak.add_argument("--model", default=DEFAULT_MODEL)
-    soak.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
-                      help="float32 (default) makes every response exactly checkable; bfloat16 can flip near-ties")
+    soak.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["bfloat16", "float32"],
+        help="float32 (default) makes every response exactly checkable; bfloat16 can flip near-ties",
+    )
     soak.add_argument("--seconds", type=float, default=180)
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--max-tokens", type=int, default=32)
     soak.add_argument("--port", type=int, default=18600, help="HTTP port; gRPC and metrics follow")
     soak.add_argument("--log", default="soak-server.log")
-    soak.add_argument("--chaos", action="store_true",
-                      help="also cancel ~20%% of requests mid-stream, mix in bad requests and make the drafter fail "
-                           "every --fault-every seconds (a custom_class proposer, client/cli/chaos_proposer.py)")
+    soak.add_argument(
+        "--chaos",
+        action="store_true",
+        help="also cancel ~20%% of requests mid-stream, mix in bad requests and make the drafter fail "
+        "every --fault-every seconds (a custom_class proposer, client/cli/chaos_proposer.py)",
+    )
     soak.add_argument("--fault-every", type=float, default=60.0, help="seconds between drafter faults (--chaos)")
     soak.set_defaults(func=_soak)
 
@@ -556,8 +680,12 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("-sc", "--speculative-config")
     perf.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     perf.add_argument("--max-tokens", type=int, default=64)
-    perf.add_argument("--requests-per-window", type=int, default=16,
-                      help="finished requests per measurement window (3 windows per point; at least 2x concurrency)")
+    perf.add_argument(
+        "--requests-per-window",
+        type=int,
+        default=16,
+        help="finished requests per measurement window (3 windows per point; at least 2x concurrency)",
+    )
     perf.add_argument("--port", type=int, default=18700, help="HTTP port; gRPC and metrics follow")
     perf.add_argument("--out", default="perf-results")
     perf.set_defaults(func=_perf)
@@ -566,49 +694,79 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("perf-analyzer", help="run Triton's perf_analyzer with its own arguments (installed once)")
     sub.add_parser("genai-perf", help="run genai-perf with its own arguments (own venv, installed once)")
 
-    onnx_p = sub.add_parser("export-onnx", help="export a drafter head to ONNX (a Triton onnxruntime model "
-                            "directory), checked against the torch head with onnxruntime")
+    onnx_p = sub.add_parser(
+        "export-onnx",
+        help="export a drafter head to ONNX (a Triton onnxruntime model "
+        "directory), checked against the torch head with onnxruntime",
+    )
     onnx_p.add_argument("checkpoint", help="the head's checkpoint directory")
-    onnx_p.add_argument("--method", required=True,
-                        help="the head's method: eagle, eagle3, medusa or mlp_speculator")
+    onnx_p.add_argument("--method", required=True, help="the head's method: eagle, eagle3, medusa or mlp_speculator")
     onnx_p.add_argument("--target", required=True, help="the target model it drafts for (named, HF dir or .gguf)")
     onnx_p.add_argument("--out", required=True, help="model directory to write: OUT/1/model.onnx + OUT/config.pbtxt")
     onnx_p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
     onnx_p.set_defaults(func=_export_onnx)
 
-    train_p = sub.add_parser("train", help="train a drafter head for a target on CPU (resumable), written in the "
-                             "method's published checkpoint layout")
+    train_p = sub.add_parser(
+        "train",
+        help="train a drafter head for a target on CPU (resumable), written in the "
+        "method's published checkpoint layout",
+    )
     train_p.add_argument("method", choices=sorted(TRAINERS))
     train_p.add_argument("--target", default=DEFAULT_MODEL, help="target model (named, HF directory)")
-    train_p.add_argument("--out", help="head directory (default: the model cache's heads/TARGET-METHOD, "
-                         "where --profile finds it)")
+    train_p.add_argument(
+        "--out", help="head directory (default: the model cache's heads/TARGET-METHOD, where --profile finds it)"
+    )
     train_p.add_argument("--data-dir", help="cached target answers and hidden states (default: in the model cache)")
-    train_p.add_argument("--prompts", type=int, help="how many training prompts the target answers (default: all "
-                         "1410 built-in ones, or all of --prompt-file)")
-    train_p.add_argument("--prompt-file", help="your own training prompts (as bench --prompt-file reads them) "
-                         "instead of the built-in ones; use a --data-dir of their own")
-    train_p.add_argument("--self-prompts", type=int, default=0, metavar="N",
-                         help="also train on the target's answers to N requests it writes itself (sampled user "
-                         "turns, cached in the data dir; ChatML targets)")
+    train_p.add_argument(
+        "--prompts",
+        type=int,
+        help="how many training prompts the target answers (default: all 1410 built-in ones, or all of --prompt-file)",
+    )
+    train_p.add_argument(
+        "--prompt-file",
+        help="your own training prompts (as bench --prompt-file reads them) "
+        "instead of the built-in ones; use a --data-dir of their own",
+    )
+    train_p.add_argument(
+        "--self-prompts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also train on the target's answers to N requests it writes itself (sampled user "
+        "turns, cached in the data dir; ChatML targets)",
+    )
     train_p.add_argument("--max-new-tokens", type=int, default=128, help="length of each target answer")
     train_p.add_argument("--epochs", type=int, default=3)
     train_p.add_argument("--lr", type=float, default=1e-3)
-    train_p.add_argument("--batch-tokens", type=int, default=1024,
-                         help="token positions per optimizer step (smaller: more steps per epoch, same compute)")
-    train_p.add_argument("--ttt-steps", type=int, help="draft steps trained: the EAGLE/MTP unroll, Medusa heads, MLP "
-                         "speculator stages (default 3), drafts per DFlash/DSpark block (default 7)")
-    train_p.add_argument("--draft-vocab-size", type=int, default=8192,
-                         help="eagle3, medusa, dflash, dspark: draft vocabulary size")
+    train_p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=1024,
+        help="token positions per optimizer step (smaller: more steps per epoch, same compute)",
+    )
+    train_p.add_argument(
+        "--ttt-steps",
+        type=int,
+        help="draft steps trained: the EAGLE/MTP unroll, Medusa heads, MLP "
+        "speculator stages (default 3), drafts per DFlash/DSpark block (default 7)",
+    )
+    train_p.add_argument(
+        "--draft-vocab-size", type=int, default=8192, help="eagle3, medusa, dflash, dspark: draft vocabulary size"
+    )
     train_p.set_defaults(func=_train)
 
-    oai = sub.add_parser("openai", help="OpenAI-compatible API (/v1/completions, /v1/chat/completions) "
-                         "in front of the speculative model")
+    oai = sub.add_parser(
+        "openai", help="OpenAI-compatible API (/v1/completions, /v1/chat/completions) in front of the speculative model"
+    )
     oai.add_argument("--url", default="127.0.0.1:8001", help="Triton's gRPC address")
     oai.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     oai.add_argument("--port", type=int, default=9000)
     oai.add_argument("--triton-model", default="speculative", help="the Triton model requests go to")
-    oai.add_argument("--model", help="the served model (named, HF dir or .gguf) for its tokenizer and chat "
-                     "template (default: the Triton model's `model` parameter)")
+    oai.add_argument(
+        "--model",
+        help="the served model (named, HF dir or .gguf) for its tokenizer and chat "
+        "template (default: the Triton model's `model` parameter)",
+    )
     oai.add_argument("--served-model-name", help="the model id clients use (default: the Triton model name)")
     oai.add_argument("--chat-template", help="a Jinja chat template file (default: the tokenizer's)")
     oai.set_defaults(func=_openai)

@@ -11,6 +11,7 @@ a noisy machine for want of stable windows; the requests are split here into con
 windows instead, and each run reports the spread of tokens/s across them ("unstable" when
 it is above perf_analyzer's default 10%) next to the figures of the whole run.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def window_spread(requests: list[dict], windows: int = WINDOWS) -> tuple[list[fl
         return [], 0.0
     rates = []
     for i in range(windows):
-        part = ordered[i * size: (i + 1) * size]
+        part = ordered[i * size : (i + 1) * size]
         tokens = sum(_num_tokens(o) for r in part for o in r.get("response_outputs", []))
         seconds = (max(r["response_timestamps"][-1] for r in part) - min(r["timestamp"] for r in part)) / 1e9
         rates.append(tokens / seconds if seconds else 0.0)
@@ -79,15 +80,25 @@ def summarize_export(export: dict) -> dict:
     return {
         "requests": len(requests),
         "output_tokens_per_s": tokens / seconds if seconds else 0.0,
-        "window_tokens_per_s": windows, "spread": spread, "stable": spread <= STABLE_SPREAD,
-        "ttft_ms_p50": _percentile(ttft, 50), "ttft_ms_p99": _percentile(ttft, 99),
-        "itl_ms_p50": _percentile(itl, 50), "itl_ms_p99": _percentile(itl, 99),
-        "latency_ms_p50": _percentile(latency, 50), "latency_ms_p99": _percentile(latency, 99),
+        "window_tokens_per_s": windows,
+        "spread": spread,
+        "stable": spread <= STABLE_SPREAD,
+        "ttft_ms_p50": _percentile(ttft, 50),
+        "ttft_ms_p99": _percentile(ttft, 99),
+        "itl_ms_p50": _percentile(itl, 50),
+        "itl_ms_p99": _percentile(itl, 99),
+        "latency_ms_p50": _percentile(latency, 50),
+        "latency_ms_p99": _percentile(latency, 99),
     }
 
 
-def run_sweep(grpc_url: str, out_dir: Path, concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16),
-              max_tokens: int = 64, requests_per_window: int = 16) -> dict:
+def run_sweep(
+    grpc_url: str,
+    out_dir: Path,
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16),
+    max_tokens: int = 64,
+    requests_per_window: int = 16,
+) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"max_tokens": max_tokens, "concurrency": list(concurrencies), "modes": {}}
     jobs = [(mode, c) for mode in MODES for c in concurrencies]
@@ -104,12 +115,28 @@ def run_sweep(grpc_url: str, out_dir: Path, concurrencies: tuple[int, ...] = (1,
         export.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite
         requests_per_window = max(requests_per_window, 2 * concurrency)
         done = run_perf_analyzer(
-            ["-m", "speculative", "-u", grpc_url, "-i", "grpc", "--streaming", "--input-data", str(data),
-             "--concurrency-range", str(concurrency),
-             # A fixed number of requests: one measurement, no stability to wait for (a noisy
-             # machine would fail it); the windows are cut from the export afterwards.
-             "--request-count", str(WINDOWS * requests_per_window), "--profile-export-file", str(export)],
-            capture_output=True, text=True)
+            [
+                "-m",
+                "speculative",
+                "-u",
+                grpc_url,
+                "-i",
+                "grpc",
+                "--streaming",
+                "--input-data",
+                str(data),
+                "--concurrency-range",
+                str(concurrency),
+                # A fixed number of requests: one measurement, no stability to wait for (a noisy
+                # machine would fail it); the windows are cut from the export afterwards.
+                "--request-count",
+                str(WINDOWS * requests_per_window),
+                "--profile-export-file",
+                str(export),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"perf_analyzer failed ({mode}, c={concurrency}):\n{done.stdout}\n{done.stderr}")
         summary = summarize_export(json.loads(export.read_text()))
@@ -118,20 +145,26 @@ def run_sweep(grpc_url: str, out_dir: Path, concurrencies: tuple[int, ...] = (1,
 
 
 def format_sweep(results: dict) -> str:
-    lines = [f"{'mode':12} {'conc':>4} {'tok/s':>8} {'spread':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
-             f"{'p99':>7} {'lat p50':>8} {'p99':>8}   (ms)"]
+    lines = [
+        f"{'mode':12} {'conc':>4} {'tok/s':>8} {'spread':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
+        f"{'p99':>7} {'lat p50':>8} {'p99':>8}   (ms)"
+    ]
     unstable = []
     for mode, by_c in results["modes"].items():
         for c, s in by_c.items():
             mark = "" if s.get("stable", True) else "*"
             if mark:
                 unstable.append(f"{mode} c={c}: windows " + ", ".join(f"{r:.1f}" for r in s["window_tokens_per_s"]))
-            lines.append(f"{mode:12} {c:>4} {s['output_tokens_per_s']:8.1f} {s.get('spread', 0):7.0%}{mark:1} "
-                         f"{s['ttft_ms_p50']:9.1f} {s['ttft_ms_p99']:7.1f} {s['itl_ms_p50']:8.2f} "
-                         f"{s['itl_ms_p99']:7.2f} {s['latency_ms_p50']:8.0f} {s['latency_ms_p99']:8.0f}")
+            lines.append(
+                f"{mode:12} {c:>4} {s['output_tokens_per_s']:8.1f} {s.get('spread', 0):7.0%}{mark:1} "
+                f"{s['ttft_ms_p50']:9.1f} {s['ttft_ms_p99']:7.1f} {s['itl_ms_p50']:8.2f} "
+                f"{s['itl_ms_p99']:7.2f} {s['latency_ms_p50']:8.0f} {s['latency_ms_p99']:8.0f}"
+            )
     if unstable:
-        lines.append(f"* unstable: tokens/s of its {WINDOWS} windows differ by more than {STABLE_SPREAD:.0%} "
-                     "(a busy machine); the row is the whole run")
+        lines.append(
+            f"* unstable: tokens/s of its {WINDOWS} windows differ by more than {STABLE_SPREAD:.0%} "
+            "(a busy machine); the row is the whole run"
+        )
         lines += [f"  {line}" for line in unstable]
     return "\n".join(lines)
 
@@ -143,8 +176,11 @@ def plot_sweep(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    panels = (("output_tokens_per_s", "output tokens/s"), ("itl_ms_p50", "inter-token latency p50 (ms)"),
-              ("ttft_ms_p50", "time to first token p50 (ms)"))
+    panels = (
+        ("output_tokens_per_s", "output tokens/s"),
+        ("itl_ms_p50", "inter-token latency p50 (ms)"),
+        ("ttft_ms_p50", "time to first token p50 (ms)"),
+    )
     for ax, (key, label) in zip(axes, panels):
         for mode, by_c in results["modes"].items():
             cs = [int(c) for c in by_c]
@@ -161,8 +197,11 @@ def plot_sweep(results: dict, path: Path) -> None:
 
 def speedup_table(results: dict) -> dict[str, float]:
     plain, spec = results["modes"]["plain"], results["modes"]["speculative"]
-    return {c: spec[c]["output_tokens_per_s"] / plain[c]["output_tokens_per_s"]
-            for c in plain if plain[c]["output_tokens_per_s"]}
+    return {
+        c: spec[c]["output_tokens_per_s"] / plain[c]["output_tokens_per_s"]
+        for c in plain
+        if plain[c]["output_tokens_per_s"]
+    }
 
 
 def median_itl(results: dict, mode: str) -> float:

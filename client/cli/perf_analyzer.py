@@ -1,6 +1,7 @@
 """perf_analyzer for this machine. Its wheels (2.58+) are built for glibc 2.38 and pip on
 Debian 12 (glibc 2.36) refuses them; the binary runs under Debian 13's dynamic loader and
 libc, unpacked into a private folder (no system change). Installed once into the cache."""
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,22 @@ def install() -> list[str]:
     if not binary.exists():
         log.info("downloading perf-analyzer %s (manylinux_2_38 wheel)", VERSION)
         download = root / "download"
-        subprocess.check_call([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                               "--platform", "manylinux_2_38_x86_64", "-d", str(download),
-                               f"perf-analyzer=={VERSION}"])
+        subprocess.check_call(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--platform",
+                "manylinux_2_38_x86_64",
+                "-d",
+                str(download),
+                f"perf-analyzer=={VERSION}",
+            ]
+        )
         wheel = next(download.glob("perf_analyzer-*.whl"))
         zipfile.ZipFile(wheel).extractall(root / "wheel")
         binary.chmod(0o755)
@@ -47,10 +61,23 @@ def _install_trixie_libs(where: Path) -> None:
     for sub in ("lists/partial", "cache/archives/partial", "debs", "root"):
         (where / sub).mkdir(parents=True, exist_ok=True)
     sources = where / "sources.list"
-    sources.write_text("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
-                       "http://deb.debian.org/debian trixie main\n")
-    apt = ["apt-get", "-q", "-o", "APT::Sandbox::User=root", "-o", f"Dir::Etc::SourceList={sources}", "-o", "Dir::Etc::SourceParts=/dev/null",
-           "-o", f"Dir::State::Lists={where / 'lists'}", "-o", f"Dir::Cache={where / 'cache'}"]
+    sources.write_text(
+        "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main\n"
+    )
+    apt = [
+        "apt-get",
+        "-q",
+        "-o",
+        "APT::Sandbox::User=root",
+        "-o",
+        f"Dir::Etc::SourceList={sources}",
+        "-o",
+        "Dir::Etc::SourceParts=/dev/null",
+        "-o",
+        f"Dir::State::Lists={where / 'lists'}",
+        "-o",
+        f"Dir::Cache={where / 'cache'}",
+    ]
     subprocess.check_call([*apt, "update"], stdout=subprocess.DEVNULL)
     subprocess.check_call([*apt, "download", *TRIXIE_PACKAGES], cwd=where / "debs", stdout=subprocess.DEVNULL)
     for deb in (where / "debs").glob("*.deb"):
@@ -67,7 +94,7 @@ def _option(args: list[str], *names: str) -> str | None:
             if arg == name and i + 1 < len(args):
                 return args[i + 1]
             if arg.startswith(name + "="):
-                return arg[len(name) + 1:]
+                return arg[len(name) + 1 :]
     return None
 
 
@@ -99,12 +126,14 @@ def default_input(args: list[str]) -> list[str]:
         return []
     from client.cli.bench import load_prompts
 
-    rows = [{"text_input": [p], "max_tokens": [64], "stream": ["--streaming" in args], "ignore_eos": [True]}
-            for category in load_prompts()[1].values() for p in category]
+    rows = [
+        {"text_input": [p], "max_tokens": [64], "stream": ["--streaming" in args], "ignore_eos": [True]}
+        for category in load_prompts()[1].values()
+        for p in category
+    ]
     path = _root() / "default_input.json"
     path.write_text(json.dumps({"data": rows}))
-    print(f"tritonspec: no --input-data given; sending the {len(rows)} benchmark prompts from {path}",
-          file=sys.stderr)
+    print(f"tritonspec: no --input-data given; sending the {len(rows)} benchmark prompts from {path}", file=sys.stderr)
     return ["--input-data", str(path)]
 
 

@@ -1,6 +1,7 @@
 """`tritonspec soak`: many concurrent greedy streams against a real server for a while.
 Every response is checked against the same prompt's reference output (taken once, alone),
 the server's processes' memory is sampled, and at the end no sequence state may be left."""
+
 from __future__ import annotations
 
 import threading
@@ -107,8 +108,9 @@ def _direct_verifier_request(server, rng) -> str:
         tensors.append(tensor)
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         try:
-            client.infer("verifier", tensors, sequence_id=rng.randrange(1, 2**63), sequence_start=True,
-                         sequence_end=True)
+            client.infer(
+                "verifier", tensors, sequence_id=rng.randrange(1, 2**63), sequence_start=True, sequence_end=True
+            )
         except InferenceServerException as e:
             return str(e)
     return ""
@@ -120,9 +122,17 @@ def _expected_error(name: str) -> str:
     return next(message for n, _, message in BAD_REQUESTS if n == name)
 
 
-def run_chaos_soak(server, seconds: float, concurrency: int, trigger: Path, max_tokens: int = 32,
-                   fault_every_s: float = 60.0, cancel_share: float = 0.2, bad_share: float = 0.1,
-                   seed: int = 0) -> dict:
+def run_chaos_soak(
+    server,
+    seconds: float,
+    concurrency: int,
+    trigger: Path,
+    max_tokens: int = 32,
+    fault_every_s: float = 60.0,
+    cancel_share: float = 0.2,
+    bad_share: float = 0.1,
+    seed: int = 0,
+) -> dict:
     """`concurrency` streams for `seconds`: a `cancel_share` of requests cancelled mid-stream
     (what they got so far must begin their reference), a `bad_share` of bad requests (each
     must be refused by name), the rest checked whole against their reference; every
@@ -137,8 +147,17 @@ def run_chaos_soak(server, seconds: float, concurrency: int, trigger: Path, max_
     reference = {p: grpc_generate(server.grpc_url, p, max_tokens=max_tokens).output_ids for p in flat}
     pids = server_pids(server)
     memory = [(0.0, _rss_mb(pids))]
-    counts = {"completed": 0, "wrong": 0, "cancelled": 0, "cancelled_wrong": 0, "errors": 0, "bad_refused": 0,
-              "bad_misjudged": 0, "faults_injected": 0, "faults_taken": 0}
+    counts = {
+        "completed": 0,
+        "wrong": 0,
+        "cancelled": 0,
+        "cancelled_wrong": 0,
+        "errors": 0,
+        "bad_refused": 0,
+        "bad_misjudged": 0,
+        "faults_injected": 0,
+        "faults_taken": 0,
+    }
     problems: list[str] = []
     lock = threading.Lock()
     start = time.monotonic()
@@ -164,8 +183,9 @@ def run_chaos_soak(server, seconds: float, concurrency: int, trigger: Path, max_
             n += concurrency
             cancel_after = rng.randint(1, 4) if draw < bad_share + cancel_share else None
             try:
-                result = grpc_generate(server.grpc_url, prompt, max_tokens=max_tokens,
-                                       cancel_after_responses=cancel_after)
+                result = grpc_generate(
+                    server.grpc_url, prompt, max_tokens=max_tokens, cancel_after_responses=cancel_after
+                )
             except Exception as e:  # noqa: BLE001 - counted and reported
                 count("errors", f"{prompt[:30]!r}: {e}")
                 continue

@@ -8,6 +8,7 @@ Serve it with
 (the dotted path alone selects method "custom_class"; the module must be importable by the
 venv's Python, which this package is).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,7 +22,7 @@ class BigramProposer(Proposer):
         self._tables: dict[int, tuple[int, dict[int, int]]] = {}
 
     @classmethod
-    def from_config(cls, config: Any, **context: Any) -> "BigramProposer":
+    def from_config(cls, config: Any, **context: Any) -> BigramProposer:
         # config is the resolved SpeculativeConfig; context has max_model_len, dtype,
         # target_model (a path) and seed. This proposer needs none of them.
         return cls()

@@ -4,6 +4,7 @@ tensor dtypes and shapes over gRPC and HTTP, and requests addressed to the inter
 `verifier` and `drafter` models directly. Each must be refused with an error naming the
 problem, while greedy requests running beside them keep their exact output; afterwards the
 server is ready and holds no sequence state. One server (the shared tiny one) for all."""
+
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ GOOD_PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\ndef ad
 
 
 # -- transports: each returns the server's error message (or "" when the request succeeded) ----------------------
+
 
 def _grpc(server, model: str, tensors: dict[str, np.ndarray], **options: Any) -> str:
     """One request over a gRPC stream with exactly these tensors (dtype from numpy)."""
@@ -67,8 +69,9 @@ def _sampling(server, sampling: str | bytes, prompt: str = "hi") -> str:
 
 def _http(server, path: str, body: dict | bytes) -> str:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://{server.http_url}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{server.http_url}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         urllib.request.urlopen(request, timeout=60).read()
         return ""
@@ -90,8 +93,10 @@ def _drafter_inputs() -> dict[str, np.ndarray]:
 
 def _http_tensors(tensors: dict[str, np.ndarray]) -> list[dict]:
     kinds = {np.int64: "INT64", np.int32: "INT32"}
-    return [{"name": n, "shape": list(v.shape), "datatype": kinds[v.dtype.type], "data": v.reshape(-1).tolist()}
-            for n, v in tensors.items()]
+    return [
+        {"name": n, "shape": list(v.shape), "datatype": kinds[v.dtype.type], "data": v.reshape(-1).tolist()}
+        for n, v in tensors.items()
+    ]
 
 
 @dataclass
@@ -109,8 +114,11 @@ def _s(name: str, sampling: Any, expected: str) -> Case:
 
 def _p(name: str, parameters: dict, expected: str) -> Case:
     """A case sent as HTTP /generate request parameters."""
-    return Case(name, lambda server: _generate(server, {"text_input": "hi", "max_tokens": 4,
-                                                        "parameters": parameters}), expected)
+    return Case(
+        name,
+        lambda server: _generate(server, {"text_input": "hi", "max_tokens": 4, "parameters": parameters}),
+        expected,
+    )
 
 
 def _t(name: str, expected: str, prompt: str | bytes = "hi", **tensors: np.ndarray) -> Case:
@@ -153,8 +161,11 @@ CASES = [
     _t("top_k tensor below -1", "top_k must be -1, 0", top_k=np.array([-7], np.int32)),
     _t("top_p tensor above one", "top_p must be in (0, 1]", top_p=np.array([3.0], np.float32)),
     _t("max_tokens tensor negative", "max_tokens must be at least 1", max_tokens=np.array([-4], np.int32)),
-    _s("streaming with the prompt prepended", {"stream": True, "exclude_input_in_output": False},
-       "not supported with stream"),
+    _s(
+        "streaming with the prompt prepended",
+        {"stream": True, "exclude_input_in_output": False},
+        "not supported with stream",
+    ),
     # huge and NaN numbers
     _s("top_k 1e19", {"top_k": 1e19}, "top_k must be -1, 0 (both: off) or a positive integer up to 2147483647"),
     _s("top_k 10**19 exactly", '{"top_k": 10000000000000000000, "temperature": 1}', "top_k must be -1, 0"),
@@ -166,8 +177,11 @@ CASES = [
     _t("temperature tensor NaN", "temperature must be a finite number", temperature=np.array([np.nan], np.float32)),
     _t("top_p tensor infinite", "top_p must be a finite number", top_p=np.array([np.inf], np.float32)),
     _s("a 5000-digit max_tokens", '{"max_tokens": ' + "9" * 5000 + "}", "sampling_parameters is not valid JSON"),
-    _s("JSON nested 100000 deep", '{"stop": ' + "[" * 100000 + "]" * 100000 + "}",
-       "sampling_parameters is not valid JSON"),
+    _s(
+        "JSON nested 100000 deep",
+        '{"stop": ' + "[" * 100000 + "]" * 100000 + "}",
+        "sampling_parameters is not valid JSON",
+    ),
     _s("sampling_parameters not JSON", "{not json", "sampling_parameters is not valid JSON"),
     _s("sampling_parameters a JSON list", "[1, 2]", "sampling_parameters must be a JSON object"),
     _p("HTTP parameter temperature NaN", {"temperature": float("nan")}, "temperature must be a finite number"),
@@ -185,60 +199,117 @@ CASES = [
     _t("text_input empty", "text_input is empty", prompt=""),
     _s("sampling_parameters with broken UTF-8", b'{"stop": "\xff"}', "must be UTF-8 text"),
     _s("an unknown key in another script", {"tëmpérature": 1}, "unknown key 'tëmpérature' in sampling_parameters"),
-    Case("HTTP JSON with a lone surrogate", lambda server: _generate(
-        server, b'{"text_input": "\\ud800 hi", "max_tokens": 3}'), "surrogate"),
+    Case(
+        "HTTP JSON with a lone surrogate",
+        lambda server: _generate(server, b'{"text_input": "\\ud800 hi", "max_tokens": 3}'),
+        "surrogate",
+    ),
     # overlong prompts
     _t("a prompt past the context window", "context window", prompt="The quick brown fox " * 200),
     _t("a 1 MB prompt", "characters, more than fit the context window", prompt="z" * 1_000_000),
-    Case("a 1 MB prompt over HTTP", lambda server: _generate(server, {"text_input": "é" * 1_000_000,
-                                                                      "max_tokens": 3}),
-         "characters, more than fit the context window"),
+    Case(
+        "a 1 MB prompt over HTTP",
+        lambda server: _generate(server, {"text_input": "é" * 1_000_000, "max_tokens": 3}),
+        "characters, more than fit the context window",
+    ),
     # unknown keys
     _s("an unknown sampling key", {"frobnicate": 2}, "unknown key 'frobnicate' in sampling_parameters"),
     _s("an empty key", {"": 1}, "unknown key '' in sampling_parameters"),
     _s("a megabyte key", {"k" * 1_000_000: 1}, "characters) in sampling_parameters"),
     _p("an unknown request parameter", {"beam_width_x": 2}, "unknown key 'beam_width_x' in request parameters"),
-    Case("an unknown input tensor", lambda server: _speculative(server, foo=np.array([3], np.int32)),
-         "unexpected inference input 'foo'"),
+    Case(
+        "an unknown input tensor",
+        lambda server: _speculative(server, foo=np.array([3], np.int32)),
+        "unexpected inference input 'foo'",
+    ),
     Case("HTTP without text_input", lambda server: _generate(server, {"max_tokens": 3}), "text_input is required"),
     # wrong tensor dtypes and shapes
-    Case("text_input as INT32", lambda server: _grpc(server, "speculative", {"text_input": np.array([1], np.int32)}),
-         "inference input 'text_input' data-type is 'INT32', but model 'speculative' expects 'BYTES'"),
+    Case(
+        "text_input as INT32",
+        lambda server: _grpc(server, "speculative", {"text_input": np.array([1], np.int32)}),
+        "inference input 'text_input' data-type is 'INT32', but model 'speculative' expects 'BYTES'",
+    ),
     _t("max_tokens as FP32", "input 'max_tokens' data-type is 'FP32'", max_tokens=np.array([3.0], np.float32)),
     _t("random_seed as INT64", "input 'random_seed' data-type is 'INT64'", random_seed=np.array([3], np.int64)),
     _t("temperature as BYTES", "input 'temperature' data-type is 'BYTES'", temperature=_text("0.5")),
     _t("stream as INT32", "input 'stream' data-type is 'INT32'", stream=np.array([1], np.int32)),
     _t("max_tokens of shape [2]", "unexpected shape for input 'max_tokens'", max_tokens=np.array([3, 4], np.int32)),
     _t("max_tokens of shape [1, 1]", "unexpected shape for input 'max_tokens'", max_tokens=np.array([[3]], np.int32)),
-    Case("two prompts in text_input", lambda server: _grpc(server, "speculative", {"text_input": _text("a", "b")}),
-         "unexpected shape for input 'text_input'"),
-    Case("HTTP text_input as a list of two", lambda server: _generate(server, {"text_input": ["a", "b"]}),
-         "input 'text_input'"),
-    Case("HTTP /infer on the streaming model", lambda server: _http(server, "/v2/models/speculative/infer", {
-        "inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}),
-        "doesn't support models with decoupled transaction policy"),
+    Case(
+        "two prompts in text_input",
+        lambda server: _grpc(server, "speculative", {"text_input": _text("a", "b")}),
+        "unexpected shape for input 'text_input'",
+    ),
+    Case(
+        "HTTP text_input as a list of two",
+        lambda server: _generate(server, {"text_input": ["a", "b"]}),
+        "input 'text_input'",
+    ),
+    Case(
+        "HTTP /infer on the streaming model",
+        lambda server: _http(
+            server,
+            "/v2/models/speculative/infer",
+            {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]},
+        ),
+        "doesn't support models with decoupled transaction policy",
+    ),
     # the internal models, addressed directly
-    Case("verifier START over gRPC", lambda server: _grpc(server, "verifier", _verifier_inputs(), sequence_id=12345,
-                                                            sequence_start=True),
-         "verifier: this model only serves the `speculative` model of this server"),
-    Case("verifier END over gRPC", lambda server: _grpc(
-        server, "verifier", _verifier_inputs(), sequence_id=7, sequence_start=True, sequence_end=True),
-        "lacks its internal token"),
-    Case("verifier with a forged token", lambda server: _grpc(
-        server, "verifier", _verifier_inputs(), sequence_id=99, sequence_start=True,
-        parameters={"tritonspec_token": "0" * 64}), "lacks its internal token"),
-    Case("drafter START over gRPC", lambda server: _grpc(server, "drafter", _drafter_inputs(), sequence_id=12345,
-                                                           sequence_start=True),
-         "drafter: this model only serves the `speculative` model of this server"),
-    Case("verifier START over HTTP", lambda server: _http(server, "/v2/models/verifier/infer", {
-        "parameters": {"sequence_id": 4242, "sequence_start": True}, "inputs": _http_tensors(_verifier_inputs())}),
-        "lacks its internal token"),
-    Case("drafter END over HTTP", lambda server: _http(server, "/v2/models/drafter/infer", {
-        "parameters": {"sequence_id": 4242, "sequence_start": True, "sequence_end": True},
-        "inputs": _http_tensors(_drafter_inputs())}),
-        "lacks its internal token"),
-    Case("verifier without a sequence id", lambda server: _http(server, "/v2/models/verifier/infer", {
-        "inputs": _http_tensors(_verifier_inputs())}), "must specify a non-zero or non-empty correlation ID"),
+    Case(
+        "verifier START over gRPC",
+        lambda server: _grpc(server, "verifier", _verifier_inputs(), sequence_id=12345, sequence_start=True),
+        "verifier: this model only serves the `speculative` model of this server",
+    ),
+    Case(
+        "verifier END over gRPC",
+        lambda server: _grpc(
+            server, "verifier", _verifier_inputs(), sequence_id=7, sequence_start=True, sequence_end=True
+        ),
+        "lacks its internal token",
+    ),
+    Case(
+        "verifier with a forged token",
+        lambda server: _grpc(
+            server,
+            "verifier",
+            _verifier_inputs(),
+            sequence_id=99,
+            sequence_start=True,
+            parameters={"tritonspec_token": "0" * 64},
+        ),
+        "lacks its internal token",
+    ),
+    Case(
+        "drafter START over gRPC",
+        lambda server: _grpc(server, "drafter", _drafter_inputs(), sequence_id=12345, sequence_start=True),
+        "drafter: this model only serves the `speculative` model of this server",
+    ),
+    Case(
+        "verifier START over HTTP",
+        lambda server: _http(
+            server,
+            "/v2/models/verifier/infer",
+            {"parameters": {"sequence_id": 4242, "sequence_start": True}, "inputs": _http_tensors(_verifier_inputs())},
+        ),
+        "lacks its internal token",
+    ),
+    Case(
+        "drafter END over HTTP",
+        lambda server: _http(
+            server,
+            "/v2/models/drafter/infer",
+            {
+                "parameters": {"sequence_id": 4242, "sequence_start": True, "sequence_end": True},
+                "inputs": _http_tensors(_drafter_inputs()),
+            },
+        ),
+        "lacks its internal token",
+    ),
+    Case(
+        "verifier without a sequence id",
+        lambda server: _http(server, "/v2/models/verifier/infer", {"inputs": _http_tensors(_verifier_inputs())}),
+        "must specify a non-zero or non-empty correlation ID",
+    ),
 ]
 
 
@@ -290,8 +361,14 @@ def test_bad_requests_are_refused_by_name_and_hurt_nobody(tiny_server):
 
 def test_unusual_but_valid_text_is_served(tiny_server):
     """Unicode that is valid must not be refused with the broken kind."""
-    for prompt in ("emoji 🎉👩‍👩‍👧 done", "שלום עולם right-to-left", "nul \x00 inside", "e\u0301 combining",
-                   "\ufeffbyte order mark", "tab\tand\r\nnewlines"):
+    for prompt in (
+        "emoji 🎉👩‍👩‍👧 done",
+        "שלום עולם right-to-left",
+        "nul \x00 inside",
+        "e\u0301 combining",
+        "\ufeffbyte order mark",
+        "tab\tand\r\nnewlines",
+    ):
         result = grpc_generate(tiny_server.grpc_url, prompt, max_tokens=4, ignore_eos=True)
         assert len(result.output_ids) == 4, prompt
     assert not any(wait_for_no_active_sequences(tiny_server).values())

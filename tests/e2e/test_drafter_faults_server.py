@@ -18,8 +18,12 @@ PROMPT = "def add(a, b):\n    return a + b\ndef add(a, b):"
 def test_a_hung_or_failing_drafter_falls_back_to_plain_decoding(tiny_model_dir, tmp_path, monkeypatch):
     trigger = tmp_path / "chaos-trigger"
     monkeypatch.setenv("TRITONSPEC_CHAOS_TRIGGER", str(trigger))
-    server = start_server(tmp_path, str(tiny_model_dir), json.dumps(CHAOS_SPECULATIVE_CONFIG),
-                          per_model={"speculative": {"drafter_timeout_s": "1"}})
+    server = start_server(
+        tmp_path,
+        str(tiny_model_dir),
+        json.dumps(CHAOS_SPECULATIVE_CONFIG),
+        per_model={"speculative": {"drafter_timeout_s": "1"}},
+    )
     try:
         expected = hf_greedy(str(tiny_model_dir), PROMPT, 24)
         for fault, reason in (("slow", "did not answer within 1 s"), ("raise", "an injected drafter fault")):

@@ -50,7 +50,9 @@ def test_batched_steps_equal_single_steps(runners, tiny_model_dir):
             outputs[req.seq_id] += a.token_ids
     for seq_id in prompts:
         assert alone.sequences[seq_id].token_ids == together.sequences[seq_id].token_ids
-        assert alone.cached_tokens(seq_id) == together.cached_tokens(seq_id) == len(alone.sequences[seq_id].token_ids) - 1
+        assert (
+            alone.cached_tokens(seq_id) == together.cached_tokens(seq_id) == len(alone.sequences[seq_id].token_ids) - 1
+        )
         alone.release(seq_id)
         together.release(seq_id)
 

@@ -1,5 +1,6 @@
 """The drafter of `tritonspec soak --chaos`: n-gram drafts, and each fault the soak writes
 into the trigger file, once."""
+
 from __future__ import annotations
 
 import pytest

@@ -58,15 +58,16 @@ def metaspace_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     corpus = ["The capital of France is Paris.", "Rome is the capital of Italy.", "Paris is in France."] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
-                                                         show_progress=False))
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def test_metaspace_output_keeps_its_leading_space():
     tokenizer = metaspace_tokenizer()
     prompt = tokenizer("The capital of France is")["input_ids"]
-    output = tokenizer("The capital of France is Paris. Rome is")["input_ids"][len(prompt):]
+    output = tokenizer("The capital of France is Paris. Rome is")["input_ids"][len(prompt) :]
     assert tokenizer.convert_ids_to_tokens(output)[0].startswith("▁Paris")
     pieces, text = stream_text(tokenizer, output, prompt_ids=prompt)
     assert "".join(pieces) == " Paris. Rome is"

@@ -32,7 +32,7 @@ def test_context_accumulates_and_the_proposer_learns_what_was_accepted(service):
     assert [d.token_ids for d in drafts] == [[7, 7, 7], [7, 7]]
     # Two of seq 1's three drafts accepted, then the target's correction 5.
     service.draft([DraftCall(1, [7, 7, 5], num_tokens=1, num_accepted=2)])
-    (seq_id, tokens, k, num_new, num_accepted, _), = service.proposer.seen[-1]
+    ((seq_id, tokens, k, num_new, num_accepted, _),) = service.proposer.seen[-1]
     assert (seq_id, tokens, k, num_new, num_accepted) == (1, [1, 2, 3, 7, 7, 5], 1, 3, 2)
     assert service.num_sequences == 2
 
@@ -44,7 +44,7 @@ def test_a_call_for_zero_drafts_keeps_its_tokens_and_hidden_rows_for_the_next(se
     service.draft([DraftCall(1, [7, 5], num_tokens=0, hidden_states=torch.ones(2, 1, 4), num_accepted=1)])
     assert len(service.proposer.seen) == 1
     service.draft([DraftCall(1, [6], num_tokens=2, hidden_states=torch.full((1, 1, 4), 2.0), num_accepted=0)])
-    (_, tokens, _, num_new, num_accepted, hidden), = service.proposer.seen[-1]
+    ((_, tokens, _, num_new, num_accepted, hidden),) = service.proposer.seen[-1]
     assert tokens == [1, 2, 3, 7, 5, 6] and num_new == 3 and num_accepted == 1
     assert hidden[:, 0, 0].tolist() == [1.0, 1.0, 2.0]
 

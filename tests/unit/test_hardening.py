@@ -2,6 +2,7 @@
 caps, the peers' internal token, hidden-state files that never overwrite, custom proposers'
 ids and probabilities checked, sliding-window targets refused at load, wheels-only weight
 downloads, and client timeouts with a message."""
+
 from __future__ import annotations
 
 import json
@@ -25,20 +26,24 @@ from backends.serving.request import (
 
 # -- numbers and strings are bounded where the request is parsed -------------------------------------------------
 
-@pytest.mark.parametrize("sampling,message", [
-    ('{"top_k": 1e19}', "top_k must be -1, 0 (both: off) or a positive integer up to 2147483647"),
-    ('{"top_k": 10000000000000000000}', "top_k must be"),
-    ('{"max_tokens": 1e12}', "max_tokens must be at most 2147483647"),
-    ('{"num_draft_tokens": 4096}', "num_draft_tokens must be at most 128"),
-    ('{"temperature": 1e39}', "temperature must be a finite number"),
-    ('{"top_p": "-Infinity"}', "top_p must be a finite number"),
-    ('{"seed": 9223372036854775808}', "seed must be a non-negative 63-bit integer"),
-    ('{"max_tokens": ' + "9" * 5000 + "}", "sampling_parameters is not valid JSON"),
-    ("[" * 100000 + "]" * 100000, "sampling_parameters is not valid JSON"),
-    (json.dumps({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}), f"at most {MAX_STOP_STRINGS} stop strings"),
-    (json.dumps({"stop": "y" * (MAX_STOP_CHARS + 1)}), f"at most {MAX_STOP_CHARS} characters"),
-    (json.dumps({"temperature": "x" * 100000}), "characters)"),  # a huge value is not echoed whole
-])
+
+@pytest.mark.parametrize(
+    "sampling,message",
+    [
+        ('{"top_k": 1e19}', "top_k must be -1, 0 (both: off) or a positive integer up to 2147483647"),
+        ('{"top_k": 10000000000000000000}', "top_k must be"),
+        ('{"max_tokens": 1e12}', "max_tokens must be at most 2147483647"),
+        ('{"num_draft_tokens": 4096}', "num_draft_tokens must be at most 128"),
+        ('{"temperature": 1e39}', "temperature must be a finite number"),
+        ('{"top_p": "-Infinity"}', "top_p must be a finite number"),
+        ('{"seed": 9223372036854775808}', "seed must be a non-negative 63-bit integer"),
+        ('{"max_tokens": ' + "9" * 5000 + "}", "sampling_parameters is not valid JSON"),
+        ("[" * 100000 + "]" * 100000, "sampling_parameters is not valid JSON"),
+        (json.dumps({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}), f"at most {MAX_STOP_STRINGS} stop strings"),
+        (json.dumps({"stop": "y" * (MAX_STOP_CHARS + 1)}), f"at most {MAX_STOP_CHARS} characters"),
+        (json.dumps({"temperature": "x" * 100000}), "characters)"),  # a huge value is not echoed whole
+    ],
+)
 def test_numbers_and_lists_are_bounded(sampling, message):
     with pytest.raises(RequestError) as err:
         parse_request({"text_input": "hi"}, "", sampling)
@@ -47,8 +52,11 @@ def test_numbers_and_lists_are_bounded(sampling, message):
 
 
 def test_bounds_keep_every_valid_value_exact():
-    r = parse_request({"text_input": "hi"}, "", json.dumps({"seed": 2**63 - 1, "top_k": 2**31 - 1, "max_tokens": "7",
-                                                            "stop": ["s"] * MAX_STOP_STRINGS}))
+    r = parse_request(
+        {"text_input": "hi"},
+        "",
+        json.dumps({"seed": 2**63 - 1, "top_k": 2**31 - 1, "max_tokens": "7", "stop": ["s"] * MAX_STOP_STRINGS}),
+    )
     assert (r.sampling.seed, r.sampling.top_k, r.max_tokens, len(r.stop)) == (2**63 - 1, 2**31 - 1, 7, MAX_STOP_STRINGS)
 
 
@@ -58,15 +66,18 @@ def test_a_prompt_too_long_for_any_tokenizer_is_refused_before_tokenizing():
         check_prompt_size("x" * 6401, 100)
 
 
-@pytest.mark.parametrize("text,message", [
-    ('{"top_k": 1e19}', "top_k must be an integer in [1, 2147483647]"),
-    ('{"temperature": NaN}', "temperature must be a number"),
-    ('{"temperature": "0.5"}', "temperature must be a number"),
-    ('{"top_p": 2}', "top_p must be a number in [0, 1]"),
-    ('{"seed": -1}', "seed must be an integer"),
-    ('{"evil": 1}', "malformed sampling parameters"),
-    ("[]", "malformed sampling parameters"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"top_k": 1e19}', "top_k must be an integer in [1, 2147483647]"),
+        ('{"temperature": NaN}', "temperature must be a number"),
+        ('{"temperature": "0.5"}', "temperature must be a number"),
+        ('{"top_p": 2}', "top_p must be a number in [0, 1]"),
+        ('{"seed": -1}', "seed must be an integer"),
+        ('{"evil": 1}', "malformed sampling parameters"),
+        ("[]", "malformed sampling parameters"),
+    ],
+)
 def test_the_verifier_checks_sampling_parameters_again(text, message):
     with pytest.raises(RequestError) as err:
         SamplingParams.from_json(text)
@@ -74,6 +85,7 @@ def test_the_verifier_checks_sampling_parameters_again(text, message):
 
 
 # -- the peers' internal token ------------------------------------------------------------------------------------
+
 
 @pytest.fixture()
 def token_dir(tmp_path, monkeypatch):
@@ -119,12 +131,19 @@ def test_requests_without_the_token_are_told_apart():
 
     token = "ab" * 32
     assert has_token(json.dumps(with_token({"sampling": "{}"}, token)), token)
-    for parameters in ("", "{}", "[1]", "not json", json.dumps({TOKEN_PARAMETER: "ab" * 31}),
-                       json.dumps({TOKEN_PARAMETER: 5})):
+    for parameters in (
+        "",
+        "{}",
+        "[1]",
+        "not json",
+        json.dumps({TOKEN_PARAMETER: "ab" * 31}),
+        json.dumps({TOKEN_PARAMETER: 5}),
+    ):
         assert not has_token(parameters, token), parameters
 
 
 # -- extracted hidden states never overwrite a file ---------------------------------------------------------------
+
 
 def test_hidden_state_files_get_unique_names(tmp_path):
     from safetensors.torch import load_file
@@ -140,6 +159,7 @@ def test_hidden_state_files_get_unique_names(tmp_path):
 
 # -- custom proposers' ids and probabilities are checked ----------------------------------------------------------
 
+
 class _Answer:
     def __init__(self, draft):
         self.draft = draft
@@ -151,15 +171,18 @@ class _Answer:
         pass
 
 
-@pytest.mark.parametrize("ids,probs,message", [
-    ([5, 100], None, "the draft id 100, outside the target's vocabulary [0, 100)"),
-    ([-1], None, "the draft id -1"),
-    ([5, 6], torch.full((1, 100), 0.01), "probs of shape [1, 100]; expected a tensor [2, 100]"),
-    ([5], torch.full((1, 99), 0.01), "expected a tensor [1, 100]"),
-    ([5], [[0.5, 0.5]], "probs of shape list"),
-    ([5], torch.full((1, 100), float("nan")), "not finite, non-negative probabilities"),
-    ([5], -torch.full((1, 100), 0.01), "not finite, non-negative probabilities"),
-])
+@pytest.mark.parametrize(
+    "ids,probs,message",
+    [
+        ([5, 100], None, "the draft id 100, outside the target's vocabulary [0, 100)"),
+        ([-1], None, "the draft id -1"),
+        ([5, 6], torch.full((1, 100), 0.01), "probs of shape [1, 100]; expected a tensor [2, 100]"),
+        ([5], torch.full((1, 99), 0.01), "expected a tensor [1, 100]"),
+        ([5], [[0.5, 0.5]], "probs of shape list"),
+        ([5], torch.full((1, 100), float("nan")), "not finite, non-negative probabilities"),
+        ([5], -torch.full((1, 100), 0.01), "not finite, non-negative probabilities"),
+    ],
+)
 def test_a_custom_proposers_answer_is_checked(ids, probs, message):
     from backends.methods.custom_class import CustomClass
     from backends.serving.proposer import Draft, DraftRequest
@@ -173,6 +196,7 @@ def test_a_custom_proposers_answer_is_checked(ids, probs, message):
 
 
 # -- loading and fetching ------------------------------------------------------------------------------------------
+
 
 def test_a_sliding_window_below_the_context_is_refused_at_load():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
@@ -203,6 +227,7 @@ def test_train_state_is_loaded_without_running_code():
 
 
 # -- client timeouts ------------------------------------------------------------------------------------------------
+
 
 def test_a_client_timeout_says_what_happened():
     from client.api.triton import GenerationTimeout, next_response

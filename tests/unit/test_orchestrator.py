@@ -231,8 +231,12 @@ def test_synthetic_acceptance_reaches_the_verifier(runner, tokenizer):
     """rejection_sample_method "synthetic" (benchmarking): drafts are accepted at the configured
     rates even when the target disagrees: rates of 1 accept every (wrong) draft."""
     config = SpeculativeConfig.from_json(
-        {"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
-         "synthetic_acceptance_rates": [1.0, 1.0, 1.0]}
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [1.0, 1.0, 1.0],
+        }
     )
     service = DraftService(FailingProposer(fail_on=0), config)
     ids, stats = generate_local(PROMPT, tokenizer, runner, service, eos_token_ids=set(), max_tokens=8)

@@ -381,3 +381,15 @@ def test_smollm2_matches_transformers(smollm2_dir):
         out = lm.forward(pool, [Row(0, seqs[0][i : i + 1]), Row(1, seqs[1][a:b])], logits_rows=[1, b - a])
         check(out.logits[0], refs[0][i : i + 1])
         check(out.logits[1], refs[1][a:b])
+
+
+def test_pool_hands_out_the_smallest_fitting_run():
+    pool = KVCachePool(1, 1, 4, capacity_tokens=10 * 4, block_size=4, dtype=torch.float32)
+    for s, blocks in enumerate([3, 1, 2, 1, 3]):  # blocks 0-2, 3, 4-5, 6, 7-9
+        pool.admit(s, blocks * 4)
+    pool.release(0)  # a hole of 3 blocks at 0
+    pool.release(2)  # a hole of 2 blocks at 4
+    pool.admit("x", 8)
+    assert pool.blocks("x") == [4, 5] and pool.contiguous_start("x") == 16
+    pool.admit("y", 12)
+    assert pool.blocks("y") == [0, 1, 2]

@@ -4,6 +4,7 @@ Each test runs the same good sequences through two runners: `alone` verifies eac
 its own, `together` verifies them in one batch beside a culprit. The good sequences'
 results, and their next steps, must be exactly the lone ones; the culprit gets its own
 SequenceError and its sequence is ended."""
+
 from __future__ import annotations
 
 import pytest
@@ -67,14 +68,22 @@ def bad_cases(vocab: int, layers: int) -> dict[str, tuple[dict, str]]:
         "negative draft id": ({"draft_token_ids": [3, -1]}, "draft id -1 is outside the vocabulary"),
         "huge draft id": ({"draft_token_ids": [2**62]}, "is outside the vocabulary"),
         "token id past the vocabulary": ({"new_token_ids": [vocab + 7]}, f"token id {vocab + 7} is outside"),
-        "draft_probs with too few rows": ({"draft_token_ids": [3, 4, 5], "draft_probs": uniform},
-                                          f"draft_probs must have shape [3, {vocab}]"),
-        "draft_probs over another vocabulary": ({"draft_token_ids": [3, 4], "draft_probs": uniform[:, :-1]},
-                                                f"draft_probs must have shape [2, {vocab}]"),
-        "NaN draft_probs": ({"draft_token_ids": [3, 4], "draft_probs": uniform * float("nan")},
-                            "draft_probs must be finite, non-negative"),
-        "negative draft_probs": ({"draft_token_ids": [3, 4], "draft_probs": -uniform},
-                                 "draft_probs must be finite, non-negative"),
+        "draft_probs with too few rows": (
+            {"draft_token_ids": [3, 4, 5], "draft_probs": uniform},
+            f"draft_probs must have shape [3, {vocab}]",
+        ),
+        "draft_probs over another vocabulary": (
+            {"draft_token_ids": [3, 4], "draft_probs": uniform[:, :-1]},
+            f"draft_probs must have shape [2, {vocab}]",
+        ),
+        "NaN draft_probs": (
+            {"draft_token_ids": [3, 4], "draft_probs": uniform * float("nan")},
+            "draft_probs must be finite, non-negative",
+        ),
+        "negative draft_probs": (
+            {"draft_token_ids": [3, 4], "draft_probs": -uniform},
+            "draft_probs must be finite, non-negative",
+        ),
         "hidden layer past the last": ({"hidden_layer_ids": (layers + 1,)}, f"hidden layer id {layers + 1} is not"),
         "hidden layer below -1": ({"hidden_layer_ids": (-2,)}, "hidden layer id -2 is not"),
         "too many drafts": ({"draft_token_ids": [3] * 129}, "129 drafts; at most 128"),
@@ -93,12 +102,15 @@ def test_a_bad_step_fails_alone(runners, tokenizer, case):
 def test_bad_first_steps_are_refused_before_any_state(runners, tokenizer):
     _, together = runners
     prompt = tokenizer("for i in")["input_ids"]
-    for req, message in ((VerifyRequest(CULPRIT, prompt, [], max_new_tokens="10"), "max_new_tokens"),
-                         (VerifyRequest(CULPRIT, prompt + [10**9], []), "outside the vocabulary")):
+    for req, message in (
+        (VerifyRequest(CULPRIT, prompt, [], max_new_tokens="10"), "max_new_tokens"),
+        (VerifyRequest(CULPRIT, prompt + [10**9], []), "outside the vocabulary"),
+    ):
         result = together.verify_batch([req])[0]
         assert isinstance(result, SequenceError) and message in str(result)
         assert CULPRIT not in together.sequences and together.reserved_tokens == sum(
-            s.reserved_tokens for s in together.sequences.values())
+            s.reserved_tokens for s in together.sequences.values()
+        )
 
 
 def test_a_failing_batched_forward_is_retried_step_by_step(runners, tokenizer, monkeypatch):
@@ -128,8 +140,12 @@ def test_a_failing_batched_forward_is_retried_step_by_step(runners, tokenizer, m
             return forward(*args, input_ids=input_ids, **kwargs)
 
         monkeypatch.setattr(together.model, "forward", poisoned)
-    check_isolated(alone, together, VerifyRequest(CULPRIT, [], [poison]), "verification failed: RuntimeError: "
-                   "poisoned token in the batch")
+    check_isolated(
+        alone,
+        together,
+        VerifyRequest(CULPRIT, [], [poison]),
+        "verification failed: RuntimeError: poisoned token in the batch",
+    )
     assert calls[:4] == [3, 1, 1, 1]  # the batch of three, then each step alone
 
 
