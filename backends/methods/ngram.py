@@ -55,11 +55,7 @@ class TokenHistory:
 
 class NgramProposer:
     def __init__(
-        self,
-        prompt_lookup_min: int,
-        prompt_lookup_max: int,
-        num_speculative_tokens: int,
-        max_model_len: int,
+        self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int, max_model_len: int
     ) -> None:
         check_lookup_bounds(prompt_lookup_min, prompt_lookup_max)
         self.min_n = prompt_lookup_min
@@ -104,10 +100,7 @@ class NgramDrafter(Proposer):
     def from_config(cls, config: Any, max_model_len: int, **_: Any) -> NgramDrafter:
         return cls(
             NgramProposer(
-                config.prompt_lookup_min,
-                config.prompt_lookup_max,
-                config.num_speculative_tokens,
-                max_model_len,
+                config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens, max_model_len
             )
         )
 

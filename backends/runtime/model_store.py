@@ -77,9 +77,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
     ),
 }
 # Names that fetch several models at once (a target and its drafter).
-NAMED_GROUPS: dict[str, tuple[str, ...]] = {
-    "qwen-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),
-}
+NAMED_GROUPS: dict[str, tuple[str, ...]] = {"qwen-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")}
 DEFAULT_MODEL = "smollm2-135m"
 
 

@@ -17,11 +17,10 @@ import torch
 from backends.config import DrafterConfig
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall, DraftService
-from backends.serving.logits import TokenLogprob
 from backends.serving.orchestrator import GenerationStats, generate
 from backends.serving.proposer import DrafterInfo
-from backends.serving.request import GenerationRequest, SamplingParams
-from backends.serving.target import TargetRunner, VerifyRequest
+from backends.serving.request import GenerationRequest
+from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 
 
 class LocalVerifier:
@@ -30,28 +29,8 @@ class LocalVerifier:
     def __init__(self, runner: TargetRunner) -> None:
         self.runner = runner
 
-    def verify(
-        self,
-        seq_id: int,
-        new_token_ids: list[int],
-        draft_token_ids: list[int],
-        draft_probs: torch.Tensor | None,
-        sampling: SamplingParams | None,
-        max_new_tokens: int | None = None,
-        hidden_layer_ids: tuple[int, ...] = (),
-    ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
-        result = self.runner.verify(
-            VerifyRequest(
-                seq_id,
-                new_token_ids,
-                draft_token_ids,
-                sampling,
-                hidden_layer_ids,
-                draft_probs=draft_probs,
-                max_new_tokens=max_new_tokens,
-            )
-        )
-        return result.token_ids, result.forward_s, result.hidden_states, result.logprobs
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        return self.runner.verify(req)
 
     def release(self, seq_id: int) -> None:
         self.runner.release(seq_id)
@@ -68,17 +47,7 @@ class LocalDrafter:
             service.proposer.proposes_drafts,
         )
 
-    def draft(
-        self,
-        seq_id: int,
-        new_token_ids: list[int],
-        num_tokens: int,
-        num_accepted: int,
-        hidden_states: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        seed: int | None = None,
-    ) -> tuple[list[int], torch.Tensor | None, float]:
-        call = DraftCall(seq_id, new_token_ids, num_tokens, hidden_states, temperature, num_accepted, seed)
+    def draft(self, call: DraftCall) -> tuple[list[int], torch.Tensor | None, float]:
         draft = self.service.draft([call])[0]
         return draft.token_ids, draft.probs, 0.0
 

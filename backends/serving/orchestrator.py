@@ -17,52 +17,37 @@ import torch
 
 from backends.serving.adaptive import AdaptiveDraftLength
 from backends.serving.detokenize import TextStream
+from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
 from backends.serving.proposer import DrafterInfo
 from backends.serving.rejection import AcceptanceStats
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
+from backends.serving.target import VerifyRequest, VerifyResult
 
 log = logging.getLogger("tritonspec.orchestrator")
 DRAFTER_KEEPALIVE_S = 30.0  # a quarter of the peers' max_sequence_idle_microseconds (120 s)
 
 
 class Drafter(Protocol):
+    """The drafter side of the step contract: a DraftCall in (the tokens since the last call,
+    the final k, how many drafts of the last answer were accepted, the target's hidden rows,
+    the request's temperature and seed), the drafts out."""
+
     info: DrafterInfo  # what it is (method, k, layers), known before the first request
 
-    def draft(
-        self,
-        seq_id: int,
-        new_token_ids: list[int],
-        num_tokens: int,
-        num_accepted: int,
-        hidden_states: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        seed: int | None = None,
-    ) -> tuple[list[int], torch.Tensor | None, float]:
-        """Up to `num_tokens` draft ids (the final k), their [k, V] probabilities (None:
-        one-hot / model-free) and the seconds spent proposing. `new_token_ids`: the tokens
-        since the last call; `num_accepted`: how many drafts of its last answer the target
-        accepted; `hidden_states`: the target's rows for every position it ran since the last
-        call, [rows, layers, hidden]; `temperature`: the request's (a greedy request gets
-        argmax drafts from every method); `seed`: a seeded request's (its own generator)."""
+    def draft(self, call: DraftCall) -> tuple[list[int], torch.Tensor | None, float]:
+        """Up to `call.num_tokens` draft ids, their [k, V] probabilities (None: one-hot /
+        model-free) and the seconds spent proposing."""
 
     def release(self, seq_id: int) -> None: ...
 
 
 class Verifier(Protocol):
-    def verify(
-        self,
-        seq_id: int,
-        new_token_ids: list[int],
-        draft_token_ids: list[int],
-        draft_probs: torch.Tensor | None,
-        sampling: SamplingParams | None,
-        max_new_tokens: int | None = None,
-        hidden_layer_ids: tuple[int, ...] = (),
-    ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
-        """Emitted ids, forward seconds, the hidden states of the kept positions for
-        `hidden_layer_ids`, and the emitted tokens' logprobs when the sequence's sampling
-        parameters asked for them."""
+    """The verifier side: a VerifyRequest in (new tokens, drafts and their probabilities,
+    on the first step the sampling parameters and the KV reservation), a VerifyResult out
+    (the emitted ids, forward seconds, hidden states of the kept positions, logprobs)."""
+
+    def verify(self, req: VerifyRequest) -> VerifyResult: ...
 
     def release(self, seq_id: int) -> None: ...
 
@@ -212,14 +197,17 @@ def generate(
             last_drafter_call = time.monotonic()
             start = time.perf_counter()
             try:
+                hidden_in = torch.cat(hidden_rows) if hidden_rows else None
                 drafts, probs, draft_s = drafter.draft(
-                    seq_id,
-                    unseen_by_drafter,
-                    k,
-                    num_accepted,
-                    torch.cat(hidden_rows) if hidden_rows else None,
-                    req.sampling.temperature,
-                    req.sampling.seed,
+                    DraftCall(
+                        seq_id,
+                        unseen_by_drafter,
+                        k,
+                        hidden_in,
+                        req.sampling.temperature,
+                        num_accepted,
+                        req.sampling.seed,
+                    )
                 )
             except Exception as e:  # the target decides every token: carry on without drafts
                 log.warning("sequence %d: drafter failed, decoding plainly from here: %s", seq_id, e)
@@ -228,9 +216,12 @@ def generate(
             draft_wall = time.perf_counter() - start
             unseen_by_drafter, hidden_rows = [], []
         start = time.perf_counter()
-        emitted, verify_s, hidden, logprobs = verifier.verify(
-            seq_id, unseen_by_verifier, drafts, probs, sampling, req.max_tokens if sampling else None, layer_ids
+        result = verifier.verify(
+            VerifyRequest(
+                seq_id, unseen_by_verifier, drafts, sampling, layer_ids, probs, req.max_tokens if sampling else None
+            )
         )
+        emitted, verify_s, hidden, logprobs = result.token_ids, result.forward_s, result.hidden_states, result.logprobs
         verify_wall = time.perf_counter() - start
         if hidden is not None and speculate:
             hidden_rows.append(hidden)

@@ -10,9 +10,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
-from backends.serving.logits import LOGPROB_OUTPUTS, TokenLogprob, logprobs_from_arrays
+from backends.serving.drafting import DraftCall
+from backends.serving.logits import LOGPROB_OUTPUTS, logprobs_from_arrays
 from backends.serving.proposer import DrafterInfo
-from backends.serving.request import SamplingParams
+from backends.serving.target import VerifyRequest, VerifyResult
 from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, bls
 from backends.triton_models.peer_token import with_token
 
@@ -63,23 +64,14 @@ class BlsDrafter(SequencePeer):
         super().__init__(model_name, seq_id)
         self.info = info
 
-    def draft(
-        self,
-        seq_id: int,
-        new_token_ids: list[int],
-        num_tokens: int,
-        num_accepted: int,
-        hidden_states: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        seed: int | None = None,
-    ) -> tuple[list[int], torch.Tensor | None, float]:
-        inputs = self._inputs(new_token_ids, num_tokens)
-        inputs["num_accepted_drafts"] = np.array([[num_accepted]], dtype=np.int32)
-        inputs["temperature"] = np.array([[temperature]], dtype=np.float32)
-        if seed is not None:
-            inputs["random_seed"] = np.array([[seed]], dtype=np.int64)
-        if hidden_states is not None:
-            inputs["hidden_states"] = hidden_states.numpy()[None]
+    def draft(self, call: DraftCall) -> tuple[list[int], torch.Tensor | None, float]:
+        inputs = self._inputs(call.new_token_ids, call.num_tokens)
+        inputs["num_accepted_drafts"] = np.array([[call.num_accepted]], dtype=np.int32)
+        inputs["temperature"] = np.array([[call.temperature]], dtype=np.float32)
+        if call.seed is not None:
+            inputs["random_seed"] = np.array([[call.seed]], dtype=np.int64)
+        if call.hidden_states is not None:
+            inputs["hidden_states"] = call.hidden_states.numpy()[None]
         out = self.call(inputs, ["draft_ids", "propose_ms", "draft_probs"])
         probs = out.get("draft_probs")
         return (
@@ -102,34 +94,27 @@ class BlsDrafter(SequencePeer):
 class BlsVerifier(SequencePeer):
     logprobs = False  # the sequence asked for logprobs (its first step's sampling parameters)
 
-    def verify(
-        self,
-        seq_id: int,
-        new_token_ids: list[int],
-        draft_token_ids: list[int],
-        draft_probs: torch.Tensor | None,
-        sampling: SamplingParams | None,
-        max_new_tokens: int | None = None,
-        hidden_layer_ids: tuple[int, ...] = (),
-    ) -> tuple[list[int], float, torch.Tensor | None, list[TokenLogprob] | None]:
+    def verify(self, req: VerifyRequest) -> VerifyResult:
         # The first step carries the sequence's sampling parameters and its KV reservation.
-        params = {"sampling": sampling.to_json(), "max_new_tokens": max_new_tokens} if sampling else None
+        sampling = req.sampling
+        params = {"sampling": sampling.to_json(), "max_new_tokens": req.max_new_tokens} if sampling else None
         if sampling:
             self.logprobs = sampling.logprobs is not None
-        inputs = self._inputs(new_token_ids, draft_token_ids)
-        if draft_probs is not None:
-            inputs["draft_probs"] = draft_probs.numpy()[None]
+        inputs = self._inputs(req.new_token_ids, req.draft_token_ids)
+        if req.draft_probs is not None:
+            inputs["draft_probs"] = req.draft_probs.numpy()[None]
         outputs = ["output_ids", "forward_ms"]
-        if hidden_layer_ids:
-            inputs["hidden_layer_ids"] = np.array([hidden_layer_ids], dtype=np.int32)
+        if req.hidden_layer_ids:
+            inputs["hidden_layer_ids"] = np.array([req.hidden_layer_ids], dtype=np.int32)
             outputs.append("hidden_states")
         if self.logprobs:
             outputs += LOGPROB_OUTPUTS
         out = self.call(inputs, outputs, params)
         hidden = out.get("hidden_states")
         token_ids = out["output_ids"].reshape(-1).tolist()
-        return (
+        return VerifyResult(
             token_ids,
+            len(token_ids) - 1,
             float(out["forward_ms"].item()) / 1e3,
             None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
             logprobs_from_arrays(token_ids, out) if self.logprobs else None,
@@ -137,10 +122,7 @@ class BlsVerifier(SequencePeer):
 
     @staticmethod
     def _inputs(token_ids: list[int], draft_ids: list[int]) -> dict:
-        return {
-            "input_ids": np.array([token_ids], dtype=np.int64),
-            "draft_ids": np.array([draft_ids], dtype=np.int64),
-        }
+        return {"input_ids": np.array([token_ids], dtype=np.int64), "draft_ids": np.array([draft_ids], dtype=np.int64)}
 
     def release(self, seq_id: int | None = None) -> None:
         super().release(self._inputs([], []))

@@ -11,13 +11,7 @@ import pytest
 import torch
 
 from backends.serving.logits import process_logits, token_logprobs
-from backends.serving.request import (
-    RequestError,
-    SamplingParams,
-    bad_words_token_ids,
-    bind_token_ids,
-    parse_request,
-)
+from backends.serving.request import RequestError, SamplingParams, bad_words_token_ids, bind_token_ids, parse_request
 from backends.serving.target import VerifyRequest
 from tests.fixtures.helpers import load_hf_model
 
