@@ -45,6 +45,14 @@ class SequencePeer:
     def call(self, inputs: dict, outputs: list[str], parameters: dict | None = None) -> dict:
         flags = 0 if self.started else SEQUENCE_START
         self.started = True
+        return self._exec(inputs, outputs, flags, parameters)
+
+    def release(self, empty_inputs: dict) -> None:
+        if self.started:
+            self.started = False
+            self._exec(empty_inputs, [], SEQUENCE_END, None)
+
+    def _exec(self, inputs: dict, outputs: list[str], flags: int, parameters: dict | None) -> dict:
         args = (self.model_name, inputs, outputs, self.seq_id, flags, with_token(parameters, self.token))
         if self.timeout_s is None:
             return bls(*args)
@@ -52,11 +60,6 @@ class SequencePeer:
             return _BOUNDED_CALLS.submit(bls, *args).result(timeout=self.timeout_s)
         except FutureTimeout:
             raise PeerTimeoutError(f"{self.model_name} did not answer within {self.timeout_s:g} s") from None
-
-    def release(self, empty_inputs: dict) -> None:
-        if self.started:
-            self.started = False
-            bls(self.model_name, empty_inputs, [], self.seq_id, SEQUENCE_END, with_token(None, self.token))
 
 
 class BlsDrafter(SequencePeer):

@@ -4,10 +4,14 @@ abandoned after `drafter_timeout_s` (or its error taken) and that request decode
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 
 from client.api.triton import grpc_generate
 from client.cli.chaos_proposer import SLOW_S
+from client.cli.launcher import pids_with_cmdline
 from client.cli.soak import CHAOS_SPECULATIVE_CONFIG
 from tests.fixtures.helpers import hf_greedy, metric_values, wait_for_no_active_sequences
 from tests.fixtures.servers import start_server
@@ -38,5 +42,38 @@ def test_a_hung_or_failing_drafter_falls_back_to_plain_decoding(tiny_model_dir, 
         fallbacks = metric_values(server, "tritonspec_spec_decode_drafter_fallbacks")
         assert sum(fallbacks.values()) == 2, fallbacks
         assert not any(wait_for_no_active_sequences(server).values())
+    finally:
+        server.stop()
+
+
+def test_a_drafter_stub_killed_mid_stream_costs_no_output(tiny_model_dir, tmp_path):
+    """SIGKILL the drafter's stub process while a stream runs: that stream (and later
+    requests) finish with exactly the target's output, the server stays up, no verifier
+    state is left behind."""
+    server = start_server(tmp_path, str(tiny_model_dir), per_model={"speculative": {"drafter_timeout_s": "5"}})
+    try:
+        expected = hf_greedy(str(tiny_model_dir), PROMPT, 160)
+        results, killed = [], []
+
+        def on_response(_):
+            if not killed:  # the stream is under way: kill the drafter now
+                killed.extend(pids_with_cmdline(server.shm_prefix, "drafter_0_0"))
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+
+        stream = threading.Thread(
+            target=lambda: results.append(
+                grpc_generate(server.grpc_url, PROMPT, max_tokens=160, stream=True, on_response=on_response)
+            )
+        )
+        stream.start()
+        stream.join(timeout=120)
+        assert killed, "no drafter stub found to kill"
+        assert results and tuple(results[0].output_ids) == expected
+        after = grpc_generate(server.grpc_url, PROMPT, max_tokens=24)
+        assert tuple(after.output_ids) == expected[:24]
+        assert server.is_ready()
+        active = wait_for_no_active_sequences(server)
+        assert not active.get("verifier"), active
     finally:
         server.stop()
