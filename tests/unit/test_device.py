@@ -159,14 +159,17 @@ def speculate(runner: TargetRunner, proposer, prompt_ids: list[int], sampling=No
     seq, layers = 7, proposer.hidden_layer_ids
     result = runner.verify(VerifyRequest(seq, prompt_ids, [], sampling, layers, max_new_tokens=64))
     tokens, hidden, drafts = prompt_ids + result.token_ids, result.hidden_states, []
+    seen, accepted = 0, 0  # what the proposer saw last call, and how many of its drafts were accepted
     for _ in range(STEPS):
-        draft = proposer.propose([DraftRequest(seq, list(tokens), K, hidden)])[0]
+        request = DraftRequest(seq, list(tokens), K, hidden, num_new=len(tokens) - seen, num_accepted=accepted)
+        draft = proposer.propose([request])[0]
         drafts.append(draft)
+        seen = len(tokens)
         result = runner.verify(
             VerifyRequest(seq, [], draft.token_ids, hidden_layer_ids=layers, draft_probs=draft.probs)
         )
         tokens += result.token_ids
-        hidden = result.hidden_states
+        hidden, accepted = result.hidden_states, result.num_accepted
     runner.release(seq)
     proposer.release(seq)
     return drafts, tokens[len(prompt_ids) :]
