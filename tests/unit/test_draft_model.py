@@ -251,3 +251,21 @@ def test_hf_baselines_reproduce_plain_greedy(tiny_model_dir, tiny_draft_dir):
             assert tuple(result["ids"]) == hf_greedy(str(tiny_model_dir), prompt, 20)
             assert result["num_tokens"] == len(result["ids"]) and result["tokens_per_s"] > 0
             assert result["text"] and result["prompt"] == prompt
+
+
+def test_a_seeded_requests_drafts_do_not_depend_on_who_else_is_drafted(draft_lm, prompt_ids):
+    """Its own generator (seeded by the request): the same sampled drafts alone as beside
+    other sampled sequences, batched in any order."""
+
+    def drafts_of_seq_1(batch_ids: list[int]) -> list[int]:
+        proposer = DraftModelProposer(draft_lm, 512, "probabilistic", seed=123)
+        requests = {
+            1: DraftRequest(1, prompt_ids[0], 4, temperature=0.9, seed=5),
+            2: DraftRequest(2, prompt_ids[1], 4, temperature=1.0),
+            3: DraftRequest(3, prompt_ids[0], 3, temperature=0.7, seed=6),
+        }
+        drafts = proposer.propose([requests[i] for i in batch_ids])
+        return drafts[batch_ids.index(1)].token_ids
+
+    alone = drafts_of_seq_1([1])
+    assert drafts_of_seq_1([2, 1, 3]) == alone and drafts_of_seq_1([3, 2, 1]) == alone
