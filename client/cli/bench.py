@@ -249,23 +249,39 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def verify_batch_cost(
-    model: Path, dtype: str, batch: int, drafts: int, context: int = 200, repeats: int = 10
-) -> dict[str, float]:
-    """Wall time of one verify step for `batch` sequences in one forward vs for one sequence
-    (in process, no server): what batched verification costs as load grows."""
+    model: Path, dtype: str, batch: int, drafts: int, context: int = 200, repeats: int = 10, runtime: str = "auto"
+) -> dict[str, float | str]:
+    """Wall time of one verify step for `batch` sequences in one forward vs for one sequence,
+    and of one sequence's plain 1-token step (in process, no server): what batched
+    verification and drafts cost on the target's engine (`runtime`, as TargetRunner's)."""
     from backends.serving.target import TargetRunner, VerifyRequest
 
-    runner = TargetRunner(model, dtype)
+    runner = TargetRunner(model, dtype, runtime=runtime)
     for seq_id in range(batch):
         runner.verify(VerifyRequest(seq_id, list(range(100 + 7 * seq_id, 100 + 7 * seq_id + context)), []))
 
-    def step(seq_ids: range) -> float:
+    def step(seq_ids: range, num_drafts: int = drafts) -> float:
         start = time.perf_counter()
-        runner.verify_batch([VerifyRequest(i, [], list(range(5, 5 + drafts))) for i in seq_ids])
+        runner.verify_batch([VerifyRequest(i, [], list(range(5, 5 + num_drafts))) for i in seq_ids])
+        for i in seq_ids:  # back to `context` tokens: every repeat measures the same shape
+            runner.sequences[i].token_ids[context:] = []
+            runner.sequences[i].num_cached = context - 1
+            if runner.pool is not None:
+                runner.pool.truncate(i, context - 1)
+            elif runner.cached_tokens(i) > context - 1:
+                runner.sequences[i].cache.crop(context - 1 - runner.cached_tokens(i))
         return time.perf_counter() - start
 
-    for _ in range(3):  # warm-up of both shapes
-        step(range(1)), step(range(batch))
+    for _ in range(3):  # warm-up of every shape
+        step(range(1)), step(range(batch)), step(range(1), 0)
     one = statistics.median(step(range(1)) for _ in range(repeats))
     many = statistics.median(step(range(batch)) for _ in range(repeats))
-    return {"one_ms": one * 1e3, "batch_ms": many * 1e3, "ratio": many / one}
+    plain = statistics.median(step(range(1), 0) for _ in range(repeats))
+    return {
+        "engine": "lean runtime" if runner.pool is not None else "transformers",
+        "one_ms": one * 1e3,
+        "batch_ms": many * 1e3,
+        "ratio": many / one,
+        "plain_ms": plain * 1e3,
+        "drafts_ratio": one / plain,
+    }

@@ -405,10 +405,11 @@ def _verify_cost(args: argparse.Namespace) -> int:
     from client.cli.bench import verify_batch_cost
 
     model = local_model(args.model)
-    cost = verify_batch_cost(model, args.dtype, args.batch, args.drafts)
+    cost = verify_batch_cost(model, args.dtype, args.batch, args.drafts, runtime=args.runtime)
     print(
-        f"one verify step: 1 sequence {cost['one_ms']:.1f} ms, {args.batch} sequences {cost['batch_ms']:.1f} ms "
-        f"({cost['ratio']:.2f}x), {args.drafts} drafts each"
+        f"{cost['engine']}: one verify step ({args.drafts} drafts each): 1 sequence {cost['one_ms']:.1f} ms, "
+        f"{args.batch} sequences {cost['batch_ms']:.1f} ms ({cost['ratio']:.2f}x); a plain 1-token step "
+        f"{cost['plain_ms']:.1f} ms (verifying {args.drafts} drafts costs {cost['drafts_ratio']:.2f}x)"
     )
     return 0
 
@@ -669,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost = sub.add_parser("verify-cost", help="cost of one batched verify step vs a single sequence (in process)")
     cost.add_argument("--model", default=DEFAULT_MODEL)
     cost.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    cost.add_argument("--runtime", default="auto", choices=RUNTIMES, help="the target's forward engine (see serve)")
     cost.add_argument("--batch", type=int, default=8)
     cost.add_argument("--drafts", type=int, default=4)
     cost.set_defaults(func=_verify_cost)
