@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.config import SpeculativeConfig
+from backends.serving.idle import release_idle
 from backends.serving.proposer import Draft, DraftRequest, Proposer
 from backends.serving.rejection import GREEDY_TEMPERATURE_EPS
 
@@ -108,13 +109,7 @@ class DraftService:
     def release_idle(self, idle_s: float, keep: Collection[int] = ()) -> list[int]:
         """Release sequences idle for `idle_s` since their last step ended; `keep`: those with
         a step in hand (never idle, however long that step waited)."""
-        now = self.clock()
-        stale = [sid for sid, seq in self._seqs.items() if sid not in keep and now - seq.last_used > idle_s]
-        for sid in stale:
-            self.release(sid)
-        if stale:
-            log.warning("released %d idle sequences: %s", len(stale), stale)
-        return stale
+        return release_idle(self._seqs, self.clock(), idle_s, keep, self.release, log)
 
     @property
     def num_sequences(self) -> int:

@@ -3,8 +3,10 @@ sequences whose client vanished without END)."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 
 class IdleClock:
@@ -31,3 +33,21 @@ class IdleClock:
     def idle(self) -> None:
         """The batch is done."""
         self.idle_since = self.now()
+
+
+def release_idle(
+    sequences: Mapping[int, Any],
+    now: float,
+    idle_s: float,
+    keep: Collection[int],
+    release: Callable[[int], object],
+    log: logging.Logger,
+) -> list[int]:
+    """Release the sequences (each with a `last_used` time on the same clock as `now`) idle for
+    `idle_s` since their last step ended; `keep`: those with a step in hand, never idle."""
+    stale = [sid for sid, seq in sequences.items() if sid not in keep and now - seq.last_used > idle_s]
+    for sid in stale:
+        release(sid)
+    if stale:
+        log.warning("released %d idle sequences: %s", len(stale), stale)
+    return stale

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import context_window, load_causal_lm
+from backends.serving.idle import release_idle
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
 from backends.serving.request import SamplingParams
@@ -472,10 +473,4 @@ class TargetRunner:
     def release_idle(self, idle_s: float, keep: Collection[int] = ()) -> list[int]:
         """Drop sequences idle for `idle_s` since their last step ended (a client vanished
         without END); `keep`: those with a step in hand (never idle, however long it waited)."""
-        now = self.clock()
-        stale = [sid for sid, s in self.sequences.items() if sid not in keep and now - s.last_used > idle_s]
-        for sid in stale:
-            self.release(sid)
-        if stale:
-            log.warning("released %d idle sequences: %s", len(stale), stale)
-        return stale
+        return release_idle(self.sequences, self.clock(), idle_s, keep, self.release, log)
