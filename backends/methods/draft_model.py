@@ -235,17 +235,10 @@ class DraftModelProposer(SequenceProposer):
         for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
             w.drafts, w.probs = drafted, probs
         # Back into each sequence's cache: its new tokens, then the drafts that were fed.
-        for row, w in enumerate(work):
-            keep = torch.cat(
-                [
-                    torch.arange(max_cached, max_cached + lengths[row], device=self.device),
-                    torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1, device=self.device),
-                ]
-            )
-            for layer_idx, layer in enumerate(cache.layers):
-                w.state.cache.update(
-                    layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx
-                )
+        append_new_entries(
+            cache, [w.state.cache for w in work], max_cached, lengths, max_len, [w.num_drafts - 1 for w in work]
+        )
+        for w in work:
             w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
 
 
@@ -311,6 +304,23 @@ def stack_caches(caches: list[DynamicCache], lengths: list[int], config: Any) ->
             values.append(F.pad(own.values[:1, :, :n], (0, 0, longest - n, 0)))
         batched.update(torch.cat(keys), torch.cat(values), layer_idx)
     return batched
+
+
+def append_new_entries(
+    batched: DynamicCache, caches: list[DynamicCache], start: int, lengths: list[int], gap: int, fed: list[int]
+) -> None:
+    """The inverse of `stack_caches` for one propose call's new entries: row i's `lengths[i]`
+    new tokens (at `start`) and its `fed[i]` fed drafts (at `start + gap`) onto caches[i]."""
+    for row, own in enumerate(caches):
+        device = batched.layers[0].keys.device
+        keep = torch.cat(
+            [
+                torch.arange(start, start + lengths[row], device=device),
+                torch.arange(start + gap, start + gap + fed[row], device=device),
+            ]
+        )
+        for layer_idx, layer in enumerate(batched.layers):
+            own.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx)
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:

@@ -58,7 +58,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
-from backends.methods.draft_model import gather_drafts, sample_drafts, stack_caches
+from backends.methods.draft_model import append_new_entries, gather_drafts, sample_drafts, stack_caches
 from backends.methods.head_checkpoint import (
     HeadCheckpointError,
     TargetInfo,
@@ -448,17 +448,9 @@ class EagleProposer(HeadProposer):
             w.drafts, w.probs = drafted, probs
         if alone:
             return
-        for row, w in enumerate(work):
-            keep = torch.cat(
-                [
-                    torch.arange(max_cached, max_cached + lengths[row], device=self.device),
-                    torch.arange(max_cached + max_len, max_cached + max_len + w.num_drafts - 1, device=self.device),
-                ]
-            )
-            for layer_idx, layer in enumerate(cache.layers):
-                w.state.cache.update(
-                    layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx
-                )
+        append_new_entries(
+            cache, [w.state.cache for w in work], max_cached, lengths, max_len, [w.num_drafts - 1 for w in work]
+        )
 
     def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
         """One draft per row of draft-vocabulary `logits` [B, V_d] (row i: work[i]), as target
