@@ -238,7 +238,8 @@ class TargetRunner:
             running = steps
         if len(running) > 1:
             try:
-                batched = self._forward_batch([step for _, step in running])
+                forward = self._forward_lean if self.lean is not None else self._forward_batch
+                batched = forward([step for _, step in running])
             except Exception:
                 log.exception(
                     "a batched verification of %d sequences failed; verifying them one at a time", len(running)
@@ -314,7 +315,7 @@ class TargetRunner:
 
     def _forward_one(self, step: _Step) -> VerifyResult:
         if self.lean is not None:
-            result = self._forward_batch([step])[0]
+            result = self._forward_lean([step])[0]
             if isinstance(result, Exception):
                 raise result
             return result
@@ -364,9 +365,7 @@ class TargetRunner:
         """One forward over several running sequences. Their caches are left-padded to the
         longest and stacked; inputs are right-padded; the attention mask hides both pads and
         explicit positions keep each sequence's own RoPE offsets. The kept part of the new
-        KV is then appended to each sequence's own cache."""
-        if self.lean is not None:
-            return self._forward_lean(steps)
+        KV is then appended to each sequence's own cache (the transformers engine)."""
         cached = [step.seq.num_cached for step in steps]
         lengths = [len(step.input_ids) for step in steps]
         max_cached, max_len = max(cached), max(lengths)
