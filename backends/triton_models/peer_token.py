@@ -87,7 +87,7 @@ def server_token() -> str:
     pid, start = server_process()
     path = directory / f"server-{pid}-{start}.token"
     if not path.exists():
-        tmp = directory / f".{path.name}.{os.getpid()}"
+        tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"  # unique per caller, threads too
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
