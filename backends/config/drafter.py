@@ -1,7 +1,8 @@
 """The resolved runtime config a proposer is built from: what a :class:`SpeculativeConfig`
 decided, without its vLLM parsing state, so no loader parses the JSON or re-reads the
-draft's ``config.json`` (``draft_hf_config`` is the one read during resolution, with
-``hf_overrides`` and vLLM's rewrites applied). Field names are the SpeculativeConfig ones.
+draft's ``config.json``: ``checkpoint_config`` is the file as read during resolution, for
+the head loaders, and ``draft_hf_config`` the same with ``hf_overrides`` and vLLM's rewrites
+applied. Field names are the SpeculativeConfig ones.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class DrafterConfig:
     synthetic_acceptance_rates: tuple[float, ...] | None = None  # per position, synthetic only
     use_heterogeneous_vocab: bool = False
     hf_overrides: dict[str, Any] | None = None  # keys over a checkpoint's own config.json (dflash/dspark)
+    # The checkpoint's own config.json as resolution read it (a copy of the SpeculativeConfig's),
+    # handed to the head loaders; None: nothing was read, a loader reads the file itself.
+    checkpoint_config: dict[str, Any] | None = None
     max_model_len: int | None = None  # the drafter's context window (§2.5), None if unknown
     # Method-specific knobs, passed through unchanged (defaults: SpeculativeConfig's).
     prompt_lookup_min: int | None = None
@@ -62,6 +66,7 @@ class DrafterConfig:
             synthetic_acceptance_rates=_as_tuple(config.synthetic_acceptance_rates),
             use_heterogeneous_vocab=config.use_heterogeneous_vocab,
             hf_overrides=copy.deepcopy(config.hf_overrides),
+            checkpoint_config=copy.deepcopy(config.checkpoint_config),
             # Model-free methods have no draft length of their own: the target's bounds them.
             max_model_len=config.target_max_model_len if max_len is None else max_len,
             prompt_lookup_min=config.prompt_lookup_min,

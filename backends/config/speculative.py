@@ -136,6 +136,10 @@ class SpeculativeConfig:
     draft_max_model_len: int | None = field(default=None, init=False)
     target_hf_config: dict[str, Any] = field(default_factory=dict, init=False)
     draft_hf_config: dict[str, Any] | None = field(default=None, init=False)
+    # The draft checkpoint's own config.json as read here (speculators format flattened, no
+    # overrides or vLLM rewrites), so the head loaders need not read it again; None when no
+    # directory was read (model-free methods, bare model names).
+    checkpoint_config: dict[str, Any] | None = field(default=None, init=False)
     warnings: list[str] = field(default_factory=list, init=False)
     no_effect_fields: list[str] = field(default_factory=list, init=False)
 
@@ -393,6 +397,8 @@ class SpeculativeConfig:
         raw = _read_model_config(self.model, "model")
         if "speculators_model_type" in raw:
             raw = speculators_draft_config(raw, self.model)
+        if os.path.isdir(self.model):
+            self.checkpoint_config = raw
         raw = {**raw, **self._user_overrides()}
         if self.method == "medusa":
             hf = {**raw, "model_type": "medusa"}  # old FasterDecoding checkpoints lack it
@@ -653,7 +659,7 @@ class SpeculativeConfig:
         """A human-readable account of how the method was chosen and every value."""
         values = self.to_dict()
         lines = [f"method: {values.pop('method')}  <- {values.pop('resolution')}"]
-        for name in ("draft_hf_config", "target_hf_config"):
+        for name in ("draft_hf_config", "target_hf_config", "checkpoint_config"):
             hf = values.pop(name) or {}
             keys = ("model_type", "architectures", "n_predict", "vocab_size")
             summary = ", ".join(f"{k}={hf[k]!r}" for k in keys if k in hf)

@@ -68,8 +68,8 @@ from backends.methods.head_checkpoint import (
     TargetInfo,
     check_keys,
     draft_to_target,
+    head_config,
     normalize_keys,
-    read_config,
     read_state_dict,
 )
 from backends.methods.head_proposer import HeadProposer
@@ -363,9 +363,12 @@ class DFlashHead(nn.Module):
 # ---------------------------------------------------------------------------- loading, saving
 
 
-def read_block_config(path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json (speculators format flattened as vLLM does) with `hf_overrides` on top."""
-    return {**read_config(path, BlockCheckpointError), **(overrides or {})}
+def read_block_config(
+    path: Path, overrides: dict[str, Any] | None = None, cfg: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """config.json (speculators format flattened as vLLM does; `cfg` when already read, see
+    `head_config`) with `hf_overrides` on top."""
+    return {**head_config(path, cfg, BlockCheckpointError), **(overrides or {})}
 
 
 def detect_layout(cfg: dict[str, Any]) -> str | None:
@@ -388,11 +391,13 @@ def load_head(
     target: TargetInfo,
     dtype: str = "bfloat16",
     overrides: dict[str, Any] | None = None,
+    cfg: dict[str, Any] | None = None,
 ) -> DFlashHead:
     """Load a checkpoint directory of `head_class`'s layout for `target`, refusing a checkpoint
-    of another layout, or whose keys, shapes or vocabulary do not fit, by name."""
+    of another layout, or whose keys, shapes or vocabulary do not fit, by name. `cfg`: its
+    config.json already read (`head_config`)."""
     path = Path(path)
-    cfg = read_block_config(path, overrides)
+    cfg = read_block_config(path, overrides, cfg)
     layout = detect_layout(cfg)
     names = {"dflash": "DFlash", "dspark": "DSpark"}
     where = f"{names[head_class.layout]} checkpoint {path}"
@@ -558,12 +563,14 @@ class DFlashProposer(HeadProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> DFlashHead:
-        return load_head(cls.head_class, resolve_model(config.model), target, dtype, cls._overrides(config))
+        return load_head(
+            cls.head_class, resolve_model(config.model), target, dtype, cls._overrides(config), config.checkpoint_config
+        )
 
     @classmethod
     def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:
         path = resolve_model(config.model)
-        cfg = read_block_config(path, cls._overrides(config))
+        cfg = read_block_config(path, cls._overrides(config), config.checkpoint_config)
         return BlockSpec.parse(cfg, TargetInfo.load(target_model), f"{cls.method} checkpoint {path}").hidden_layer_ids
 
     @staticmethod

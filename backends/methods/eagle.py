@@ -64,8 +64,8 @@ from backends.methods.head_checkpoint import (
     TargetInfo,
     check_keys,
     draft_to_target,
+    head_config,
     normalize_keys,
-    read_config,
     read_state_dict,
 )
 from backends.methods.head_proposer import HeadProposer
@@ -226,12 +226,14 @@ def load_eagle(
     dtype: str = "bfloat16",
     method: str | None = None,
     aux_layer_ids: list[int] | None = None,
+    cfg: dict[str, Any] | None = None,
 ) -> EagleHead:
     """Load an EAGLE-1/2 or EAGLE-3 checkpoint directory for `target`. `method` (eagle or
     eagle3), when given, must match the layout found. `aux_layer_ids` overrides eagle3's
-    target layers (default: the checkpoint's, else vLLM's (2, L//2, L-3))."""
+    target layers (default: the checkpoint's, else vLLM's (2, L//2, L-3)). `cfg`: its
+    config.json already read (`head_config`)."""
     path = Path(path)
-    cfg = read_config(path, EagleCheckpointError)
+    cfg = head_config(path, cfg, EagleCheckpointError)
     state, spelled = normalize_keys(read_state_dict(path, error=EagleCheckpointError))
     layout = detect_layout(cfg, set(state))
     where = f"{_NAMES[layout]} checkpoint {path}"
@@ -353,7 +355,12 @@ class EagleProposer(HeadProposer):
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> EagleHead:
         return load_eagle(
-            resolve_model(config.model), target, dtype, cls.method, config.eagle_aux_hidden_state_layer_ids
+            resolve_model(config.model),
+            target,
+            dtype,
+            cls.method,
+            config.eagle_aux_hidden_state_layer_ids,
+            config.checkpoint_config,
         )
 
     @torch.inference_mode()
@@ -477,7 +484,7 @@ class Eagle3Proposer(EagleProposer):
         vLLM's default; ascending, as vLLM collects them."""
         ids = config.eagle_aux_hidden_state_layer_ids
         if not ids:
-            cfg = read_config(resolve_model(config.model), EagleCheckpointError)
+            cfg = head_config(resolve_model(config.model), config.checkpoint_config, EagleCheckpointError)
             ids = checkpoint_aux_layer_ids(cfg, {"num_hidden_layers": TargetInfo.load(target_model).num_layers})
         return tuple(sorted(ids))
 

@@ -6,6 +6,7 @@ family raises its own subclass of `HeadCheckpointError`.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +97,14 @@ def read_config(path: Path, error: type[HeadCheckpointError] = HeadCheckpointErr
     except (OSError, json.JSONDecodeError) as e:
         raise error(f"{path}: cannot read config.json: {e}") from e
     return speculators_draft_config(cfg, str(path)) if "speculators_model_type" in cfg else cfg
+
+
+def head_config(
+    path: Path, cfg: dict[str, Any] | None, error: type[HeadCheckpointError] = HeadCheckpointError
+) -> dict[str, Any]:
+    """`cfg`, the config.json the speculative config already read (a copy: loaders edit it),
+    so a served head's file is read once; `path`'s own when None (training, export, tests)."""
+    return read_config(path, error) if cfg is None else copy.deepcopy(cfg)
 
 
 def normalize_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

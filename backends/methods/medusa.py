@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
+from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, head_config, read_state_dict
 from backends.methods.last_hidden import LastHiddenProposer
 from backends.runtime.model_store import resolve_model
 
@@ -104,13 +104,17 @@ class MedusaHead(nn.Module):
 
 
 def load_medusa(
-    path: Path | str, target: TargetInfo, dtype: str = "bfloat16", num_heads: int | None = None
+    path: Path | str,
+    target: TargetInfo,
+    dtype: str = "bfloat16",
+    num_heads: int | None = None,
+    cfg: dict[str, Any] | None = None,
 ) -> MedusaHead:
     """Load a Medusa checkpoint directory (either layout) for `target`, keeping its first
-    `num_heads` heads (default: all)."""
+    `num_heads` heads (default: all). `cfg`: its config.json already read (`head_config`)."""
     path = Path(path)
     where = f"Medusa checkpoint {path}"
-    cfg = read_config(path, MedusaCheckpointError)
+    cfg = head_config(path, cfg, MedusaCheckpointError)
     raw = read_state_dict(path, bins=("medusa_lm_head.pt", "pytorch_model*.bin"), error=MedusaCheckpointError)
     state, spelled = {}, {}
     for key, value in raw.items():
@@ -257,4 +261,6 @@ class MedusaProposer(LastHiddenProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MedusaHead:
-        return load_medusa(resolve_model(config.model), target, dtype, config.num_speculative_tokens)
+        return load_medusa(
+            resolve_model(config.model), target, dtype, config.num_speculative_tokens, config.checkpoint_config
+        )

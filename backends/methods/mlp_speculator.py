@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
+from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, head_config, read_state_dict
 from backends.methods.last_hidden import LastHiddenProposer
 from backends.runtime.model_store import resolve_model
 
@@ -133,13 +133,17 @@ class MLPSpeculatorHead(nn.Module):
 
 
 def load_mlp_speculator(
-    path: Path | str, target: TargetInfo, dtype: str = "bfloat16", num_stages: int | None = None
+    path: Path | str,
+    target: TargetInfo,
+    dtype: str = "bfloat16",
+    num_stages: int | None = None,
+    cfg: dict[str, Any] | None = None,
 ) -> MLPSpeculatorHead:
     """Load an MLP speculator checkpoint directory for `target` with `num_stages` stages
-    (default: its n_predict)."""
+    (default: its n_predict). `cfg`: its config.json already read (`head_config`)."""
     path = Path(path)
     where = f"MLP speculator checkpoint {path}"
-    cfg = read_config(path, MLPSpeculatorCheckpointError)
+    cfg = head_config(path, cfg, MLPSpeculatorCheckpointError)
     if cfg.get("model_type") != "mlp_speculator":
         raise MLPSpeculatorCheckpointError(
             f"{where}: config.json has model_type {cfg.get('model_type')!r}, not 'mlp_speculator'"
@@ -238,4 +242,6 @@ class MLPSpeculatorProposer(LastHiddenProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MLPSpeculatorHead:
-        return load_mlp_speculator(resolve_model(config.model), target, dtype, config.num_speculative_tokens)
+        return load_mlp_speculator(
+            resolve_model(config.model), target, dtype, config.num_speculative_tokens, config.checkpoint_config
+        )

@@ -47,7 +47,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backends.config import MULTI_STEP_MTP_TYPES, hf_config_override
 from backends.methods.eagle import EagleHead, EagleLayer, EagleProposer, llama_config
-from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, read_config, read_state_dict
+from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, head_config, read_state_dict
 from backends.runtime.model_store import resolve_model
 
 FAMILIES = ("deepseek", "mimo")
@@ -170,12 +170,14 @@ class MTPHead(EagleHead):
 # ---------------------------------------------------------------------------- loading
 
 
-def load_mtp(path: Path | str, target: TargetInfo, dtype: str = "bfloat16") -> MTPHead:
+def load_mtp(
+    path: Path | str, target: TargetInfo, dtype: str = "bfloat16", cfg: dict[str, Any] | None = None
+) -> MTPHead:
     """Load the MTP layers of `path` (a target checkpoint that holds them, or a directory of
-    their own) for `target`."""
+    their own) for `target`. `cfg`: its config.json already read (`head_config`)."""
     path = Path(path)
     where = f"MTP checkpoint {path}"
-    cfg = read_config(path, MTPCheckpointError)
+    cfg = head_config(path, cfg, MTPCheckpointError)
     model_type = hf_config_override(cfg).get("model_type")
     per_step = model_type in MULTI_STEP_MTP_TYPES
     first = cfg.get("num_hidden_layers")
@@ -332,4 +334,4 @@ class MTPProposer(EagleProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MTPHead:
-        return load_mtp(resolve_model(config.model or str(target.path)), target, dtype)
+        return load_mtp(resolve_model(config.model or str(target.path)), target, dtype, config.checkpoint_config)

@@ -61,7 +61,7 @@ def test_unknown_key_is_named_and_valid_keys_listed():
     assert "num_speculative_tokens" in msg and "prompt_lookup_min" in msg
 
 
-@pytest.mark.parametrize("key", ["target_model", "resolution", "draft_hf_config"])
+@pytest.mark.parametrize("key", ["target_model", "resolution", "draft_hf_config", "checkpoint_config"])
 def test_internal_names_are_not_user_keys(key):
     fails({"method": "ngram", "num_speculative_tokens": 3, key: "x"}, f"Unknown key '{key}'")
 
