@@ -1,4 +1,4 @@
-"""Step time of the lean runtime vs transformers on the same weights.
+"""Step time of the lean runtime (plain and batch-invariant) vs transformers on the same weights.
 
 Median milliseconds per forward of n new tokens over a cached context (default 200 tokens), for
 batch 1 (1, 5, 17 new tokens: a plain step and two verify sizes) and batch 8 (x1, x5). Both sides
@@ -62,21 +62,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(Path(args.model).expanduser(), dtype=dtype).eval()
-    lm = LeanCausalLM.from_hf(hf)
+    engines = {"lean": LeanCausalLM.from_hf(hf), "invariant": LeanCausalLM.from_hf(hf, batch_invariant=True)}
     gen = torch.Generator().manual_seed(0)
     vocab = hf.config.vocab_size
     max_batch = max(b for b, _ in CASES)
     prompt = torch.randint(0, vocab, (max_batch, args.context), generator=gen)
     new = torch.randint(0, vocab, (max_batch, max(n for _, n in CASES)), generator=gen)
 
-    pool = lm.new_pool(capacity_tokens=max_batch * (args.context + 64), block_size=args.block_size)
-    for b in range(max_batch):
-        pool.admit(b, args.context + 32)
-        lm.forward(pool, [Row(b, prompt[b])])
+    pools = {}
+    for name, lm in engines.items():
+        pools[name] = lm.new_pool(capacity_tokens=max_batch * (args.context + 64), block_size=args.block_size)
+        for b in range(max_batch):
+            pools[name].admit(b, args.context + 32)
+            lm.forward(pools[name], [Row(b, prompt[b])])
     steps = {}
     with torch.inference_mode():
         for batch, n in CASES:
-            steps[("lean", batch, n)] = lean_step(lm, pool, batch, n, args.context, new)
+            for name, lm in engines.items():
+                steps[(name, batch, n)] = lean_step(lm, pools[name], batch, n, args.context, new)
             if not args.no_hf:
                 cache = DynamicCache(config=hf.config)
                 hf(input_ids=prompt[:batch], cache=cache, use_cache=True)
@@ -109,13 +112,20 @@ def main() -> None:
         f"block size {args.block_size}; ms per forward: median (spread of the {args.repeats} repeats' "
         "medians) fastest"
     )
-    print(f"{'batch x new':>12} | {'lean':>24} | {'transformers':>24} | speedup (medians)")
+
+    def ratio(a, b) -> str:
+        return "-" if a not in medians else f"{statistics.median(medians[a]) / statistics.median(medians[b]):.2f}x"
+
+    print(
+        f"{'batch x new':>12} | {'lean':>24} | {'lean, batch-invariant':>24} | {'transformers':>24} | "
+        "invariant cost | lean speedup vs transformers (medians)"
+    )
     for batch, n in CASES:
-        lean, ref = ("lean", batch, n), ("hf", batch, n)
-        ratio = (
-            "-" if ref not in medians else f"{statistics.median(medians[ref]) / statistics.median(medians[lean]):.2f}x"
+        lean, inv, ref = ("lean", batch, n), ("invariant", batch, n), ("hf", batch, n)
+        print(
+            f"{f'{batch} x {n}':>12} | {cell(lean):>24} | {cell(inv):>24} | {cell(ref):>24} | "
+            f"{ratio(inv, lean):>14} | {ratio(ref, lean)}"
         )
-        print(f"{f'{batch} x {n}':>12} | {cell(lean):>24} | {cell(ref):>24} | {ratio}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ weights as frozen module parameters and let ``freezing=True`` prepack them itsel
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -53,13 +54,23 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from . import invariant_attention
 from .kv_cache import KVCachePool, SequenceError
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 # Above this many new tokens in a row GQA is not folded into the query axis: folding measured
 # faster up to 256, but its mask grows heads/kv_heads times (long prompt chunks).
 FOLD_MAX_TOKENS = 256
+# Batch invariance (see _Linear): K chunk sizes tried in turn (None = unsplit), the row counts
+# probed (every count of a 1-token step up to a k = 16 verification, then the edges of powers of
+# two), and the most rows one matmul is given.
+K_CHUNKS = (None, 1024, 512, 256, 128)
+ROW_SLAB = 256
+LOGITS_SLAB = 64  # the lm head: its matmul is the costliest to probe (a vocabulary of rows)
+PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 48, 63, 64, 65, 96, 127, 128, 129, 192, 255, 256)
 
 
 class UnsupportedArchitecture(ValueError):
@@ -110,17 +121,92 @@ def unsupported_reason(config) -> str | None:
 
 
 class _Linear:
-    """y = x W^T + b on a weight prepacked for oneDNN (optionally + residual, fused)."""
+    """y = x W^T + b on weights prepacked for oneDNN (optionally + residual, fused).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
+    Batch-invariant linears (``invariant``) split K into the chunks whose matmul gives each row
+    the same bits at every row count, and feed at most ``ROW_SLAB`` rows to one matmul (the
+    probed range). On the 2-core EPYC here oneDNN's bf16 and float32 kernels were row-invariant up
+    to K = 1024 and not above (SmolLM2's down_proj, K = 1536, changed at 2 rows in float32 and 7
+    in bf16): the chunked matmul accumulates chunk by chunk through the fused add.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        k_chunk: int | None = None,
+        slab: int | None = None,
+    ) -> None:
+        k = weight.shape[1]
+        step = k_chunk or k
+        self.bounds = [(a, min(a + step, k)) for a in range(0, k, step)]
+        self.weights = [torch.ops.mkldnn._reorder_linear_weight(weight[:, a:b].contiguous(), 8) for a, b in self.bounds]
         self.bias = bias
+        self.k_chunk = k_chunk
+        self.slab = slab
+
+    @classmethod
+    def invariant(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, slab: int = ROW_SLAB, adds: bool = True
+    ) -> _Linear:
+        """The least-split linear that passes the row-invariance probe on this machine (rows up
+        to ``slab``; ``adds``: the fused residual add is used too)."""
+        for k_chunk in K_CHUNKS:
+            if k_chunk is not None and k_chunk >= weight.shape[1]:
+                continue
+            linear = cls(weight, bias, k_chunk, slab)
+            if linear.row_invariant(adds):
+                return linear
+        raise UnsupportedArchitecture(
+            f"no row-invariant matmul found for a {tuple(weight.shape)} weight on this CPU; serve with batch "
+            "invariance off"
+        )
+
+    def row_invariant(self, adds: bool) -> bool:
+        """Does each row get the same bits alone as among up to ``slab`` rows?"""
+        rows = [m for m in PROBE_ROWS if m <= self.slab]
+        gen = torch.Generator().manual_seed(0)
+        dtype = self.weights[0].dtype
+        x = torch.randn(rows[-1], self.bounds[-1][1], generator=gen).to(dtype)
+        r = torch.randn(rows[-1], self.weights[0].shape[0], generator=gen).to(dtype) if adds else None
+
+        def run(a: int, b: int) -> list[torch.Tensor]:
+            out = [self(x[a:b])]
+            if adds:
+                out.append(self.add(x[a:b], r[a:b]))
+            return out
+
+        alone = [run(i, i + 1) for i in range(rows[-1])]
+        for m in rows:
+            together = run(0, m)
+            for i in range(m):
+                if not all(torch.equal(t[i], a[0]) for t, a in zip(together, alone[i])):
+                    return False
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return self._run(x, None)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return self._run(x, residual)
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if self.slab is not None and x.shape[0] > self.slab:
+            return torch.cat(
+                [
+                    self._run(x[i : i + self.slab], None if residual is None else residual[i : i + self.slab])
+                    for i in range(0, x.shape[0], self.slab)
+                ]
+            )
+        y = residual
+        for index, ((a, b), weight) in enumerate(zip(self.bounds, self.weights)):
+            part = x if len(self.bounds) == 1 else x[:, a:b]
+            bias = self.bias if index == 0 else None
+            if y is None:
+                y = torch.ops.mkldnn._linear_pointwise(part, weight, bias, "none", [], "")
+            else:
+                y = torch.ops.mkldnn._linear_pointwise.binary(part, y, weight, bias, "add")
+        return y
 
 
 @dataclass
@@ -205,7 +291,8 @@ class _Step:
     cos: torch.Tensor  # [T, 1, head_dim]
     sin: torch.Tensor
     slots: torch.Tensor  # [T] pool slot of each new token
-    groups: list[_Group]
+    groups: list[_Group]  # SDPA calls (empty when batch-invariant)
+    keys: invariant_attention.KeyLists | None  # batch-invariant: each new token's key slots
     spans: list[tuple[int, int]]  # flat token range of each row, in the caller's row order
 
 
@@ -220,6 +307,7 @@ class LeanCausalLM:
         norm: torch.Tensor,
         lm_head: _Linear,
         dtype: torch.dtype,
+        batch_invariant: bool = False,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -227,6 +315,7 @@ class LeanCausalLM:
         self.norm = norm
         self.lm_head = lm_head
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
         self.num_layers = len(layers)
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -237,9 +326,13 @@ class LeanCausalLM:
         self.rope = _Rope(config, dtype)
 
     @classmethod
-    def from_hf(cls, hf_model, dtype: torch.dtype | None = None) -> LeanCausalLM:
+    def from_hf(cls, hf_model, dtype: torch.dtype | None = None, batch_invariant: bool = False) -> LeanCausalLM:
         """Take the weights of a loaded transformers ``*ForCausalLM`` (fused and prepacked copies;
-        the embedding is shared). Raises UnsupportedArchitecture for models it does not run."""
+        the embedding is shared). Raises UnsupportedArchitecture for models it does not run.
+
+        ``batch_invariant``: every token's logits and hidden states are the same bits whatever
+        else shares its step (other tokens of its row, other rows, a prompt chunked or not); the
+        matmul splits are probed once per weight shape here (about a second for SmolLM2)."""
         config = hf_model.config
         reason = unsupported_reason(config)
         if reason is not None:
@@ -263,6 +356,23 @@ class LeanCausalLM:
                 t.unflatten(dim, (kv_heads, heads // kv_heads, head_dim)).transpose(dim, dim + 1).flatten(dim, dim + 2)
             )
 
+        if (
+            batch_invariant
+            and (reason := invariant_attention.unavailable_reason(head_dim, heads, kv_heads)) is not None
+        ):
+            raise UnsupportedArchitecture(f"batch-invariant attention is unavailable: {reason}")
+        splits: dict[tuple, int | None] = {}
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None, adds: bool = True, slab: int = ROW_SLAB) -> _Linear:
+            if not batch_invariant:
+                return _Linear(weight, bias)
+            shape = (tuple(weight.shape), bias is not None, adds, slab)
+            if shape in splits:
+                return _Linear(weight, bias, splits[shape], slab)
+            probed = _Linear.invariant(weight, bias, slab, adds)
+            splits[shape] = probed.k_chunk
+            return probed
+
         layers = []
         for layer in hf_model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -272,24 +382,24 @@ class LeanCausalLM:
             layers.append(
                 _Layer(
                     attn_norm=w(layer.input_layernorm.weight),
-                    qkv=_Linear(
+                    qkv=linear(
                         w(regroup(a.q_proj.weight, 0), a.k_proj.weight, a.v_proj.weight),
                         w(regroup(a.q_proj.bias, 0), a.k_proj.bias, a.v_proj.bias),
                     ),
                     qk_norm=qk_norm,
-                    o=_Linear(w(regroup(a.o_proj.weight, 1)), w(a.o_proj.bias)),
+                    o=linear(w(regroup(a.o_proj.weight, 1)), w(a.o_proj.bias)),
                     mlp_norm=w(layer.post_attention_layernorm.weight),
-                    gate_up=_Linear(
+                    gate_up=linear(
                         w(mlp.gate_proj.weight, mlp.up_proj.weight), w(mlp.gate_proj.bias, mlp.up_proj.bias)
                     ),
-                    down=_Linear(w(mlp.down_proj.weight), w(mlp.down_proj.bias)),
+                    down=linear(w(mlp.down_proj.weight), w(mlp.down_proj.bias)),
                 )
             )
         embed = hf_model.model.embed_tokens.weight.detach().to(dtype)
-        lm_head = hf_model.lm_head
-        return cls(
-            config, embed, layers, w(hf_model.model.norm.weight), _Linear(w(lm_head.weight), w(lm_head.bias)), dtype
-        )
+        head = linear(w(hf_model.lm_head.weight), w(hf_model.lm_head.bias), adds=False, slab=LOGITS_SLAB)
+        if splits:
+            log.info("batch-invariant matmuls (weight shape -> K chunk): %s", {k[0]: v for k, v in splits.items()})
+        return cls(config, embed, layers, w(hf_model.model.norm.weight), head, dtype, batch_invariant)
 
     def new_pool(
         self, *, capacity_tokens: int | None = None, memory_gb: float | None = None, block_size: int = 16
@@ -378,8 +488,11 @@ class LeanCausalLM:
             spans[i] = (t, t + n)
             t += n
 
-        groups, start = [], 0
-        while start < len(order):
+        groups, keys = [], None
+        if self.batch_invariant:
+            keys = self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order])
+        start = 0
+        while not self.batch_invariant and start < len(order):
             end = start + 1
             while end < len(order) and toks[order[end]].shape[0] == toks[order[start]].shape[0]:
                 end += 1
@@ -402,8 +515,31 @@ class LeanCausalLM:
             sin=cat(sin).unsqueeze(1),
             slots=cat(slots),
             groups=groups,
+            keys=keys,
             spans=spans,
         )
+
+    @staticmethod
+    def _key_lists(pool: KVCachePool, rows: list[Row], cached: list[int]) -> invariant_attention.KeyLists:
+        """Each new token's keys, rows in flat order: the cached tokens, then the new tokens its
+        row's mask allows (causal: itself and those before it)."""
+        slots, starts, lengths, offset = [], [], [], 0
+        for r, c in zip(rows, cached):
+            n = len(r.token_ids)
+            table = pool.slots(r.seq_id)[: c + n]
+            if r.mask is None:  # causal: all the row's tokens share one list, each a longer prefix
+                slots.append(table)
+                starts.append(torch.full((n,), offset))
+                lengths.append(torch.arange(c + 1, c + n + 1))
+                offset += c + n
+                continue
+            for allowed in r.mask.bool():
+                own = torch.cat([table[:c], table[c:][allowed]])
+                slots.append(own)
+                starts.append(torch.tensor([offset]))
+                lengths.append(torch.tensor([own.shape[0]]))
+                offset += own.shape[0]
+        return invariant_attention.KeyLists(torch.cat(slots), torch.cat(starts), torch.cat(lengths))
 
     def _group(self, pool: KVCachePool, rows: list[Row], cached: list[int], t0: int, n: int) -> _Group:
         lengths = [c + n for c in cached]
@@ -445,8 +581,12 @@ class LeanCausalLM:
         qk.mul_(step.cos).addcmul_(swapped, step.sin)
         kv_layer.index_copy_(0, step.slots, qkv[:, heads * d :].view(T, 2, kv_heads, d))
         q = qkv[:, : heads * d]
-        outs = [self._attend(q[g.t0 : g.t1], g, index, kv_layer) for g in step.groups]
-        h = layer.o.add(outs[0] if len(outs) == 1 else torch.cat(outs), h)
+        if step.keys is not None:
+            attended = invariant_attention.attend(q, kv_layer, step.keys, heads)
+        else:
+            outs = [self._attend(q[g.t0 : g.t1], g, index, kv_layer) for g in step.groups]
+            attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+        h = layer.o.add(attended, h)
         x = F.rms_norm(h, (self.hidden_size,), layer.mlp_norm, self.eps)
         gate_up = layer.gate_up(x)
         inter = gate_up.shape[1] // 2

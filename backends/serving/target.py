@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import context_window, load_causal_lm
@@ -144,9 +145,18 @@ class TargetRunner:
         max_model_len: int | None = None,
         kv_cache_memory_gb: float | None = None,
         runtime: str = "auto",
+        batch_invariant: str = "auto",
     ) -> None:
         """`runtime`: "auto" (the lean runtime where it runs, else transformers), "lean" (fail
-        where it does not), "hf" (transformers)."""
+        where it does not), "hf" (transformers). `batch_invariant`: "auto" (on where the lean
+        runtime runs: a token's logits do not depend on what shares its step, so speculative
+        output is exactly plain output in bf16 too), "on" (fail where it cannot be), "off"."""
+        if batch_invariant not in BATCH_INVARIANT_MODES:
+            raise ValueError(
+                f"batch_invariant must be one of {', '.join(BATCH_INVARIANT_MODES)}, got {batch_invariant!r}"
+            )
+        if batch_invariant == "on" and runtime == "hf":
+            raise ValueError("batch_invariant 'on' needs the lean runtime (runtime 'hf' was asked)")
         self.model = load_causal_lm(model_path, dtype).to(device)
         self.device = torch.device(device)
         self.max_model_len = context_window(self.model.config, max_model_len)
@@ -166,21 +176,38 @@ class TargetRunner:
             if kv_cache_memory_gb
             else None
         )
-        self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb)
+        self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb, batch_invariant)
+        self.batch_invariant = self.lean is not None and self.lean.batch_invariant
         if self.pool is not None:
             self.kv_budget_tokens = self.pool.capacity_tokens
 
-    def _lean_runtime(self, runtime: str, memory_gb: float | None) -> tuple[LeanCausalLM | None, KVCachePool | None]:
+    def _lean_runtime(
+        self, runtime: str, memory_gb: float | None, batch_invariant: str
+    ) -> tuple[LeanCausalLM | None, KVCachePool | None]:
         """The lean runtime and its KV pool, when this model and device have it (else transformers)."""
         if runtime == "hf" or self.device.type != "cpu":
-            log.info("target runs through transformers (runtime=%s, device %s)", runtime, self.device)
+            if batch_invariant == "on":
+                raise UnsupportedArchitecture(
+                    f"batch_invariant 'on' needs the lean runtime, which runs on CPU only (device {self.device})"
+                )
+            log.info(
+                "target runs through transformers (runtime=%s, device %s), not batch-invariant", runtime, self.device
+            )
             return None, None
+        lean = None
+        if batch_invariant != "off":
+            try:
+                lean = LeanCausalLM.from_hf(self.model, batch_invariant=True)
+            except UnsupportedArchitecture as e:
+                if batch_invariant == "on" or runtime == "lean":
+                    raise
+                log.warning("target is not batch-invariant (bf16 speculative output may differ from plain): %s", e)
         try:
-            lean = LeanCausalLM.from_hf(self.model)
+            lean = lean or LeanCausalLM.from_hf(self.model)
         except UnsupportedArchitecture as e:
             if runtime == "lean":
                 raise
-            log.info("target runs through transformers: %s", e)
+            log.info("target runs through transformers, not batch-invariant: %s", e)
             return None, None
         # Without a budget: room for 8 sequences at the full context window.
         pool = (
@@ -189,7 +216,8 @@ class TargetRunner:
             else lean.new_pool(capacity_tokens=8 * (self.max_model_len + MAX_SPEC_LEN))
         )
         log.info(
-            "target runs on the lean runtime: KV pool of %d tokens (%.2f GB)",
+            "target runs on the lean runtime, batch-invariant %s: KV pool of %d tokens (%.2f GB)",
+            "on" if lean.batch_invariant else "off",
             pool.capacity_tokens,
             pool.capacity_tokens * pool.bytes_per_token / 2**30,
         )

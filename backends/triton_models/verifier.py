@@ -33,6 +33,7 @@ class TritonPythonModel(SequenceBatchedModel):
             max_model_len=settings.max_model_len,
             kv_cache_memory_gb=budget or None,
             runtime=settings.params.get("runtime", "auto"),
+            batch_invariant=settings.params.get("batch_invariant", "auto"),
         )
         self.init_sequences(args, settings.params, self.runner)
         log.info(

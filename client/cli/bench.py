@@ -193,10 +193,19 @@ def hf_comparison(
     return out
 
 
+def engine_from_log(server_log: Path) -> str:
+    """What the verifier said it runs on (engine, batch invariance), from a server log."""
+    for line in server_log.read_text(errors="replace").splitlines():
+        if "target runs " in line:
+            return line.split("target runs ", 1)[1].split(":")[0].strip()
+    return "unknown (no 'target runs' line in the server log)"
+
+
 def format_report(report: dict) -> str:
     lines = [
         f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "
-        f"target {report['model']} ({report['dtype']})",
+        f"target {report['model']} ({report['dtype']}) on {report.get('engine', 'an unknown engine')}; "
+        "`same`: outputs identical to plain decoding",
         f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'accept':>7} "
         f"{'draft':>6} {'verify':>7} {'ovh':>5} {'ovh%':>5} {'same':>5} {'diverge@':>9}  per-position acceptance",
     ]
@@ -249,14 +258,21 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def verify_batch_cost(
-    model: Path, dtype: str, batch: int, drafts: int, context: int = 200, repeats: int = 10, runtime: str = "auto"
+    model: Path,
+    dtype: str,
+    batch: int,
+    drafts: int,
+    context: int = 200,
+    repeats: int = 10,
+    runtime: str = "auto",
+    batch_invariant: str = "auto",
 ) -> dict[str, float | str]:
     """Wall time of one verify step for `batch` sequences in one forward vs for one sequence,
     and of one sequence's plain 1-token step (in process, no server): what batched
     verification and drafts cost on the target's engine (`runtime`, as TargetRunner's)."""
     from backends.serving.target import TargetRunner, VerifyRequest
 
-    runner = TargetRunner(model, dtype, runtime=runtime)
+    runner = TargetRunner(model, dtype, runtime=runtime, batch_invariant=batch_invariant)
     for seq_id in range(batch):
         runner.verify(VerifyRequest(seq_id, list(range(100 + 7 * seq_id, 100 + 7 * seq_id + context)), []))
 
@@ -278,7 +294,8 @@ def verify_batch_cost(
     many = statistics.median(step(range(batch)) for _ in range(repeats))
     plain = statistics.median(step(range(1), 0) for _ in range(repeats))
     return {
-        "engine": "lean runtime" if runner.pool is not None else "transformers",
+        "engine": ("lean runtime" if runner.pool is not None else "transformers")
+        + f", batch-invariant {'on' if runner.batch_invariant else 'off'}",
         "one_ms": one * 1e3,
         "batch_ms": many * 1e3,
         "ratio": many / one,

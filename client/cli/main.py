@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from backends.config import SpeculativeConfig
+from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.model_store import (
     DEFAULT_MODEL,
     NAMED_GROUPS,
@@ -46,6 +47,10 @@ PROFILES: dict[str, dict] = {
 
 
 RUNTIMES = ["auto", "lean", "hf"]
+BATCH_INVARIANT_HELP = (
+    "the target's batch invariance (speculative output == plain output in bf16): auto (on where the lean "
+    "runtime runs, the default), on (refuse to start otherwise) or off"
+)
 
 
 def _local_speculative_config(spec: str, target: str) -> str:
@@ -132,6 +137,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.common["dtype"] = args.dtype
     if args.runtime:
         overrides.common["runtime"] = args.runtime
+    if args.batch_invariant:
+        overrides.common["batch_invariant"] = args.batch_invariant
     if args.max_model_len:
         overrides.common["max_model_len"] = str(args.max_model_len)
     if args.device:
@@ -266,6 +273,7 @@ def _bench(args: argparse.Namespace) -> int:
     from client.cli.bench import (
         METHOD_CONFIGS,
         compare,
+        engine_from_log,
         format_report,
         hf_comparison,
         load_prompts,
@@ -315,10 +323,16 @@ def _bench(args: argparse.Namespace) -> int:
         if args.num_speculative_tokens:
             config["num_speculative_tokens"] = args.num_speculative_tokens
         overrides = RepositoryOverrides(
-            common={"model": str(target), "dtype": args.dtype, "runtime": args.runtime},
+            common={
+                "model": str(target),
+                "dtype": args.dtype,
+                "runtime": args.runtime,
+                "batch_invariant": args.batch_invariant,
+            },
             per_model={"drafter": {"speculative_config": json.dumps(config)}},
         )
         with _own_server(args.port, overrides, out / f"server-{method}.log") as server:
+            report.setdefault("engine", engine_from_log(out / f"server-{method}.log"))
             runs = measure(
                 server.grpc_url,
                 prompts,
@@ -405,7 +419,9 @@ def _verify_cost(args: argparse.Namespace) -> int:
     from client.cli.bench import verify_batch_cost
 
     model = local_model(args.model)
-    cost = verify_batch_cost(model, args.dtype, args.batch, args.drafts, runtime=args.runtime)
+    cost = verify_batch_cost(
+        model, args.dtype, args.batch, args.drafts, runtime=args.runtime, batch_invariant=args.batch_invariant
+    )
     print(
         f"{cost['engine']}: one verify step ({args.drafts} drafts each): 1 sequence {cost['one_ms']:.1f} ms, "
         f"{args.batch} sequences {cost['batch_ms']:.1f} ms ({cost['ratio']:.2f}x); a plain 1-token step "
@@ -565,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target's forward engine: the lean runtime where "
         "it runs, else transformers (auto, the default), lean, or hf (transformers)",
     )
+    serve.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
     serve.add_argument("--max-model-len", type=int, help="cap the context window")
     serve.add_argument(
         "--device",
@@ -613,6 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", choices=sorted(PROFILES), help="target + drafter pair, e.g. qwen-coder")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     bench.add_argument("--runtime", default="auto", choices=RUNTIMES, help="the target's forward engine (see serve)")
+    bench.add_argument("--batch-invariant", default="auto", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
     bench.add_argument(
         "--prompt-file",
@@ -671,6 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--model", default=DEFAULT_MODEL)
     cost.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     cost.add_argument("--runtime", default="auto", choices=RUNTIMES, help="the target's forward engine (see serve)")
+    cost.add_argument("--batch-invariant", default="auto", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
     cost.add_argument("--batch", type=int, default=8)
     cost.add_argument("--drafts", type=int, default=4)
     cost.set_defaults(func=_verify_cost)

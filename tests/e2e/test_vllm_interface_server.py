@@ -265,8 +265,8 @@ def test_logprobs_speculative_equal_plain(tiny_server):
             for token in p:
                 assert s[token]["rank"] == p[token]["rank"]
                 assert s[token]["decoded_token"] == p[token]["decoded_token"]
-                # float32 logits of a 1-token and a (k+1)-token forward differ in the last bits
-                assert s[token]["logprob"] == pytest.approx(p[token]["logprob"], abs=1e-5)
+                # the batch-invariant target: a (k+1)-token forward gives a 1-token step's bits
+                assert s[token]["logprob"] == p[token]["logprob"]
 
 
 def penalized_marginals(model_dir: str, text_prompt: str, params: dict) -> list[dict[int, float]]:

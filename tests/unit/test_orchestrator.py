@@ -261,3 +261,32 @@ def test_a_drafter_asked_for_nothing_still_hears_from_its_sequence(runner, token
     ids, stats = generate_local(PROMPT, tokenizer, runner, service, eos_token_ids=set(), max_tokens=5)
     assert len(ids) == 5 and stats.acceptance.num_draft_tokens == 0 and proposer.calls == 0
     assert seen and set(seen) == {0}
+
+
+BF16_PROMPTS = [PROMPT, "x = [1, 2, 3]\ny = [1, 2, 3]\nz =", "the cat sat on the mat. the cat"]
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_bfloat16_speculative_output_is_plain_output(target_dir, tokenizer, mode):
+    """In bf16 a batch-invariant target gives drafts verified k+1 at a time exactly the tokens of
+    1-token steps, wherever the drafts are rejected (a wrong draft every few steps). Without it,
+    the same runs are allowed to differ (near-tie argmaxes flip), so only their length is checked."""
+    runner = TargetRunner(target_dir, dtype="bfloat16", batch_invariant=mode)
+    assert runner.batch_invariant == (mode == "on")
+    for prompt in BF16_PROMPTS:
+        plain, _ = run(runner, tokenizer, prompt, None, max_tokens=48)
+        prompt_len = len(tokenizer(prompt)["input_ids"])
+        for corrupt_every in (0, 3):
+            spec, stats = run(runner, tokenizer, prompt, OracleProposer(plain, prompt_len, corrupt_every), 48)
+            assert stats.acceptance.num_accepted_tokens > 0
+            if mode == "on":
+                assert spec == plain
+            else:
+                assert len(spec) == len(plain)
+
+
+def test_batch_invariance_on_needs_the_lean_runtime(target_dir):
+    with pytest.raises(ValueError, match="needs the lean runtime"):
+        TargetRunner(target_dir, dtype="bfloat16", runtime="hf", batch_invariant="on")
+    with pytest.raises(ValueError, match="batch_invariant must be one of"):
+        TargetRunner(target_dir, batch_invariant="yes")

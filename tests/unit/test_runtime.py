@@ -16,35 +16,13 @@ from transformers import (
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, unsupported_reason
+from tests.fixtures.lean_models import FAMILIES, TINY, VOCAB, build, randomize, tokens
 
-VOCAB = 96
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
 ROPE_THETA = 10000.0
-
-FAMILIES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**TINY)),
-    "llama-tied-biased": lambda: LlamaForCausalLM(
-        LlamaConfig(**TINY, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
-    ),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)),
-}
 
 ROPES = {
     "linear": {"rope_type": "linear", "factor": 2.0},
@@ -67,23 +45,6 @@ ROPES = {
 }
 
 
-def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Weights far from init (norms and biases too) so a wrong term shows in the logits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-    return model.eval()
-
-
-def build(family: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return randomize(FAMILIES[family](), seed)
-
-
 def rope_model(kind: str) -> torch.nn.Module:
     params = {"rope_theta": ROPE_THETA, **ROPES[kind]}
     tiny = {**TINY, "max_position_embeddings": 16 if kind == "dynamic" else 64}
@@ -97,20 +58,22 @@ def reference(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0]
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(
+    scope="module",
+    params=[(f, inv) for f in FAMILIES for inv in (False, True)],
+    ids=lambda p: f"{p[0]}-{'invariant' if p[1] else 'sdpa'}",
+)
 def family(request):
-    hf = build(request.param)
-    return hf, LeanCausalLM.from_hf(hf)
+    """Each family on both attention paths: SDPA and the batch-invariant kernel."""
+    name, invariant = request.param
+    hf = build(name)
+    return hf, LeanCausalLM.from_hf(hf, batch_invariant=invariant)
 
 
 def test_prefill_decode_verify_match_transformers(family):

@@ -1,0 +1,192 @@
+/* Batch-invariant attention for the lean runtime (see invariant_attention.py).
+ *
+ * Each query token attends over an explicit list of pool slots, in list order, and its result
+ * is computed by the same arithmetic whatever else is in the call: no blocking, padding or
+ * reduction order depends on the number of queries, their key lengths or the thread count.
+ * So a token verified among k+1 drafts gets bit for bit what a 1-token step would give it.
+ *
+ * Math in float32 on GCC vectors of 16 floats; bf16 inputs are widened, the bf16 output rounded
+ * to nearest even. Each key's score is a plain sum over the head dim in index order (keys sit in
+ * the lanes, LANES keys at a time); softmax and the weighted sum of values run over the keys in
+ * list order. Built without -ffast-math, so no sum is ever reordered.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 32
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* Keys are read one slot at a time with a stride the hardware prefetcher may not follow
+ * (pool blocks, kv heads interleaved): ask for the rows PREFETCH keys ahead. */
+#define PREFETCH 8
+
+static void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+/* n floats (a multiple of LANES) from float32 or bf16 (the high half of a float32) */
+static void load_row(const char *src, int64_t n, float *dst, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i += LANES) {
+        hvec h;
+        memcpy(&h, src + i * sizeof(uint16_t), sizeof h);
+        uvec u = __builtin_convertvector(h, uvec) << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+static void store_row(const float *src, int64_t n, char *dst, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            h[i] = (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+        else
+            h[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* where mask: a, else b (masks as vector comparisons give them: all ones or zero per lane) */
+static vec select(ivec mask, vec a, vec b) {
+    ivec ai, bi;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    ai = (ai & mask) | (bi & ~mask);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+/* exp(x) for x <= 0 (a score minus its row's max): Cephes' polynomial after a ln2 range
+ * reduction, on whole vectors, so every key gets the same code. */
+static vec exp_nonpositive(vec x) {
+    x = select(x < -87.0f, (vec){0} - 87.0f, x);
+    vec y = x * 1.44269504088896341f + 0.5f;
+    ivec t = __builtin_convertvector(y, ivec); /* truncates towards zero */
+    vec n = __builtin_convertvector(t, vec);
+    n = select(n > y, n - 1.0f, n); /* floor */
+    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec p = (vec){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    ivec e = (__builtin_convertvector(n, ivec) + 127) << 23;
+    vec scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+/* The lanes of v added in one fixed pairwise order (halves, quarters, ...). */
+static float hsum(vec v) {
+    v += __builtin_shuffle(v, (ivec){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (ivec){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (ivec){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    v += __builtin_shuffle(v, (ivec){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+    return v[0];
+}
+
+/* One (query token, kv head) task: the `group` query heads that share kv head `kvh`.
+ * `scores` holds group * (len rounded up to LANES) floats. */
+static void attend_one(const char *q, const char *kv, const int64_t *slots, int64_t len, char *out,
+                       int64_t kvh, int64_t kv_heads, int64_t group, int64_t d, float scale,
+                       int bf16, float *scores) {
+    int64_t esz = bf16 ? 2 : 4, padded = (len + LANES - 1) / LANES * LANES;
+    int64_t slot_bytes = 2 * kv_heads * d * esz, blocks = d / LANES;
+    float qf[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+    vec acc[MAX_GROUP][MAX_HEAD_DIM / LANES];
+
+    for (int64_t g = 0; g < group; g++) {
+        load_row(q + (g * kv_heads + kvh) * d * esz, d, qf[g], bf16);
+        for (int64_t i = 0; i < d; i++) qf[g][i] *= scale;
+    }
+    for (int64_t j = 0; j < len; j++) {
+        if (j + PREFETCH < len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + kvh * d * esz, d * esz);
+        load_row(kv + slots[j] * slot_bytes + kvh * d * esz, d, row, bf16);
+        for (int64_t g = 0; g < group; g++) {
+            vec s = {0};
+            for (int64_t b = 0; b < blocks; b++) {
+                vec qv, kv_;
+                memcpy(&qv, qf[g] + b * LANES, sizeof qv);
+                memcpy(&kv_, row + b * LANES, sizeof kv_);
+                s += qv * kv_;
+            }
+            scores[g * padded + j] = hsum(s);
+        }
+    }
+    float total[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * padded, m = s[0];
+        for (int64_t j = len; j < padded; j++) s[j] = m; /* lanes past the keys: never read */
+        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
+        for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+            vec x;
+            memcpy(&x, s + j0, sizeof x);
+            x = exp_nonpositive(x - m);
+            memcpy(s + j0, &x, sizeof x);
+        }
+        total[g] = 0.0f;
+        for (int64_t j = 0; j < len; j++) total[g] += s[j];
+        for (int64_t b = 0; b < blocks; b++) acc[g][b] = (vec){0};
+    }
+    for (int64_t j = 0; j < len; j++) {
+        if (j + PREFETCH < len)
+            prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + (kv_heads + kvh) * d * esz, d * esz);
+        load_row(kv + slots[j] * slot_bytes + (kv_heads + kvh) * d * esz, d, row, bf16);
+        for (int64_t b = 0; b < blocks; b++) {
+            vec v;
+            memcpy(&v, row + b * LANES, sizeof v);
+            for (int64_t g = 0; g < group; g++) acc[g][b] += scores[g * padded + j] * v;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            vec o = acc[g][b] / total[g];
+            memcpy(row + b * LANES, &o, sizeof o);
+        }
+        store_row(row, d, out + (g * kv_heads + kvh) * d * esz, bf16);
+    }
+}
+
+/* q: [tokens, q_stride elements] with head h at h*d (query heads group-major: head
+ * g*kv_heads + kvh uses kv head kvh); kv: one layer of the pool, [slots, 2, kv_heads, d];
+ * query t attends over key_slots[key_start[t] : key_start[t] + key_len[t]] (key_len >= 1);
+ * out: [tokens, heads*d]. Returns 0, or -1 for a head dim or group it does not take. */
+int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_slots,
+           const int64_t *key_start, const int64_t *key_len, void *out, int64_t tokens,
+           int64_t heads, int64_t kv_heads, int64_t d, float scale, int bf16, int threads) {
+    int64_t group = heads / kv_heads, esz = bf16 ? 2 : 4, max_len = 0;
+    if (d % LANES != 0 || d > MAX_HEAD_DIM || group > MAX_GROUP || heads % kv_heads != 0) return -1;
+    for (int64_t t = 0; t < tokens; t++) max_len = key_len[t] > max_len ? key_len[t] : max_len;
+    int64_t padded = (max_len + LANES - 1) / LANES * LANES, tasks = tokens * kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * padded + LANES));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t t = task / kv_heads, kvh = task % kv_heads;
+            attend_one((const char *)q + t * q_stride * esz, (const char *)kv, key_slots + key_start[t],
+                       key_len[t], (char *)out + t * heads * d * esz, kvh, kv_heads, group, d, scale,
+                       bf16, scores);
+        }
+        free(scores);
+    }
+    return 0;
+}

@@ -1,0 +1,146 @@
+"""Batch-invariant attention: the C kernel of ``attention.c``, built once per machine with gcc.
+
+Why a kernel of our own: SDPA's CPU kernels block queries and keys by the sizes in the call, so
+a token's attention output changes in its last bits with the number of tokens verified beside
+it and with the cached length of other rows (measured: no fixed padding or batching of SDPA calls
+made it stable in bf16 or float32). ``attention.c`` computes every query token from its own
+key list with one fixed order of operations, so the result does not depend on the step it is in.
+
+The shared object is compiled at first use (about a second) into
+``~/.cache/tritonspec/kernels/`` under a name that hashes the source and the flags, written to a
+temporary name and renamed, so concurrent model instances never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from .model_store import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("attention.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+class KernelUnavailable(RuntimeError):
+    """The batch-invariant attention kernel cannot be built or loaded on this machine."""
+
+
+@cache
+def _library() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (gcc) on PATH to build the batch-invariant attention kernel")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"attention-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        log.info("building the batch-invariant attention kernel: %s", target)
+        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        try:
+            done = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                raise KernelUnavailable(f"building {SOURCE.name} failed:\n{done.stderr.strip()}")
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    lib = ctypes.CDLL(str(target))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.attend.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.attend.restype = ctypes.c_int
+    return lib
+
+
+# attention.c's limits: whole vectors of 16 floats per head, its stack buffers
+MAX_HEAD_DIM = 256
+MAX_GROUP = 32
+
+
+def unavailable_reason(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """None when the kernel builds and loads here and takes these heads, else why not."""
+    group = num_heads // num_kv_heads
+    if head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} (the kernel takes multiples of 16 up to {MAX_HEAD_DIM})"
+    if num_heads % num_kv_heads or group > MAX_GROUP:
+        return f"{num_heads} query heads over {num_kv_heads} kv heads (at most {MAX_GROUP} per kv head)"
+    try:
+        _library()
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    return None
+
+
+class KeyLists:
+    """Per query token of a step, the pool slots it attends to, in position order.
+
+    Built once per step and shared by every layer (the slots are the same in each layer's pool).
+    """
+
+    def __init__(self, slots: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> None:
+        self.slots = slots.to(torch.int64).contiguous()
+        self.start = start.to(torch.int64).contiguous()
+        self.length = length.to(torch.int64).contiguous()
+        self.tokens = self.start.shape[0]
+
+
+def attend(
+    q: torch.Tensor, kv_layer: torch.Tensor, keys: KeyLists, num_heads: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention of ``q`` ``[tokens, >= heads * head_dim]`` (rows may be strided, heads
+    group-major) over ``kv_layer`` ``[slots, 2, kv_heads, head_dim]`` -> ``[tokens, heads * head_dim]``."""
+    _, _, kv_heads, d = kv_layer.shape
+    if q.dtype not in (torch.float32, torch.bfloat16) or kv_layer.dtype != q.dtype:
+        raise TypeError(f"batch-invariant attention runs float32 or bfloat16, got {q.dtype} / {kv_layer.dtype}")
+    if q.stride(1) != 1 or not kv_layer.is_contiguous():
+        raise ValueError("batch-invariant attention needs rows with unit stride and a contiguous KV layer")
+    if out is None:
+        out = q.new_empty(keys.tokens, num_heads * d)
+    rc = _library().attend(
+        q.data_ptr(),
+        q.stride(0),
+        kv_layer.data_ptr(),
+        keys.slots.data_ptr(),
+        keys.start.data_ptr(),
+        keys.length.data_ptr(),
+        out.data_ptr(),
+        keys.tokens,
+        num_heads,
+        kv_heads,
+        d,
+        d**-0.5,
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise KernelUnavailable(unavailable_reason(d, num_heads, kv_heads) or "the kernel refused its arguments")
+    return out

@@ -1,0 +1,62 @@
+"""Exact in bfloat16: through the real server, SmolLM2 served in bf16 (the default dtype) with a
+batch-invariant target gives speculative output token for token equal to its own plain output,
+one request at a time and 8 at once beside other traffic (the bench prompts, first of each
+category, and the e2e prompts).
+
+Without batch invariance these runs differ (bench `same` column: 2-3 of 12 identical for
+ngram and suffix in bf16), so this is the check of the server's invariant mode end to end.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from client.api.triton import grpc_generate
+from client.cli.bench import load_prompts
+from tests.e2e.test_smollm2_server import PROMPTS as E2E_PROMPTS
+from tests.fixtures.servers import start_server
+
+MAX_TOKENS = 40
+CONFIGS = {
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+    "suffix": '{"method": "suffix", "num_speculative_tokens": 8}',
+}
+
+
+def prompts() -> list[str]:
+    _, by_category = load_prompts()
+    return [texts[0] for texts in by_category.values()] + E2E_PROMPTS
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def bf16_server(request, smollm2_dir, tmp_path_factory):
+    server = start_server(
+        tmp_path_factory.mktemp(f"bf16-{request.param}"),
+        str(smollm2_dir),
+        CONFIGS[request.param],
+        dtype="bfloat16",
+        batch_invariant="on",
+    )
+    yield server
+    server.stop()
+
+
+def generate(server, prompt: str, num_draft_tokens: int | None) -> list[int]:
+    fixed = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
+    return list(grpc_generate(server.grpc_url, prompt, max_tokens=MAX_TOKENS, **fixed).output_ids)
+
+
+def test_speculative_equals_plain_alone_and_in_batches_of_8(bf16_server):
+    assert "batch-invariant on" in (bf16_server.log_path.read_text())
+    texts = prompts()
+    plain = [generate(bf16_server, p, 0) for p in texts]
+    alone = [generate(bf16_server, p, None) for p in texts]
+    assert alone == plain
+    # 8 streams at once: each prompt twice, speculative and plain interleaved, so every
+    # verification step shares its forward with other sequences of other lengths
+    jobs = [(p, k) for p in texts for k in (None, 0)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda job: generate(bf16_server, *job), jobs))
+    assert together == [plain[i] for i in range(len(texts)) for _ in (None, 0)]

@@ -1,0 +1,154 @@
+"""Batch invariance of the lean runtime: a token's logits and hidden states are the same bits
+whatever shares its step (issue: exact in bfloat16 too).
+
+Every comparison is torch.equal, in bfloat16 and float32: a 1-token step against the same token
+verified among k+1, a prompt in one pass against chunks of any size, a row alone against the
+same row batched with other traffic, a tree node against the chain that is its root path. The
+kernel itself is checked against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.runtime import invariant_attention
+from backends.runtime.lean_lm import K_CHUNKS, LeanCausalLM, Row, _Linear
+from tests.fixtures.lean_models import FAMILIES, build, tokens
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module", params=[(f, d) for f in FAMILIES for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
+def model(request) -> LeanCausalLM:
+    name, dtype = request.param
+    return LeanCausalLM.from_hf(build(name).to(dtype), batch_invariant=True)
+
+
+def decode(lm: LeanCausalLM, seq: list[int], chunks: list[int], traffic: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and last hidden state of every token of `seq` fed in `chunks`, with `traffic` other
+    rows (different lengths and token counts each step) in every forward."""
+    pool = lm.new_pool(capacity_tokens=4096)
+    pool.admit("s", len(seq))
+    for other in range(traffic):
+        pool.admit(other, 240)
+    logits, hidden, at = [], [], 0
+    for step, n in enumerate(chunks):
+        rows = [Row("s", seq[at : at + n])]
+        rows += [Row(other, tokens(1 + (step + other) % 5, seed=step * 7 + other)) for other in range(traffic)]
+        out = lm.forward(pool, rows, logits_rows=[n] + [1] * traffic, hidden_layers=[1, -1])
+        logits.append(out.logits[0])
+        hidden.append(out.hidden[0][1])
+        at += n
+    assert at == len(seq)
+    return torch.cat(logits), torch.cat(hidden)
+
+
+def assert_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert torch.equal(g, w), f"largest difference {(g.float() - w.float()).abs().max().item():.3g}"
+
+
+def test_verification_chunked_prefill_and_batching_change_no_bit(model):
+    seq = tokens(60, seed=1)
+    plain = decode(model, seq, [20] + [1] * 40)  # a prompt, then 1-token steps
+    assert_same(decode(model, seq, [20] + [5] * 8), plain)  # verification steps of k+1 = 5
+    assert_same(decode(model, seq, [20, 17, 3, 9, 11]), plain)  # mixed verification sizes
+    assert_same(decode(model, seq, [7, 13] + [1] * 40), plain)  # the prompt in chunks
+    assert_same(decode(model, seq, [1] * 60), plain)  # the prompt one token at a time
+    assert_same(decode(model, seq, [20] + [1] * 40, traffic=3), plain)  # beside other rows
+    assert_same(decode(model, seq, [20] + [5] * 8, traffic=7), plain)
+
+
+def test_tree_node_equals_its_root_path(model):
+    """A node of a draft tree gets the bits of the chain along its root path."""
+    prefix, a, b1, b2, c = tokens(10, seed=2), 11, 22, 33, 44
+    at = len(prefix)
+    pool = model.new_pool(capacity_tokens=256)
+    pool.admit("t", 32)
+    model.forward(pool, [Row("t", prefix)])
+    # a -> b1, a -> b2 -> c
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    positions = torch.tensor([at, at + 1, at + 1, at + 2])
+    tree = model.forward(pool, [Row("t", [a, b1, b2, c], mask, positions)], logits_rows=4).logits[0]
+    for node, path in ((1, [a, b1]), (3, [a, b2, c])):
+        chain = decode(model, prefix + path, [len(prefix)] + [1] * len(path))[0]
+        assert torch.equal(tree[node], chain[-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (4, 4, 128), (8, 1, 32)])
+def test_kernel_matches_float64_attention_and_is_invariant(dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(0)
+    slots = 400
+    kv = torch.randn(slots, 2, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(6, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)  # strided q rows
+    # six queries over shuffled slot lists of lengths 1 .. 300 (masks skip keys anywhere)
+    lists = [torch.randperm(slots, generator=gen)[:n] for n in (1, 2, 17, 64, 150, 300)]
+    keys = invariant_attention.KeyLists(
+        torch.cat(lists),
+        torch.tensor([0, *torch.tensor([len(k) for k in lists]).cumsum(0)[:-1].tolist()]),
+        torch.tensor([len(k) for k in lists]),
+    )
+    out = invariant_attention.attend(q[:, : heads * head_dim], kv, keys, heads)
+    for t, key_slots in enumerate(lists):
+        qh = q[t, : heads * head_dim].double().view(heads, 1, head_dim)
+        kvh = torch.arange(heads) % kv_heads  # query heads group-major
+        k, v = kv[key_slots, 0].double()[:, kvh].transpose(0, 1), kv[key_slots, 1].double()[:, kvh].transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(qh, k, v).reshape(-1)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[t].double(), ref, atol=tol, rtol=0)
+        alone = invariant_attention.KeyLists(key_slots, torch.tensor([0]), torch.tensor([len(key_slots)]))
+        assert torch.equal(invariant_attention.attend(q[t : t + 1, : heads * head_dim], kv, alone, heads)[0], out[t])
+
+
+def test_kernel_result_does_not_depend_on_threads():
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn(300, 2, 3, 64, generator=gen).bfloat16()
+    q = torch.randn(5, 9 * 64, generator=gen).bfloat16()
+    keys = invariant_attention.KeyLists(torch.arange(300), torch.zeros(5, dtype=torch.long), torch.arange(296, 301))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = invariant_attention.attend(q, kv, keys, 9)
+        torch.set_num_threads(2)
+        two = invariant_attention.attend(q, kv, keys, 9)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    assert "head dim 24" in invariant_attention.unavailable_reason(24, 4, 2)
+    assert "query heads" in invariant_attention.unavailable_reason(64, 64, 1)
+    kv = torch.zeros(4, 2, 1, 16, dtype=torch.float16)
+    keys = invariant_attention.KeyLists(torch.arange(1), torch.zeros(1), torch.ones(1))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        invariant_attention.attend(torch.zeros(1, 16, dtype=torch.float16), kv, keys, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_matmul_is_row_invariant_and_close_to_unsplit(dtype):
+    """K split in chunks accumulates chunk by chunk: rows keep their bits at any row count, and
+    the value stays the unsplit matmul's up to rounding."""
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(96, 1536, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(40, 1536, generator=gen).to(dtype)
+    split = _Linear(weight, None, k_chunk=K_CHUNKS[1], slab=16)
+    assert len(split.bounds) == 2 and split.row_invariant(adds=True)
+    together = split(x)  # 40 rows: three slabs of at most 16
+    assert torch.equal(together, torch.cat([split(x[i : i + 1]) for i in range(40)]))
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(together.float(), (x.float() @ weight.float().T), atol=tol, rtol=0)
+
+
+def test_probe_splits_until_rows_are_invariant(monkeypatch):
+    """The least split that passes the probe is kept; none passing refuses the model."""
+    weight = torch.randn(32, 2048).bfloat16()
+    passes_at = {2048: False, 1024: False, 512: True}
+    monkeypatch.setattr(_Linear, "row_invariant", lambda self, adds: passes_at[self.bounds[0][1]])
+    assert _Linear.invariant(weight).k_chunk == 512
+    monkeypatch.setattr(_Linear, "row_invariant", lambda self, adds: False)
+    with pytest.raises(ValueError, match="no row-invariant matmul"):
+        _Linear.invariant(weight)
