@@ -17,6 +17,7 @@
 #define LANES 16
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
+#define MAX_RUN 32 /* query tokens sharing one pass over their keys */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -103,90 +104,131 @@ static float hsum(vec v) {
     return v[0];
 }
 
-/* One (query token, kv head) task: the `group` query heads that share kv head `kvh`.
- * `scores` holds group * (len rounded up to LANES) floats. */
-static void attend_one(const char *q, const char *kv, const int64_t *slots, int64_t len, char *out,
-                       int64_t kvh, int64_t kv_heads, int64_t group, int64_t d, float scale,
-                       int bf16, float *scores) {
-    int64_t esz = bf16 ? 2 : 4, padded = (len + LANES - 1) / LANES * LANES;
-    int64_t slot_bytes = 2 * kv_heads * d * esz, blocks = d / LANES;
-    float qf[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
-    vec acc[MAX_GROUP][MAX_HEAD_DIM / LANES];
+/* Per-thread scratch for the largest run of a call. */
+typedef struct {
+    float *qf;     /* [run][group][d]: scaled queries */
+    float *scores; /* [run][group][stride]: scores, then probabilities */
+    float *total;  /* [run][group]: softmax denominators */
+    vec *acc;      /* [run][group][d / LANES]: weighted sums of values */
+} scratch;
 
-    for (int64_t g = 0; g < group; g++) {
-        load_row(q + (g * kv_heads + kvh) * d * esz, d, qf[g], bf16);
-        for (int64_t i = 0; i < d; i++) qf[g][i] *= scale;
-    }
-    for (int64_t j = 0; j < len; j++) {
-        if (j + PREFETCH < len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + kvh * d * esz, d * esz);
-        load_row(kv + slots[j] * slot_bytes + kvh * d * esz, d, row, bf16);
+/* One task: the `group` query heads sharing kv head `kvh`, for a run of `nq` consecutive query
+ * tokens that read prefixes of one key list (the tokens of a row, causal: each a longer prefix).
+ * Each key row is loaded once for the whole run, but what a query computes is the same as alone:
+ * its scores over its own keys, its own max, sum and weighted sum, each over its keys in order. */
+static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int64_t *slots,
+                       const int64_t *lens, int64_t nq, char *out, int64_t out_bytes, int64_t kvh,
+                       int64_t kv_heads, int64_t group, int64_t d, float scale, int bf16,
+                       scratch w) {
+    int64_t esz = bf16 ? 2 : 4, blocks = d / LANES, max_len = 0;
+    int64_t slot_bytes = 2 * kv_heads * d * esz, k_off = kvh * d * esz, v_off = (kv_heads + kvh) * d * esz;
+    float row[MAX_HEAD_DIM];
+    for (int64_t r = 0; r < nq; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
+    int64_t stride = (max_len + LANES - 1) / LANES * LANES;
+
+    for (int64_t r = 0; r < nq; r++)
         for (int64_t g = 0; g < group; g++) {
-            vec s = {0};
-            for (int64_t b = 0; b < blocks; b++) {
-                vec qv, kv_;
-                memcpy(&qv, qf[g] + b * LANES, sizeof qv);
-                memcpy(&kv_, row + b * LANES, sizeof kv_);
-                s += qv * kv_;
+            float *qg = w.qf + (r * group + g) * d;
+            load_row(q + r * q_bytes + (g * kv_heads + kvh) * d * esz, d, qg, bf16);
+            for (int64_t i = 0; i < d; i++) qg[i] *= scale;
+        }
+    for (int64_t j = 0; j < max_len; j++) {
+        if (j + PREFETCH < max_len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + k_off, d * esz);
+        load_row(kv + slots[j] * slot_bytes + k_off, d, row, bf16);
+        for (int64_t r = 0; r < nq; r++) {
+            if (j >= lens[r]) continue;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = w.qf + (r * group + g) * d;
+                vec s = {0};
+                for (int64_t b = 0; b < blocks; b++) {
+                    vec qv, kv_;
+                    memcpy(&qv, qg + b * LANES, sizeof qv);
+                    memcpy(&kv_, row + b * LANES, sizeof kv_);
+                    s += qv * kv_;
+                }
+                w.scores[(r * group + g) * stride + j] = hsum(s);
             }
-            scores[g * padded + j] = hsum(s);
         }
     }
-    float total[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * padded, m = s[0];
-        for (int64_t j = len; j < padded; j++) s[j] = m; /* lanes past the keys: never read */
-        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
-        for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
-            vec x;
-            memcpy(&x, s + j0, sizeof x);
-            x = exp_nonpositive(x - m);
-            memcpy(s + j0, &x, sizeof x);
+    for (int64_t r = 0; r < nq; r++) {
+        int64_t len = lens[r], padded = (len + LANES - 1) / LANES * LANES;
+        for (int64_t g = 0; g < group; g++) {
+            float *s = w.scores + (r * group + g) * stride, m = s[0], total = 0.0f;
+            for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
+            for (int64_t j = len; j < padded; j++) s[j] = m; /* lanes past the keys: never read */
+            for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+                vec x;
+                memcpy(&x, s + j0, sizeof x);
+                x = exp_nonpositive(x - m);
+                memcpy(s + j0, &x, sizeof x);
+            }
+            for (int64_t j = 0; j < len; j++) total += s[j];
+            w.total[r * group + g] = total;
+            for (int64_t b = 0; b < blocks; b++) w.acc[(r * group + g) * blocks + b] = (vec){0};
         }
-        total[g] = 0.0f;
-        for (int64_t j = 0; j < len; j++) total[g] += s[j];
-        for (int64_t b = 0; b < blocks; b++) acc[g][b] = (vec){0};
     }
-    for (int64_t j = 0; j < len; j++) {
-        if (j + PREFETCH < len)
-            prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + (kv_heads + kvh) * d * esz, d * esz);
-        load_row(kv + slots[j] * slot_bytes + (kv_heads + kvh) * d * esz, d, row, bf16);
+    for (int64_t j = 0; j < max_len; j++) {
+        if (j + PREFETCH < max_len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + v_off, d * esz);
+        load_row(kv + slots[j] * slot_bytes + v_off, d, row, bf16);
         for (int64_t b = 0; b < blocks; b++) {
             vec v;
             memcpy(&v, row + b * LANES, sizeof v);
-            for (int64_t g = 0; g < group; g++) acc[g][b] += scores[g * padded + j] * v;
+            for (int64_t r = 0; r < nq; r++) {
+                if (j >= lens[r]) continue;
+                for (int64_t g = 0; g < group; g++)
+                    w.acc[(r * group + g) * blocks + b] += w.scores[(r * group + g) * stride + j] * v;
+            }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            vec o = acc[g][b] / total[g];
-            memcpy(row + b * LANES, &o, sizeof o);
+    for (int64_t r = 0; r < nq; r++)
+        for (int64_t g = 0; g < group; g++) {
+            for (int64_t b = 0; b < blocks; b++) {
+                vec o = w.acc[(r * group + g) * blocks + b] / w.total[r * group + g];
+                memcpy(row + b * LANES, &o, sizeof o);
+            }
+            store_row(row, d, out + r * out_bytes + (g * kv_heads + kvh) * d * esz, bf16);
         }
-        store_row(row, d, out + (g * kv_heads + kvh) * d * esz, bf16);
-    }
 }
 
 /* q: [tokens, q_stride elements] with head h at h*d (query heads group-major: head
  * g*kv_heads + kvh uses kv head kvh); kv: one layer of the pool, [slots, 2, kv_heads, d];
  * query t attends over key_slots[key_start[t] : key_start[t] + key_len[t]] (key_len >= 1);
- * out: [tokens, heads*d]. Returns 0, or -1 for a head dim or group it does not take. */
+ * out: [tokens, heads*d]. Consecutive tokens with the same key_start form runs (of at most
+ * MAX_RUN) that share key loads. Returns 0, -1 for a head dim or group it does not take, -2
+ * when out of memory. */
 int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_slots,
            const int64_t *key_start, const int64_t *key_len, void *out, int64_t tokens,
            int64_t heads, int64_t kv_heads, int64_t d, float scale, int bf16, int threads) {
-    int64_t group = heads / kv_heads, esz = bf16 ? 2 : 4, max_len = 0;
+    int64_t group = heads / kv_heads, esz = bf16 ? 2 : 4, max_len = 0, runs = 0;
     if (d % LANES != 0 || d > MAX_HEAD_DIM || group > MAX_GROUP || heads % kv_heads != 0) return -1;
-    for (int64_t t = 0; t < tokens; t++) max_len = key_len[t] > max_len ? key_len[t] : max_len;
-    int64_t padded = (max_len + LANES - 1) / LANES * LANES, tasks = tokens * kv_heads;
-#pragma omp parallel num_threads(threads)
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(tokens + 1));
+    if (!first) return -2;
+    for (int64_t t = 0; t < tokens; t++) {
+        max_len = key_len[t] > max_len ? key_len[t] : max_len;
+        if (t == 0 || key_start[t] != key_start[t - 1] || t - first[runs - 1] == MAX_RUN) first[runs++] = t;
+    }
+    first[runs] = tokens;
+    int64_t stride = (max_len + LANES - 1) / LANES * LANES, tasks = runs * kv_heads, failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * padded + LANES));
+        size_t cells = (size_t)(MAX_RUN * group);
+        scratch w = {malloc(sizeof(float) * cells * (size_t)d), malloc(sizeof(float) * cells * (size_t)stride),
+                     malloc(sizeof(float) * cells), aligned_alloc(sizeof(vec), sizeof(vec) * cells * (size_t)(d / LANES))};
+        failed = !w.qf || !w.scores || !w.total || !w.acc;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
-            int64_t t = task / kv_heads, kvh = task % kv_heads;
-            attend_one((const char *)q + t * q_stride * esz, (const char *)kv, key_slots + key_start[t],
-                       key_len[t], (char *)out + t * heads * d * esz, kvh, kv_heads, group, d, scale,
-                       bf16, scores);
+            int64_t run = task / kv_heads, kvh = task % kv_heads, t = first[run];
+            if (!failed)
+                attend_run((const char *)q + t * q_stride * esz, q_stride * esz, (const char *)kv,
+                           key_slots + key_start[t], key_len + t, first[run + 1] - t,
+                           (char *)out + t * heads * d * esz, heads * d * esz, kvh, kv_heads, group, d,
+                           scale, bf16, w);
         }
-        free(scores);
+        free(w.qf);
+        free(w.scores);
+        free(w.total);
+        free(w.acc);
     }
-    return 0;
+    free(first);
+    return failed ? -2 : 0;
 }

@@ -141,6 +141,8 @@ def attend(
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
+    if rc == -2:
+        raise MemoryError("batch-invariant attention: out of memory for its scratch buffers")
     if rc != 0:
         raise KernelUnavailable(unavailable_reason(d, num_heads, kv_heads) or "the kernel refused its arguments")
     return out
