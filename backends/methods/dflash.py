@@ -64,16 +64,16 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from backends.config import aux_layer_ids
 from backends.methods.draft_model import sample_drafts
 from backends.methods.head_checkpoint import (
+    Checkpoint,
     HeadCheckpointError,
     TargetInfo,
     check_keys,
     draft_to_target,
-    head_config,
     normalize_keys,
     read_state_dict,
 )
 from backends.methods.head_proposer import HeadProposer
-from backends.runtime.model_store import load_config, resolve_model
+from backends.runtime.model_store import load_config
 from backends.serving.proposer import Draft, DraftRequest
 
 # vLLM's order for the mask token's id (§3.11); dflash_config first, then the top level.
@@ -364,11 +364,12 @@ class DFlashHead(nn.Module):
 
 
 def read_block_config(
-    path: Path, overrides: dict[str, Any] | None = None, cfg: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """config.json (speculators format flattened as vLLM does; `cfg` when already read, see
-    `head_config`) with `hf_overrides` on top."""
-    return {**head_config(path, cfg, BlockCheckpointError), **(overrides or {})}
+    path: Path | str | Checkpoint, overrides: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory and its config.json (speculators format flattened as vLLM does;
+    a Checkpoint's as already read) with `hf_overrides` on top."""
+    path, cfg = Checkpoint.open(path, BlockCheckpointError)
+    return path, {**cfg, **(overrides or {})}
 
 
 def detect_layout(cfg: dict[str, Any]) -> str | None:
@@ -387,17 +388,15 @@ def detect_layout(cfg: dict[str, Any]) -> str | None:
 
 def load_head(
     head_class: type[DFlashHead],
-    path: Path | str,
+    path: Path | str | Checkpoint,
     target: TargetInfo,
     dtype: str = "bfloat16",
     overrides: dict[str, Any] | None = None,
-    cfg: dict[str, Any] | None = None,
 ) -> DFlashHead:
-    """Load a checkpoint directory of `head_class`'s layout for `target`, refusing a checkpoint
-    of another layout, or whose keys, shapes or vocabulary do not fit, by name. `cfg`: its
-    config.json already read (`head_config`)."""
-    path = Path(path)
-    cfg = read_block_config(path, overrides, cfg)
+    """Load a checkpoint directory of `head_class`'s layout for `target` (a Checkpoint comes
+    with its config.json already read), refusing a checkpoint of another layout, or whose keys,
+    shapes or vocabulary do not fit, by name."""
+    path, cfg = read_block_config(path, overrides)
     layout = detect_layout(cfg)
     names = {"dflash": "DFlash", "dspark": "DSpark"}
     where = f"{names[head_class.layout]} checkpoint {path}"
@@ -563,14 +562,11 @@ class DFlashProposer(HeadProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> DFlashHead:
-        return load_head(
-            cls.head_class, resolve_model(config.model), target, dtype, cls._overrides(config), config.checkpoint_config
-        )
+        return load_head(cls.head_class, cls.checkpoint(config), target, dtype, cls._overrides(config))
 
     @classmethod
     def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:
-        path = resolve_model(config.model)
-        cfg = read_block_config(path, cls._overrides(config), config.checkpoint_config)
+        path, cfg = read_block_config(cls.checkpoint(config), cls._overrides(config))
         return BlockSpec.parse(cfg, TargetInfo.load(target_model), f"{cls.method} checkpoint {path}").hidden_layer_ids
 
     @staticmethod

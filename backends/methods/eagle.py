@@ -60,16 +60,15 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
 from backends.methods.draft_model import append_new_entries, gather_drafts, sample_drafts, stack_caches
 from backends.methods.head_checkpoint import (
+    Checkpoint,
     HeadCheckpointError,
     TargetInfo,
     check_keys,
     draft_to_target,
-    head_config,
     normalize_keys,
     read_state_dict,
 )
 from backends.methods.head_proposer import HeadProposer
-from backends.runtime.model_store import resolve_model
 from backends.serving.proposer import Draft, DraftRequest
 
 LAYOUTS = ("eagle", "eagle3")
@@ -221,19 +220,17 @@ def llama_config(cfg: dict[str, Any]) -> LlamaConfig:
 
 
 def load_eagle(
-    path: Path | str,
+    path: Path | str | Checkpoint,
     target: TargetInfo,
     dtype: str = "bfloat16",
     method: str | None = None,
     aux_layer_ids: list[int] | None = None,
-    cfg: dict[str, Any] | None = None,
 ) -> EagleHead:
     """Load an EAGLE-1/2 or EAGLE-3 checkpoint directory for `target`. `method` (eagle or
     eagle3), when given, must match the layout found. `aux_layer_ids` overrides eagle3's
-    target layers (default: the checkpoint's, else vLLM's (2, L//2, L-3)). `cfg`: its
-    config.json already read (`head_config`)."""
-    path = Path(path)
-    cfg = head_config(path, cfg, EagleCheckpointError)
+    target layers (default: the checkpoint's, else vLLM's (2, L//2, L-3)). A Checkpoint
+    comes with its config.json already read."""
+    path, cfg = Checkpoint.open(path, EagleCheckpointError)
     state, spelled = normalize_keys(read_state_dict(path, error=EagleCheckpointError))
     layout = detect_layout(cfg, set(state))
     where = f"{_NAMES[layout]} checkpoint {path}"
@@ -354,14 +351,7 @@ class EagleProposer(HeadProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> EagleHead:
-        return load_eagle(
-            resolve_model(config.model),
-            target,
-            dtype,
-            cls.method,
-            config.eagle_aux_hidden_state_layer_ids,
-            config.checkpoint_config,
-        )
+        return load_eagle(cls.checkpoint(config), target, dtype, cls.method, config.eagle_aux_hidden_state_layer_ids)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -484,7 +474,7 @@ class Eagle3Proposer(EagleProposer):
         vLLM's default; ascending, as vLLM collects them."""
         ids = config.eagle_aux_hidden_state_layer_ids
         if not ids:
-            cfg = head_config(resolve_model(config.model), config.checkpoint_config, EagleCheckpointError)
+            _, cfg = Checkpoint.open(cls.checkpoint(config), EagleCheckpointError)
             ids = checkpoint_aux_layer_ids(cfg, {"num_hidden_layers": TargetInfo.load(target_model).num_layers})
         return tuple(sorted(ids))
 

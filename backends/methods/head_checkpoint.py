@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -99,12 +99,24 @@ def read_config(path: Path, error: type[HeadCheckpointError] = HeadCheckpointErr
     return speculators_draft_config(cfg, str(path)) if "speculators_model_type" in cfg else cfg
 
 
-def head_config(
-    path: Path, cfg: dict[str, Any] | None, error: type[HeadCheckpointError] = HeadCheckpointError
-) -> dict[str, Any]:
-    """`cfg`, the config.json the speculative config already read (a copy: loaders edit it),
-    so a served head's file is read once; `path`'s own when None (training, export, tests)."""
-    return read_config(path, error) if cfg is None else copy.deepcopy(cfg)
+class Checkpoint(NamedTuple):
+    """A head checkpoint directory and its config.json (speculators format flattened). Loaders
+    take one in place of a path when the speculative config resolution has read that file
+    (DrafterConfig.checkpoint_config), so a served head's config.json is read once."""
+
+    path: Path
+    config: dict[str, Any]
+
+    @classmethod
+    def open(
+        cls, source: Path | str | Checkpoint, error: type[HeadCheckpointError] = HeadCheckpointError
+    ) -> Checkpoint:
+        """`source` with its config.json: a Checkpoint's own (a copy, as loaders edit it), else
+        read from the directory (training, export and tests load by path)."""
+        if isinstance(source, Checkpoint):
+            return cls(source.path, copy.deepcopy(source.config))
+        path = Path(source)
+        return cls(path, read_config(path, error))
 
 
 def normalize_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

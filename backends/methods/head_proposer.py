@@ -11,7 +11,8 @@ from typing import Any
 from torch import nn
 
 from backends.methods.draft_model import SAMPLE_METHODS
-from backends.methods.head_checkpoint import TargetInfo
+from backends.methods.head_checkpoint import Checkpoint, TargetInfo
+from backends.runtime.model_store import resolve_model
 from backends.serving.proposer import SequenceProposer
 from backends.serving.rejection import new_generator
 
@@ -61,3 +62,11 @@ class HeadProposer(SequenceProposer):
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> nn.Module:
         """The head `config` names, checked against the target, in `dtype`."""
         raise NotImplementedError
+
+    @staticmethod
+    def checkpoint(config: Any, default: str | None = None) -> Path | Checkpoint:
+        """What a loader loads `config`'s head from (its model, else `default`): with the
+        config.json the speculative config resolution read, when it read one, so loading
+        reads that file no second time."""
+        path = resolve_model(config.model or default)
+        return path if config.checkpoint_config is None else Checkpoint(path, config.checkpoint_config)

@@ -33,9 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, head_config, read_state_dict
+from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 from backends.methods.last_hidden import LastHiddenProposer
-from backends.runtime.model_store import resolve_model
 
 LAYOUTS = ("vllm", "medusa")  # vLLM-converted, FasterDecoding
 _BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # FasterDecoding keys
@@ -104,17 +103,12 @@ class MedusaHead(nn.Module):
 
 
 def load_medusa(
-    path: Path | str,
-    target: TargetInfo,
-    dtype: str = "bfloat16",
-    num_heads: int | None = None,
-    cfg: dict[str, Any] | None = None,
+    path: Path | str | Checkpoint, target: TargetInfo, dtype: str = "bfloat16", num_heads: int | None = None
 ) -> MedusaHead:
-    """Load a Medusa checkpoint directory (either layout) for `target`, keeping its first
-    `num_heads` heads (default: all). `cfg`: its config.json already read (`head_config`)."""
-    path = Path(path)
+    """Load a Medusa checkpoint directory (either layout; a Checkpoint comes with its
+    config.json already read) for `target`, keeping its first `num_heads` heads (default: all)."""
+    path, cfg = Checkpoint.open(path, MedusaCheckpointError)
     where = f"Medusa checkpoint {path}"
-    cfg = head_config(path, cfg, MedusaCheckpointError)
     raw = read_state_dict(path, bins=("medusa_lm_head.pt", "pytorch_model*.bin"), error=MedusaCheckpointError)
     state, spelled = {}, {}
     for key, value in raw.items():
@@ -261,6 +255,4 @@ class MedusaProposer(LastHiddenProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MedusaHead:
-        return load_medusa(
-            resolve_model(config.model), target, dtype, config.num_speculative_tokens, config.checkpoint_config
-        )
+        return load_medusa(cls.checkpoint(config), target, dtype, config.num_speculative_tokens)

@@ -38,9 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, head_config, read_state_dict
+from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 from backends.methods.last_hidden import LastHiddenProposer
-from backends.runtime.model_store import resolve_model
 
 EPS = 1e-6
 # MLPSpeculatorConfig's defaults (vLLM); emb_dim's alias is hidden_size.
@@ -133,17 +132,12 @@ class MLPSpeculatorHead(nn.Module):
 
 
 def load_mlp_speculator(
-    path: Path | str,
-    target: TargetInfo,
-    dtype: str = "bfloat16",
-    num_stages: int | None = None,
-    cfg: dict[str, Any] | None = None,
+    path: Path | str | Checkpoint, target: TargetInfo, dtype: str = "bfloat16", num_stages: int | None = None
 ) -> MLPSpeculatorHead:
-    """Load an MLP speculator checkpoint directory for `target` with `num_stages` stages
-    (default: its n_predict). `cfg`: its config.json already read (`head_config`)."""
-    path = Path(path)
+    """Load an MLP speculator checkpoint directory (a Checkpoint comes with its config.json
+    already read) for `target` with `num_stages` stages (default: its n_predict)."""
+    path, cfg = Checkpoint.open(path, MLPSpeculatorCheckpointError)
     where = f"MLP speculator checkpoint {path}"
-    cfg = head_config(path, cfg, MLPSpeculatorCheckpointError)
     if cfg.get("model_type") != "mlp_speculator":
         raise MLPSpeculatorCheckpointError(
             f"{where}: config.json has model_type {cfg.get('model_type')!r}, not 'mlp_speculator'"
@@ -242,6 +236,4 @@ class MLPSpeculatorProposer(LastHiddenProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MLPSpeculatorHead:
-        return load_mlp_speculator(
-            resolve_model(config.model), target, dtype, config.num_speculative_tokens, config.checkpoint_config
-        )
+        return load_mlp_speculator(cls.checkpoint(config), target, dtype, config.num_speculative_tokens)

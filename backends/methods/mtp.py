@@ -47,8 +47,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backends.config import MULTI_STEP_MTP_TYPES, hf_config_override
 from backends.methods.eagle import EagleHead, EagleLayer, EagleProposer, llama_config
-from backends.methods.head_checkpoint import HeadCheckpointError, TargetInfo, check_keys, head_config, read_state_dict
-from backends.runtime.model_store import resolve_model
+from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 
 FAMILIES = ("deepseek", "mimo")
 # MiMo's names for the DeepSeek parts (the head uses DeepSeek's).
@@ -170,14 +169,11 @@ class MTPHead(EagleHead):
 # ---------------------------------------------------------------------------- loading
 
 
-def load_mtp(
-    path: Path | str, target: TargetInfo, dtype: str = "bfloat16", cfg: dict[str, Any] | None = None
-) -> MTPHead:
+def load_mtp(path: Path | str | Checkpoint, target: TargetInfo, dtype: str = "bfloat16") -> MTPHead:
     """Load the MTP layers of `path` (a target checkpoint that holds them, or a directory of
-    their own) for `target`. `cfg`: its config.json already read (`head_config`)."""
-    path = Path(path)
+    their own; a Checkpoint comes with its config.json already read) for `target`."""
+    path, cfg = Checkpoint.open(path, MTPCheckpointError)
     where = f"MTP checkpoint {path}"
-    cfg = head_config(path, cfg, MTPCheckpointError)
     model_type = hf_config_override(cfg).get("model_type")
     per_step = model_type in MULTI_STEP_MTP_TYPES
     first = cfg.get("num_hidden_layers")
@@ -334,4 +330,4 @@ class MTPProposer(EagleProposer):
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MTPHead:
-        return load_mtp(resolve_model(config.model or str(target.path)), target, dtype, config.checkpoint_config)
+        return load_mtp(cls.checkpoint(config, str(target.path)), target, dtype)
