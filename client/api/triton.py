@@ -40,6 +40,17 @@ def server_error(error: object) -> GenerationError:
     return GenerationError(message)
 
 
+# Outputs a Generation keeps as they come (the last response's value stands).
+SCALAR_OUTPUTS = (
+    "finish_reason",
+    "num_input_tokens",
+    "num_output_tokens",
+    "total_draft_tokens",
+    "total_accepted_draft_tokens",
+    "acceptance_rate",
+)
+
+
 @dataclass
 class Generation:
     text: str = ""
@@ -68,14 +79,7 @@ class Generation:
         self.num_responses += 1
         self.text += out.get("text_output", "")
         self.output_ids += list(out.get("output_ids", []))
-        for key in (
-            "finish_reason",
-            "num_input_tokens",
-            "num_output_tokens",
-            "total_draft_tokens",
-            "total_accepted_draft_tokens",
-            "acceptance_rate",
-        ):
+        for key in SCALAR_OUTPUTS:
             if key in out and out[key] != "":
                 setattr(self, key, out[key])
         if out.get("perf_metrics"):
@@ -115,19 +119,7 @@ def _decode_outputs(result: Any, names: list[str]) -> dict[str, Any]:
     return out
 
 
-OUTPUTS = [
-    "text_output",
-    "output_ids",
-    "finish_reason",
-    "num_input_tokens",
-    "num_output_tokens",
-    "total_draft_tokens",
-    "total_accepted_draft_tokens",
-    "acceptance_rate",
-    "perf_metrics",
-    "cumulative_logprob",
-    "logprobs",
-]
+OUTPUTS = ["text_output", "output_ids", *SCALAR_OUTPUTS, "perf_metrics", "cumulative_logprob", "logprobs"]
 HIDDEN_OUTPUTS = ["hidden_states", "hidden_layer_ids", "hidden_states_file"]  # gRPC only
 
 
