@@ -8,7 +8,7 @@ applied. Field names are the SpeculativeConfig ones.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from backends.config.speculative import SpeculativeConfig, batch_num_tokens, request_num_tokens
@@ -50,32 +50,20 @@ class DrafterConfig:
 
     @classmethod
     def from_speculative(cls, config: SpeculativeConfig) -> DrafterConfig:
-        """The runtime config of a resolved :class:`SpeculativeConfig`."""
+        """The runtime config of a resolved :class:`SpeculativeConfig`: its fields of the same
+        names, copied (a proposer cannot change the SpeculativeConfig's), lists as tuples."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            value = copy.deepcopy(getattr(config, f.name))
+            values[f.name] = tuple(value) if isinstance(value, list) else value
         max_len = config.draft_max_model_len
-        return cls(
-            method=config.method,
-            model=config.model,
-            num_speculative_tokens=config.num_speculative_tokens,
-            draft_hf_config=copy.deepcopy(config.draft_hf_config or {}),
-            draft_sample_method=config.draft_sample_method,
-            num_speculative_tokens_per_batch_size=_as_tuple(config.num_speculative_tokens_per_batch_size),
-            quantization=config.quantization,
-            draft_tensor_parallel_size=config.draft_tensor_parallel_size or 1,
-            eagle_aux_hidden_state_layer_ids=_as_tuple(config.eagle_aux_hidden_state_layer_ids),
-            rejection_sample_method=config.rejection_sample_method,
-            synthetic_acceptance_rates=_as_tuple(config.synthetic_acceptance_rates),
-            use_heterogeneous_vocab=config.use_heterogeneous_vocab,
-            hf_overrides=copy.deepcopy(config.hf_overrides),
-            checkpoint_config=copy.deepcopy(config.checkpoint_config),
+        values.update(
+            draft_hf_config=values["draft_hf_config"] or {},
+            draft_tensor_parallel_size=values["draft_tensor_parallel_size"] or 1,
             # Model-free methods have no draft length of their own: the target's bounds them.
             max_model_len=config.target_max_model_len if max_len is None else max_len,
-            prompt_lookup_min=config.prompt_lookup_min,
-            prompt_lookup_max=config.prompt_lookup_max,
-            suffix_decoding_max_tree_depth=config.suffix_decoding_max_tree_depth,
-            suffix_decoding_max_cached_requests=config.suffix_decoding_max_cached_requests,
-            suffix_decoding_max_spec_factor=config.suffix_decoding_max_spec_factor,
-            suffix_decoding_min_token_prob=config.suffix_decoding_min_token_prob,
         )
+        return cls(**values)
 
     def num_tokens_for_request(self, requested: int | None) -> int:
         """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
@@ -84,7 +72,3 @@ class DrafterConfig:
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the dynamic schedule (k without one)."""
         return batch_num_tokens(self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, batch_size)
-
-
-def _as_tuple(values: list[Any] | None) -> tuple[Any, ...] | None:
-    return None if values is None else tuple(values)

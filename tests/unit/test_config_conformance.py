@@ -186,6 +186,7 @@ def test_drafter_config_draft_model_reads_nothing_again(mkmodel):
     assert (drafter.method, drafter.model, drafter.quantization) == ("draft_model", draft, "int8")
     assert drafter.draft_sample_method == "probabilistic" and drafter.max_model_len == 2048
     assert drafter.draft_hf_config == cfg.draft_hf_config and drafter.draft_hf_config is not cfg.draft_hf_config
+    assert drafter.checkpoint_config == cfg.checkpoint_config and drafter.checkpoint_config is not cfg.checkpoint_config
     assert drafter.draft_tensor_parallel_size == 1 and drafter.eagle_aux_hidden_state_layer_ids is None
 
 
