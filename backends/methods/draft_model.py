@@ -5,10 +5,13 @@ whole token list every step; the proposer crops its cache back to the first toke
 differs (the first rejected draft, or the target's correction) and feeds only what is new,
 then k - 1 drafts (the k-th is sampled but never fed: it may be rejected).
 
-A batch runs one forward per draft position over all its sequences: the per-sequence caches
-are left-padded to the longest and stacked, the new tokens right-padded, an attention mask
-hides both pads and explicit position ids keep each sequence's own positions. The new KV is
-appended back to each sequence's cache afterwards.
+Where the lean runtime runs the draft model (Llama, Qwen2/3, Mistral on the CPU, not
+int8-quantized), each sequence's KV lives in one paged pool (``backends/runtime``): a batch is
+one ragged forward per draft position, rollback is a shorter length, no cache is ever copied.
+Otherwise (other architectures, GPUs, int8) it runs through transformers: the per-sequence
+caches are left-padded to the longest and stacked, the new tokens right-padded, an attention
+mask hides both pads and explicit position ids keep each sequence's own positions, and the new
+KV is appended back to each sequence's cache afterwards.
 
 Greedy drafts (the default) come without probabilities: an argmax draft was drawn from a
 one-hot distribution, which is what the rejection sampler assumes when it gets none (vLLM's
@@ -21,6 +24,7 @@ drafts for a request that accepts only the argmax would only lower its acceptanc
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,18 +35,25 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from backends.methods.hetero_vocab import TextBridge
+from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, SequenceProposer
 from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
 QUANTIZATIONS = (None, "int8")
+# The lean runtime's KV pool for the draft model (touched only where sequences write), and the
+# room a sequence's reservation grows by beyond what the current call needs (fewer, longer runs).
+DRAFT_KV_MEMORY_GB = 1.0
+GROW_SLACK_TOKENS = 128
+
+log = logging.getLogger("tritonspec.draft_model")
 
 
 @dataclass
 class _SeqState:
-    cache: DynamicCache
-    token_ids: list[int] = field(default_factory=list)  # exactly the tokens `cache` holds
+    cache: DynamicCache | None  # transformers' cache; None on the lean runtime (the pool holds it)
+    token_ids: list[int] = field(default_factory=list)  # exactly the tokens the cache holds
 
 
 @dataclass
@@ -50,6 +61,7 @@ class _Work:
     """One sequence's part of a propose call."""
 
     index: int  # position in the batch
+    seq_id: int
     state: _SeqState
     context: list[int]  # the sequence in the drafter's vocabulary
     new_ids: list[int]  # context tokens not in the cache yet (at least one)
@@ -80,7 +92,9 @@ class DraftModelProposer(SequenceProposer):
         sample_method: str = "greedy",
         bridge: TextBridge | None = None,
         seed: int | None = None,
+        lean: LeanCausalLM | None = None,
     ) -> None:
+        """`lean`: the same model on the lean runtime, which then runs every forward."""
         if sample_method not in SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
         if bridge is not None and sample_method != "greedy":
@@ -92,6 +106,8 @@ class DraftModelProposer(SequenceProposer):
         self.sample_method = sample_method
         self.bridge = bridge
         self.generator = new_generator(self.device, seed)
+        self.lean = lean
+        self.pool = lean.new_pool(memory_gb=DRAFT_KV_MEMORY_GB) if lean is not None else None
         super().__init__()
 
     @classmethod
@@ -128,6 +144,12 @@ class DraftModelProposer(SequenceProposer):
         if config.quantization == "int8":
             model = quantize_int8(model)
         model = model.to(device)  # weights, and so the KV caches and the generator, live there
+        lean = None
+        if torch.device(device).type == "cpu" and config.quantization is None:
+            try:
+                lean = LeanCausalLM.from_hf(model)
+            except UnsupportedArchitecture as e:
+                log.info("draft model runs through transformers: %s", e)
         bridge = None
         if config.use_heterogeneous_vocab:
             if target_model is None:
@@ -135,7 +157,7 @@ class DraftModelProposer(SequenceProposer):
                     "use_heterogeneous_vocab needs the target model's tokenizer (target_model was not given)"
                 )
             bridge = TextBridge(load_tokenizer(Path(target_model)), load_tokenizer(path))
-        return cls(model, max_model_len, config.draft_sample_method, bridge, seed)
+        return cls(model, max_model_len, config.draft_sample_method, bridge, seed, lean)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -148,10 +170,11 @@ class DraftModelProposer(SequenceProposer):
                 continue
             state = self._seqs.get(req.seq_id)
             if state is None:
-                state = self._seqs[req.seq_id] = _SeqState(DynamicCache(config=self.model.config))
+                state = self._new_state(req.seq_id, len(context) + num_drafts)
             work.append(
                 _Work(
                     i,
+                    req.seq_id,
                     state,
                     context,
                     self._rollback(state, context, req),
@@ -160,7 +183,9 @@ class DraftModelProposer(SequenceProposer):
                     self.generator_for(req),
                 )
             )
-        if len(work) == 1:
+        if self.lean is not None and work:
+            self._run_lean(work)
+        elif len(work) == 1:
             self._run_one(work[0])
         elif work:
             self._run_batch(work)
@@ -180,9 +205,46 @@ class DraftModelProposer(SequenceProposer):
         valid = common_prefix_len(state.token_ids, context) if self.bridge else req.num_kept
         keep = min(valid, len(state.token_ids), len(context) - 1)
         if len(state.token_ids) > keep:
-            state.cache.crop(keep - len(state.token_ids))
+            if self.pool is not None:
+                self.pool.truncate(req.seq_id, keep)
+            else:
+                state.cache.crop(keep - len(state.token_ids))
             del state.token_ids[keep:]
         return context[keep:]
+
+    def _new_state(self, seq_id: int, tokens: int) -> _SeqState:
+        if self.pool is None:
+            state = _SeqState(DynamicCache(config=self.model.config))
+        else:
+            self.pool.admit(seq_id, tokens + GROW_SLACK_TOKENS)
+            state = _SeqState(None)
+        self._seqs[seq_id] = state
+        return state
+
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        if self.pool is not None:
+            self.pool.release(seq_id)
+
+    def _run_lean(self, work: list[_Work]) -> None:
+        """One ragged forward per draft position over every sequence, on the pool: the first
+        feeds each sequence's new tokens, the others its last draft."""
+        steps = max(w.num_drafts for w in work)
+        for w in work:
+            if self.pool.room(w.seq_id) < len(w.new_ids) + steps:
+                self.pool.grow(w.seq_id, len(w.context) + steps + GROW_SLACK_TOKENS)
+        rows, sampled = [Row(w.seq_id, w.new_ids) for w in work], []
+        for step in range(steps):
+            logits = torch.cat(self.lean.forward(self.pool, rows).logits)
+            tokens = self._sample(logits, work, sampled)
+            if step + 1 == steps:
+                break
+            rows = [Row(w.seq_id, tokens[i : i + 1]) for i, w in enumerate(work)]
+        for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
+            w.drafts, w.probs = drafted, probs
+            w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
+            # a sequence that needed fewer drafts than the batch was fed some past its own
+            self.pool.truncate(w.seq_id, len(w.state.token_ids))
 
     def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
         """One draft per row of `logits` [B, V] (row i: work[i]); the tokens [B] stay on the

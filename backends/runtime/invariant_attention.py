@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -37,13 +38,22 @@ class KernelUnavailable(RuntimeError):
     """The batch-invariant attention kernel cannot be built or loaded on this machine."""
 
 
+def _cpu_flags() -> str:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in cpuinfo.splitlines() if line.startswith("flags")), platform.processor())
+
+
 @cache
 def _library() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (gcc) on PATH to build the batch-invariant attention kernel")
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    # -march=native: a cache shared by machines of other CPUs must not hand them this build
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"attention-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

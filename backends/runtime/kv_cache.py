@@ -149,6 +149,26 @@ class KVCachePool:
             slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten()
         self._seqs[seq_id] = _Sequence(blocks, slots, start)
 
+    def grow(self, seq_id: Hashable, reserve_tokens: int) -> None:
+        """Extend a sequence's reservation to at least ``reserve_tokens`` (a drafter's cache,
+        which cannot know its worst case at admission), or raise KVCacheFullError."""
+        seq = self._get(seq_id)
+        need = -(-reserve_tokens // self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return
+        if need > len(self._free):
+            raise KVCacheFullError(
+                f"KV cache full: sequence {seq_id!r} needs {need} more blocks of {self.block_size} "
+                f"but {self.free_tokens} token slots are free"
+            )
+        blocks = self._take(need)
+        bs = self.block_size
+        new_slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten()
+        follows = seq.start is not None and blocks[0] == seq.blocks[-1] + 1 and blocks[-1] - blocks[0] == need - 1
+        seq.blocks += blocks
+        seq.slots = torch.cat([seq.slots, new_slots])
+        seq.start = seq.start if follows else None
+
     def truncate(self, seq_id: Hashable, new_length: int) -> None:
         """Roll the sequence back to its first ``new_length`` tokens (no copy)."""
         seq = self._get(seq_id)

@@ -9,6 +9,7 @@ import torch
 from backends.config import SpeculativeConfig
 from backends.methods.draft_model import DraftModelProposer, sample_drafts
 from backends.methods.hetero_vocab import TextBridge
+from backends.runtime.lean_lm import LeanCausalLM
 from backends.runtime.model_store import load_causal_lm, load_tokenizer
 from backends.serving.drafting import DraftService
 from backends.serving.local import generate_local
@@ -24,6 +25,19 @@ PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
 @pytest.fixture(scope="module")
 def draft_lm(tiny_draft_dir):
     return load_causal_lm(tiny_draft_dir, "float32")
+
+
+@pytest.fixture(scope="module", params=["transformers", "lean"])
+def make(request, draft_lm):
+    """DraftModelProposer(draft_lm, ...) on either engine: transformers' caches or the lean
+    runtime's pool (what from_config picks on the CPU)."""
+    lean = LeanCausalLM.from_hf(draft_lm) if request.param == "lean" else None
+    return lambda *args, **kw: DraftModelProposer(draft_lm, *args, lean=lean, **kw)
+
+
+def cached_length(proposer: DraftModelProposer, seq_id: int) -> int:
+    state = proposer._seqs[seq_id]
+    return proposer.pool.length(seq_id) if proposer.pool is not None else state.cache.get_seq_length()
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +61,8 @@ def draft_config(model_dir, target_dir, **extra) -> SpeculativeConfig:
     )
 
 
-def test_drafts_are_the_drafters_greedy_continuation(draft_lm, prompt_ids):
-    proposer = DraftModelProposer(draft_lm, 512)
+def test_drafts_are_the_drafters_greedy_continuation(make, draft_lm, prompt_ids):
+    proposer = make(512)
     for seq_id, ids in enumerate(prompt_ids):
         draft = proposer.propose([DraftRequest(seq_id, ids, 5)])[0]
         assert draft.token_ids == cacheless_greedy(draft_lm, ids, 5)
@@ -56,43 +70,47 @@ def test_drafts_are_the_drafters_greedy_continuation(draft_lm, prompt_ids):
 
 
 @pytest.mark.parametrize("diverge_at", [0, 2, 4, 5])
-def test_rollback_after_a_rejection_equals_a_fresh_proposer(draft_lm, prompt_ids, diverge_at):
-    proposer = DraftModelProposer(draft_lm, 512)
+def test_rollback_after_a_rejection_equals_a_fresh_proposer(make, draft_lm, prompt_ids, diverge_at):
+    proposer = make(512)
     ids = prompt_ids[0]
     drafts = proposer.propose([DraftRequest(7, ids, 5)])[0].token_ids
     # The target accepted `diverge_at` drafts and emitted another token (or the bonus).
     wrong = (drafts[diverge_at] + 1) % 300 if diverge_at < 5 else 42
     context = ids + drafts[:diverge_at] + [wrong]
     again = proposer.propose([DraftRequest(7, context, 4)])[0].token_ids
-    assert again == DraftModelProposer(draft_lm, 512).propose([DraftRequest(7, context, 4)])[0].token_ids
+    assert again == make(512).propose([DraftRequest(7, context, 4)])[0].token_ids
     assert again == cacheless_greedy(draft_lm, context, 4)
     state = proposer._seqs[7]
     assert state.token_ids == context + again[:-1]
-    assert state.cache.get_seq_length() == len(state.token_ids)
+    assert cached_length(proposer, 7) == len(state.token_ids)
 
 
-def test_a_context_that_changes_earlier_than_the_drafts_is_redrafted(draft_lm, prompt_ids):
-    proposer = DraftModelProposer(draft_lm, 512)
+def test_a_context_that_changes_earlier_than_the_drafts_is_redrafted(make, draft_lm, prompt_ids):
+    proposer = make(512)
     proposer.propose([DraftRequest(1, prompt_ids[1], 4)])
     changed = prompt_ids[1][:3] + prompt_ids[2]
     again = proposer.propose([DraftRequest(1, changed, 4)])[0].token_ids
     assert again == cacheless_greedy(draft_lm, changed, 4)
 
 
-def test_batched_equals_one_at_a_time(draft_lm, prompt_ids):
+def test_batched_equals_one_at_a_time(make, draft_lm, prompt_ids):
     """Ragged caches (fresh, running, rolled back) and ragged draft counts in one batch; the
     drafts and every sequence's cache after splitting must match the lone runs."""
-    batched, alone = DraftModelProposer(draft_lm, 512), DraftModelProposer(draft_lm, 512)
+    batched, alone = make(512), make(512)
     alone.propose([DraftRequest(0, prompt_ids[0], 3)])
     batched.propose([DraftRequest(0, prompt_ids[0], 3)])
     contexts = check_ragged_batches(
         batched, alone, prompt_ids, lambda seq, ids, k, _: DraftRequest(seq, ids, k), steps=4, first_k=2, vocab_size=300
     )
-    assert_same_caches(alone, batched, contexts, atol=1e-5)
+    if batched.pool is None:
+        assert_same_caches(alone, batched, contexts, atol=1e-5)
+    for seq in contexts:
+        assert batched._seqs[seq].token_ids == alone._seqs[seq].token_ids
+        assert cached_length(batched, seq) == cached_length(alone, seq) == len(alone._seqs[seq].token_ids)
 
 
-def test_probabilistic_drafts_come_with_their_distribution(draft_lm, prompt_ids):
-    proposer = DraftModelProposer(draft_lm, 512, "probabilistic", seed=0)
+def test_probabilistic_drafts_come_with_their_distribution(make, draft_lm, prompt_ids):
+    proposer = make(512, "probabilistic", seed=0)
     drafts = proposer.propose([DraftRequest(s, ids, 4) for s, ids in enumerate(prompt_ids)])
     for ids, draft in zip(prompt_ids, drafts):
         assert draft.probs.shape == (4, draft_lm.config.vocab_size)
@@ -105,11 +123,11 @@ def test_probabilistic_drafts_come_with_their_distribution(draft_lm, prompt_ids)
         torch.testing.assert_close(draft.probs[0], first, rtol=1e-4, atol=1e-6)
 
 
-def test_probabilistic_drafts_follow_each_requests_temperature(draft_lm, prompt_ids):
+def test_probabilistic_drafts_follow_each_requests_temperature(make, draft_lm, prompt_ids):
     """As vLLM: a greedy request drafts the argmax even under probabilistic drafting (its
     verification accepts only the argmax), a sampled one drafts from softmax(logits / T)."""
-    greedy = DraftModelProposer(draft_lm, 512).propose([DraftRequest(0, prompt_ids[0], 4)])[0]
-    proposer = DraftModelProposer(draft_lm, 512, "probabilistic", seed=0)
+    greedy = make(512).propose([DraftRequest(0, prompt_ids[0], 4)])[0]
+    proposer = make(512, "probabilistic", seed=0)
     alone = proposer.propose([DraftRequest(9, prompt_ids[0], 4, temperature=0.0)])[0]
     assert alone.token_ids == greedy.token_ids and alone.probs is None  # an all-greedy batch: no q at all
     drafts = proposer.propose(
@@ -137,17 +155,19 @@ def test_sampled_drafts_follow_the_tempered_distribution():
     assert sample_drafts(logits[:2], "greedy", [1.0, 1.0], [gen, gen])[1] is None  # greedy drafting: one-hot
 
 
-def test_release_frees_the_sequence(draft_lm, prompt_ids):
-    proposer = DraftModelProposer(draft_lm, 512)
+def test_release_frees_the_sequence(make, draft_lm, prompt_ids):
+    proposer = make(512)
     proposer.propose([DraftRequest(1, prompt_ids[0], 2), DraftRequest(2, prompt_ids[1], 2)])
     assert proposer.num_sequences == 2
     proposer.release(1)
     proposer.release(99)  # unknown: nothing to do
     assert set(proposer._seqs) == {2}
+    if proposer.pool is not None:  # its blocks are back in the pool
+        assert not proposer.pool.has(1) and proposer.pool.has(2)
 
 
-def test_no_drafts_past_the_context_window(draft_lm, prompt_ids):
-    proposer = DraftModelProposer(draft_lm, len(prompt_ids[0]) + 2)
+def test_no_drafts_past_the_context_window(make, draft_lm, prompt_ids):
+    proposer = make(len(prompt_ids[0]) + 2)
     assert len(proposer.propose([DraftRequest(1, prompt_ids[0], 5)])[0].token_ids) == 2
     assert proposer.propose([DraftRequest(2, prompt_ids[1], 5)])[0].token_ids == []
 
@@ -156,8 +176,9 @@ def test_from_config(tiny_draft_dir, tiny_model_dir, prompt_ids):
     proposer = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
     assert isinstance(proposer, DraftModelProposer)
     assert next(proposer.model.parameters()).dtype == torch.float32
+    assert proposer.lean is not None  # a Llama on the CPU: the lean runtime
     int8 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int8"), max_model_len=512)
-    assert "DynamicQuantizedLinear" in repr(int8.model)
+    assert "DynamicQuantizedLinear" in repr(int8.model) and int8.lean is None
     assert len(int8.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
     with pytest.raises(ValueError, match="quantization='fp8'"):
         build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="fp8"), max_model_len=512)

@@ -270,6 +270,28 @@ def test_pool_truncate_and_errors():
         pool.length("unknown")
 
 
+def test_pool_grow_keeps_the_cached_tokens_and_refuses_past_capacity():
+    """A drafter's reservation grows as its sequence does; the tokens already cached keep their
+    slots, and the row reads the same keys whether its blocks stay one run or not."""
+    hf = build("llama")
+    lm = LeanCausalLM.from_hf(hf)
+    pool = lm.new_pool(capacity_tokens=64, block_size=8)
+    pool.admit("a", 8)
+    pool.admit("b", 8)  # takes the blocks right after a's: a's next blocks cannot follow on
+    seq = tokens(20, seed=120)
+    lm.forward(pool, [Row("a", seq[:8])])
+    before = pool.slots("a")[:8].clone()
+    pool.grow("a", 20)
+    assert pool.reserved("a") == 24 and torch.equal(pool.slots("a")[:8], before)
+    assert pool.contiguous_start("a") is None
+    out = lm.forward(pool, [Row("a", seq[8:])], logits_rows=12)
+    assert_close(out.logits[0], reference(hf, seq)[8:])
+    pool.grow("a", 10)  # already holds more: nothing to do
+    assert pool.reserved("a") == 24
+    with pytest.raises(KVCacheFullError):
+        pool.grow("b", 65)
+
+
 def test_step_over_reservation_is_refused_and_leaves_pool_unchanged(family):
     _, lm = family
     pool = lm.new_pool(capacity_tokens=64, block_size=16)
