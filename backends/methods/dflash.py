@@ -63,15 +63,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from backends.config import aux_layer_ids
 from backends.methods.draft_model import sample_drafts
-from backends.methods.head_checkpoint import (
-    Checkpoint,
-    HeadCheckpointError,
-    TargetInfo,
-    check_keys,
-    draft_to_target,
-    normalize_keys,
-    read_state_dict,
-)
+from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime.model_store import load_config
 from backends.serving.proposer import Draft, DraftRequest
@@ -421,24 +413,9 @@ def load_head(
             f"vocabulary has {target.vocab_size} ids"
         )
     head = head_class(cfg, target, where)
-    state, spelled = normalize_keys(read_state_dict(path, error=BlockCheckpointError))
-    borrowed = set(head.borrows) if head.config["hidden_size"] == target.hidden_size else set()
-    defaults = head.defaults()
-    check_keys(
-        head,
-        state,
-        spelled,
-        borrowed | set(defaults),
-        {"t2d": (target.vocab_size,)} if hasattr(head, "d2t") else {},
-        where,
-        error=BlockCheckpointError,
-    )
-    for key in borrowed - set(state):
-        state[key] = target.weight("embed" if key.startswith("embed") else "lm_head")
-    for key, value in defaults.items():
-        state.setdefault(key, value)
-    state.pop("t2d", None)  # a training artefact
-    head.load_state_dict(state)
+    state, spelled = read_head_state(path, BlockCheckpointError)
+    borrowed = head.borrows if head.config["hidden_size"] == target.hidden_size else ()
+    load_checked(head, state, spelled, target, where, BlockCheckpointError, borrowed, head.defaults())
     mask_file = path / "mask_embedding.pt"
     if mask_file.exists():
         row = torch.load(mask_file, map_location="cpu", weights_only=True).reshape(-1)
@@ -449,8 +426,6 @@ def load_head(
             )
         with torch.no_grad():
             head.embed_tokens.weight[head.spec.mask_token_id] = row
-    if hasattr(head, "d2t"):
-        head.draft_to_target = draft_to_target(head.d2t, target.vocab_size, where, BlockCheckpointError)
     return head.to(getattr(torch, dtype)).eval()
 
 

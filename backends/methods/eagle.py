@@ -59,15 +59,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
 from backends.methods.draft_model import append_new_entries, gather_drafts, sample_drafts, stack_caches
-from backends.methods.head_checkpoint import (
-    Checkpoint,
-    HeadCheckpointError,
-    TargetInfo,
-    check_keys,
-    draft_to_target,
-    normalize_keys,
-    read_state_dict,
-)
+from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
 from backends.serving.proposer import Draft, DraftRequest
 
@@ -231,7 +223,7 @@ def load_eagle(
     target layers (default: the checkpoint's, else vLLM's (2, L//2, L-3)). A Checkpoint
     comes with its config.json already read."""
     path, cfg = Checkpoint.open(path, EagleCheckpointError)
-    state, spelled = normalize_keys(read_state_dict(path, error=EagleCheckpointError))
+    state, spelled = read_head_state(path, EagleCheckpointError)
     layout = detect_layout(cfg, set(state))
     where = f"{_NAMES[layout]} checkpoint {path}"
     if method is not None and method != layout:
@@ -245,7 +237,7 @@ def load_eagle(
             f"target's vocabulary has {target.vocab_size} ids"
         )
     llama = llama_config(cfg)
-    borrowed = {"embed_tokens.weight": "embed"}  # taken from the target when absent
+    borrowed = {"embed_tokens.weight"}  # taken from the target when absent
     if layout == "eagle":
         if llama.hidden_size != target.hidden_size:
             raise EagleCheckpointError(
@@ -253,30 +245,14 @@ def load_eagle(
                 f"target's hidden size is {target.hidden_size}"
             )
         head: EagleHead = Eagle1Head(llama, target, fc_bias=cfg.get("bias", True))
-        borrowed["lm_head.weight"] = "lm_head"
+        borrowed.add("lm_head.weight")
     else:
         head = _eagle3_head(cfg, llama, target, state, where, aux_layer_ids)
     if llama.hidden_size != target.hidden_size:
-        borrowed.pop("embed_tokens.weight")  # another width: the checkpoint must have its own
-    optional = set(borrowed) | ({"d2t"} if head.lm_head.out_features == target.vocab_size else set())
-    check_keys(
-        head,
-        state,
-        spelled,
-        optional,
-        {"t2d": (target.vocab_size,)} if layout == "eagle3" else {},
-        where,
-        error=EagleCheckpointError,
-    )
-    for key, which in borrowed.items():
-        if key not in state:
-            state[key] = target.weight(which)
-    if layout == "eagle3":
-        state.pop("t2d", None)  # a training artefact
-        state.setdefault("d2t", head.d2t)  # absent: one vocabulary, zero offsets
-    head.load_state_dict(state)
-    if layout == "eagle3":
-        head.draft_to_target = draft_to_target(head.d2t, target.vocab_size, where, EagleCheckpointError)
+        borrowed.discard("embed_tokens.weight")  # another width: the checkpoint must have its own
+    one_vocab = layout == "eagle3" and head.lm_head.out_features == target.vocab_size
+    defaults = {"d2t": head.d2t} if one_vocab else {}  # absent: zero offsets
+    load_checked(head, state, spelled, target, where, EagleCheckpointError, borrowed, defaults)
     return head.to(getattr(torch, dtype)).eval()
 
 

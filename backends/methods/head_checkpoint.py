@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -119,11 +119,13 @@ class Checkpoint(NamedTuple):
         return cls(path, read_config(path, error))
 
 
-def normalize_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keys as the head names them (no `model.` prefix, `midlayer.` = `layers.0.`), and each
-    one's spelling in the file for error messages."""
+def read_head_state(
+    path: Path, error: type[HeadCheckpointError] = HeadCheckpointError
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The checkpoint's tensors (`read_state_dict`) keyed as the head names them (no `model.`
+    prefix, `midlayer.` = `layers.0.`), and each one's spelling in the file for error messages."""
     out, spelled = {}, {}
-    for key, value in state.items():
+    for key, value in read_state_dict(path, error=error).items():
         name = key.removeprefix("model.")
         if name.startswith("midlayer."):
             name = "layers.0." + name.removeprefix("midlayer.")
@@ -158,6 +160,35 @@ def check_keys(
             problems.append(f"{spelled[key]!r} has shape {list(value.shape)}, expected {list(expected[key])}")
     if problems:
         raise error(f"{where} does not fit the target: " + "; ".join(problems))
+
+
+def load_checked(
+    head: nn.Module,
+    state: dict[str, torch.Tensor],
+    spelled: dict[str, str],
+    target: TargetInfo,
+    where: str,
+    error: type[HeadCheckpointError],
+    borrowed: Collection[str] = (),
+    defaults: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Load `state` into `head` once it fits (`check_keys`): the `borrowed` keys it lacks are
+    the target's weights (its embedding for embed_tokens, else its LM head), the `defaults` it
+    lacks those values. A head with a draft vocabulary (a `d2t` buffer) may come with the t2d
+    of its training, dropped here, and gets its checked `draft_to_target`."""
+    defaults = defaults or {}
+    vocab = hasattr(head, "d2t")
+    extra = {"t2d": (target.vocab_size,)} if vocab else {}
+    check_keys(head, state, spelled, {*borrowed, *defaults}, extra, where, error=error)
+    for key in borrowed:
+        if key not in state:
+            state[key] = target.weight("embed" if key.startswith("embed") else "lm_head")
+    for key, value in defaults.items():
+        state.setdefault(key, value)
+    state.pop("t2d", None)  # a training artefact
+    head.load_state_dict(state)
+    if vocab:
+        head.draft_to_target = draft_to_target(head.d2t, target.vocab_size, where, error)
 
 
 def draft_to_target(
