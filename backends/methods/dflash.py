@@ -62,7 +62,6 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from backends.config import aux_layer_ids
-from backends.methods.draft_model import sample_drafts
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime.model_store import load_config
@@ -283,6 +282,7 @@ class DFlashHead(nn.Module):
         self.layers = nn.ModuleList(_BlockLayer(qwen) for _ in range(qwen.num_hidden_layers))
         self.norm = Qwen3RMSNorm(h, eps=qwen.rms_norm_eps)
         self.embed_tokens = nn.Embedding(target.vocab_size, h)
+        self.target_vocab_size = target.vocab_size
         self.lm_head = nn.Linear(h, self.spec.draft_vocab_size, bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(qwen)
         # [V_d] the target id of each draft id; None: one vocabulary.
@@ -635,11 +635,4 @@ class DFlashProposer(HeadProposer):
     def _sample(self, logits: torch.Tensor, work: list[BlockWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocabulary logits [B, ..., V_d] (row i: work[i]) -> target ids [B, ...] and,
         when sampled, the probabilities they were drawn from in the target vocabulary [B, ..., V]."""
-        return sample_drafts(
-            logits,
-            self.sample_method,
-            [w.temperature for w in work],
-            [w.generator for w in work],
-            self.head.draft_to_target,
-            self.head.embed_tokens.num_embeddings,
-        )
+        return self.sample(logits, [w.temperature for w in work], [w.generator for w in work])

@@ -58,7 +58,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
-from backends.methods.draft_model import append_new_entries, gather_drafts, sample_drafts, stack_caches
+from backends.methods.draft_model import append_new_entries, gather_drafts, stack_caches
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
 from backends.serving.proposer import Draft, DraftRequest
@@ -109,6 +109,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = cfg
         self.target_hidden_size = target.hidden_size  # the width of each delivered hidden state
+        self.target_vocab_size = target.vocab_size
         # [V_d] the target id of each draft id (eagle3); None: the vocabularies are one.
         self.register_buffer("draft_to_target", None, persistent=False)
         self.embed_tokens = nn.Embedding(target.vocab_size, cfg.hidden_size)
@@ -429,14 +430,7 @@ class EagleProposer(HeadProposer):
         """One draft per row of draft-vocabulary `logits` [B, V_d] (row i: work[i]), as target
         ids [B] that stay on the device; `steps` collects (tokens, target-vocabulary probs) for
         `gather_drafts`."""
-        tokens, probs = sample_drafts(
-            logits,
-            self.sample_method,
-            [w.temperature for w in work],
-            [w.generator for w in work],
-            self.head.draft_to_target,
-            self.head.embed_tokens.num_embeddings,
-        )
+        tokens, probs = self.sample(logits, [w.temperature for w in work], [w.generator for w in work])
         steps.append((tokens, probs))
         return tokens
 

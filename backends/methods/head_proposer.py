@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from backends.methods.draft_model import SAMPLE_METHODS
+from backends.methods.draft_model import SAMPLE_METHODS, sample_drafts
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.runtime.model_store import resolve_model
 from backends.serving.proposer import SequenceProposer
@@ -57,6 +58,16 @@ class HeadProposer(SequenceProposer):
             )
         head = cls.load_head(config, TargetInfo.load(target_model), dtype)
         return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
+
+    def sample(
+        self, logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts from the head's draft-vocabulary `logits` [B, ..., V_d], row i at temperatures[i]
+        with generators[i]: target ids [B, ...] that stay on the device and, when sampled, the
+        probabilities they were drawn from over the target vocabulary [B, ..., V]."""
+        return sample_drafts(
+            logits, self.sample_method, temperatures, generators, self.head.draft_to_target, self.head.target_vocab_size
+        )
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> nn.Module:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.methods.draft_model import gather_drafts, sample_drafts
+from backends.methods.draft_model import gather_drafts
 from backends.methods.head_proposer import HeadProposer
 from backends.serving.proposer import Draft, DraftRequest
 
@@ -50,14 +50,7 @@ class LastHiddenProposer(HeadProposer):
         ids, steps = torch.tensor(tokens, device=self.device), []
         for step in range(max(counts)):
             logits, state = self.head.step(step, state, ids)
-            ids, step_probs = sample_drafts(
-                logits,
-                self.sample_method,
-                temperatures,
-                generators,
-                self.head.draft_to_target,
-                self.head.target_vocab_size,
-            )
+            ids, step_probs = self.sample(logits, temperatures, generators)
             steps.append((ids, step_probs))
         for i, drafted, probs in zip(rows, *gather_drafts(steps, counts)):
             drafts[i] = Draft(drafted, probs)
