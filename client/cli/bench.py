@@ -197,14 +197,15 @@ def engine_from_log(server_log: Path) -> str:
     """What the verifier said it runs on (engine, batch invariance), from a server log."""
     for line in server_log.read_text(errors="replace").splitlines():
         if "target runs " in line:
-            return line.split("target runs ", 1)[1].split(":")[0].strip()
+            said = line.split("target runs ", 1)[1].split(":")[0].strip()  # "on the lean runtime, ..."
+            return said.removeprefix("on the ").removeprefix("through ")
     return "unknown (no 'target runs' line in the server log)"
 
 
 def format_report(report: dict) -> str:
     lines = [
         f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "
-        f"target {report['model']} ({report['dtype']}) on {report.get('engine', 'an unknown engine')}; "
+        f"target {report['model']} ({report['dtype']}), engine: {report.get('engine', 'unknown')}; "
         "`same`: outputs identical to plain decoding",
         f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'accept':>7} "
         f"{'draft':>6} {'verify':>7} {'ovh':>5} {'ovh%':>5} {'same':>5} {'diverge@':>9}  per-position acceptance",

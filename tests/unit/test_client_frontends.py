@@ -136,3 +136,18 @@ def test_an_error_body_with_status_200_is_raised_not_returned_empty(monkeypatch)
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: io.BytesIO(body))
     with pytest.raises(GenerationError, match="use generate stream"):
         http_generate("127.0.0.1:1", "hi")
+
+
+def test_bench_names_the_engine_the_verifier_logged(tmp_path):
+    from client.cli.bench import engine_from_log
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "I1201 starting\nINFO tritonspec.target: target runs on the lean runtime, batch-invariant on: "
+        "KV pool of 65536 tokens (1.41 GB)\n"
+    )
+    assert engine_from_log(log) == "lean runtime, batch-invariant on"
+    log.write_text("INFO target runs through transformers (runtime=hf, device cpu), not batch-invariant\n")
+    assert engine_from_log(log) == "transformers (runtime=hf, device cpu), not batch-invariant"
+    log.write_text("nothing\n")
+    assert engine_from_log(log).startswith("unknown")
