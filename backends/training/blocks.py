@@ -46,7 +46,7 @@ from backends.methods.dspark import default_config as dspark_config
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
 from backends.training.eagle import Eagle3Trainer, draft_vocabulary, init_layer, target_layer
-from backends.training.steps import StepTrainer, draft_labels
+from backends.training.steps import Anchors, Prediction, StepTrainer, draft_labels
 from backends.training.trainer import Batch
 
 BLOCK_ANCHORS = 256  # anchors per training batch (each runs a whole block: a draft per slot)
@@ -115,15 +115,8 @@ class DFlashTrainer(StepTrainer):
         head.embed_tokens = MaskEmbedding(head.embed_tokens.weight, mask)
         return head
 
-    def predictions(
-        self,
-        head: DFlashHead,
-        batch: Batch,
-        rows: torch.Tensor,
-        anchors: torch.Tensor,
-        depth: torch.Tensor,
-        num_steps: int,
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def predictions(self, head: DFlashHead, batch: Batch, at: Anchors, num_steps: int) -> Iterator[Prediction]:
+        rows, anchors, depth = at
         # `anchors` are the last context positions t; the block's anchor token is x_{t+1}.
         size, width = head.block_size, batch.token_ids.shape[1]
         kv = head.context_kv(head.context(batch.hidden), batch.positions)

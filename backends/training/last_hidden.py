@@ -40,7 +40,7 @@ from backends.methods.medusa import MedusaHead, save_medusa
 from backends.methods.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
 from backends.training.data import TrainingData
 from backends.training.eagle import CE_POSITIONS, Eagle3Trainer, draft_vocabulary, target_layer
-from backends.training.steps import StepTrainer, draft_labels, served_copy
+from backends.training.steps import Anchors, Prediction, StepTrainer, draft_labels, served_copy
 from backends.training.trainer import Batch
 
 
@@ -48,15 +48,8 @@ class _LastHiddenTrainer(StepTrainer):
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
         return (-1,)
 
-    def predictions(
-        self,
-        head: nn.Module,
-        batch: Batch,
-        rows: torch.Tensor,
-        anchors: torch.Tensor,
-        depth: torch.Tensor,
-        num_steps: int,
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def predictions(self, head: nn.Module, batch: Batch, at: Anchors, num_steps: int) -> Iterator[Prediction]:
+        rows, anchors, depth = at
         last = batch.token_ids.shape[1] - 1
         state = head.begin(batch.hidden[rows, anchors, 0])
         for d in range(min(num_steps, head.num_steps)):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,22 +52,27 @@ def draft_labels(head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
     return labels if to_draft is None else to_draft[labels]
 
 
+class Anchors(NamedTuple):
+    """Where a batch's drafts start: row and position of each anchor, and how many greedy tokens
+    of the target follow it (the drafts that can be checked)."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    depth: torch.Tensor
+
+
+Prediction = tuple[torch.Tensor, torch.Tensor]  # one draft step's logits and labels
+
+
 class StepTrainer(HeadTrainer):
     """A HeadTrainer whose loss is the decayed cross entropy of `predictions`."""
 
     anchors_per_batch = CE_POSITIONS  # training anchors per batch (each costs a vocabulary projection per step)
 
-    def predictions(
-        self,
-        head: nn.Module,
-        batch: Batch,
-        rows: torch.Tensor,
-        anchors: torch.Tensor,
-        depth: torch.Tensor,
-        num_steps: int,
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """For anchors (rows[i], anchors[i]) with `depth[i]` greedy tokens after them, yield per
-        draft step d < num_steps the logits and the labels (draft vocabulary) where depth > d."""
+    def predictions(self, head: nn.Module, batch: Batch, at: Anchors, num_steps: int) -> Iterator[Prediction]:
+        """For anchors (at.rows[i], at.positions[i]) with `at.depth[i]` greedy tokens after them,
+        yield per draft step d < num_steps the logits and the labels (draft vocabulary) where
+        depth > d."""
         raise NotImplementedError
 
     def loss(self, head: nn.Module, batch: Batch, num_steps: int) -> StepMetrics:
@@ -81,7 +87,7 @@ class StepTrainer(HeadTrainer):
         correct, counted = [0] * num_steps, [0] * num_steps
         for chunk in chunks:
             r, a = rows[chunk], anchors[chunk]
-            for d, (logits, labels) in enumerate(self.predictions(head, batch, r, a, chain[r, a], num_steps)):
+            for d, (logits, labels) in enumerate(self.predictions(head, batch, Anchors(r, a, chain[r, a]), num_steps)):
                 ce, hits = position_token_loss(logits, labels)
                 total = total + STEP_DECAY**d * ce
                 correct[d] += hits

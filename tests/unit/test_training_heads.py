@@ -13,7 +13,7 @@ from backends.config import SpeculativeConfig
 from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 from backends.training.blocks import MaskEmbedding
 from backends.training.eagle import unroll
-from backends.training.steps import greedy_chain
+from backends.training.steps import Anchors, greedy_chain
 from backends.training.trainer import head_trainer, make_batch
 from tests.fixtures.training import HEAD_METHODS as METHODS
 from tests.fixtures.training import HEAD_STEPS as STEPS
@@ -38,7 +38,7 @@ def _training_probs(method, trainer, head, batch, anchors: torch.Tensor, vocab_s
         steps = [head.logits(out[0, anchors]) for out, _, _ in unroll(head, batch, STEPS)]
     else:
         depth = greedy_chain(batch)[0, anchors]
-        steps = list(trainer.predictions(head, batch, torch.zeros_like(anchors), anchors, depth, STEPS))
+        steps = list(trainer.predictions(head, batch, Anchors(torch.zeros_like(anchors), anchors, depth), STEPS))
         steps = [logits for logits, _ in steps]
     probs = torch.stack(steps, dim=1).float().softmax(-1)
     if head.draft_to_target is not None:  # the proposer's are over the target's vocabulary
