@@ -3,8 +3,8 @@ batch-invariant target gives speculative output token for token equal to its own
 one request at a time and 8 at once beside other traffic (the bench prompts, first of each
 category, and the e2e prompts).
 
-Without batch invariance these runs differ (bench `same` column: 2-3 of 12 identical for
-ngram and suffix in bf16), so this is the check of the server's invariant mode end to end.
+Without batch invariance these runs differ (this test fails with batch_invariant "off"), so
+this is the check of the server's invariant mode end to end.
 """
 
 from __future__ import annotations
