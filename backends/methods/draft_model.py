@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import load_causal_lm, load_tokenizer, resolve_model
-from backends.serving.proposer import Draft, DraftRequest, SequenceProposer
+from backends.serving.proposer import Draft, DraftRequest, SequenceProposer, check_one_device
 from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -121,11 +121,7 @@ class DraftModelProposer(SequenceProposer):
         device: str = "cpu",
         **_: Any,
     ) -> DraftModelProposer:
-        if (config.draft_tensor_parallel_size or 1) != 1:
-            raise ValueError(
-                f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
-                "the draft model runs on one device here; use 1"
-            )
+        check_one_device(config, "the draft model")
         if config.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization={config.quantization!r} is not supported for the draft "

@@ -14,7 +14,7 @@ from torch import nn
 from backends.methods.draft_model import SAMPLE_METHODS, sample_drafts
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.runtime.model_store import resolve_model
-from backends.serving.proposer import SequenceProposer
+from backends.serving.proposer import SequenceProposer, check_one_device
 from backends.serving.rejection import new_generator
 
 
@@ -51,11 +51,7 @@ class HeadProposer(SequenceProposer):
             raise ValueError(f"{cls.method} needs `model`: the {cls.method} checkpoint directory")
         if target_model is None:
             raise ValueError(f"{cls.method} needs the target model (its hidden size, vocabulary, embedding)")
-        if (config.draft_tensor_parallel_size or 1) != 1:
-            raise ValueError(
-                f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: "
-                f"the {cls.method} head runs on one device here; use 1"
-            )
+        check_one_device(config, f"the {cls.method} head")
         head = cls.load_head(config, TargetInfo.load(target_model), dtype)
         return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
 

@@ -494,11 +494,34 @@ class LeanCausalLM:
             spans[i] = (t, t + n)
             t += n
 
-        groups, keys = [], None
         if self.batch_invariant:
-            keys = self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order])
-        start = 0
-        while not self.batch_invariant and start < len(order):
+            groups, keys = [], self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order])
+        else:
+            groups, keys = self._groups(pool, rows, toks, cached, order, spans), None
+
+        cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)
+        return _Step(
+            ids=cat([toks[i] for i in order]),
+            cos=cat(cos).unsqueeze(1),
+            sin=cat(sin).unsqueeze(1),
+            slots=cat(slots),
+            groups=groups,
+            keys=keys,
+            spans=spans,
+        )
+
+    def _groups(
+        self,
+        pool: KVCachePool,
+        rows: Sequence[Row],
+        toks: list[torch.Tensor],
+        cached: dict[int, int],
+        order: list[int],
+        spans: list[tuple[int, int]],
+    ) -> list[_Group]:
+        """One SDPA group per run of rows (in ``order``) with the same number of new tokens."""
+        groups, start = [], 0
+        while start < len(order):
             end = start + 1
             while end < len(order) and toks[order[end]].shape[0] == toks[order[start]].shape[0]:
                 end += 1
@@ -513,17 +536,7 @@ class LeanCausalLM:
                 )
             )
             start = end
-
-        cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)
-        return _Step(
-            ids=cat([toks[i] for i in order]),
-            cos=cat(cos).unsqueeze(1),
-            sin=cat(sin).unsqueeze(1),
-            slots=cat(slots),
-            groups=groups,
-            keys=keys,
-            spans=spans,
-        )
+        return groups
 
     @staticmethod
     def _key_lists(pool: KVCachePool, rows: list[Row], cached: list[int]) -> invariant_attention.KeyLists:

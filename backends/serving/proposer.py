@@ -78,6 +78,14 @@ class Proposer:
         return cls.hidden_layer_ids
 
 
+def check_one_device(config: Any, what: str) -> None:
+    """Drafters run on one device here: refuse vLLM's draft_tensor_parallel_size above 1."""
+    if (config.draft_tensor_parallel_size or 1) != 1:
+        raise ValueError(
+            f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}: {what} runs on one device here; use 1"
+        )
+
+
 class SequenceProposer(Proposer):
     """A proposer that keeps state per sequence between steps (a KV cache, a context) in `_seqs`,
     and draws each sequence's sampled drafts from that sequence's own generator (seeded by
