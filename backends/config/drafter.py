@@ -47,6 +47,11 @@ class DrafterConfig:
     suffix_decoding_max_cached_requests: int = SpeculativeConfig.suffix_decoding_max_cached_requests
     suffix_decoding_max_spec_factor: float = SpeculativeConfig.suffix_decoding_max_spec_factor
     suffix_decoding_min_token_prob: float = SpeculativeConfig.suffix_decoding_min_token_prob
+    # Draft trees (at most one is set; backends/serving/tree.py): a static tree's node paths
+    # (sorted breadth-first), EAGLE-2's {"top_k", "total_token"}, or suffix subtrees.
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+    dynamic_tree: dict[str, int] | None = None
+    suffix_decoding_use_tree_spec: bool = False
 
     @classmethod
     def from_speculative(cls, config: SpeculativeConfig) -> DrafterConfig:
@@ -68,6 +73,15 @@ class DrafterConfig:
     def num_tokens_for_request(self, requested: int | None) -> int:
         """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
         return request_num_tokens(self.num_speculative_tokens, requested)
+
+    def max_tree_nodes(self, k: int) -> int:
+        """The most nodes a tree of at most `k` levels may have under this config; 0 when the
+        method drafts chains."""
+        if self.speculative_token_tree is not None:
+            return sum(len(path) <= k for path in self.speculative_token_tree)
+        if self.dynamic_tree is not None:
+            return max(k, self.dynamic_tree["total_token"])
+        return k if self.suffix_decoding_use_tree_spec else 0
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the dynamic schedule (k without one)."""

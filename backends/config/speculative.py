@@ -24,6 +24,7 @@ Deliberate differences from vLLM:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
@@ -88,6 +89,15 @@ _EAGLE_FAMILY = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 # Methods that load no draft network, so a draft tensor-parallel size means nothing to them.
 _MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix", "extract_hidden_states")
 _BATCH_SCHEDULE = "num_speculative_tokens_per_batch_size"
+# Which methods draft which kind of tree, and how many nodes one tree may have (the verifier's
+# per-step limit, vLLM's MAX_SPEC_LEN).
+TREE_METHODS = {
+    "speculative_token_tree": ("medusa", "eagle", "eagle3", "mtp"),
+    "dynamic_tree": ("eagle", "eagle3", "mtp"),
+    "suffix_decoding_use_tree_spec": ("suffix",),
+}
+MAX_TREE_NODES = 128
+DYNAMIC_TREE_KEYS = ("top_k", "total_token")  # EAGLE-2's names; its depth is num_speculative_tokens
 
 
 @dataclass
@@ -103,6 +113,12 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # Draft trees (not in vLLM at c314af1; the reference §5 and issue 19). A static tree as
+    # node paths of child ranks (vLLM's historical field), EAGLE-2's dynamic tree, or
+    # arctic-inference's suffix subtree.
+    speculative_token_tree: str | list | tuple | None = None
+    dynamic_tree: dict[str, Any] | None = None
+    suffix_decoding_use_tree_spec: bool = False
     draft_tensor_parallel_size: int | None = None
     tensor_parallel_size: int | None = None
     max_model_len: int | None = None
@@ -224,6 +240,7 @@ class SpeculativeConfig:
             "use_local_argmax_reduction",
             "use_heterogeneous_vocab",
             "parallel_drafting",
+            "suffix_decoding_use_tree_spec",
         ):
             _check(name, v[name], isinstance(v[name], bool), "a valid boolean")
         eager = self.enforce_eager
@@ -515,6 +532,7 @@ class SpeculativeConfig:
                 "draft model config contains an n_predict parameter."
             )
         self._resolve_synthetic_rates()
+        self._validate_trees()
         if self.disable_padded_drafter_batch and (
             self.parallel_drafting or self.method in ("draft_model", "extract_hidden_states")
         ):
@@ -545,6 +563,42 @@ class SpeculativeConfig:
                 f"same for draft_model (draft_tensor_parallel_size="
                 f"{self.draft_tensor_parallel_size}, target {self.target_tensor_parallel_size})"
             )
+
+    def _validate_trees(self) -> None:
+        """At most one tree option, on a method that drafts that kind of tree, within k levels
+        and MAX_TREE_NODES nodes; synthetic acceptance (per chain position) takes no tree."""
+        given = [
+            name
+            for name in ("speculative_token_tree", "dynamic_tree", "suffix_decoding_use_tree_spec")
+            if getattr(self, name) not in (None, False)
+        ]
+        if not given:
+            return
+        if len(given) > 1:
+            raise SpeculativeConfigError(f"{' and '.join(given)} are alternatives: give one")
+        name = given[0]
+        if self.method not in TREE_METHODS[name]:
+            raise SpeculativeConfigError(
+                f"{name} applies to method {' / '.join(TREE_METHODS[name])}, not method='{self.method}'"
+            )
+        if self.rejection_sample_method == "synthetic":
+            raise SpeculativeConfigError(f"{name} cannot be combined with rejection_sample_method='synthetic'")
+        k = self.num_speculative_tokens
+        if name == "speculative_token_tree":
+            self.speculative_token_tree = parse_token_tree(self.speculative_token_tree)
+            depth = max(map(len, self.speculative_token_tree))
+            if depth > k:
+                raise SpeculativeConfigError(
+                    f"speculative_token_tree is {depth} levels deep, more than num_speculative_tokens={k}"
+                )
+            nodes = len(self.speculative_token_tree)
+        elif name == "dynamic_tree":
+            self.dynamic_tree = _validate_dynamic_tree(self.dynamic_tree)
+            nodes = self.dynamic_tree["total_token"]
+        else:
+            nodes = k
+        if nodes > MAX_TREE_NODES:
+            raise SpeculativeConfigError(f"{name}: {nodes} tree nodes, at most {MAX_TREE_NODES} per step")
 
     def _resolve_synthetic_rates(self) -> None:
         rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
@@ -848,6 +902,49 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_token_tree(spec: Any) -> tuple[tuple[int, ...], ...]:
+    """``speculative_token_tree``: node paths of child ranks, e.g. "[(0,), (1,), (0, 0)]" (a
+    Python literal as vLLM took it, or a JSON list of lists), sorted breadth-first by
+    (length, path) as vLLM did. Each path's parent path must be in the tree; ranks are >= 0."""
+    if isinstance(spec, str):
+        try:
+            spec = ast.literal_eval(spec)
+        except (ValueError, SyntaxError) as e:
+            raise SpeculativeConfigError(f"speculative_token_tree {spec!r} is not a list of tuples: {e}") from None
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise SpeculativeConfigError(f"speculative_token_tree must be a non-empty list of paths, got {spec!r}")
+    paths = []
+    for path in spec:
+        if not isinstance(path, (list, tuple)) or not path or not all(_is_int(r) and r >= 0 for r in path):
+            raise SpeculativeConfigError(
+                f"speculative_token_tree: each path is a non-empty tuple of ranks >= 0, got {path!r}"
+            )
+        paths.append(tuple(path))
+    if len(set(paths)) != len(paths):
+        raise SpeculativeConfigError("speculative_token_tree lists a path twice")
+    paths.sort(key=lambda p: (len(p), p))
+    known = set(paths)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in known:
+            raise SpeculativeConfigError(f"speculative_token_tree: path {path} has no parent path {path[:-1]}")
+    return tuple(paths)
+
+
+def _validate_dynamic_tree(spec: Any) -> dict[str, int]:
+    """``dynamic_tree``: {"top_k": children tried per expanded node, "total_token": nodes kept}."""
+    _check("dynamic_tree", spec, isinstance(spec, dict), "a dictionary with keys " + ", ".join(DYNAMIC_TREE_KEYS))
+    unknown = sorted(set(spec) - set(DYNAMIC_TREE_KEYS))
+    if unknown:
+        hint = " (its depth is num_speculative_tokens)" if "depth" in unknown else ""
+        raise SpeculativeConfigError(
+            f"dynamic_tree: unknown key {unknown[0]!r}{hint}; the keys are {', '.join(DYNAMIC_TREE_KEYS)}"
+        )
+    tree = {"top_k": 4, "total_token": 16, **spec}
+    for key in DYNAMIC_TREE_KEYS:
+        _check(f"dynamic_tree.{key}", tree[key], _is_int(tree[key]) and tree[key] >= 1, "an integer >= 1")
+    return tree
 
 
 def _check(name: str, value: Any, ok: bool, expected: str) -> None:

@@ -176,6 +176,22 @@ class KVCachePool:
             raise SequenceError(f"sequence {seq_id!r}: cannot truncate length {seq.length} to {new_length}")
         seq.length = new_length
 
+    def compact(self, seq_id: Hashable, positions: list[int], start: int) -> None:
+        """Keep the tokens at ``positions`` (ascending, each >= its new place) as positions
+        ``start``, ``start + 1``, ... (the accepted path of a draft tree); the length becomes
+        ``start + len(positions)``. Copies only the tokens that move."""
+        seq = self._get(seq_id)
+        if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[-1] >= seq.length):
+            raise SequenceError(f"sequence {seq_id!r}: cannot keep positions {positions} of {seq.length}")
+        if positions and positions[0] < start:
+            raise SequenceError(f"sequence {seq_id!r}: positions {positions} start before {start}")
+        moves = [(p, start + i) for i, p in enumerate(positions) if p != start + i]
+        if moves:
+            src, dst = zip(*moves)
+            # Gathered before written: overlapping moves are exact.
+            self.kv.index_copy_(1, seq.slots[list(dst)], self.kv.index_select(1, seq.slots[list(src)]))
+        seq.length = start + len(positions)
+
     def release(self, seq_id: Hashable) -> None:
         """Return the sequence's blocks to the pool (unknown ids are ignored: release is idempotent)."""
         seq = self._seqs.pop(seq_id, None)

@@ -86,3 +86,41 @@ class AdaptiveDraftLength:
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
+
+
+@dataclass
+class TreeSize:
+    """Per sequence, the draft-tree size (nodes) that gives the most tokens per second, from a
+    few candidates: 0 (a chain), a quarter, half and all of the configured nodes. Each
+    candidate keeps moving averages of the tokens its steps emitted and of their wall time
+    (verify + draft), so the choice follows both acceptance and the measured cost of
+    verifying more nodes. An untried candidate is tried first; the others are probed every
+    `probe_every` steps, so the choice can change when the text does."""
+
+    max_nodes: int
+    decay: float = 0.7
+    probe_every: int = 16
+    tokens: dict[int, float] = field(default_factory=dict)  # size -> emitted tokens per step
+    seconds: dict[int, float] = field(default_factory=dict)  # size -> step wall time
+    _steps: int = 0
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted({0, self.max_nodes // 4, self.max_nodes // 2, self.max_nodes})
+
+    def next_size(self, load: int = 1) -> int:
+        """The size for the next step; under load (`load` sequences share each forward) at most
+        max_nodes / load, since every extra node then costs every sequence's step."""
+        self._steps += 1
+        sizes = [s for s in self.sizes if s <= self.max_nodes // max(1, load)] or [0]
+        untried = [s for s in sizes if s not in self.tokens]
+        if untried:
+            return untried[-1]
+        if self._steps % self.probe_every == 0:  # round-robin over the candidates
+            return sizes[(self._steps // self.probe_every) % len(sizes)]
+        return max(sizes, key=lambda s: self.tokens[s] / max(self.seconds[s], 1e-9))
+
+    def record(self, size: int, num_emitted: int, step_s: float) -> None:
+        old_t, old_s = self.tokens.get(size), self.seconds.get(size)
+        self.tokens[size] = num_emitted if old_t is None else self.decay * old_t + (1 - self.decay) * num_emitted
+        self.seconds[size] = step_s if old_s is None else self.decay * old_s + (1 - self.decay) * step_s

@@ -33,6 +33,7 @@ class DraftCall:
     temperature: float = 1.0  # the request's (DraftRequest.temperature)
     num_accepted: int = 0  # how many drafts of this drafter's last answer the target accepted
     seed: int | None = None  # a seeded request's: its sampled drafts come from its own generator
+    num_nodes: int = 0  # the most tree nodes wanted (DraftRequest.num_nodes); 0: a chain
 
 
 @dataclass
@@ -75,6 +76,7 @@ class DraftService:
                         seq.num_new,
                         seq.num_accepted,
                         call.seed,
+                        call.num_nodes,
                     )
                 )
                 index.append(i)

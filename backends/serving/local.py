@@ -12,13 +12,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import torch
-
 from backends.config import DrafterConfig
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall, DraftService
 from backends.serving.orchestrator import GenerationStats, generate
-from backends.serving.proposer import DrafterInfo
+from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 
@@ -47,9 +45,8 @@ class LocalDrafter:
             service.proposer.proposes_drafts,
         )
 
-    def draft(self, call: DraftCall) -> tuple[list[int], torch.Tensor | None, float]:
-        draft = self.service.draft([call])[0]
-        return draft.token_ids, draft.probs, 0.0
+    def draft(self, call: DraftCall) -> tuple[Draft, float]:
+        return self.service.draft([call])[0], 0.0
 
     def release(self, seq_id: int) -> None:
         self.service.release(seq_id)

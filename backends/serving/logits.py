@@ -33,13 +33,18 @@ class TokenLogprob:
 
 
 def process_logits(
-    logits: torch.Tensor, sampling: SamplingParams, output_ids: list[int], drafts: list[int], prompt_ids: list[int]
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    output_ids: list[int],
+    row_prefixes: list[list[int]],
+    prompt_ids: list[int],
 ) -> torch.Tensor:
-    """[k+1, V] target logits -> a float32 copy with the controls applied; row j's history
-    is `output_ids` (generated so far) + drafts[:j]. Placeholder drafts (-1) are never
-    accepted, so rows past one are never used; they are skipped in the history."""
+    """[rows, V] target logits -> a float32 copy with the controls applied; row j's history
+    is `output_ids` (generated so far) + row_prefixes[j], the drafts before it (a chain's
+    drafts[:j], a tree node's root path). Placeholder drafts (-1) are never accepted, so rows
+    past one are never used; they are skipped in the history."""
     rows = logits.float().clone()
-    histories = [output_ids + [d for d in drafts[:j] if d >= 0] for j in range(rows.shape[0])]
+    histories = [output_ids + [d for d in prefix if d >= 0] for prefix in row_prefixes]
     for row, history in zip(rows, histories):
         _ban_bad_words(row, sampling.bad_words_ids, history)
         if len(history) < sampling.min_tokens and sampling.min_tokens_stop_ids:

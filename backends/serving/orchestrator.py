@@ -15,11 +15,11 @@ from typing import Protocol
 
 import torch
 
-from backends.serving.adaptive import AdaptiveDraftLength
+from backends.serving.adaptive import AdaptiveDraftLength, TreeSize
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
-from backends.serving.proposer import DrafterInfo
+from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.rejection import AcceptanceStats
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
 from backends.serving.target import VerifyRequest, VerifyResult
@@ -30,14 +30,15 @@ DRAFTER_KEEPALIVE_S = 30.0  # a quarter of the peers' max_sequence_idle_microsec
 
 class Drafter(Protocol):
     """The drafter side of the step contract: a DraftCall in (the tokens since the last call,
-    the final k, how many drafts of the last answer were accepted, the target's hidden rows,
-    the request's temperature and seed), the drafts out."""
+    the final k and tree size, how many drafts of the last answer were accepted, the target's
+    hidden rows, the request's temperature and seed), the drafts out."""
 
     info: DrafterInfo  # what it is (method, k, layers), known before the first request
 
-    def draft(self, call: DraftCall) -> tuple[list[int], torch.Tensor | None, float]:
-        """Up to `call.num_tokens` draft ids, their [k, V] probabilities (None: one-hot /
-        model-free) and the seconds spent proposing."""
+    def draft(self, call: DraftCall) -> tuple[Draft, float]:
+        """Up to `call.num_tokens` levels of drafts (a chain, or a tree of at most
+        `call.num_nodes` nodes) with their probabilities where sampled, and the seconds
+        spent proposing."""
 
     def release(self, seq_id: int) -> None: ...
 
@@ -171,11 +172,11 @@ def generate(
         sampling = replace(sampling, synthetic_acceptance_rates=tuple(drafter.info.config.synthetic_acceptance_rates))
     # A seeded sampled request keeps a fixed draft length: adaptive k follows timings, and a
     # different k would change which random draws each token uses (no reproducibility).
-    policy = (
-        AdaptiveDraftLength(drafter.info.num_speculative_tokens)
-        if speculate and adaptive and req.num_draft_tokens is None and not seeded(req)
-        else None
-    )
+    adapt = speculate and adaptive and req.num_draft_tokens is None and not seeded(req)
+    # A tree-drafting config keeps its depth (k) and adapts the tree's size instead.
+    max_nodes = drafter.info.config.max_tree_nodes(drafter.info.num_speculative_tokens) if speculate else 0
+    policy = AdaptiveDraftLength(drafter.info.num_speculative_tokens) if adapt and not max_nodes else None
+    tree_policy = TreeSize(max_nodes) if adapt and max_nodes else None
     layer_ids = extract_layer_ids or (drafter.info.hidden_layer_ids if speculate else ())
     hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
     # Wall time runs from step to step, so the caller's streaming of a step's output counts
@@ -189,7 +190,11 @@ def generate(
         # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
         room = min(req.max_tokens - num_generated, max_model_len - num_tokens) - 1
         k = draft_length(req, drafter.info, load(), room, policy) if speculate else 0
-        drafts, probs, draft_s, draft_wall = [], None, 0.0, 0.0
+        nodes = 0  # tree nodes asked for (0: a chain); the tree must fit the window too
+        if k > 0 and max_nodes:
+            nodes = drafter.info.config.max_tree_nodes(k)
+            nodes = min(nodes, tree_policy.next_size(load()) if tree_policy else nodes, max_model_len - num_tokens - 1)
+        draft, draft_s, draft_wall = Draft(), 0.0, 0.0
         # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
         # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
         call_drafter = k > 0 or (speculate and time.monotonic() - last_drafter_call > DRAFTER_KEEPALIVE_S)
@@ -198,7 +203,7 @@ def generate(
             start = time.perf_counter()
             try:
                 hidden_in = torch.cat(hidden_rows) if hidden_rows else None
-                drafts, probs, draft_s = drafter.draft(
+                draft, draft_s = drafter.draft(
                     DraftCall(
                         seq_id,
                         unseen_by_drafter,
@@ -207,18 +212,27 @@ def generate(
                         req.sampling.temperature,
                         num_accepted,
                         req.sampling.seed,
+                        nodes,
                     )
                 )
             except Exception as e:  # the target decides every token: carry on without drafts
                 log.warning("sequence %d: drafter failed, decoding plainly from here: %s", seq_id, e)
                 stats.fallback, speculate, layer_ids = f"drafter failed: {e}", False, extract_layer_ids
-                drafts, probs, draft_s = [], None, 0.0
+                draft, draft_s = Draft(), 0.0
             draft_wall = time.perf_counter() - start
             unseen_by_drafter, hidden_rows = [], []
         start = time.perf_counter()
+        drafts = draft.token_ids
         result = verifier.verify(
             VerifyRequest(
-                seq_id, unseen_by_verifier, drafts, sampling, layer_ids, probs, req.max_tokens if sampling else None
+                seq_id,
+                unseen_by_verifier,
+                drafts,
+                sampling,
+                layer_ids,
+                draft.probs,
+                req.max_tokens if sampling else None,
+                draft.parents if drafts else None,
             )
         )
         emitted, verify_s, hidden, logprobs = result.token_ids, result.forward_s, result.hidden_states, result.logprobs
@@ -231,6 +245,8 @@ def generate(
         stats.record(len(drafts), len(emitted), draft_s, verify_s)
         if policy:
             policy.record(k, len(drafts), len(emitted) - 1, verify_wall, draft_wall)
+        if tree_policy and k > 0:
+            tree_policy.record(nodes, len(emitted), verify_wall + draft_wall)
 
         finish = None
         taken: list[int] = []

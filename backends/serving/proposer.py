@@ -37,6 +37,8 @@ class DraftRequest:
     # accepted (as Hugging Face's update_candidate_strategy is told).
     num_accepted: int = 0
     seed: int | None = None  # the request's seed: its draft samples come from its own generator
+    # The most tree nodes wanted (at most num_tokens levels deep); 0: draft a chain.
+    num_nodes: int = 0
 
     def __post_init__(self) -> None:
         if self.num_new is None:
@@ -53,6 +55,9 @@ class DraftRequest:
 class Draft:
     token_ids: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [len(token_ids), V] when the method has them
+    # A tree: each node's parent (-1 = the root), nodes in topological order
+    # (backends/serving/tree.py); None: a chain.
+    parents: list[int] | None = None
 
 
 class Proposer:

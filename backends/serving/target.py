@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from backends.serving.idle import release_idle
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
 from backends.serving.request import SamplingParams
+from backends.serving.tree import DraftTree, TreeError, accept_tree
 
 log = logging.getLogger("tritonspec.target")
 
@@ -43,6 +44,8 @@ class VerifyRequest:
     hidden_layer_ids: tuple[int, ...] = ()
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] from drafters that have them
     max_new_tokens: int | None = None  # on the first step: sizes the KV reservation
+    # The drafts as a tree: each one's parent (-1: the last emitted token); None: a chain.
+    draft_parents: list[int] | None = None
 
 
 @dataclass
@@ -80,6 +83,22 @@ class _Step:
     req: VerifyRequest
     seq: _Sequence
     pending: list[int]  # tokens not yet through the model: the prompt, or the last emitted one
+    tree: DraftTree | None = None  # the drafts when they form a tree (not a chain)
+    accepted: list[int] = field(default_factory=list)  # tree nodes kept, set by acceptance
+
+    def row(self) -> Row:
+        """The step as the lean runtime's row: a tree runs with its mask and depth positions."""
+        if self.tree is None:
+            return Row(self.req.seq_id, self.input_ids)
+        start, p = self.seq.num_cached, len(self.pending)
+        return Row(self.req.seq_id, self.input_ids, self.tree.attention_mask(p), self.tree.positions(start, p))
+
+    def kept_rows(self, result: VerifyResult) -> torch.Tensor | slice:
+        """Input rows whose KV (and hidden states) stay: the pending tokens, then the accepted drafts."""
+        p = len(self.pending)
+        if self.tree is None:
+            return slice(0, p + result.num_accepted)
+        return torch.tensor(list(range(p)) + [p + node for node in self.accepted])
 
     @property
     def input_ids(self) -> list[int]:
@@ -168,6 +187,7 @@ class TargetRunner:
         self.logits_size = self.model.get_output_embeddings().weight.shape[0]
         self.num_layers = self.model.config.num_hidden_layers
         self.sequences: dict[int, _Sequence] = {}
+        self._warned_trees = False
         # What idleness is measured on; the Triton verifier counts only the time it waits for
         # work (sequence_model.IdleClock), so a step queued behind others never looks idle.
         self.clock: Callable[[], float] = time.monotonic
@@ -305,10 +325,25 @@ class TargetRunner:
                 f"exceed the context window of {self.max_model_len}"
             )
         self._check(req)
+        tree = None
+        if req.draft_parents is not None:  # _check made sure it is a tree
+            tree = DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents))
+            if self.lean is None and not tree.is_chain:  # no tree attention: its first chain
+                req, tree = self._first_chain(req, tree), None
+            tree = None if tree is None or tree.is_chain else tree
         if seq is None:
             seq = self._start(req)
         seq.token_ids.extend(req.new_token_ids)
-        return _Step(req, seq, seq.token_ids[seq.num_cached :])
+        return _Step(req, seq, seq.token_ids[seq.num_cached :], tree)
+
+    def _first_chain(self, req: VerifyRequest, tree: DraftTree) -> VerifyRequest:
+        """The transformers engine verifies chains: a tree is cut to its chain of first children."""
+        if not self._warned_trees:
+            log.warning("the transformers engine has no tree attention: draft trees are verified as their first chain")
+            self._warned_trees = True
+        nodes = tree.first_path()
+        probs = None if req.draft_probs is None else req.draft_probs[nodes]
+        return replace(req, draft_token_ids=[tree.token_ids[i] for i in nodes], draft_probs=probs, draft_parents=None)
 
     def _check(self, req: VerifyRequest) -> None:
         """What the step names must exist: SequenceError (this request's alone) otherwise."""
@@ -319,6 +354,11 @@ class TargetRunner:
                 raise SequenceError(f"{where}: {name} id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(req.draft_token_ids) > MAX_SPEC_LEN:
             raise SequenceError(f"{where}: {len(req.draft_token_ids)} drafts; at most {MAX_SPEC_LEN} per step")
+        if req.draft_parents is not None:
+            try:
+                DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents))
+            except TreeError as e:
+                raise SequenceError(f"{where}: draft_parents: {e}") from None
         probs = req.draft_probs
         if probs is not None:
             expected = (len(req.draft_token_ids), self.logits_size)
@@ -369,7 +409,7 @@ class TargetRunner:
         """One ragged forward of the lean runtime over every step; each sequence's pool length
         then drops back to what it keeps (its pending tokens and accepted drafts)."""
         layers = sorted({i for step in steps for i in step.req.hidden_layer_ids})
-        rows = [Row(step.req.seq_id, step.input_ids) for step in steps]
+        rows = [step.row() for step in steps]
         for step in steps:  # a retried step starts from what the sequence keeps
             self.pool.truncate(step.req.seq_id, step.seq.num_cached)
         start = time.perf_counter()
@@ -379,10 +419,13 @@ class TargetRunner:
         for row, step in enumerate(steps):
             try:  # from here on each row is its own sequence's business
                 result = self._accept(step, out.logits[row], forward_s)
+                if step.accepted:  # move the accepted path's KV into place behind the pending tokens
+                    base = step.seq.num_cached - len(step.accepted)
+                    self.pool.compact(step.req.seq_id, [base + node for node in step.accepted], base)
                 self.pool.truncate(step.req.seq_id, step.seq.num_cached)
                 if step.req.hidden_layer_ids:
-                    kept = step.num_kept(result)
-                    hidden = [out.hidden[row][i][:kept] for i in step.req.hidden_layer_ids]
+                    kept = step.kept_rows(result)
+                    hidden = [out.hidden[row][i][kept] for i in step.req.hidden_layer_ids]
                     result.hidden_states = torch.stack(hidden, dim=1).float().cpu()
             except Exception as e:
                 result = e
@@ -441,8 +484,21 @@ class TargetRunner:
         raw = logits
         if seq.sampling.processes_logits:  # each row with the history before its position
             prompt = seq.token_ids[: seq.num_prompt_tokens]
-            logits = process_logits(logits, seq.sampling, seq.token_ids[seq.num_prompt_tokens :], drafts, prompt)
-        if seq.sampling.synthetic_acceptance_rates and drafts:
+            prefixes = step.tree.row_prefixes() if step.tree else [drafts[:j] for j in range(len(drafts) + 1)]
+            logits = process_logits(logits, seq.sampling, seq.token_ids[seq.num_prompt_tokens :], prefixes, prompt)
+        if step.tree is not None:
+            step.accepted, token = accept_tree(
+                step.tree,
+                logits,
+                step.req.draft_probs,
+                seq.sampling.temperature,
+                seq.sampling.top_k,
+                seq.sampling.top_p,
+                seq.generator,
+            )
+            emitted = [drafts[node] for node in step.accepted] + [token]
+            raw = raw[[0] + [node + 1 for node in step.accepted]]  # the rows of the emitted tokens
+        elif seq.sampling.synthetic_acceptance_rates and drafts:
             emitted = synthetic_sample(
                 drafts,
                 logits,

@@ -56,6 +56,7 @@ class TritonPythonModel(SequenceBatchedModel):
         hidden = input_array(request, "hidden_states")
         temperature = input_scalar(request, "temperature")
         seed = input_scalar(request, "random_seed")
+        nodes = input_scalar(request, "num_draft_nodes")
         return DraftCall(
             request.correlation_id(),
             input_ids(request, "input_ids"),
@@ -64,6 +65,7 @@ class TritonPythonModel(SequenceBatchedModel):
             1.0 if temperature is None else float(temperature),
             int(input_scalar(request, "num_accepted_drafts") or 0),
             None if seed is None else int(seed),
+            int(nodes or 0),
         )
 
     def run(self, calls: list[DraftCall]) -> list:
@@ -82,6 +84,8 @@ class TritonPythonModel(SequenceBatchedModel):
         # verification needs q); greedy drafts are one-hot and send none.
         probs = draft.probs
         extra = [] if probs is None else [pb_utils.Tensor("draft_probs", probs.float().cpu().numpy()[None])]
+        if draft.parents is not None:
+            extra.append(pb_utils.Tensor("draft_parents", np.array([draft.parents], dtype=np.int64)))
         return pb_utils.InferenceResponse(
             output_tensors=extra
             + [

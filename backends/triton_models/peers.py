@@ -12,7 +12,7 @@ import torch
 
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import LOGPROB_OUTPUTS, logprobs_from_arrays
-from backends.serving.proposer import DrafterInfo
+from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.target import VerifyRequest, VerifyResult
 from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, bls
 from backends.triton_models.peer_token import with_token
@@ -67,7 +67,7 @@ class BlsDrafter(SequencePeer):
         super().__init__(model_name, seq_id)
         self.info = info
 
-    def draft(self, call: DraftCall) -> tuple[list[int], torch.Tensor | None, float]:
+    def draft(self, call: DraftCall) -> tuple[Draft, float]:
         inputs = self._inputs(call.new_token_ids, call.num_tokens)
         inputs["num_accepted_drafts"] = np.array([[call.num_accepted]], dtype=np.int32)
         inputs["temperature"] = np.array([[call.temperature]], dtype=np.float32)
@@ -75,13 +75,16 @@ class BlsDrafter(SequencePeer):
             inputs["random_seed"] = np.array([[call.seed]], dtype=np.int64)
         if call.hidden_states is not None:
             inputs["hidden_states"] = call.hidden_states.numpy()[None]
-        out = self.call(inputs, ["draft_ids", "propose_ms", "draft_probs"])
-        probs = out.get("draft_probs")
-        return (
+        if call.num_nodes:
+            inputs["num_draft_nodes"] = np.array([[call.num_nodes]], dtype=np.int32)
+        out = self.call(inputs, ["draft_ids", "propose_ms", "draft_probs", "draft_parents"])
+        probs, parents = out.get("draft_probs"), out.get("draft_parents")
+        draft = Draft(
             out["draft_ids"].reshape(-1).tolist(),
             None if probs is None else torch.from_numpy(probs.reshape(probs.shape[-2:])),
-            float(out["propose_ms"].item()) / 1e3,
+            None if parents is None else parents.reshape(-1).tolist(),
         )
+        return draft, float(out["propose_ms"].item()) / 1e3
 
     @staticmethod
     def _inputs(token_ids: list[int], num_tokens: int) -> dict:
@@ -106,6 +109,8 @@ class BlsVerifier(SequencePeer):
         inputs = self._inputs(req.new_token_ids, req.draft_token_ids)
         if req.draft_probs is not None:
             inputs["draft_probs"] = req.draft_probs.numpy()[None]
+        if req.draft_parents is not None:
+            inputs["draft_parents"] = np.array([req.draft_parents], dtype=np.int64)
         outputs = ["output_ids", "forward_ms"]
         if req.hidden_layer_ids:
             inputs["hidden_layer_ids"] = np.array([req.hidden_layer_ids], dtype=np.int32)

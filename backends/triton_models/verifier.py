@@ -49,6 +49,7 @@ class TritonPythonModel(SequenceBatchedModel):
         params = json.loads(request.parameters() or "{}")
         sampling_json = params.get("sampling")
         draft_probs = input_array(request, "draft_probs")
+        parents = input_array(request, "draft_parents")
         return VerifyRequest(
             request.correlation_id(),
             input_ids(request, "input_ids"),
@@ -57,6 +58,7 @@ class TritonPythonModel(SequenceBatchedModel):
             tuple(input_ids(request, "hidden_layer_ids")),
             None if draft_probs is None else torch.from_numpy(draft_probs.reshape(draft_probs.shape[-2:])),
             params.get("max_new_tokens"),
+            None if parents is None else parents.reshape(-1).tolist(),
         )
 
     def run(self, calls: list[VerifyRequest]) -> list:

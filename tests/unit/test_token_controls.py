@@ -162,7 +162,7 @@ def test_each_row_is_processed_with_the_drafts_before_it(tokenizer):
     vocab = len(tokenizer)
     prompt, output, drafts = [3, 4, 5, 40], [40, 7, 7], [41, 7, 9]
     logits = torch.randn(len(drafts) + 1, vocab) * 3
-    got = process_logits(logits, sampling, output, drafts, prompt)
+    got = process_logits(logits, sampling, output, [drafts[:j] for j in range(len(drafts) + 1)], prompt)
     for j in range(len(drafts) + 1):
         expected = reference_row(logits[j], sampling, prompt, output + drafts[:j])
         torch.testing.assert_close(got[j], expected, rtol=1e-6, atol=1e-6)
