@@ -134,7 +134,9 @@ def test_greedy_trees_emit_the_target_greedy_tokens_and_keep_its_kv(runners, tin
             if kind in ("hit", "full"):  # every true level is accepted (a decoy below may be too)
                 assert len(result.token_ids) >= hits + 1
             if kind == "full":
-                assert len(result.token_ids) == DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents)).depth + 1
+                assert (
+                    len(result.token_ids) == DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents)).depth + 1
+                )
             kinds_seen[kind] = kinds_seen.get(kind, 0) + 1
             outputs[i] += result.token_ids
     assert min(kinds_seen.values()) > 0
