@@ -35,6 +35,8 @@ from torch import nn
 
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 from backends.methods.last_hidden import LastHiddenProposer
+from backends.serving.proposer import Draft, DraftRequest
+from backends.serving.tree import DraftTree
 
 LAYOUTS = ("vllm", "medusa")  # vLLM-converted, FasterDecoding
 _BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # FasterDecoding keys
@@ -251,7 +253,48 @@ def _faster_decoding_key(name: str, num_layers: int) -> str:
 
 
 class MedusaProposer(LastHiddenProposer):
+    """Medusa heads; with `speculative_token_tree`, a static tree (Medusa's tree choices): node
+    path (r_0, ..., r_d) drafts head d's rank-r_d token (every head reads the same state, so
+    the heads run once for the whole tree)."""
+
     method = "medusa"
+    token_tree: tuple[tuple[int, ...], ...] | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, **context: Any) -> MedusaProposer:
+        proposer = super().from_config(config, **context)
+        proposer.token_tree = config.speculative_token_tree
+        return proposer
+
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftRequest]) -> list[Draft]:
+        trees = [i for i, req in enumerate(batch) if self._tree_paths(req)]
+        chains = [i for i in range(len(batch)) if i not in trees]
+        drafts = [Draft() for _ in batch]
+        for i, draft in zip(chains, super().propose([batch[i] for i in chains]) if chains else []):
+            drafts[i] = draft
+        if trees:
+            states = torch.stack([self._last_state(batch[i]) for i in trees]).to(self.device, self.dtype)
+            logits = self.head(states)  # [trees, heads, V_d]: every level's ranking at once
+            for i, ranked in zip(trees, logits.float().argsort(dim=-1, descending=True, stable=True)):
+                drafts[i] = self._tree(self._tree_paths(batch[i]), ranked)
+        return drafts
+
+    def _tree_paths(self, req: DraftRequest) -> list[tuple[int, ...]]:
+        """The static tree's first `num_nodes` paths within this step's depth (breadth-first
+        order, so the prefix keeps every parent); empty: draft a chain."""
+        if not req.num_nodes or self.token_tree is None or req.hidden_states is None:
+            return []
+        depth = min(req.num_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
+        return [path for path in self.token_tree if len(path) <= depth][: req.num_nodes]
+
+    def _tree(self, paths: list[tuple[int, ...]], ranked: torch.Tensor) -> Draft:
+        """Node tokens from each level's ranking [heads, V_d], mapped to target ids."""
+        ids = ranked[[len(p) - 1 for p in paths], [p[-1] for p in paths]]
+        if self.head.draft_to_target is not None:
+            ids = self.head.draft_to_target[ids]
+        tree = DraftTree.from_paths(paths, ids.tolist())
+        return Draft(list(tree.token_ids), None, list(tree.parents))
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MedusaHead:

@@ -39,3 +39,10 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
 class TestServed(ServedHeadTests):
     # When sampling, head 0 cannot see the first sampled token, which spreads over four: its q is a mixture.
     METHOD = "medusa"
+
+
+class TestServedTree(ServedHeadTests):
+    """The same heads drafting Medusa's static tree (several of each head's top tokens)."""
+
+    METHOD = "medusa"
+    EXTRA = {"speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"}

@@ -222,6 +222,34 @@ def test_probabilistic_drafts_come_with_their_probabilities(name, checkpoints, t
     assert [d.token_ids for d in again] == [d.token_ids for d in drafts]
 
 
+TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-shared-truncated-nobias"])
+def test_a_static_tree_drafts_each_heads_ranked_tokens(name, checkpoints, target, hidden):
+    path, written = checkpoints[name]
+    proposer = MedusaProposer(load_medusa(path, target, "float32"), 512)
+    proposer.token_tree = TREE
+    requests = [DraftRequest(i, ids, 3, rows, num_nodes=6) for i, (ids, rows) in enumerate(zip(CONTEXTS, hidden))]
+    drafts = proposer.propose(requests)
+    for req, draft in zip(requests, drafts):
+        ranked = [
+            logits.argsort(descending=True) for logits in reference_logits(name, written, req.hidden_states[-1, 0])
+        ]
+        paths = TREE[:6]  # num_nodes cuts the breadth-first list, parents first
+        assert draft.token_ids == [int(ranked[len(p) - 1][p[-1]]) for p in paths]
+        assert draft.parents == [-1, -1, -1, 0, 0, 1] and draft.probs is None
+    # Depth follows the step's k; without num_nodes the drafts are the chain.
+    shallow = proposer.propose([DraftRequest(0, CONTEXTS[0], 1, hidden[0], num_nodes=10)])[0]
+    assert shallow.parents == [-1, -1, -1]
+    chain = proposer.propose([DraftRequest(0, CONTEXTS[0], 3, hidden[0])])[0]
+    assert chain.parents is None and len(chain.token_ids) == 3
+    # Trees and chains in one batch, each as alone.
+    mixed = proposer.propose([requests[0], DraftRequest(9, CONTEXTS[1], 3, hidden[1]), requests[2]])
+    assert [mixed[0].token_ids, mixed[2].token_ids] == [drafts[0].token_ids, drafts[2].token_ids]
+    assert mixed[1].token_ids == proposer.propose([DraftRequest(9, CONTEXTS[1], 3, hidden[1])])[0].token_ids
+
+
 def test_hidden_state_contract(checkpoints, target, runner):
     proposer = MedusaProposer(load_medusa(checkpoints["vllm"][0], target, "float32"), 512)
     wrong = target_hidden(runner, CONTEXTS[0][:-1], (0, -1))
