@@ -39,7 +39,29 @@ METHOD_CONFIGS: dict[str, dict] = {
     # Block drafters (trained 7 drafts deep): one drafter pass fills the whole block.
     "dflash": {"method": "dflash", "num_speculative_tokens": 7},
     "dspark": {"method": "dspark", "num_speculative_tokens": 7},
+    # Draft trees (one verification pass over all nodes); compare each with its chain above.
+    "suffix+tree": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True},
+    "medusa+tree": {
+        "method": "medusa",
+        "num_speculative_tokens": 3,
+        # Medusa's sparse-tree shape: more candidates where the first heads are surer.
+        "speculative_token_tree": "[(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),"
+        " (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0)]",
+    },
+    **{
+        f"{method}+tree": {
+            "method": method,
+            "num_speculative_tokens": 4,
+            "dynamic_tree": {"top_k": 4, "total_token": 16},
+        }
+        for method in ("eagle", "eagle3", "mtp")
+    },
 }
+
+
+def base_method(name: str) -> str:
+    """The method a bench entry runs ("eagle3+tree" -> "eagle3")."""
+    return name.split("+")[0]
 
 
 def read_prompt_file(path: Path) -> dict[str, list[str]]:
@@ -129,6 +151,7 @@ def summarize(results: list[Generation]) -> dict[str, Any]:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "per_position_acceptance": [n / drafts for n in per_position] if drafts else [],
         "tokens_per_step": tokens / steps if steps else 0.0,
+        "nodes_per_step": drafted / drafts if drafts else 0.0,  # drafts per drafting step (tree nodes)
         "draft_ms_per_step": sum(m["draft_ms"] for m in metrics) / steps,
         "verify_ms_per_step": sum(m["verify_ms"] for m in metrics) / steps,
         "overhead_ms_per_step": sum(m["overhead_ms"] for m in metrics) / steps,
@@ -207,7 +230,7 @@ def format_report(report: dict) -> str:
         f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "
         f"target {report['model']} ({report['dtype']}), engine: {report.get('engine', 'unknown')}; "
         "`same`: outputs identical to plain decoding",
-        f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'accept':>7} "
+        f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'nodes':>5} {'accept':>7} "
         f"{'draft':>6} {'verify':>7} {'ovh':>5} {'ovh%':>5} {'same':>5} {'diverge@':>9}  per-position acceptance",
     ]
     for method, by_category in report["methods"].items():
@@ -215,7 +238,8 @@ def format_report(report: dict) -> str:
             s = r["speculative"]
             lines.append(
                 f"{method:12} {category:11} {s['tokens_per_s']:7.1f} {r['plain']['tokens_per_s']:7.1f} "
-                f"{r['speedup_vs_plain']:7.2f}x {s['mean_acceptance_length']:5.2f} {s['acceptance_rate']:7.2f} "
+                f"{r['speedup_vs_plain']:7.2f}x {s['mean_acceptance_length']:5.2f} {s['nodes_per_step']:5.1f} "
+                f"{s['acceptance_rate']:7.2f} "
                 f"{s['draft_ms_per_step']:6.1f} {s['verify_ms_per_step']:7.1f} {s['overhead_ms_per_step']:5.1f} "
                 f"{s['overhead_share']:5.1%} {r['identical_outputs']:>2}/{r['outputs']:<2} "
                 f"{','.join('-' if d is None else str(d) for d in r['first_divergence']):>9} "

@@ -272,6 +272,7 @@ def _own_server(http_port: int, overrides, log_path: Path):
 def _bench(args: argparse.Namespace) -> int:
     from client.cli.bench import (
         METHOD_CONFIGS,
+        base_method,
         compare,
         engine_from_log,
         format_report,
@@ -305,9 +306,9 @@ def _bench(args: argparse.Namespace) -> int:
         "fixed_k": args.fixed_k,
         "methods": {},
     }
-    for method in args.methods:
-        config = dict(METHOD_CONFIGS[method])
-        if args.profile and PROFILES[args.profile]["speculative_config"]["method"] == method:
+    for name in args.methods:
+        config, method = dict(METHOD_CONFIGS[name]), base_method(name)
+        if args.profile and PROFILES[args.profile]["speculative_config"]["method"] == name:
             config = dict(PROFILES[args.profile]["speculative_config"])  # the profile's own settings
         if method == "draft_model":
             if draft is None:
@@ -331,24 +332,24 @@ def _bench(args: argparse.Namespace) -> int:
             },
             per_model={"drafter": {"speculative_config": json.dumps(config)}},
         )
-        with _own_server(args.port, overrides, out / f"server-{method}.log") as server:
-            report.setdefault("engine", engine_from_log(out / f"server-{method}.log"))
+        with _own_server(args.port, overrides, out / f"server-{name}.log") as server:
+            report.setdefault("engine", engine_from_log(out / f"server-{name}.log"))
             runs = measure(
                 server.grpc_url,
                 prompts,
                 args.max_tokens,
                 args.repeats,
-                method,
+                name,
                 config["num_speculative_tokens"] if args.fixed_k else None,
                 not args.stop_at_eos,
             )
             if args.sweep:
                 from client.cli.perf import plot_sweep, run_sweep
 
-                sweep = run_sweep(server.grpc_url, out / f"sweep-{method}", tuple(args.sweep), args.max_tokens)
-                plot_sweep(sweep, out / f"sweep-{method}.png")
-                report.setdefault("sweeps", {})[method] = sweep
-        report["methods"][method] = compare(runs)
+                sweep = run_sweep(server.grpc_url, out / f"sweep-{name}", tuple(args.sweep), args.max_tokens)
+                plot_sweep(sweep, out / f"sweep-{name}.png")
+                report.setdefault("sweeps", {})[name] = sweep
+        report["methods"][name] = compare(runs)
     if args.hf:
         report["huggingface"] = hf_comparison(
             str(target), str(draft) if draft else None, prompts, args.max_tokens, args.dtype
@@ -623,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["ngram", "suffix"],
         choices=list(METHOD_CONFIGS),
-        help="trainable head methods (eagle, eagle3, ...) use the head `tritonspec train METHOD --target MODEL` wrote",
+        help="trainable head methods (eagle, eagle3, ...) use the head `tritonspec train METHOD --target MODEL` wrote; "
+        "METHOD+tree drafts trees (compare it with METHOD's chains in one run)",
     )
     bench.add_argument("--model", default=DEFAULT_MODEL, help="target (named, HF directory or GGUF)")
     bench.add_argument("--draft-model", help="drafter for draft_model (named, HF directory or GGUF)")

@@ -64,3 +64,36 @@ def test_batch_size_schedule_caps_k_under_load():
     )
     info, req = DrafterInfo(config, ()), GenerationRequest(prompt="x")
     assert [draft_length(req, info, load, 10, None) for load in (1, 2, 3, 8, 9, 64)] == [4, 4, 1, 1, 0, 0]
+
+
+def test_tree_size_tries_each_size_then_keeps_the_fastest():
+    from backends.serving.adaptive import TreeSize
+
+    policy = TreeSize(max_nodes=16, probe_every=1000)
+    assert policy.sizes == [0, 4, 8, 16]
+    tried = []
+    for _ in range(4):  # every size once, the largest first
+        size = policy.next_size()
+        tried.append(size)
+        # Bigger trees emit more per step but cost more: 8 nodes is the best tokens/s here.
+        policy.record(size, {0: 2, 4: 3, 8: 4, 16: 4.2}[size], {0: 0.02, 4: 0.022, 8: 0.024, 16: 0.04}[size])
+    assert tried == [16, 8, 4, 0]
+    assert [policy.next_size() for _ in range(3)] == [8, 8, 8]
+    # Under load a tree costs every sequence in the batch: at most max_nodes / load nodes.
+    assert policy.next_size(load=3) == 4
+    assert policy.next_size(load=64) == 0
+
+
+def test_tree_size_probes_the_others_and_follows_a_change():
+    from backends.serving.adaptive import TreeSize
+
+    policy = TreeSize(max_nodes=8, probe_every=4)
+    for size in policy.sizes:
+        policy.record(size, 1 + size / 8, 0.02)  # big trees pay
+    picks = [policy.next_size() for _ in range(8)]
+    assert set(picks) - {8}  # probes visit other sizes now and then
+    for _ in range(10):
+        policy.record(8, 1.0, 0.03)  # the text changed: the big tree no longer pays
+        policy.record(0, 1.8, 0.02)
+    picks = [policy.next_size() for _ in range(3)]
+    assert picks.count(0) >= 2

@@ -151,3 +151,43 @@ def test_bench_names_the_engine_the_verifier_logged(tmp_path):
     assert engine_from_log(log) == "transformers (runtime=hf, device cpu), not batch-invariant"
     log.write_text("nothing\n")
     assert engine_from_log(log).startswith("unknown")
+
+
+def test_bench_reports_tree_nodes_per_step_and_runs_tree_variants_as_their_method():
+    from backends.config import SpeculativeConfig
+    from client.api.triton import Generation
+    from client.cli.bench import METHOD_CONFIGS, base_method, compare, format_report
+
+    def run(drafts: int, nodes: int, accepted: int) -> Generation:
+        metrics = {
+            "num_steps": drafts + 1,
+            "num_drafts": drafts,
+            "num_draft_tokens": nodes,
+            "num_accepted_tokens": accepted,
+            "accepted_per_position": [accepted],
+            "draft_ms": 1.0,
+            "verify_ms": 10.0,
+            "overhead_ms": 1.0,
+            "total_ms": 12.0,
+        }
+        return Generation(output_ids=[1, 2], num_output_tokens=2, seconds=0.1, perf_metrics=metrics)
+
+    runs = {"code": {"plain": [run(0, 0, 0)], "speculative": [run(4, 40, 6), run(2, 12, 2)]}}
+    result = compare(runs)["code"]["speculative"]
+    assert result["nodes_per_step"] == 52 / 6 and result["mean_acceptance_length"] == 1 + 8 / 6
+    text = format_report(
+        {
+            "prompt_set": 2,
+            "max_tokens": 8,
+            "repeats": 1,
+            "model": "m",
+            "dtype": "bfloat16",
+            "methods": {"x": compare(runs)},
+        }
+    )
+    assert "nodes" in text.splitlines()[1] and " 8.7 " in text.splitlines()[2]
+    assert base_method("eagle3+tree") == "eagle3" and base_method("suffix") == "suffix"
+    trees = [name for name in METHOD_CONFIGS if name.endswith("+tree")]
+    assert {base_method(n) for n in trees} == {"suffix", "medusa", "eagle", "eagle3", "mtp"}
+    assert all(base_method(n) in METHOD_CONFIGS for n in trees)  # each beside its chain
+    SpeculativeConfig.from_json(METHOD_CONFIGS["suffix+tree"])  # the variants are valid configs

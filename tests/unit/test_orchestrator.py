@@ -35,8 +35,35 @@ class OracleProposer(Proposer):
         return out
 
 
-def run(runner, tokenizer, prompt, proposer, max_tokens=40, k=4, num_draft_tokens=None):
-    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": k})
+class TreeOracleProposer(OracleProposer):
+    """Asked for a tree: the target's continuation as the last child at each level, after wrong
+    siblings (and with corrupt_every, a wrong token on that path now and then)."""
+
+    def __init__(self, reference: list[int], prompt_len: int, corrupt_every: int = 0) -> None:
+        super().__init__(reference, prompt_len, corrupt_every)
+        self.asked: list[int] = []
+
+    def propose(self, batch):
+        chains = super().propose(batch)
+        out = []
+        for req, chain in zip(batch, chains):
+            self.asked.append(req.num_nodes)
+            tokens, parents, parent = [], [], -1
+            for token in chain.token_ids:
+                if len(tokens) + 2 > req.num_nodes:
+                    break
+                tokens += [(token + 7) % 50, token]
+                parents += [parent, parent]
+                parent = len(tokens) - 1
+            out.append(Draft(tokens, None, parents))
+        return out
+
+
+def run(runner, tokenizer, prompt, proposer, max_tokens=40, k=4, num_draft_tokens=None, tree=False):
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    if tree:  # a config that drafts trees of k nodes (the proposer is the test's own)
+        spec = {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_use_tree_spec": True}
+    config = SpeculativeConfig.from_json(spec)
     drafter = LocalDrafter(DraftService(proposer, config)) if proposer else None
     req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens)
     stats = GenerationStats()
@@ -96,6 +123,19 @@ def test_wrong_drafts_roll_back_exactly(runner, tokenizer, tiny_model_dir):
     assert out == reference
     assert 0 < stats.acceptance.acceptance_rate < 1
     assert not runner.sequences  # released
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 2])
+def test_draft_trees_through_the_loop_give_the_target_greedy_output(runner, tokenizer, tiny_model_dir, corrupt_every):
+    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
+    prompt_len = len(tokenizer(PROMPT)["input_ids"])
+    proposer = TreeOracleProposer(reference, prompt_len, corrupt_every)
+    out, stats = run(runner, tokenizer, PROMPT, proposer, k=8, tree=True)
+    assert out == reference
+    assert set(proposer.asked) - {0} and max(proposer.asked) <= 8  # the config's node budget
+    assert stats.acceptance.num_accepted_tokens > 0 and 0 < stats.acceptance.acceptance_rate < 1
+    if not corrupt_every:  # four levels, each the true token after a wrong sibling: all accepted
+        assert stats.acceptance.mean_acceptance_length > 4
 
 
 def test_max_tokens_is_exact_with_drafts(runner, tokenizer, tiny_model_dir):
@@ -276,8 +316,10 @@ def test_bfloat16_speculative_output_is_plain_output(target_dir, tokenizer, mode
     for prompt in BF16_PROMPTS:
         plain, _ = run(runner, tokenizer, prompt, None, max_tokens=48)
         prompt_len = len(tokenizer(prompt)["input_ids"])
-        for corrupt_every in (0, 3):
-            spec, stats = run(runner, tokenizer, prompt, OracleProposer(plain, prompt_len, corrupt_every), 48)
+        for corrupt_every, oracle in ((0, OracleProposer), (3, OracleProposer), (3, TreeOracleProposer)):
+            tree = oracle is TreeOracleProposer
+            proposer = oracle(plain, prompt_len, corrupt_every)
+            spec, stats = run(runner, tokenizer, prompt, proposer, 48, k=8 if tree else 4, tree=tree)
             assert stats.acceptance.num_accepted_tokens > 0
             if mode == "on":
                 assert spec == plain
