@@ -92,7 +92,7 @@ _BATCH_SCHEDULE = "num_speculative_tokens_per_batch_size"
 # Which methods draft which kind of tree, and how many nodes one tree may have (the verifier's
 # per-step limit, vLLM's MAX_SPEC_LEN).
 TREE_METHODS = {
-    "speculative_token_tree": ("medusa", "eagle", "eagle3", "mtp"),
+    "speculative_token_tree": ("medusa", "eagle", "eagle3", "mtp", "draft_model"),
     "dynamic_tree": ("eagle", "eagle3", "mtp"),
     "suffix_decoding_use_tree_spec": ("suffix",),
 }
@@ -586,6 +586,12 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if name == "speculative_token_tree":
             self.speculative_token_tree = parse_token_tree(self.speculative_token_tree)
+            off_chain = [p for p in self.speculative_token_tree if any(p[:-1])]
+            if self.method == "draft_model" and off_chain:
+                raise SpeculativeConfigError(
+                    f"speculative_token_tree path {off_chain[0]}: draft_model's tree branches off its chain "
+                    "only (every rank but a path's last is 0)"
+                )
             depth = max(map(len, self.speculative_token_tree))
             if depth > k:
                 raise SpeculativeConfigError(

@@ -39,6 +39,7 @@ from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, SequenceProposer, check_one_device
 from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
+from backends.serving.tree import DraftTree
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
 QUANTIZATIONS = (None, "int8")
@@ -70,6 +71,8 @@ class _Work:
     generator: torch.Generator | None  # the request's (SequenceProposer.generator_for)
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V] on the drafter's device (probabilistic)
+    tree: list[tuple[int, ...]] = field(default_factory=list)  # node paths asked for (empty: a chain)
+    ranked: list[list[int]] = field(default_factory=list)  # per draft position, the most likely ids
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -85,6 +88,12 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class DraftModelProposer(SequenceProposer):
+    """With `speculative_token_tree`, the chain gets siblings: path (0, ..., 0, r) with d zeros
+    is the r-th most likely other token at draft position d, from the logits the chain was
+    drafted from (no extra forward). Its deeper paths must branch off the chain only."""
+
+    token_tree: tuple[tuple[int, ...], ...] | None = None
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -153,7 +162,9 @@ class DraftModelProposer(SequenceProposer):
                     "use_heterogeneous_vocab needs the target model's tokenizer (target_model was not given)"
                 )
             bridge = TextBridge(load_tokenizer(Path(target_model)), load_tokenizer(path))
-        return cls(model, max_model_len, config.draft_sample_method, bridge, seed, lean)
+        proposer = cls(model, max_model_len, config.draft_sample_method, bridge, seed, lean)
+        proposer.token_tree = config.speculative_token_tree
+        return proposer
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -177,6 +188,7 @@ class DraftModelProposer(SequenceProposer):
                     num_drafts,
                     req.temperature,
                     self.generator_for(req),
+                    tree=self._tree_paths(req, num_drafts),
                 )
             )
         if self.lean is not None and work:
@@ -190,15 +202,41 @@ class DraftModelProposer(SequenceProposer):
             if self.bridge:
                 drafts[w.index] = Draft(self.bridge.to_target(req.token_ids, w.context, w.drafts, req.num_tokens))
             else:
-                drafts[w.index] = Draft(w.drafts, w.probs)
+                drafts[w.index] = self._tree(w) if w.tree else Draft(w.drafts, w.probs)
         return drafts
+
+    def _tree_paths(self, req: DraftRequest, num_drafts: int) -> list[tuple[int, ...]]:
+        """The static tree's first `num_nodes` paths within this step's drafts; empty: a chain."""
+        if not req.num_nodes or self.token_tree is None or self.bridge is not None:
+            return []
+        return [path for path in self.token_tree if len(path) <= num_drafts][: req.num_nodes]
+
+    def _tree(self, w: _Work) -> Draft:
+        """The chain and its siblings as a tree. A sibling is a fixed token (a one-hot row when
+        the chain comes with probabilities), so sampled verification stays exact."""
+        tokens, rows = [], []
+        for path in w.tree:
+            depth, rank = len(path) - 1, path[-1]
+            chain = w.drafts[depth]
+            token = chain if rank == 0 else [t for t in w.ranked[depth] if t != chain][rank - 1]
+            tokens.append(token)
+            if w.probs is not None:
+                rows.append(
+                    w.probs[depth] if rank == 0 else F.one_hot(torch.tensor(token), w.probs.shape[-1]).to(w.probs)
+                )
+        tree = DraftTree.from_paths(w.tree, tokens)
+        return Draft(list(tree.token_ids), torch.stack(rows) if rows else None, list(tree.parents))
 
     def _rollback(self, state: _SeqState, context: list[int], req: DraftRequest) -> list[int]:
         """Crop the cache past the drafts the target rejected; the tokens to feed. At least
         the last token is fed again, since its logits are what the first draft needs. Through
         a text bridge the drafter's tokens are a retokenization: there the longest shared
         prefix decides."""
-        valid = common_prefix_len(state.token_ids, context) if self.bridge else req.num_kept
+        if self.bridge:
+            valid = common_prefix_len(state.token_ids, context)
+        else:  # of the drafts said accepted, those the cache holds (a tree may accept a sibling)
+            base = len(context) - req.num_new
+            valid = base + common_prefix_len(state.token_ids[base : req.num_kept], context[base : req.num_kept])
         keep = min(valid, len(state.token_ids), len(context) - 1)
         if len(state.token_ids) > keep:
             if self.pool is not None:
@@ -249,6 +287,11 @@ class DraftModelProposer(SequenceProposer):
             logits, self.sample_method, [w.temperature for w in work], [w.generator for w in work]
         )
         steps.append((tokens, probs))
+        ranks = max((path[-1] for w in work for path in w.tree), default=0)
+        if ranks:  # siblings of the chain: the most likely ids, one more than needed (the chain's own)
+            ranked = logits.float().topk(ranks + 1, dim=-1).indices.tolist()
+            for w, row in zip(work, ranked):
+                w.ranked.append(row)
         return tokens
 
     def _run_one(self, w: _Work) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
+from backends.config.errors import SpeculativeConfigError
 from backends.methods.draft_model import DraftModelProposer, sample_drafts
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime.lean_lm import LeanCausalLM
@@ -290,3 +291,46 @@ def test_a_seeded_requests_drafts_do_not_depend_on_who_else_is_drafted(draft_lm,
 
     alone = drafts_of_seq_1([1])
     assert drafts_of_seq_1([2, 1, 3]) == alone and drafts_of_seq_1([3, 2, 1]) == alone
+
+
+# ---------------------------------------------------------------------------- trees
+
+CHAIN_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]"
+
+
+def test_a_tree_is_the_chain_with_its_next_most_likely_siblings(make, draft_lm, prompt_ids, tiny_draft_dir):
+    from backends.config.speculative import parse_token_tree
+
+    proposer = make(512)
+    proposer.token_tree = parse_token_tree(CHAIN_TREE)
+    ids = prompt_ids[0]
+    draft = proposer.propose([DraftRequest(1, ids, 4, num_nodes=7)])[0]
+    chain = cacheless_greedy(draft_lm, ids, 4)
+    with torch.inference_mode():
+        logits = draft_lm(input_ids=torch.tensor([ids + chain])).logits[0, len(ids) - 1 :]
+    ranked = [row.argsort(descending=True).tolist() for row in logits]
+    # Breadth-first: (0,) (1,) (2,) (0,0) (0,1) (0,0,0) (0,0,1); the 8th is cut by num_nodes.
+    assert draft.token_ids == [chain[0], ranked[0][1], ranked[0][2], chain[1], ranked[1][1], chain[2], ranked[2][1]]
+    assert draft.parents == [-1, -1, -1, 0, 0, 3, 3] and draft.probs is None
+    # The next step after a sibling was accepted: the cache is rolled back to the chain it holds.
+    accepted = [chain[0], ranked[1][1], 7]
+    again = proposer.propose([DraftRequest(1, ids + accepted, 4, num_new=3, num_accepted=2, num_nodes=7)])[0]
+    fresh = make(512)
+    fresh.token_tree = proposer.token_tree
+    assert again == fresh.propose([DraftRequest(2, ids + accepted, 4, num_nodes=7)])[0]
+    assert cached_length(proposer, 1) == cached_length(fresh, 2)
+
+
+def test_draft_model_trees_branch_off_the_chain_only(tiny_draft_dir, tiny_model_dir):
+    with pytest.raises(SpeculativeConfigError, match=r"path \(1, 0\): draft_model's tree branches off its chain"):
+        draft_config(tiny_draft_dir, tiny_model_dir, speculative_token_tree="[(0,), (1,), (1, 0)]")
+
+
+def test_speculating_with_a_draft_model_tree_equals_target_greedy(runner, tokenizer, tiny_model_dir, tiny_draft_dir):
+    config = draft_config(tiny_draft_dir, tiny_model_dir, speculative_token_tree=CHAIN_TREE)
+    proposer = build_proposer(config, max_model_len=512, dtype="float32")
+    for prompt in PROMPTS:
+        out, stats = generate_local(prompt, tokenizer, runner, DraftService(proposer, config), {0}, max_tokens=40)
+        assert tuple(out) == hf_greedy(str(tiny_model_dir), prompt, 40)
+        assert stats.acceptance.num_draft_tokens > 4 * stats.acceptance.num_drafts  # trees, not chains
+        assert stats.acceptance.num_accepted_tokens > 0
