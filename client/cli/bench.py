@@ -41,6 +41,12 @@ METHOD_CONFIGS: dict[str, dict] = {
     "dspark": {"method": "dspark", "num_speculative_tokens": 7},
     # Draft trees (one verification pass over all nodes); compare each with its chain above.
     "suffix+tree": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True},
+    "draft_model+tree": {
+        "method": "draft_model",
+        "num_speculative_tokens": 4,
+        # The chain plus the draft's next two candidates at each of its first two positions.
+        "speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]",
+    },
     "medusa+tree": {
         "method": "medusa",
         "num_speculative_tokens": 3,

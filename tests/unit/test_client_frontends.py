@@ -188,6 +188,6 @@ def test_bench_reports_tree_nodes_per_step_and_runs_tree_variants_as_their_metho
     assert "nodes" in text.splitlines()[1] and " 8.7 " in text.splitlines()[2]
     assert base_method("eagle3+tree") == "eagle3" and base_method("suffix") == "suffix"
     trees = [name for name in METHOD_CONFIGS if name.endswith("+tree")]
-    assert {base_method(n) for n in trees} == {"suffix", "medusa", "eagle", "eagle3", "mtp"}
+    assert {base_method(n) for n in trees} == {"suffix", "draft_model", "medusa", "eagle", "eagle3", "mtp"}
     assert all(base_method(n) in METHOD_CONFIGS for n in trees)  # each beside its chain
     SpeculativeConfig.from_json(METHOD_CONFIGS["suffix+tree"])  # the variants are valid configs
