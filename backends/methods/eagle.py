@@ -43,10 +43,29 @@ sequence (the token list is diffed as in draft_model).
 Greedy drafts come without probabilities (one-hot, as in draft_model); `probabilistic`
 drafts are sampled and come with [k, V_target] probabilities (eagle3 scatters its draft
 vocabulary into the target's through d2t; target ids outside it get probability 0).
+
+Draft trees (a request with `num_nodes` > 0 under a tree config; backends/serving/tree.py)
+------------------------------------------------------------------------------------------
+A node's pair is (its token, its parent's output state) at position n-1 + depth, and it
+attends to the sequence's target pairs, its ancestors and itself; the head runs once per
+level for all the level's fed nodes of every sequence (as many per sequence), so a tree
+costs as many forwards as a chain of its depth.
+- `dynamic_tree` (EAGLE-2): the root's top_k tokens are the first level; each level feeds
+  its top_k nodes by cumulative draft log-probability (the draft's softmax along the path)
+  and gives each top_k children; at the end the num_nodes best of all are kept (a node never
+  scores above its parent, and ties keep the shallower, so the kept nodes form a tree).
+- `speculative_token_tree` (static): the paths of at most k levels, cut to the first
+  num_nodes (breadth-first, so closed under parents); path (r_0, .., r_d) is the rank-r_d
+  token of its parent's distribution. Only nodes with children are fed.
+Tree drafts are these fixed top-ranked tokens for greedy and sampled requests alike and come
+without probabilities: distinct fixed siblings are one-hot drafts, which the verifier's
+recursive rejection keeps exact. The tree's entries are dropped from the head's cache before
+the call returns: the accepted path comes back as new tokens with the target's states.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +81,7 @@ from backends.methods.draft_model import append_new_entries, gather_drafts, stac
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
 from backends.serving.proposer import Draft, DraftRequest
+from backends.serving.tree import ROOT, DraftTree
 
 LAYOUTS = ("eagle", "eagle3")
 _NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
@@ -314,17 +334,51 @@ class _Work:
     start: int  # first position fed this call
     new_ids: list[int]  # x_{start+1}..x_{n-1}
     features: torch.Tensor  # [len(new_ids), D]
-    num_drafts: int
+    num_drafts: int  # chain drafts, or tree levels
     temperature: float
     generator: torch.Generator | None  # the request's (SequenceProposer.generator_for)
+    num_nodes: int = 0  # the most tree nodes; 0: a chain
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V_target] on the head's device (probabilistic)
+    parents: list[int] | None = None  # a tree's (None: a chain)
+
+
+@dataclass
+class _Context:
+    """A propose call's first forward: every sequence's new target pairs, batched."""
+
+    cache: DynamicCache  # a lone sequence's own, else the sequences' caches stacked
+    keys: torch.Tensor  # [B, K] bool: the cache entries each sequence may attend to
+    hidden: torch.Tensor  # [B, D] the head's state at each sequence's last pair
+    last: torch.Tensor  # [B] that pair's position
 
 
 class EagleProposer(HeadProposer):
     method = "eagle"
     hidden_layer_ids = (-1,)  # EAGLE-1/2 read the target's final normed state
     _seqs: dict[int, _SeqState]
+
+    def __init__(
+        self,
+        head: nn.Module,
+        max_model_len: int,
+        sample_method: str = "greedy",
+        seed: int | None = None,
+        *,
+        dynamic_tree: dict[str, int] | None = None,
+        token_tree: tuple[tuple[int, ...], ...] | None = None,
+    ) -> None:
+        """`dynamic_tree` ({"top_k", "total_token"}) or `token_tree` (a static tree's paths):
+        how requests that ask for tree nodes are drafted; neither: always chains."""
+        super().__init__(head, max_model_len, sample_method, seed)
+        self.dynamic_tree = dynamic_tree
+        self.token_tree = token_tree
+
+    @classmethod
+    def from_config(cls, config: Any, max_model_len: int, **context: Any) -> EagleProposer:
+        proposer = super().from_config(config, max_model_len, **context)
+        proposer.dynamic_tree, proposer.token_tree = config.dynamic_tree, config.speculative_token_tree
+        return proposer
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> EagleHead:
@@ -334,10 +388,13 @@ class EagleProposer(HeadProposer):
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         drafts = [Draft() for _ in batch]
         work = [w for i, req in enumerate(batch) if (w := self._prepare(i, req)) is not None]
-        if work:
-            self._run(work)
+        chains, trees = [w for w in work if not w.num_nodes], [w for w in work if w.num_nodes]
+        if chains:
+            self._run(chains)
+        if trees:
+            self._run_tree(trees)
         for w in work:
-            drafts[w.index] = Draft(w.drafts, w.probs)
+            drafts[w.index] = Draft(w.drafts, w.probs, w.parents)
         return drafts
 
     def _prepare(self, index: int, req: DraftRequest) -> _Work | None:
@@ -374,6 +431,7 @@ class EagleProposer(HeadProposer):
             state.cache.crop(start - cached)
         state.token_ids = list(req.token_ids)
         features = self.head.features(hidden.to(self.device, self.dtype))
+        trees = self.dynamic_tree is not None or self.token_tree is not None
         return _Work(
             index,
             state,
@@ -383,17 +441,17 @@ class EagleProposer(HeadProposer):
             num_drafts,
             req.temperature,
             self.generator_for(req),
+            req.num_nodes if trees else 0,
         )
 
-    def _run(self, work: list[_Work]) -> None:
-        """One forward per draft position for the whole batch: caches left-padded and stacked
-        (a lone sequence uses its own), new pairs right-padded, a mask over both pads."""
+    def _feed_context(self, work: list[_Work]) -> _Context:
+        """The first forward: caches left-padded and stacked (a lone sequence uses its own),
+        new pairs right-padded, a mask over both pads."""
         lengths = [len(w.new_ids) for w in work]
         max_cached, max_len = max(w.start for w in work), max(lengths)
-        alone = len(work) == 1
         cache = (
             work[0].state.cache
-            if alone
+            if len(work) == 1
             else stack_caches([w.state.cache for w in work], [w.start for w in work], self.head.config)
         )
         ids = torch.tensor([w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)], device=self.device)
@@ -406,25 +464,58 @@ class EagleProposer(HeadProposer):
         positions = torch.tensor([list(range(w.start, w.start + max_len)) for w in work], device=self.device)
         last = torch.tensor(lengths, device=self.device) - 1  # each row's last real pair
         rows = torch.arange(len(work), device=self.device)
+        hidden = self.head(ids, features, positions, causal_mask(keys, ids.shape[1]), cache, 0)
+        return _Context(cache, keys, hidden[rows, last], positions[rows, last])
+
+    def _store(self, work: list[_Work], cache: DynamicCache, fed: list[int]) -> None:
+        """Keep each sequence's new pairs and its first `fed[i]` fed drafts in its own cache."""
+        if len(work) > 1:
+            lengths = [len(w.new_ids) for w in work]
+            append_new_entries(
+                cache, [w.state.cache for w in work], max(w.start for w in work), lengths, max(lengths), fed
+            )
+            return
+        w = work[0]
+        cache.crop(w.start + len(w.new_ids) + fed[0] - cache.get_seq_length())
+
+    def _run(self, work: list[_Work]) -> None:
+        """A chain: one forward per draft position for the whole batch."""
+        context = self._feed_context(work)
+        hidden, keys = context.hidden, context.keys
         steps, sampled = max(w.num_drafts for w in work), []
         for step in range(steps):
-            hidden = self.head(ids, features, positions, causal_mask(keys, ids.shape[1]), cache, step)
-            hidden = hidden[rows, last]
             tokens = self._sample(self.head.logits(hidden, step), work, sampled)
             if step + 1 == steps:
                 break
             # The next pair: the draft just made with the head's own state, one position on.
-            ids, features = tokens.unsqueeze(1), hidden.unsqueeze(1)
-            positions = positions[rows, last].unsqueeze(1) + 1
             keys = F.pad(keys, (0, 1), value=True)
-            last = torch.zeros_like(last)
+            positions = (context.last + step + 1).unsqueeze(1)
+            mask = causal_mask(keys, 1)
+            hidden = self.head(tokens.unsqueeze(1), hidden.unsqueeze(1), positions, mask, context.cache, step + 1)[:, 0]
         for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
             w.drafts, w.probs = drafted, probs
-        if alone:
-            return
-        append_new_entries(
-            cache, [w.state.cache for w in work], max_cached, lengths, max_len, [w.num_drafts - 1 for w in work]
-        )
+        self._store(work, context.cache, [w.num_drafts - 1 for w in work])
+
+    def _run_tree(self, work: list[_Work]) -> None:
+        """A tree per sequence, level by level for the whole batch; the tree's entries are
+        not kept (the accepted path comes back with the target's states)."""
+        context = self._feed_context(work)
+        feed = _TreeFeed(self.head, context)
+        root = self.head.logits(context.hidden, 0).float()
+        if self.dynamic_tree is not None:
+            top_k = self.dynamic_tree["top_k"]
+            trees = dynamic_trees(
+                feed, root, top_k, [w.num_drafts for w in work], [w.num_nodes for w in work], self._target_ids
+            )
+        else:
+            paths = [[p for p in self.token_tree if len(p) <= w.num_drafts][: w.num_nodes] for w in work]
+            trees = static_trees(feed, root, paths, self._target_ids)
+        for w, (token_ids, parents) in zip(work, trees):
+            w.drafts, w.parents = token_ids, parents
+        self._store(work, context.cache, [0] * len(work))
+
+    def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.head.draft_to_target is None else self.head.draft_to_target[draft_ids]
 
     def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
         """One draft per row of draft-vocabulary `logits` [B, V_d] (row i: work[i]), as target
@@ -447,6 +538,120 @@ class Eagle3Proposer(EagleProposer):
             _, cfg = Checkpoint.open(cls.checkpoint(config), EagleCheckpointError)
             ids = checkpoint_aux_layer_ids(cfg, {"num_hidden_layers": TargetInfo.load(target_model).num_layers})
         return tuple(sorted(ids))
+
+
+# ---------------------------------------------------------------------------- draft trees
+
+
+class _TreeFeed:
+    """Tree nodes fed to the head after each sequence's context, a level at a time, as many
+    per sequence; fed slot 0 is the root (the last target pair, already in the context)."""
+
+    def __init__(self, head: EagleHead, context: _Context) -> None:
+        self.head, self.context = head, context
+        self.hidden = context.hidden.unsqueeze(1)  # [B, 1 + fed, D] each slot's output state
+        # [B, 1 + fed, fed]: the fed nodes each slot sees (its ancestors and itself)
+        self.seen = context.keys.new_zeros(len(context.keys), 1, 0)
+
+    @property
+    def size(self) -> int:
+        """Nodes fed so far (the next one's slot is size + 1)."""
+        return self.seen.shape[2]
+
+    def __call__(self, tokens: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
+        """Feed nodes `tokens` [B, P] (target ids) at `depth` (0: the root's children) whose
+        parents are the fed slots `parents` [B, P]; their draft logits [B, P, V_d]."""
+        batch, num = tokens.shape
+        slots = parents.unsqueeze(-1)
+        features = self.hidden.gather(1, slots.expand(-1, -1, self.hidden.shape[-1]))
+        own = torch.eye(num, dtype=torch.bool, device=tokens.device).expand(batch, -1, -1)
+        seen = torch.cat([self.seen.gather(1, slots.expand(-1, -1, self.size)), own], dim=-1)
+        keys = self.context.keys.unsqueeze(1).expand(-1, num, -1)
+        positions = (self.context.last + 1 + depth).unsqueeze(1).expand(-1, num)
+        mask = torch.cat([keys, seen], dim=-1).unsqueeze(1)
+        out = self.head(tokens, features, positions, mask, self.context.cache, depth + 1)
+        self.seen = torch.cat([F.pad(self.seen, (0, num)), seen], dim=1)
+        self.hidden = torch.cat([self.hidden, out], dim=1)
+        return self.head.logits(out, depth + 1).float()
+
+
+def dynamic_trees(
+    feed: _TreeFeed,
+    root: torch.Tensor,
+    top_k: int,
+    depths: list[int],
+    sizes: list[int],
+    target_ids: Callable[[torch.Tensor], torch.Tensor],
+) -> list[tuple[list[int], list[int]]]:
+    """EAGLE-2's trees from the root's draft logits `root` [B, V_d]: at most depths[i] levels
+    and sizes[i] nodes for sequence i. Every candidate is a (token, cumulative log-probability,
+    parent) triple; each level feeds its top_k candidates. `target_ids` maps draft ids."""
+    k = min(top_k, root.shape[-1])
+    scores, ids = root.log_softmax(-1).topk(k)
+    tokens, parents = target_ids(ids), torch.full_like(ids, ROOT)
+    slots = torch.zeros_like(ids)  # each candidate's parent's fed slot (0: the root)
+    levels, first = [(tokens, scores, parents)], 0  # first: the level's first candidate's index
+    for depth in range(max(depths) - 1):
+        frontier = scores.topk(k).indices
+        base = feed.size + 1
+        logits = feed(tokens.gather(1, frontier), slots.gather(1, frontier), depth)
+        child_scores, child_ids = logits.log_softmax(-1).topk(k)  # [B, k frontier, k children]
+        scores = (scores.gather(1, frontier).unsqueeze(-1) + child_scores).flatten(1)
+        tokens = target_ids(child_ids).flatten(1)
+        parents = (first + frontier).unsqueeze(-1).expand(-1, -1, k).flatten(1)
+        slots = (base + torch.arange(k, device=ids.device)).repeat_interleave(k).expand_as(scores)
+        first += levels[-1][0].shape[1]
+        levels.append((tokens, scores, parents))
+    depth_of = [d for d, (t, _, _) in enumerate(levels) for _ in range(t.shape[1])]
+    tokens, scores, parents = (torch.cat(part, dim=1).tolist() for part in zip(*levels))
+    return [best_subtree(t, s, p, depth_of, d, n) for t, s, p, d, n in zip(tokens, scores, parents, depths, sizes)]
+
+
+def best_subtree(
+    token_ids: list[int], scores: list[float], parents: list[int], depths: list[int], max_depth: int, size: int
+) -> tuple[list[int], list[int]]:
+    """EAGLE-2's rerank: the `size` candidates of the highest score within `max_depth` levels
+    (ties: the shallower, then the earlier; a node never scores above its parent, so every
+    kept node's parent is kept), ordered by depth, then score. Returns (tokens, parents)."""
+    ranked = sorted((i for i, d in enumerate(depths) if d < max_depth), key=lambda i: (-scores[i], depths[i], i))
+    kept = sorted(ranked[:size], key=lambda i: depths[i])  # stable: by rank within a level
+    index = {node: new for new, node in enumerate(kept)}
+    return [token_ids[i] for i in kept], [ROOT if parents[i] == ROOT else index[parents[i]] for i in kept]
+
+
+def static_trees(
+    feed: _TreeFeed,
+    root: torch.Tensor,
+    trees: list[list[tuple[int, ...]]],
+    target_ids: Callable[[torch.Tensor], torch.Tensor],
+) -> list[tuple[list[int], list[int]]]:
+    """Static trees from the root's draft logits `root` [B, V_d]: trees[i] is sequence i's
+    node paths (closed under parents, breadth-first). Their union runs for every sequence,
+    a level at a time, feeding only the nodes that have children."""
+    paths = sorted(set().union(*trees), key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(paths)}
+    has_children = {p[:-1] for p in paths}
+    tokens = torch.zeros(len(root), len(paths), dtype=torch.long, device=root.device)
+    logits, fed, slot = root.unsqueeze(1), [()], {(): 0}  # the distributions the next level ranks
+    for depth in range(1, len(paths[-1]) + 1):
+        level = [p for p in paths if len(p) == depth]
+        ranked = logits.topk(max(p[-1] for p in level) + 1).indices  # [B, fed, ranks]
+        where = {p: j for j, p in enumerate(fed)}
+        chosen = ranked[:, [where[p[:-1]] for p in level], [p[-1] for p in level]]
+        tokens[:, [index[p] for p in level]] = target_ids(chosen)
+        fed = [p for p in level if p in has_children]
+        if not fed:
+            break
+        base = feed.size + 1
+        parents = torch.tensor([slot[p[:-1]] for p in fed], device=root.device).expand(len(root), -1)
+        logits = feed(tokens[:, [index[p] for p in fed]], parents, depth - 1)
+        slot.update({p: base + j for j, p in enumerate(fed)})
+    rows = tokens.tolist()
+    out = []
+    for row, own in zip(rows, trees):
+        token_ids = [row[index[p]] for p in own]
+        out.append((token_ids, list(DraftTree.from_paths(own, token_ids).parents)))
+    return out
 
 
 def causal_mask(keys: torch.Tensor, num_new: int) -> torch.Tensor:
