@@ -11,12 +11,20 @@ A string seen once is one lazy node that stands for the rest of its occurrence, 
 at most a node per distinct string and in practice a few per token (random text: ~1); an
 append touches only the nodes of suffixes seen before, at most max_tree_depth of them.
 Probabilities are Python floats (arctic-inference uses float32; only exact ties can differ).
+
+Tree mode (arctic-inference's `use_tree_spec`, which vLLM never turns on; here
+suffix_decoding_use_tree_spec): from the match point, grow a subtree best-first, always
+adding the frontier node with the highest path probability, up to the node budget; its score
+is the sum of its node probabilities, compared over match lengths and trees as in path mode.
+The verifier accepts any root path of it, so the target picks the branch.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +37,8 @@ class SuffixDraft:
     probs: list[float] = field(default_factory=list)  # each token's path probability
     score: float = 0.0  # sum of probs: the expected number of accepted tokens
     match_len: int = 0  # how many context tokens the draft continues
+    # Tree mode: each token's parent (-1 = the root), parents first; None: a chain.
+    parents: list[int] | None = None
 
 
 class _Node:
@@ -178,9 +188,15 @@ class SuffixTree:
         return node, extra
 
     def speculate(
-        self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
+        self,
+        context: Sequence[int],
+        max_spec_tokens: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+        tree_depth: int | None = None,
     ) -> SuffixDraft:
-        """The best single-path draft over every match length 1..len(context)-1."""
+        """The best draft over every match length 1..len(context)-1: a single path, or with
+        `tree_depth` a subtree of at most max_spec_tokens nodes and tree_depth levels."""
         best = SuffixDraft()
         n = len(context)
         for match_len in range(1, n):
@@ -188,7 +204,10 @@ class SuffixTree:
             if match is None:
                 return best  # a longer tail cannot match either
             max_tokens = max(0, min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6)))
-            draft = self._follow(*match, max_tokens, min_token_prob)
+            if tree_depth is None:
+                draft = self._follow(*match, max_tokens, min_token_prob)
+            else:
+                draft = self._grow(*match, max_tokens, tree_depth, min_token_prob)
             if draft.score >= best.score:  # ties go to the longer match
                 draft.match_len = match_len
                 best = draft
@@ -215,6 +234,46 @@ class SuffixTree:
             draft.probs.append(prob)
             draft.score += prob
         return draft
+
+    def _grow(self, node: _Node, extra: int, max_nodes: int, max_depth: int, min_token_prob: float) -> SuffixDraft:
+        """Best-first: add the frontier node with the highest probability until max_nodes.
+        A child's probability is at most its parent's, so the result holds the most probable
+        nodes there are (within max_depth levels) and pops come in non-increasing order."""
+        draft = SuffixDraft(parents=[])
+        order = itertools.count()  # equal probabilities: the earliest pushed first
+        # (-prob, order, token, node, extra, parent index, depth of the token)
+        frontier: list[tuple[float, int, int, _Node, int, int, int]] = []
+
+        def push_children(node: _Node, extra: int, prob: float, parent: int, depth: int) -> None:
+            if depth < max_depth:
+                for token, p, child, child_extra in self._next(node, extra, prob, min_token_prob):
+                    heapq.heappush(frontier, (-p, next(order), token, child, child_extra, parent, depth))
+
+        push_children(node, extra, 1.0, -1, 0)
+        while frontier and len(draft.token_ids) < max_nodes:
+            neg_prob, _, token, node, extra, parent, depth = heapq.heappop(frontier)
+            draft.token_ids.append(token)
+            draft.parents.append(parent)
+            draft.probs.append(-neg_prob)
+            draft.score += -neg_prob
+            push_children(node, extra, -neg_prob, len(draft.token_ids) - 1, depth + 1)
+        return draft
+
+    def _next(
+        self, node: _Node, extra: int, prob: float, min_token_prob: float
+    ) -> Iterator[tuple[int, float, _Node, int]]:
+        """(token, probability, node, extra) of each continuation at or above min_token_prob,
+        siblings in the order path mode prefers them (so it breaks their ties)."""
+        if node.children is None:  # a lazy node has one continuation, as probable as itself
+            token = self._implicit(node.seq, node.pos, node.depth, extra)
+            if token is not None:
+                yield token, prob, node, extra + 1
+            return
+        for child in sorted(node.children.values(), key=_rank, reverse=True):
+            p = prob * (child.count / node.count)
+            if p < min_token_prob:
+                return  # the rest are no more probable
+            yield child.token, p, child, 0
 
     def counts(self) -> dict[tuple[int, ...], int]:
         """{string: count} for every string the tree holds (for tests and debugging)."""
@@ -298,11 +357,14 @@ class SuffixDecodingCache:
         max_spec_tokens: int | None = None,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
+        tree_depth: int | None = None,
     ) -> SuffixDraft:
+        """A path of at most max_spec_tokens tokens, or with `tree_depth` (tree mode) a subtree
+        of at most max_spec_tokens nodes and tree_depth levels, from the tree that scores higher."""
         context = context[-self.max_tree_depth :]
         if max_spec_tokens is None:
             max_spec_tokens = self.max_tree_depth
-        args = (context, max_spec_tokens, max_spec_factor, min_token_prob)
+        args = (context, max_spec_tokens, max_spec_factor, min_token_prob, tree_depth)
         local = self.local_tree(req_id).speculate(*args)
         shared = self.global_tree.speculate(*args)
         return local if local.score >= shared.score else shared
@@ -310,7 +372,9 @@ class SuffixDecodingCache:
 
 class SuffixDrafter(Proposer):
     """The `suffix` drafter backend: turns DraftService's whole-sequence calls into the cache's
-    start / add-response / stop calls."""
+    start / add-response / stop calls. The cache only ever gets the sequence's own tokens
+    (prompt + output), never drafts, so nothing rolls back whichever tree branch was accepted.
+    A request with num_nodes > 0 gets a tree (suffix_decoding_use_tree_spec)."""
 
     def __init__(self, cache: SuffixDecodingCache, max_spec_factor: float, min_token_prob: float) -> None:
         self.cache = cache
@@ -332,15 +396,18 @@ class SuffixDrafter(Proposer):
             elif len(r.token_ids) > seen:
                 self.cache.add_active_response(r.seq_id, r.token_ids[seen:])
             self._seen[r.seq_id] = len(r.token_ids)
-            # num_tokens is already clamped to max_tokens and the context window by the caller.
+            # num_tokens (and num_nodes) are already clamped to max_tokens and the context
+            # window by the caller; a tree keeps within num_tokens levels.
+            tree = r.num_nodes > 0
             draft = self.cache.speculate(
                 r.seq_id,
                 r.token_ids[-self.cache.max_tree_depth :],
-                r.num_tokens,
+                r.num_nodes if tree else r.num_tokens,
                 self.max_spec_factor,
                 self.min_token_prob,
+                r.num_tokens if tree else None,
             )
-            drafts.append(Draft(draft.token_ids))
+            drafts.append(Draft(draft.token_ids, parents=draft.parents))
         return drafts
 
     def release(self, seq_id: int) -> None:

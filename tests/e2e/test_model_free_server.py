@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import hf_greedy, served_greedy_results
+from tests.fixtures.helpers import hf_greedy, served_greedy_results, served_greedy_results_once
 from tests.fixtures.servers import start_server
 
 PROMPTS = [
@@ -62,3 +62,11 @@ def test_suffix_global_tree_helps_a_repeated_request(servers, tiny_model_dir):
         "then",
         second.total_accepted_draft_tokens,
     )
+
+
+def test_suffix_tree_spec_output_equals_target_greedy(tiny_model_dir, tmp_path):
+    """suffix_decoding_use_tree_spec: the drafter sends trees (draft_parents) through the BLS
+    hops and the verifier accepts any branch of them; the output is still the target's."""
+    config = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
+    results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 40)
+    assert sum(r.total_accepted_draft_tokens for r in results) > 0
