@@ -1,11 +1,19 @@
-"""EAGLE-1 and EAGLE-3 heads (tiny synthetic checkpoints) through the real server: the verifier
-returns the hidden states the head names, the orchestrator carries them to the drafter, and
-the output is the target's own."""
+"""EAGLE-1 and EAGLE-3 heads through the real server: the verifier returns the hidden states the
+head names, the orchestrator carries them to the drafter, and the output is the target's own
+(tiny synthetic checkpoints); and a fitted EAGLE-1 head drafting EAGLE-2's dynamic trees
+(tests/fixtures/head_server.py's ServedHeadTests)."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+import torch
+
+from backends.methods.eagle import causal_mask, load_eagle
+from backends.methods.head_checkpoint import TargetInfo
+from backends.training.eagle import Eagle1Trainer
+from tests.fixtures.head_server import ServedHeadTests, fit_and_save, soft_cross_entropy
 from tests.fixtures.helpers import served_greedy_results_once
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 
@@ -26,3 +34,30 @@ def test_served_greedy_equals_target_greedy(method, target_dir, tmp_path):
     config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
     results = served_greedy_results_once(tmp_path, target_dir, config, PROMPTS, 24)
     assert sum(r.total_draft_tokens for r in results) > 0
+
+
+@pytest.fixture(scope="module")
+def fitted_dir(tiny_model_dir, tmp_path_factory):
+    """An EAGLE-1 head for the served tests' target (the tiny model), fitted to its
+    distributions one token further (embedding and LM head stay the target's), written as the
+    trainer writes heads."""
+    root = tmp_path_factory.mktemp("eagle-fitted")
+    write_eagle1(root / "random", tiny_model_dir)
+    head = load_eagle(root / "random", TargetInfo.load(tiny_model_dir), "float32")
+    head.saved_config = json.loads((root / "random" / "config.json").read_text())
+    for name, param in head.named_parameters():
+        param.requires_grad = name not in ("embed_tokens.weight", "lm_head.weight")
+
+    def loss(head, s):
+        n = s.ids.shape[1] - 1
+        positions = torch.arange(n).expand(len(s.ids), n)
+        mask = causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n)
+        out = head(s.ids[:, 1:], s.hidden[:, :-1], positions, mask, None)
+        return soft_cross_entropy(head.logits(out), s.probs[:, 1:])
+
+    return fit_and_save(head, loss, tiny_model_dir, Eagle1Trainer().save, root / "head")
+
+
+class TestServedTree(ServedHeadTests):
+    METHOD = "eagle"
+    EXTRA = {"dynamic_tree": {"top_k": 3, "total_token": 8}}

@@ -1,5 +1,6 @@
 """MTP heads through the real server: a DeepSeek-layout layer fitted to the tiny target, written
-by the method's writer and served (tests/fixtures/head_server.py's ServedHeadTests)."""
+by the method's writer and served (tests/fixtures/head_server.py's ServedHeadTests), drafting
+chains and a static speculative_token_tree."""
 
 from __future__ import annotations
 
@@ -33,3 +34,8 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
 
 class TestServed(ServedHeadTests):
     METHOD = "mtp"
+
+
+class TestServedStaticTree(ServedHeadTests):
+    METHOD = "mtp"
+    EXTRA = {"speculative_token_tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]}
