@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from backends.methods.eagle import causal_mask, load_eagle
+from backends.methods.eagle import load_eagle
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training.eagle import Eagle1Trainer
-from tests.fixtures.head_server import ServedHeadTests, fit_and_save, soft_cross_entropy
+from tests.fixtures.head_server import ServedHeadTests, fit_and_save, next_token_loss
 from tests.fixtures.helpers import served_greedy_results_once
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 
@@ -48,14 +47,7 @@ def fitted_dir(tiny_model_dir, tmp_path_factory):
     for name, param in head.named_parameters():
         param.requires_grad = name not in ("embed_tokens.weight", "lm_head.weight")
 
-    def loss(head, s):
-        n = s.ids.shape[1] - 1
-        positions = torch.arange(n).expand(len(s.ids), n)
-        mask = causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n)
-        out = head(s.ids[:, 1:], s.hidden[:, :-1], positions, mask, None)
-        return soft_cross_entropy(head.logits(out), s.probs[:, 1:])
-
-    return fit_and_save(head, loss, tiny_model_dir, Eagle1Trainer().save, root / "head")
+    return fit_and_save(head, next_token_loss, tiny_model_dir, Eagle1Trainer().save, root / "head")
 
 
 class TestServedTree(ServedHeadTests):

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from backends.methods.eagle import causal_mask
 from backends.methods.mtp import MTPHead, save_mtp
-from tests.fixtures.head_server import ServedHeadTests, fit_and_save, soft_cross_entropy
+from tests.fixtures.head_server import ServedHeadTests, fit_and_save, next_token_loss
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +20,7 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
     for name, param in head.named_parameters():
         param.requires_grad = name not in head.borrowed
 
-    def loss(head, s):
-        n = s.ids.shape[1] - 1
-        positions = torch.arange(n).expand(len(s.ids), n)
-        mask = causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n)
-        out = head(s.ids[:, 1:], s.hidden[:, :-1], positions, mask, None)
-        return soft_cross_entropy(head.logits(out), s.probs[:, 1:])
-
-    return fit_and_save(head, loss, tiny_model_dir, save_mtp, tmp_path_factory.mktemp("mtp-fitted") / "head")
+    return fit_and_save(head, next_token_loss, tiny_model_dir, save_mtp, tmp_path_factory.mktemp("mtp-fitted") / "head")
 
 
 class TestServed(ServedHeadTests):

@@ -14,14 +14,14 @@ import torch
 from transformers import DynamicCache
 
 from backends.config import SpeculativeConfig
-from backends.methods.eagle import EagleProposer, best_subtree, causal_mask, load_eagle
+from backends.methods.eagle import EagleProposer, best_subtree, load_eagle
 from backends.methods.mtp import MTPHead, load_mtp
 from backends.serving.drafting import DraftService
 from backends.serving.local import generate_local
 from backends.serving.proposer import build_proposer
 from backends.serving.target import TargetRunner
 from backends.serving.tree import ROOT, DraftTree
-from tests.fixtures.head_server import GREEDY_PROMPTS, fit, soft_cross_entropy, teacher
+from tests.fixtures.head_server import GREEDY_PROMPTS, fit, next_token_loss, teacher
 from tests.fixtures.helpers import assert_same_caches, hf_greedy, request
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 from tests.fixtures.synthetic_heads import write_mtp
@@ -253,14 +253,6 @@ def test_speculative_greedy_with_trees_equals_target_greedy(name, tree, checkpoi
         assert tuple(out) == hf_greedy(str(target_dir), prompt, 24)
         assert stats.acceptance.num_draft_tokens > 3 * stats.acceptance.num_drafts > 0
     assert proposer.num_sequences == 0 and not runner.sequences
-
-
-def next_token_loss(head, s) -> torch.Tensor:
-    """The head's draft distribution after each pair against the target's one token further."""
-    n = s.ids.shape[1] - 1
-    mask = causal_mask(torch.ones(len(s.ids), n, dtype=torch.bool), n)
-    out = head(s.ids[:, 1:], s.hidden[:, :-1], torch.arange(n).expand(len(s.ids), n), mask, None)
-    return soft_cross_entropy(head.logits(out), s.probs[:, 1:])
 
 
 @pytest.fixture(scope="module")
