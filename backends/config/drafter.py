@@ -81,7 +81,9 @@ class DrafterConfig:
             return sum(len(path) <= k for path in self.speculative_token_tree)
         if self.dynamic_tree is not None:
             return max(k, self.dynamic_tree["total_token"])
-        return k if self.suffix_decoding_use_tree_spec else 0
+        # Suffix trees: num_speculative_tokens nodes (arctic-inference's max_spec_tokens), however
+        # few levels the step allows.
+        return self.num_speculative_tokens if self.suffix_decoding_use_tree_spec else 0
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the dynamic schedule (k without one)."""
