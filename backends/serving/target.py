@@ -328,9 +328,10 @@ class TargetRunner:
         tree = None
         if req.draft_parents is not None:  # _check made sure it is a tree
             tree = DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents))
-            if self.lean is None and not tree.is_chain:  # no tree attention: its first chain
+            if tree.is_chain:
+                tree = None
+            elif self.lean is None:  # no tree attention: its first chain
                 req, tree = self._first_chain(req, tree), None
-            tree = None if tree is None or tree.is_chain else tree
         if seq is None:
             seq = self._start(req)
         seq.token_ids.extend(req.new_token_ids)
