@@ -326,8 +326,11 @@ class TargetRunner:
             )
         self._check(req)
         tree = None
-        if req.draft_parents is not None:  # _check made sure it is a tree
-            tree = DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents))
+        if req.draft_parents is not None:
+            try:
+                tree = DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents))
+            except TreeError as e:
+                raise SequenceError(f"sequence {req.seq_id}: draft_parents: {e}") from None
             if tree.is_chain:
                 tree = None
             elif self.lean is None:  # no tree attention: its first chain
@@ -355,11 +358,6 @@ class TargetRunner:
                 raise SequenceError(f"{where}: {name} id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(req.draft_token_ids) > MAX_SPEC_LEN:
             raise SequenceError(f"{where}: {len(req.draft_token_ids)} drafts; at most {MAX_SPEC_LEN} per step")
-        if req.draft_parents is not None:
-            try:
-                DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents))
-            except TreeError as e:
-                raise SequenceError(f"{where}: draft_parents: {e}") from None
         probs = req.draft_probs
         if probs is not None:
             expected = (len(req.draft_token_ids), self.logits_size)
