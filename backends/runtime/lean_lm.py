@@ -30,6 +30,8 @@ by ``scripts/bench_runtime.py``):
   the pool: no gather, no copy. Larger groups gather their keys per layer into a padded batch:
   for 8 rows at 200 keys, gather + one SDPA took 164 us per layer (1 token) and 278 us (5
   tokens), one SDPA per row on views 242 and 410 us.
+- RMSNorm in bf16 is one call of ``cpu_kernels.rms_norm`` (``F.rms_norm`` is ~8 ops, and 2.6 ms
+  of a 17 ms step went to them); float32 keeps ``F.rms_norm``, whose sums are transformers'.
 - Positions default to cached length + index; explicit per-row positions are accepted (trees).
 - RoPE cos/sin come from transformers' own init functions (default, linear, dynamic, yarn,
   llama3, longrope), computed like its rotary embedding (float32, then cast), as a table by
@@ -40,7 +42,7 @@ by ``scripts/bench_runtime.py``):
   layer i (transformers' ``hidden_states[i]``); id num_layers or -1 is the final normed state.
 
 Batch-invariant mode (``from_hf(..., batch_invariant=True)``, the verifier's default): attention
-runs in ``attention.c`` instead of SDPA (each token over its own key list, in one fixed order;
+runs in ``cpu_kernels.c`` instead of SDPA (each token over its own key list, in one fixed order;
 no step plan of groups and masks is built), and every matmul is split along K as far as the
 load-time probe needs (``_Linear.invariant``). A token's logits are then the same bits whatever
 else shares its step; measured at 0.96-1.06x the SDPA path's step time.
@@ -60,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from . import invariant_attention
+from . import cpu_kernels
 from .kv_cache import KVCachePool, SequenceError
 
 log = logging.getLogger(__name__)
@@ -298,7 +300,7 @@ class _Step:
     sin: torch.Tensor
     slots: torch.Tensor  # [T] pool slot of each new token
     groups: list[_Group]  # SDPA calls (empty when batch-invariant)
-    keys: invariant_attention.KeyLists | None  # batch-invariant: each new token's key slots
+    keys: cpu_kernels.KeyLists | None  # batch-invariant: each new token's key slots
     spans: list[tuple[int, int]]  # flat token range of each row, in the caller's row order
 
 
@@ -330,6 +332,10 @@ class LeanCausalLM:
         self.vocab_size = embed.shape[0]
         self.eps = config.rms_norm_eps
         self.rope = _Rope(config, dtype)
+        # bf16: the C kernel, one call and transformers' rounding bit for bit (F.rms_norm skips
+        # the intermediate rounding). float32: F.rms_norm, whose sums match transformers exactly
+        # (the kernel's other order drifted logits 1.2e-4 over 30 layers).
+        self.fast_norm = dtype == torch.bfloat16 and cpu_kernels.rms_norm_available(self.hidden_size)
 
     @classmethod
     def from_hf(cls, hf_model, dtype: torch.dtype | None = None, batch_invariant: bool = False) -> LeanCausalLM:
@@ -364,7 +370,7 @@ class LeanCausalLM:
 
         if (
             batch_invariant
-            and (reason := invariant_attention.unavailable_reason(head_dim, heads, kv_heads)) is not None
+            and (reason := cpu_kernels.unavailable_reason(head_dim, heads, kv_heads)) is not None
         ):
             raise UnsupportedArchitecture(f"batch-invariant attention is unavailable: {reason}")
         splits: dict[tuple, int | None] = {}
@@ -539,7 +545,7 @@ class LeanCausalLM:
         return groups
 
     @staticmethod
-    def _key_lists(pool: KVCachePool, rows: list[Row], cached: list[int]) -> invariant_attention.KeyLists:
+    def _key_lists(pool: KVCachePool, rows: list[Row], cached: list[int]) -> cpu_kernels.KeyLists:
         """Each new token's keys, rows in flat order: the cached tokens, then the new tokens its
         row's mask allows (causal: itself and those before it)."""
         slots, starts, lengths, offset = [], [], [], 0
@@ -558,7 +564,7 @@ class LeanCausalLM:
                 starts.append(torch.tensor([offset]))
                 lengths.append(torch.tensor([own.shape[0]]))
                 offset += own.shape[0]
-        return invariant_attention.KeyLists(torch.cat(slots), torch.cat(starts), torch.cat(lengths))
+        return cpu_kernels.KeyLists(torch.cat(slots), torch.cat(starts), torch.cat(lengths))
 
     def _group(self, pool: KVCachePool, rows: list[Row], cached: list[int], t0: int, n: int) -> _Group:
         lengths = [c + n for c in cached]
@@ -591,7 +597,7 @@ class LeanCausalLM:
     def _layer(self, index: int, layer: _Layer, h: torch.Tensor, kv_layer: torch.Tensor, step: _Step) -> torch.Tensor:
         T = h.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        x = F.rms_norm(h, (self.hidden_size,), layer.attn_norm, self.eps)
+        x = self._norm(h, layer.attn_norm)
         qkv = layer.qkv(x)
         qk = qkv[:, : (heads + kv_heads) * d].view(T, heads + kv_heads, d)
         if layer.qk_norm is not None:
@@ -601,15 +607,20 @@ class LeanCausalLM:
         kv_layer.index_copy_(0, step.slots, qkv[:, heads * d :].view(T, 2, kv_heads, d))
         q = qkv[:, : heads * d]
         if step.keys is not None:
-            attended = invariant_attention.attend(q, kv_layer, step.keys, heads)
+            attended = cpu_kernels.attend(q, kv_layer, step.keys, heads)
         else:
             outs = [self._attend(q[g.t0 : g.t1], g, index, kv_layer) for g in step.groups]
             attended = outs[0] if len(outs) == 1 else torch.cat(outs)
         h = layer.o.add(attended, h)
-        x = F.rms_norm(h, (self.hidden_size,), layer.mlp_norm, self.eps)
+        x = self._norm(h, layer.mlp_norm)
         gate_up = layer.gate_up(x)
         inter = gate_up.shape[1] // 2
         return layer.down.add(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], h)
+
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fast_norm:
+            return cpu_kernels.rms_norm(h, weight, self.eps)
+        return F.rms_norm(h, (self.hidden_size,), weight, self.eps)
 
     def _attend(self, q: torch.Tensor, g: _Group, index: int, kv_layer: torch.Tensor) -> torch.Tensor:
         """Attention of one group: q ``[rows * n, heads * head_dim]`` -> same shape.
@@ -639,7 +650,7 @@ class LeanCausalLM:
         self, h: torch.Tensor, step: _Step, counts: list[int], saved: dict, keep_final: bool
     ) -> list[torch.Tensor]:
         if keep_final:
-            saved[self.num_layers] = F.rms_norm(h, (self.hidden_size,), self.norm, self.eps)
+            saved[self.num_layers] = self._norm(h, self.norm)
         if sum(counts) == 0:
             return [h.new_empty(0, self.vocab_size) for _ in counts]
         if len(counts) == 1:
@@ -649,5 +660,5 @@ class LeanCausalLM:
         if keep_final:
             x = saved[self.num_layers][picked]
         else:
-            x = F.rms_norm(h[picked], (self.hidden_size,), self.norm, self.eps)
+            x = self._norm(h[picked], self.norm)
         return list(self.lm_head(x).split(counts))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.runtime import invariant_attention
+from backends.runtime import cpu_kernels
 from backends.runtime.lean_lm import K_CHUNKS, LeanCausalLM, Row, _Linear
 from tests.fixtures.lean_models import FAMILIES, build, tokens
 
@@ -86,12 +86,12 @@ def test_kernel_matches_float64_attention_and_is_invariant(dtype, heads, kv_head
     q = torch.randn(6, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)  # strided q rows
     # six queries over shuffled slot lists of lengths 1 .. 300 (masks skip keys anywhere)
     lists = [torch.randperm(slots, generator=gen)[:n] for n in (1, 2, 17, 64, 150, 300)]
-    keys = invariant_attention.KeyLists(
+    keys = cpu_kernels.KeyLists(
         torch.cat(lists),
         torch.tensor([0, *torch.tensor([len(k) for k in lists]).cumsum(0)[:-1].tolist()]),
         torch.tensor([len(k) for k in lists]),
     )
-    out = invariant_attention.attend(q[:, : heads * head_dim], kv, keys, heads)
+    out = cpu_kernels.attend(q[:, : heads * head_dim], kv, keys, heads)
     for t, key_slots in enumerate(lists):
         qh = q[t, : heads * head_dim].double().view(heads, 1, head_dim)
         kvh = torch.arange(heads) % kv_heads  # query heads group-major
@@ -99,33 +99,64 @@ def test_kernel_matches_float64_attention_and_is_invariant(dtype, heads, kv_head
         ref = torch.nn.functional.scaled_dot_product_attention(qh, k, v).reshape(-1)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out[t].double(), ref, atol=tol, rtol=0)
-        alone = invariant_attention.KeyLists(key_slots, torch.tensor([0]), torch.tensor([len(key_slots)]))
-        assert torch.equal(invariant_attention.attend(q[t : t + 1, : heads * head_dim], kv, alone, heads)[0], out[t])
+        alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([len(key_slots)]))
+        assert torch.equal(cpu_kernels.attend(q[t : t + 1, : heads * head_dim], kv, alone, heads)[0], out[t])
 
 
 def test_kernel_result_does_not_depend_on_threads():
     gen = torch.Generator().manual_seed(1)
     kv = torch.randn(300, 2, 3, 64, generator=gen).bfloat16()
     q = torch.randn(5, 9 * 64, generator=gen).bfloat16()
-    keys = invariant_attention.KeyLists(torch.arange(300), torch.zeros(5, dtype=torch.long), torch.arange(296, 301))
+    keys = cpu_kernels.KeyLists(torch.arange(300), torch.zeros(5, dtype=torch.long), torch.arange(296, 301))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = invariant_attention.attend(q, kv, keys, 9)
+        one = cpu_kernels.attend(q, kv, keys, 9)
         torch.set_num_threads(2)
-        two = invariant_attention.attend(q, kv, keys, 9)
+        two = cpu_kernels.attend(q, kv, keys, 9)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
 
 
 def test_kernel_refuses_what_it_cannot_take():
-    assert "head dim 24" in invariant_attention.unavailable_reason(24, 4, 2)
-    assert "query heads" in invariant_attention.unavailable_reason(64, 64, 1)
+    assert "head dim 24" in cpu_kernels.unavailable_reason(24, 4, 2)
+    assert "query heads" in cpu_kernels.unavailable_reason(64, 64, 1)
     kv = torch.zeros(4, 2, 1, 16, dtype=torch.float16)
-    keys = invariant_attention.KeyLists(torch.arange(1), torch.zeros(1), torch.ones(1))
+    keys = cpu_kernels.KeyLists(torch.arange(1), torch.zeros(1), torch.ones(1))
     with pytest.raises(TypeError, match="float32 or bfloat16"):
-        invariant_attention.attend(torch.zeros(1, 16, dtype=torch.float16), kv, keys, 1)
+        cpu_kernels.attend(torch.zeros(1, 16, dtype=torch.float16), kv, keys, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_kernel_rounds_as_transformers(dtype):
+    """The C RMSNorm gives transformers' LlamaRMSNorm bit for bit in bf16 (the normalized row is
+    rounded before the weight), within float32 rounding in float32, for every row alone or
+    among others, strided rows included."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576, generator=gen)
+    norm = norm.to(dtype)
+    wide = (torch.randn(40, 2 * 576, generator=gen) * 4).to(dtype)
+    x = wide[:, :576]  # rows with a stride of 2 * 576
+    out = cpu_kernels.rms_norm(x, norm.weight.data, 1e-5)
+    expected = norm(x)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    for i in (0, 17, 39):
+        assert torch.equal(cpu_kernels.rms_norm(x[i : i + 1], norm.weight.data, 1e-5)[0], out[i])
+
+
+def test_rms_norm_kernel_refuses_what_it_cannot_take():
+    assert not cpu_kernels.rms_norm_available(24) and cpu_kernels.rms_norm_available(576)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        cpu_kernels.rms_norm(torch.zeros(1, 16, dtype=torch.float16), torch.ones(16, dtype=torch.float16), 1e-5)
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="multiple of 16"):
+        cpu_kernels.rms_norm(torch.zeros(1, 24), torch.ones(24), 1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

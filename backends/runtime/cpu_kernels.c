@@ -1,6 +1,7 @@
-/* Batch-invariant attention for the lean runtime (see invariant_attention.py).
+/* CPU kernels of the lean runtime (built and called by cpu_kernels.py): batch-invariant
+ * attention, and RMSNorm.
  *
- * Each query token attends over an explicit list of pool slots, in list order, and its result
+ * Attention: each query token attends over an explicit list of pool slots, in list order, and its result
  * is computed by the same arithmetic whatever else is in the call: no blocking, padding or
  * reduction order depends on the number of queries, their key lengths or the thread count.
  * So a token verified among k+1 drafts gets bit for bit what a 1-token step would give it.
@@ -10,6 +11,7 @@
  * the lanes, LANES keys at a time); softmax and the weighted sum of values run over the keys in
  * list order. Built without -ffast-math, so no sum is ever reordered.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,6 +63,15 @@ static void store_row(const float *src, int64_t n, char *dst, int bf16) {
         else
             h[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
+}
+
+/* v rounded to bf16 (nearest even) and widened back: what a bf16 tensor op's result holds */
+static vec round_bf16(vec v) {
+    uvec u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
 }
 
 /* where mask: a, else b (masks as vector comparisons give them: all ones or zero per lane) */
@@ -231,4 +242,41 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
     }
     free(first);
     return failed ? -2 : 0;
+}
+
+/* RMSNorm of `rows` rows of n values (n a multiple of LANES, at most MAX_NORM), rounded as
+ * transformers' RMSNorm rounds: the mean of squares in float32, the normalized row rounded to
+ * the input dtype, then times the weight (rounded again). One row's arithmetic never depends
+ * on the other rows, so this is batch invariant too; it is here for speed: one call instead of
+ * the ~8 tensor ops (each a few microseconds) of F.rms_norm, twice per layer per step. */
+#define MAX_NORM 16384
+int rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int64_t out_stride, int64_t rows,
+             int64_t n, float eps, int bf16, int threads) {
+    if (n % LANES != 0 || n > MAX_NORM) return -1;
+    int64_t esz = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4 * threads)
+    for (int64_t r = 0; r < rows; r++) {
+        float row[MAX_NORM], w[LANES];
+        load_row((const char *)x + r * x_stride * esz, n, row, bf16);
+        vec squares = {0};
+        for (int64_t i = 0; i < n; i += LANES) {
+            vec v;
+            memcpy(&v, row + i, sizeof v);
+            squares += v * v;
+        }
+        float inv = 1.0f / sqrtf(hsum(squares) / (float)n + eps);
+        for (int64_t i = 0; i < n; i += LANES) {
+            vec v;
+            memcpy(&v, row + i, sizeof v);
+            v *= inv;
+            if (bf16) v = round_bf16(v);
+            load_row((const char *)weight + i * esz, LANES, w, bf16);
+            vec wv;
+            memcpy(&wv, w, sizeof wv);
+            v *= wv;
+            memcpy(row + i, &v, sizeof v);
+        }
+        store_row(row, n, (char *)out + r * out_stride * esz, bf16);
+    }
+    return 0;
 }
