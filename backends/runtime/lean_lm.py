@@ -368,10 +368,7 @@ class LeanCausalLM:
                 t.unflatten(dim, (kv_heads, heads // kv_heads, head_dim)).transpose(dim, dim + 1).flatten(dim, dim + 2)
             )
 
-        if (
-            batch_invariant
-            and (reason := cpu_kernels.unavailable_reason(head_dim, heads, kv_heads)) is not None
-        ):
+        if batch_invariant and (reason := cpu_kernels.unavailable_reason(head_dim, heads, kv_heads)) is not None:
             raise UnsupportedArchitecture(f"batch-invariant attention is unavailable: {reason}")
         splits: dict[tuple, int | None] = {}
 
