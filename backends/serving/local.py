@@ -59,11 +59,13 @@ def generate_local(
     service: DraftService | None = None,
     eos_token_ids: set[int] | None = None,
     adaptive: bool = False,
+    prefill_chunk: int = 0,
     **request: Any,
 ) -> tuple[list[int], GenerationStats]:
     """One request through the draft -> verify loop: its output ids and statistics.
     `request`: GenerationRequest fields (max_tokens, num_draft_tokens, sampling, stop, ...);
-    `service` None decodes plainly. A fixed k by default (adaptive k follows timings)."""
+    `service` None decodes plainly. A fixed k by default (adaptive k follows timings).
+    `prefill_chunk`: the prompt goes to the target in chunks of this many tokens (0: at once)."""
     req = GenerationRequest(prompt=prompt, **request)
     drafter = LocalDrafter(service) if service else None
     extract = drafter.info.hidden_layer_ids if drafter and not drafter.info.proposes_drafts else ()
@@ -83,6 +85,7 @@ def generate_local(
             stats,
             adaptive=adaptive,
             extract_layer_ids=extract,
+            prefill_chunk=prefill_chunk,
         ):
             ids += step.token_ids
     finally:

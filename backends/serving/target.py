@@ -46,11 +46,14 @@ class VerifyRequest:
     max_new_tokens: int | None = None  # on the first step: sizes the KV reservation
     # The drafts as a tree: each one's parent (-1: the last emitted token); None: a chain.
     draft_parents: list[int] | None = None
+    # A chunk of a long prompt: its tokens go into the cache and nothing is emitted (chunked
+    # prefill; the orchestrator sends the prompt's last chunk as an ordinary step).
+    prefill_only: bool = False
 
 
 @dataclass
 class VerifyResult:
-    token_ids: list[int]  # accepted drafts + one more token (recovered or bonus)
+    token_ids: list[int]  # accepted drafts + one more token (recovered or bonus); none after a prefill chunk
     num_accepted: int
     forward_s: float
     hidden_states: torch.Tensor | None = None  # [kept positions, layers, hidden]
@@ -106,8 +109,8 @@ class _Step:
 
     @property
     def num_rows(self) -> int:
-        """Logit rows that matter: one per draft plus the bonus row."""
-        return len(self.req.draft_token_ids) + 1
+        """Logit rows that matter: one per draft plus the bonus row (none for a prefill chunk)."""
+        return 0 if self.req.prefill_only else len(self.req.draft_token_ids) + 1
 
     def num_kept(self, result: VerifyResult) -> int:
         """Input positions whose KV stays: the pending tokens and the accepted drafts."""
@@ -337,6 +340,8 @@ class TargetRunner:
                 req, tree = self._first_chain(req, tree), None
         if seq is None:
             seq = self._start(req)
+        if len(seq.token_ids) == seq.num_prompt_tokens:  # nothing emitted yet: all of it is prompt
+            seq.num_prompt_tokens += len(req.new_token_ids)
         seq.token_ids.extend(req.new_token_ids)
         return _Step(req, seq, seq.token_ids[seq.num_cached :], tree)
 
@@ -356,6 +361,8 @@ class TargetRunner:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise SequenceError(f"{where}: {name} id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if req.prefill_only and (req.draft_token_ids or not req.new_token_ids):
+            raise SequenceError(f"{where}: a prefill chunk carries prompt tokens and no drafts")
         if len(req.draft_token_ids) > MAX_SPEC_LEN:
             raise SequenceError(f"{where}: {len(req.draft_token_ids)} drafts; at most {MAX_SPEC_LEN} per step")
         probs = req.draft_probs
@@ -391,7 +398,7 @@ class TargetRunner:
             input_ids=torch.tensor([step.input_ids], device=self.device),
             cache=step.seq.cache,
             use_cache=True,
-            logits_to_keep=step.num_rows,  # only the rows that verify drafts (+ bonus)
+            logits_to_keep=max(step.num_rows, 1),  # only the rows that verify drafts (+ bonus); 0 means all
             output_hidden_states=bool(step.req.hidden_layer_ids),
         )
         forward_s = time.perf_counter() - start
@@ -480,6 +487,9 @@ class TargetRunner:
     def _accept(self, step: _Step, logits: torch.Tensor, forward_s: float) -> VerifyResult:
         """Accept/reject the step's drafts against its logit rows; commit the tokens."""
         seq, drafts = step.seq, step.req.draft_token_ids
+        if step.req.prefill_only:  # every token of the chunk stays cached; none is emitted
+            seq.num_cached = len(seq.token_ids)
+            return VerifyResult([], 0, forward_s)
         raw = logits
         if seq.sampling.processes_logits:  # each row with the history before its position
             prompt = seq.token_ids[: seq.num_prompt_tokens]
@@ -541,7 +551,7 @@ class TargetRunner:
         generator = new_generator(self.device, sampling.seed)
         _check_token_controls(sampling, self.logits_size)
         cache = None if self.pool is not None else DynamicCache(config=self.model.config)
-        seq = _Sequence(cache, sampling, generator, reserve, num_prompt_tokens=len(req.new_token_ids))
+        seq = _Sequence(cache, sampling, generator, reserve)
         self.sequences[seq_id] = seq
         log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))
         return seq

@@ -103,7 +103,9 @@ class BlsVerifier(SequencePeer):
     def verify(self, req: VerifyRequest) -> VerifyResult:
         # The first step carries the sequence's sampling parameters and its KV reservation.
         sampling = req.sampling
-        params = {"sampling": sampling.to_json(), "max_new_tokens": req.max_new_tokens} if sampling else None
+        params = {"sampling": sampling.to_json(), "max_new_tokens": req.max_new_tokens} if sampling else {}
+        if req.prefill_only:
+            params["prefill_only"] = True
         if sampling:
             self.logprobs = sampling.logprobs is not None
         inputs = self._inputs(req.new_token_ids, req.draft_token_ids)
@@ -117,12 +119,12 @@ class BlsVerifier(SequencePeer):
             outputs.append("hidden_states")
         if self.logprobs:
             outputs += LOGPROB_OUTPUTS
-        out = self.call(inputs, outputs, params)
+        out = self.call(inputs, outputs, params or None)
         hidden = out.get("hidden_states")
         token_ids = out["output_ids"].reshape(-1).tolist()
         return VerifyResult(
             token_ids,
-            len(token_ids) - 1,
+            max(len(token_ids) - 1, 0),  # a prefill chunk emits nothing
             float(out["forward_ms"].item()) / 1e3,
             None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
             logprobs_from_arrays(token_ids, out) if self.logprobs else None,

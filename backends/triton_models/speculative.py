@@ -24,7 +24,13 @@ from backends.methods.extract_hidden_states import save_hidden_states
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
 from backends.serving.detokenize import TextStream
 from backends.serving.logits import TokenLogprob, vllm_logprobs
-from backends.serving.orchestrator import GenerationStats, StepOutput, generate
+from backends.serving.orchestrator import (
+    DEFAULT_PREFILL_CHUNK,
+    GenerationStats,
+    StepOutput,
+    generate,
+    prefill_chunk_tokens,
+)
 from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.serving.request import (
     RETURN_OUTPUTS,
@@ -110,6 +116,7 @@ class TritonPythonModel:
         self.adaptive = params.get("adaptive_draft_length", "true").lower() == "true"
         # With an extract_hidden_states drafter: also write each request's hidden states here.
         self.hidden_states_dir = params.get("hidden_states_dir", "")
+        self.prefill_chunk = prefill_chunk_tokens(params.get("prefill_chunk_tokens", str(DEFAULT_PREFILL_CHUNK)))
         workers = int(params.get("max_concurrent_requests", "64"))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
         self.lock = threading.Lock()
@@ -210,6 +217,7 @@ class TritonPythonModel:
                 self.adaptive,
                 self.extract_layer_ids,
                 lambda: self.active_requests,
+                self.prefill_chunk,
             )
             all_ids: list[int] = []
             all_logprobs: list[TokenLogprob] = []

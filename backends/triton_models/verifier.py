@@ -59,6 +59,7 @@ class TritonPythonModel(SequenceBatchedModel):
             None if draft_probs is None else torch.from_numpy(draft_probs.reshape(draft_probs.shape[-2:])),
             params.get("max_new_tokens"),
             None if parents is None else parents.reshape(-1).tolist(),
+            params.get("prefill_only") is True,
         )
 
     def run(self, calls: list[VerifyRequest]) -> list:

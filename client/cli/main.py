@@ -22,6 +22,7 @@ from backends.runtime.model_store import (
     local_model,
     resolve_model,
 )
+from backends.serving.orchestrator import DEFAULT_PREFILL_CHUNK
 from backends.training import TRAINERS, data_dir, head_dir
 
 # Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
@@ -143,6 +144,11 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.common["max_model_len"] = str(args.max_model_len)
     if args.device:
         overrides.common["device"] = args.device
+    if args.prefill_chunk_tokens is not None:
+        if args.prefill_chunk_tokens < 0:
+            print("error: --prefill-chunk-tokens must be >= 0 (0: no chunking)", file=sys.stderr)
+            return 2
+        overrides.per_model.setdefault("speculative", {})["prefill_chunk_tokens"] = str(args.prefill_chunk_tokens)
     if args.speculative_config:
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
@@ -584,6 +590,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
     serve.add_argument("--max-model-len", type=int, help="cap the context window")
+    serve.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        metavar="N",
+        help="prefill prompts longer than N tokens in chunks of N, so running streams keep stepping "
+        f"between them (default {DEFAULT_PREFILL_CHUNK}; 0: each prompt in one step)",
+    )
     serve.add_argument(
         "--device",
         help="verifier and drafter device: auto, cpu, cuda or cuda:N (default: the "

@@ -17,7 +17,7 @@ from tests.fixtures.helpers import (
     served_greedy_results_once,
 )
 from tests.fixtures.sampling import PROMPT, SAMPLES, TEMPERATURE, TOP_K, exact_marginals
-from tests.fixtures.servers import start_server
+from tests.fixtures.servers import CHUNKED_PREFILL, start_server
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
 from tests.fixtures.synthetic_checkpoints import save_checkpoint
 
@@ -57,7 +57,7 @@ def dspark_server(tiny_model_dir, tmp_path_factory):
         "num_speculative_tokens": 3,
         "draft_sample_method": "probabilistic",
     }
-    server = start_server(root, str(tiny_model_dir), json.dumps(config))
+    server = start_server(root, str(tiny_model_dir), json.dumps(config), per_model=CHUNKED_PREFILL)
     yield server
     server.stop()
 

@@ -12,14 +12,18 @@ from safetensors import safe_open
 from backends.runtime.model_store import load_tokenizer
 from client.api.triton import grpc_generate
 from tests.fixtures.helpers import EXTRACT_LAYERS, EXTRACT_SPEC, hf_greedy, hf_hidden_states
-from tests.fixtures.servers import start_server
+from tests.fixtures.servers import CHUNKED_PREFILL, start_server
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The"]
 
 
 def test_served_hidden_states_and_files(tiny_model_dir, tmp_path):
     server = start_server(
-        tmp_path, str(tiny_model_dir), json.dumps(EXTRACT_SPEC), hidden_states_dir=str(tmp_path / "states")
+        tmp_path,
+        str(tiny_model_dir),
+        json.dumps(EXTRACT_SPEC),
+        per_model=CHUNKED_PREFILL,
+        hidden_states_dir=str(tmp_path / "states"),
     )
     try:
         tokenizer = load_tokenizer(tiny_model_dir)

@@ -59,13 +59,26 @@ class TreeOracleProposer(OracleProposer):
         return out
 
 
-def run(runner, tokenizer, prompt, proposer, max_tokens=40, k=4, num_draft_tokens=None, tree=False):
+def run(
+    runner,
+    tokenizer,
+    prompt,
+    proposer,
+    max_tokens=40,
+    k=4,
+    num_draft_tokens=None,
+    tree=False,
+    prefill_chunk=0,
+    **sampling,
+):
     spec = {"method": "ngram", "num_speculative_tokens": k}
     if tree:  # a config that drafts trees of k nodes (the proposer is the test's own)
         spec = {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_use_tree_spec": True}
     config = SpeculativeConfig.from_json(spec)
     drafter = LocalDrafter(DraftService(proposer, config)) if proposer else None
-    req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens)
+    req = GenerationRequest(
+        prompt=prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, sampling=SamplingParams(**sampling)
+    )
     stats = GenerationStats()
     ids = tokenizer(prompt)["input_ids"]
     seq_id = random.getrandbits(32)
@@ -82,6 +95,7 @@ def run(runner, tokenizer, prompt, proposer, max_tokens=40, k=4, num_draft_token
         runner.max_model_len,
         stats,
         adaptive=False,
+        prefill_chunk=prefill_chunk,
     ):
         out += step.token_ids
     runner.release(seq_id)
@@ -325,6 +339,9 @@ def test_bfloat16_speculative_output_is_plain_output(target_dir, tokenizer, mode
                 assert spec == plain
             else:
                 assert len(spec) == len(plain)
+        if mode == "on":  # a prompt prefilled in chunks gives the same tokens as in one step
+            chunked, _ = run(runner, tokenizer, prompt, OracleProposer(plain, prompt_len, 3), 48, prefill_chunk=3)
+            assert chunked == plain
 
 
 def test_batch_invariance_on_needs_the_lean_runtime(target_dir):
@@ -332,3 +349,95 @@ def test_batch_invariance_on_needs_the_lean_runtime(target_dir):
         TargetRunner(target_dir, dtype="bfloat16", runtime="hf", batch_invariant="on")
     with pytest.raises(ValueError, match="batch_invariant must be one of"):
         TargetRunner(target_dir, batch_invariant="yes")
+
+
+class RecordingVerifier(LocalVerifier):
+    def __init__(self, runner) -> None:
+        super().__init__(runner)
+        self.requests: list[VerifyRequest] = []
+
+    def verify(self, req: VerifyRequest):
+        self.requests.append(req)
+        return super().verify(req)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_a_prompt_prefilled_in_chunks_gives_the_same_output(runner, tokenizer, tiny_model_dir, chunk):
+    """Chunks of the prompt go to the verifier as steps of their own that emit nothing; the
+    output, the steps that emit tokens and the acceptance are those of a one-step prefill."""
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    results = []
+    for prefill_chunk in (0, chunk):
+        verifier, stats, out = RecordingVerifier(runner), GenerationStats(), []
+        steps = generate(
+            GenerationRequest(prompt=PROMPT, max_tokens=40),
+            prompt_ids,
+            5,
+            verifier,
+            LocalDrafter(DraftService(build_proposer(config, max_model_len=512), config)),
+            TextStream(tokenizer),
+            {0},
+            runner.max_model_len,
+            stats,
+            adaptive=False,
+            prefill_chunk=prefill_chunk,
+        )
+        for step in steps:
+            out += step.token_ids
+        runner.release(5)
+        results.append((out, stats.num_steps, stats.acceptance.num_accepted_tokens))
+        chunks = [r.new_token_ids for r in verifier.requests if r.prefill_only]
+        if prefill_chunk:
+            # every chunk but the last, each at most `chunk` long, the first with the sampling
+            assert len(chunks) == (len(prompt_ids) - 1) // chunk and all(len(c) == chunk for c in chunks)
+            first = verifier.requests[0]
+            assert (
+                first.prefill_only
+                and first.sampling is not None
+                and first.max_new_tokens == 40 + len(prompt_ids) - chunk
+            )
+            assert sum(chunks, []) + verifier.requests[len(chunks)].new_token_ids == prompt_ids
+        else:
+            assert not chunks
+    assert results[0] == results[1]
+    assert results[0][0] == list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
+
+
+def test_penalties_count_a_chunked_prompt_as_prompt(runner, tokenizer):
+    """presence/frequency penalties count output tokens only: a prompt that came in chunks is
+    all prompt (and the penalties do change this output, so the check can fail)."""
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
+    plain, _ = run(runner, tokenizer, PROMPT, None, max_tokens=24)
+    whole, _ = run(runner, tokenizer, PROMPT, None, max_tokens=24, **penalties)
+    chunked, _ = run(runner, tokenizer, PROMPT, None, max_tokens=24, prefill_chunk=2, **penalties)
+    assert whole != plain
+    assert chunked == whole
+
+
+def test_a_prefill_chunk_emits_nothing_and_reserves_for_the_whole_prompt(runner, tokenizer, tiny_model_dir):
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    first = runner.verify(VerifyRequest(11, prompt_ids[:4], [], SamplingParams(), max_new_tokens=40, prefill_only=True))
+    try:
+        assert first.token_ids == [] and first.num_accepted == 0
+        assert runner.cached_tokens(11) == 4
+        with pytest.raises(SequenceError, match="a prefill chunk carries prompt tokens and no drafts"):
+            runner.verify(VerifyRequest(11, prompt_ids[4:6], [5, 6], prefill_only=True))
+    finally:
+        runner.release(11)
+    # the reservation: the chunk, everything after it (max_new_tokens) and a full draft
+    pooled = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
+    pooled.verify(VerifyRequest(12, prompt_ids[:4], [], SamplingParams(), max_new_tokens=40, prefill_only=True))
+    assert pooled.pool.reserved(12) >= 4 + 40
+    last = pooled.verify(VerifyRequest(12, prompt_ids[4:], []))
+    assert last.token_ids == list(hf_greedy(str(tiny_model_dir), PROMPT, 1))
+    pooled.release(12)
+
+
+def test_prefill_chunk_tokens_is_checked():
+    from backends.serving.orchestrator import prefill_chunk_tokens
+
+    assert prefill_chunk_tokens("256") == 256 and prefill_chunk_tokens("0") == 0
+    for bad in ("-1", "lots", "2.5"):
+        with pytest.raises(ValueError, match="prefill_chunk_tokens must be a whole number of tokens"):
+            prefill_chunk_tokens(bad)
