@@ -100,10 +100,12 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
-# Prompt tokens per verifier step when prefilling a long prompt. On SmolLM2-135M bf16 here a
-# 2048-token prompt took 5.9 s in one step and 4.7 s in 256-token chunks (under 1 s each), so
-# chunking costs nothing and bounds how long other sequences wait for their next step.
-DEFAULT_PREFILL_CHUNK = 256
+# Prompt tokens per verifier step when prefilling a long prompt. Served on SmolLM2-135M bf16
+# here (scripts/bench_prefill_stall.py), a 2450-token prompt stalled a running stream for
+# 9.2-9.6 s in one step, 1.1-1.9 s with 256-token chunks and 0.7-0.8 s with 128, and itself
+# took 9.7-10.1 s, 7.8 s and 7.6-7.9 s: chunks cost nothing (attention over one long pass
+# costs more than the extra weight passes).
+DEFAULT_PREFILL_CHUNK = 128
 
 
 def prefill_chunk_tokens(value: str) -> int:
