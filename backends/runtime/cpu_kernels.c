@@ -280,3 +280,68 @@ int rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int
     }
     return 0;
 }
+
+static float round_bf16_1(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* RoPE on the query and key heads of each token's fused q|k|v row, in place, then the token's
+ * key and value heads into its pool slot (kv: [slots][2][kv_heads][d]). x' = x * cos +
+ * swap_halves(x) * sin, sin with its first half negated (rotate_half folded into it), rounded
+ * as the bf16 tensor ops round: the product x * cos, then the sum. */
+int rope_store(void *qkv, int64_t qkv_stride, const void *cos, const void *sin, void *kv, const int64_t *slots,
+               int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d, int bf16, int threads) {
+    if (d > MAX_HEAD_DIM || d % 2 != 0) return -1;
+    int64_t esz = bf16 ? 2 : 4, half = d / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens >= 4 * threads)
+    for (int64_t t = 0; t < tokens; t++) {
+        char *row = (char *)qkv + t * qkv_stride * esz;
+        float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
+        load_row((const char *)cos + t * d * esz, d, c, bf16);
+        load_row((const char *)sin + t * d * esz, d, s, bf16);
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            load_row(row + h * d * esz, d, x, bf16);
+            for (int64_t i = 0; i < d; i++) {
+                float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];
+                y[i] = bf16 ? round_bf16_1(round_bf16_1(a) + b) : a + b;
+            }
+            store_row(y, d, row + h * d * esz, bf16);
+        }
+        int64_t kv_bytes = kv_heads * d * esz;
+        char *slot = (char *)kv + slots[t] * 2 * kv_bytes;
+        memcpy(slot, row + heads * d * esz, (size_t)(2 * kv_bytes)); /* k heads, then v heads */
+    }
+    return 0;
+}
+
+/* out = silu(gate) * up per row of gate|up (each n values, n a multiple of LANES), rounded as
+ * the bf16 tensor ops round: silu, then the product. silu(x) = x * sigmoid(x), the sigmoid
+ * from exp(-|x|) so every lane takes the same vector code. */
+int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int64_t rows, int64_t n, int bf16,
+             int threads) {
+    if (n % LANES != 0 || n > MAX_NORM) return -1;
+    int64_t esz = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4 * threads)
+    for (int64_t r = 0; r < rows; r++) {
+        float g[MAX_NORM], u[MAX_NORM];
+        load_row((const char *)gate_up + r * in_stride * esz, n, g, bf16);
+        load_row((const char *)gate_up + (r * in_stride + n) * esz, n, u, bf16);
+        for (int64_t i = 0; i < n; i += LANES) {
+            vec x, up;
+            memcpy(&x, g + i, sizeof x);
+            memcpy(&up, u + i, sizeof up);
+            vec e = exp_nonpositive(select(x < 0, x, -x));
+            vec sig = select(x < 0, e / (1.0f + e), 1.0f / (1.0f + e));
+            vec act = x * sig;
+            if (bf16) act = round_bf16(act);
+            act *= up;
+            memcpy(g + i, &act, sizeof act);
+        }
+        store_row(g, n, (char *)out + r * out_stride * esz, bf16);
+    }
+    return 0;
+}

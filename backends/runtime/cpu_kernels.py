@@ -1,5 +1,5 @@
 """The lean runtime's C kernels (``cpu_kernels.c``), built once per machine with gcc: batch-invariant
-attention, and RMSNorm.
+attention, and RMSNorm, RoPE with the KV write, and SiLU-and-multiply for bf16 steps.
 
 Why an attention kernel of our own: SDPA's CPU kernels block queries and keys by the sizes in the call, so
 a token's attention output changes in its last bits with the number of tokens verified beside
@@ -7,8 +7,9 @@ it and with the cached length of other rows (measured: no fixed padding or batch
 made it stable in bf16 or float32). ``cpu_kernels.c`` computes every query token from its own
 key list with one fixed order of operations, so the result does not depend on the step it is in.
 
-Why RMSNorm: ``F.rms_norm`` on one row is ~8 tensor ops and cost ~45 us, twice per layer: 2.6 ms
-of a 17 ms SmolLM2 step. The kernel does the same rounding in one call (~3 us).
+Why the others: a layer's work between its matmuls was ~20 tensor ops of a few microseconds
+each (``F.rms_norm`` alone ~8 ops, ~45 us, twice per layer: 2.6 ms of a 17 ms SmolLM2 step).
+Each kernel here does in one call what those ops did, with the same bf16 rounding.
 
 The shared object is compiled at first use (about a second) into
 ``~/.cache/tritonspec/kernels/`` under a name that hashes the source and the flags, written to a
@@ -94,6 +95,10 @@ def _library() -> ctypes.CDLL:
     lib.attend.restype = ctypes.c_int
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.rms_norm.restype = ctypes.c_int
+    lib.rope_store.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.rope_store.restype = ctypes.c_int
+    lib.silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.silu_mul.restype = ctypes.c_int
     return lib
 
 
@@ -165,9 +170,9 @@ def attend(
     return out
 
 
-def rms_norm_available(size: int) -> bool:
-    """Can the kernel normalize rows of this many values here?"""
-    if size % 16 or size > MAX_NORM:
+def layer_kernels_available(hidden_size: int, intermediate_size: int, head_dim: int) -> bool:
+    """Can rms_norm, rope_store and silu_mul run a layer of these sizes here?"""
+    if any(n % 16 or n > MAX_NORM for n in (hidden_size, intermediate_size)) or head_dim > MAX_HEAD_DIM:
         return False
     try:
         _library()
@@ -176,14 +181,18 @@ def rms_norm_available(size: int) -> bool:
     return True
 
 
+def _check_rows(x: torch.Tensor, *others: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16) or any(o.dtype != x.dtype for o in others):
+        raise TypeError(f"the CPU kernels run float32 or bfloat16, got {[t.dtype for t in (x, *others)]}")
+    if x.stride(-1) != 1 or not all(o.is_contiguous() for o in others):
+        raise ValueError("the CPU kernels need rows with unit stride and contiguous tables")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' RMSNorm of each row of ``x`` ``[rows, n]`` (rows may be strided; float32 or
-    bfloat16, ``weight`` of the same dtype). Callers check ``rms_norm_available(n)`` once."""
+    bfloat16, ``weight`` of the same dtype). Callers check ``layer_kernels_available`` once."""
     rows, n = x.shape
-    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
-        raise TypeError(f"rms_norm runs float32 or bfloat16, got {x.dtype} / {weight.dtype}")
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError("rms_norm needs rows with unit stride and a contiguous weight")
+    _check_rows(x, weight)
     if out is None:
         out = x.new_empty(rows, n)
     rc = _library().rms_norm(
@@ -200,4 +209,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     )
     if rc != 0:
         raise KernelUnavailable(f"rms_norm takes rows of a multiple of 16 values up to {MAX_NORM}, got {n}")
+    return out
+
+
+def rope_store(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor, num_heads: int
+) -> None:
+    """RoPE on the q and k heads of ``qkv`` ``[tokens, (heads + 2 kv_heads) * head_dim]`` in place
+    (``cos``, ``sin``: ``[tokens, head_dim]``, sin sign-folded as lean_lm's _Rope makes it), then
+    each token's k and v heads into ``kv_layer[slots[t]]`` (``[slots, 2, kv_heads, head_dim]``)."""
+    _check_rows(qkv, cos, sin, kv_layer)
+    _, _, kv_heads, d = kv_layer.shape
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError("rope_store needs contiguous int64 slots")
+    rc = _library().rope_store(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        kv_layer.data_ptr(),
+        slots.data_ptr(),
+        qkv.shape[0],
+        num_heads,
+        kv_heads,
+        d,
+        int(qkv.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise KernelUnavailable(f"rope_store takes an even head dim up to {MAX_HEAD_DIM}, got {d}")
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``[rows, 2 n]`` (gate first) -> ``[rows, n]``."""
+    _check_rows(gate_up)
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, n)
+    rc = _library().silu_mul(
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        n,
+        int(gate_up.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise KernelUnavailable(f"silu_mul takes rows of a multiple of 16 values up to {MAX_NORM}, got {n}")
     return out

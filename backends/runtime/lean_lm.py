@@ -30,8 +30,10 @@ by ``scripts/bench_runtime.py``):
   the pool: no gather, no copy. Larger groups gather their keys per layer into a padded batch:
   for 8 rows at 200 keys, gather + one SDPA took 164 us per layer (1 token) and 278 us (5
   tokens), one SDPA per row on views 242 and 410 us.
-- RMSNorm in bf16 is one call of ``cpu_kernels.rms_norm`` (``F.rms_norm`` is ~8 ops, and 2.6 ms
-  of a 17 ms step went to them); float32 keeps ``F.rms_norm``, whose sums are transformers'.
+- In bf16 a layer's work between matmuls is four C calls (``cpu_kernels``: two RMSNorms, RoPE
+  with the KV write, SiLU * up) instead of ~20 tensor ops of a few microseconds each (the
+  norms alone were 2.6 ms of a 17 ms step); float32 keeps the tensor ops, whose sums are
+  transformers'.
 - Positions default to cached length + index; explicit per-row positions are accepted (trees).
 - RoPE cos/sin come from transformers' own init functions (default, linear, dynamic, yarn,
   llama3, longrope), computed like its rotary embedding (float32, then cast), as a table by
@@ -332,10 +334,13 @@ class LeanCausalLM:
         self.vocab_size = embed.shape[0]
         self.eps = config.rms_norm_eps
         self.rope = _Rope(config, dtype)
-        # bf16: the C kernel, one call and transformers' rounding bit for bit (F.rms_norm skips
-        # the intermediate rounding). float32: F.rms_norm, whose sums match transformers exactly
-        # (the kernel's other order drifted logits 1.2e-4 over 30 layers).
-        self.fast_norm = dtype == torch.bfloat16 and cpu_kernels.rms_norm_available(self.hidden_size)
+        # bf16: a layer's norms, RoPE + KV write and SiLU * up in the C kernels, one call each
+        # with the bf16 tensor ops' rounding (RMSNorm's transformers' bit for bit, which
+        # F.rms_norm is not). float32 keeps the tensor ops, whose sums match transformers
+        # exactly (the norm kernel's other order drifted logits 1.2e-4 over 30 layers).
+        self.fused = dtype == torch.bfloat16 and cpu_kernels.layer_kernels_available(
+            self.hidden_size, config.intermediate_size, self.head_dim
+        )
 
     @classmethod
     def from_hf(cls, hf_model, dtype: torch.dtype | None = None, batch_invariant: bool = False) -> LeanCausalLM:
@@ -599,9 +604,12 @@ class LeanCausalLM:
         qk = qkv[:, : (heads + kv_heads) * d].view(T, heads + kv_heads, d)
         if layer.qk_norm is not None:
             torch.mul(F.rms_norm(qk, (d,), None, self.eps), layer.qk_norm, out=qk)
-        swapped = qk.view(T, heads + kv_heads, 2, d // 2).flip(2).view(T, heads + kv_heads, d)
-        qk.mul_(step.cos).addcmul_(swapped, step.sin)
-        kv_layer.index_copy_(0, step.slots, qkv[:, heads * d :].view(T, 2, kv_heads, d))
+        if self.fused:
+            cpu_kernels.rope_store(qkv, step.cos[:, 0], step.sin[:, 0], kv_layer, step.slots, heads)
+        else:
+            swapped = qk.view(T, heads + kv_heads, 2, d // 2).flip(2).view(T, heads + kv_heads, d)
+            qk.mul_(step.cos).addcmul_(swapped, step.sin)
+            kv_layer.index_copy_(0, step.slots, qkv[:, heads * d :].view(T, 2, kv_heads, d))
         q = qkv[:, : heads * d]
         if step.keys is not None:
             attended = cpu_kernels.attend(q, kv_layer, step.keys, heads)
@@ -611,11 +619,13 @@ class LeanCausalLM:
         h = layer.o.add(attended, h)
         x = self._norm(h, layer.mlp_norm)
         gate_up = layer.gate_up(x)
+        if self.fused:
+            return layer.down.add(cpu_kernels.silu_mul(gate_up), h)
         inter = gate_up.shape[1] // 2
         return layer.down.add(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], h)
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.fast_norm:
+        if self.fused:
             return cpu_kernels.rms_norm(h, weight, self.eps)
         return F.rms_norm(h, (self.hidden_size,), weight, self.eps)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from backends.runtime import cpu_kernels
 from backends.runtime.lean_lm import K_CHUNKS, LeanCausalLM, Row, _Linear
@@ -151,12 +152,57 @@ def test_rms_norm_kernel_rounds_as_transformers(dtype):
         assert torch.equal(cpu_kernels.rms_norm(x[i : i + 1], norm.weight.data, 1e-5)[0], out[i])
 
 
-def test_rms_norm_kernel_refuses_what_it_cannot_take():
-    assert not cpu_kernels.rms_norm_available(24) and cpu_kernels.rms_norm_available(576)
+def test_layer_kernels_refuse_what_they_cannot_take():
+    assert cpu_kernels.layer_kernels_available(576, 1536, 64)
+    assert not cpu_kernels.layer_kernels_available(24, 1536, 64)  # rows of whole vectors of 16
+    assert not cpu_kernels.layer_kernels_available(576, 1536, 512)  # head dim past the stack buffers
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         cpu_kernels.rms_norm(torch.zeros(1, 16, dtype=torch.float16), torch.ones(16, dtype=torch.float16), 1e-5)
     with pytest.raises(cpu_kernels.KernelUnavailable, match="multiple of 16"):
         cpu_kernels.rms_norm(torch.zeros(1, 24), torch.ones(24), 1e-5)
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="multiple of 16"):
+        cpu_kernels.silu_mul(torch.zeros(1, 48))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_is_the_tensor_ops(dtype):
+    """RoPE in place on the q and k heads, then k and v into each token's slot: what lean_lm's
+    tensor ops compute (bit for bit in bf16, float32 rounding apart in float32)."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, kv_heads, d = 7, 6, 2, 64
+    rope = (torch.randn(tokens, d, generator=gen)).to(dtype), torch.randn(tokens, d, generator=gen).to(dtype)
+    wide = torch.randn(tokens, (heads + 2 * kv_heads) * d + 32, generator=gen).to(dtype)
+    qkv = wide[:, : (heads + 2 * kv_heads) * d]  # strided rows, as a K-split matmul may leave them
+    slots = torch.tensor([9, 3, 0, 11, 5, 6, 2])
+    expected_qkv, expected_kv = qkv.clone(), torch.zeros(12, 2, kv_heads, d, dtype=dtype)
+    qk = expected_qkv[:, : (heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
+    swapped = qk.view(tokens, heads + kv_heads, 2, d // 2).flip(2).view(tokens, heads + kv_heads, d)
+    qk.mul_(rope[0].unsqueeze(1)).addcmul_(swapped, rope[1].unsqueeze(1))
+    expected_kv.index_copy_(0, slots, expected_qkv[:, heads * d :].view(tokens, 2, kv_heads, d))
+    kv = torch.zeros_like(expected_kv)
+    cpu_kernels.rope_store(qkv, *rope, kv, slots, heads)
+    if dtype == torch.bfloat16:
+        assert torch.equal(qkv, expected_qkv) and torch.equal(kv, expected_kv)
+    else:
+        torch.testing.assert_close(qkv, expected_qkv, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(kv, expected_kv, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_the_tensor_ops(dtype):
+    """silu(gate) * up, rows alone or together: the tensor ops' values up to one bf16 rounding
+    step (its exp is its own), and the same bits for a row whatever the other rows."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(9, 2 * 1536, generator=gen) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # the sigmoid's ends and its middle
+    out = cpu_kernels.silu_mul(gate_up)
+    expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(out, expected, **tolerance)
+    if dtype == torch.bfloat16:
+        assert (out != expected).float().mean() < 0.01  # rare ties of the last bit only
+    for i in (0, 4, 8):
+        assert torch.equal(cpu_kernels.silu_mul(gate_up[i : i + 1])[0], out[i])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
