@@ -345,3 +345,92 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
     }
     return 0;
 }
+
+/* bf16 linear layers: y = x W^T (+ bias) (+ residual), float32 accumulation, bf16 out.
+ *
+ * W is packed once at load as [groups][K/2][GROUP][2]: per group of GROUP outputs, each pair of
+ * K positions for every output side by side, so one AVX-512 BF16 dot-product instruction adds a
+ * broadcast pair of x to 16 outputs' sums and the weights stream in order. Each output's sum
+ * runs over K in the same order whatever the row count, tile or thread: every row gets the same
+ * bits alone as among others (batch invariant by construction). Measured against oneDNN's
+ * prepacked kernel on SmolLM2's 30 layers of weights (2-core EPYC, cold caches): 0.63-0.77x
+ * its time for 1 to 17 rows, 0.91x for 40, equal from 128 to 512. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define GROUP 64 /* outputs per packed group: 4 vectors */
+#define TILE_ROWS 6
+
+int packed_linear_available(void) { return 1; }
+
+void pack_linear(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    int64_t groups = (n + GROUP - 1) / GROUP, pairs = k / 2;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int64_t j = 0; j < GROUP; j++) {
+                int64_t row = g * GROUP + j;
+                uint16_t *dst = out + ((g * pairs + p) * GROUP + j) * 2;
+                dst[0] = row < n ? w[row * k + 2 * p] : 0; /* padding outputs are never stored */
+                dst[1] = row < n ? w[row * k + 2 * p + 1] : 0;
+            }
+}
+
+static __m512 widen_bf16(__mmask16 mask, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+static __m256i narrow_bf16(__m512 v) { /* round to nearest even (no NaN input reaches here) */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                  const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
+                  int64_t n, int64_t k, int threads) {
+    if (k % 2 != 0) return -1;
+    int64_t groups = (n + GROUP - 1) / GROUP, pairs = k / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint32_t *wg = (const uint32_t *)packed + g * pairs * GROUP;
+        for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
+            int rows = m - m0 < TILE_ROWS ? (int)(m - m0) : TILE_ROWS;
+            __m512 acc[TILE_ROWS][4];
+            const uint32_t *xr[TILE_ROWS];
+            for (int i = 0; i < rows; i++) {
+                xr[i] = (const uint32_t *)(x + (m0 + i) * x_stride);
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+            }
+            for (int64_t p = 0; p < pairs; p++) {
+                const uint32_t *wp = wg + p * GROUP;
+                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wp + 8 * GROUP + 16 * j), _MM_HINT_T0);
+                __m512bh w[4];
+                for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_loadu_si512(wp + 16 * j);
+                for (int i = 0; i < rows; i++) {
+                    __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[i][p]);
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, w[j]);
+                }
+            }
+            for (int i = 0; i < rows; i++)
+                for (int j = 0; j < 4; j++) {
+                    int64_t n0 = g * GROUP + j * 16;
+                    if (n0 >= n) break;
+                    __mmask16 mask = n - n0 >= 16 ? 0xffff : (__mmask16)((1u << (n - n0)) - 1);
+                    __m512 v = acc[i][j];
+                    if (bias) v = _mm512_add_ps(v, widen_bf16(mask, bias + n0));
+                    if (residual) v = _mm512_add_ps(v, widen_bf16(mask, residual + (m0 + i) * residual_stride + n0));
+                    _mm256_mask_storeu_epi16(y + (m0 + i) * y_stride + n0, mask, narrow_bf16(v));
+                }
+        }
+    }
+    return 0;
+}
+#else
+int packed_linear_available(void) { return 0; }
+void pack_linear(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {}
+int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                  const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
+                  int64_t n, int64_t k, int threads) {
+    return -2;
+}
+#endif

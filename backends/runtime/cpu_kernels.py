@@ -1,5 +1,6 @@
 """The lean runtime's C kernels (``cpu_kernels.c``), built once per machine with gcc: batch-invariant
-attention, and RMSNorm, RoPE with the KV write, and SiLU-and-multiply for bf16 steps.
+attention; RMSNorm, RoPE with the KV write and SiLU-and-multiply for bf16 steps; and bf16
+linear layers on weights packed for AVX-512 BF16 (where the CPU has it).
 
 Why an attention kernel of our own: SDPA's CPU kernels block queries and keys by the sizes in the call, so
 a token's attention output changes in its last bits with the number of tokens verified beside
@@ -10,6 +11,11 @@ key list with one fixed order of operations, so the result does not depend on th
 Why the others: a layer's work between its matmuls was ~20 tensor ops of a few microseconds
 each (``F.rms_norm`` alone ~8 ops, ~45 us, twice per layer: 2.6 ms of a 17 ms SmolLM2 step).
 Each kernel here does in one call what those ops did, with the same bf16 rounding.
+
+Why linear layers: a decode step streams every weight from memory once, and oneDNN's kernels
+got ~19 GB/s of this machine's ~33 on SmolLM2's small matrices. The packed kernel (see
+``cpu_kernels.c``) took 0.63-0.77x oneDNN's time for 1 to 17 rows, and it is batch invariant by
+construction, so the K-split probing of oneDNN's weights is not needed where it runs.
 
 The shared object is compiled at first use (about a second) into
 ``~/.cache/tritonspec/kernels/`` under a name that hashes the source and the flags, written to a
@@ -99,6 +105,12 @@ def _library() -> ctypes.CDLL:
     lib.rope_store.restype = ctypes.c_int
     lib.silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.silu_mul.restype = ctypes.c_int
+    lib.packed_linear_available.argtypes = []
+    lib.packed_linear_available.restype = ctypes.c_int
+    lib.pack_linear.argtypes = [ptr, i64, i64, ptr]
+    lib.pack_linear.restype = None
+    lib.packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.packed_linear.restype = ctypes.c_int
     return lib
 
 
@@ -257,4 +269,60 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     )
     if rc != 0:
         raise KernelUnavailable(f"silu_mul takes rows of a multiple of 16 values up to {MAX_NORM}, got {n}")
+    return out
+
+
+GROUP = 64  # cpu_kernels.c: outputs per packed group of a linear layer's weight
+
+
+def packed_linear_available() -> bool:
+    """Does this CPU run the packed bf16 linear kernel (AVX-512 BF16)?"""
+    try:
+        return bool(_library().packed_linear_available())
+    except (KernelUnavailable, OSError):
+        return False
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 ``[n, k]`` weight (k even) in the packed kernel's layout."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or k % 2:
+        raise ValueError(f"the packed linear kernel takes bf16 weights with an even K, got {weight.dtype} {n}x{k}")
+    weight = weight.contiguous()
+    out = weight.new_empty(-(-n // GROUP) * GROUP * k)
+    _library().pack_linear(weight.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def packed_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided) and W
+    as ``pack_linear`` left it -> ``[m, n]``."""
+    m, k = x.shape
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError("the packed linear kernel takes bf16 rows with unit stride")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [{m}, {n}] with unit stride, got {list(residual.shape)}")
+    out = x.new_empty(m, n)
+    rc = _library().packed_linear(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise KernelUnavailable("the packed linear kernel is not built for this CPU" if rc == -2 else f"odd K {k}")
     return out

@@ -205,6 +205,54 @@ def test_silu_mul_is_the_tensor_ops(dtype):
         assert torch.equal(cpu_kernels.silu_mul(gate_up[i : i + 1])[0], out[i])
 
 
+needs_packed = pytest.mark.skipif(
+    not cpu_kernels.packed_linear_available(), reason="this CPU has no AVX-512 BF16 (the packed bf16 linear kernel)"
+)
+
+
+@needs_packed
+@pytest.mark.parametrize("n", [64, 200, 3])  # whole groups of 64 outputs, a partial last group, less than one
+def test_packed_linear_is_the_matmul_and_row_invariant(n):
+    """x W^T + bias + residual to bf16 rounding of a float64 reference; every row the same bits
+    alone, among 40 rows or strided, at any thread count."""
+    gen = torch.Generator().manual_seed(6)
+    k = 576
+    weight = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    wide = torch.randn(40, k + 8, generator=gen).bfloat16()
+    x = wide[:, :k]  # strided rows
+    residual = torch.randn(40, n, generator=gen).bfloat16()
+    packed = cpu_kernels.pack_linear(weight)
+    out = cpu_kernels.packed_linear(x, packed, n, bias, residual)
+    reference = x.double() @ weight.double().T + bias.double() + residual.double()
+    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=2e-2)
+    plain = cpu_kernels.packed_linear(x, packed, n)
+    torch.testing.assert_close(plain.double(), x.double() @ weight.double().T, rtol=1e-2, atol=2e-2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for i in (0, 5, 39):
+            alone = cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, n, bias, residual[i : i + 1])
+            assert torch.equal(alone[0], out[i])
+    finally:
+        torch.set_num_threads(before)
+    for m in (1, 6, 7, 13):  # whole and partial tiles of 6 rows
+        assert torch.equal(cpu_kernels.packed_linear(x[:m], packed, n, bias, residual[:m]), out[:m])
+
+
+@needs_packed
+def test_packed_linear_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="even K"):
+        cpu_kernels.pack_linear(torch.zeros(4, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16 weights"):
+        cpu_kernels.pack_linear(torch.zeros(4, 8))
+    packed = cpu_kernels.pack_linear(torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16 rows"):
+        cpu_kernels.packed_linear(torch.zeros(2, 8), packed, 4)
+    with pytest.raises(ValueError, match="residual must be"):
+        cpu_kernels.packed_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4, residual=torch.zeros(2, 5))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_matmul_is_row_invariant_and_close_to_unsplit(dtype):
     """K split in chunks accumulates chunk by chunk: rows keep their bits at any row count, and
