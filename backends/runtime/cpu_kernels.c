@@ -1,15 +1,18 @@
 /* CPU kernels of the lean runtime (built and called by cpu_kernels.py): batch-invariant
- * attention, and RMSNorm.
+ * attention; RMSNorm, RoPE with the KV write and SiLU * up for bf16 steps; bf16 linear layers
+ * on packed weights (at the end of the file, where the CPU has AVX-512 BF16).
  *
- * Attention: each query token attends over an explicit list of pool slots, in list order, and its result
- * is computed by the same arithmetic whatever else is in the call: no blocking, padding or
- * reduction order depends on the number of queries, their key lengths or the thread count.
- * So a token verified among k+1 drafts gets bit for bit what a 1-token step would give it.
+ * Attention: each query token attends over an explicit list of pool slots, in list order, and
+ * its result is computed by the same arithmetic whatever else is in the call: no blocking,
+ * padding or reduction order depends on the number of queries, their key lengths or the thread
+ * count. So a token verified among k+1 drafts gets bit for bit what a 1-token step would give.
  *
  * Math in float32 on GCC vectors of 16 floats; bf16 inputs are widened, the bf16 output rounded
- * to nearest even. Each key's score is a plain sum over the head dim in index order (keys sit in
- * the lanes, LANES keys at a time); softmax and the weighted sum of values run over the keys in
- * list order. Built without -ffast-math, so no sum is ever reordered.
+ * to nearest even. Each key's score is the head dim's products in 16 lanes, summed across the
+ * lanes in one pairwise order (hsum; hsum16 does 16 keys at once with the same order); softmax
+ * and the weighted sum of values run over the keys in list order. Keys and values are read in
+ * tiles of 16 keys so the sums stay in registers. Built without -ffast-math, so no sum is ever
+ * reordered.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +33,7 @@ typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
 /* Keys are read one slot at a time with a stride the hardware prefetcher may not follow
  * (pool blocks, kv heads interleaved): ask for the rows PREFETCH keys ahead. */
 #define PREFETCH 8
+#define REG_BLOCKS 8 /* value sums kept in registers at once: a head dim of up to 128 */
 
 static void prefetch_row(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
@@ -115,12 +119,30 @@ static float hsum(vec v) {
     return v[0];
 }
 
+/* hsum of each of 16 vectors at once, lane l the sum of p[l]: the same pairwise order (lanes
+ * e and e + 8, then e + 4, e + 2, e + 1), so the same bits, in 30 vector operations. */
+static vec hsum16(const vec p[LANES]) {
+    vec a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: p[2i], 8-15: p[2i+1], each e + (e + 8) */
+        a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], (ivec){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(p[2 * i], p[2 * i + 1], (ivec){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++) /* 4 lanes per vector: keys 4i .. 4i + 3 */
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], (ivec){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1], (ivec){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++) /* 2 lanes per vector: keys 8i .. 8i + 7 */
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], (ivec){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+               __builtin_shuffle(b[2 * i], b[2 * i + 1], (ivec){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return __builtin_shuffle(c[0], c[1], (ivec){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+           __builtin_shuffle(c[0], c[1], (ivec){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
 /* Per-thread scratch for the largest run of a call. */
 typedef struct {
     float *qf;     /* [run][group][d]: scaled queries */
     float *scores; /* [run][group][stride]: scores, then probabilities */
     float *total;  /* [run][group]: softmax denominators */
     vec *acc;      /* [run][group][d / LANES]: weighted sums of values */
+    float *keys;   /* [LANES][d]: one tile of keys, then of values */
 } scratch;
 
 /* One task: the `group` query heads sharing kv head `kvh`, for a run of `nq` consecutive query
@@ -143,21 +165,33 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
             load_row(q + r * q_bytes + (g * kv_heads + kvh) * d * esz, d, qg, bf16);
             for (int64_t i = 0; i < d; i++) qg[i] *= scale;
         }
-    for (int64_t j = 0; j < max_len; j++) {
-        if (j + PREFETCH < max_len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + k_off, d * esz);
-        load_row(kv + slots[j] * slot_bytes + k_off, d, row, bf16);
+    /* Scores LANES keys at a time: each key's lane products summed as hsum sums them, for 16
+     * keys in one pass (a key past a query's own keys gets a score its softmax never reads). */
+    for (int64_t j0 = 0; j0 < max_len; j0 += LANES) {
+        for (int64_t l = 0; l < LANES; l++) {
+            int64_t j = j0 + l;
+            if (j + PREFETCH < max_len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + k_off, d * esz);
+            if (j < max_len)
+                load_row(kv + slots[j] * slot_bytes + k_off, d, w.keys + l * d, bf16);
+            else
+                memset(w.keys + l * d, 0, sizeof(float) * (size_t)d);
+        }
         for (int64_t r = 0; r < nq; r++) {
-            if (j >= lens[r]) continue;
+            if (j0 >= lens[r]) continue;
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = w.qf + (r * group + g) * d;
-                vec s = {0};
-                for (int64_t b = 0; b < blocks; b++) {
-                    vec qv, kv_;
+                vec partial[LANES] = {{0}};
+                for (int64_t b = 0; b < blocks; b++) { /* 16 independent sums: no add waits on another */
+                    vec qv;
                     memcpy(&qv, qg + b * LANES, sizeof qv);
-                    memcpy(&kv_, row + b * LANES, sizeof kv_);
-                    s += qv * kv_;
+                    for (int l = 0; l < LANES; l++) {
+                        vec kv_;
+                        memcpy(&kv_, w.keys + l * d + b * LANES, sizeof kv_);
+                        partial[l] += qv * kv_;
+                    }
                 }
-                w.scores[(r * group + g) * stride + j] = hsum(s);
+                vec sums = hsum16(partial);
+                memcpy(w.scores + (r * group + g) * stride + j0, &sums, sizeof sums);
             }
         }
     }
@@ -178,16 +212,35 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
             for (int64_t b = 0; b < blocks; b++) w.acc[(r * group + g) * blocks + b] = (vec){0};
         }
     }
-    for (int64_t j = 0; j < max_len; j++) {
-        if (j + PREFETCH < max_len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + v_off, d * esz);
-        load_row(kv + slots[j] * slot_bytes + v_off, d, row, bf16);
-        for (int64_t b = 0; b < blocks; b++) {
-            vec v;
-            memcpy(&v, row + b * LANES, sizeof v);
-            for (int64_t r = 0; r < nq; r++) {
-                if (j >= lens[r]) continue;
-                for (int64_t g = 0; g < group; g++)
-                    w.acc[(r * group + g) * blocks + b] += w.scores[(r * group + g) * stride + j] * v;
+    /* Weighted values, a tile of LANES keys at a time with each query's sums in registers; each
+     * query still adds its keys' values one key after the other, in order. */
+    for (int64_t j0 = 0; j0 < max_len; j0 += LANES) {
+        int64_t tile = max_len - j0 < LANES ? max_len - j0 : LANES;
+        for (int64_t l = 0; l < tile; l++) {
+            int64_t j = j0 + l;
+            if (j + PREFETCH < max_len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + v_off, d * esz);
+            load_row(kv + slots[j] * slot_bytes + v_off, d, w.keys + l * d, bf16);
+        }
+        for (int64_t r = 0; r < nq; r++) {
+            int64_t own = lens[r] - j0 < tile ? lens[r] - j0 : tile;
+            for (int64_t g = 0; g < group && own > 0; g++) {
+                vec *sum = w.acc + (r * group + g) * blocks;
+                const float *p = w.scores + (r * group + g) * stride + j0;
+                for (int64_t b0 = 0; b0 < blocks; b0 += REG_BLOCKS) {
+                    /* REG_BLOCKS running sums in registers (a constant-bound loop GCC unrolls) */
+                    vec acc[REG_BLOCKS];
+                    for (int b = 0; b < REG_BLOCKS; b++)
+                        if (b0 + b < blocks) acc[b] = sum[b0 + b];
+                    for (int64_t l = 0; l < own; l++)
+                        for (int b = 0; b < REG_BLOCKS; b++)
+                            if (b0 + b < blocks) {
+                                vec v;
+                                memcpy(&v, w.keys + l * d + (b0 + b) * LANES, sizeof v);
+                                acc[b] += p[l] * v;
+                            }
+                    for (int b = 0; b < REG_BLOCKS; b++)
+                        if (b0 + b < blocks) sum[b0 + b] = acc[b];
+                }
             }
         }
     }
@@ -224,8 +277,9 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
     {
         size_t cells = (size_t)(MAX_RUN * group);
         scratch w = {malloc(sizeof(float) * cells * (size_t)d), malloc(sizeof(float) * cells * (size_t)stride),
-                     malloc(sizeof(float) * cells), aligned_alloc(sizeof(vec), sizeof(vec) * cells * (size_t)(d / LANES))};
-        failed = !w.qf || !w.scores || !w.total || !w.acc;
+                     malloc(sizeof(float) * cells), aligned_alloc(sizeof(vec), sizeof(vec) * cells * (size_t)(d / LANES)),
+                     malloc(sizeof(float) * LANES * (size_t)d)};
+        failed = !w.qf || !w.scores || !w.total || !w.acc || !w.keys;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             int64_t run = task / kv_heads, kvh = task % kv_heads, t = first[run];
@@ -239,6 +293,7 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
         free(w.scores);
         free(w.total);
         free(w.acc);
+        free(w.keys);
     }
     free(first);
     return failed ? -2 : 0;
