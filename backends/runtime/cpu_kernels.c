@@ -336,33 +336,35 @@ int rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int
     return 0;
 }
 
-static float round_bf16_1(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* RoPE on the query and key heads of each token's fused q|k|v row, in place, then the token's
  * key and value heads into its pool slot (kv: [slots][2][kv_heads][d]). x' = x * cos +
  * swap_halves(x) * sin, sin with its first half negated (rotate_half folded into it), rounded
  * as the bf16 tensor ops round: the product x * cos, then the sum. */
 int rope_store(void *qkv, int64_t qkv_stride, const void *cos, const void *sin, void *kv, const int64_t *slots,
                int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d, int bf16, int threads) {
-    if (d > MAX_HEAD_DIM || d % 2 != 0) return -1;
+    if (d > MAX_HEAD_DIM || d % LANES != 0) return -1;
     int64_t esz = bf16 ? 2 : 4, half = d / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens >= 4 * threads)
     for (int64_t t = 0; t < tokens; t++) {
         char *row = (char *)qkv + t * qkv_stride * esz;
-        float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
+        float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM];
         load_row((const char *)cos + t * d * esz, d, c, bf16);
         load_row((const char *)sin + t * d * esz, d, s, bf16);
         for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float y[MAX_HEAD_DIM], swapped[MAX_HEAD_DIM];
             load_row(row + h * d * esz, d, x, bf16);
-            for (int64_t i = 0; i < d; i++) {
-                float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];
-                y[i] = bf16 ? round_bf16_1(round_bf16_1(a) + b) : a + b;
+            memcpy(swapped, x + half, sizeof(float) * (size_t)half);
+            memcpy(swapped + half, x, sizeof(float) * (size_t)half);
+            for (int64_t i = 0; i < d; i += LANES) {
+                vec xv, sw, cv, sv;
+                memcpy(&xv, x + i, sizeof xv);
+                memcpy(&sw, swapped + i, sizeof sw);
+                memcpy(&cv, c + i, sizeof cv);
+                memcpy(&sv, s + i, sizeof sv);
+                vec a = xv * cv;
+                if (bf16) a = round_bf16(a);
+                vec out = a + sw * sv;
+                memcpy(y + i, &out, sizeof out);
             }
             store_row(y, d, row + h * d * esz, bf16);
         }

@@ -184,7 +184,11 @@ def attend(
 
 def layer_kernels_available(hidden_size: int, intermediate_size: int, head_dim: int) -> bool:
     """Can rms_norm, rope_store and silu_mul run a layer of these sizes here?"""
-    if any(n % 16 or n > MAX_NORM for n in (hidden_size, intermediate_size)) or head_dim > MAX_HEAD_DIM:
+    if (
+        any(n % 16 or n > MAX_NORM for n in (hidden_size, intermediate_size))
+        or head_dim % 16
+        or head_dim > MAX_HEAD_DIM
+    ):
         return False
     try:
         _library()
@@ -249,7 +253,7 @@ def rope_store(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise KernelUnavailable(f"rope_store takes an even head dim up to {MAX_HEAD_DIM}, got {d}")
+        raise KernelUnavailable(f"rope_store takes a head dim that is a multiple of 16 up to {MAX_HEAD_DIM}, got {d}")
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

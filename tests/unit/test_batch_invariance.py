@@ -156,6 +156,7 @@ def test_layer_kernels_refuse_what_they_cannot_take():
     assert cpu_kernels.layer_kernels_available(576, 1536, 64)
     assert not cpu_kernels.layer_kernels_available(24, 1536, 64)  # rows of whole vectors of 16
     assert not cpu_kernels.layer_kernels_available(576, 1536, 512)  # head dim past the stack buffers
+    assert not cpu_kernels.layer_kernels_available(576, 1536, 40)  # RoPE in whole vectors of 16
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         cpu_kernels.rms_norm(torch.zeros(1, 16, dtype=torch.float16), torch.ones(16, dtype=torch.float16), 1e-5)
     with pytest.raises(cpu_kernels.KernelUnavailable, match="multiple of 16"):

@@ -69,6 +69,7 @@ def run(
     num_draft_tokens=None,
     tree=False,
     prefill_chunk=0,
+    verifier=None,
     **sampling,
 ):
     spec = {"method": "ngram", "num_speculative_tokens": k}
@@ -88,7 +89,7 @@ def run(
         req,
         ids,
         seq_id,
-        LocalVerifier(runner),
+        verifier or LocalVerifier(runner),
         drafter,
         TextStream(tokenizer),
         {0},
@@ -369,23 +370,9 @@ def test_a_prompt_prefilled_in_chunks_gives_the_same_output(runner, tokenizer, t
     prompt_ids = tokenizer(PROMPT)["input_ids"]
     results = []
     for prefill_chunk in (0, chunk):
-        verifier, stats, out = RecordingVerifier(runner), GenerationStats(), []
-        steps = generate(
-            GenerationRequest(prompt=PROMPT, max_tokens=40),
-            prompt_ids,
-            5,
-            verifier,
-            LocalDrafter(DraftService(build_proposer(config, max_model_len=512), config)),
-            TextStream(tokenizer),
-            {0},
-            runner.max_model_len,
-            stats,
-            adaptive=False,
-            prefill_chunk=prefill_chunk,
-        )
-        for step in steps:
-            out += step.token_ids
-        runner.release(5)
+        verifier = RecordingVerifier(runner)
+        proposer = build_proposer(config, max_model_len=512)
+        out, stats = run(runner, tokenizer, PROMPT, proposer, prefill_chunk=prefill_chunk, verifier=verifier)
         results.append((out, stats.num_steps, stats.acceptance.num_accepted_tokens))
         chunks = [r.new_token_ids for r in verifier.requests if r.prefill_only]
         if prefill_chunk:
