@@ -435,11 +435,8 @@ static __m512 widen_bf16(__mmask16 mask, const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
-static __m256i narrow_bf16(__m512 v) { /* round to nearest even (no NaN input reaches here) */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+static __m256i narrow_bf16(__m512 v) { /* round_bf16's rounding (no NaN reaches here), high halves */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512((__m512)round_bf16((vec)v)), 16));
 }
 
 int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,

@@ -65,7 +65,7 @@ def _library() -> ctypes.CDLL:
     source = SOURCE.read_bytes()
     # -march=native: a cache shared by machines of other CPUs must not hand them this build
     digest = hashlib.sha256(source + " ".join((compiler, *FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"attention-{digest}.so"
+    target = cache_dir() / "kernels" / f"cpu_kernels-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         log.info("building the lean runtime's CPU kernels: %s", target)
@@ -134,6 +134,13 @@ def unavailable_reason(head_dim: int, num_heads: int, num_kv_heads: int) -> str 
     return None
 
 
+def _check_rows(x: torch.Tensor, *others: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16) or any(o.dtype != x.dtype for o in others):
+        raise TypeError(f"the CPU kernels run float32 or bfloat16, got {[t.dtype for t in (x, *others)]}")
+    if x.stride(-1) != 1 or not all(o.is_contiguous() for o in others):
+        raise ValueError("the CPU kernels need rows with unit stride and contiguous tables")
+
+
 class KeyLists:
     """Per query token of a step, the pool slots it attends to, in position order.
 
@@ -153,10 +160,7 @@ def attend(
     """Attention of ``q`` ``[tokens, >= heads * head_dim]`` (rows may be strided, heads
     group-major) over ``kv_layer`` ``[slots, 2, kv_heads, head_dim]`` -> ``[tokens, heads * head_dim]``."""
     _, _, kv_heads, d = kv_layer.shape
-    if q.dtype not in (torch.float32, torch.bfloat16) or kv_layer.dtype != q.dtype:
-        raise TypeError(f"batch-invariant attention runs float32 or bfloat16, got {q.dtype} / {kv_layer.dtype}")
-    if q.stride(1) != 1 or not kv_layer.is_contiguous():
-        raise ValueError("batch-invariant attention needs rows with unit stride and a contiguous KV layer")
+    _check_rows(q, kv_layer)
     if out is None:
         out = q.new_empty(keys.tokens, num_heads * d)
     rc = _library().attend(
@@ -197,20 +201,12 @@ def layer_kernels_available(hidden_size: int, intermediate_size: int, head_dim: 
     return True
 
 
-def _check_rows(x: torch.Tensor, *others: torch.Tensor) -> None:
-    if x.dtype not in (torch.float32, torch.bfloat16) or any(o.dtype != x.dtype for o in others):
-        raise TypeError(f"the CPU kernels run float32 or bfloat16, got {[t.dtype for t in (x, *others)]}")
-    if x.stride(-1) != 1 or not all(o.is_contiguous() for o in others):
-        raise ValueError("the CPU kernels need rows with unit stride and contiguous tables")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm of each row of ``x`` ``[rows, n]`` (rows may be strided; float32 or
     bfloat16, ``weight`` of the same dtype). Callers check ``layer_kernels_available`` once."""
     rows, n = x.shape
     _check_rows(x, weight)
-    if out is None:
-        out = x.new_empty(rows, n)
+    out = x.new_empty(rows, n)
     rc = _library().rms_norm(
         x.data_ptr(),
         x.stride(0),

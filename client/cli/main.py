@@ -22,7 +22,7 @@ from backends.runtime.model_store import (
     local_model,
     resolve_model,
 )
-from backends.serving.orchestrator import DEFAULT_PREFILL_CHUNK
+from backends.serving.orchestrator import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens
 from backends.training import TRAINERS, data_dir, head_dir
 
 # Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
@@ -145,8 +145,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.device:
         overrides.common["device"] = args.device
     if args.prefill_chunk_tokens is not None:
-        if args.prefill_chunk_tokens < 0:
-            print("error: --prefill-chunk-tokens must be >= 0 (0: no chunking)", file=sys.stderr)
+        try:  # the check the `speculative` model applies to the parameter
+            prefill_chunk_tokens(str(args.prefill_chunk_tokens))
+        except ValueError as e:
+            print(f"error: --prefill-chunk-tokens: {e}", file=sys.stderr)
             return 2
         overrides.per_model.setdefault("speculative", {})["prefill_chunk_tokens"] = str(args.prefill_chunk_tokens)
     if args.speculative_config:
