@@ -8,7 +8,7 @@
 #                                  nvidia-pytriton wheel, cut to one Python's stub
 #                                  (GPU_PYTHON, default 3.12: the GPU machine's python3).
 #   scripts/gpu_check.sh           on the GPU machine, from the repository root, with .gpu/:
-#                                  about 3-6 minutes, always under 8.
+#                                  about 4-7 minutes, always under 9.
 #
 # The GPU machine must have: an NVIDIA GPU, a python3 with a CUDA build of torch and triton
 # (plus tokenizers, safetensors, huggingface_hub, pytest, pytest-timeout), a C compiler for
@@ -17,9 +17,12 @@
 # in /tmp over that python's packages with .gpu/'s packages first, then runs
 #   1. tests/unit/test_device.py (TargetRunner and every model-based proposer on cuda vs cpu),
 #      tests/e2e/test_device_server.py (the real server with KIND_GPU verifier and drafter:
-#      greedy == HF greedy), tests/unit/test_rejection_kernels.py and tests/unit/test_ngram_gpu.py
-#      (the OpenAI Triton kernels compiled on CUDA vs their torch references);
-#   2. scripts/gpu_speed.py (CPU vs CUDA: verify step, drafting, rejection sampling);
+#      greedy == HF greedy), tests/unit/test_rejection_kernels.py, tests/unit/test_ngram_gpu.py and
+#      tests/unit/test_gpu_kernels.py (the OpenAI Triton kernels compiled on CUDA vs their torch
+#      references; the batch-invariant lean runtime on them: bit-identical logits whatever
+#      shares a step, bf16 speculative output == plain output);
+#   2. scripts/gpu_speed.py (CPU vs CUDA: verify step, transformers and batch-invariant,
+#      drafting, rejection sampling);
 # and prints a summary. Logs and results go to $OUT (or /tmp/gpu-check).
 # GPU_DIR (default .gpu) names the folder in both parts.
 set -uo pipefail
@@ -111,8 +114,8 @@ say "GPU tests"
 export PYTHONUNBUFFERED=1 TRITONSPEC_CACHE=/tmp/tritonspec-cache
 SELECT=()
 [ "$SERVER" = 1 ] || SELECT=(-m "not e2e")
-timeout 290 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_device.py tests/e2e/test_device_server.py \
-    tests/unit/test_rejection_kernels.py tests/unit/test_ngram_gpu.py "${SELECT[@]}" \
+timeout 330 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_device.py tests/e2e/test_device_server.py \
+    tests/unit/test_rejection_kernels.py tests/unit/test_ngram_gpu.py tests/unit/test_gpu_kernels.py "${SELECT[@]}" \
     --junitxml "$OUTDIR/gpu_tests.xml" 2>&1 | tee "$OUTDIR/gpu_tests.log"
 TESTS=${PIPESTATUS[0]}
 

@@ -1,7 +1,9 @@
 """A small speed comparison of the GPU path against the CPU path, in process: one verify step
-of a random ~170M-parameter Llama (bfloat16, k = 4 drafts, batch 1 and 8), k = 4 drafts from
-a random two-layer draft model, and batched rejection sampling (the OpenAI Triton kernels on
-CUDA vs their torch references). Random weights: only the times mean anything.
+of a random ~170M-parameter Llama (bfloat16, k = 4 drafts, batch 1 and 8), on the GPU also
+batch-invariant (the lean runtime on kernels/batch_invariant.py; its cost against transformers
+decides whether it becomes the GPU's default), k = 4 drafts from a random two-layer draft
+model, and batched rejection sampling (the OpenAI Triton kernels on CUDA vs their torch
+references). Random weights: only the times mean anything.
 
     python scripts/gpu_speed.py [--out results.json]
 
@@ -61,8 +63,8 @@ def timed(fn, device: str, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def verify_step(model_dir: Path, device: str, batch: int, repeat: int) -> float:
-    runner = TargetRunner(model_dir, dtype="bfloat16", device=device, kv_cache_memory_gb=None)
+def verify_step(model_dir: Path, device: str, batch: int, repeat: int, invariant: str = "auto") -> float:
+    runner = TargetRunner(model_dir, dtype="bfloat16", device=device, batch_invariant=invariant)
     gen = torch.Generator().manual_seed(1)
     for seq in range(batch):
         runner.verify(VerifyRequest(seq, torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist(), []))
@@ -130,6 +132,15 @@ def main() -> None:
             ):
                 cpu, cuda = fn("cpu", 2), fn("cuda", 20)
                 rows.append({"what": name, "cpu_ms": cpu * 1e3, "cuda_ms": cuda * 1e3})
+                if name.startswith("verify"):
+                    invariant = verify_step(target, "cuda", batch, 20, invariant="on")
+                    rows.append(
+                        {
+                            "what": f"  same, batch-invariant ({invariant / cuda:.2f}x transformers)",
+                            "cpu_ms": None,
+                            "cuda_ms": invariant * 1e3,
+                        }
+                    )
         batch = 32
         rows.append(
             {

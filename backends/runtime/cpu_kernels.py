@@ -153,6 +153,9 @@ class KeyLists:
         self.length = length.to(torch.int64).contiguous()
         self.tokens = self.start.shape[0]
 
+    def to(self, device: torch.device) -> KeyLists:
+        return KeyLists(self.slots.to(device), self.start.to(device), self.length.to(device))
+
 
 def attend(
     q: torch.Tensor, kv_layer: torch.Tensor, keys: KeyLists, num_heads: int, out: torch.Tensor | None = None

@@ -189,7 +189,8 @@ class KVCachePool:
         if moves:
             src, dst = zip(*moves)
             # Gathered before written: overlapping moves are exact.
-            self.kv.index_copy_(1, seq.slots[list(dst)], self.kv.index_select(1, seq.slots[list(src)]))
+            src, dst = seq.slots[list(src)].to(self.kv.device), seq.slots[list(dst)].to(self.kv.device)
+            self.kv.index_copy_(1, dst, self.kv.index_select(1, src))
         seq.length = start + len(positions)
 
     def release(self, seq_id: Hashable) -> None:

@@ -53,6 +53,12 @@ the load-time probe needs (``_Linear.invariant``; packed bf16 matmuls need no sp
 checked once per shape). A token's logits are then the same bits whatever else shares its
 step; measured at 0.96-1.06x the SDPA path's step time.
 
+On a GPU the lean runtime runs batch-invariant only, on the OpenAI Triton kernels of
+``kernels/batch_invariant.py`` (linear layers with one fixed tile, RMSNorm a row per program,
+attention a token per program over the same key lists); the rest of a layer is the tensor ops,
+which are per element. Tests run that path on a CPU in Triton's interpreter
+(``from_hf(..., triton_kernels=True)``); ``scripts/gpu_check.sh`` runs it compiled.
+
 Not here (yet): a ``torch.compile`` path. Inductor cannot trace the prepacked oneDNN weights
 (opaque ``_mkldnn`` tensors fail ``fullgraph`` compilation), so a compiled step would keep plain
 weights as frozen module parameters and let ``freezing=True`` prepack them itself.
@@ -67,6 +73,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels import batch_invariant as gpu_kernels
 
 from . import cpu_kernels
 from .kv_cache import KVCachePool, SequenceError
@@ -144,6 +152,8 @@ class _Linear:
     in bf16): the chunked matmul accumulates chunk by chunk through the fused add.
     """
 
+    device = torch.device("cpu")
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -181,8 +191,8 @@ class _Linear:
         """Does each row get the same bits alone as among up to ``max_rows`` (``slab``) rows?"""
         rows = [m for m in PROBE_ROWS if m <= (max_rows or self.slab)]
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(rows[-1], self.bounds[-1][1], generator=gen).to(self.dtype)
-        r = torch.randn(rows[-1], self.out_features, generator=gen).to(self.dtype) if adds else None
+        x = torch.randn(rows[-1], self.bounds[-1][1], generator=gen).to(self.device, self.dtype)
+        r = torch.randn(rows[-1], self.out_features, generator=gen).to(self.device, self.dtype) if adds else None
 
         def run(a: int, b: int) -> list[torch.Tensor]:
             out = [self(x[a:b])]
@@ -221,6 +231,22 @@ class _Linear:
             else:
                 y = torch.ops.mkldnn._linear_pointwise.binary(part, y, weight, bias, "add")
         return y
+
+
+class _TritonLinear(_Linear):
+    """A linear layer in ``kernels/batch_invariant.linear`` (the GPU path): one tile shape for
+    every call and no split-K, so row invariant by construction."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, k = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device
+        self.bounds = [(0, k)]
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.k_chunk = self.slab = None
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return gpu_kernels.linear(x, self.weight, self.bias, residual)
 
 
 class _PackedLinear(_Linear):
@@ -342,6 +368,7 @@ class LeanCausalLM:
         lm_head: _Linear,
         dtype: torch.dtype,
         batch_invariant: bool = False,
+        triton_kernels: bool = False,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -350,6 +377,8 @@ class LeanCausalLM:
         self.lm_head = lm_head
         self.dtype = dtype
         self.batch_invariant = batch_invariant
+        self.triton_kernels = triton_kernels
+        self.device = embed.device
         self.num_layers = len(layers)
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -362,24 +391,42 @@ class LeanCausalLM:
         # with the bf16 tensor ops' rounding (RMSNorm's transformers' bit for bit, which
         # F.rms_norm is not). float32 keeps the tensor ops, whose sums match transformers
         # exactly (the norm kernel's other order drifted logits 1.2e-4 over 30 layers).
-        self.fused = dtype == torch.bfloat16 and cpu_kernels.layer_kernels_available(
-            self.hidden_size, config.intermediate_size, self.head_dim
+        self.fused = (
+            not triton_kernels
+            and dtype == torch.bfloat16
+            and cpu_kernels.layer_kernels_available(self.hidden_size, config.intermediate_size, self.head_dim)
         )
 
     @classmethod
-    def from_hf(cls, hf_model, dtype: torch.dtype | None = None, batch_invariant: bool = False) -> LeanCausalLM:
+    def from_hf(
+        cls,
+        hf_model,
+        dtype: torch.dtype | None = None,
+        batch_invariant: bool = False,
+        triton_kernels: bool | None = None,
+    ) -> LeanCausalLM:
         """Take the weights of a loaded transformers ``*ForCausalLM`` (fused and prepacked copies;
-        the embedding is shared). Raises UnsupportedArchitecture for models it does not run.
+        the embedding is shared), on the model's device. Raises UnsupportedArchitecture for
+        models it does not run.
 
         ``batch_invariant``: every token's logits and hidden states are the same bits whatever
         else shares its step (other tokens of its row, other rows, a prompt chunked or not); the
-        matmul splits are probed once per weight shape here (about a second for SmolLM2)."""
+        matmul splits are probed once per weight shape here (about a second for SmolLM2).
+        ``triton_kernels``: run the OpenAI Triton kernels (``kernels/batch_invariant.py``)
+        instead of the CPU's; the default on a GPU, where only that batch-invariant path runs.
+        On a CPU they run in Triton's interpreter: for tests."""
         config = hf_model.config
         reason = unsupported_reason(config)
         if reason is not None:
             raise UnsupportedArchitecture(f"lean runtime cannot run this model: {reason}")
-        if hf_model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-            raise UnsupportedArchitecture("lean runtime cannot run this model: it runs on CPU with oneDNN only")
+        on_cpu = hf_model.device.type == "cpu"
+        triton_kernels = not on_cpu if triton_kernels is None else triton_kernels
+        if triton_kernels and not batch_invariant:
+            raise UnsupportedArchitecture(
+                f"on {hf_model.device} the lean runtime runs batch-invariant only (its OpenAI Triton kernels)"
+            )
+        if not triton_kernels and (not on_cpu or not torch.backends.mkldnn.is_available()):
+            raise UnsupportedArchitecture("lean runtime cannot run this model: its CPU path needs oneDNN")
         dtype = dtype or hf_model.dtype
 
         def w(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -397,20 +444,26 @@ class LeanCausalLM:
                 t.unflatten(dim, (kv_heads, heads // kv_heads, head_dim)).transpose(dim, dim + 1).flatten(dim, dim + 2)
             )
 
-        if batch_invariant and (reason := cpu_kernels.unavailable_reason(head_dim, heads, kv_heads)) is not None:
+        if (
+            batch_invariant
+            and not triton_kernels
+            and (reason := cpu_kernels.unavailable_reason(head_dim, heads, kv_heads)) is not None
+        ):
             raise UnsupportedArchitecture(f"batch-invariant attention is unavailable: {reason}")
         splits: dict[tuple, int | None] = {}
         checked: set[tuple] = set()  # packed weight shapes whose row invariance was checked
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None, adds: bool = True, slab: int = ROW_SLAB) -> _Linear:
-            if _PackedLinear.runs(weight):
-                packed = _PackedLinear(weight, bias)
+            if triton_kernels or _PackedLinear.runs(weight):
+                kernel = (_TritonLinear if triton_kernels else _PackedLinear)(weight, bias)
                 shape = (tuple(weight.shape), bias is not None, adds)
-                if batch_invariant and shape not in checked:  # invariant by construction: checked once
-                    if not packed.row_invariant(adds, LOGITS_SLAB):
-                        raise UnsupportedArchitecture("the packed bf16 linear kernel is not row invariant here")
+                # invariant by construction: checked once per shape (not in Triton's interpreter,
+                # whose arithmetic is numpy's, not the GPU's)
+                if batch_invariant and shape not in checked and not (triton_kernels and gpu_kernels.INTERPRETED):
+                    if not kernel.row_invariant(adds, LOGITS_SLAB):
+                        raise UnsupportedArchitecture(f"{type(kernel).__name__}'s kernel is not row invariant here")
                     checked.add(shape)
-                return packed
+                return kernel
             if not batch_invariant:
                 return _Linear(weight, bias)
             shape = (tuple(weight.shape), bias is not None, adds, slab)
@@ -446,9 +499,11 @@ class LeanCausalLM:
         head = linear(w(hf_model.lm_head.weight), w(hf_model.lm_head.bias), adds=False, slab=LOGITS_SLAB)
         if isinstance(head, _PackedLinear):
             log.info("linear layers: the packed bf16 kernel (AVX-512 BF16; row invariant by construction)")
+        if triton_kernels:
+            log.info("lean runtime on %s: the OpenAI Triton kernels (batch-invariant)", hf_model.device)
         if splits:
             log.info("batch-invariant matmuls (weight shape -> K chunk): %s", {k[0]: v for k, v in splits.items()})
-        return cls(config, embed, layers, w(hf_model.model.norm.weight), head, dtype, batch_invariant)
+        return cls(config, embed, layers, w(hf_model.model.norm.weight), head, dtype, batch_invariant, triton_kernels)
 
     def new_pool(
         self, *, capacity_tokens: int | None = None, memory_gb: float | None = None, block_size: int = 16
@@ -462,6 +517,7 @@ class LeanCausalLM:
             memory_gb=memory_gb,
             block_size=block_size,
             dtype=self.dtype,
+            device=self.device,
         )
 
     @torch.inference_mode()
@@ -538,11 +594,12 @@ class LeanCausalLM:
             t += n
 
         if self.batch_invariant:
-            groups, keys = [], self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order])
+            keys = self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order]).to(self.device)
+            groups = []
         else:
             groups, keys = self._groups(pool, rows, toks, cached, order, spans), None
 
-        cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)
+        cat = lambda ts: (ts[0] if len(ts) == 1 else torch.cat(ts)).to(self.device)
         return _Step(
             ids=cat([toks[i] for i in order]),
             cos=cat(cos).unsqueeze(1),
@@ -637,7 +694,9 @@ class LeanCausalLM:
         x = self._norm(h, layer.attn_norm)
         qkv = layer.qkv(x)
         qk = qkv[:, : (heads + kv_heads) * d].view(T, heads + kv_heads, d)
-        if layer.qk_norm is not None:
+        if layer.qk_norm is not None and self.triton_kernels:
+            qk.copy_(gpu_kernels.rms_norm(qk.reshape(-1, d), layer.qk_norm, self.eps).view_as(qk))
+        elif layer.qk_norm is not None:
             torch.mul(F.rms_norm(qk, (d,), None, self.eps), layer.qk_norm, out=qk)
         if self.fused:
             cpu_kernels.rope_store(qkv, step.cos[:, 0], step.sin[:, 0], kv_layer, step.slots, heads)
@@ -646,7 +705,10 @@ class LeanCausalLM:
             qk.mul_(step.cos).addcmul_(swapped, step.sin)
             kv_layer.index_copy_(0, step.slots, qkv[:, heads * d :].view(T, 2, kv_heads, d))
         q = qkv[:, : heads * d]
-        if step.keys is not None:
+        if self.triton_kernels:
+            keys = step.keys
+            attended = gpu_kernels.attend(q, kv_layer, keys.slots, keys.start, keys.length, heads)
+        elif step.keys is not None:
             attended = cpu_kernels.attend(q, kv_layer, step.keys, heads)
         else:
             outs = [self._attend(q[g.t0 : g.t1], g, index, kv_layer) for g in step.groups]
@@ -660,6 +722,8 @@ class LeanCausalLM:
         return layer.down.add(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], h)
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.triton_kernels:
+            return gpu_kernels.rms_norm(h, weight, self.eps)
         if self.fused:
             return cpu_kernels.rms_norm(h, weight, self.eps)
         return F.rms_norm(h, (self.hidden_size,), weight, self.eps)
@@ -698,7 +762,7 @@ class LeanCausalLM:
         if len(counts) == 1:
             picked = slice(h.shape[0] - counts[0], h.shape[0])
         else:
-            picked = torch.cat([torch.arange(b - m, b) for (_, b), m in zip(step.spans, counts)])
+            picked = torch.cat([torch.arange(b - m, b) for (_, b), m in zip(step.spans, counts)]).to(h.device)
         if keep_final:
             x = saved[self.num_layers][picked]
         else:

@@ -50,7 +50,8 @@ PROFILES: dict[str, dict] = {
 RUNTIMES = ["auto", "lean", "hf"]
 BATCH_INVARIANT_HELP = (
     "the target's batch invariance (speculative output == plain output in bf16): auto (on where the lean "
-    "runtime runs, the default), on (refuse to start otherwise) or off"
+    "runtime runs on a CPU, the default), on (on a GPU too, on its Triton kernels; refuse to start where "
+    "it cannot be) or off"
 )
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from backends.runtime import cpu_kernels
 from backends.runtime.lean_lm import K_CHUNKS, LeanCausalLM, Row, _Linear
-from tests.fixtures.lean_models import FAMILIES, build, tokens
+from tests.fixtures.lean_models import FAMILIES, assert_same, build, decode, tokens
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -24,31 +24,6 @@ DTYPES = [torch.bfloat16, torch.float32]
 def model(request) -> LeanCausalLM:
     name, dtype = request.param
     return LeanCausalLM.from_hf(build(name).to(dtype), batch_invariant=True)
-
-
-def decode(lm: LeanCausalLM, seq: list[int], chunks: list[int], traffic: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and last hidden state of every token of `seq` fed in `chunks`, with `traffic` other
-    rows (different lengths and token counts each step) in every forward."""
-    pool = lm.new_pool(capacity_tokens=4096)
-    pool.admit("s", len(seq))
-    for other in range(traffic):
-        pool.admit(other, 240)
-    logits, hidden, at = [], [], 0
-    for step, n in enumerate(chunks):
-        rows = [Row("s", seq[at : at + n])]
-        rows += [Row(other, tokens(1 + (step + other) % 5, seed=step * 7 + other)) for other in range(traffic)]
-        out = lm.forward(pool, rows, logits_rows=[n] + [1] * traffic, hidden_layers=[1, -1])
-        logits.append(out.logits[0])
-        hidden.append(out.hidden[0][1])
-        at += n
-    assert at == len(seq)
-    return torch.cat(logits), torch.cat(hidden)
-
-
-def assert_same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        assert torch.equal(g, w), f"largest difference {(g.float() - w.float()).abs().max().item():.3g}"
 
 
 def test_verification_chunked_prefill_and_batching_change_no_bit(model):
