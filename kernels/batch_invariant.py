@@ -11,8 +11,8 @@ is fixed, whatever the call's shape:
   row's output is the same bits alone or among any number of rows.
 - ``rms_norm``: one program per row, the whole row in one block.
 - ``attend``: one program per (query token, kv head) walking that token's own key list in
-  blocks of ``KEY_BLOCK`` with an online softmax, so the order of its sums depends only on its
-  own keys.
+  blocks of ``key_block`` keys (fixed per model) with an online softmax, so the order of its
+  sums depends only on its own keys.
 
 The float arithmetic follows the CPU runtime's (float32 sums, one rounding to the output dtype), so
 both devices agree to float32 rounding; bit equality holds within one device, which is what
@@ -21,7 +21,8 @@ batch invariance asks.
 Triton's interpreter (tests, without CUDA) gets two bfloat16 things wrong, which the kernels
 mend there only (``INTERPRETED``): dot products of bf16 tiles (the tiles are widened to float32
 first, exact for bf16 values, and the dot runs in IEEE float32), and narrowing float32 to bf16,
-which it truncates (``_narrow`` rounds to nearest even by hand, as a GPU does).
+which it truncates (``_narrow`` rounds to nearest even by hand, as a GPU does). float32 tiles
+always take the IEEE dot (a GPU would otherwise round their products to TF32).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = (64, 64, 64)  # rows x outputs x K of every linear's tile: never chosen by shape
-KEY_BLOCK = 32  # keys per block of the attention walk
+# Keys per block of the attention walk: fixed per model (never per call), sized so a block's
+# [group, keys, head_dim] tile stays within registers.
+MAX_KEY_BLOCK, KEY_TILE = 32, 8192
 _LINEAR_WARPS, _LINEAR_STAGES = 4, 3
 
 
@@ -62,6 +65,7 @@ def _linear_kernel(
     stride_y,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    WIDE: tl.constexpr,
     FIX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -78,7 +82,7 @@ def _linear_kernel(
             x_ptr + rows[:, None] * stride_x + (k0 + ks)[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0
         )
         w = tl.load(w_ptr + cols[None, :] * K + (k0 + ks)[:, None], mask=in_cols[None, :] & in_k[:, None], other=0.0)
-        if FIX:
+        if WIDE:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
@@ -116,6 +120,7 @@ def linear(
         y.stride(0),
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
+        WIDE=INTERPRETED or x.dtype == torch.float32,  # float32: IEEE products, not TF32
         FIX=INTERPRETED,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -235,6 +240,12 @@ def _attend_kernel(
     tl.store(out_ptr + token * (KV_HEADS * GROUP * D) + heads[:, None] * D + dims[None, :], out, mask=in_q)
 
 
+def key_block(group: int, head_dim: int) -> int:
+    """Keys per block of the attention walk for a model's query group and head size."""
+    tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim)
+    return max(8, min(MAX_KEY_BLOCK, KEY_TILE // tile))
+
+
 def attend(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -269,7 +280,7 @@ def attend(
         FIX=INTERPRETED,
         BLOCK_G=triton.next_power_of_2(group),
         BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_N=KEY_BLOCK,
+        BLOCK_N=key_block(group, d),
     )
     return out
 

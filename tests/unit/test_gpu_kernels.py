@@ -10,6 +10,11 @@ allow the GPU's other summation order.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -85,6 +90,21 @@ def test_attend_is_attention_and_token_invariant(dtype, heads, kv_heads, head_di
     for t, keys in enumerate(lists):
         alone = [keys.to(DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE), lengths[t : t + 1].to(DEVICE)]
         assert torch.equal(bi.attend(q[t : t + 1], kv, *alone, heads)[0], out[t])
+
+
+def test_kernels_compile_for_a_gpu(tmp_path):
+    """Without a GPU too: the kernels go through Triton's GPU compiler and ptxas for sm_90, which
+    the interpreter never exercises (tests/fixtures/gpu_compile.py, in its own process)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.fixtures.gpu_compile"],
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("bytes") == 6, done.stdout
 
 
 def test_kernels_refuse_what_they_cannot_take():
