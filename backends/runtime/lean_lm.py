@@ -104,7 +104,9 @@ class Row:
     """One sequence's part of a step.
 
     ``mask``: ``[n, n]`` bool among the new tokens, True where token i may attend to token j
-    (default causal); every token must be allowed to see itself. ``positions``: ``[n]`` RoPE
+    (default causal; the cached tokens are all seen), or ``[n, cached + n]`` over the cached
+    tokens too (a drafter's tree nodes fed a level at a time see only their ancestors); every
+    token must be allowed to see itself. ``positions``: ``[n]`` RoPE
     positions (default: cached length + index).
     """
 
@@ -271,7 +273,7 @@ class _PackedLinear(_Linear):
 
 @dataclass
 class _Layer:
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor | None  # None: the caller gives the attention its input (drafter heads)
     qkv: _Linear
     qk_norm: torch.Tensor | None  # Qwen3: [heads + kv_heads, head_dim] per-head RMSNorm weights
     o: _Linear
@@ -356,35 +358,133 @@ class _Step:
     spans: list[tuple[int, int]]  # flat token range of each row, in the caller's row order
 
 
-class LeanCausalLM:
-    """A decoder-only LM run by plain torch ops over a paged KV pool. Build with ``from_hf``."""
+class _Weights:
+    """Turns a model's modules into the runtime's weights: fused, in ``dtype``, and its linear
+    layers on the kernel that runs here (one probe or check per weight shape, shared by every
+    layer of that shape)."""
+
+    def __init__(self, config, dtype: torch.dtype, batch_invariant: bool, triton_kernels: bool) -> None:
+        self.dtype, self.batch_invariant, self.triton_kernels = dtype, batch_invariant, triton_kernels
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            _head_dim(config),
+        )
+        self.splits: dict[tuple, int | None] = {}  # oneDNN weight shapes -> their probed K chunk
+        self.checked: set[tuple] = set()  # kernel weight shapes whose row invariance was checked
+
+    def cat(self, *tensors: torch.Tensor | None) -> torch.Tensor | None:
+        if tensors[0] is None:
+            return None
+        return torch.cat([t.detach() for t in tensors]).to(self.dtype)
+
+    def regroup(self, t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+        """Query heads from transformers' order (kv head major) to group-major: see _attend."""
+        if t is None:
+            return None
+        shape = (self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        return t.unflatten(dim, shape).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+    def linear(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, adds: bool = True, slab: int = ROW_SLAB
+    ) -> _Linear:
+        invariant = self.batch_invariant
+        if self.triton_kernels or _PackedLinear.runs(weight):
+            kernel = (_TritonLinear if self.triton_kernels else _PackedLinear)(weight, bias)
+            shape = (tuple(weight.shape), bias is not None, adds)
+            # invariant by construction: checked once per shape (not in Triton's interpreter,
+            # whose arithmetic is numpy's, not the GPU's)
+            if invariant and shape not in self.checked and not (self.triton_kernels and gpu_kernels.INTERPRETED):
+                if not kernel.row_invariant(adds, LOGITS_SLAB):
+                    raise UnsupportedArchitecture(f"{type(kernel).__name__}'s kernel is not row invariant here")
+                self.checked.add(shape)
+            return kernel
+        if not invariant:
+            return _Linear(weight, bias)
+        shape = (tuple(weight.shape), bias is not None, adds, slab)
+        if shape in self.splits:
+            return _Linear(weight, bias, self.splits[shape], slab)
+        probed = _Linear.invariant(weight, bias, slab, adds)
+        self.splits[shape] = probed.k_chunk
+        return probed
+
+    def layer(self, layer) -> _Layer:
+        """A transformers-style decoder layer (``self_attn.{q,k,v,o}_proj``, ``mlp.*_proj``, the
+        two norms; no ``input_layernorm``: the caller gives the attention its input)."""
+        a, mlp, w, regroup = layer.self_attn, layer.mlp, self.cat, self.regroup
+        qk_norm = None
+        if hasattr(a, "q_norm"):
+            qk_norm = w(a.q_norm.weight.expand(self.heads, -1), a.k_norm.weight.expand(self.kv_heads, -1))
+        input_norm = getattr(layer, "input_layernorm", None)
+        return _Layer(
+            attn_norm=None if input_norm is None else w(input_norm.weight),
+            qkv=self.linear(
+                w(regroup(a.q_proj.weight, 0), a.k_proj.weight, a.v_proj.weight),
+                w(regroup(a.q_proj.bias, 0), a.k_proj.bias, a.v_proj.bias),
+            ),
+            qk_norm=qk_norm,
+            o=self.linear(w(regroup(a.o_proj.weight, 1)), w(a.o_proj.bias)),
+            mlp_norm=w(layer.post_attention_layernorm.weight),
+            gate_up=self.linear(w(mlp.gate_proj.weight, mlp.up_proj.weight), w(mlp.gate_proj.bias, mlp.up_proj.bias)),
+            down=self.linear(w(mlp.down_proj.weight), w(mlp.down_proj.bias)),
+        )
+
+    def log_kernels(self, device: torch.device) -> None:
+        if self.triton_kernels:
+            log.info("lean runtime on %s: the OpenAI Triton kernels (batch-invariant)", device)
+        elif self.checked:
+            log.info("linear layers: the packed bf16 kernel (AVX-512 BF16; row invariant by construction)")
+        if self.splits:
+            log.info("batch-invariant matmuls (weight shape -> K chunk): %s", {k[0]: v for k, v in self.splits.items()})
+
+
+def _kernels_for(config, device: torch.device, batch_invariant: bool, triton_kernels: bool | None) -> bool:
+    """Whether the OpenAI Triton kernels run (else the CPU's); raises UnsupportedArchitecture
+    where the lean runtime cannot run ``config`` on ``device`` as asked."""
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise UnsupportedArchitecture(f"lean runtime cannot run this model: {reason}")
+    on_cpu = device.type == "cpu"
+    triton_kernels = not on_cpu if triton_kernels is None else triton_kernels
+    if triton_kernels and not batch_invariant:
+        raise UnsupportedArchitecture(
+            f"on {device} the lean runtime runs batch-invariant only (its OpenAI Triton kernels)"
+        )
+    if not triton_kernels and (not on_cpu or not torch.backends.mkldnn.is_available()):
+        raise UnsupportedArchitecture("lean runtime cannot run this model: its CPU path needs oneDNN")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if batch_invariant and not triton_kernels:
+        if (reason := cpu_kernels.unavailable_reason(_head_dim(config), heads, kv_heads)) is not None:
+            raise UnsupportedArchitecture(f"batch-invariant attention is unavailable: {reason}")
+    return triton_kernels
+
+
+class LeanDecoder:
+    """Decoder layers over a paged KV pool: what a causal LM's step and a drafter head's step
+    share. ``plan`` checks a ragged batch of rows and writes their place in the pool; ``layer``
+    runs one decoder layer of that step. Build with ``from_layers`` (heads) or use
+    ``LeanCausalLM``."""
 
     def __init__(
         self,
         config,
-        embed: torch.Tensor,
         layers: list[_Layer],
-        norm: torch.Tensor,
-        lm_head: _Linear,
         dtype: torch.dtype,
         batch_invariant: bool = False,
         triton_kernels: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
-        self.embed = embed
         self.layers = layers
-        self.norm = norm
-        self.lm_head = lm_head
         self.dtype = dtype
         self.batch_invariant = batch_invariant
         self.triton_kernels = triton_kernels
-        self.device = embed.device
+        self.device = device or torch.device("cpu")
         self.num_layers = len(layers)
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
-        self.vocab_size = embed.shape[0]
         self.eps = config.rms_norm_eps
         self.rope = _Rope(config, dtype)
         # bf16: a layer's norms, RoPE + KV write and SiLU * up in the C kernels, one call each
@@ -398,112 +498,23 @@ class LeanCausalLM:
         )
 
     @classmethod
-    def from_hf(
+    def from_layers(
         cls,
-        hf_model,
-        dtype: torch.dtype | None = None,
+        config,
+        modules: Sequence,
+        dtype: torch.dtype,
         batch_invariant: bool = False,
         triton_kernels: bool | None = None,
-    ) -> LeanCausalLM:
-        """Take the weights of a loaded transformers ``*ForCausalLM`` (fused and prepacked copies;
-        the embedding is shared), on the model's device. Raises UnsupportedArchitecture for
-        models it does not run.
-
-        ``batch_invariant``: every token's logits and hidden states are the same bits whatever
-        else shares its step (other tokens of its row, other rows, a prompt chunked or not); the
-        matmul splits are probed once per weight shape here (about a second for SmolLM2).
-        ``triton_kernels``: run the OpenAI Triton kernels (``kernels/batch_invariant.py``)
-        instead of the CPU's; the default on a GPU, where only that batch-invariant path runs.
-        On a CPU they run in Triton's interpreter: for tests."""
-        config = hf_model.config
-        reason = unsupported_reason(config)
-        if reason is not None:
-            raise UnsupportedArchitecture(f"lean runtime cannot run this model: {reason}")
-        on_cpu = hf_model.device.type == "cpu"
-        triton_kernels = not on_cpu if triton_kernels is None else triton_kernels
-        if triton_kernels and not batch_invariant:
-            raise UnsupportedArchitecture(
-                f"on {hf_model.device} the lean runtime runs batch-invariant only (its OpenAI Triton kernels)"
-            )
-        if not triton_kernels and (not on_cpu or not torch.backends.mkldnn.is_available()):
-            raise UnsupportedArchitecture("lean runtime cannot run this model: its CPU path needs oneDNN")
-        dtype = dtype or hf_model.dtype
-
-        def w(*tensors: torch.Tensor | None) -> torch.Tensor | None:
-            if tensors[0] is None:
-                return None
-            return torch.cat([t.detach() for t in tensors]).to(dtype)
-
-        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
-
-        def regroup(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-            # query heads from transformers' order (kv head major) to group-major: see _attend
-            if t is None:
-                return None
-            return (
-                t.unflatten(dim, (kv_heads, heads // kv_heads, head_dim)).transpose(dim, dim + 1).flatten(dim, dim + 2)
-            )
-
-        if (
-            batch_invariant
-            and not triton_kernels
-            and (reason := cpu_kernels.unavailable_reason(head_dim, heads, kv_heads)) is not None
-        ):
-            raise UnsupportedArchitecture(f"batch-invariant attention is unavailable: {reason}")
-        splits: dict[tuple, int | None] = {}
-        checked: set[tuple] = set()  # packed weight shapes whose row invariance was checked
-
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None, adds: bool = True, slab: int = ROW_SLAB) -> _Linear:
-            if triton_kernels or _PackedLinear.runs(weight):
-                kernel = (_TritonLinear if triton_kernels else _PackedLinear)(weight, bias)
-                shape = (tuple(weight.shape), bias is not None, adds)
-                # invariant by construction: checked once per shape (not in Triton's interpreter,
-                # whose arithmetic is numpy's, not the GPU's)
-                if batch_invariant and shape not in checked and not (triton_kernels and gpu_kernels.INTERPRETED):
-                    if not kernel.row_invariant(adds, LOGITS_SLAB):
-                        raise UnsupportedArchitecture(f"{type(kernel).__name__}'s kernel is not row invariant here")
-                    checked.add(shape)
-                return kernel
-            if not batch_invariant:
-                return _Linear(weight, bias)
-            shape = (tuple(weight.shape), bias is not None, adds, slab)
-            if shape in splits:
-                return _Linear(weight, bias, splits[shape], slab)
-            probed = _Linear.invariant(weight, bias, slab, adds)
-            splits[shape] = probed.k_chunk
-            return probed
-
-        layers = []
-        for layer in hf_model.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            qk_norm = None
-            if hasattr(a, "q_norm"):
-                qk_norm = w(a.q_norm.weight.expand(heads, -1), a.k_norm.weight.expand(kv_heads, -1))
-            layers.append(
-                _Layer(
-                    attn_norm=w(layer.input_layernorm.weight),
-                    qkv=linear(
-                        w(regroup(a.q_proj.weight, 0), a.k_proj.weight, a.v_proj.weight),
-                        w(regroup(a.q_proj.bias, 0), a.k_proj.bias, a.v_proj.bias),
-                    ),
-                    qk_norm=qk_norm,
-                    o=linear(w(regroup(a.o_proj.weight, 1)), w(a.o_proj.bias)),
-                    mlp_norm=w(layer.post_attention_layernorm.weight),
-                    gate_up=linear(
-                        w(mlp.gate_proj.weight, mlp.up_proj.weight), w(mlp.gate_proj.bias, mlp.up_proj.bias)
-                    ),
-                    down=linear(w(mlp.down_proj.weight), w(mlp.down_proj.bias)),
-                )
-            )
-        embed = hf_model.model.embed_tokens.weight.detach().to(dtype)
-        head = linear(w(hf_model.lm_head.weight), w(hf_model.lm_head.bias), adds=False, slab=LOGITS_SLAB)
-        if isinstance(head, _PackedLinear):
-            log.info("linear layers: the packed bf16 kernel (AVX-512 BF16; row invariant by construction)")
-        if triton_kernels:
-            log.info("lean runtime on %s: the OpenAI Triton kernels (batch-invariant)", hf_model.device)
-        if splits:
-            log.info("batch-invariant matmuls (weight shape -> K chunk): %s", {k[0]: v for k, v in splits.items()})
-        return cls(config, embed, layers, w(hf_model.model.norm.weight), head, dtype, batch_invariant, triton_kernels)
+    ) -> LeanDecoder:
+        """The decoder layers ``modules`` (transformers-style, see ``_Weights.layer``; their
+        attention may read a wider input than the residual, as EAGLE-3's) of a model described
+        by the Llama-style ``config``, on the modules' device."""
+        device = next(modules[0].parameters()).device
+        triton_kernels = _kernels_for(config, device, batch_invariant, triton_kernels)
+        weights = _Weights(config, dtype, batch_invariant, triton_kernels)
+        layers = [weights.layer(m) for m in modules]
+        weights.log_kernels(device)
+        return cls(config, layers, dtype, batch_invariant, triton_kernels, device)
 
     def new_pool(
         self, *, capacity_tokens: int | None = None, memory_gb: float | None = None, block_size: int = 16
@@ -520,43 +531,14 @@ class LeanCausalLM:
             device=self.device,
         )
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        pool: KVCachePool,
-        rows: Sequence[Row],
-        logits_rows: int | Sequence[int] = 1,
-        hidden_layers: Sequence[int] = (),
-    ) -> StepOutput:
-        """Run one ragged step; each row's cached length in ``pool`` grows by its new tokens.
-
-        ``logits_rows``: logits for the last m new tokens of each row (one int for all rows, or
-        one per row; 0 = none). ``hidden_layers``: layer ids to return hidden states of (vLLM's
-        numbering, -1 = final normed).
-        """
-        counts = [logits_rows] * len(rows) if isinstance(logits_rows, int) else list(logits_rows)
-        want = {self.num_layers if i == -1 else i for i in hidden_layers}
-        if not all(0 <= i <= self.num_layers for i in want):
-            raise ValueError(f"hidden layer ids must be in [-1, {self.num_layers}], got {list(hidden_layers)}")
-        step = self._plan(pool, rows, counts)
-        saved = {}
-        h = F.embedding(step.ids, self.embed)
-        for i, layer in enumerate(self.layers):
-            if i in want:
-                saved[i] = h
-            h = self._layer(i, layer, h, pool.layers[i], step)
-        logits = self._logits(h, step, counts, saved, self.num_layers in want)
-        hidden = [{i: saved[self.num_layers if i == -1 else i][a:b] for i in hidden_layers} for a, b in step.spans]
-        return StepOutput(logits, hidden)
-
-    __call__ = forward
-
     # -- one step -----------------------------------------------------------------------------
 
-    def _plan(self, pool: KVCachePool, rows: Sequence[Row], counts: list[int]) -> _Step:
-        """Check the rows, order them by new-token count, grow their lengths, build the groups."""
+    def plan(self, pool: KVCachePool, rows: Sequence[Row], counts: list[int] | None = None) -> _Step:
+        """Check the rows, order them by new-token count, grow their lengths, build the groups.
+        ``counts``: the logits rows each row asks for (checked against its new tokens)."""
         if not rows:
             raise SequenceError("a step needs at least one row")
+        counts = [0] * len(rows) if counts is None else counts
         if len(counts) != len(rows):
             raise ValueError(f"logits_rows has {len(counts)} entries for {len(rows)} rows")
         toks = [torch.as_tensor(r.token_ids, dtype=torch.long).reshape(-1) for r in rows]
@@ -568,8 +550,11 @@ class LeanCausalLM:
             seen.add(r.seq_id)
             if n == 0 or not 0 <= m <= n:
                 raise SequenceError(f"sequence {r.seq_id!r}: {n} new tokens, {m} logits rows asked")
-            if r.mask is not None and tuple(r.mask.shape) != (n, n):
-                raise SequenceError(f"sequence {r.seq_id!r}: mask {tuple(r.mask.shape)} for {n} new tokens")
+            if r.mask is not None and tuple(r.mask.shape) not in ((n, n), (n, pool.length(r.seq_id) + n)):
+                raise SequenceError(
+                    f"sequence {r.seq_id!r}: mask {tuple(r.mask.shape)} for {n} new tokens after "
+                    f"{pool.length(r.seq_id)} cached"
+                )
             if r.positions is not None and tuple(r.positions.shape) != (n,):
                 raise SequenceError(f"sequence {r.seq_id!r}: positions {tuple(r.positions.shape)} for {n} new tokens")
             if n > pool.room(r.seq_id):
@@ -652,8 +637,9 @@ class LeanCausalLM:
                 lengths.append(torch.arange(c + 1, c + n + 1))
                 offset += c + n
                 continue
+            full = r.mask.shape[1] == c + n  # the mask covers the cached tokens too
             for allowed in r.mask.bool():
-                own = torch.cat([table[:c], table[c:][allowed]])
+                own = table[allowed] if full else torch.cat([table[:c], table[c:][allowed]])
                 slots.append(own)
                 starts.append(torch.tensor([offset]))
                 lengths.append(torch.tensor([own.shape[0]]))
@@ -681,6 +667,9 @@ class LeanCausalLM:
         if not causal and (n > 1 or custom or any(L != key_len for L in lengths)):
             mask = torch.full((len(rows), 1, n, key_len), float("-inf"), dtype=self.dtype)
             for m, r, c in zip(mask, rows, cached):
+                if r.mask is not None and r.mask.shape[1] == c + n:  # the mask covers the cached tokens too
+                    m[0, :, : c + n].masked_fill_(r.mask.bool(), 0)
+                    continue
                 m[0, :, :c] = 0
                 allowed = torch.ones(n, n, dtype=torch.bool).tril_() if r.mask is None else r.mask.bool()
                 m[0, :, c : c + n].masked_fill_(allowed, 0)
@@ -688,11 +677,16 @@ class LeanCausalLM:
                 mask = mask.repeat_interleave(self.num_heads // self.num_kv_heads, dim=2)
         return _Group(t0, t0 + len(rows) * n, len(rows), n, fold, key_len, mask, causal and n > 1, views, slots)
 
-    def _layer(self, index: int, layer: _Layer, h: torch.Tensor, kv_layer: torch.Tensor, step: _Step) -> torch.Tensor:
+    def layer(
+        self, index: int, h: torch.Tensor, pool: KVCachePool, step: _Step, attn_in: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Decoder layer ``index`` of ``step`` on the residual stream ``h`` ``[T, hidden]``. Its
+        attention reads the normed ``h``, or ``attn_in`` where the caller gives one (drafter
+        heads: EAGLE-3's [embedding | hidden] input, a first layer without input norm)."""
+        layer, kv_layer = self.layers[index], pool.layers[index]
         T = h.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        x = self._norm(h, layer.attn_norm)
-        qkv = layer.qkv(x)
+        qkv = layer.qkv(self._norm(h, layer.attn_norm) if attn_in is None else attn_in)
         qk = qkv[:, : (heads + kv_heads) * d].view(T, heads + kv_heads, d)
         if layer.qk_norm is not None and self.triton_kernels:
             qk.copy_(gpu_kernels.rms_norm(qk.reshape(-1, d), layer.qk_norm, self.eps).view_as(qk))
@@ -751,6 +745,88 @@ class LeanCausalLM:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, is_causal=g.causal, enable_gqa=True)
         o = o.transpose(1, 2).reshape(g.rows * g.n, kv_heads, group, d).transpose(1, 2)
         return o.reshape(g.rows * g.n, heads * d)
+
+
+class LeanCausalLM(LeanDecoder):
+    """A decoder-only LM run over a paged KV pool. Build with ``from_hf``."""
+
+    def __init__(
+        self,
+        config,
+        embed: torch.Tensor,
+        layers: list[_Layer],
+        norm: torch.Tensor,
+        lm_head: _Linear,
+        dtype: torch.dtype,
+        batch_invariant: bool = False,
+        triton_kernels: bool = False,
+    ) -> None:
+        super().__init__(config, layers, dtype, batch_invariant, triton_kernels, embed.device)
+        self.embed = embed
+        self.norm = norm
+        self.lm_head = lm_head
+        self.vocab_size = embed.shape[0]
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_model,
+        dtype: torch.dtype | None = None,
+        batch_invariant: bool = False,
+        triton_kernels: bool | None = None,
+    ) -> LeanCausalLM:
+        """Take the weights of a loaded transformers ``*ForCausalLM`` (fused and prepacked copies;
+        the embedding is shared), on the model's device. Raises UnsupportedArchitecture for
+        models it does not run.
+
+        ``batch_invariant``: every token's logits and hidden states are the same bits whatever
+        else shares its step (other tokens of its row, other rows, a prompt chunked or not); the
+        matmul splits are probed once per weight shape here (about a second for SmolLM2).
+        ``triton_kernels``: run the OpenAI Triton kernels (``kernels/batch_invariant.py``)
+        instead of the CPU's; the default on a GPU, where only that batch-invariant path runs.
+        On a CPU they run in Triton's interpreter: for tests."""
+        config = hf_model.config
+        triton_kernels = _kernels_for(config, hf_model.device, batch_invariant, triton_kernels)
+        weights = _Weights(config, dtype or hf_model.dtype, batch_invariant, triton_kernels)
+        layers = [weights.layer(layer) for layer in hf_model.model.layers]
+        embed = hf_model.model.embed_tokens.weight.detach().to(weights.dtype)
+        w = weights.cat
+        head = weights.linear(w(hf_model.lm_head.weight), w(hf_model.lm_head.bias), adds=False, slab=LOGITS_SLAB)
+        weights.log_kernels(hf_model.device)
+        return cls(
+            config, embed, layers, w(hf_model.model.norm.weight), head, weights.dtype, batch_invariant, triton_kernels
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        pool: KVCachePool,
+        rows: Sequence[Row],
+        logits_rows: int | Sequence[int] = 1,
+        hidden_layers: Sequence[int] = (),
+    ) -> StepOutput:
+        """Run one ragged step; each row's cached length in ``pool`` grows by its new tokens.
+
+        ``logits_rows``: logits for the last m new tokens of each row (one int for all rows, or
+        one per row; 0 = none). ``hidden_layers``: layer ids to return hidden states of (vLLM's
+        numbering, -1 = final normed).
+        """
+        counts = [logits_rows] * len(rows) if isinstance(logits_rows, int) else list(logits_rows)
+        want = {self.num_layers if i == -1 else i for i in hidden_layers}
+        if not all(0 <= i <= self.num_layers for i in want):
+            raise ValueError(f"hidden layer ids must be in [-1, {self.num_layers}], got {list(hidden_layers)}")
+        step = self.plan(pool, rows, counts)
+        saved = {}
+        h = F.embedding(step.ids, self.embed)
+        for i in range(self.num_layers):
+            if i in want:
+                saved[i] = h
+            h = self.layer(i, h, pool, step)
+        logits = self._logits(h, step, counts, saved, self.num_layers in want)
+        hidden = [{i: saved[self.num_layers if i == -1 else i][a:b] for i in hidden_layers} for a, b in step.spans]
+        return StepOutput(logits, hidden)
+
+    __call__ = forward
 
     def _logits(
         self, h: torch.Tensor, step: _Step, counts: list[int], saved: dict, keep_final: bool

@@ -179,6 +179,26 @@ def test_tree_mask_and_positions():
     assert_close(out.logits[0][2:], reference(hf, prefix + [a, b2])[-1:])
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_tree_fed_a_level_at_a_time_masks_cached_nodes(batch_invariant):
+    """A mask over the cached tokens too ([n, cached + n]): a node of a later level sees its
+    ancestor among the cached nodes and not the ancestor's sibling (a drafter's tree)."""
+    hf = build("llama")
+    lm = LeanCausalLM.from_hf(hf, batch_invariant=batch_invariant)
+    pool = lm.new_pool(capacity_tokens=64)
+    pool.admit("t", 32)
+    prefix = tokens(8, 81)
+    at = len(prefix)
+    lm.forward(pool, [Row("t", prefix)])
+    a, x, b = 11, 44, 22  # level 1: siblings a and x; level 2: b, a's child
+    lm.forward(pool, [Row("t", [a, x], torch.eye(2, dtype=torch.bool), torch.tensor([at, at]))], logits_rows=2)
+    seen = torch.tensor([[1] * at + [1, 0, 1]], dtype=torch.bool)
+    out = lm.forward(pool, [Row("t", [b], seen, torch.tensor([at + 1]))])
+    assert_close(out.logits[0], reference(hf, prefix + [a, b])[-1:])
+    with pytest.raises(SequenceError, match=r"mask \(1, 5\) for 1 new tokens after 11 cached"):
+        lm.forward(pool, [Row("t", [b], torch.ones(1, 5, dtype=torch.bool))])
+
+
 @pytest.mark.parametrize("kind", list(ROPES))
 def test_rope_scaling_matches_transformers(kind):
     hf = rope_model(kind)
