@@ -65,6 +65,7 @@ the call returns: the accepted path comes back as new tokens with the target's s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,12 +78,14 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
-from backends.methods.draft_model import append_new_entries, gather_drafts, stack_caches
+from backends.methods.draft_model import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gather_drafts
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
+from backends.runtime.lean_lm import LeanDecoder, Row, UnsupportedArchitecture
 from backends.serving.proposer import Draft, DraftRequest
 from backends.serving.tree import ROOT, DraftTree
 
+log = logging.getLogger(__name__)
 LAYOUTS = ("eagle", "eagle3")
 _NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 
@@ -117,10 +120,17 @@ class EagleLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# run_layer(i, attention input, residual) -> decoder layer i's output: the head's layers over
+# whichever cache runs them (a DynamicCache in `forward`, the lean runtime's pool when drafting).
+RunLayer = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class EagleHead(nn.Module):
     """Shared by both layouts: `features` turns target hidden states [r, layers, H_t] into the
-    head's input features, `forward` runs the decoder layer(s) and returns the hidden state to
-    feed back, `logits` the draft-vocabulary logits of such states."""
+    head's input features, `decode` feeds (token, feature) pairs through the decoder layer(s)
+    and returns the hidden state to feed back, `logits` the draft-vocabulary logits of such
+    states. `forward` is `decode` over a transformers DynamicCache (training and references);
+    the proposer runs `decode` on the lean runtime."""
 
     layout: str
     hidden_layer_ids: tuple[int, ...]
@@ -147,8 +157,25 @@ class EagleHead(nn.Module):
         cache: DynamicCache | None,
         step: int = 0,
     ) -> torch.Tensor:
-        """`step`: the draft step (0 = the pass over the target's states); only heads with a
-        layer per step (multi-layer MTP) use it."""
+        """`decode` over `cache` with an additive or boolean attention `mask`."""
+        rope = self.rotary_emb(features, position_ids)
+
+        def run_layer(i: int, attn_input: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return self.layers[i].run(attn_input, residual, rope, mask, cache)
+
+        return self.decode(input_ids, features, position_ids, run_layer, step)
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        run_layer: RunLayer,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """The head's state after the pairs (input_ids, features) at `position_ids` (any
+        leading shape). `step`: the draft step (0 = the pass over the target's states); only
+        heads with a layer per step (multi-layer MTP) use it."""
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
@@ -172,11 +199,10 @@ class Eagle1Head(EagleHead):
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states[:, 0]
 
-    def forward(self, input_ids, features, position_ids, mask, cache, step=0):
+    def decode(self, input_ids, features, position_ids, run_layer, step=0):
         x = self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))  # embedding first
-        rope = self.rotary_emb(x, position_ids)
         for i, layer in enumerate(self.layers):
-            x = layer.run(x if i == 0 else layer.input_layernorm(x), x, rope, mask, cache)
+            x = run_layer(i, x if i == 0 else layer.input_layernorm(x), x)
         return x  # no final norm: the same tensor gives logits and is fed back
 
     def logits(self, hidden, step=0):
@@ -202,12 +228,11 @@ class Eagle3Head(EagleHead):
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.fc(hidden_states.flatten(1))  # aux layers concatenated low -> high
 
-    def forward(self, input_ids, features, position_ids, mask, cache, step=0):
+    def decode(self, input_ids, features, position_ids, run_layer, step=0):
         layer = self.layers[0]
         normed = layer.hidden_norm(features)
         attn_input = torch.cat([layer.input_layernorm(self.embed_tokens(input_ids)), normed], dim=-1)
-        residual = normed if self.norm_before_residual else features
-        return layer.run(attn_input, residual, self.rotary_emb(features, position_ids), mask, cache)
+        return run_layer(0, attn_input, normed if self.norm_before_residual else features)
 
     def logits(self, hidden, step=0):
         return self.lm_head(self.norm(hidden))
@@ -321,8 +346,7 @@ def _eagle3_head(
 
 @dataclass
 class _SeqState:
-    cache: DynamicCache
-    # x_0..x_c: the cache's first c entries are the pairs (x_{t+1}, h_t) from target states;
+    # x_0..x_c: the pool's first c entries are the pairs (x_{t+1}, h_t) from target states;
     # entries past c came from the drafter's own states and are always cropped.
     token_ids: list[int] = field(default_factory=list)
 
@@ -330,7 +354,7 @@ class _SeqState:
 @dataclass
 class _Work:
     index: int
-    state: _SeqState
+    seq_id: int
     start: int  # first position fed this call
     new_ids: list[int]  # x_{start+1}..x_{n-1}
     features: torch.Tensor  # [len(new_ids), D]
@@ -342,18 +366,25 @@ class _Work:
     probs: torch.Tensor | None = None  # [num_drafts, V_target] on the head's device (probabilistic)
     parents: list[int] | None = None  # a tree's (None: a chain)
 
+    @property
+    def context(self) -> int:
+        """Pool entries from target states once this call's pairs are in."""
+        return self.start + len(self.new_ids)
+
 
 @dataclass
 class _Context:
-    """A propose call's first forward: every sequence's new target pairs, batched."""
+    """A propose call's first forward: every sequence's new target pairs, in one ragged step."""
 
-    cache: DynamicCache  # a lone sequence's own, else the sequences' caches stacked
-    keys: torch.Tensor  # [B, K] bool: the cache entries each sequence may attend to
     hidden: torch.Tensor  # [B, D] the head's state at each sequence's last pair
-    last: torch.Tensor  # [B] that pair's position
+    last: list[int]  # that pair's position
 
 
 class EagleProposer(HeadProposer):
+    """The head's decoder layers run on the lean runtime (backends/runtime), each sequence's
+    entries in one paged KV pool: a propose call is one ragged step over every sequence's new
+    target pairs, then one step per draft position (a chain) or tree level."""
+
     method = "eagle"
     hidden_layer_ids = (-1,)  # EAGLE-1/2 read the target's final normed state
     _seqs: dict[int, _SeqState]
@@ -373,6 +404,8 @@ class EagleProposer(HeadProposer):
         super().__init__(head, max_model_len, sample_method, seed)
         self.dynamic_tree = dynamic_tree
         self.token_tree = token_tree
+        self.decoder = head_decoder(head, self.dtype)
+        self.pool = self.decoder.new_pool(memory_gb=DRAFT_KV_MEMORY_GB)
 
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, **context: Any) -> EagleProposer:
@@ -397,8 +430,13 @@ class EagleProposer(HeadProposer):
             drafts[w.index] = Draft(w.drafts, w.probs, w.parents)
         return drafts
 
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        self.pool.release(seq_id)
+
     def _prepare(self, index: int, req: DraftRequest) -> _Work | None:
-        """Crop the sequence's cache back to where the delivered hidden states start; the work."""
+        """Crop the sequence's pool entries back to where the delivered hidden states start,
+        make room for this call's; the work."""
         n, hidden = len(req.token_ids), req.hidden_states
         num_drafts = min(req.num_tokens, self.max_model_len - n)
         if hidden is None or num_drafts <= 0:
@@ -418,7 +456,8 @@ class EagleProposer(HeadProposer):
         start = n - 1 - hidden.shape[0]
         state = self._seqs.get(req.seq_id)
         if state is None:
-            state = self._seqs[req.seq_id] = _SeqState(DynamicCache(config=self.head.config))
+            self.pool.admit(req.seq_id, n + GROW_SLACK_TOKENS)
+            state = self._seqs[req.seq_id] = _SeqState()
         valid = max(0, min(len(state.token_ids), req.num_kept) - 1)
         if valid < start:
             raise ValueError(
@@ -426,82 +465,72 @@ class EagleProposer(HeadProposer):
                 f"target states up to position {valid - 1} only; deliver every position the target "
                 "processed since the last draft call"
             )
-        cached = state.cache.get_seq_length()
-        if cached > start:
-            state.cache.crop(start - cached)
+        self.pool.truncate(req.seq_id, min(start, self.pool.length(req.seq_id)))
         state.token_ids = list(req.token_ids)
-        features = self.head.features(hidden.to(self.device, self.dtype))
         trees = self.dynamic_tree is not None or self.token_tree is not None
+        num_nodes = req.num_nodes if trees else 0
+        # entries this call adds past the context: the fed drafts, or every fed tree node
+        fed = max(num_nodes, num_drafts * (self.dynamic_tree or {}).get("top_k", 1)) if num_nodes else num_drafts
+        if self.pool.room(req.seq_id) < n - start + fed:
+            self.pool.grow(req.seq_id, n + fed + GROW_SLACK_TOKENS)
         return _Work(
             index,
-            state,
+            req.seq_id,
             start,
             req.token_ids[start + 1 :],
-            features,
+            self.head.features(hidden.to(self.device, self.dtype)),
             num_drafts,
             req.temperature,
             self.generator_for(req),
-            req.num_nodes if trees else 0,
+            num_nodes,
         )
+
+    def _decode(self, rows: list[Row], features: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+        """One ragged step of the head over the pool: row i's pairs (its tokens, features[i]);
+        each row's output states. Positions are the rows' own (default: after their entries)."""
+        plan = self.decoder.plan(self.pool, rows)
+        order = sorted(range(len(rows)), key=lambda i: plan.spans[i][0])  # the step's token order
+        positions = []
+        for r, (a, b) in zip(rows, plan.spans):
+            length = self.pool.length(r.seq_id)  # grown by the row's b - a tokens
+            positions.append(torch.arange(length - (b - a), length) if r.positions is None else r.positions)
+        flat = lambda parts: torch.cat([parts[i] for i in order]).to(self.device)
+        ids = flat([torch.as_tensor(r.token_ids).reshape(-1) for r in rows])
+
+        def run_layer(i: int, attn_input: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return self.decoder.layer(i, residual, self.pool, plan, attn_input)
+
+        out = self.head.decode(ids, flat(features), flat(positions), run_layer, step)
+        return [out[a:b] for a, b in plan.spans]
 
     def _feed_context(self, work: list[_Work]) -> _Context:
-        """The first forward: caches left-padded and stacked (a lone sequence uses its own),
-        new pairs right-padded, a mask over both pads."""
-        lengths = [len(w.new_ids) for w in work]
-        max_cached, max_len = max(w.start for w in work), max(lengths)
-        cache = (
-            work[0].state.cache
-            if len(work) == 1
-            else stack_caches([w.state.cache for w in work], [w.start for w in work], self.head.config)
-        )
-        ids = torch.tensor([w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)], device=self.device)
-        features = torch.stack([F.pad(w.features, (0, 0, 0, max_len - n)) for w, n in zip(work, lengths)])
-        keys = torch.tensor(
-            [[0] * (max_cached - w.start) + [1] * (w.start + n) + [0] * (max_len - n) for w, n in zip(work, lengths)],
-            dtype=torch.bool,
-            device=self.device,
-        )
-        positions = torch.tensor([list(range(w.start, w.start + max_len)) for w in work], device=self.device)
-        last = torch.tensor(lengths, device=self.device) - 1  # each row's last real pair
-        rows = torch.arange(len(work), device=self.device)
-        hidden = self.head(ids, features, positions, causal_mask(keys, ids.shape[1]), cache, 0)
-        return _Context(cache, keys, hidden[rows, last], positions[rows, last])
-
-    def _store(self, work: list[_Work], cache: DynamicCache, fed: list[int]) -> None:
-        """Keep each sequence's new pairs and its first `fed[i]` fed drafts in its own cache."""
-        if len(work) > 1:
-            lengths = [len(w.new_ids) for w in work]
-            append_new_entries(
-                cache, [w.state.cache for w in work], max(w.start for w in work), lengths, max(lengths), fed
-            )
-            return
-        w = work[0]
-        cache.crop(w.start + len(w.new_ids) + fed[0] - cache.get_seq_length())
+        """The first forward: every sequence's new target pairs, each after its kept entries."""
+        rows = [Row(w.seq_id, w.new_ids) for w in work]
+        out = self._decode(rows, [w.features for w in work], 0)
+        return _Context(torch.stack([o[-1] for o in out]), [w.context - 1 for w in work])
 
     def _run(self, work: list[_Work]) -> None:
-        """A chain: one forward per draft position for the whole batch."""
+        """A chain: one step per draft position for the whole batch."""
         context = self._feed_context(work)
-        hidden, keys = context.hidden, context.keys
+        hidden = context.hidden
         steps, sampled = max(w.num_drafts for w in work), []
         for step in range(steps):
             tokens = self._sample(self.head.logits(hidden, step), work, sampled)
             if step + 1 == steps:
                 break
             # The next pair: the draft just made with the head's own state, one position on.
-            keys = F.pad(keys, (0, 1), value=True)
-            positions = (context.last + step + 1).unsqueeze(1)
-            mask = causal_mask(keys, 1)
-            hidden = self.head(tokens.unsqueeze(1), hidden.unsqueeze(1), positions, mask, context.cache, step + 1)[:, 0]
+            rows = [Row(w.seq_id, tokens[i : i + 1].cpu()) for i, w in enumerate(work)]
+            hidden = torch.cat(self._decode(rows, list(hidden.unsqueeze(1)), step + 1))
         for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
             w.drafts, w.probs = drafted, probs
-        self._store(work, context.cache, [w.num_drafts - 1 for w in work])
+            # keep the fed drafts (a sequence that needed fewer than the batch was fed more)
+            self.pool.truncate(w.seq_id, w.context + w.num_drafts - 1)
 
     def _run_tree(self, work: list[_Work]) -> None:
         """A tree per sequence, level by level for the whole batch; the tree's entries are
         not kept (the accepted path comes back with the target's states)."""
-        context = self._feed_context(work)
-        feed = _TreeFeed(self.head, context)
-        root = self.head.logits(context.hidden, 0).float()
+        feed = _TreeFeed(self, work, self._feed_context(work))
+        root = self.head.logits(feed.hidden[:, 0], 0).float()
         if self.dynamic_tree is not None:
             top_k = self.dynamic_tree["top_k"]
             trees = dynamic_trees(
@@ -512,7 +541,7 @@ class EagleProposer(HeadProposer):
             trees = static_trees(feed, root, paths, self._target_ids)
         for w, (token_ids, parents) in zip(work, trees):
             w.drafts, w.parents = token_ids, parents
-        self._store(work, context.cache, [0] * len(work))
+            self.pool.truncate(w.seq_id, w.context)
 
     def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.head.draft_to_target is None else self.head.draft_to_target[draft_ids]
@@ -524,6 +553,18 @@ class EagleProposer(HeadProposer):
         tokens, probs = self.sample(logits, [w.temperature for w in work], [w.generator for w in work])
         steps.append((tokens, probs))
         return tokens
+
+
+def head_decoder(head: EagleHead, dtype: torch.dtype) -> LeanDecoder:
+    """The head's decoder layers on the lean runtime: batch-invariant where its kernels build
+    (bit-identical drafts alone or batched; the only path on a GPU), else the SDPA path."""
+    try:
+        return LeanDecoder.from_layers(head.config, list(head.layers), dtype, batch_invariant=True)
+    except UnsupportedArchitecture as e:
+        if next(head.parameters()).device.type != "cpu":
+            raise
+        log.info("%s head: batch-invariant kernels unavailable (%s); drafting on the SDPA path", head.layout, e)
+        return LeanDecoder.from_layers(head.config, list(head.layers), dtype)
 
 
 class Eagle3Proposer(EagleProposer):
@@ -545,13 +586,15 @@ class Eagle3Proposer(EagleProposer):
 
 class _TreeFeed:
     """Tree nodes fed to the head after each sequence's context, a level at a time, as many
-    per sequence; fed slot 0 is the root (the last target pair, already in the context)."""
+    per sequence; fed slot 0 is the root (the last target pair, already in the context). A
+    node's pool entry goes after the nodes fed before it; its mask shows it the context, its
+    ancestors and itself."""
 
-    def __init__(self, head: EagleHead, context: _Context) -> None:
-        self.head, self.context = head, context
+    def __init__(self, proposer: EagleProposer, work: list[_Work], context: _Context) -> None:
+        self.proposer, self.work, self.context = proposer, work, context
         self.hidden = context.hidden.unsqueeze(1)  # [B, 1 + fed, D] each slot's output state
         # [B, 1 + fed, fed]: the fed nodes each slot sees (its ancestors and itself)
-        self.seen = context.keys.new_zeros(len(context.keys), 1, 0)
+        self.seen = torch.zeros(len(work), 1, 0, dtype=torch.bool)
 
     @property
     def size(self) -> int:
@@ -564,15 +607,21 @@ class _TreeFeed:
         batch, num = tokens.shape
         slots = parents.unsqueeze(-1)
         features = self.hidden.gather(1, slots.expand(-1, -1, self.hidden.shape[-1]))
-        own = torch.eye(num, dtype=torch.bool, device=tokens.device).expand(batch, -1, -1)
-        seen = torch.cat([self.seen.gather(1, slots.expand(-1, -1, self.size)), own], dim=-1)
-        keys = self.context.keys.unsqueeze(1).expand(-1, num, -1)
-        positions = (self.context.last + 1 + depth).unsqueeze(1).expand(-1, num)
-        mask = torch.cat([keys, seen], dim=-1).unsqueeze(1)
-        out = self.head(tokens, features, positions, mask, self.context.cache, depth + 1)
+        own = torch.eye(num, dtype=torch.bool).expand(batch, -1, -1)
+        seen = torch.cat([self.seen.gather(1, slots.cpu().expand(-1, -1, self.size)), own], dim=-1)
+        rows = [
+            Row(
+                w.seq_id,
+                tokens[i].cpu(),
+                torch.cat([torch.ones(num, w.context, dtype=torch.bool), seen[i]], dim=-1),
+                torch.full((num,), last + 1 + depth),
+            )
+            for i, (w, last) in enumerate(zip(self.work, self.context.last))
+        ]
+        out = torch.stack(self.proposer._decode(rows, list(features), depth + 1))
         self.seen = torch.cat([F.pad(self.seen, (0, num)), seen], dim=1)
         self.hidden = torch.cat([self.hidden, out], dim=1)
-        return self.head.logits(out, depth + 1).float()
+        return self.proposer.head.logits(out, depth + 1).float()
 
 
 def dynamic_trees(
@@ -652,14 +701,3 @@ def static_trees(
         token_ids = [row[index[p]] for p in own]
         out.append((token_ids, list(DraftTree.from_paths(own, token_ids).parents)))
     return out
-
-
-def causal_mask(keys: torch.Tensor, num_new: int) -> torch.Tensor:
-    """[B, 1, num_new, K] bool: query i (the i-th of the new positions, which are the last
-    num_new keys) sees the valid keys up to and including itself."""
-    total = keys.shape[1]
-    causal = (
-        torch.arange(total, device=keys.device)[None, :]
-        <= torch.arange(total - num_new, total, device=keys.device)[:, None]
-    )
-    return (keys[:, None, :] & causal[None])[:, None]

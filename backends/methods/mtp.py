@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,12 @@ class _MTPLayer(EagleLayer):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
 
     def predict(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, rope: tuple, mask: torch.Tensor, cache: Any
+        self, embeds: torch.Tensor, hidden: torch.Tensor, run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
+        """`run(attention input, residual)`: this layer's decoder block over its cache."""
         e, h = self.enorm(embeds), self.hnorm(hidden)
         u = self.eh_proj(torch.cat([h, e] if self.family == "mimo" else [e, h], dim=-1))
-        x = self.run(self.input_layernorm(u), u, rope, mask, cache)
+        x = run(self.input_layernorm(u), u)
         return self.final_layernorm(x) if self.family == "mimo" else x
 
 
@@ -150,13 +152,14 @@ class MTPHead(EagleHead):
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states[:, 0]
 
-    def forward(self, input_ids, features, position_ids, mask, cache, step=0):
+    def decode(self, input_ids, features, position_ids, run_layer, step=0):
         embeds = self.embed_tokens(input_ids)
         if self.zero_first_embedding:  # DeepSeek / MiMo (vLLM): position 0 has no embedding input
             embeds = embeds.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
-        rope = self.rotary_emb(features, position_ids)
         # With per-step layers every layer keeps its cache over the same chain of pairs.
-        outputs = [layer.predict(embeds, features, rope, mask, cache) for layer in self.layers]
+        outputs = [
+            layer.predict(embeds, features, lambda a, r, j=j: run_layer(j, a, r)) for j, layer in enumerate(self.layers)
+        ]
         return outputs[step % len(outputs)]
 
     def logits(self, hidden, step=0):

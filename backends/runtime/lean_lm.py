@@ -393,8 +393,9 @@ class _Weights:
             kernel = (_TritonLinear if self.triton_kernels else _PackedLinear)(weight, bias)
             shape = (tuple(weight.shape), bias is not None, adds)
             # invariant by construction: checked once per shape (not in Triton's interpreter,
-            # whose arithmetic is numpy's, not the GPU's)
-            if invariant and shape not in self.checked and not (self.triton_kernels and gpu_kernels.INTERPRETED):
+            # whose arithmetic is numpy's, not the GPU's, nor on tests' meta tensors)
+            interpreted = self.triton_kernels and gpu_kernels.INTERPRETED
+            if invariant and shape not in self.checked and not interpreted and weight.device.type != "meta":
                 if not kernel.row_invariant(adds, LOGITS_SLAB):
                     raise UnsupportedArchitecture(f"{type(kernel).__name__}'s kernel is not row invariant here")
                 self.checked.add(shape)

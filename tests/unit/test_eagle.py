@@ -282,8 +282,8 @@ def test_greedy_drafts_match_a_cacheless_reference(method, heads, runner, prompt
         assert draft.token_ids == cacheless_drafts(head, ids, req.hidden_states, 5)[0]
         assert draft.probs is None
         assert again.propose([req])[0].token_ids == draft.token_ids  # deterministic
-        # The cache holds the n-1 target pairs and the k-1 fed drafts.
-        assert proposer._seqs[seq_id].cache.get_seq_length() == len(ids) - 1 + 4
+        # The pool holds the n-1 target pairs and the k-1 fed drafts.
+        assert proposer.pool.length(seq_id) == len(ids) - 1 + 4
 
 
 @pytest.mark.parametrize("method", HEADS)

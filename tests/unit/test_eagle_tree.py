@@ -175,7 +175,7 @@ def test_dynamic_tree_is_eagle2s(name, k, nodes, heads, runner, prompt_ids):
         )
         other = sampling.propose([replace(req, temperature=1.0)])[0]
         assert (other.token_ids, other.parents, other.probs) == (draft.token_ids, draft.parents, None)
-        assert greedy._seqs[seq].cache.get_seq_length() == len(ids) - 1  # the tree's entries are dropped
+        assert greedy.pool.length(seq) == len(ids) - 1  # the tree's entries are dropped
 
 
 @pytest.mark.parametrize("name", WRITERS)

@@ -16,7 +16,7 @@ from backends.config import SpeculativeConfig
 from backends.methods.mtp import MTPCheckpointError, MTPHead, MTPProposer, load_mtp, save_mtp
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.head_server import CONTEXTS
-from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
+from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, request, target_hidden
 from tests.fixtures.synthetic_checkpoints import refusal_test
 from tests.fixtures.synthetic_heads import write_mtp
 
@@ -249,7 +249,7 @@ def test_greedy_drafts_match_a_cacheless_reference(name, heads, hidden):
     for seq_id, (ids, rows) in enumerate(zip(CONTEXTS, hidden)):
         draft = proposer.propose([DraftRequest(seq_id, ids, 4, rows)])[0]
         assert draft.token_ids == cacheless_drafts(head, ids, rows, 4) and draft.probs is None
-        assert proposer._seqs[seq_id].cache.get_seq_length() == len(ids) - 1 + 3
+        assert proposer.pool.length(seq_id) == len(ids) - 1 + 3
 
 
 def test_layer_0_is_reused_unless_layers_are_per_step(heads, hidden):
@@ -298,9 +298,7 @@ def test_batched_equals_one_at_a_time(name, heads, runner):
         return request(runner, head, seq, ids, k, delivered)
 
     contexts = check_ragged_batches(batched, alone, CONTEXTS, make_request, steps=3, first_k=2, vocab_size=V)
-    for seq in contexts:
-        for la, lb in zip(alone._seqs[seq].cache.layers, batched._seqs[seq].cache.layers):
-            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-4)
+    assert_same_caches(alone, batched, contexts, atol=1e-4)
 
 
 def test_probabilistic_drafts_come_with_their_probabilities(heads, hidden):
