@@ -35,6 +35,12 @@ ids for eagle3 (default (2, L//2, L-3) as vLLM, or `eagle_aux_hidden_state_layer
 may repeat positions already delivered (they are fed again); a gap is an error.
 `hidden_states=None` means the target has not run yet (the first step): no drafts.
 
+The head's decoder layers run on the lean runtime (`LeanDecoder`, backends/runtime/lean_lm.py):
+each sequence's entries live in one paged KV pool per proposer, a call is one ragged step over
+every sequence's new pairs, then one step per draft position or tree level; `decode` gives the
+head's own inputs to those layers (the module's `forward` runs the same `decode` over a
+transformers DynamicCache, for training and references).
+
 Draft-position KV entries computed from the drafter's own g are speculative: the next call
 crops them (even for accepted drafts, which are re-fed with the target's h, as EAGLE does)
 and keeps only the entries computed from target states whose tokens still match the
