@@ -111,6 +111,10 @@ def _library() -> ctypes.CDLL:
     lib.pack_linear.restype = None
     lib.packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.packed_linear.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.layer_step.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.layer_step.argtypes += [ptr, ctypes.c_int]
+    lib.layer_step.restype = ctypes.c_int
     return lib
 
 
@@ -273,6 +277,76 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rc != 0:
         raise KernelUnavailable(f"silu_mul takes rows of a multiple of 16 values up to {MAX_NORM}, got {n}")
     return out
+
+
+class LayerWeights(ctypes.Structure):
+    """cpu_kernels.c's layer_weights: one bf16 decoder layer's norms and packed linears (biases
+    or NULL). The tensors must outlive it: ``LayerStep`` keeps them."""
+
+    NAMES = ("attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")
+    _fields_ = [(name, ctypes.c_void_p) for name in NAMES]
+
+
+class LayerStep:
+    """A bf16 decoder layer run by ``layer_step`` in one call: RMSNorm, the packed q|k|v
+    projection, RoPE and the KV write, attention over key lists, o_proj into the residual,
+    RMSNorm, gate|up, SiLU * up and down_proj into the residual. The same kernels in the same
+    order as lean_lm's calls one by one, so the same bits (tested), without their per-call
+    Python cost. ``tensors``: the norms and packed weights, biases or None, in LayerWeights'
+    order."""
+
+    def __init__(self, tensors: list[torch.Tensor | None]) -> None:
+        self.tensors = tensors  # kept alive: the struct holds their addresses
+        self.weights = LayerWeights(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+def layer_step(
+    layer: LayerStep,
+    h: torch.Tensor,
+    sizes: tuple[int, int, int, int, int],
+    eps: float,
+    kv_layer: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: KeyLists,
+    scratch: torch.Tensor,
+) -> None:
+    """One decoder layer on the residual stream ``h`` ``[tokens, hidden]`` bf16 (contiguous),
+    in place. ``sizes``: (hidden, intermediate, heads, kv_heads, head_dim); ``scratch``: at
+    least ``layer_scratch(tokens, sizes)`` bf16 values. Arguments are the caller's to get
+    right (lean_lm builds them once per step); the kernels' own checks still refuse sizes they
+    cannot take."""
+    hidden, inter, heads, kv_heads, d = sizes
+    rc = _library().layer_step(
+        h.data_ptr(),
+        h.shape[0],
+        hidden,
+        inter,
+        heads,
+        kv_heads,
+        d,
+        eps,
+        d**-0.5,
+        ctypes.byref(layer.weights),
+        kv_layer.data_ptr(),
+        slots.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        keys.slots.data_ptr(),
+        keys.start.data_ptr(),
+        keys.length.data_ptr(),
+        scratch.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise KernelUnavailable(f"layer_step refused its sizes {sizes} (or ran out of memory: {rc})")
+
+
+def layer_scratch(tokens: int, sizes: tuple[int, int, int, int, int]) -> int:
+    """bf16 values of scratch ``layer_step`` needs for ``tokens`` tokens."""
+    hidden, inter, heads, kv_heads, d = sizes
+    return tokens * (hidden + (heads + 2 * kv_heads) * d + heads * d + 3 * inter)
 
 
 GROUP = 64  # cpu_kernels.c: outputs per packed group of a linear layer's weight

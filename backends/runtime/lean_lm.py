@@ -37,6 +37,10 @@ by ``scripts/bench_runtime.py``):
   with the KV write, SiLU * up) instead of ~20 tensor ops of a few microseconds each (the
   norms alone were 2.6 ms of a 17 ms step); float32 keeps the tensor ops, whose sums are
   transformers'.
+- Where every part of a bf16 layer has its C kernel (packed linears, key-list attention, no
+  q/k norms: SmolLM2, Llama, Qwen2, Mistral on AVX-512 BF16), the layer is one C call
+  (``cpu_kernels.layer_step``): the same kernels in the same order, so the same bits, without
+  ~8 Python -> C calls a layer (~7 us each).
 - Positions default to cached length + index; explicit per-row positions are accepted (trees).
 - RoPE cos/sin come from transformers' own init functions (default, linear, dynamic, yarn,
   llama3, longrope), computed like its rotary embedding (float32, then cast), as a table by
@@ -356,6 +360,7 @@ class _Step:
     groups: list[_Group]  # SDPA calls (empty when batch-invariant)
     keys: cpu_kernels.KeyLists | None  # batch-invariant: each new token's key slots
     spans: list[tuple[int, int]]  # flat token range of each row, in the caller's row order
+    scratch: torch.Tensor | None = None  # the fused layers' buffers (LeanDecoder.layer_steps)
 
 
 class _Weights:
@@ -460,6 +465,11 @@ def _kernels_for(config, device: torch.device, batch_invariant: bool, triton_ker
     return triton_kernels
 
 
+def _fusable(layer: _Layer) -> bool:
+    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    return layer.attn_norm is not None and layer.qk_norm is None and all(isinstance(x, _PackedLinear) for x in linears)
+
+
 class LeanDecoder:
     """Decoder layers over a paged KV pool: what a causal LM's step and a drafter head's step
     share. ``plan`` checks a ragged batch of rows and writes their place in the pool; ``layer``
@@ -497,6 +507,19 @@ class LeanDecoder:
             and dtype == torch.bfloat16
             and cpu_kernels.layer_kernels_available(self.hidden_size, config.intermediate_size, self.head_dim)
         )
+        # Where every part of a layer has its C kernel (bf16, packed linears, key-list attention,
+        # no q/k norms), a layer is one C call: the same kernels in the same order.
+        self.sizes = (self.hidden_size, config.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.layer_steps = None
+        if self.fused and batch_invariant and all(_fusable(layer) for layer in layers):
+            self.layer_steps = [
+                cpu_kernels.LayerStep(
+                    [layer.attn_norm, layer.mlp_norm]
+                    + [lin.packed for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                    + [lin.bias for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                )
+                for layer in layers
+            ]
 
     @classmethod
     def from_layers(
@@ -586,6 +609,9 @@ class LeanDecoder:
             groups, keys = self._groups(pool, rows, toks, cached, order, spans), None
 
         cat = lambda ts: (ts[0] if len(ts) == 1 else torch.cat(ts)).to(self.device)
+        scratch = None
+        if self.layer_steps is not None:
+            scratch = torch.empty(cpu_kernels.layer_scratch(t, self.sizes), dtype=self.dtype)
         return _Step(
             ids=cat([toks[i] for i in order]),
             cos=cat(cos).unsqueeze(1),
@@ -594,6 +620,7 @@ class LeanDecoder:
             groups=groups,
             keys=keys,
             spans=spans,
+            scratch=scratch,
         )
 
     def _groups(
@@ -685,6 +712,20 @@ class LeanDecoder:
         attention reads the normed ``h``, or ``attn_in`` where the caller gives one (drafter
         heads: EAGLE-3's [embedding | hidden] input, a first layer without input norm)."""
         layer, kv_layer = self.layers[index], pool.layers[index]
+        if attn_in is None and step.scratch is not None:  # the whole layer in one C call, in place
+            cpu_kernels.layer_step(
+                self.layer_steps[index],
+                h,
+                self.sizes,
+                self.eps,
+                kv_layer,
+                step.slots,
+                step.cos,
+                step.sin,
+                step.keys,
+                step.scratch,
+            )
+            return h
         T = h.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(self._norm(h, layer.attn_norm) if attn_in is None else attn_in)
@@ -820,8 +861,8 @@ class LeanCausalLM(LeanDecoder):
         saved = {}
         h = F.embedding(step.ids, self.embed)
         for i in range(self.num_layers):
-            if i in want:
-                saved[i] = h
+            if i in want:  # a fused layer updates h in place
+                saved[i] = h.clone() if step.scratch is not None else h
             h = self.layer(i, h, pool, step)
         logits = self._logits(h, step, counts, saved, self.num_layers in want)
         hidden = [{i: saved[self.num_layers if i == -1 else i][a:b] for i in hidden_layers} for a, b in step.spans]

@@ -108,7 +108,7 @@ def rejection_sample(
     ``target_logits``: [len(drafts) + 1, V]; ``draft_probs``: [len(drafts), V] or None;
     ``generator`` lives on the logits' device.
     """
-    if temperature < GREEDY_TEMPERATURE_EPS and draft_token_ids:
+    if temperature < GREEDY_TEMPERATURE_EPS:
         return _greedy_accept_one(draft_token_ids, target_logits)
     device = target_logits.device
     return rejection_sample_batch(
@@ -173,13 +173,14 @@ def _target_token(
 
 def _greedy_accept_one(draft_token_ids: list[int], target_logits: torch.Tensor) -> list[int]:
     """The greedy path of one request without building batch tensors: it runs every step of
-    every greedy request, so its cost is orchestration overhead (0.05 ms instead of 0.4 ms)."""
+    every greedy request, plain steps (no drafts) included, so its cost is orchestration
+    overhead (0.05 ms instead of 0.4 ms)."""
     num_drafts = len(draft_token_ids)
     if num_drafts > MAX_SPEC_LEN:
         raise ValueError(f"num_draft_tokens must be in [0, {MAX_SPEC_LEN}], got [{num_drafts}]")
     if target_logits.dim() != 2 or target_logits.shape[0] != num_drafts + 1:
         raise ValueError(f"target_logits must have shape ({num_drafts + 1}, V), got {tuple(target_logits.shape)}")
-    if min(draft_token_ids) < -1 or max(draft_token_ids) >= target_logits.shape[-1]:
+    if draft_token_ids and (min(draft_token_ids) < -1 or max(draft_token_ids) >= target_logits.shape[-1]):
         raise ValueError(f"draft token ids must be -1 or in [0, {target_logits.shape[-1]})")
     target = target_logits.float().argmax(dim=-1).tolist()  # bf16 argmax is 3x slower on CPU
     accepted = []

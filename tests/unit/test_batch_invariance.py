@@ -253,3 +253,16 @@ def test_probe_splits_until_rows_are_invariant(monkeypatch):
     monkeypatch.setattr(_Linear, "row_invariant", lambda self, adds: False)
     with pytest.raises(ValueError, match="no row-invariant matmul"):
         _Linear.invariant(weight)
+
+
+@needs_packed
+@pytest.mark.parametrize("family", ["llama-tied-biased", "qwen2", "qwen3"])
+def test_a_layer_in_one_c_call_is_the_calls_one_by_one(family):
+    """bf16 layers whose every part has a C kernel run as one layer_step call: the bits of
+    the kernels called one by one, hidden states included (Qwen3's q/k norms keep the calls)."""
+    lm = LeanCausalLM.from_hf(build(family).to(torch.bfloat16), batch_invariant=True)
+    assert (lm.layer_steps is None) == (family == "qwen3")
+    seq, chunks = tokens(40, seed=4), [12] + [5] * 4 + [1] * 8
+    fused = decode(lm, seq, chunks, traffic=3)
+    lm.layer_steps = None
+    assert_same(decode(lm, seq, chunks, traffic=3), fused)

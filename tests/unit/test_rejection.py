@@ -49,6 +49,7 @@ def test_greedy_ties_go_to_lowest_token_and_ignore_draft_probs_and_filters():
     draft_probs = torch.full((1, VOCAB), 1 / VOCAB)
     assert rejection_sample([0], logits, draft_probs, top_k=1, top_p=0.1) == [0, 0]
     assert rejection_sample([3], logits, temperature=1e-6) == [0]
+    assert rejection_sample([], logits[:1]) == [0]  # a plain step takes the same rule
 
 
 def test_greedy_batch_of_different_draft_lengths():
@@ -85,6 +86,8 @@ def test_mixed_greedy_and_random_batch():
 def test_invalid_inputs_are_rejected():
     with pytest.raises(ValueError, match="target_logits"):
         rejection_sample([1, 2], peaked_logits([1, 2]))
+    with pytest.raises(ValueError, match="target_logits"):
+        rejection_sample([], peaked_logits([1, 2]))
     with pytest.raises(ValueError, match="draft token ids"):
         rejection_sample([VOCAB], peaked_logits([1, 2]))
     with pytest.raises(ValueError, match="num_draft_tokens"):
