@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# First, before anything imports transformers' models (which import triton): without CUDA,
+# kernels/ puts triton in interpreter mode, and only a triton imported after that runs the
+# OpenAI Triton kernels' tests; otherwise they fail depending on which test file ran first.
+import kernels  # noqa: F401, I001
 from tests.fixtures import training
 from tests.fixtures.tiny_model import build_tiny_model
 
