@@ -378,14 +378,6 @@ class _Work:
         return self.start + len(self.new_ids)
 
 
-@dataclass
-class _Context:
-    """A propose call's first forward: every sequence's new target pairs, in one ragged step."""
-
-    hidden: torch.Tensor  # [B, D] the head's state at each sequence's last pair
-    last: list[int]  # that pair's position
-
-
 class EagleProposer(HeadProposer):
     """The head's decoder layers run on the lean runtime (backends/runtime), each sequence's
     entries in one paged KV pool: a propose call is one ragged step over every sequence's new
@@ -496,29 +488,23 @@ class EagleProposer(HeadProposer):
         each row's output states. Positions are the rows' own (default: after their entries)."""
         plan = self.decoder.plan(self.pool, rows)
         order = sorted(range(len(rows)), key=lambda i: plan.spans[i][0])  # the step's token order
-        positions = []
-        for r, (a, b) in zip(rows, plan.spans):
-            length = self.pool.length(r.seq_id)  # grown by the row's b - a tokens
-            positions.append(torch.arange(length - (b - a), length) if r.positions is None else r.positions)
-        flat = lambda parts: torch.cat([parts[i] for i in order]).to(self.device)
-        ids = flat([torch.as_tensor(r.token_ids).reshape(-1) for r in rows])
+        features = torch.cat([features[i] for i in order])
 
         def run_layer(i: int, attn_input: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             return self.decoder.layer(i, residual, self.pool, plan, attn_input)
 
-        out = self.head.decode(ids, flat(features), flat(positions), run_layer, step)
+        out = self.head.decode(plan.ids, features, plan.positions.to(self.device), run_layer, step)
         return [out[a:b] for a, b in plan.spans]
 
-    def _feed_context(self, work: list[_Work]) -> _Context:
-        """The first forward: every sequence's new target pairs, each after its kept entries."""
+    def _feed_context(self, work: list[_Work]) -> torch.Tensor:
+        """The first forward: every sequence's new target pairs, each after its kept entries;
+        the head's state at each sequence's last pair [B, D] (position w.context - 1)."""
         rows = [Row(w.seq_id, w.new_ids) for w in work]
-        out = self._decode(rows, [w.features for w in work], 0)
-        return _Context(torch.stack([o[-1] for o in out]), [w.context - 1 for w in work])
+        return torch.stack([out[-1] for out in self._decode(rows, [w.features for w in work], 0)])
 
     def _run(self, work: list[_Work]) -> None:
         """A chain: one step per draft position for the whole batch."""
-        context = self._feed_context(work)
-        hidden = context.hidden
+        hidden = self._feed_context(work)
         steps, sampled = max(w.num_drafts for w in work), []
         for step in range(steps):
             tokens = self._sample(self.head.logits(hidden, step), work, sampled)
@@ -596,9 +582,9 @@ class _TreeFeed:
     node's pool entry goes after the nodes fed before it; its mask shows it the context, its
     ancestors and itself."""
 
-    def __init__(self, proposer: EagleProposer, work: list[_Work], context: _Context) -> None:
-        self.proposer, self.work, self.context = proposer, work, context
-        self.hidden = context.hidden.unsqueeze(1)  # [B, 1 + fed, D] each slot's output state
+    def __init__(self, proposer: EagleProposer, work: list[_Work], context: torch.Tensor) -> None:
+        self.proposer, self.work = proposer, work
+        self.hidden = context.unsqueeze(1)  # [B, 1 + fed, D] each slot's output state
         # [B, 1 + fed, fed]: the fed nodes each slot sees (its ancestors and itself)
         self.seen = torch.zeros(len(work), 1, 0, dtype=torch.bool)
 
@@ -620,9 +606,9 @@ class _TreeFeed:
                 w.seq_id,
                 tokens[i].cpu(),
                 torch.cat([torch.ones(num, w.context, dtype=torch.bool), seen[i]], dim=-1),
-                torch.full((num,), last + 1 + depth),
+                torch.full((num,), w.context + depth),  # the root is the last pair, at context - 1
             )
-            for i, (w, last) in enumerate(zip(self.work, self.context.last))
+            for i, w in enumerate(self.work)
         ]
         out = torch.stack(self.proposer._decode(rows, list(features), depth + 1))
         self.seen = torch.cat([F.pad(self.seen, (0, num)), seen], dim=1)

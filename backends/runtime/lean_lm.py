@@ -354,6 +354,7 @@ class _Group:
 @dataclass
 class _Step:
     ids: torch.Tensor  # [T] flat new tokens, rows ordered by n
+    positions: torch.Tensor  # [T] their RoPE positions (on the CPU)
     cos: torch.Tensor  # [T, 1, head_dim]
     sin: torch.Tensor
     slots: torch.Tensor  # [T] pool slot of each new token
@@ -414,16 +415,17 @@ class _Weights:
         self.splits[shape] = probed.k_chunk
         return probed
 
-    def layer(self, layer) -> _Layer:
-        """A transformers-style decoder layer (``self_attn.{q,k,v,o}_proj``, ``mlp.*_proj``, the
-        two norms; no ``input_layernorm``: the caller gives the attention its input)."""
+    def layer(self, layer, input_norm: bool = True) -> _Layer:
+        """A transformers-style decoder layer (``self_attn.{q,k,v,o}_proj``, ``mlp.*_proj``,
+        ``input_layernorm``, ``post_attention_layernorm``). ``input_norm=False``: the caller
+        gives the attention its input (drafter heads, whose ``input_layernorm``, where they have
+        one, is theirs to apply)."""
         a, mlp, w, regroup = layer.self_attn, layer.mlp, self.cat, self.regroup
         qk_norm = None
         if hasattr(a, "q_norm"):
             qk_norm = w(a.q_norm.weight.expand(self.heads, -1), a.k_norm.weight.expand(self.kv_heads, -1))
-        input_norm = getattr(layer, "input_layernorm", None)
         return _Layer(
-            attn_norm=None if input_norm is None else w(input_norm.weight),
+            attn_norm=w(layer.input_layernorm.weight) if input_norm else None,
             qkv=self.linear(
                 w(regroup(a.q_proj.weight, 0), a.k_proj.weight, a.v_proj.weight),
                 w(regroup(a.q_proj.bias, 0), a.k_proj.bias, a.v_proj.bias),
@@ -532,11 +534,12 @@ class LeanDecoder:
     ) -> LeanDecoder:
         """The decoder layers ``modules`` (transformers-style, see ``_Weights.layer``; their
         attention may read a wider input than the residual, as EAGLE-3's) of a model described
-        by the Llama-style ``config``, on the modules' device."""
+        by the Llama-style ``config``, on the modules' device. The caller gives every layer its
+        attention input (``layer(..., attn_in=...)``)."""
         device = next(modules[0].parameters()).device
         triton_kernels = _kernels_for(config, device, batch_invariant, triton_kernels)
         weights = _Weights(config, dtype, batch_invariant, triton_kernels)
-        layers = [weights.layer(m) for m in modules]
+        layers = [weights.layer(m, input_norm=False) for m in modules]
         weights.log_kernels(device)
         return cls(config, layers, dtype, batch_invariant, triton_kernels, device)
 
@@ -590,12 +593,13 @@ class LeanDecoder:
         order = sorted(range(len(rows)), key=lambda i: toks[i].shape[0])
         cached = {i: pool.extend(rows[i].seq_id, toks[i].shape[0]) for i in order}
         spans: list[tuple[int, int]] = [(0, 0)] * len(rows)
-        cos, sin, slots = [], [], []
+        positions, cos, sin, slots = [], [], [], []
         t = 0
         for i in order:
             r, n, c = rows[i], toks[i].shape[0], cached[i]
-            positions = torch.arange(c, c + n) if r.positions is None else r.positions.long()
-            row_cos, row_sin = self.rope.lookup(positions, max(c + n, int(positions.max()) + 1))
+            row_positions = torch.arange(c, c + n) if r.positions is None else r.positions.long()
+            row_cos, row_sin = self.rope.lookup(row_positions, max(c + n, int(row_positions.max()) + 1))
+            positions.append(row_positions)
             cos.append(row_cos)
             sin.append(row_sin)
             slots.append(pool.slots(r.seq_id)[c : c + n])
@@ -608,12 +612,14 @@ class LeanDecoder:
         else:
             groups, keys = self._groups(pool, rows, toks, cached, order, spans), None
 
-        cat = lambda ts: (ts[0] if len(ts) == 1 else torch.cat(ts)).to(self.device)
+        joined = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)
+        cat = lambda ts: joined(ts).to(self.device)
         scratch = None
         if self.layer_steps is not None:
             scratch = torch.empty(cpu_kernels.layer_scratch(t, self.sizes), dtype=self.dtype)
         return _Step(
             ids=cat([toks[i] for i in order]),
+            positions=joined(positions),
             cos=cat(cos).unsqueeze(1),
             sin=cat(sin).unsqueeze(1),
             slots=cat(slots),
@@ -710,7 +716,8 @@ class LeanDecoder:
     ) -> torch.Tensor:
         """Decoder layer ``index`` of ``step`` on the residual stream ``h`` ``[T, hidden]``. Its
         attention reads the normed ``h``, or ``attn_in`` where the caller gives one (drafter
-        heads: EAGLE-3's [embedding | hidden] input, a first layer without input norm)."""
+        heads: EAGLE-3's [embedding | hidden] input, a first layer without input norm). A layer
+        run in one C call (``layer_steps``) updates ``h`` in place and returns it."""
         layer, kv_layer = self.layers[index], pool.layers[index]
         if attn_in is None and step.scratch is not None:  # the whole layer in one C call, in place
             cpu_kernels.layer_step(
