@@ -21,6 +21,17 @@ touched: zeros) once, so resident memory does not grow with traffic.
 Rollback after rejected drafts is ``truncate`` (shorten the length; the stale slots are simply
 overwritten by the next step). ``release`` returns the blocks.
 
+Prefix caching (``prefix_caching=True``, the verifier's pool): every whole block of a sequence's
+final tokens is registered under a key that names its tokens and everything before them (a SHA-256
+chain, as vLLM's). A later sequence whose tokens start the same way attaches those blocks instead of
+computing them again (``share_prefix``): the block is shared, counted by references, and never
+written, since a sequence only writes past its own length and a shared block lies wholly below it.
+Its own reserved block at that place goes back to the pool, so a shared prefix is held once. A
+released block that holds a registered prefix stays cached until its room is needed: admission
+counts it as free, and ``_take`` evicts the least recently released first. On the batch-invariant
+runtime a token's K/V has the same bits however its prompt was cut into steps, so a reused prefix
+gives exactly the logits of a recomputed one.
+
 Block size: 16 by default (vLLM's). Blocks are taken as one run when possible and gathers index
 token slots, not blocks, so the block size does not change step time (``scripts/bench_runtime.py
 --block-size 16/32/64``: batch 8 x 1 token 27.8 / 27.6 / 28.1 ms, x 5 tokens 52.9 / 53.9 / 55.4
@@ -31,8 +42,10 @@ wasted per sequence), and small blocks will suit prefix sharing best.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable
-from dataclasses import dataclass
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +64,20 @@ class _Sequence:
     slots: torch.Tensor  # [len(blocks) * block_size] pool slot of each token position
     start: int | None  # first slot when the blocks are one contiguous run, else None
     length: int = 0
+    keys: list[bytes] = field(default_factory=list)  # prefix key of each whole final block (prefix caching)
+
+
+def _slots(blocks: list[int], block_size: int) -> tuple[torch.Tensor, int | None]:
+    """Every token slot of ``blocks`` in order, and the first slot when they are one run."""
+    if blocks[-1] - blocks[0] == len(blocks) - 1:
+        start = blocks[0] * block_size
+        return torch.arange(start, start + len(blocks) * block_size), start
+    return (torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)).flatten(), None
+
+
+def _block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of a block of ``token_ids`` after the prefix keyed ``parent``."""
+    return hashlib.sha256(parent + b"".join(t.to_bytes(8, "little") for t in token_ids)).digest()
 
 
 class KVCachePool:
@@ -70,6 +97,7 @@ class KVCachePool:
         block_size: int = 16,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        prefix_caching: bool = False,
     ) -> None:
         if (capacity_tokens is None) == (memory_gb is None):
             raise ValueError("give exactly one of capacity_tokens and memory_gb")
@@ -87,6 +115,13 @@ class KVCachePool:
         self.layers = list(self.kv.unbind(0))  # per layer [slots, 2, kv_heads, head_dim]
         self._free = list(range(self.num_blocks))  # sorted
         self._seqs: dict[Hashable, _Sequence] = {}
+        self.prefix_caching = prefix_caching
+        self._refs = [0] * self.num_blocks  # sequences holding each block
+        self._key_block: dict[bytes, int] = {}  # registered prefix -> the block holding it
+        self._block_key: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by none: oldest first
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found (not computed again)
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -97,11 +132,17 @@ class KVCachePool:
     @property
     def reserved_tokens(self) -> int:
         """Token slots held by admitted sequences (reservations rounded up to whole blocks)."""
-        return (self.num_blocks - len(self._free)) * self.block_size
+        return self.capacity_tokens - self.free_tokens
 
     @property
     def free_tokens(self) -> int:
-        return len(self._free) * self.block_size
+        """Token slots no sequence holds (cached prefixes among them: evicted when needed)."""
+        return (len(self._free) + len(self._evictable)) * self.block_size
+
+    @property
+    def prefix_cached_tokens(self) -> int:
+        """Token slots of registered prefixes that no sequence holds now."""
+        return len(self._evictable) * self.block_size
 
     @property
     def num_sequences(self) -> int:
@@ -130,7 +171,7 @@ class KVCachePool:
         if reserve_tokens < 1:
             raise SequenceError(f"sequence {seq_id!r}: reserve_tokens must be >= 1, got {reserve_tokens}")
         need = -(-reserve_tokens // self.block_size)
-        if need > len(self._free):
+        if need * self.block_size > self.free_tokens:
             raise KVCacheFullError(
                 f"KV cache full: sequence {seq_id!r} asks for {reserve_tokens} tokens "
                 f"({need} blocks of {self.block_size}) but {self.reserved_tokens} of "
@@ -139,15 +180,7 @@ class KVCachePool:
                 f"kv_cache_memory_gb ({self.bytes_per_token} bytes per token)"
             )
         blocks = self._take(need)
-        bs = self.block_size
-        contiguous = blocks[-1] - blocks[0] == need - 1
-        if contiguous:
-            start = blocks[0] * bs
-            slots = torch.arange(start, start + need * bs)
-        else:
-            start = None
-            slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten()
-        self._seqs[seq_id] = _Sequence(blocks, slots, start)
+        self._seqs[seq_id] = _Sequence(blocks, *_slots(blocks, self.block_size))
 
     def grow(self, seq_id: Hashable, reserve_tokens: int) -> None:
         """Extend a sequence's reservation to at least ``reserve_tokens`` (a drafter's cache,
@@ -156,24 +189,22 @@ class KVCachePool:
         need = -(-reserve_tokens // self.block_size) - len(seq.blocks)
         if need <= 0:
             return
-        if need > len(self._free):
+        if need * self.block_size > self.free_tokens:
             raise KVCacheFullError(
                 f"KV cache full: sequence {seq_id!r} needs {need} more blocks of {self.block_size} "
                 f"but {self.free_tokens} token slots are free"
             )
-        blocks = self._take(need)
-        bs = self.block_size
-        new_slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten()
-        follows = seq.start is not None and blocks[0] == seq.blocks[-1] + 1 and blocks[-1] - blocks[0] == need - 1
-        seq.blocks += blocks
-        seq.slots = torch.cat([seq.slots, new_slots])
-        seq.start = seq.start if follows else None
+        seq.blocks += self._take(need)
+        seq.slots, seq.start = _slots(seq.blocks, self.block_size)
 
     def truncate(self, seq_id: Hashable, new_length: int) -> None:
         """Roll the sequence back to its first ``new_length`` tokens (no copy)."""
         seq = self._get(seq_id)
-        if not 0 <= new_length <= seq.length:
-            raise SequenceError(f"sequence {seq_id!r}: cannot truncate length {seq.length} to {new_length}")
+        if not len(seq.keys) * self.block_size <= new_length <= seq.length:
+            raise SequenceError(
+                f"sequence {seq_id!r}: cannot truncate length {seq.length} to {new_length}"
+                + (f" (its first {len(seq.keys) * self.block_size} tokens are final)" if seq.keys else "")
+            )
         seq.length = new_length
 
     def compact(self, seq_id: Hashable, positions: list[int], start: int) -> None:
@@ -194,11 +225,59 @@ class KVCachePool:
         seq.length = start + len(positions)
 
     def release(self, seq_id: Hashable) -> None:
-        """Return the sequence's blocks to the pool (unknown ids are ignored: release is idempotent)."""
+        """Return the sequence's blocks to the pool (unknown ids are ignored: release is idempotent).
+        A block holding a registered prefix stays cached for later sequences until its room is needed."""
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             for b in seq.blocks:
-                bisect.insort(self._free, b)
+                self._drop(b)
+
+    # -- prefix caching ----------------------------------------------------------------------
+
+    def share_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Attach cached blocks for the sequence's next tokens: ``token_ids`` are its tokens
+        from position 0, those past its length are about to be computed. Whole blocks found
+        registered under the same prefix join the sequence (its length grows by them, their K/V
+        is not computed again); returns the number of tokens attached. Only from a whole-block
+        length whose blocks are all registered (``commit``), and never past ``token_ids``."""
+        seq = self._get(seq_id)
+        bs = self.block_size
+        index = seq.length // bs
+        if not self.prefix_caching or seq.length % bs or len(seq.keys) != index:
+            return 0
+        self.prefix_queries += len(token_ids) - seq.length
+        attached = 0
+        while (index + 1) * bs <= len(token_ids) and index < len(seq.blocks):
+            key = _block_key(seq.keys[-1] if seq.keys else b"", token_ids[index * bs : (index + 1) * bs])
+            shared = self._key_block.get(key)
+            if shared is None:
+                break
+            if seq.blocks[index] != shared:
+                self._hold(shared)
+                self._drop(seq.blocks[index])
+                seq.blocks[index] = shared
+            seq.keys.append(key)
+            attached += bs
+            index += 1
+        if attached:
+            seq.length += attached
+            seq.slots, seq.start = _slots(seq.blocks, bs)
+            self.prefix_hits += attached
+        return attached
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """The sequence's cached tokens are final (``token_ids`` starts with them): register
+        its new whole blocks, so later sequences with the same prefix can share them."""
+        seq = self._get(seq_id)
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        for index in range(len(seq.keys), min(seq.length, len(token_ids)) // bs):
+            key = _block_key(seq.keys[-1] if seq.keys else b"", token_ids[index * bs : (index + 1) * bs])
+            seq.keys.append(key)
+            if key not in self._key_block:  # else another block already holds it: this one stays private
+                self._key_block[key] = seq.blocks[index]
+                self._block_key[seq.blocks[index]] = key
 
     # -- for the forward ---------------------------------------------------------------------
 
@@ -233,9 +312,28 @@ class KVCachePool:
         except KeyError:
             raise SequenceError(f"sequence {seq_id!r} is not in the KV cache (never admitted or released)") from None
 
+    def _hold(self, block: int) -> None:
+        self._refs[block] += 1
+        self._evictable.pop(block, None)
+
+    def _drop(self, block: int) -> None:
+        """One holder less; a block nobody holds is free, or cached when it holds a prefix."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._block_key:
+                self._evictable[block] = None
+            else:
+                bisect.insort(self._free, block)
+
     def _take(self, need: int) -> list[int]:
-        """Best fit: the smallest run of free blocks that holds ``need``; else the lowest free blocks."""
+        """Best fit: the smallest run of free blocks that holds ``need``; else the lowest free
+        blocks. Cached prefixes are evicted, least recently released first, when free blocks
+        alone are too few."""
         free = self._free
+        while len(free) < need:
+            block, _ = self._evictable.popitem(last=False)
+            del self._key_block[self._block_key.pop(block)]
+            bisect.insort(free, block)
         best_len, best_at = None, 0  # smallest fitting run: its length and index in ``free``
         i = 0
         while i < len(free):
@@ -250,4 +348,6 @@ class KVCachePool:
             i = j + 1
         taken = free[best_at : best_at + need]
         del free[best_at : best_at + need]
+        for block in taken:
+            self._refs[block] = 1
         return taken

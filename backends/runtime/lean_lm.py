@@ -544,9 +544,15 @@ class LeanDecoder:
         return cls(config, layers, dtype, batch_invariant, triton_kernels, device)
 
     def new_pool(
-        self, *, capacity_tokens: int | None = None, memory_gb: float | None = None, block_size: int = 16
+        self,
+        *,
+        capacity_tokens: int | None = None,
+        memory_gb: float | None = None,
+        block_size: int = 16,
+        prefix_caching: bool = False,
     ) -> KVCachePool:
-        """A KV pool shaped for this model (one per model instance)."""
+        """A KV pool shaped for this model (one per model instance); ``prefix_caching``: its
+        sequences share the blocks of prompts that start alike (kv_cache.py)."""
         return KVCachePool(
             self.num_layers,
             self.num_kv_heads,
@@ -556,6 +562,7 @@ class LeanDecoder:
             block_size=block_size,
             dtype=self.dtype,
             device=self.device,
+            prefix_caching=prefix_caching,
         )
 
     # -- one step -----------------------------------------------------------------------------

@@ -168,11 +168,14 @@ class TargetRunner:
         kv_cache_memory_gb: float | None = None,
         runtime: str = "auto",
         batch_invariant: str = "auto",
+        prefix_caching: bool = True,
     ) -> None:
         """`runtime`: "auto" (the lean runtime where it runs, else transformers), "lean" (fail
         where it does not), "hf" (transformers). `batch_invariant`: "auto" (on where the lean
         runtime runs: a token's logits do not depend on what shares its step, so speculative
-        output is exactly plain output in bf16 too), "on" (fail where it cannot be), "off"."""
+        output is exactly plain output in bf16 too), "on" (fail where it cannot be), "off".
+        `prefix_caching`: on the lean runtime, a prompt that starts like an earlier one reuses
+        the K/V blocks computed for it (runtime/kv_cache.py)."""
         if batch_invariant not in BATCH_INVARIANT_MODES:
             raise ValueError(
                 f"batch_invariant must be one of {', '.join(BATCH_INVARIANT_MODES)}, got {batch_invariant!r}"
@@ -199,13 +202,13 @@ class TargetRunner:
             if kv_cache_memory_gb
             else None
         )
-        self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb, batch_invariant)
+        self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb, batch_invariant, prefix_caching)
         self.batch_invariant = self.lean is not None and self.lean.batch_invariant
         if self.pool is not None:
             self.kv_budget_tokens = self.pool.capacity_tokens
 
     def _lean_runtime(
-        self, runtime: str, memory_gb: float | None, batch_invariant: str
+        self, runtime: str, memory_gb: float | None, batch_invariant: str, prefix_caching: bool
     ) -> tuple[LeanCausalLM | None, KVCachePool | None]:
         """The lean runtime and its KV pool, when this model and device have it (else transformers)."""
         # On a GPU the lean runtime is its batch-invariant Triton path, taken when asked for:
@@ -233,13 +236,14 @@ class TargetRunner:
             return None, None
         # Without a budget: room for 8 sequences at the full context window.
         pool = (
-            lean.new_pool(memory_gb=memory_gb)
+            lean.new_pool(memory_gb=memory_gb, prefix_caching=prefix_caching)
             if memory_gb
-            else lean.new_pool(capacity_tokens=8 * (self.max_model_len + MAX_SPEC_LEN))
+            else lean.new_pool(capacity_tokens=8 * (self.max_model_len + MAX_SPEC_LEN), prefix_caching=prefix_caching)
         )
         log.info(
-            "target runs on the lean runtime, batch-invariant %s: KV pool of %d tokens (%.2f GB)",
+            "target runs on the lean runtime, batch-invariant %s, prefix caching %s: KV pool of %d tokens (%.2f GB)",
             "on" if lean.batch_invariant else "off",
+            "on" if prefix_caching else "off",
             pool.capacity_tokens,
             pool.capacity_tokens * pool.bytes_per_token / 2**30,
         )
@@ -283,9 +287,12 @@ class TargetRunner:
                 steps.append((i, self._prepare(req)))
             except Exception as e:
                 results[i] = self._fail(req.seq_id, e)
-        running = [(i, step) for i, step in steps if step.seq.num_cached > 0]
+        for i, step in steps:
+            if not step.input_ids:  # a prompt chunk found whole in the prefix cache: nothing to compute
+                results[i] = self._accept(step, None, 0.0)
+        running = [(i, step) for i, step in steps if step.seq.num_cached > 0 and results[i] is None]
         if self.lean is not None:  # prompts and verifications share one ragged forward
-            running = steps
+            running = [(i, step) for i, step in steps if results[i] is None]
         if len(running) > 1:
             try:
                 forward = self._forward_lean if self.lean is not None else self._forward_batch
@@ -342,7 +349,16 @@ class TargetRunner:
         if len(seq.token_ids) == seq.num_prompt_tokens:  # nothing emitted yet: all of it is prompt
             seq.num_prompt_tokens += len(req.new_token_ids)
         seq.token_ids.extend(req.new_token_ids)
+        if self.pool is not None and len(seq.token_ids) == seq.num_prompt_tokens and not req.hidden_layer_ids:
+            self._share_prefix(req, seq)
         return _Step(req, seq, seq.token_ids[seq.num_cached :], tree)
+
+    def _share_prefix(self, req: VerifyRequest, seq: _Sequence) -> None:
+        """Prompt blocks that an earlier sequence with the same prefix computed join this one
+        (prefix caching). Not for a step that asks for hidden states (the drafter needs every
+        position's), and a step that emits a token still computes its last one."""
+        known = len(seq.token_ids) - (0 if req.prefill_only else 1)
+        seq.num_cached += self.pool.share_prefix(req.seq_id, seq.token_ids[:known])
 
     def _first_chain(self, req: VerifyRequest, tree: DraftTree) -> VerifyRequest:
         """The transformers engine verifies chains: a tree is cut to its chain of first children."""
@@ -428,6 +444,7 @@ class TargetRunner:
                     base = step.seq.num_cached - len(step.accepted)
                     self.pool.compact(step.req.seq_id, [base + node for node in step.accepted], base)
                 self.pool.truncate(step.req.seq_id, step.seq.num_cached)
+                self.pool.commit(step.req.seq_id, step.seq.token_ids)
                 if step.req.hidden_layer_ids:
                     kept = step.kept_rows(result)
                     hidden = [out.hidden[row][i][kept] for i in step.req.hidden_layer_ids]
@@ -483,7 +500,7 @@ class TargetRunner:
             results.append(result)
         return results
 
-    def _accept(self, step: _Step, logits: torch.Tensor, forward_s: float) -> VerifyResult:
+    def _accept(self, step: _Step, logits: torch.Tensor | None, forward_s: float) -> VerifyResult:
         """Accept/reject the step's drafts against its logit rows; commit the tokens."""
         seq, drafts = step.seq, step.req.draft_token_ids
         if step.req.prefill_only:  # every token of the chunk stays cached; none is emitted

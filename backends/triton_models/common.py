@@ -33,6 +33,16 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in params.items()}
 
 
+def parse_flag(params: dict[str, str], name: str, default: bool) -> bool:
+    """A true/false parameter; anything else fails the load with the parameter's name."""
+    value = params.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in ("true", "false"):
+        raise ValueError(f'parameter {name} must be "true" or "false", got {params[name]!r}')
+    return value == "true"
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """The config.pbtxt parameters that the speculative, verifier and drafter models read alike."""
@@ -131,6 +141,32 @@ class ActiveSequencesGauge:
         if value != self.value:  # each update is a round trip to the server process
             self.metric.set(value)
             self.value = value
+
+
+class PrefixCacheCounters:
+    """vLLM's prefix cache counters on /metrics: prompt tokens looked up in the prefix cache,
+    and of those the tokens found there (hit rate = hits / queries)."""
+
+    def __init__(self, model_name: str, version: str) -> None:
+        labels = {"model": model_name, "version": version}
+        kind = pb_utils.MetricFamily.COUNTER
+        self.families = [
+            pb_utils.MetricFamily(
+                name="vllm:prefix_cache_queries", description="Prefix cache queries, in tokens.", kind=kind
+            ),
+            pb_utils.MetricFamily(
+                name="vllm:prefix_cache_hits", description="Prefix cache hits, in tokens.", kind=kind
+            ),
+        ]
+        self.metrics = [family.Metric(labels=labels) for family in self.families]
+        self.reported = [0, 0]
+
+    def update(self, queries: int, hits: int) -> None:
+        """Bring the counters to these totals (a round trip to the server only on a change)."""
+        for i, (metric, total) in enumerate(zip(self.metrics, (queries, hits))):
+            if total != self.reported[i]:
+                metric.increment(total - self.reported[i])
+                self.reported[i] = total
 
 
 class SpecDecodeCounters:

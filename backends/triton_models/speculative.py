@@ -46,6 +46,7 @@ from backends.triton_models.common import (
     error_response,
     initialize_model,
     input_scalar,
+    parse_flag,
 )
 from backends.triton_models.pbtxt import get_parameter
 from backends.triton_models.peer_token import server_token
@@ -113,7 +114,7 @@ class TritonPythonModel:
             self.drafter_info.hidden_layer_ids if self.drafter_info and not self.drafter_info.proposes_drafts else ()
         )
         self.active_requests = 0
-        self.adaptive = params.get("adaptive_draft_length", "true").lower() == "true"
+        self.adaptive = parse_flag(params, "adaptive_draft_length", True)
         # With an extract_hidden_states drafter: also write each request's hidden states here.
         self.hidden_states_dir = params.get("hidden_states_dir", "")
         self.prefill_chunk = prefill_chunk_tokens(params.get("prefill_chunk_tokens", str(DEFAULT_PREFILL_CHUNK)))

@@ -13,7 +13,14 @@ import triton_python_backend_utils as pb_utils
 from backends.serving.logits import logprobs_to_arrays
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
-from backends.triton_models.common import initialize_model, input_array, input_ids, instance_device
+from backends.triton_models.common import (
+    PrefixCacheCounters,
+    initialize_model,
+    input_array,
+    input_ids,
+    instance_device,
+    parse_flag,
+)
 from backends.triton_models.sequence_model import SequenceBatchedModel
 
 log = logging.getLogger("tritonspec.verifier")
@@ -34,8 +41,15 @@ class TritonPythonModel(SequenceBatchedModel):
             kv_cache_memory_gb=budget or None,
             runtime=settings.params.get("runtime", "auto"),
             batch_invariant=settings.params.get("batch_invariant", "auto"),
+            prefix_caching=parse_flag(settings.params, "enable_prefix_caching", True),
         )
         self.init_sequences(args, settings.params, self.runner)
+        pool = self.runner.pool
+        self.prefix_counters = (
+            PrefixCacheCounters(args["model_name"], str(args.get("model_version", "1")))
+            if pool is not None and pool.prefix_caching
+            else None
+        )
         log.info(
             "verifier ready: %s (%s on %s, context %d, KV budget %s tokens)",
             settings.target,
@@ -65,10 +79,13 @@ class TritonPythonModel(SequenceBatchedModel):
     def run(self, calls: list[VerifyRequest]) -> list:
         """Requests from many sequences (the `oldest` sequence batcher) are verified together."""
         try:
-            return self.runner.verify_batch(calls)
+            results = self.runner.verify_batch(calls)
         except Exception as e:  # the forward itself failed: every sequence in it is suspect
             log.exception("batched verification failed")
             return [e] * len(calls)
+        if self.prefix_counters is not None:
+            self.prefix_counters.update(self.runner.pool.prefix_queries, self.runner.pool.prefix_hits)
+        return results
 
     def respond(self, result: VerifyResult | None) -> object:
         token_ids, forward_s, hidden = (

@@ -143,6 +143,10 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.common["batch_invariant"] = args.batch_invariant
     if args.max_model_len:
         overrides.common["max_model_len"] = str(args.max_model_len)
+    if args.enable_prefix_caching is not None:
+        overrides.per_model.setdefault("verifier", {})["enable_prefix_caching"] = str(
+            args.enable_prefix_caching
+        ).lower()
     if args.device:
         overrides.common["device"] = args.device
     if args.prefill_chunk_tokens is not None:
@@ -339,7 +343,10 @@ def _bench(args: argparse.Namespace) -> int:
                 "runtime": args.runtime,
                 "batch_invariant": args.batch_invariant,
             },
-            per_model={"drafter": {"speculative_config": json.dumps(config)}},
+            per_model={
+                "drafter": {"speculative_config": json.dumps(config)},
+                "verifier": {"enable_prefix_caching": str(args.enable_prefix_caching).lower()},
+            },
         )
         with _own_server(args.port, overrides, out / f"server-{name}.log") as server:
             report.setdefault("engine", engine_from_log(out / f"server-{name}.log"))
@@ -594,6 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
     serve.add_argument("--max-model-len", type=int, help="cap the context window")
     serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV blocks of prompts that start like an earlier one (vLLM's flag; on by default)",
+    )
+    serve.add_argument(
         "--prefill-chunk-tokens",
         type=int,
         metavar="N",
@@ -649,6 +661,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     bench.add_argument("--runtime", default="auto", choices=RUNTIMES, help="the target's forward engine (see serve)")
     bench.add_argument("--batch-invariant", default="auto", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
+    bench.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefix caching in the bench's servers (off by default: each prompt runs plain, then "
+        "speculative, and the second run would find the first one's prompt cached)",
+    )
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
     bench.add_argument(
         "--prompt-file",

@@ -351,6 +351,25 @@ def test_latency_and_token_metrics_as_vllm_names_them(tiny_server):
     assert value("vllm:num_requests_running") == 0 and value("vllm:num_requests_waiting") == 0
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(tiny_server):
+    """The second request with the same prompt finds its whole blocks cached (vLLM's prefix
+    cache counters on the verifier) and answers exactly as the first, speculative or plain."""
+    labels = 'model="verifier",version="1"'
+
+    def value(name: str) -> float:
+        return metric_values(tiny_server, name).get(labels, 0.0)
+
+    prompt = "Prefix caching keeps the blocks of a prompt it has seen: " + "one two three four five six. " * 6
+    hits = value("vllm:prefix_cache_hits")
+    first = grpc_generate(tiny_server.grpc_url, prompt, max_tokens=12, ignore_eos=True, num_draft_tokens=0)
+    assert value("vllm:prefix_cache_hits") == hits  # never seen: nothing to reuse
+    queries = value("vllm:prefix_cache_queries")
+    second = grpc_generate(tiny_server.grpc_url, prompt, max_tokens=12, ignore_eos=True)
+    assert second.output_ids == first.output_ids
+    assert value("vllm:prefix_cache_queries") - queries >= first.num_input_tokens - 1
+    assert value("vllm:prefix_cache_hits") - hits == (first.num_input_tokens - 1) // 16 * 16 > 0
+
+
 def test_http_generate_with_stream_true_answers_with_the_route_to_use(tiny_server):
     """Triton fixes the HTTP status with the first response, and the model sees the same
     request on /generate and /generate_stream: the answer is Triton's error body with status
