@@ -224,6 +224,7 @@ def generate(
     # toward the next step's overhead.
     clock = time.perf_counter()
     last_drafter_call = time.monotonic()
+    drafter_caught_up = False  # the drafter's first call reads the whole prompt
     while True:
         if is_cancelled():
             yield StepOutput([], "", "cancelled")
@@ -251,6 +252,10 @@ def generate(
         # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
         # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
         call_drafter = k > 0 or (speculate and time.monotonic() - last_drafter_call > DRAFTER_KEEPALIVE_S)
+        # A step that also reads the prompt (the verifier's last chunk, the drafter's first
+        # call) costs what the prompt costs: its times would teach the draft-length policy
+        # that drafting never pays, so only steady steps are recorded.
+        steady = not unseen_by_verifier and (drafter_caught_up or not call_drafter)
         if call_drafter:
             last_drafter_call = time.monotonic()
             start = time.perf_counter()
@@ -276,6 +281,7 @@ def generate(
                 draft, draft_s = Draft(), 0.0
             draft_wall = time.perf_counter() - start
             unseen_by_drafter = []
+            drafter_caught_up = True
             if hidden_in is not None:
                 hidden_rows = []
         start = time.perf_counter()
@@ -300,9 +306,9 @@ def generate(
             num_accepted = len(emitted) - 1 if drafts else 0
         unseen_by_verifier, sampling = [], None
         stats.record(len(drafts), len(emitted), draft_s, verify_s)
-        if policy:
+        if policy and steady:
             policy.record(k, len(drafts), len(emitted) - 1, verify_wall, draft_wall)
-        if tree_policy and k > 0:
+        if tree_policy and k > 0 and steady:
             tree_policy.record(nodes, len(emitted), verify_wall + draft_wall)
 
         finish = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -70,6 +71,7 @@ def run(
     tree=False,
     prefill_chunk=0,
     verifier=None,
+    adaptive=False,
     **sampling,
 ):
     spec = {"method": "ngram", "num_speculative_tokens": k}
@@ -84,7 +86,7 @@ def run(
     ids = tokenizer(prompt)["input_ids"]
     seq_id = random.getrandbits(32)
     out = []
-    # A fixed k: the adaptive policy follows step timings, which a loaded machine skews.
+    # A fixed k unless asked: the adaptive policy follows step timings, which a loaded machine skews.
     for step in generate(
         req,
         ids,
@@ -95,7 +97,7 @@ def run(
         {0},
         runner.max_model_len,
         stats,
-        adaptive=False,
+        adaptive=adaptive,
         prefill_chunk=prefill_chunk,
     ):
         out += step.token_ids
@@ -129,6 +131,27 @@ def test_perfect_drafts_are_all_accepted(runner, tokenizer, tiny_model_dir):
     if 0 not in reference:  # no early EOS: every step but the last emits k + 1 tokens
         assert stats.acceptance.acceptance_rate == 1.0
         assert stats.num_steps == -(-len(reference) // 5)
+
+
+class SlowPromptProposer(OracleProposer):
+    """The target's continuation, after a first call that takes long: a model drafter reading
+    the whole prompt."""
+
+    def propose(self, batch):
+        if not getattr(self, "read_prompt", False):
+            self.read_prompt = True
+            time.sleep(0.3)
+        return super().propose(batch)
+
+
+def test_the_prompt_step_does_not_teach_the_draft_length_policy(runner, tokenizer, tiny_model_dir):
+    """Steady steps decide the draft length: a drafter whose first call read a long prompt
+    (here 0.3 s) keeps drafting when its steps are cheap and always accepted."""
+    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
+    prompt_len = len(tokenizer(PROMPT)["input_ids"])
+    out, stats = run(runner, tokenizer, PROMPT, SlowPromptProposer(reference, prompt_len), k=4, adaptive=True)
+    assert out == reference
+    assert stats.acceptance.num_drafts == stats.num_steps  # every step drafted
 
 
 def test_wrong_drafts_roll_back_exactly(runner, tokenizer, tiny_model_dir):
