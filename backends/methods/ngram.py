@@ -92,6 +92,8 @@ class NgramDrafter(Proposer):
     """The `ngram` drafter backend. The only state per sequence is its token array (see
     `TokenHistory`); the lookup itself is one vectorised pass, ~10-50 us at 32k tokens."""
 
+    in_orchestrator = True
+
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
         self.history = TokenHistory()

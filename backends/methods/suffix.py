@@ -376,6 +376,8 @@ class SuffixDrafter(Proposer):
     (prompt + output), never drafts, so nothing rolls back whichever tree branch was accepted.
     A request with num_nodes > 0 gets a tree (suffix_decoding_use_tree_spec)."""
 
+    in_orchestrator = True
+
     def __init__(self, cache: SuffixDecodingCache, max_spec_factor: float, min_token_prob: float) -> None:
         self.cache = cache
         self.max_spec_factor = max_spec_factor

@@ -10,6 +10,8 @@ runs. For debugging a method, for the runtime's benchmarks, and for the loop tes
 from __future__ import annotations
 
 import random
+import threading
+import time
 from typing import Any
 
 from backends.config import DrafterConfig
@@ -35,21 +37,28 @@ class LocalVerifier:
 
 
 class LocalDrafter:
-    """The orchestrator's Drafter over a DraftService in this process."""
+    """The orchestrator's Drafter over a DraftService in this process; the `speculative`
+    model's request threads share one (drafter_in_process), so calls take turns."""
 
     def __init__(self, service: DraftService) -> None:
         self.service = service
+        proposer = service.proposer
         self.info = DrafterInfo(
             DrafterConfig.from_speculative(service.config),
-            tuple(service.proposer.hidden_layer_ids),
-            service.proposer.proposes_drafts,
+            tuple(proposer.hidden_layer_ids),
+            proposer.proposes_drafts,
+            proposer.in_orchestrator,
         )
+        self.lock = threading.Lock()
 
     def draft(self, call: DraftCall) -> tuple[Draft, float]:
-        return self.service.draft([call])[0], 0.0
+        with self.lock:
+            start = time.perf_counter()
+            return self.service.draft([call])[0], time.perf_counter() - start
 
     def release(self, seq_id: int) -> None:
-        self.service.release(seq_id)
+        with self.lock:
+            self.service.release(seq_id)
 
 
 def generate_local(

@@ -68,6 +68,10 @@ class Proposer:
     # False: it never drafts, it only names layers whose states each step returns
     # (extract_hidden_states); the orchestrator then asks the verifier for them directly.
     proposes_drafts: bool = True
+    # True: it drafts from token ids alone, in microseconds, and holds no model, so the
+    # `speculative` model may run it in its own process (its `drafter_in_process`): a step
+    # then makes one BLS round trip (to the verifier) instead of two.
+    in_orchestrator: bool = False
     device = torch.device("cpu")  # where sampled drafts are drawn
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -125,6 +129,7 @@ class DrafterInfo:
     config: DrafterConfig  # k, its per-request and batch-size rules, the rejection method
     hidden_layer_ids: tuple[int, ...]  # target layers it drafts from (or extracts)
     proposes_drafts: bool = True  # False: it only names layers to extract (extract_hidden_states)
+    in_orchestrator: bool = False  # it may draft in the orchestrator's process (Proposer.in_orchestrator)
 
     @property
     def method(self) -> str:
@@ -139,7 +144,7 @@ def describe_drafter(config: SpeculativeConfig | DrafterConfig, target_model: An
     """The drafter that `config` builds, without building it."""
     config = _runtime_config(config)
     cls = proposer_class(config.method)
-    return DrafterInfo(config, tuple(cls.layers_for(config, target_model)), cls.proposes_drafts)
+    return DrafterInfo(config, tuple(cls.layers_for(config, target_model)), cls.proposes_drafts, cls.in_orchestrator)
 
 
 # method name -> "module:Class"; importing lazily keeps model-free methods free of model code.

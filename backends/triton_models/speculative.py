@@ -23,15 +23,18 @@ from backends.config import SpeculativeConfig
 from backends.methods.extract_hidden_states import save_hidden_states
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
 from backends.serving.detokenize import TextStream
+from backends.serving.drafting import DraftService
+from backends.serving.local import LocalDrafter
 from backends.serving.logits import TokenLogprob, vllm_logprobs
 from backends.serving.orchestrator import (
     DEFAULT_PREFILL_CHUNK,
+    Drafter,
     GenerationStats,
     StepOutput,
     generate,
     prefill_chunk_tokens,
 )
-from backends.serving.proposer import DrafterInfo, describe_drafter
+from backends.serving.proposer import DrafterInfo, build_proposer, describe_drafter
 from backends.serving.request import (
     RETURN_OUTPUTS,
     GenerationRequest,
@@ -106,7 +109,15 @@ class TritonPythonModel:
         self.decode_token = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
         self.verifier_name = params.get("verifier_model_name", "verifier")
         self.drafter_name = params.get("drafter_model_name", "")
-        self.drafter_info = self._describe_drafter(args, model_path) if self.drafter_name else None
+        drafter = self._describe_drafter(args, model_path) if self.drafter_name else None
+        self.drafter_info = drafter and drafter[1]
+        # A drafter that needs no model (ngram, suffix) drafts in this process: a step then
+        # makes one BLS round trip instead of two. Its config is still the drafter model's.
+        self.local_drafter = None
+        if drafter and drafter[1].in_orchestrator and parse_flag(params, "drafter_in_process", True):
+            proposer = build_proposer(drafter[0], max_model_len=self.max_model_len)
+            self.local_drafter = LocalDrafter(DraftService(proposer, drafter[0]))
+            log.info("drafter %r drafts in this process (drafter_in_process)", self.drafter_name)
         # A drafter call that takes longer is abandoned: that request decodes plainly from there.
         BlsDrafter.timeout_s = float(params.get("drafter_timeout_s", "30")) or None
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
@@ -136,10 +147,10 @@ class TritonPythonModel:
             self.max_model_len,
         )
 
-    def _describe_drafter(self, args: dict, target: Path) -> DrafterInfo | None:
-        """What the drafter is (method, k, layers), from its config.pbtxt in this repository,
-        resolved as the drafter resolves it. A config that cannot be read leaves this model
-        serving plain decoding (the drafter's own load fails with the reason)."""
+    def _describe_drafter(self, args: dict, target: Path) -> tuple[SpeculativeConfig, DrafterInfo] | None:
+        """The drafter's config and what it is (method, k, layers), from its config.pbtxt in
+        this repository, resolved as the drafter resolves it. A config that cannot be read
+        leaves this model serving plain decoding (the drafter's own load fails with the reason)."""
         repository = Path(args["model_repository"])
         if repository.name == args["model_name"]:  # Triton passes the model's own directory
             repository = repository.parent
@@ -161,7 +172,7 @@ class TritonPythonModel:
             info.num_speculative_tokens,
             list(info.hidden_layer_ids),
         )
-        return info
+        return config, info
 
     def _drain_outbox(self) -> None:
         while (item := self.outbox.get()) is not None:
@@ -190,7 +201,9 @@ class TritonPythonModel:
             self.active_requests += 1  # the load the batch-size schedule follows
         verifier = BlsVerifier(self.verifier_name, seq_id)
         info = self.drafter_info
-        drafter = BlsDrafter(self.drafter_name, seq_id, info) if info and info.proposes_drafts else None
+        drafter = None
+        if info and info.proposes_drafts:
+            drafter = self.local_drafter or BlsDrafter(self.drafter_name, seq_id, info)
         stats = None
         counted = False
         prompt_ids: list[int] = []
@@ -270,11 +283,11 @@ class TritonPythonModel:
             for peer in (verifier, drafter):
                 if peer is not None:
                     try:
-                        peer.release()
+                        peer.release(seq_id)
                     except Exception:
                         log.exception("could not release sequence %d in %s", seq_id, peer.model_name)
 
-    def _count(self, drafter: BlsDrafter | None, stats: GenerationStats | None) -> None:
+    def _count(self, drafter: Drafter | None, stats: GenerationStats | None) -> None:
         """Add a request's acceptance (and a drafter fallback) to the server-wide counters."""
         if drafter is not None and stats is not None:
             self.counters.add(drafter.info.method, stats.acceptance, bool(stats.fallback))

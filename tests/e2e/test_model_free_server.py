@@ -1,12 +1,13 @@
 """The model-free drafters (`ngram_gpu`, `suffix`) through a real tritonserver on the tiny model:
-greedy output is the target's own, and drafts get accepted."""
+greedy output is the target's own, and drafts get accepted. `suffix` drafts in the
+orchestrator's process (drafter_in_process), and also in the drafter model when that is off."""
 
 from __future__ import annotations
 
 import pytest
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import hf_greedy, served_greedy_results, served_greedy_results_once
+from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results, served_greedy_results_once
 from tests.fixtures.servers import start_server
 
 PROMPTS = [
@@ -16,10 +17,13 @@ PROMPTS = [
     "a b c a b c a b c a b c",
 ]
 REPETITIVE = PROMPTS[1]
+SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
 CONFIGS = {
     "ngram_gpu": '{"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
-    "suffix": '{"method": "suffix", "num_speculative_tokens": 4}',
+    "suffix": SUFFIX,
+    "suffix-in-drafter-model": SUFFIX,
 }
+PER_MODEL = {"suffix-in-drafter-model": {"speculative": {"drafter_in_process": "false"}}}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,12 @@ def servers(tiny_model_dir, tmp_path_factory):
     started = {}
     try:
         for method, config in sorted(CONFIGS.items()):
-            started[method] = start_server(tmp_path_factory.mktemp(f"{method}-server"), str(tiny_model_dir), config)
+            started[method] = start_server(
+                tmp_path_factory.mktemp(f"{method}-server"),
+                str(tiny_model_dir),
+                config,
+                per_model=PER_MODEL.get(method),
+            )
         yield started
     finally:
         for server in started.values():
@@ -70,3 +79,20 @@ def test_suffix_tree_spec_output_equals_target_greedy(tiny_model_dir, tmp_path):
     config = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
     results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 40)
     assert sum(r.total_accepted_draft_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize(
+    ("method", "in_process"), [("suffix", True), ("suffix-in-drafter-model", False), ("ngram_gpu", False)]
+)
+def test_model_free_drafters_draft_in_the_orchestrator_unless_told_not_to(servers, method, in_process):
+    """In process, a step makes no call to the drafter model (one BLS round trip instead of two)."""
+    server = servers[method]
+
+    def drafter_calls() -> float:
+        return metric_values(server, "nv_inference_count").get('model="drafter",version="1"', 0.0)
+
+    before = drafter_calls()
+    result = grpc_generate(server.grpc_url, REPETITIVE, max_tokens=24, num_draft_tokens=4)
+    assert result.total_draft_tokens > 0
+    assert (drafter_calls() == before) is in_process
+    assert ("drafts in this process" in server.log_tail(100_000)) is in_process
