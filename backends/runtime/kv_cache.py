@@ -69,7 +69,7 @@ class _Sequence:
 
 def _slots(blocks: list[int], block_size: int) -> tuple[torch.Tensor, int | None]:
     """Every token slot of ``blocks`` in order, and the first slot when they are one run."""
-    if blocks[-1] - blocks[0] == len(blocks) - 1:
+    if all(b == blocks[0] + i for i, b in enumerate(blocks)):
         start = blocks[0] * block_size
         return torch.arange(start, start + len(blocks) * block_size), start
     return (torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)).flatten(), None

@@ -290,6 +290,22 @@ def test_pool_truncate_and_errors():
         pool.length("unknown")
 
 
+def test_blocks_that_span_a_run_out_of_order_are_not_taken_for_one():
+    """Blocks [0, 2] then grown by [1, 3] cover slots 0..15, but not in token order."""
+    pool = KVCachePool(1, 1, 4, capacity_tokens=16, block_size=4, dtype=torch.float32)
+    for seq_id in "wxyz":
+        pool.admit(seq_id, 4)
+    pool.release("w")
+    pool.release("y")
+    pool.admit("a", 8)
+    assert pool.blocks("a") == [0, 2]
+    pool.release("x")
+    pool.release("z")
+    pool.grow("a", 16)
+    assert pool.blocks("a") == [0, 2, 1, 3] and pool.contiguous_start("a") is None
+    assert pool.slots("a").tolist() == [*range(0, 4), *range(8, 12), *range(4, 8), *range(12, 16)]
+
+
 def test_pool_grow_keeps_the_cached_tokens_and_refuses_past_capacity():
     """A drafter's reservation grows as its sequence does; the tokens already cached keep their
     slots, and the row reads the same keys whether its blocks stay one run or not."""
