@@ -115,9 +115,15 @@ class TritonPythonModel:
         # makes one BLS round trip instead of two. Its config is still the drafter model's.
         self.local_drafter = None
         if drafter and drafter[1].in_orchestrator and parse_flag(params, "drafter_in_process", True):
-            proposer = build_proposer(drafter[0], max_model_len=self.max_model_len)
-            self.local_drafter = LocalDrafter(DraftService(proposer, drafter[0]))
-            log.info("drafter %r drafts in this process (drafter_in_process)", self.drafter_name)
+            try:
+                proposer = build_proposer(drafter[0], max_model_len=self.max_model_len)
+            except Exception as e:  # the drafter model's own load fails with the reason too
+                log.error(
+                    "drafter %r cannot draft in this process (%s); calling the drafter model", self.drafter_name, e
+                )
+            else:
+                self.local_drafter = LocalDrafter(DraftService(proposer, drafter[0]))
+                log.info("drafter %r drafts in this process (drafter_in_process)", self.drafter_name)
         # A drafter call that takes longer is abandoned: that request decodes plainly from there.
         BlsDrafter.timeout_s = float(params.get("drafter_timeout_s", "30")) or None
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
