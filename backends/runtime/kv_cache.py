@@ -248,7 +248,7 @@ class KVCachePool:
         self.prefix_queries += len(token_ids) - seq.length
         attached = 0
         while (index + 1) * bs <= len(token_ids) and index < len(seq.blocks):
-            key = _block_key(seq.keys[-1] if seq.keys else b"", token_ids[index * bs : (index + 1) * bs])
+            key = self._next_key(seq, token_ids)
             shared = self._key_block.get(key)
             if shared is None:
                 break
@@ -273,7 +273,7 @@ class KVCachePool:
             return
         bs = self.block_size
         for index in range(len(seq.keys), min(seq.length, len(token_ids)) // bs):
-            key = _block_key(seq.keys[-1] if seq.keys else b"", token_ids[index * bs : (index + 1) * bs])
+            key = self._next_key(seq, token_ids)
             seq.keys.append(key)
             if key not in self._key_block:  # else another block already holds it: this one stays private
                 self._key_block[key] = seq.blocks[index]
@@ -311,6 +311,11 @@ class KVCachePool:
             return self._seqs[seq_id]
         except KeyError:
             raise SequenceError(f"sequence {seq_id!r} is not in the KV cache (never admitted or released)") from None
+
+    def _next_key(self, seq: _Sequence, token_ids: Sequence[int]) -> bytes:
+        """The prefix key of the sequence's first block without one, holding those of ``token_ids``."""
+        index, bs = len(seq.keys), self.block_size
+        return _block_key(seq.keys[-1] if seq.keys else b"", token_ids[index * bs : (index + 1) * bs])
 
     def _hold(self, block: int) -> None:
         self._refs[block] += 1

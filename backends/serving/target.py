@@ -290,9 +290,10 @@ class TargetRunner:
         for i, step in steps:
             if not step.input_ids:  # a prompt chunk found whole in the prefix cache: nothing to compute
                 results[i] = self._accept(step, None, 0.0)
-        running = [(i, step) for i, step in steps if step.seq.num_cached > 0 and results[i] is None]
-        if self.lean is not None:  # prompts and verifications share one ragged forward
-            running = [(i, step) for i, step in steps if results[i] is None]
+        pending = [(i, step) for i, step in steps if results[i] is None]
+        # The lean runtime runs prompts and verifications in one ragged forward; transformers
+        # batches running sequences only.
+        running = pending if self.lean is not None else [(i, s) for i, s in pending if s.seq.num_cached > 0]
         if len(running) > 1:
             try:
                 forward = self._forward_lean if self.lean is not None else self._forward_batch

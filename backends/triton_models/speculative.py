@@ -109,20 +109,22 @@ class TritonPythonModel:
         self.decode_token = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
         self.verifier_name = params.get("verifier_model_name", "verifier")
         self.drafter_name = params.get("drafter_model_name", "")
-        drafter = self._describe_drafter(args, model_path) if self.drafter_name else None
-        self.drafter_info = drafter and drafter[1]
+        drafter_config, self.drafter_info = (
+            self._describe_drafter(args, model_path) if self.drafter_name else (None, None)
+        )
         # A drafter that needs no model (ngram, suffix) drafts in this process: a step then
         # makes one BLS round trip instead of two. Its config is still the drafter model's.
         self.local_drafter = None
-        if drafter and drafter[1].in_orchestrator and parse_flag(params, "drafter_in_process", True):
+        info = self.drafter_info
+        if info and info.in_orchestrator and parse_flag(params, "drafter_in_process", True):
             try:
-                proposer = build_proposer(drafter[0], max_model_len=self.max_model_len)
+                proposer = build_proposer(drafter_config, max_model_len=self.max_model_len)
             except Exception as e:  # the drafter model's own load fails with the reason too
                 log.error(
                     "drafter %r cannot draft in this process (%s); calling the drafter model", self.drafter_name, e
                 )
             else:
-                self.local_drafter = LocalDrafter(DraftService(proposer, drafter[0]))
+                self.local_drafter = LocalDrafter(DraftService(proposer, drafter_config))
                 log.info("drafter %r drafts in this process (drafter_in_process)", self.drafter_name)
         # A drafter call that takes longer is abandoned: that request decodes plainly from there.
         BlsDrafter.timeout_s = float(params.get("drafter_timeout_s", "30")) or None
@@ -153,7 +155,7 @@ class TritonPythonModel:
             self.max_model_len,
         )
 
-    def _describe_drafter(self, args: dict, target: Path) -> tuple[SpeculativeConfig, DrafterInfo] | None:
+    def _describe_drafter(self, args: dict, target: Path) -> tuple[SpeculativeConfig | None, DrafterInfo | None]:
         """The drafter's config and what it is (method, k, layers), from its config.pbtxt in
         this repository, resolved as the drafter resolves it. A config that cannot be read
         leaves this model serving plain decoding (the drafter's own load fails with the reason)."""
@@ -170,7 +172,7 @@ class TritonPythonModel:
             info = describe_drafter(config, target)
         except Exception as e:
             log.error("drafter %r: %s; serving plain decoding", self.drafter_name, e)
-            return None
+            return None, None
         log.info(
             "drafter %r: method=%s k=%d layers=%s",
             self.drafter_name,
