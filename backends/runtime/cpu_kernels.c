@@ -412,8 +412,19 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
  * bits alone as among others (batch invariant by construction). Measured against oneDNN's
  * prepacked kernel on SmolLM2's 30 layers of weights (2-core EPYC, cold caches): 0.63-0.77x
  * its time for 1 to 17 rows, 0.91x for 40, equal from 128 to 512. */
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+static __m512 widen_bf16(__mmask16 mask, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+static __m256i narrow_bf16(__m512 v) { /* round_bf16's rounding (no NaN reaches here), high halves */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512((__m512)round_bf16((vec)v)), 16));
+}
+
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GROUP 64 /* outputs per packed group: 4 vectors */
 #define TILE_ROWS 6
 
@@ -429,14 +440,6 @@ void pack_linear(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
                 dst[0] = row < n ? w[row * k + 2 * p] : 0; /* padding outputs are never stored */
                 dst[1] = row < n ? w[row * k + 2 * p + 1] : 0;
             }
-}
-
-static __m512 widen_bf16(__mmask16 mask, const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-
-static __m256i narrow_bf16(__m512 v) { /* round_bf16's rounding (no NaN reaches here), high halves */
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512((__m512)round_bf16((vec)v)), 16));
 }
 
 int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
@@ -514,7 +517,119 @@ int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64
     if (!rc) rc = packed_linear(act, inter, w->down, w->down_bias, h, hidden, h, hidden, tokens, hidden, inter, threads);
     return rc;
 }
+#endif
+
+/* int8 linear layers (a quantized drafter's): y = x W^T (+ bias) (+ residual), bf16 in and out.
+ *
+ * W is quantized once at load, symmetric per output (w = scale[n] * q, q in [-127, 127]), and
+ * packed as [groups][K/4][GROUP][4]: per group, each 4 K positions of every output side by
+ * side, so one AVX-512 VNNI instruction adds a broadcast 4 bytes of x to 16 outputs' int32
+ * sums. x is quantized per row when the call comes (dynamic, as torch's dynamic int8): u8 with
+ * zero point 128, so x W^T = xs * scale * (sum(xq * q) - 128 * sum(q)); wsum[n] = sum(q) is
+ * kept with the weights. Half the bytes of the bf16 kernel stream per token: a drafter's
+ * step is bound by them. Not exact (the target never runs this); every row is quantized and
+ * summed alone, so each row still gets the same result whatever shares its call. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define I8_GROUP 64
+#define I8_TILE_ROWS 6
+
+int int8_linear_available(void) { return 1; }
+
+void pack_linear_int8(const int8_t *w, int64_t n, int64_t k, int8_t *out) {
+    int64_t groups = (n + I8_GROUP - 1) / I8_GROUP, quads = k / 4;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t p = 0; p < quads; p++)
+            for (int64_t j = 0; j < I8_GROUP; j++) {
+                int64_t row = g * I8_GROUP + j;
+                int8_t *dst = out + ((g * quads + p) * I8_GROUP + j) * 4;
+                for (int t = 0; t < 4; t++) dst[t] = row < n ? w[row * k + 4 * p + t] : 0;
+            }
+}
+
+/* one row of k bf16 values -> u8 (round to nearest even, + 128); returns its scale */
+static float quantize_row(const uint16_t *x, int64_t k, uint8_t *q) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        __mmask16 mask = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(widen_bf16(mask, x + i)));
+    }
+    float top = _mm512_reduce_max_ps(amax), scale = top > 0 ? top / 127.0f : 1.0f;
+    __m512 inv = _mm512_set1_ps(1.0f / scale);
+    __m512i zero_point = _mm512_set1_epi32(128);
+    for (int64_t i = 0; i < k; i += 16) {
+        __mmask16 mask = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+        __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(widen_bf16(mask, x + i), inv)), zero_point);
+        _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtusepi32_epi8(v));
+    }
+    return scale;
+}
+
+int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const float *scale, const int32_t *wsum,
+                const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, uint16_t *y,
+                int64_t y_stride, int64_t m, int64_t n, int64_t k, int threads) {
+    if (k % 4 != 0) return -1;
+    uint8_t *xq = malloc((size_t)(m * k));
+    float *xs = malloc((size_t)m * sizeof(float));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -3;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < m; r++) xs[r] = quantize_row(x + r * x_stride, k, xq + r * k);
+    int64_t groups = (n + I8_GROUP - 1) / I8_GROUP, quads = k / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int32_t *wg = (const int32_t *)packed + g * quads * I8_GROUP;
+        for (int64_t m0 = 0; m0 < m; m0 += I8_TILE_ROWS) {
+            int rows = m - m0 < I8_TILE_ROWS ? (int)(m - m0) : I8_TILE_ROWS;
+            __m512i acc[I8_TILE_ROWS][4];
+            const int32_t *xr[I8_TILE_ROWS];
+            for (int i = 0; i < rows; i++) {
+                xr[i] = (const int32_t *)(xq + (m0 + i) * k);
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
+            }
+            for (int64_t p = 0; p < quads; p++) {
+                const int32_t *wp = wg + p * I8_GROUP;
+                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wp + 8 * I8_GROUP + 16 * j), _MM_HINT_T0);
+                __m512i w[4];
+                for (int j = 0; j < 4; j++) w[j] = _mm512_loadu_si512(wp + 16 * j);
+                for (int i = 0; i < rows; i++) {
+                    __m512i xb = _mm512_set1_epi32(xr[i][p]);
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xb, w[j]);
+                }
+            }
+            for (int j = 0; j < 4; j++) {
+                int64_t n0 = g * I8_GROUP + j * 16;
+                if (n0 >= n) break;
+                __mmask16 mask = n - n0 >= 16 ? 0xffff : (__mmask16)((1u << (n - n0)) - 1);
+                __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, wsum + n0), 7);
+                __m512 wscale = _mm512_maskz_loadu_ps(mask, scale + n0);
+                __m512 b = bias ? widen_bf16(mask, bias + n0) : _mm512_setzero_ps();
+                for (int i = 0; i < rows; i++) {
+                    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], offset));
+                    v = _mm512_fmadd_ps(v, _mm512_mul_ps(wscale, _mm512_set1_ps(xs[m0 + i])), b);
+                    if (residual) v = _mm512_add_ps(v, widen_bf16(mask, residual + (m0 + i) * residual_stride + n0));
+                    _mm256_mask_storeu_epi16(y + (m0 + i) * y_stride + n0, mask, narrow_bf16(v));
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xs);
+    return 0;
+}
 #else
+int int8_linear_available(void) { return 0; }
+void pack_linear_int8(const int8_t *w, int64_t n, int64_t k, int8_t *out) {}
+int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const float *scale, const int32_t *wsum,
+                const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, uint16_t *y,
+                int64_t y_stride, int64_t m, int64_t n, int64_t k, int threads) {
+    return -2;
+}
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
 int layer_step(void) { return -2; }
 int packed_linear_available(void) { return 0; }
 void pack_linear(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {}

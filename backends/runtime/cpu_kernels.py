@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -111,6 +112,12 @@ def _library() -> ctypes.CDLL:
     lib.pack_linear.restype = None
     lib.packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.packed_linear.restype = ctypes.c_int
+    lib.int8_linear_available.argtypes = []
+    lib.int8_linear_available.restype = ctypes.c_int
+    lib.pack_linear_int8.argtypes = [ptr, i64, i64, ptr]
+    lib.pack_linear_int8.restype = None
+    lib.int8_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.int8_linear.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.layer_step.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.layer_step.argtypes += [ptr, ctypes.c_int]
@@ -402,4 +409,71 @@ def packed_linear(
     )
     if rc != 0:
         raise KernelUnavailable("the packed linear kernel is not built for this CPU" if rc == -2 else f"odd K {k}")
+    return out
+
+
+def int8_linear_available() -> bool:
+    """Does this CPU run the int8 linear kernel (AVX-512 VNNI)?"""
+    try:
+        return bool(_library().int8_linear_available())
+    except (KernelUnavailable, OSError):
+        return False
+
+
+@dataclass
+class Int8Weight:
+    """A linear layer's weight for ``int8_linear``: per output, q = round(w / scale) in
+    [-127, 127], packed; ``wsum`` = sum(q) per output (the activations' zero point cancels
+    with it)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    wsum: torch.Tensor
+    out_features: int
+
+
+def pack_linear_int8(weight: torch.Tensor) -> Int8Weight:
+    """Quantize a ``[n, k]`` weight (k a multiple of 4) symmetrically per output and pack it."""
+    n, k = weight.shape
+    if k % 4:
+        raise ValueError(f"the int8 linear kernel takes weights whose K is a multiple of 4, got {n}x{k}")
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    packed = torch.empty(-(-n // GROUP) * GROUP * k, dtype=torch.int8)
+    _library().pack_linear_int8(q.data_ptr(), n, k, packed.data_ptr())
+    return Int8Weight(packed, scale.contiguous(), q.sum(dim=1, dtype=torch.int32), n)
+
+
+def int8_linear(
+    x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided), each
+    row quantized to int8 on the fly, W as ``pack_linear_int8`` left it -> ``[m, n]`` bf16."""
+    m, k = x.shape
+    n = weight.out_features
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError("the int8 linear kernel takes bf16 rows with unit stride")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [{m}, {n}] with unit stride, got {list(residual.shape)}")
+    out = x.new_empty(m, n)
+    rc = _library().int8_linear(
+        x.data_ptr(),
+        x.stride(0),
+        weight.packed.data_ptr(),
+        weight.scale.data_ptr(),
+        weight.wsum.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        reasons = {-1: f"K {k} is not a multiple of 4", -2: "the int8 linear kernel is not built for this CPU"}
+        raise KernelUnavailable(reasons.get(rc, "out of memory for the quantized activations"))
     return out

@@ -275,6 +275,27 @@ class _PackedLinear(_Linear):
         return cpu_kernels.packed_linear(x, self.packed, self.out_features, self.bias, residual)
 
 
+class _Int8Linear(_Linear):
+    """A linear layer quantized to int8 (``cpu_kernels.int8_linear``, AVX-512 VNNI): weights per
+    output channel, activations per row as they come. For drafters, which need speed, not the
+    target's exact bits: half the bytes of bf16 to stream per step."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, k = weight.shape
+        self.dtype = torch.bfloat16
+        self.bounds = [(0, k)]
+        self.weight = cpu_kernels.pack_linear_int8(weight)
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.k_chunk = self.slab = None
+
+    @staticmethod
+    def runs(weight: torch.Tensor) -> bool:
+        return weight.shape[1] % 4 == 0 and cpu_kernels.int8_linear_available()
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return cpu_kernels.int8_linear(x, self.weight, self.bias, residual)
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor | None  # None: the caller gives the attention its input (drafter heads)
@@ -369,8 +390,11 @@ class _Weights:
     layers on the kernel that runs here (one probe or check per weight shape, shared by every
     layer of that shape)."""
 
-    def __init__(self, config, dtype: torch.dtype, batch_invariant: bool, triton_kernels: bool) -> None:
+    def __init__(
+        self, config, dtype: torch.dtype, batch_invariant: bool, triton_kernels: bool, int8: bool = False
+    ) -> None:
         self.dtype, self.batch_invariant, self.triton_kernels = dtype, batch_invariant, triton_kernels
+        self.int8 = int8
         self.heads, self.kv_heads, self.head_dim = (
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -395,6 +419,12 @@ class _Weights:
         self, weight: torch.Tensor, bias: torch.Tensor | None, adds: bool = True, slab: int = ROW_SLAB
     ) -> _Linear:
         invariant = self.batch_invariant
+        if self.int8:
+            if not _Int8Linear.runs(weight):
+                raise UnsupportedArchitecture(
+                    f"int8 linear layers need AVX-512 VNNI and a K divisible by 4 (weight {tuple(weight.shape)})"
+                )
+            return _Int8Linear(weight, bias)
         if self.triton_kernels or _PackedLinear.runs(weight):
             kernel = (_TritonLinear if self.triton_kernels else _PackedLinear)(weight, bias)
             shape = (tuple(weight.shape), bias is not None, adds)
@@ -440,6 +470,8 @@ class _Weights:
     def log_kernels(self, device: torch.device) -> None:
         if self.triton_kernels:
             log.info("lean runtime on %s: the OpenAI Triton kernels (batch-invariant)", device)
+        elif self.int8:
+            log.info("linear layers: the int8 kernel (AVX-512 VNNI; weights per channel, activations per row)")
         elif self.checked:
             log.info("linear layers: the packed bf16 kernel (AVX-512 BF16; row invariant by construction)")
         if self.splits:
@@ -830,10 +862,14 @@ class LeanCausalLM(LeanDecoder):
         dtype: torch.dtype | None = None,
         batch_invariant: bool = False,
         triton_kernels: bool | None = None,
+        quantization: str | None = None,
     ) -> LeanCausalLM:
         """Take the weights of a loaded transformers ``*ForCausalLM`` (fused and prepacked copies;
         the embedding is shared), on the model's device. Raises UnsupportedArchitecture for
         models it does not run.
+
+        ``quantization="int8"``: the linear layers (the LM head too) in int8 (``_Int8Linear``),
+        the rest in bf16; for drafters on a CPU with AVX-512 VNNI.
 
         ``batch_invariant``: every token's logits and hidden states are the same bits whatever
         else shares its step (other tokens of its row, other rows, a prompt chunked or not); the
@@ -843,7 +879,14 @@ class LeanCausalLM(LeanDecoder):
         On a CPU they run in Triton's interpreter: for tests."""
         config = hf_model.config
         triton_kernels = _kernels_for(config, hf_model.device, batch_invariant, triton_kernels)
-        weights = _Weights(config, dtype or hf_model.dtype, batch_invariant, triton_kernels)
+        if quantization not in (None, "int8"):
+            raise ValueError(f"the lean runtime quantizes to int8 only, not {quantization!r}")
+        int8 = quantization == "int8"
+        if int8 and triton_kernels:
+            raise UnsupportedArchitecture("int8 linear layers run on the CPU kernels only")
+        weights = _Weights(
+            config, torch.bfloat16 if int8 else dtype or hf_model.dtype, batch_invariant, triton_kernels, int8
+        )
         layers = [weights.layer(layer) for layer in hf_model.model.layers]
         embed = hf_model.model.embed_tokens.weight.detach().to(weights.dtype)
         w = weights.cat
