@@ -65,6 +65,15 @@ METHOD_CONFIGS: dict[str, dict] = {
 }
 
 
+def method_config(name: str, profile: dict | None = None) -> dict:
+    """The speculative config a bench run of `name` serves: a profile's own settings where it
+    drafts with that method (its draft model, quantization, k), a tree variant's tree on top."""
+    config = dict(METHOD_CONFIGS[name])
+    if profile is None or profile.get("method") != base_method(name):
+        return config
+    return dict(profile) if name == base_method(name) else {**profile, **config}
+
+
 def base_method(name: str) -> str:
     """The method a bench entry runs ("eagle3+tree" -> "eagle3")."""
     return name.split("+")[0]

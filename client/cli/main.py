@@ -284,7 +284,6 @@ def _own_server(http_port: int, overrides, log_path: Path):
 
 def _bench(args: argparse.Namespace) -> int:
     from client.cli.bench import (
-        METHOD_CONFIGS,
         base_method,
         compare,
         engine_from_log,
@@ -292,6 +291,7 @@ def _bench(args: argparse.Namespace) -> int:
         hf_comparison,
         load_prompts,
         measure,
+        method_config,
         plot_report,
     )
     from client.cli.launcher import RepositoryOverrides
@@ -320,9 +320,8 @@ def _bench(args: argparse.Namespace) -> int:
         "methods": {},
     }
     for name in args.methods:
-        config, method = dict(METHOD_CONFIGS[name]), base_method(name)
-        if args.profile and PROFILES[args.profile]["speculative_config"]["method"] == name:
-            config = dict(PROFILES[args.profile]["speculative_config"])  # the profile's own settings
+        method = base_method(name)
+        config = method_config(name, PROFILES[args.profile]["speculative_config"] if args.profile else None)
         if method == "draft_model":
             if draft is None:
                 print("error: the draft_model method needs --draft-model (or --profile)", file=sys.stderr)

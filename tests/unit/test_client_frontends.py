@@ -191,3 +191,17 @@ def test_bench_reports_tree_nodes_per_step_and_runs_tree_variants_as_their_metho
     assert {base_method(n) for n in trees} == {"suffix", "draft_model", "medusa", "eagle", "eagle3", "mtp"}
     assert all(base_method(n) in METHOD_CONFIGS for n in trees)  # each beside its chain
     SpeculativeConfig.from_json(METHOD_CONFIGS["suffix+tree"])  # the variants are valid configs
+
+
+def test_bench_runs_a_profiles_drafter_settings_for_its_method_and_tree():
+    from client.cli.bench import METHOD_CONFIGS, method_config
+    from client.cli.main import PROFILES
+
+    qwen = PROFILES["qwen-coder"]["speculative_config"]
+    assert method_config("draft_model", qwen) == qwen
+    tree = method_config("draft_model+tree", qwen)  # the profile's int8 drafter, drafting trees
+    assert tree["quantization"] == "int8" and tree["model"] == qwen["model"]
+    assert tree["speculative_token_tree"] == METHOD_CONFIGS["draft_model+tree"]["speculative_token_tree"]
+    eagle3 = method_config("eagle3+tree", PROFILES["smollm2-eagle3"]["speculative_config"])
+    assert eagle3 == METHOD_CONFIGS["eagle3+tree"]  # the tree's own depth, not the profile's chain k
+    assert method_config("ngram", qwen) == METHOD_CONFIGS["ngram"]  # another method: its own settings
