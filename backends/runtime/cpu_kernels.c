@@ -403,15 +403,10 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
     return 0;
 }
 
-/* bf16 linear layers: y = x W^T (+ bias) (+ residual), float32 accumulation, bf16 out.
- *
- * W is packed once at load as [groups][K/2][GROUP][2]: per group of GROUP outputs, each pair of
- * K positions for every output side by side, so one AVX-512 BF16 dot-product instruction adds a
- * broadcast pair of x to 16 outputs' sums and the weights stream in order. Each output's sum
- * runs over K in the same order whatever the row count, tile or thread: every row gets the same
- * bits alone as among others (batch invariant by construction). Measured against oneDNN's
- * prepacked kernel on SmolLM2's 30 layers of weights (2-core EPYC, cold caches): 0.63-0.77x
- * its time for 1 to 17 rows, 0.91x for 40, equal from 128 to 512. */
+/* The linear layers' shared parts: both pack weights in groups of GROUP outputs (4 vectors
+ * of 16) and run TILE_ROWS rows of x per pass over a group's weights. */
+#define GROUP 64
+#define TILE_ROWS 6
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 static __m512 widen_bf16(__mmask16 mask, const uint16_t *p) {
@@ -424,10 +419,16 @@ static __m256i narrow_bf16(__m512 v) { /* round_bf16's rounding (no NaN reaches 
 
 #endif
 
+/* bf16 linear layers: y = x W^T (+ bias) (+ residual), float32 accumulation, bf16 out.
+ *
+ * W is packed once at load as [groups][K/2][GROUP][2]: per group of GROUP outputs, each pair of
+ * K positions for every output side by side, so one AVX-512 BF16 dot-product instruction adds a
+ * broadcast pair of x to 16 outputs' sums and the weights stream in order. Each output's sum
+ * runs over K in the same order whatever the row count, tile or thread: every row gets the same
+ * bits alone as among others (batch invariant by construction). Measured against oneDNN's
+ * prepacked kernel on SmolLM2's 30 layers of weights (2-core EPYC, cold caches): 0.63-0.77x
+ * its time for 1 to 17 rows, 0.91x for 40, equal from 128 to 512. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define GROUP 64 /* outputs per packed group: 4 vectors */
-#define TILE_ROWS 6
-
 int packed_linear_available(void) { return 1; }
 
 void pack_linear(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
@@ -530,18 +531,16 @@ int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64
  * step is bound by them. Not exact (the target never runs this); every row is quantized and
  * summed alone, so each row still gets the same result whatever shares its call. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define I8_GROUP 64
-#define I8_TILE_ROWS 6
 
 int int8_linear_available(void) { return 1; }
 
 void pack_linear_int8(const int8_t *w, int64_t n, int64_t k, int8_t *out) {
-    int64_t groups = (n + I8_GROUP - 1) / I8_GROUP, quads = k / 4;
+    int64_t groups = (n + GROUP - 1) / GROUP, quads = k / 4;
     for (int64_t g = 0; g < groups; g++)
         for (int64_t p = 0; p < quads; p++)
-            for (int64_t j = 0; j < I8_GROUP; j++) {
-                int64_t row = g * I8_GROUP + j;
-                int8_t *dst = out + ((g * quads + p) * I8_GROUP + j) * 4;
+            for (int64_t j = 0; j < GROUP; j++) {
+                int64_t row = g * GROUP + j;
+                int8_t *dst = out + ((g * quads + p) * GROUP + j) * 4;
                 for (int t = 0; t < 4; t++) dst[t] = row < n ? w[row * k + 4 * p + t] : 0;
             }
 }
@@ -577,21 +576,21 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < m; r++) xs[r] = quantize_row(x + r * x_stride, k, xq + r * k);
-    int64_t groups = (n + I8_GROUP - 1) / I8_GROUP, quads = k / 4;
+    int64_t groups = (n + GROUP - 1) / GROUP, quads = k / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        const int32_t *wg = (const int32_t *)packed + g * quads * I8_GROUP;
-        for (int64_t m0 = 0; m0 < m; m0 += I8_TILE_ROWS) {
-            int rows = m - m0 < I8_TILE_ROWS ? (int)(m - m0) : I8_TILE_ROWS;
-            __m512i acc[I8_TILE_ROWS][4];
-            const int32_t *xr[I8_TILE_ROWS];
+        const int32_t *wg = (const int32_t *)packed + g * quads * GROUP;
+        for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
+            int rows = m - m0 < TILE_ROWS ? (int)(m - m0) : TILE_ROWS;
+            __m512i acc[TILE_ROWS][4];
+            const int32_t *xr[TILE_ROWS];
             for (int i = 0; i < rows; i++) {
                 xr[i] = (const int32_t *)(xq + (m0 + i) * k);
                 for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
             }
             for (int64_t p = 0; p < quads; p++) {
-                const int32_t *wp = wg + p * I8_GROUP;
-                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wp + 8 * I8_GROUP + 16 * j), _MM_HINT_T0);
+                const int32_t *wp = wg + p * GROUP;
+                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wp + 8 * GROUP + 16 * j), _MM_HINT_T0);
                 __m512i w[4];
                 for (int j = 0; j < 4; j++) w[j] = _mm512_loadu_si512(wp + 16 * j);
                 for (int i = 0; i < rows; i++) {
@@ -600,7 +599,7 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
                 }
             }
             for (int j = 0; j < 4; j++) {
-                int64_t n0 = g * I8_GROUP + j * 16;
+                int64_t n0 = g * GROUP + j * 16;
                 if (n0 >= n) break;
                 __mmask16 mask = n - n0 >= 16 ? 0xffff : (__mmask16)((1u << (n - n0)) - 1);
                 __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, wsum + n0), 7);
