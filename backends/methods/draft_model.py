@@ -117,7 +117,10 @@ class DraftModelProposer(SequenceProposer):
         self.bridge = bridge
         self.generator = new_generator(self.device, seed)
         self.lean = lean
-        self.pool = lean.new_pool(memory_gb=DRAFT_KV_MEMORY_GB) if lean is not None else None
+        # Prefix caching, except through a text bridge (a retokenized context may change early tokens).
+        self.pool = (
+            lean.new_pool(memory_gb=DRAFT_KV_MEMORY_GB, prefix_caching=bridge is None) if lean is not None else None
+        )
         super().__init__()
 
     @classmethod
@@ -179,14 +182,17 @@ class DraftModelProposer(SequenceProposer):
                 continue
             state = self._seqs.get(req.seq_id)
             if state is None:
-                state = self._new_state(req.seq_id, len(context) + num_drafts)
+                state = self._new_state(req.seq_id, context)
+                new_ids = context[len(state.token_ids) :]
+            else:
+                new_ids = self._rollback(state, context, req)
             work.append(
                 _Work(
                     i,
                     req.seq_id,
                     state,
                     context,
-                    self._rollback(state, context, req),
+                    new_ids,
                     num_drafts,
                     req.temperature,
                     self.generator_for(req),
@@ -240,6 +246,11 @@ class DraftModelProposer(SequenceProposer):
             base = len(context) - req.num_new
             valid = base + common_prefix_len(state.token_ids[base : req.num_kept], context[base : req.num_kept])
         keep = min(valid, len(state.token_ids), len(context) - 1)
+        if self.pool is not None and keep < self.pool.final_tokens(req.seq_id):
+            # Back into blocks other sequences may share: start over, from the cache where it matches.
+            self.pool.release(req.seq_id)
+            self._attach(req.seq_id, state, context)
+            return context[len(state.token_ids) :]
         if len(state.token_ids) > keep:
             if self.pool is not None:
                 self.pool.truncate(req.seq_id, keep)
@@ -248,14 +259,19 @@ class DraftModelProposer(SequenceProposer):
             del state.token_ids[keep:]
         return context[keep:]
 
-    def _new_state(self, seq_id: int, tokens: int) -> _SeqState:
-        if self.pool is None:
-            state = _SeqState(DynamicCache(config=self.model.config))
-        else:
-            self.pool.admit(seq_id, tokens + GROW_SLACK_TOKENS)
-            state = _SeqState(None)
+    def _new_state(self, seq_id: int, context: list[int]) -> _SeqState:
+        state = _SeqState(DynamicCache(config=self.model.config) if self.pool is None else None)
+        if self.pool is not None:
+            self._attach(seq_id, state, context)
         self._seqs[seq_id] = state
         return state
+
+    def _attach(self, seq_id: int, state: _SeqState, context: list[int]) -> None:
+        """Admit the sequence to the pool; the blocks of its context another sequence already
+        computed join it (prefix caching; never the last token: its logits give the first
+        draft). ``_run_lean`` grows the reservation as drafting needs."""
+        self.pool.admit(seq_id, len(context) + GROW_SLACK_TOKENS)
+        state.token_ids = list(context[: self.pool.share_prefix(seq_id, context[:-1])])
 
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
@@ -281,6 +297,7 @@ class DraftModelProposer(SequenceProposer):
             w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
             # a sequence that needed fewer drafts than the batch was fed some past its own
             self.pool.truncate(w.seq_id, len(w.state.token_ids))
+            self.pool.commit(w.seq_id, w.context)  # the context is final, the drafts are not
 
     def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
         """One draft per row of `logits` [B, V] (row i: work[i]); the tokens [B] stay on the

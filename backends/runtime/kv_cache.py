@@ -155,6 +155,11 @@ class KVCachePool:
         """Tokens cached for the sequence."""
         return self._get(seq_id).length
 
+    def final_tokens(self, seq_id: Hashable) -> int:
+        """Leading tokens of the sequence in registered blocks (prefix caching): other sequences
+        may share them, so ``truncate`` never goes below."""
+        return len(self._get(seq_id).keys) * self.block_size
+
     def reserved(self, seq_id: Hashable) -> int:
         """Token slots the sequence holds (its reservation rounded up to whole blocks)."""
         return len(self._get(seq_id).blocks) * self.block_size
@@ -200,7 +205,7 @@ class KVCachePool:
     def truncate(self, seq_id: Hashable, new_length: int) -> None:
         """Roll the sequence back to its first ``new_length`` tokens (no copy)."""
         seq = self._get(seq_id)
-        if not len(seq.keys) * self.block_size <= new_length <= seq.length:
+        if not self.final_tokens(seq_id) <= new_length <= seq.length:
             raise SequenceError(
                 f"sequence {seq_id!r}: cannot truncate length {seq.length} to {new_length}"
                 + (f" (its first {len(seq.keys) * self.block_size} tokens are final)" if seq.keys else "")

@@ -95,6 +95,26 @@ def test_a_context_that_changes_earlier_than_the_drafts_is_redrafted(make, draft
     assert again == cacheless_greedy(draft_lm, changed, 4)
 
 
+def test_a_prompt_another_sequence_drafted_over_is_not_computed_again(make, draft_lm, prompt_ids):
+    """Prefix caching in the drafter's pool: a second sequence with the same prompt takes its
+    whole blocks from the first (released or not), drafts the same, and can still roll back
+    into them (it starts over from the cache)."""
+    proposer = make(512)
+    if proposer.pool is None:
+        pytest.skip("prefix caching is the lean runtime's pool")
+    prompt = prompt_ids[0] * 3  # a few whole blocks of 16
+    first = proposer.propose([DraftRequest(1, prompt, 4)])[0].token_ids
+    proposer.release(1)
+    hits = proposer.pool.prefix_hits
+    assert proposer.propose([DraftRequest(2, prompt, 4)])[0].token_ids == first
+    assert proposer.pool.prefix_hits - hits == (len(prompt) - 1) // 16 * 16
+    assert first == cacheless_greedy(draft_lm, prompt, 4)
+    changed = prompt[:5] + prompt_ids[1]  # earlier than the shared blocks end
+    again = proposer.propose([DraftRequest(2, changed, 4)])[0].token_ids
+    assert again == cacheless_greedy(draft_lm, changed, 4)
+    assert cached_length(proposer, 2) == len(changed) + 3
+
+
 def test_batched_equals_one_at_a_time(make, draft_lm, prompt_ids):
     """Ragged caches (fresh, running, rolled back) and ragged draft counts in one batch; the
     drafts and every sequence's cache after splitting must match the lone runs."""
