@@ -403,10 +403,24 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
     return 0;
 }
 
-/* The linear layers' shared parts: both pack weights in groups of GROUP outputs (4 vectors
- * of 16) and run TILE_ROWS rows of x per pass over a group's weights. */
+/* The linear layers' shared parts: both run TILE_ROWS rows of x per pass over the weights of
+ * GROUP outputs (4 vectors of 16), packed by pack_linear. */
 #define GROUP 64
 #define TILE_ROWS 6
+
+/* A linear layer's weight [n][words] (a word: the 2 bf16 or 4 int8 weights of one output that
+ * one dot-product instruction takes) in the kernels' layout [groups][words][GROUP]: per group
+ * of GROUP outputs, each word of every output side by side, so the weights stream in order.
+ * Padding outputs are zero, and never stored. */
+void pack_linear(const uint32_t *w, int64_t n, int64_t words, uint32_t *out) {
+    int64_t groups = (n + GROUP - 1) / GROUP;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t p = 0; p < words; p++)
+            for (int64_t j = 0; j < GROUP; j++) {
+                int64_t row = g * GROUP + j;
+                out[(g * words + p) * GROUP + j] = row < n ? w[row * words + p] : 0;
+            }
+}
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 static __m512 widen_bf16(__mmask16 mask, const uint16_t *p) {
@@ -430,18 +444,6 @@ static __m256i narrow_bf16(__m512 v) { /* round_bf16's rounding (no NaN reaches 
  * its time for 1 to 17 rows, 0.91x for 40, equal from 128 to 512. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 int packed_linear_available(void) { return 1; }
-
-void pack_linear(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
-    int64_t groups = (n + GROUP - 1) / GROUP, pairs = k / 2;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t p = 0; p < pairs; p++)
-            for (int64_t j = 0; j < GROUP; j++) {
-                int64_t row = g * GROUP + j;
-                uint16_t *dst = out + ((g * pairs + p) * GROUP + j) * 2;
-                dst[0] = row < n ? w[row * k + 2 * p] : 0; /* padding outputs are never stored */
-                dst[1] = row < n ? w[row * k + 2 * p + 1] : 0;
-            }
-}
 
 int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                   const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
@@ -531,19 +533,7 @@ int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64
  * step is bound by them. Not exact (the target never runs this); every row is quantized and
  * summed alone, so each row still gets the same result whatever shares its call. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-
 int int8_linear_available(void) { return 1; }
-
-void pack_linear_int8(const int8_t *w, int64_t n, int64_t k, int8_t *out) {
-    int64_t groups = (n + GROUP - 1) / GROUP, quads = k / 4;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t p = 0; p < quads; p++)
-            for (int64_t j = 0; j < GROUP; j++) {
-                int64_t row = g * GROUP + j;
-                int8_t *dst = out + ((g * quads + p) * GROUP + j) * 4;
-                for (int t = 0; t < 4; t++) dst[t] = row < n ? w[row * k + 4 * p + t] : 0;
-            }
-}
 
 /* one row of k bf16 values -> u8 (round to nearest even, + 128); returns its scale */
 static float quantize_row(const uint16_t *x, int64_t k, uint8_t *q) {
@@ -620,7 +610,6 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
 }
 #else
 int int8_linear_available(void) { return 0; }
-void pack_linear_int8(const int8_t *w, int64_t n, int64_t k, int8_t *out) {}
 int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const float *scale, const int32_t *wsum,
                 const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, uint16_t *y,
                 int64_t y_stride, int64_t m, int64_t n, int64_t k, int threads) {
@@ -631,7 +620,6 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
 int layer_step(void) { return -2; }
 int packed_linear_available(void) { return 0; }
-void pack_linear(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {}
 int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                   const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
                   int64_t n, int64_t k, int threads) {

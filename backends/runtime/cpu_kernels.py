@@ -114,8 +114,6 @@ def _library() -> ctypes.CDLL:
     lib.packed_linear.restype = ctypes.c_int
     lib.int8_linear_available.argtypes = []
     lib.int8_linear_available.restype = ctypes.c_int
-    lib.pack_linear_int8.argtypes = [ptr, i64, i64, ptr]
-    lib.pack_linear_int8.restype = None
     lib.int8_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.int8_linear.restype = ctypes.c_int
     f32 = ctypes.c_float
@@ -359,12 +357,16 @@ def layer_scratch(tokens: int, sizes: tuple[int, int, int, int, int]) -> int:
 GROUP = 64  # cpu_kernels.c: outputs per packed group of a linear layer's weight
 
 
-def packed_linear_available() -> bool:
-    """Does this CPU run the packed bf16 linear kernel (AVX-512 BF16)?"""
+def _available(kernel: str) -> bool:
     try:
-        return bool(_library().packed_linear_available())
+        return bool(getattr(_library(), f"{kernel}_available")())
     except (KernelUnavailable, OSError):
         return False
+
+
+def packed_linear_available() -> bool:
+    """Does this CPU run the packed bf16 linear kernel (AVX-512 BF16)?"""
+    return _available("packed_linear")
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
@@ -374,7 +376,7 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the packed linear kernel takes bf16 weights with an even K, got {weight.dtype} {n}x{k}")
     weight = weight.contiguous()
     out = weight.new_empty(-(-n // GROUP) * GROUP * k)
-    _library().pack_linear(weight.data_ptr(), n, k, out.data_ptr())
+    _library().pack_linear(weight.data_ptr(), n, k // 2, out.data_ptr())  # words of 2 bf16
     return out
 
 
@@ -387,16 +389,34 @@ def packed_linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided) and W
     as ``pack_linear`` left it -> ``[m, n]``."""
+    out, rc = _linear("packed linear", x, (packed.data_ptr(),), n, bias, residual)
+    if rc != 0:
+        raise KernelUnavailable(
+            "the packed linear kernel is not built for this CPU" if rc == -2 else f"odd K {x.shape[1]}"
+        )
+    return out
+
+
+def _linear(
+    kernel: str,
+    x: torch.Tensor,
+    weight: tuple[int, ...],
+    n: int,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, int]:
+    """Check ``x`` and ``residual`` and call the C linear layer ``kernel`` ("packed linear" ->
+    ``packed_linear``) with its weight's pointers: its output and return code."""
     m, k = x.shape
     if x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError("the packed linear kernel takes bf16 rows with unit stride")
+        raise ValueError(f"the {kernel} kernel takes bf16 rows with unit stride")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [{m}, {n}] with unit stride, got {list(residual.shape)}")
     out = x.new_empty(m, n)
-    rc = _library().packed_linear(
+    rc = getattr(_library(), kernel.replace(" ", "_"))(
         x.data_ptr(),
         x.stride(0),
-        packed.data_ptr(),
+        *weight,
         None if bias is None else bias.data_ptr(),
         None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0),
@@ -407,17 +427,12 @@ def packed_linear(
         k,
         torch.get_num_threads(),
     )
-    if rc != 0:
-        raise KernelUnavailable("the packed linear kernel is not built for this CPU" if rc == -2 else f"odd K {k}")
-    return out
+    return out, rc
 
 
 def int8_linear_available() -> bool:
     """Does this CPU run the int8 linear kernel (AVX-512 VNNI)?"""
-    try:
-        return bool(_library().int8_linear_available())
-    except (KernelUnavailable, OSError):
-        return False
+    return _available("int8_linear")
 
 
 @dataclass
@@ -441,7 +456,7 @@ def pack_linear_int8(weight: torch.Tensor) -> Int8Weight:
     scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     packed = torch.empty(-(-n // GROUP) * GROUP * k, dtype=torch.int8)
-    _library().pack_linear_int8(q.data_ptr(), n, k, packed.data_ptr())
+    _library().pack_linear(q.data_ptr(), n, k // 4, packed.data_ptr())  # words of 4 int8
     return Int8Weight(packed, scale.contiguous(), q.sum(dim=1, dtype=torch.int32), n)
 
 
@@ -450,30 +465,11 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided), each
     row quantized to int8 on the fly, W as ``pack_linear_int8`` left it -> ``[m, n]`` bf16."""
-    m, k = x.shape
-    n = weight.out_features
-    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError("the int8 linear kernel takes bf16 rows with unit stride")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"residual must be [{m}, {n}] with unit stride, got {list(residual.shape)}")
-    out = x.new_empty(m, n)
-    rc = _library().int8_linear(
-        x.data_ptr(),
-        x.stride(0),
-        weight.packed.data_ptr(),
-        weight.scale.data_ptr(),
-        weight.wsum.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0),
-        out.data_ptr(),
-        n,
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
+    w = weight
+    out, rc = _linear(
+        "int8 linear", x, (w.packed.data_ptr(), w.scale.data_ptr(), w.wsum.data_ptr()), w.out_features, bias, residual
     )
     if rc != 0:
-        reasons = {-1: f"K {k} is not a multiple of 4", -2: "the int8 linear kernel is not built for this CPU"}
+        reasons = {-1: f"K {x.shape[1]} is not a multiple of 4", -2: "the int8 linear kernel is not built for this CPU"}
         raise KernelUnavailable(reasons.get(rc, "out of memory for the quantized activations"))
     return out
