@@ -452,9 +452,9 @@ def pack_linear_int8(weight: torch.Tensor) -> Int8Weight:
     n, k = weight.shape
     if k % 4:
         raise ValueError(f"the int8 linear kernel takes weights whose K is a multiple of 4, got {n}x{k}")
-    w = weight.detach().float()
+    w = weight.detach().to(torch.float32, copy=True)  # quantized in place below
     scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    q = w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     packed = torch.empty(-(-n // GROUP) * GROUP * k, dtype=torch.int8)
     _library().pack_linear(q.data_ptr(), n, k // 4, packed.data_ptr())  # words of 4 int8
     return Int8Weight(packed, scale.contiguous(), q.sum(dim=1, dtype=torch.int32), n)

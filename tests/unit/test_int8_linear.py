@@ -53,7 +53,9 @@ def test_int8_linear_is_the_quantized_matmul_and_row_invariant(n):
 def test_int8_linear_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="multiple of 4"):
         cpu_kernels.pack_linear_int8(torch.zeros(4, 6))
-    packed = cpu_kernels.pack_linear_int8(torch.ones(4, 8))
+    weight = torch.full((4, 8), 0.5)
+    packed = cpu_kernels.pack_linear_int8(weight)
+    assert torch.equal(weight, torch.full((4, 8), 0.5))  # a float32 weight is quantized from a copy
     with pytest.raises(ValueError, match="bf16 rows"):
         cpu_kernels.int8_linear(torch.zeros(2, 8), packed)
     with pytest.raises(ValueError, match="residual must be"):
