@@ -7,12 +7,12 @@ then k - 1 drafts (the k-th is sampled but never fed: it may be rejected).
 
 Where the lean runtime runs the draft model (Llama, Qwen2/3, Mistral on the CPU; with
 ``quantization: int8`` where the CPU has AVX-512 VNNI, its int8 kernel), each sequence's KV
-lives in one paged pool (``backends/runtime``): a batch is one ragged forward per draft
-position, rollback is a shorter length, no cache is ever copied. Otherwise (other
-architectures, GPUs, int8 without VNNI: torch's dynamic int8) it runs through transformers: the per-sequence
-caches are left-padded to the longest and stacked, the new tokens right-padded, an attention
-mask hides both pads and explicit position ids keep each sequence's own positions, and the new
-KV is appended back to each sequence's cache afterwards.
+lives in one paged pool (``backends/runtime``) with prefix caching: a batch is one ragged
+forward per draft position, rollback is a shorter length, no cache is ever copied. Otherwise
+(other architectures, GPUs, int8 without VNNI: torch's dynamic int8) it runs through
+transformers: the per-sequence caches are left-padded to the longest and stacked, the new
+tokens right-padded, an attention mask hides both pads and explicit position ids keep each
+sequence's own positions, and the new KV is appended back to each sequence's cache afterwards.
 
 Greedy drafts (the default) come without probabilities: an argmax draft was drawn from a
 one-hot distribution, which is what the rejection sampler assumes when it gets none (vLLM's
@@ -445,9 +445,8 @@ def append_new_entries(
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Dynamic int8 of every nn.Linear, where the lean runtime's int8 kernel cannot run: about 2x
-    faster drafting on CPU than float32. Not bit-equal to the
-    float model (the activation scale depends on the whole input), which only costs acceptance:
-    the target decides every token."""
+    faster drafting on CPU than float32. Not bit-equal to the float model (the activation scale
+    depends on the whole input), which only costs acceptance: the target decides every token."""
     from torch.ao.quantization import quantize_dynamic
 
     with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao
