@@ -5,7 +5,11 @@ batch 1 (1, 5, 17 new tokens: a plain step and two verify sizes) and batch 8 (x1
 compute the logits of every new token (what verification needs); transformers runs with a
 DynamicCache cropped back after each step, the lean runtime with its paged pool truncated back.
 
-    .venv/bin/python scripts/bench_runtime.py [MODEL_DIR] [--repeats 3] [--block-size 16]
+    .venv/bin/python scripts/bench_runtime.py [MODEL_DIR] [--repeats 3] [--block-size 16] [--int8]
+
+`--int8` adds the lean runtime with int8 linear layers, batch-invariant (one C call a layer),
+as a quantized drafter runs (e.g. `~/.cache/tritonspec/models/qwen2.5-coder-0.5b`), where the
+CPU has AVX-512 VNNI.
 
 The machine is shared and noisy: every case is measured --repeats times, interleaved, and the
 table gives the median of the per-repeat medians, their spread (min-max), and the fastest single
@@ -57,12 +61,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="time the lean runtime only")
+    parser.add_argument("--int8", action="store_true", help="also the lean runtime with int8 linear layers")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(Path(args.model).expanduser(), dtype=dtype).eval()
     engines = {"lean": LeanCausalLM.from_hf(hf), "invariant": LeanCausalLM.from_hf(hf, batch_invariant=True)}
+    if args.int8:
+        engines["int8"] = LeanCausalLM.from_hf(hf, batch_invariant=True, quantization="int8")
     gen = torch.Generator().manual_seed(0)
     vocab = hf.config.vocab_size
     max_batch = max(b for b, _ in CASES)
@@ -116,15 +123,20 @@ def main() -> None:
     def ratio(a, b) -> str:
         return "-" if a not in medians else f"{statistics.median(medians[a]) / statistics.median(medians[b]):.2f}x"
 
+    int8 = ("int8 linears", "int8 / lean") if args.int8 else ()
     print(
         f"{'batch x new':>12} | {'lean':>24} | {'lean, batch-invariant':>24} | {'transformers':>24} | "
-        "invariant cost | lean speedup vs transformers (medians)"
+        + "".join(f"{title:>24} | " for title in int8[:1])
+        + "invariant cost | lean speedup vs transformers (medians)"
+        + "".join(f" | {title}" for title in int8[1:])
     )
     for batch, n in CASES:
-        lean, inv, ref = ("lean", batch, n), ("invariant", batch, n), ("hf", batch, n)
+        lean, inv, ref, q = ("lean", batch, n), ("invariant", batch, n), ("hf", batch, n), ("int8", batch, n)
         print(
             f"{f'{batch} x {n}':>12} | {cell(lean):>24} | {cell(inv):>24} | {cell(ref):>24} | "
-            f"{ratio(inv, lean):>14} | {ratio(ref, lean)}"
+            + (f"{cell(q):>24} | " if args.int8 else "")
+            + f"{ratio(inv, lean):>14} | {ratio(ref, lean)}"
+            + (f" | {ratio(q, lean)}" if args.int8 else "")
         )
 
 

@@ -155,7 +155,9 @@ class DraftModelProposer(SequenceProposer):
         lean = None
         if torch.device(device).type == "cpu":
             try:
-                lean = LeanCausalLM.from_hf(model, quantization=config.quantization)
+                # batch-invariant: its layers run in one C call each (key-list attention), the
+                # fastest path here; the drafts need not be invariant, the time is what counts.
+                lean = LeanCausalLM.from_hf(model, batch_invariant=True, quantization=config.quantization)
             except UnsupportedArchitecture as e:
                 log.info("draft model runs through transformers: %s", e)
         if int8 and lean is None:

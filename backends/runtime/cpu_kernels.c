@@ -486,39 +486,12 @@ int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
     return 0;
 }
 
-/* One bf16 decoder layer of a step, the calls lean_lm makes one by one, made here in one: the
- * same kernels in the same order on the same buffers, so the bits are those of the calls one
- * by one; what goes is ~8 Python -> C transitions a layer (~7 us each here, 1.5-2 ms of a
- * 10 ms SmolLM2 step). h [tokens][hidden] is the residual stream, updated in place (o_proj
- * and down_proj add into it); the attention runs over explicit key lists (batch-invariant
- * mode); `scratch` holds tokens * (hidden + qkv + heads*d + 2*inter + inter) values. */
-typedef struct {
-    const uint16_t *attn_norm, *mlp_norm;
-    const uint16_t *qkv, *o, *gate_up, *down; /* packed */
-    const uint16_t *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* or NULL */
-} layer_weights;
-
-int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads,
-               int64_t d, float eps, float scale, const layer_weights *w, void *kv, const int64_t *slots, const uint16_t *cos,
-               const uint16_t *sin, const int64_t *key_slots, const int64_t *key_start, const int64_t *key_len,
-               uint16_t *scratch, int threads) {
-    int64_t qkv_n = (heads + 2 * kv_heads) * d, att_n = heads * d;
-    uint16_t *x = scratch, *qkv = x + tokens * hidden, *att = qkv + tokens * qkv_n, *gu = att + tokens * att_n,
-             *act = gu + tokens * 2 * inter;
-    int rc = rms_norm(h, hidden, w->attn_norm, x, hidden, tokens, hidden, eps, 1, threads);
-    if (!rc) rc = packed_linear(x, hidden, w->qkv, w->qkv_bias, NULL, 0, qkv, qkv_n, tokens, qkv_n, hidden, threads);
-    if (!rc) rc = rope_store(qkv, qkv_n, cos, sin, kv, slots, tokens, heads, kv_heads, d, 1, threads);
-    if (!rc)
-        rc = attend(qkv, qkv_n, kv, key_slots, key_start, key_len, att, tokens, heads, kv_heads, d, scale, 1,
-                    threads);
-    if (!rc) rc = packed_linear(att, att_n, w->o, w->o_bias, h, hidden, h, hidden, tokens, hidden, att_n, threads);
-    if (!rc) rc = rms_norm(h, hidden, w->mlp_norm, x, hidden, tokens, hidden, eps, 1, threads);
-    if (!rc)
-        rc = packed_linear(x, hidden, w->gate_up, w->gate_up_bias, NULL, 0, gu, 2 * inter, tokens, 2 * inter, hidden,
-                           threads);
-    if (!rc) rc = silu_mul(gu, 2 * inter, act, inter, tokens, inter, 1, threads);
-    if (!rc) rc = packed_linear(act, inter, w->down, w->down_bias, h, hidden, h, hidden, tokens, hidden, inter, threads);
-    return rc;
+#else
+int packed_linear_available(void) { return 0; }
+int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                  const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
+                  int64_t n, int64_t k, int threads) {
+    return -2;
 }
 #endif
 
@@ -617,12 +590,52 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
 }
 #endif
 
-#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
-int layer_step(void) { return -2; }
-int packed_linear_available(void) { return 0; }
-int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                  const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
-                  int64_t n, int64_t k, int threads) {
-    return -2;
+/* One bf16 decoder layer of a step, the calls lean_lm makes one by one, made here in one: the
+ * same kernels in the same order on the same buffers, so the bits are those of the calls one
+ * by one; what goes is ~8 Python -> C transitions a layer (~7 us each here, 1.5-2 ms of a
+ * 10 ms SmolLM2 step) and the tensor ops around them. h [tokens][hidden] is the residual
+ * stream, updated in place (o_proj and down_proj add into it); the attention runs over
+ * explicit key lists (batch-invariant mode); `scratch` holds
+ * tokens * (hidden + qkv + heads*d + 2*inter + inter) values. The linear layers are all bf16
+ * (packed_linear) or all int8 (int8_linear, where `scale` is set). */
+typedef struct {
+    const void *packed;
+    const uint16_t *bias;   /* or NULL */
+    const float *scale;     /* int8: per output; NULL: bf16 */
+    const int32_t *wsum;    /* int8: per output */
+} linear_weights;
+
+typedef struct {
+    const uint16_t *attn_norm, *mlp_norm;
+    linear_weights qkv, o, gate_up, down;
+} layer_weights;
+
+static int linear(const linear_weights *w, const uint16_t *x, int64_t x_stride, const uint16_t *residual,
+                  int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
+                  int threads) {
+    if (w->scale)
+        return int8_linear(x, x_stride, w->packed, w->scale, w->wsum, w->bias, residual, residual_stride, y, y_stride,
+                           m, n, k, threads);
+    return packed_linear(x, x_stride, w->packed, w->bias, residual, residual_stride, y, y_stride, m, n, k, threads);
 }
-#endif
+
+int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads,
+               int64_t d, float eps, float scale, const layer_weights *w, void *kv, const int64_t *slots, const uint16_t *cos,
+               const uint16_t *sin, const int64_t *key_slots, const int64_t *key_start, const int64_t *key_len,
+               uint16_t *scratch, int threads) {
+    int64_t qkv_n = (heads + 2 * kv_heads) * d, att_n = heads * d;
+    uint16_t *x = scratch, *qkv = x + tokens * hidden, *att = qkv + tokens * qkv_n, *gu = att + tokens * att_n,
+             *act = gu + tokens * 2 * inter;
+    int rc = rms_norm(h, hidden, w->attn_norm, x, hidden, tokens, hidden, eps, 1, threads);
+    if (!rc) rc = linear(&w->qkv, x, hidden, NULL, 0, qkv, qkv_n, tokens, qkv_n, hidden, threads);
+    if (!rc) rc = rope_store(qkv, qkv_n, cos, sin, kv, slots, tokens, heads, kv_heads, d, 1, threads);
+    if (!rc)
+        rc = attend(qkv, qkv_n, kv, key_slots, key_start, key_len, att, tokens, heads, kv_heads, d, scale, 1,
+                    threads);
+    if (!rc) rc = linear(&w->o, att, att_n, h, hidden, h, hidden, tokens, hidden, att_n, threads);
+    if (!rc) rc = rms_norm(h, hidden, w->mlp_norm, x, hidden, tokens, hidden, eps, 1, threads);
+    if (!rc) rc = linear(&w->gate_up, x, hidden, NULL, 0, gu, 2 * inter, tokens, 2 * inter, hidden, threads);
+    if (!rc) rc = silu_mul(gu, 2 * inter, act, inter, tokens, inter, 1, threads);
+    if (!rc) rc = linear(&w->down, act, inter, h, hidden, h, hidden, tokens, hidden, inter, threads);
+    return rc;
+}

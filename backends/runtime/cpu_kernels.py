@@ -284,25 +284,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class LayerWeights(ctypes.Structure):
-    """cpu_kernels.c's layer_weights: one bf16 decoder layer's norms and packed linears (biases
-    or NULL). The tensors must outlive it: ``LayerStep`` keeps them."""
+class LinearWeights(ctypes.Structure):
+    """cpu_kernels.c's linear_weights: a packed weight, its bias (or NULL) and, for int8, its
+    per-output scales and sums (NULL for bf16)."""
 
-    NAMES = ("attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")
-    _fields_ = [(name, ctypes.c_void_p) for name in NAMES]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("packed", "bias", "scale", "wsum")]
+
+
+class LayerWeights(ctypes.Structure):
+    """cpu_kernels.c's layer_weights: one decoder layer's bf16 norms and its four linears."""
+
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p)] + [
+        (name, LinearWeights) for name in ("qkv", "o", "gate_up", "down")
+    ]
 
 
 class LayerStep:
-    """A bf16 decoder layer run by ``layer_step`` in one call: RMSNorm, the packed q|k|v
-    projection, RoPE and the KV write, attention over key lists, o_proj into the residual,
-    RMSNorm, gate|up, SiLU * up and down_proj into the residual. The same kernels in the same
-    order as lean_lm's calls one by one, so the same bits (tested), without their per-call
-    Python cost. ``tensors``: the norms and packed weights, biases or None, in LayerWeights'
-    order."""
+    """A bf16 decoder layer run by ``layer_step`` in one call: RMSNorm, the q|k|v projection,
+    RoPE and the KV write, attention over key lists, o_proj into the residual, RMSNorm,
+    gate|up, SiLU * up and down_proj into the residual. The same kernels in the same order as
+    lean_lm's calls one by one, so the same bits (tested), without their per-call Python cost.
+    ``norms``: (attn, mlp); ``linears``: q|k|v, o, gate|up, down, each as LinearWeights' fields
+    (tensors or None)."""
 
-    def __init__(self, tensors: list[torch.Tensor | None]) -> None:
-        self.tensors = tensors  # kept alive: the struct holds their addresses
-        self.weights = LayerWeights(*(None if t is None else t.data_ptr() for t in tensors))
+    def __init__(self, norms: tuple[torch.Tensor, torch.Tensor], linears: list[tuple[torch.Tensor | None, ...]]):
+        self.tensors = [
+            *norms,
+            *(t for linear in linears for t in linear),
+        ]  # kept alive: the struct holds their addresses
+
+        def ptrs(tensors):
+            return [None if t is None else t.data_ptr() for t in tensors]
+
+        self.weights = LayerWeights(*ptrs(norms), *(LinearWeights(*ptrs(linear)) for linear in linears))
 
 
 def layer_step(

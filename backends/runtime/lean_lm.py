@@ -274,6 +274,10 @@ class _PackedLinear(_Linear):
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return cpu_kernels.packed_linear(x, self.packed, self.out_features, self.bias, residual)
 
+    def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """Its fields of ``cpu_kernels.LinearWeights`` (a layer run in one C call)."""
+        return self.packed, self.bias, None, None
+
 
 class _Int8Linear(_Linear):
     """A linear layer quantized to int8 (``cpu_kernels.int8_linear``, AVX-512 VNNI): weights per
@@ -294,6 +298,9 @@ class _Int8Linear(_Linear):
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return cpu_kernels.int8_linear(x, self.weight, self.bias, residual)
+
+    def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
+        return self.weight.packed, self.bias, self.weight.scale, self.weight.wsum
 
 
 @dataclass
@@ -501,7 +508,11 @@ def _kernels_for(config, device: torch.device, batch_invariant: bool, triton_ker
 
 def _fusable(layer: _Layer) -> bool:
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    return layer.attn_norm is not None and layer.qk_norm is None and all(isinstance(x, _PackedLinear) for x in linears)
+    return (
+        layer.attn_norm is not None
+        and layer.qk_norm is None
+        and all(isinstance(x, (_PackedLinear, _Int8Linear)) for x in linears)
+    )
 
 
 class LeanDecoder:
@@ -541,16 +552,15 @@ class LeanDecoder:
             and dtype == torch.bfloat16
             and cpu_kernels.layer_kernels_available(self.hidden_size, config.intermediate_size, self.head_dim)
         )
-        # Where every part of a layer has its C kernel (bf16, packed linears, key-list attention,
-        # no q/k norms), a layer is one C call: the same kernels in the same order.
+        # Where every part of a layer has its C kernel (bf16, packed or int8 linears, key-list
+        # attention, no q/k norms), a layer is one C call: the same kernels in the same order.
         self.sizes = (self.hidden_size, config.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
         self.layer_steps = None
         if self.fused and batch_invariant and all(_fusable(layer) for layer in layers):
             self.layer_steps = [
                 cpu_kernels.LayerStep(
-                    [layer.attn_norm, layer.mlp_norm]
-                    + [lin.packed for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                    + [lin.bias for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                    (layer.attn_norm, layer.mlp_norm),
+                    [lin.kernel_weights() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)],
                 )
                 for layer in layers
             ]

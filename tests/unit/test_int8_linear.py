@@ -79,6 +79,18 @@ def test_an_int8_model_stays_near_bf16_and_batches_exactly(family):
     assert_same(decode(int8, seq, [16] + [1] * 24, traffic=3), plain)  # beside other rows
 
 
+@pytest.mark.parametrize("family", ["llama-tied-biased", "qwen2"])
+def test_an_int8_layer_in_one_c_call_is_the_calls_one_by_one(family):
+    """int8 layers run as one layer_step call too (a drafter's step), with the bits of the
+    kernels called one by one."""
+    lm = LeanCausalLM.from_hf(build(family).bfloat16(), batch_invariant=True, quantization="int8")
+    assert lm.layer_steps is not None
+    seq, chunks = tokens(40, seed=4), [12] + [5] * 4 + [1] * 8
+    fused = decode(lm, seq, chunks, traffic=3)
+    lm.layer_steps = None
+    assert_same(decode(lm, seq, chunks, traffic=3), fused)
+
+
 def test_int8_needs_the_cpu_kernels():
     with pytest.raises(ValueError, match="int8 only"):
         LeanCausalLM.from_hf(build("llama"), quantization="int4")
