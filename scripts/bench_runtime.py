@@ -123,20 +123,21 @@ def main() -> None:
     def ratio(a, b) -> str:
         return "-" if a not in medians else f"{statistics.median(medians[a]) / statistics.median(medians[b]):.2f}x"
 
-    int8 = ("int8 linears", "int8 / lean") if args.int8 else ()
+    titles = {"lean": "lean", "invariant": "lean, batch-invariant", "hf": "transformers", "int8": "int8 linears"}
+    columns = [name for name in titles if name in engines or name == "hf"]
     print(
-        f"{'batch x new':>12} | {'lean':>24} | {'lean, batch-invariant':>24} | {'transformers':>24} | "
-        + "".join(f"{title:>24} | " for title in int8[:1])
+        f"{'batch x new':>12} | "
+        + "".join(f"{titles[name]:>24} | " for name in columns)
         + "invariant cost | lean speedup vs transformers (medians)"
-        + "".join(f" | {title}" for title in int8[1:])
+        + (" | int8 / lean" if args.int8 else "")
     )
     for batch, n in CASES:
-        lean, inv, ref, q = ("lean", batch, n), ("invariant", batch, n), ("hf", batch, n), ("int8", batch, n)
+        lean = ("lean", batch, n)
         print(
-            f"{f'{batch} x {n}':>12} | {cell(lean):>24} | {cell(inv):>24} | {cell(ref):>24} | "
-            + (f"{cell(q):>24} | " if args.int8 else "")
-            + f"{ratio(inv, lean):>14} | {ratio(ref, lean)}"
-            + (f" | {ratio(q, lean)}" if args.int8 else "")
+            f"{f'{batch} x {n}':>12} | "
+            + "".join(f"{cell((name, batch, n)):>24} | " for name in columns)
+            + f"{ratio(('invariant', batch, n), lean):>14} | {ratio(('hf', batch, n), lean)}"
+            + (f" | {ratio(('int8', batch, n), lean)}" if args.int8 else "")
         )
 
 

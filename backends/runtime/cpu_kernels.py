@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -308,10 +309,8 @@ class LayerStep:
     (tensors or None)."""
 
     def __init__(self, norms: tuple[torch.Tensor, torch.Tensor], linears: list[tuple[torch.Tensor | None, ...]]):
-        self.tensors = [
-            *norms,
-            *(t for linear in linears for t in linear),
-        ]  # kept alive: the struct holds their addresses
+        # kept alive: the struct holds their addresses
+        self.tensors = [*norms, *(t for linear in linears for t in linear)]
 
         def ptrs(tensors):
             return [None if t is None else t.data_ptr() for t in tensors]
@@ -403,7 +402,7 @@ def packed_linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided) and W
     as ``pack_linear`` left it -> ``[m, n]``."""
-    out, rc = _linear("packed linear", x, (packed.data_ptr(),), n, bias, residual)
+    out, rc = _linear(_library().packed_linear, "packed linear", x, (packed.data_ptr(),), n, bias, residual)
     if rc != 0:
         raise KernelUnavailable(
             "the packed linear kernel is not built for this CPU" if rc == -2 else f"odd K {x.shape[1]}"
@@ -412,22 +411,23 @@ def packed_linear(
 
 
 def _linear(
-    kernel: str,
+    kernel: Callable[..., int],
+    name: str,
     x: torch.Tensor,
     weight: tuple[int, ...],
     n: int,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
 ) -> tuple[torch.Tensor, int]:
-    """Check ``x`` and ``residual`` and call the C linear layer ``kernel`` ("packed linear" ->
-    ``packed_linear``) with its weight's pointers: its output and return code."""
+    """Check ``x`` and ``residual`` and call the C linear layer ``kernel`` (``name`` in errors)
+    with its weight's pointers: its output and return code."""
     m, k = x.shape
     if x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"the {kernel} kernel takes bf16 rows with unit stride")
+        raise ValueError(f"the {name} kernel takes bf16 rows with unit stride")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [{m}, {n}] with unit stride, got {list(residual.shape)}")
     out = x.new_empty(m, n)
-    rc = getattr(_library(), kernel.replace(" ", "_"))(
+    rc = kernel(
         x.data_ptr(),
         x.stride(0),
         *weight,
@@ -479,10 +479,8 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided), each
     row quantized to int8 on the fly, W as ``pack_linear_int8`` left it -> ``[m, n]`` bf16."""
-    w = weight
-    out, rc = _linear(
-        "int8 linear", x, (w.packed.data_ptr(), w.scale.data_ptr(), w.wsum.data_ptr()), w.out_features, bias, residual
-    )
+    pointers = (weight.packed.data_ptr(), weight.scale.data_ptr(), weight.wsum.data_ptr())
+    out, rc = _linear(_library().int8_linear, "int8 linear", x, pointers, weight.out_features, bias, residual)
     if rc != 0:
         reasons = {-1: f"K {x.shape[1]} is not a multiple of 4", -2: "the int8 linear kernel is not built for this CPU"}
         raise KernelUnavailable(reasons.get(rc, "out of memory for the quantized activations"))

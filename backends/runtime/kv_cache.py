@@ -204,11 +204,11 @@ class KVCachePool:
 
     def truncate(self, seq_id: Hashable, new_length: int) -> None:
         """Roll the sequence back to its first ``new_length`` tokens (no copy)."""
-        seq = self._get(seq_id)
-        if not self.final_tokens(seq_id) <= new_length <= seq.length:
+        seq, final = self._get(seq_id), self.final_tokens(seq_id)
+        if not final <= new_length <= seq.length:
             raise SequenceError(
                 f"sequence {seq_id!r}: cannot truncate length {seq.length} to {new_length}"
-                + (f" (its first {len(seq.keys) * self.block_size} tokens are final)" if seq.keys else "")
+                + (f" (its first {final} tokens are final)" if final else "")
             )
         seq.length = new_length
 

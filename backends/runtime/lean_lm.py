@@ -289,7 +289,7 @@ class _Int8Linear(_Linear):
         self.dtype = torch.bfloat16
         self.bounds = [(0, k)]
         self.weight = cpu_kernels.pack_linear_int8(weight)
-        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.bias = bias  # bf16, as every weight _Weights hands out for int8
         self.k_chunk = self.slab = None
 
     @staticmethod
