@@ -1,5 +1,6 @@
 """The orchestrator's handles on its BLS peers: the `drafter` and `verifier` models, one
-handle per sequence (START on the first call, END on release). They implement the
+handle per sequence (START on the first call, END on release; or the verifier's steps batched
+with other sequences', step_batch.py). They implement the
 `Drafter` / `Verifier` protocols of backends.serving.orchestrator over Triton."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.target import VerifyRequest, VerifyResult
 from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, bls
 from backends.triton_models.peer_token import with_token
+from backends.triton_models.step_batch import StepBatcher
 
 
 class PeerTimeoutError(TimeoutError):
@@ -99,8 +101,16 @@ class BlsDrafter(SequencePeer):
 
 class BlsVerifier(SequencePeer):
     logprobs = False  # the sequence asked for logprobs (its first step's sampling parameters)
+    # Set by the `speculative` model when its steps go to the verifier in batches
+    # (step_batch.py); a sequence that asks for logprobs still makes one request per step.
+    batcher: StepBatcher | None = None
+    batched: bool | None = None  # this sequence's steps go through the batcher (set by its first)
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
+        if self.batched is None:
+            self.batched = self.batcher is not None and not (req.sampling and req.sampling.logprobs is not None)
+        if self.batched:
+            return self.batcher.verify(req)
         # The first step carries the sequence's sampling parameters and its KV reservation.
         sampling = req.sampling
         params = {"sampling": sampling.to_json(), "max_new_tokens": req.max_new_tokens} if sampling else {}
@@ -135,4 +145,7 @@ class BlsVerifier(SequencePeer):
         return {"input_ids": np.array([token_ids], dtype=np.int64), "draft_ids": np.array([draft_ids], dtype=np.int64)}
 
     def release(self, seq_id: int | None = None) -> None:
-        super().release(self._inputs([], []))
+        if self.batched:
+            self.batcher.release(self.seq_id)
+        else:
+            super().release(self._inputs([], []))

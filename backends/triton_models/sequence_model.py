@@ -3,7 +3,9 @@
 
 Per request: a sequence END releases that sequence's state; anything else is parsed into a
 call (a malformed request fails alone); the calls run as one batch and each request gets
-its own result or its own error; a failed sequence is released. Sequences idle for
+its own result or its own error; a failed sequence is released. A request may also carry
+the steps of many sequences (the verifier's batches, step_batch.py): its rows join the same
+batch and its response answers each row with its own result or error. Sequences idle for
 `sequence_idle_timeout_s` are released first (a client that vanished without END).
 
 Only the `speculative` model of the same server may call these models: a request without
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 from backends.serving.idle import IdleClock
 from backends.triton_models.common import SEQUENCE_END, ActiveSequencesGauge, error_response
 from backends.triton_models.peer_token import has_token, server_token
+from backends.triton_models.step_batch import Release
 
 
 class SequenceState(Protocol):
@@ -70,6 +73,16 @@ class SequenceBatchedModel:
     def num_sequences(self) -> int:
         raise NotImplementedError
 
+    def carried(self, request: Any) -> list | None:
+        """The rows of a request that carries many sequences' steps (backends/triton_models/
+        step_batch.py), each a call or a Release; None for a one-sequence request. Raise to
+        refuse a malformed one (alone)."""
+        return None
+
+    def respond_rows(self, results: list) -> Any:
+        """The response to a carrying request: per row its result, its exception, or None (a release)."""
+        raise NotImplementedError
+
     # -- the shared loop ----------------------------------------------------------------
     def execute(self, requests: list) -> list:
         self.clock.busy()
@@ -79,38 +92,72 @@ class SequenceBatchedModel:
             self.clock.idle()
 
     def _execute(self, requests: list) -> list:
-        # A sequence with a step in this batch is not idle, however long the step waited.
-        self.release_idle(self.idle_s, {request.correlation_id() for request in requests})
         responses: list = [None] * len(requests)
-        calls, index = [], []
+        accepted: list[tuple[int, list | None]] = []  # (request index, its rows or None)
+        stepping: set[int] = set()
         for i, request in enumerate(requests):
-            seq_id = request.correlation_id()
             if not has_token(request.parameters(), self.token):
-                # Not from our orchestrator: refused without touching that sequence's state.
-                self.log.warning("refused a request for sequence %d without the internal token", seq_id)
+                # Not from our orchestrator: refused without touching any sequence's state.
+                self.log.warning(
+                    "refused a request for sequence %d without the internal token", request.correlation_id()
+                )
                 responses[i] = error_response(
                     f"{self.role}: this model only serves the `speculative` model of this server (the request "
                     "lacks its internal token); send generation requests to `speculative`"
                 )
                 continue
-            if request.flags() & SEQUENCE_END:
-                self.release(seq_id)
-                responses[i] = self.respond(None)
-                continue
             try:
-                calls.append(self.parse(request))
-                index.append(i)
-            except Exception as e:  # a malformed request fails alone
-                responses[i] = self.fail(seq_id, e)
+                rows = self.carried(request)
+            except Exception as e:  # a malformed batch fails alone
+                responses[i] = error_response(f"{self.role}: malformed batch of steps: {e}")
+                continue
+            stepping |= {request.correlation_id()} if rows is None else {row.seq_id for row in rows}
+            accepted.append((i, rows))
+        # A sequence with a step in this batch is not idle, however long the step waited.
+        self.release_idle(self.idle_s, stepping)
+        calls: list = []
+        owners: list[tuple[int, int | None]] = []  # per call: (request index, row index or None)
+        row_results: dict[int, list] = {}
+        for i, rows in accepted:
+            request = requests[i]
+            if rows is None:
+                if request.flags() & SEQUENCE_END:
+                    self.release(request.correlation_id())
+                    responses[i] = self.respond(None)
+                    continue
+                try:
+                    calls.append(self.parse(request))
+                    owners.append((i, None))
+                except Exception as e:  # a malformed request fails alone
+                    responses[i] = self.fail(request.correlation_id(), e)
+                continue
+            row_results[i] = [None] * len(rows)
+            for j, row in enumerate(rows):
+                if isinstance(row, Release):
+                    self.release(row.seq_id)
+                else:
+                    calls.append(row)
+                    owners.append((i, j))
         if calls:
-            for i, result in zip(index, self.run(calls)):
-                seq_id = requests[i].correlation_id()
-                responses[i] = self.fail(seq_id, result) if isinstance(result, Exception) else self.respond(result)
+            for call, (i, j), result in zip(calls, owners, self.run(calls)):
+                if j is None:
+                    seq_id = requests[i].correlation_id()
+                    responses[i] = self.fail(seq_id, result) if isinstance(result, Exception) else self.respond(result)
+                elif isinstance(result, Exception):
+                    self.end_failed(call.seq_id, result)
+                    row_results[i][j] = RuntimeError(f"{self.role}: {result}")
+                else:
+                    row_results[i][j] = result
+        for i, results in row_results.items():
+            responses[i] = self.respond_rows(results)
         self.active.set(self.num_sequences)
         return responses
 
-    def fail(self, seq_id: int, error: Exception) -> Any:
-        # The request fails; the server and the other sequences don't.
+    def end_failed(self, seq_id: int, error: Exception) -> None:
+        # The step fails; the server and the other sequences don't.
         self.log.warning("sequence %d: %s", seq_id, error)
         self.release(seq_id)
+
+    def fail(self, seq_id: int, error: Exception) -> Any:
+        self.end_failed(seq_id, error)
         return error_response(f"{self.role}: {error}")

@@ -44,16 +44,20 @@ from backends.serving.request import (
     parse_request,
 )
 from backends.triton_models.common import (
+    SEQUENCE_END,
+    SEQUENCE_START,
     ServingMetrics,
     SpecDecodeCounters,
+    bls,
     error_response,
     initialize_model,
     input_scalar,
     parse_flag,
 )
-from backends.triton_models.pbtxt import get_parameter
-from backends.triton_models.peer_token import server_token
+from backends.triton_models.pbtxt import get_parameter, single_instance
+from backends.triton_models.peer_token import server_token, with_token
 from backends.triton_models.peers import BlsDrafter, BlsVerifier, SequencePeer
+from backends.triton_models.step_batch import StepBatcher, batch_correlation_id
 
 log = logging.getLogger("tritonspec.speculative")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -141,6 +145,7 @@ class TritonPythonModel:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
         self.lock = threading.Lock()
         SequencePeer.token = server_token()  # proves our BLS calls to verifier and drafter
+        BlsVerifier.batcher = self._step_batcher(args, params)
         self.counters = SpecDecodeCounters(args["model_name"])
         self.metrics = ServingMetrics(args["model_name"], str(args.get("model_version", "1")))
         # Responses go out from one thread, in order, so a step's send overlaps the next
@@ -159,11 +164,8 @@ class TritonPythonModel:
         """The drafter's config and what it is (method, k, layers), from its config.pbtxt in
         this repository, resolved as the drafter resolves it. A config that cannot be read
         leaves this model serving plain decoding (the drafter's own load fails with the reason)."""
-        repository = Path(args["model_repository"])
-        if repository.name == args["model_name"]:  # Triton passes the model's own directory
-            repository = repository.parent
         try:
-            pbtxt = (repository / self.drafter_name / "config.pbtxt").read_text()
+            pbtxt = (_repository(args) / self.drafter_name / "config.pbtxt").read_text()
             config = SpeculativeConfig.from_json(
                 get_parameter(pbtxt, "speculative_config") or "",
                 target_model=str(target),
@@ -181,6 +183,29 @@ class TritonPythonModel:
             list(info.hidden_layer_ids),
         )
         return config, info
+
+    def _step_batcher(self, args: dict, params: dict[str, str]) -> StepBatcher | None:
+        """Concurrent sequences' verify steps go to the verifier as one request (one forward),
+        unless `batch_verify_steps` is "false" or the verifier has more than one instance (its
+        sequences' caches would then be spread over instances that a batch cannot address)."""
+        if not parse_flag(params, "batch_verify_steps", True):
+            return None
+        try:
+            pbtxt = (_repository(args) / self.verifier_name / "config.pbtxt").read_text()
+        except OSError as e:
+            log.warning("cannot read the verifier's config (%s): one verifier request per step", e)
+            return None
+        if not single_instance(pbtxt, torch.cuda.device_count()):
+            log.info("the verifier has several instances: one verifier request per step, not batched")
+            return None
+
+        def send(inputs: dict, outputs: list[str], parameters: dict) -> dict:
+            flags = SEQUENCE_START | SEQUENCE_END  # a batch is a sequence of one request
+            params = with_token(parameters, SequencePeer.token)
+            return bls(self.verifier_name, inputs, outputs, batch_correlation_id(), flags, params)
+
+        log.info("verify steps of concurrent sequences go to %r in batches", self.verifier_name)
+        return StepBatcher(send)
 
     def _drain_outbox(self) -> None:
         while (item := self.outbox.get()) is not None:
@@ -380,6 +405,12 @@ class TritonPythonModel:
         self.outbox.put(None)
         self.sender_thread.join(timeout=10)
         self.metrics.close()
+
+
+def _repository(args: dict) -> Path:
+    """The model repository holding this model (Triton passes the model's own directory)."""
+    repository = Path(args["model_repository"])
+    return repository.parent if repository.name == args["model_name"] else repository
 
 
 class VllmOutputs:

@@ -22,6 +22,7 @@ from backends.triton_models.common import (
     parse_flag,
 )
 from backends.triton_models.sequence_model import SequenceBatchedModel
+from backends.triton_models.step_batch import ROWS, decode_rows, encode_results
 
 log = logging.getLogger("tritonspec.verifier")
 
@@ -74,6 +75,24 @@ class TritonPythonModel(SequenceBatchedModel):
             params.get("max_new_tokens"),
             None if parents is None else parents.reshape(-1).tolist(),
             params.get("prefill_only") is True,
+        )
+
+    def carried(self, request) -> list | None:
+        params = json.loads(request.parameters() or "{}")
+        if ROWS not in params:
+            return None
+        parents = input_array(request, "draft_parents")
+        return decode_rows(
+            params[ROWS],
+            input_ids(request, "input_ids"),
+            input_ids(request, "draft_ids"),
+            input_array(request, "draft_probs"),
+            None if parents is None else parents.reshape(-1).tolist(),
+        )
+
+    def respond_rows(self, results: list) -> object:
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, array) for name, array in encode_results(results).items()]
         )
 
     def run(self, calls: list[VerifyRequest]) -> list:

@@ -1,0 +1,263 @@
+"""Many sequences' verify steps in one BLS request to the `verifier`.
+
+Sent one request per sequence, the steps of concurrent sequences reach the verifier a few
+milliseconds apart, and its sequence batcher runs whatever has arrived: 8 streams ran as two
+cohorts of ~4 taking turns, each paying a whole forward (weight streaming makes a forward of 8
+rows cost about what one of 4 does). The `StepBatcher` gathers the waiting steps of every
+running sequence and sends them as one request, so they share one forward.
+
+On the wire a batch is one single-request sequence (START | END under a fresh correlation id):
+the `rows` parameter (JSON) says, row by row, which sequence a step belongs to and how many of
+the concatenated `input_ids`, `draft_ids`, `draft_probs` and `draft_parents` are its own; the
+response concatenates the rows' `output_ids` and `hidden_states`, with `output_lengths`,
+`hidden_lengths`, per-row `forward_ms` and `row_errors` ("" = no error). A row may instead end
+its sequence (`release`). Sequences that ask for logprobs keep one request per step.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from backends.serving.request import SamplingParams
+from backends.serving.target import VerifyRequest, VerifyResult
+
+ROWS = "rows"  # the request parameter that makes a verifier request a batch of steps
+BATCH_OUTPUTS = ["output_ids", "output_lengths", "hidden_states", "hidden_lengths", "forward_ms", "row_errors"]
+
+
+@dataclass
+class Release:
+    """A row that ends its sequence in the verifier (what END does for one-sequence requests)."""
+
+    seq_id: int
+
+
+Row = VerifyRequest | Release
+
+
+# -- the wire format: the orchestrator encodes, the verifier decodes ------------------------------
+def encode_rows(rows: list[Row]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The inputs and parameters of one verifier request carrying `rows`."""
+    meta, new_ids, draft_ids, probs, parents = [], [], [], [], []
+    for row in rows:
+        if isinstance(row, Release):
+            meta.append({"seq": row.seq_id, "release": True})
+            continue
+        entry: dict[str, Any] = {"seq": row.seq_id, "n": len(row.new_token_ids), "k": len(row.draft_token_ids)}
+        if row.sampling is not None:
+            entry["sampling"] = row.sampling.to_json()
+        if row.max_new_tokens is not None:
+            entry["max_new"] = row.max_new_tokens
+        if row.prefill_only:
+            entry["prefill_only"] = True
+        if row.hidden_layer_ids:
+            entry["layers"] = list(row.hidden_layer_ids)
+        if row.draft_probs is not None:
+            entry["probs"] = True
+            probs.append(row.draft_probs.numpy())
+        if row.draft_parents is not None:
+            entry["tree"] = True
+            parents += row.draft_parents
+        meta.append(entry)
+        new_ids += row.new_token_ids
+        draft_ids += row.draft_token_ids
+    inputs = {"input_ids": np.array([new_ids], dtype=np.int64), "draft_ids": np.array([draft_ids], dtype=np.int64)}
+    if probs:
+        inputs["draft_probs"] = np.concatenate(probs)[None]
+    if parents:
+        inputs["draft_parents"] = np.array([parents], dtype=np.int64)
+    return inputs, {ROWS: json.dumps(meta)}
+
+
+def decode_rows(
+    meta_json: str,
+    input_ids: list[int],
+    draft_ids: list[int],
+    draft_probs: np.ndarray | None,
+    draft_parents: list[int] | None,
+) -> list[Row]:
+    """The rows of a batch request; raises ValueError when its parts do not add up."""
+    meta = json.loads(meta_json)
+    if not isinstance(meta, list):
+        raise ValueError("the `rows` parameter must be a JSON list")
+    rows: list[Row] = []
+    ids_at = drafts_at = probs_at = parents_at = 0
+    probs = None if draft_probs is None else torch.from_numpy(draft_probs.reshape(-1, draft_probs.shape[-1]))
+    for entry in meta:
+        seq_id = int(entry["seq"])
+        if entry.get("release"):
+            rows.append(Release(seq_id))
+            continue
+        n, k = int(entry["n"]), int(entry["k"])
+        row_probs = row_parents = None
+        if entry.get("probs"):
+            if probs is None:
+                raise ValueError(f"row of sequence {seq_id} has draft probabilities but the request has none")
+            row_probs, probs_at = probs[probs_at : probs_at + k], probs_at + k
+        if entry.get("tree"):
+            row_parents, parents_at = (draft_parents or [])[parents_at : parents_at + k], parents_at + k
+        sampling = entry.get("sampling")
+        rows.append(
+            VerifyRequest(
+                seq_id,
+                input_ids[ids_at : ids_at + n],
+                draft_ids[drafts_at : drafts_at + k],
+                SamplingParams.from_json(sampling) if sampling else None,
+                tuple(entry.get("layers", ())),
+                row_probs,
+                entry.get("max_new"),
+                row_parents,
+                entry.get("prefill_only") is True,
+            )
+        )
+        ids_at, drafts_at = ids_at + n, drafts_at + k
+    used = (ids_at, drafts_at, probs_at, parents_at)
+    given = (len(input_ids), len(draft_ids), 0 if probs is None else len(probs), len(draft_parents or []))
+    if used != given:
+        raise ValueError(
+            f"the rows use {used} of (input_ids, draft_ids, draft_probs, draft_parents), the request has {given}"
+        )
+    return rows
+
+
+def encode_results(results: list[VerifyResult | Exception | None]) -> dict[str, np.ndarray]:
+    """The outputs answering a batch request: one result, error, or None (a release) per row."""
+    ids, lengths, hidden, hidden_lengths, forward_ms, errors = [], [], [], [], [], []
+    for result in results:
+        ok = isinstance(result, VerifyResult)
+        tokens = result.token_ids if ok else []
+        ids += tokens
+        lengths.append(len(tokens))
+        rows = result.hidden_states if ok and result.hidden_states is not None else None
+        hidden_lengths.append(0 if rows is None else len(rows))
+        if rows is not None:
+            hidden.append(rows.numpy())
+        forward_ms.append(result.forward_s * 1e3 if ok else 0.0)
+        errors.append(str(result).encode() if isinstance(result, Exception) else b"")
+    outputs = {
+        "output_ids": np.array([ids], dtype=np.int64),
+        "output_lengths": np.array([lengths], dtype=np.int64),
+        "hidden_lengths": np.array([hidden_lengths], dtype=np.int64),
+        "forward_ms": np.array([forward_ms], dtype=np.float64),
+        "row_errors": np.array([errors], dtype=np.object_),
+    }
+    if hidden:
+        outputs["hidden_states"] = np.concatenate(hidden)[None]
+    return outputs
+
+
+def decode_results(out: dict[str, np.ndarray], num_rows: int) -> list[VerifyResult | Exception]:
+    """Each row's VerifyResult, or a RuntimeError carrying the verifier's message for it."""
+    ids = out["output_ids"].reshape(-1).tolist()
+    lengths = out["output_lengths"].reshape(-1).tolist()
+    hidden_lengths = out["hidden_lengths"].reshape(-1).tolist()
+    forward_ms = out["forward_ms"].reshape(-1).tolist()
+    errors = out["row_errors"].reshape(-1).tolist()
+    hidden = out.get("hidden_states")
+    if hidden is not None:
+        hidden = torch.from_numpy(hidden.reshape(hidden.shape[-3:]))
+    if len(lengths) != num_rows:
+        raise RuntimeError(f"verifier answered {len(lengths)} rows of {num_rows}")
+    results: list[VerifyResult | Exception] = []
+    at = hidden_at = 0
+    for n, h, ms, error in zip(lengths, hidden_lengths, forward_ms, errors):
+        message = error.decode() if isinstance(error, bytes) else str(error)
+        if message:
+            results.append(RuntimeError(message))
+        else:
+            tokens = ids[at : at + n]
+            rows = hidden[hidden_at : hidden_at + h] if hidden is not None and h else None
+            results.append(VerifyResult(tokens, max(n - 1, 0), ms / 1e3, rows))
+        at, hidden_at = at + n, hidden_at + h
+    return results
+
+
+# -- the orchestrator's side -----------------------------------------------------------------------
+class StepBatcher:
+    """Gathers the verify steps of the orchestrator's running sequences into one request.
+
+    A step waits until every running sequence has one (or a release) or until the gather window
+    closes: a fraction of the last batch's round trip, at most `max_wait_s`, so a sequence that
+    is still drafting or streaming delays the others by little. One batch is in flight at a time;
+    steps that come meanwhile form the next. A lone sequence never waits.
+    """
+
+    def __init__(self, send, max_wait_s: float = 0.004, wait_fraction: float = 0.25) -> None:
+        # send(inputs, outputs, parameters) -> outputs: one BLS call to the verifier.
+        self.send = send
+        self.max_wait_s = max_wait_s
+        self.wait_fraction = wait_fraction
+        self.cond = threading.Condition()
+        self.running: set[int] = set()  # sequences with state in the verifier
+        self.pending: list[tuple[Row, Future]] = []
+        self.last_round_trip_s = 0.0
+        threading.Thread(target=self._loop, name="spec-step-batcher", daemon=True).start()
+
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        result = self._submit(req, start=True)
+        assert isinstance(result, VerifyResult)
+        return result
+
+    def release(self, seq_id: int) -> None:
+        with self.cond:
+            if seq_id not in self.running:
+                return
+        self._submit(Release(seq_id), start=False)
+
+    def _submit(self, row: Row, start: bool) -> VerifyResult | None:
+        future: Future = Future()
+        with self.cond:
+            if start:
+                self.running.add(row.seq_id)
+            else:
+                self.running.discard(row.seq_id)  # a release is the sequence's last row
+            self.pending.append((row, future))
+            self.cond.notify()
+        return future.result()
+
+    def _gather(self) -> list[tuple[Row, Future]]:
+        with self.cond:
+            while not self.pending:
+                self.cond.wait()
+            deadline = time.monotonic() + min(self.max_wait_s, self.wait_fraction * self.last_round_trip_s)
+            while (left := deadline - time.monotonic()) > 0 and self._waiting_for_more():
+                self.cond.wait(left)
+            batch, self.pending = self.pending, []
+            return batch
+
+    def _waiting_for_more(self) -> bool:
+        submitted = {row.seq_id for row, _ in self.pending}
+        return not self.running <= submitted
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._gather()
+            rows = [row for row, _ in batch]
+            start = time.perf_counter()
+            try:
+                inputs, parameters = encode_rows(rows)
+                results = decode_results(self.send(inputs, BATCH_OUTPUTS, parameters), len(rows))
+            except Exception as e:  # the whole call failed: every row gets the error
+                results = [e] * len(rows)
+            self.last_round_trip_s = time.perf_counter() - start
+            for (row, future), result in zip(batch, results):
+                if isinstance(result, Exception):
+                    with self.cond:
+                        self.running.discard(row.seq_id)  # the verifier ended a sequence whose step failed
+                    future.set_exception(result)
+                else:
+                    future.set_result(None if isinstance(row, Release) else result)
+
+
+def batch_correlation_id() -> int:
+    """A fresh correlation id for one batch request (a single-request sequence)."""
+    return secrets.randbits(63) or 1

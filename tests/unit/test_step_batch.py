@@ -1,0 +1,197 @@
+"""Many sequences' verify steps in one verifier request (backends/triton_models/step_batch.py):
+the wire format round-trips, and the orchestrator's StepBatcher gathers concurrent sequences'
+steps into shared forwards whose results equal verifying each sequence alone."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.serving.request import SamplingParams
+from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
+from backends.triton_models.pbtxt import single_instance
+from backends.triton_models.step_batch import (
+    ROWS,
+    Release,
+    StepBatcher,
+    decode_results,
+    decode_rows,
+    encode_results,
+    encode_rows,
+)
+
+VERIFIER_CONFIG = (Path(__file__).parents[2] / "model_repository" / "verifier" / "config.pbtxt").read_text()
+
+
+def _wire(rows: list) -> list:
+    inputs, params = encode_rows(rows)
+    parents = inputs.get("draft_parents")
+    return decode_rows(
+        params[ROWS],
+        inputs["input_ids"].reshape(-1).tolist(),
+        inputs["draft_ids"].reshape(-1).tolist(),
+        inputs.get("draft_probs"),
+        None if parents is None else parents.reshape(-1).tolist(),
+    )
+
+
+def test_every_kind_of_row_survives_the_wire():
+    probs = torch.softmax(torch.randn(3, 11), -1)
+    rows = [
+        VerifyRequest(7, [1, 2, 3], [], SamplingParams(temperature=0.7, seed=5), max_new_tokens=9, prefill_only=True),
+        VerifyRequest(2**62 + 3, [4], [5, 6, 7], None, (1, 2), probs),
+        Release(11),
+        VerifyRequest(8, [], [9, 10, 11], None, draft_probs=probs * 0.5, draft_parents=[-1, 0, 0]),
+        VerifyRequest(9, [12, 13], [14, 15], None, draft_parents=[-1, 0]),
+    ]
+    decoded = _wire(rows)
+    assert len(decoded) == len(rows)
+    for sent, got in zip(rows, decoded):
+        assert type(got) is type(sent)
+        if isinstance(sent, Release):
+            assert got.seq_id == sent.seq_id
+            continue
+        for field in ("seq_id", "new_token_ids", "draft_token_ids", "hidden_layer_ids", "max_new_tokens"):
+            assert getattr(got, field) == getattr(sent, field), field
+        assert got.draft_parents == sent.draft_parents
+        assert got.prefill_only == sent.prefill_only
+        assert (got.sampling is None) == (sent.sampling is None)
+        if sent.sampling is not None:
+            assert got.sampling.to_json() == sent.sampling.to_json()
+        assert (got.draft_probs is None) == (sent.draft_probs is None)
+        if sent.draft_probs is not None:
+            assert torch.equal(got.draft_probs, sent.draft_probs)
+
+
+def test_a_batch_whose_parts_do_not_add_up_is_refused():
+    inputs, params = encode_rows([VerifyRequest(1, [1, 2], [3])])
+    with pytest.raises(ValueError, match="input_ids"):
+        decode_rows(params[ROWS], [1, 2, 99], [3], None, None)
+    probs_row = encode_rows([VerifyRequest(1, [1], [3], draft_probs=torch.ones(1, 4) / 4)])[1][ROWS]
+    with pytest.raises(ValueError, match="draft probabilities"):
+        decode_rows(probs_row, [1], [3], None, None)
+    with pytest.raises(ValueError, match="JSON list"):
+        decode_rows('{"seq": 1}', [], [], None, None)
+
+
+def test_results_survive_the_wire_each_with_its_own_hidden_rows_and_errors():
+    hidden_a, hidden_c = torch.randn(3, 2, 4), torch.randn(1, 2, 4)
+    results = [
+        VerifyResult([5, 6, 7], 2, 0.012, hidden_a),
+        RuntimeError("verifier: sequence 4: token id 999 is outside the vocabulary"),
+        VerifyResult([8], 0, 0.011, hidden_c),
+        None,  # a release
+        VerifyResult([], 0, 0.002),  # a prefill chunk
+    ]
+    out = encode_results(results)
+    decoded = decode_results(out, len(results))
+    assert decoded[0].token_ids == [5, 6, 7] and decoded[0].num_accepted == 2
+    assert torch.equal(decoded[0].hidden_states, hidden_a) and torch.equal(decoded[2].hidden_states, hidden_c)
+    assert isinstance(decoded[1], RuntimeError) and "outside the vocabulary" in str(decoded[1])
+    assert decoded[2].token_ids == [8] and decoded[2].forward_s == pytest.approx(0.011)
+    assert decoded[3].token_ids == [] and decoded[4].token_ids == [] and decoded[4].hidden_states is None
+    with pytest.raises(RuntimeError, match="answered 5 rows of 6"):
+        decode_results(out, 6)
+
+
+class InProcessVerifier:
+    """What the verifier model does with a batch request, on a TargetRunner in this process
+    (the server path runs in tests/e2e); records each batch's rows."""
+
+    def __init__(self, runner: TargetRunner) -> None:
+        self.runner = runner
+        self.batches: list[list] = []
+
+    def __call__(self, inputs: dict, outputs: list[str], parameters: dict) -> dict:
+        parents = inputs.get("draft_parents")
+        rows = decode_rows(
+            parameters[ROWS],
+            inputs["input_ids"].reshape(-1).tolist(),
+            inputs["draft_ids"].reshape(-1).tolist(),
+            inputs.get("draft_probs"),
+            None if parents is None else parents.reshape(-1).tolist(),
+        )
+        self.batches.append(rows)
+        steps = [row for row in rows if not isinstance(row, Release)]
+        results = iter(self.runner.verify_batch(steps))
+        answers = []
+        for row in rows:
+            if isinstance(row, Release):
+                self.runner.release(row.seq_id)
+                answers.append(None)
+            else:
+                answers.append(next(results))
+        return encode_results(answers)
+
+
+def _greedy(verify, seq_id: int, prompt: list[int], steps: int) -> list[int]:
+    """Decode `steps` steps, drafting the sequence's own last tokens (some accepted, some not)."""
+    out: list[int] = []
+    for step in range(steps):
+        drafts = out[-2:] if step % 2 else [seq_id % 7, 3]
+        result = verify(VerifyRequest(seq_id, prompt if step == 0 else [], drafts))
+        out += result.token_ids
+    return out
+
+
+def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_model_dir):
+    prompts = {seq_id: [1 + seq_id, 20 + seq_id, 3, 40 + seq_id][: 2 + seq_id % 3] for seq_id in range(1, 5)}
+    alone = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
+    expected = {seq_id: _greedy(alone.verify, seq_id, prompt, 6) for seq_id, prompt in prompts.items()}
+
+    verifier = InProcessVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"))
+    # A wide gather window: every running sequence's step makes the batch (timing-free test).
+    batcher = StepBatcher(verifier, max_wait_s=5.0, wait_fraction=1e6)
+    got: dict[int, list[int]] = {}
+
+    def run(seq_id: int) -> None:
+        got[seq_id] = _greedy(batcher.verify, seq_id, prompts[seq_id], 6)
+        batcher.release(seq_id)
+
+    threads = [threading.Thread(target=run, args=(seq_id,)) for seq_id in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert got == expected
+    sizes = [len(rows) for rows in verifier.batches]
+    assert max(sizes) == len(prompts), sizes  # all four sequences in one forward
+    assert len(verifier.batches) < 6 * len(prompts)  # far fewer requests than steps
+    assert not verifier.runner.sequences  # every release arrived
+    assert not batcher.running
+
+
+def test_a_failing_row_fails_its_sequence_alone(tiny_model_dir):
+    verifier = InProcessVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"))
+    batcher = StepBatcher(verifier, max_wait_s=5.0, wait_fraction=1e6)
+    vocab = verifier.runner.logits_size
+    errors: dict[int, Exception] = {}
+    got: dict[int, list[int]] = {}
+
+    def run(seq_id: int, prompt: list[int]) -> None:
+        try:
+            got[seq_id] = _greedy(batcher.verify, seq_id, prompt, 3)
+        except Exception as e:
+            errors[seq_id] = e
+        batcher.release(seq_id)
+
+    threads = [threading.Thread(target=run, args=(1, [1, 2, 3])), threading.Thread(target=run, args=(2, [vocab + 5]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert set(errors) == {2} and str(vocab + 5) in str(errors[2])
+    assert len(got[1]) >= 3
+    assert not verifier.runner.sequences and not batcher.running
+
+
+def test_batching_is_off_for_a_verifier_with_several_instances():
+    assert single_instance(VERIFIER_CONFIG, num_gpus=0)
+    assert not single_instance(VERIFIER_CONFIG.replace("count: 1", "count: 2"), num_gpus=0)
+    gpu = VERIFIER_CONFIG.replace("kind: KIND_CPU", "kind: KIND_GPU")
+    assert single_instance(gpu, num_gpus=1) and not single_instance(gpu, num_gpus=2)
+    assert single_instance(gpu.replace("KIND_GPU", "KIND_GPU gpus: [ 1 ]"), num_gpus=4)
+    assert not single_instance(gpu.replace("KIND_GPU", "KIND_GPU gpus: [ 0, 1 ]"), num_gpus=4)
