@@ -9,9 +9,9 @@ running sequence and sends them as one request, so they share one forward.
 On the wire a batch is one single-request sequence (START | END under a fresh correlation id):
 the `rows` parameter (JSON) says, row by row, which sequence a step belongs to and how many of
 the concatenated `input_ids`, `draft_ids`, `draft_probs` and `draft_parents` are its own; the
-response concatenates the rows' `output_ids` and `hidden_states`, with `output_lengths`,
-`hidden_lengths`, per-row `forward_ms` and `row_errors` ("" = no error). A row may instead end
-its sequence (`release`). Sequences that ask for logprobs keep one request per step.
+response concatenates the rows' `output_ids` (with `output_lengths`) and per-row `forward_ms`;
+only when some row has them, `hidden_states` (with `hidden_lengths`) and `row_errors` ("" = no
+error). A row may instead end its sequence (`release`). Sequences that ask for logprobs keep one request per step.
 """
 
 from __future__ import annotations
@@ -146,12 +146,14 @@ def encode_results(results: list[VerifyResult | Exception | None]) -> dict[str, 
     outputs = {
         "output_ids": np.array([ids], dtype=np.int64),
         "output_lengths": np.array([lengths], dtype=np.int64),
-        "hidden_lengths": np.array([hidden_lengths], dtype=np.int64),
         "forward_ms": np.array([forward_ms], dtype=np.float64),
-        "row_errors": np.array([errors], dtype=np.object_),
     }
+    # Only what some row has: every output tensor costs its share of the round trip.
+    if any(errors):
+        outputs["row_errors"] = np.array([errors], dtype=np.object_)
     if hidden:
         outputs["hidden_states"] = np.concatenate(hidden)[None]
+        outputs["hidden_lengths"] = np.array([hidden_lengths], dtype=np.int64)
     return outputs
 
 
@@ -159,10 +161,10 @@ def decode_results(out: dict[str, np.ndarray], num_rows: int) -> list[VerifyResu
     """Each row's VerifyResult, or a RuntimeError carrying the verifier's message for it."""
     ids = out["output_ids"].reshape(-1).tolist()
     lengths = out["output_lengths"].reshape(-1).tolist()
-    hidden_lengths = out["hidden_lengths"].reshape(-1).tolist()
     forward_ms = out["forward_ms"].reshape(-1).tolist()
-    errors = out["row_errors"].reshape(-1).tolist()
+    errors = out["row_errors"].reshape(-1).tolist() if "row_errors" in out else [""] * len(lengths)
     hidden = out.get("hidden_states")
+    hidden_lengths = out["hidden_lengths"].reshape(-1).tolist() if hidden is not None else [0] * len(lengths)
     if hidden is not None:
         hidden = torch.from_numpy(hidden.reshape(hidden.shape[-3:]))
     if len(lengths) != num_rows:
@@ -188,7 +190,8 @@ class StepBatcher:
     A step waits until every running sequence has one (or a release) or until the gather window
     closes: a fraction of the last batch's round trip, at most `max_wait_s`, so a sequence that
     is still drafting or streaming delays the others by little. One batch is in flight at a time;
-    steps that come meanwhile form the next. A lone sequence never waits.
+    steps that come meanwhile form the next. A lone sequence never waits and sends its step
+    itself (a hop through the batcher's thread would cost it ~1 ms a step).
     """
 
     def __init__(self, send, max_wait_s: float = 0.004, wait_fraction: float = 0.25) -> None:
@@ -199,6 +202,7 @@ class StepBatcher:
         self.cond = threading.Condition()
         self.running: set[int] = set()  # sequences with state in the verifier
         self.pending: list[tuple[Row, Future]] = []
+        self.in_flight = False
         self.last_round_trip_s = 0.0
         threading.Thread(target=self._loop, name="spec-step-batcher", daemon=True).start()
 
@@ -220,18 +224,25 @@ class StepBatcher:
                 self.running.add(row.seq_id)
             else:
                 self.running.discard(row.seq_id)  # a release is the sequence's last row
-            self.pending.append((row, future))
-            self.cond.notify()
+            alone = not self.in_flight and not self.pending and self.running <= {row.seq_id}
+            if alone:
+                self.in_flight = True
+            else:
+                self.pending.append((row, future))
+                self.cond.notify()
+        if alone:
+            self._run([(row, future)])
         return future.result()
 
     def _gather(self) -> list[tuple[Row, Future]]:
         with self.cond:
-            while not self.pending:
+            while not self.pending or self.in_flight:
                 self.cond.wait()
             deadline = time.monotonic() + min(self.max_wait_s, self.wait_fraction * self.last_round_trip_s)
             while (left := deadline - time.monotonic()) > 0 and self._waiting_for_more():
                 self.cond.wait(left)
             batch, self.pending = self.pending, []
+            self.in_flight = True
             return batch
 
     def _waiting_for_more(self) -> bool:
@@ -240,22 +251,30 @@ class StepBatcher:
 
     def _loop(self) -> None:
         while True:
-            batch = self._gather()
-            rows = [row for row, _ in batch]
-            start = time.perf_counter()
-            try:
-                inputs, parameters = encode_rows(rows)
-                results = decode_results(self.send(inputs, BATCH_OUTPUTS, parameters), len(rows))
-            except Exception as e:  # the whole call failed: every row gets the error
-                results = [e] * len(rows)
-            self.last_round_trip_s = time.perf_counter() - start
-            for (row, future), result in zip(batch, results):
+            self._run(self._gather())
+
+    def _run(self, batch: list[tuple[Row, Future]]) -> None:
+        """Send one batch (marked in flight by the caller) and answer each row's future."""
+        rows = [row for row, _ in batch]
+        start = time.perf_counter()
+        try:
+            inputs, parameters = encode_rows(rows)
+            results = decode_results(self.send(inputs, BATCH_OUTPUTS, parameters), len(rows))
+        except Exception as e:  # the whole call failed: every row gets the error
+            results = [e] * len(rows)
+        self.last_round_trip_s = time.perf_counter() - start
+        with self.cond:
+            for row, result in zip(rows, results):
                 if isinstance(result, Exception):
-                    with self.cond:
-                        self.running.discard(row.seq_id)  # the verifier ended a sequence whose step failed
-                    future.set_exception(result)
-                else:
-                    future.set_result(None if isinstance(row, Release) else result)
+                    self.running.discard(row.seq_id)  # the verifier ended a sequence whose step failed
+            self.in_flight = False
+            if self.pending:  # the next batch can go (a lone sequence's step wakes nobody)
+                self.cond.notify()
+        for (row, future), result in zip(batch, results):
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(None if isinstance(row, Release) else result)
 
 
 def batch_correlation_id() -> int:

@@ -104,6 +104,7 @@ class InProcessVerifier:
     def __init__(self, runner: TargetRunner) -> None:
         self.runner = runner
         self.batches: list[list] = []
+        self.threads: list[str] = []  # who sent each batch
 
     def __call__(self, inputs: dict, outputs: list[str], parameters: dict) -> dict:
         parents = inputs.get("draft_parents")
@@ -115,6 +116,7 @@ class InProcessVerifier:
             None if parents is None else parents.reshape(-1).tolist(),
         )
         self.batches.append(rows)
+        self.threads.append(threading.current_thread().name)
         steps = [row for row in rows if not isinstance(row, Release)]
         results = iter(self.runner.verify_batch(steps))
         answers = []
@@ -162,6 +164,18 @@ def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_m
     assert len(verifier.batches) < 6 * len(prompts)  # far fewer requests than steps
     assert not verifier.runner.sequences  # every release arrived
     assert not batcher.running
+
+
+def test_a_lone_sequence_sends_its_own_steps_at_once(tiny_model_dir):
+    verifier = InProcessVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"))
+    # The window would hold a step for 5 s if a lone sequence waited for it.
+    batcher = StepBatcher(verifier, max_wait_s=5.0, wait_fraction=1e6)
+    out = _greedy(batcher.verify, 1, [1, 2, 3], 4)
+    batcher.release(1)
+    assert len(out) >= 4
+    assert [len(rows) for rows in verifier.batches] == [1] * 5  # 4 steps and the release
+    assert set(verifier.threads) == {threading.current_thread().name}  # no hop through the batcher's thread
+    assert not verifier.runner.sequences
 
 
 def test_a_failing_row_fails_its_sequence_alone(tiny_model_dir):
