@@ -403,6 +403,72 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
     return 0;
 }
 
+/* Greedy verification's argmax: per row of n values, the index of the largest (the first of
+ * equal ones, as torch.argmax), or -1 for a row holding a NaN (the caller then asks torch,
+ * whose argmax picks the NaN). Two passes over the row: its maximum, then where it first is. */
+static float row_value(const char *row, int64_t i, int bf16) {
+    float f;
+    if (bf16) {
+        uint32_t u = (uint32_t)((const uint16_t *)row)[i] << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, row + i * sizeof(float), sizeof f);
+    }
+    return f;
+}
+
+static void load_lanes(const char *row, int64_t i, int bf16, vec *v) {
+    if (bf16) {
+        hvec h;
+        memcpy(&h, row + i * sizeof(uint16_t), sizeof h);
+        uvec u = __builtin_convertvector(h, uvec) << 16;
+        memcpy(v, &u, sizeof u);
+    } else {
+        memcpy(v, row + i * sizeof(float), sizeof *v);
+    }
+}
+
+static int64_t argmax_row(const char *row, int64_t n, int bf16) {
+    int64_t whole = n - n % LANES;
+    vec best = {0};
+    ivec nan = {0};
+    float m = -INFINITY;
+    if (whole) {
+        load_lanes(row, 0, bf16, &best);
+        for (int64_t i = 0; i < whole; i += LANES) {
+            vec v;
+            load_lanes(row, i, bf16, &v);
+            nan |= v != v;
+            best = select(v > best, v, best);
+        }
+        for (int l = 0; l < LANES; l++) {
+            if (nan[l]) return -1;
+            if (best[l] > m) m = best[l];
+        }
+    }
+    for (int64_t i = whole; i < n; i++) {
+        float f = row_value(row, i, bf16);
+        if (f != f) return -1;
+        if (f > m) m = f;
+    }
+    vec target = (vec){0} + m;
+    for (int64_t i = 0; i < whole; i += LANES) {
+        vec v;
+        load_lanes(row, i, bf16, &v);
+        ivec hit = v == target;
+        for (int l = 0; l < LANES; l++)
+            if (hit[l]) return i + l;
+    }
+    for (int64_t i = whole; i < n; i++)
+        if (row_value(row, i, bf16) == m) return i;
+    return -1; /* an empty row */
+}
+
+void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t n, int bf16, int64_t *out) {
+    int64_t esz = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row((const char *)x + r * stride * esz, n, bf16);
+}
+
 /* The linear layers' shared parts: both run TILE_ROWS rows of x per pass over the weights of
  * GROUP outputs (4 vectors of 16), packed by pack_linear. */
 #define GROUP 64

@@ -121,6 +121,8 @@ def _library() -> ctypes.CDLL:
     lib.layer_step.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.layer_step.argtypes += [ptr, ctypes.c_int]
     lib.layer_step.restype = ctypes.c_int
+    lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
+    lib.argmax_rows.restype = None
     return lib
 
 
@@ -375,6 +377,32 @@ def _available(kernel: str) -> bool:
         return bool(getattr(_library(), f"{kernel}_available")())
     except (KernelUnavailable, OSError):
         return False
+
+
+@cache
+def _kernels_built() -> bool:
+    try:
+        _library()
+    except (KernelUnavailable, OSError):
+        return False
+    return True
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """torch.argmax of each row of ``logits`` ``[rows, V]`` (the first of equal maxima), as a
+    list: greedy verification runs it on every row of every step, and torch widens a copy
+    first (~50 us a row of 49k bf16 values here) where the kernel reads them in place (~16 us)."""
+    rows = logits.shape[0] if logits.dim() == 2 else 0
+    fits = logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32)
+    if not (rows and fits and logits.shape[1] and logits.stride(1) == 1 and _kernels_built()):
+        return logits.float().argmax(dim=-1).tolist()
+    out = torch.empty(rows, dtype=torch.int64)
+    bf16 = int(logits.dtype == torch.bfloat16)
+    _library().argmax_rows(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], bf16, out.data_ptr())
+    found = out.tolist()
+    if -1 in found:  # a NaN: torch's argmax picks it
+        return logits.float().argmax(dim=-1).tolist()
+    return found
 
 
 def packed_linear_available() -> bool:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backends.runtime.cpu_kernels import argmax_rows
 from kernels import rejection as rk
 
 GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS: lower temperatures decode greedily
@@ -182,7 +183,7 @@ def _greedy_accept_one(draft_token_ids: list[int], target_logits: torch.Tensor) 
         raise ValueError(f"target_logits must have shape ({num_drafts + 1}, V), got {tuple(target_logits.shape)}")
     if draft_token_ids and (min(draft_token_ids) < -1 or max(draft_token_ids) >= target_logits.shape[-1]):
         raise ValueError(f"draft token ids must be -1 or in [0, {target_logits.shape[-1]})")
-    target = target_logits.float().argmax(dim=-1).tolist()  # bf16 argmax is 3x slower on CPU
+    target = argmax_rows(target_logits)
     accepted = []
     for draft, token in zip(draft_token_ids, target):
         if draft != token:

@@ -29,6 +29,7 @@ from functools import cached_property
 
 import torch
 
+from backends.runtime.cpu_kernels import argmax_rows
 from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, apply_temperature_top_k_top_p
 
 ROOT = -1
@@ -147,7 +148,7 @@ def accept_tree(
     if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
         raise TreeError(f"a tree of {len(tree)} nodes is verified by {len(tree) + 1} logit rows, got {logits.shape[0]}")
     if temperature < GREEDY_TEMPERATURE_EPS:
-        return _accept_greedy(tree, logits.float().argmax(dim=-1).tolist())
+        return _accept_greedy(tree, argmax_rows(logits))
     probs = apply_temperature_top_k_top_p(
         logits,
         torch.full((logits.shape[0],), temperature),

@@ -181,6 +181,34 @@ def test_silu_mul_is_the_tensor_ops(dtype):
         assert torch.equal(cpu_kernels.silu_mul(gate_up[i : i + 1])[0], out[i])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_kernel_is_torch_argmax(dtype):
+    """Greedy verification's argmax: torch's index on random rows, ties (the first), rows of
+    -inf, -0 beside +0, a width that is no multiple of 16 and strided rows; a row with a NaN
+    is the kernel's -1, and argmax_rows then answers as torch does (the NaN's index)."""
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randn(6, 49152 + 7, generator=gen).to(dtype)
+    rows[1, 100] = rows[1, 9000] = 50.0  # a tie: the first wins
+    rows[2] = -float("inf")
+    rows[3, :] = -1.0
+    rows[3, 30], rows[3, 20] = 0.0, -0.0  # equal values: the first
+    strided = torch.randn(4, 2, 4096, generator=gen).to(dtype)[:, 1]
+    for x in (rows, strided, rows[:, :16], rows[:, :5]):
+        expected = x.float().argmax(dim=-1).tolist()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        bf16 = int(dtype == torch.bfloat16)
+        cpu_kernels._library().argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], bf16, out.data_ptr())
+        assert out.tolist() == expected
+        assert cpu_kernels.argmax_rows(x) == expected
+    rows[4, 77] = float("nan")
+    out = torch.empty(6, dtype=torch.int64)
+    cpu_kernels._library().argmax_rows(
+        rows.data_ptr(), rows.stride(0), 6, rows.shape[1], int(dtype == torch.bfloat16), out.data_ptr()
+    )
+    assert out[4] == -1
+    assert cpu_kernels.argmax_rows(rows) == rows.float().argmax(dim=-1).tolist()
+
+
 needs_packed = pytest.mark.skipif(
     not cpu_kernels.packed_linear_available(), reason="this CPU has no AVX-512 BF16 (the packed bf16 linear kernel)"
 )
