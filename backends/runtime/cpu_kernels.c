@@ -417,27 +417,16 @@ static float row_value(const char *row, int64_t i, int bf16) {
     return f;
 }
 
-static void load_lanes(const char *row, int64_t i, int bf16, vec *v) {
-    if (bf16) {
-        hvec h;
-        memcpy(&h, row + i * sizeof(uint16_t), sizeof h);
-        uvec u = __builtin_convertvector(h, uvec) << 16;
-        memcpy(v, &u, sizeof u);
-    } else {
-        memcpy(v, row + i * sizeof(float), sizeof *v);
-    }
-}
-
 static int64_t argmax_row(const char *row, int64_t n, int bf16) {
-    int64_t whole = n - n % LANES;
+    int64_t esz = bf16 ? 2 : 4, whole = n - n % LANES;
     vec best = {0};
     ivec nan = {0};
     float m = -INFINITY;
     if (whole) {
-        load_lanes(row, 0, bf16, &best);
+        load_row(row, LANES, (float *)&best, bf16);
         for (int64_t i = 0; i < whole; i += LANES) {
             vec v;
-            load_lanes(row, i, bf16, &v);
+            load_row(row + i * esz, LANES, (float *)&v, bf16);
             nan |= v != v;
             best = select(v > best, v, best);
         }
@@ -454,7 +443,7 @@ static int64_t argmax_row(const char *row, int64_t n, int bf16) {
     vec target = (vec){0} + m;
     for (int64_t i = 0; i < whole; i += LANES) {
         vec v;
-        load_lanes(row, i, bf16, &v);
+        load_row(row + i * esz, LANES, (float *)&v, bf16);
         ivec hit = v == target;
         for (int l = 0; l < LANES; l++)
             if (hit[l]) return i + l;
