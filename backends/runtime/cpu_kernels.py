@@ -209,11 +209,7 @@ def layer_kernels_available(hidden_size: int, intermediate_size: int, head_dim: 
         or head_dim > MAX_HEAD_DIM
     ):
         return False
-    try:
-        _library()
-    except (KernelUnavailable, OSError):
-        return False
-    return True
+    return _kernels_built()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -372,15 +368,9 @@ def layer_scratch(tokens: int, sizes: tuple[int, int, int, int, int]) -> int:
 GROUP = 64  # cpu_kernels.c: outputs per packed group of a linear layer's weight
 
 
-def _available(kernel: str) -> bool:
-    try:
-        return bool(getattr(_library(), f"{kernel}_available")())
-    except (KernelUnavailable, OSError):
-        return False
-
-
 @cache
 def _kernels_built() -> bool:
+    """Do the kernels build and load here? (Asked once: a failed build is not retried per call.)"""
     try:
         _library()
     except (KernelUnavailable, OSError):
@@ -388,21 +378,23 @@ def _kernels_built() -> bool:
     return True
 
 
+def _available(kernel: str) -> bool:
+    return _kernels_built() and bool(getattr(_library(), f"{kernel}_available")())
+
+
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """torch.argmax of each row of ``logits`` ``[rows, V]`` (the first of equal maxima), as a
     list: greedy verification runs it on every row of every step, and torch widens a copy
     first (~50 us a row of 49k bf16 values here) where the kernel reads them in place (~16 us)."""
-    rows = logits.shape[0] if logits.dim() == 2 else 0
     fits = logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32)
-    if not (rows and fits and logits.shape[1] and logits.stride(1) == 1 and _kernels_built()):
-        return logits.float().argmax(dim=-1).tolist()
-    out = torch.empty(rows, dtype=torch.int64)
-    bf16 = int(logits.dtype == torch.bfloat16)
-    _library().argmax_rows(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], bf16, out.data_ptr())
-    found = out.tolist()
-    if -1 in found:  # a NaN: torch's argmax picks it
-        return logits.float().argmax(dim=-1).tolist()
-    return found
+    if fits and logits.dim() == 2 and logits.numel() and logits.stride(1) == 1 and _kernels_built():
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        bf16 = int(logits.dtype == torch.bfloat16)
+        _library().argmax_rows(logits.data_ptr(), logits.stride(0), *logits.shape, bf16, out.data_ptr())
+        found = out.tolist()
+        if -1 not in found:  # -1: a row with a NaN, which torch's argmax picks
+            return found
+    return logits.float().argmax(dim=-1).tolist()
 
 
 def packed_linear_available() -> bool:

@@ -193,19 +193,19 @@ def test_argmax_kernel_is_torch_argmax(dtype):
     rows[3, :] = -1.0
     rows[3, 30], rows[3, 20] = 0.0, -0.0  # equal values: the first
     strided = torch.randn(4, 2, 4096, generator=gen).to(dtype)[:, 1]
+
+    def kernel(x: torch.Tensor) -> list[int]:  # the C function itself, no torch fallback
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        bf16 = int(x.dtype == torch.bfloat16)
+        cpu_kernels._library().argmax_rows(x.data_ptr(), x.stride(0), *x.shape, bf16, out.data_ptr())
+        return out.tolist()
+
     for x in (rows, strided, rows[:, :16], rows[:, :5]):
         expected = x.float().argmax(dim=-1).tolist()
-        out = torch.empty(x.shape[0], dtype=torch.int64)
-        bf16 = int(dtype == torch.bfloat16)
-        cpu_kernels._library().argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], bf16, out.data_ptr())
-        assert out.tolist() == expected
+        assert kernel(x) == expected
         assert cpu_kernels.argmax_rows(x) == expected
     rows[4, 77] = float("nan")
-    out = torch.empty(6, dtype=torch.int64)
-    cpu_kernels._library().argmax_rows(
-        rows.data_ptr(), rows.stride(0), 6, rows.shape[1], int(dtype == torch.bfloat16), out.data_ptr()
-    )
-    assert out[4] == -1
+    assert kernel(rows)[4] == -1
     assert cpu_kernels.argmax_rows(rows) == rows.float().argmax(dim=-1).tolist()
 
 
