@@ -18,6 +18,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from backends.runtime import lean_lm
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, unsupported_reason
 from tests.fixtures.lean_models import FAMILIES, TINY, VOCAB, build, randomize, tokens
@@ -228,7 +229,12 @@ def test_hidden_state_numbering_matches_transformers(family):
     torch.testing.assert_close(out.hidden[0][-1], out.hidden[0][lm.num_layers])
 
 
-def test_bfloat16_runs_close_to_transformers():
+@pytest.mark.parametrize("matmul", ["native", "float32"])
+def test_bfloat16_runs_close_to_transformers(matmul, monkeypatch):
+    """bf16 weights, on this CPU's matmul and on the float32 one of CPUs without oneDNN bf16."""
+    if matmul == "float32":  # as on an AVX2 CPU: no packed bf16 kernel, no oneDNN bf16
+        monkeypatch.setattr(lean_lm.cpu_kernels, "packed_linear_available", lambda: False)
+        monkeypatch.setattr(lean_lm, "bf16_matmul_dtype", lambda: torch.float32)
     hf = build("llama").to(torch.bfloat16)
     lm = LeanCausalLM.from_hf(hf)
     pool = lm.new_pool(capacity_tokens=64)
