@@ -52,6 +52,7 @@ class DrafterConfig:
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
     dynamic_tree: dict[str, int] | None = None
     suffix_decoding_use_tree_spec: bool = False
+    suffix_decoding_max_tree_nodes: int | None = None
 
     @classmethod
     def from_speculative(cls, config: SpeculativeConfig) -> DrafterConfig:
@@ -81,9 +82,8 @@ class DrafterConfig:
             return sum(len(path) <= k for path in self.speculative_token_tree)
         if self.dynamic_tree is not None:
             return max(k, self.dynamic_tree["total_token"])
-        # Suffix trees: num_speculative_tokens nodes (arctic-inference's max_spec_tokens), however
-        # few levels the step allows.
-        return self.num_speculative_tokens if self.suffix_decoding_use_tree_spec else 0
+        # Suffix trees: suffix_decoding_max_tree_nodes nodes, however few levels the step allows.
+        return self.suffix_decoding_max_tree_nodes if self.suffix_decoding_use_tree_spec else 0
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the dynamic schedule (k without one)."""

@@ -119,6 +119,8 @@ class SpeculativeConfig:
     speculative_token_tree: str | list | tuple | None = None
     dynamic_tree: dict[str, Any] | None = None
     suffix_decoding_use_tree_spec: bool = False
+    # The most nodes of a suffix tree draft; default 2 * num_speculative_tokens (its depth).
+    suffix_decoding_max_tree_nodes: int | None = None
     draft_tensor_parallel_size: int | None = None
     tensor_parallel_size: int | None = None
     max_model_len: int | None = None
@@ -254,6 +256,7 @@ class SpeculativeConfig:
             "prompt_lookup_max",
             "prompt_lookup_min",
             "target_max_model_len",
+            "suffix_decoding_max_tree_nodes",
         ):
             _check(name, v[name], v[name] is None or _is_int(v[name]), "a valid integer")
             _check(name, v[name], v[name] is None or v[name] >= 1, "greater than or equal to 1")
@@ -572,6 +575,10 @@ class SpeculativeConfig:
             for name in ("speculative_token_tree", "dynamic_tree", "suffix_decoding_use_tree_spec")
             if getattr(self, name) not in (None, False)
         ]
+        if self.suffix_decoding_max_tree_nodes is not None and not self.suffix_decoding_use_tree_spec:
+            raise SpeculativeConfigError(
+                "suffix_decoding_max_tree_nodes sizes the trees of suffix_decoding_use_tree_spec: set that too"
+            )
         if not given:
             return
         if len(given) > 1:
@@ -602,7 +609,11 @@ class SpeculativeConfig:
             self.dynamic_tree = _validate_dynamic_tree(self.dynamic_tree)
             nodes = self.dynamic_tree["total_token"]
         else:
-            nodes = k
+            # Suffix trees are num_speculative_tokens deep; twice as many nodes leave room for
+            # the alternatives a chain of that length cannot hold.
+            if self.suffix_decoding_max_tree_nodes is None:
+                self.suffix_decoding_max_tree_nodes = min(2 * k, MAX_TREE_NODES)
+            name, nodes = "suffix_decoding_max_tree_nodes", self.suffix_decoding_max_tree_nodes
         if nodes > MAX_TREE_NODES:
             raise SpeculativeConfigError(f"{name}: {nodes} tree nodes, at most {MAX_TREE_NODES} per step")
 

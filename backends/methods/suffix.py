@@ -12,11 +12,14 @@ at most a node per distinct string and in practice a few per token (random text:
 append touches only the nodes of suffixes seen before, at most max_tree_depth of them.
 Probabilities are Python floats (arctic-inference uses float32; only exact ties can differ).
 
-Tree mode (arctic-inference's `use_tree_spec`, which vLLM never turns on; here
-suffix_decoding_use_tree_spec): from the match point, grow a subtree best-first, always
-adding the frontier node with the highest path probability, up to the node budget; its score
-is the sum of its node probabilities, compared over match lengths and trees as in path mode.
-The verifier accepts any root path of it, so the target picks the branch.
+Tree mode (suffix_decoding_use_tree_spec; arctic-inference's `use_tree_spec`, which vLLM never
+turns on, grows one subtree from the best match of one tree): the draft is the most probable
+continuations of every match of the context's tail in BOTH trees, each at the highest
+probability any match gives it, up to the node budget (suffix_decoding_max_tree_nodes) and
+num_speculative_tokens levels. The longest match's continuation leads; where it goes wrong,
+a shorter match or the other tree often holds the right token, as a sibling the verifier can
+take instead (it accepts any root path, so the target picks the branch). Each match's
+candidates are grown best-first (the frontier node with the highest path probability next).
 """
 
 from __future__ import annotations
@@ -188,15 +191,9 @@ class SuffixTree:
         return node, extra
 
     def speculate(
-        self,
-        context: Sequence[int],
-        max_spec_tokens: int,
-        max_spec_factor: float,
-        min_token_prob: float,
-        tree_depth: int | None = None,
+        self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
     ) -> SuffixDraft:
-        """The best draft over every match length 1..len(context)-1: a single path, or with
-        `tree_depth` a subtree of at most max_spec_tokens nodes and tree_depth levels."""
+        """The best single path over every match length 1..len(context)-1."""
         best = SuffixDraft()
         n = len(context)
         for match_len in range(1, n):
@@ -204,10 +201,7 @@ class SuffixTree:
             if match is None:
                 return best  # a longer tail cannot match either
             max_tokens = max(0, min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6)))
-            if tree_depth is None:
-                draft = self._follow(*match, max_tokens, min_token_prob)
-            else:
-                draft = self._grow(*match, max_tokens, tree_depth, min_token_prob)
+            draft = self._follow(*match, max_tokens, min_token_prob)
             if draft.score >= best.score:  # ties go to the longer match
                 draft.match_len = match_len
                 best = draft
@@ -235,29 +229,59 @@ class SuffixTree:
             draft.score += prob
         return draft
 
-    def _grow(self, node: _Node, extra: int, max_nodes: int, max_depth: int, min_token_prob: float) -> SuffixDraft:
-        """Best-first: add the frontier node with the highest probability until max_nodes.
-        A child's probability is at most its parent's, so the result holds the most probable
-        nodes there are (within max_depth levels) and pops come in non-increasing order."""
-        draft = SuffixDraft(parents=[])
+    def tree_candidates(
+        self,
+        context: Sequence[int],
+        max_nodes: int,
+        max_depth: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+        out: dict[tuple[int, ...], tuple[float, int]],
+    ) -> None:
+        """Adds to `out` ({continuation: (probability, match length)}, a continuation's highest
+        probability kept) the `max_nodes` most probable continuations of each match of the
+        context's tail, a match of m tokens at most m * max_spec_factor levels deep. The tails
+        seen once all continue the same occurrence, with probability 1: of them only the one
+        that may go deepest is grown."""
+        n = len(context)
+        grow, once = [], None
+        for match_len in range(1, n):
+            match = self._match(context[n - match_len :])
+            if match is None:
+                break
+            # the trie holds max_depth - match_len levels below a match
+            levels = min(max_depth, int(match_len * max_spec_factor + 1e-6), self.max_depth - match_len)
+            if match[0].count > 1:
+                grow.append((match_len, match, levels))
+            elif once is None or levels >= once[2]:
+                once = (match_len, match, levels)
+        for match_len, (node, extra), levels in grow + ([once] if once else []):
+            for path, prob in self._grow(node, extra, max_nodes, levels, min_token_prob):
+                if prob >= out.get(path, (0.0, 0))[0]:  # ties go to the longer match
+                    out[path] = (prob, match_len)
+
+    def _grow(
+        self, node: _Node, extra: int, max_nodes: int, max_depth: int, min_token_prob: float
+    ) -> list[tuple[tuple[int, ...], float]]:
+        """Best-first: the frontier node with the highest probability next, until max_nodes
+        (and any tied with the last). A child's probability is at most its parent's, so these
+        are the most probable continuations there are (within max_depth levels), each after
+        its parent, in non-increasing probability."""
+        found: list[tuple[tuple[int, ...], float]] = []
         order = itertools.count()  # equal probabilities: the earliest pushed first
-        # (-prob, order, token, node, extra, parent index, depth of the token)
-        frontier: list[tuple[float, int, int, _Node, int, int, int]] = []
+        frontier: list[tuple[float, int, tuple[int, ...], _Node, int]] = []  # (-prob, order, path, node, extra)
 
-        def push_children(node: _Node, extra: int, prob: float, parent: int, depth: int) -> None:
-            if depth < max_depth:
+        def push_children(node: _Node, extra: int, prob: float, path: tuple[int, ...]) -> None:
+            if len(path) < max_depth:
                 for token, p, child, child_extra in self._next(node, extra, prob, min_token_prob):
-                    heapq.heappush(frontier, (-p, next(order), token, child, child_extra, parent, depth))
+                    heapq.heappush(frontier, (-p, next(order), path + (token,), child, child_extra))
 
-        push_children(node, extra, 1.0, -1, 0)
-        while frontier and len(draft.token_ids) < max_nodes:
-            neg_prob, _, token, node, extra, parent, depth = heapq.heappop(frontier)
-            draft.token_ids.append(token)
-            draft.parents.append(parent)
-            draft.probs.append(-neg_prob)
-            draft.score += -neg_prob
-            push_children(node, extra, -neg_prob, len(draft.token_ids) - 1, depth + 1)
-        return draft
+        push_children(node, extra, 1.0, ())
+        while frontier and (len(found) < max_nodes or (found and -frontier[0][0] == found[-1][1])):
+            neg_prob, _, path, node, extra = heapq.heappop(frontier)
+            found.append((path, -neg_prob))
+            push_children(node, extra, -neg_prob, path)
+        return found
 
     def _next(
         self, node: _Node, extra: int, prob: float, min_token_prob: float
@@ -359,15 +383,37 @@ class SuffixDecodingCache:
         min_token_prob: float = 0.1,
         tree_depth: int | None = None,
     ) -> SuffixDraft:
-        """A path of at most max_spec_tokens tokens, or with `tree_depth` (tree mode) a subtree
-        of at most max_spec_tokens nodes and tree_depth levels, from the tree that scores higher."""
+        """A path of at most max_spec_tokens tokens from the tree that scores higher, or with
+        `tree_depth` (tree mode) a subtree of at most max_spec_tokens nodes and tree_depth
+        levels drawn from both trees and every match length."""
         context = context[-self.max_tree_depth :]
         if max_spec_tokens is None:
             max_spec_tokens = self.max_tree_depth
-        args = (context, max_spec_tokens, max_spec_factor, min_token_prob, tree_depth)
-        local = self.local_tree(req_id).speculate(*args)
-        shared = self.global_tree.speculate(*args)
-        return local if local.score >= shared.score else shared
+        trees = (self.local_tree(req_id), self.global_tree)
+        if tree_depth is None:
+            local, shared = (t.speculate(context, max_spec_tokens, max_spec_factor, min_token_prob) for t in trees)
+            return local if local.score >= shared.score else shared
+        scored: dict[tuple[int, ...], tuple[float, int]] = {}
+        for tree in trees:
+            tree.tree_candidates(context, max_spec_tokens, tree_depth, max_spec_factor, min_token_prob, scored)
+        return _best_subtree(scored, max_spec_tokens)
+
+
+def _best_subtree(scored: dict[tuple[int, ...], tuple[float, int]], max_nodes: int) -> SuffixDraft:
+    """The `max_nodes` most probable continuations as a tree, parents first. A continuation is
+    at most as probable as its prefix and ties go to the shorter, so every node's parent ranks
+    before it: the result is closed under parents."""
+    ranked = sorted(scored.items(), key=lambda item: (-item[1][0], len(item[0])))[:max_nodes]
+    draft = SuffixDraft(parents=[])
+    index: dict[tuple[int, ...], int] = {}
+    for path, (prob, match_len) in ranked:
+        index[path] = len(draft.token_ids)
+        draft.token_ids.append(path[-1])
+        draft.parents.append(index[path[:-1]] if len(path) > 1 else -1)
+        draft.probs.append(prob)
+        draft.score += prob
+        draft.match_len = max(draft.match_len, match_len)
+    return draft
 
 
 class SuffixDrafter(Proposer):

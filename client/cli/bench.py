@@ -40,7 +40,15 @@ METHOD_CONFIGS: dict[str, dict] = {
     "dflash": {"method": "dflash", "num_speculative_tokens": 7},
     "dspark": {"method": "dspark", "num_speculative_tokens": 7},
     # Draft trees (one verification pass over all nodes); compare each with its chain above.
-    "suffix+tree": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True},
+    # 8 levels, 16 nodes; a tree's alternatives cost nodes, not depth, so it takes short matches
+    # twice as deep and continuations down to 5% (the chain: 1x and 10%).
+    "suffix+tree": {
+        "method": "suffix",
+        "num_speculative_tokens": 8,
+        "suffix_decoding_use_tree_spec": True,
+        "suffix_decoding_max_spec_factor": 2.0,
+        "suffix_decoding_min_token_prob": 0.05,
+    },
     "draft_model+tree": {
         "method": "draft_model",
         "num_speculative_tokens": 4,
