@@ -1,6 +1,6 @@
 /* CPU kernels of the lean runtime (built and called by cpu_kernels.py): batch-invariant
  * attention; RMSNorm, RoPE with the KV write and SiLU * up for bf16 steps; bf16 linear layers
- * on packed weights (at the end of the file, where the CPU has AVX-512 BF16).
+ * on packed weights (at the end of the file, where the CPU has AVX-512 BF16 or AVX2 + FMA).
  *
  * Attention: each query token attends over an explicit list of pool slots, in list order, and
  * its result is computed by the same arithmetic whatever else is in the call: no blocking,
@@ -538,6 +538,87 @@ int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
                 }
         }
     }
+    return 0;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 + FMA (no bf16 instructions): the same packed weights, widened in registers. A word holds
+ * the bf16 weights of K positions 2p (low half) and 2p+1 (high half), so the float32 of the
+ * first is the word shifted up 16 bits and of the second the word's high half: two FMAs per
+ * pair, 8 outputs a vector. Each output's sum runs over K in the same order whatever the row
+ * count, tile or thread (batch invariant by construction). A pass does ROWS2 rows and 16
+ * outputs (8 accumulators in registers); a group's weights (K/2 x 256 bytes) stay in L2 for
+ * the next rows. */
+#include <immintrin.h>
+#define ROWS2 4
+
+int packed_linear_available(void) { return 1; }
+
+static __m256 pair_low(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+static __m256 pair_high(__m256i w) { return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u))); }
+
+/* 16 outputs of `rows` rows over all K, x already widened to float32 ([rows][k], row stride k);
+ * inlined per constant `rows`, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void pass16(const uint32_t *wg, int64_t pairs, const float *xf,
+                                                          int64_t k, int rows, float out[ROWS2][16]) {
+    __m256 acc[ROWS2][2];
+    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint32_t *wp = wg + p * GROUP;
+        _mm_prefetch((const char *)(wp + 4 * GROUP), _MM_HINT_T0);
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)wp);
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + 8));
+        __m256 lo0 = pair_low(w0), hi0 = pair_high(w0), lo1 = pair_low(w1), hi1 = pair_high(w1);
+        for (int i = 0; i < rows; i++) {
+            __m256 xa = _mm256_broadcast_ss(xf + i * k + 2 * p), xb = _mm256_broadcast_ss(xf + i * k + 2 * p + 1);
+            acc[i][0] = _mm256_fmadd_ps(xb, hi0, _mm256_fmadd_ps(xa, lo0, acc[i][0]));
+            acc[i][1] = _mm256_fmadd_ps(xb, hi1, _mm256_fmadd_ps(xa, lo1, acc[i][1]));
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        _mm256_storeu_ps(out[i], acc[i][0]);
+        _mm256_storeu_ps(out[i] + 8, acc[i][1]);
+    }
+}
+
+int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                  const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
+                  int64_t n, int64_t k, int threads) {
+    if (k % 2 != 0) return -1;
+    int64_t groups = (n + GROUP - 1) / GROUP, pairs = k / 2;
+    float *xf = malloc((size_t)(m * k) * sizeof(float)); /* x widened once, not per group */
+    if (!xf) return -3;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < k; j++) xf[i * k + j] = row_value((const char *)(x + i * x_stride), j, 1);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint32_t *wg = (const uint32_t *)packed + g * pairs * GROUP;
+        for (int64_t m0 = 0; m0 < m; m0 += ROWS2) {
+            int rows = m - m0 < ROWS2 ? (int)(m - m0) : ROWS2;
+            const float *xr = xf + m0 * k;
+            for (int h = 0; h < GROUP; h += 16) {
+                int64_t n0 = g * GROUP + h;
+                if (n0 >= n) break;
+                float out[ROWS2][16];
+                switch (rows) {
+                    case 1: pass16(wg + h, pairs, xr, k, 1, out); break;
+                    case 2: pass16(wg + h, pairs, xr, k, 2, out); break;
+                    case 3: pass16(wg + h, pairs, xr, k, 3, out); break;
+                    default: pass16(wg + h, pairs, xr, k, ROWS2, out); break;
+                }
+                int count = n - n0 < 16 ? (int)(n - n0) : 16;
+                for (int i = 0; i < rows; i++) {
+                    const uint16_t *res = residual ? residual + (m0 + i) * residual_stride : NULL;
+                    for (int j = 0; j < count; j++) {
+                        if (bias) out[i][j] += row_value((const char *)bias, n0 + j, 1);
+                        if (res) out[i][j] += row_value((const char *)res, n0 + j, 1);
+                    }
+                    store_row(out[i], count, (char *)(y + (m0 + i) * y_stride + n0), 1);
+                }
+            }
+        }
+    }
+    free(xf);
     return 0;
 }
 

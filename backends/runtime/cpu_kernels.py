@@ -1,6 +1,6 @@
 """The lean runtime's C kernels (``cpu_kernels.c``), built once per machine with gcc: batch-invariant
 attention; RMSNorm, RoPE with the KV write and SiLU-and-multiply for bf16 steps; and bf16
-linear layers on weights packed for AVX-512 BF16 (where the CPU has it).
+linear layers on packed weights (where the CPU has AVX-512 BF16 or AVX2 + FMA).
 
 Why an attention kernel of our own: SDPA's CPU kernels block queries and keys by the sizes in the call, so
 a token's attention output changes in its last bits with the number of tokens verified beside
@@ -398,7 +398,7 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 
 def packed_linear_available() -> bool:
-    """Does this CPU run the packed bf16 linear kernel (AVX-512 BF16)?"""
+    """Does this CPU run the packed bf16 linear kernel (AVX-512 BF16, or AVX2 + FMA)?"""
     return _available("packed_linear")
 
 
@@ -424,9 +424,8 @@ def packed_linear(
     as ``pack_linear`` left it -> ``[m, n]``."""
     out, rc = _linear(_library().packed_linear, "packed linear", x, (packed.data_ptr(),), n, bias, residual)
     if rc != 0:
-        raise KernelUnavailable(
-            "the packed linear kernel is not built for this CPU" if rc == -2 else f"odd K {x.shape[1]}"
-        )
+        reasons = {-2: "it is not built for this CPU", -3: "out of memory for its widened rows"}
+        raise KernelUnavailable(f"packed linear kernel: {reasons.get(rc, f'odd K {x.shape[1]}')}")
     return out
 
 

@@ -10,10 +10,11 @@ drafts rolls back with ``pool.truncate``.
 How it is laid out, and why (2-core CPU, SmolLM2-135M bf16, 2 threads; the step table is printed
 by ``scripts/bench_runtime.py``):
 
-- bf16 matmuls, on CPUs with AVX-512 BF16, run in ``cpu_kernels.packed_linear`` on weights packed
-  once at load (``_PackedLinear``): 0.63-0.77x oneDNN's time for 1 to 17 rows, 0.91x for 40,
-  equal from 128 to 512 (SmolLM2's 30 layers of weights, cold caches), and row invariant by
-  construction. Elsewhere (float32, other CPUs) matmuls go through oneDNN with weights
+- bf16 matmuls, on CPUs with AVX-512 BF16 or AVX2 + FMA, run in ``cpu_kernels.packed_linear`` on
+  weights packed once at load (``_PackedLinear``): 0.63-0.77x oneDNN's time for 1 to 17 rows,
+  0.91x for 40, equal from 128 to 512 (SmolLM2's 30 layers of weights, cold caches), and row
+  invariant by construction. On AVX2, where oneDNN has no bf16, it halves the 1-token step of
+  oneDNN's float32 on widened weights (whole SmolLM2 steps: 21-25 against 37-42 ms). Elsewhere (float32, other CPUs) matmuls go through oneDNN with weights
   prepacked at load (``mkldnn._reorder_linear_weight``, ``mkldnn._linear_pointwise``), the
   fastest torch path at every row count measured (30 layers ~12 ms at 1 and 5 rows, vs ~16 and
   ~18-25 ms for ``F.linear`` / ``torch.mm``). Either way the residual adds after o_proj and
@@ -38,7 +39,7 @@ by ``scripts/bench_runtime.py``):
   norms alone were 2.6 ms of a 17 ms step); float32 keeps the tensor ops, whose sums are
   transformers'.
 - Where every part of a bf16 layer has its C kernel (packed linears, key-list attention, no
-  q/k norms: SmolLM2, Llama, Qwen2, Mistral on AVX-512 BF16), the layer is one C call
+  q/k norms: SmolLM2, Llama, Qwen2, Mistral on AVX-512 BF16 or AVX2), the layer is one C call
   (``cpu_kernels.layer_step``): the same kernels in the same order, so the same bits, without
   ~8 Python -> C calls a layer (~7 us each).
 - Positions default to cached length + index; explicit per-row positions are accepted (trees).
@@ -149,9 +150,10 @@ def unsupported_reason(config) -> str | None:
 
 
 def bf16_matmul_dtype() -> torch.dtype:
-    """What a bf16 linear layer multiplies in: bf16 where oneDNN has bf16 kernels (AVX-512 or
-    AVX-NE-CONVERT); elsewhere (AVX2) float32 on its bf16 weights widened once at load, 3-5x
-    faster there than ATen's bf16 GEMM from 5 rows up. The layer's input and output stay bf16."""
+    """What a bf16 linear layer off the packed kernel multiplies in: bf16 where oneDNN has bf16
+    kernels (AVX-512 or AVX-NE-CONVERT); elsewhere float32 on its bf16 weights widened once at
+    load (on AVX2, 3-5x faster than ATen's bf16 GEMM from 5 rows up). Its input and output stay
+    bf16."""
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
@@ -268,7 +270,7 @@ class _TritonLinear(_Linear):
 
 
 class _PackedLinear(_Linear):
-    """A bf16 linear layer in ``cpu_kernels.packed_linear`` (AVX-512 BF16): faster than oneDNN
+    """A bf16 linear layer in ``cpu_kernels.packed_linear`` (AVX-512 BF16 or AVX2): faster than oneDNN
     here up to 40 rows, level with it from 128, and row invariant by construction (no K split)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -492,7 +494,7 @@ class _Weights:
         elif self.int8:
             log.info("linear layers: the int8 kernel (AVX-512 VNNI; weights per channel, activations per row)")
         elif self.checked:
-            log.info("linear layers: the packed bf16 kernel (AVX-512 BF16; row invariant by construction)")
+            log.info("linear layers: the packed bf16 kernel (row invariant by construction)")
         if self.splits:
             log.info("batch-invariant matmuls (weight shape -> K chunk): %s", {k[0]: v for k, v in self.splits.items()})
 

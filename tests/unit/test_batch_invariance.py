@@ -210,7 +210,8 @@ def test_argmax_kernel_is_torch_argmax(dtype):
 
 
 needs_packed = pytest.mark.skipif(
-    not cpu_kernels.packed_linear_available(), reason="this CPU has no AVX-512 BF16 (the packed bf16 linear kernel)"
+    not cpu_kernels.packed_linear_available(),
+    reason="this CPU has neither AVX-512 BF16 nor AVX2 + FMA (the packed bf16 linear kernel)",
 )
 
 
