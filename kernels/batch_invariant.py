@@ -82,7 +82,10 @@ def _linear_kernel(
             x_ptr + rows[:, None] * stride_x + (k0 + ks)[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0
         )
         w = tl.load(w_ptr + cols[None, :] * K + (k0 + ks)[:, None], mask=in_cols[None, :] & in_k[:, None], other=0.0)
-        if WIDE:
+        if FIX:  # the interpreter: numpy's BLAS (tl.dot there) need not give a row the same bits
+            # alone as among others (OpenBLAS on AVX2 does not); products summed over K do
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        elif WIDE:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
