@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# Extra compiler flags, e.g. "-mno-avx512f" to build (and test) the AVX2 kernels on an AVX-512 CPU
+FLAGS_ENV = "TRITONSPEC_KERNEL_FLAGS"
 
 
 class KernelUnavailable(RuntimeError):
@@ -65,8 +67,9 @@ def _library() -> ctypes.CDLL:
     if compiler is None:
         raise KernelUnavailable("no C compiler (gcc) on PATH to build the lean runtime's CPU kernels")
     source = SOURCE.read_bytes()
+    flags = (*FLAGS, *os.environ.get(FLAGS_ENV, "").split())
     # -march=native: a cache shared by machines of other CPUs must not hand them this build
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"cpu_kernels-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +78,7 @@ def _library() -> ctypes.CDLL:
             partial = Path(tmp.name)
         try:
             done = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True
+                [compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True
             )
             if done.returncode != 0:
                 raise KernelUnavailable(f"building {SOURCE.name} failed:\n{done.stderr.strip()}")

@@ -9,6 +9,11 @@ kernel itself is checked against a float64 reference.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,6 +56,36 @@ def test_tree_node_equals_its_root_path(model):
     for node, path in ((1, [a, b1]), (3, [a, b2, c])):
         chain = decode(model, prefix + path, [len(prefix)] + [1] * len(path))[0]
         assert torch.equal(tree[node], chain[-1])
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= set(cpu_kernels._cpu_flags().split()), reason="this CPU has no AVX2 + FMA")
+def test_the_avx2_packed_linear_kernel_passes_the_packed_tests():
+    """The AVX2 + FMA variant (what an AVX2-only CPU builds) is also tested on a CPU with
+    AVX-512, which builds the AVX-512 BF16 one: in a process whose kernels are built without
+    AVX-512, the packed kernel's tests run (none skipped) and pass."""
+    tests = [
+        f"{__file__}::{name}"
+        for name in (
+            "test_packed_linear_is_the_matmul_and_row_invariant",
+            "test_packed_linear_refuses_what_it_cannot_take",
+        )
+    ]
+    env = {**os.environ, cpu_kernels.FLAGS_ENV: "-mno-avx512f"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        env=env,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:]
+    # the flags reach the build: without AVX2 either, no packed kernel is built
+    ask = "from backends.runtime import cpu_kernels; print(cpu_kernels.packed_linear_available())"
+    env[cpu_kernels.FLAGS_ENV] = "-mno-avx512f -mno-avx2"
+    off = subprocess.run(
+        [sys.executable, "-c", ask], env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True
+    )
+    assert off.stdout.strip() == "False", off.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
