@@ -39,7 +39,7 @@ class SuffixDraft:
     token_ids: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)  # each token's path probability
     score: float = 0.0  # sum of probs: the expected number of accepted tokens
-    match_len: int = 0  # how many context tokens the draft continues
+    match_len: int = 0  # how many context tokens a path draft continues
     # Tree mode: each token's parent (-1 = the root), parents first; None: a chain.
     parents: list[int] | None = None
 
@@ -236,10 +236,10 @@ class SuffixTree:
         max_depth: int,
         max_spec_factor: float,
         min_token_prob: float,
-        out: dict[tuple[int, ...], tuple[float, int]],
+        out: dict[tuple[int, ...], float],
     ) -> None:
-        """Adds to `out` ({continuation: (probability, match length)}, a continuation's highest
-        probability kept) the `max_nodes` most probable continuations of each match of the
+        """Adds to `out` ({continuation: probability}, a continuation's highest probability
+        kept) the `max_nodes` most probable continuations of each match of the
         context's tail, a match of m tokens at most m * max_spec_factor levels deep. The tails
         seen once all continue the same occurrence, with probability 1: of them only the one
         that may go deepest is grown."""
@@ -252,13 +252,12 @@ class SuffixTree:
             # the trie holds max_depth - match_len levels below a match
             levels = min(max_depth, int(match_len * max_spec_factor + 1e-6), self.max_depth - match_len)
             if match[0].count > 1:
-                grow.append((match_len, match, levels))
-            elif once is None or levels >= once[2]:
-                once = (match_len, match, levels)
-        for match_len, (node, extra), levels in grow + ([once] if once else []):
+                grow.append((match, levels))
+            elif once is None or levels > once[1]:
+                once = (match, levels)
+        for (node, extra), levels in grow + ([once] if once else []):
             for path, prob in self._grow(node, extra, max_nodes, levels, min_token_prob):
-                if prob >= out.get(path, (0.0, 0))[0]:  # ties go to the longer match
-                    out[path] = (prob, match_len)
+                out[path] = max(prob, out.get(path, 0.0))
 
     def _grow(
         self, node: _Node, extra: int, max_nodes: int, max_depth: int, min_token_prob: float
@@ -393,26 +392,25 @@ class SuffixDecodingCache:
         if tree_depth is None:
             local, shared = (t.speculate(context, max_spec_tokens, max_spec_factor, min_token_prob) for t in trees)
             return local if local.score >= shared.score else shared
-        scored: dict[tuple[int, ...], tuple[float, int]] = {}
+        scored: dict[tuple[int, ...], float] = {}
         for tree in trees:
             tree.tree_candidates(context, max_spec_tokens, tree_depth, max_spec_factor, min_token_prob, scored)
         return _best_subtree(scored, max_spec_tokens)
 
 
-def _best_subtree(scored: dict[tuple[int, ...], tuple[float, int]], max_nodes: int) -> SuffixDraft:
+def _best_subtree(scored: dict[tuple[int, ...], float], max_nodes: int) -> SuffixDraft:
     """The `max_nodes` most probable continuations as a tree, parents first. A continuation is
     at most as probable as its prefix and ties go to the shorter, so every node's parent ranks
     before it: the result is closed under parents."""
-    ranked = sorted(scored.items(), key=lambda item: (-item[1][0], len(item[0])))[:max_nodes]
-    draft = SuffixDraft(parents=[])
+    ranked = sorted(scored.items(), key=lambda item: (-item[1], len(item[0])))[:max_nodes]
+    draft = SuffixDraft(parents=[])  # match_len stays 0: the nodes come from many matches
     index: dict[tuple[int, ...], int] = {}
-    for path, (prob, match_len) in ranked:
+    for path, prob in ranked:
         index[path] = len(draft.token_ids)
         draft.token_ids.append(path[-1])
         draft.parents.append(index[path[:-1]] if len(path) > 1 else -1)
         draft.probs.append(prob)
         draft.score += prob
-        draft.match_len = max(draft.match_len, match_len)
     return draft
 
 

@@ -546,9 +546,9 @@ int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
  * the bf16 weights of K positions 2p (low half) and 2p+1 (high half), so the float32 of the
  * first is the word shifted up 16 bits and of the second the word's high half: two FMAs per
  * pair, 8 outputs a vector. Each output's sum runs over K in the same order whatever the row
- * count, tile or thread (batch invariant by construction). A pass does ROWS2 rows and 16
- * outputs (8 accumulators in registers); a group's weights (K/2 x 256 bytes) stay in L2 for
- * the next rows. */
+ * count, tile or thread (batch invariant by construction). x is widened to float32 once per
+ * call; a pass does ROWS2 rows and 16 outputs (8 accumulators in registers), and a group's
+ * weights (K/2 x 256 bytes) stay in L2 for the next rows. */
 #include <immintrin.h>
 #define ROWS2 4
 
