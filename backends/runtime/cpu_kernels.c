@@ -145,6 +145,101 @@ typedef struct {
     float *keys;   /* [LANES][d]: one tile of keys, then of values */
 } scratch;
 
+/* attend_run's two inner loops, most of its time:
+ * - score_tile: out[l] = the score of query q against key l of a tile of LANES keys ([LANES][d]),
+ *   its lane products summed over d's blocks, then its lanes as hsum adds them;
+ * - add_weighted: sum[0:d] += p[l] * values[l][0:d] for each of `own` keys in order.
+ * Products and sums are separate operations (no FMA contraction under -std=c11), so the 8-wide
+ * versions below give these the same bits. */
+#if defined(__AVX512F__) || !defined(__AVX2__)
+static void score_tile(const float *q, const float *keys, int64_t d, float *out) {
+    vec partial[LANES] = {{0}};
+    for (int64_t b = 0; b < d / LANES; b++) { /* 16 independent sums: no add waits on another */
+        vec qv;
+        memcpy(&qv, q + b * LANES, sizeof qv);
+        for (int l = 0; l < LANES; l++) {
+            vec kv_;
+            memcpy(&kv_, keys + l * d + b * LANES, sizeof kv_);
+            partial[l] += qv * kv_;
+        }
+    }
+    vec sums = hsum16(partial);
+    memcpy(out, &sums, sizeof sums);
+}
+
+static void add_weighted(float *sum, const float *p, const float *values, int64_t own, int64_t d) {
+    vec *s = (vec *)sum;
+    for (int64_t b0 = 0; b0 < d / LANES; b0 += REG_BLOCKS) {
+        /* REG_BLOCKS running sums in registers (a constant-bound loop GCC unrolls) */
+        vec acc[REG_BLOCKS];
+        for (int b = 0; b < REG_BLOCKS; b++)
+            if (b0 + b < d / LANES) acc[b] = s[b0 + b];
+        for (int64_t l = 0; l < own; l++)
+            for (int b = 0; b < REG_BLOCKS; b++)
+                if (b0 + b < d / LANES) {
+                    vec v;
+                    memcpy(&v, values + l * d + (b0 + b) * LANES, sizeof v);
+                    acc[b] += p[l] * v;
+                }
+        for (int b = 0; b < REG_BLOCKS; b++)
+            if (b0 + b < d / LANES) s[b0 + b] = acc[b];
+    }
+}
+#else
+/* AVX2's 8-wide registers: GCC compiles the 16-wide sums above into stack spills at every key
+ * (a 5-token step over 1000 keys spent ~2.5 ms a layer there; these take ~0.4). */
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void add_weighted8(float *sum, const float *p, const float *values,
+                                                                 int64_t own, int64_t d, int vecs) {
+    __m256 acc[8];
+    for (int j = 0; j < vecs; j++) acc[j] = _mm256_loadu_ps(sum + 8 * j);
+    for (int64_t l = 0; l < own; l++) {
+        __m256 pl = _mm256_set1_ps(p[l]);
+        for (int j = 0; j < vecs; j++)
+            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(pl, _mm256_loadu_ps(values + l * d + 8 * j)));
+    }
+    for (int j = 0; j < vecs; j++) _mm256_storeu_ps(sum + 8 * j, acc[j]);
+}
+
+/* score_tile on 8-wide registers, the same sums in the same order: a key's 16 lanes are two
+ * halves (lanes e and e + 8 added first, as hsum does), and 8 keys' halves are folded together
+ * (e + 4, e + 2, e + 1) by shuffles instead of one key at a time. */
+static inline __m256 key_lanes(const float *q, const float *k, int64_t d) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t b = 0; b < d; b += 16) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + b), _mm256_loadu_ps(k + b)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + b + 8), _mm256_loadu_ps(k + b + 8)));
+    }
+    return _mm256_add_ps(lo, hi);
+}
+
+static inline __m256 fold4(__m256 a, __m256 b) { /* lanes e + (e + 4): a's in the low half, b's in the high */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+static void score_tile(const float *q, const float *keys, int64_t d, float *out) {
+    for (int half = 0; half < LANES; half += 8) {
+        const float *k = keys + half * d;
+        __m256 a01 = fold4(key_lanes(q, k, d), key_lanes(q, k + d, d));
+        __m256 a23 = fold4(key_lanes(q, k + 2 * d, d), key_lanes(q, k + 3 * d, d));
+        __m256 a45 = fold4(key_lanes(q, k + 4 * d, d), key_lanes(q, k + 5 * d, d));
+        __m256 a67 = fold4(key_lanes(q, k + 6 * d, d), key_lanes(q, k + 7 * d, d));
+        /* e + (e + 2): per 128-bit half, keys 0 and 2 (low) / 1 and 3 (high), two lanes each */
+        __m256 b03 = _mm256_add_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xee));
+        __m256 b47 = _mm256_add_ps(_mm256_shuffle_ps(a45, a67, 0x44), _mm256_shuffle_ps(a45, a67, 0xee));
+        /* e + (e + 1): keys 0, 2, 4, 6 | 1, 3, 5, 7, put back in order */
+        __m256 c = _mm256_add_ps(_mm256_shuffle_ps(b03, b47, 0x88), _mm256_shuffle_ps(b03, b47, 0xdd));
+        _mm256_storeu_ps(out + half, _mm256_permutevar8x32_ps(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+
+static void add_weighted(float *sum, const float *p, const float *values, int64_t own, int64_t d) {
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) add_weighted8(sum + c, p, values + c, own, d, 8);
+    for (; c < d; c += 16) add_weighted8(sum + c, p, values + c, own, d, 2);
+}
+#endif
+
 /* One task: the `group` query heads sharing kv head `kvh`, for a run of `nq` consecutive query
  * tokens that read prefixes of one key list (the tokens of a row, causal: each a longer prefix).
  * Each key row is loaded once for the whole run, but what a query computes is the same as alone:
@@ -180,18 +275,7 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
             if (j0 >= lens[r]) continue;
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = w.qf + (r * group + g) * d;
-                vec partial[LANES] = {{0}};
-                for (int64_t b = 0; b < blocks; b++) { /* 16 independent sums: no add waits on another */
-                    vec qv;
-                    memcpy(&qv, qg + b * LANES, sizeof qv);
-                    for (int l = 0; l < LANES; l++) {
-                        vec kv_;
-                        memcpy(&kv_, w.keys + l * d + b * LANES, sizeof kv_);
-                        partial[l] += qv * kv_;
-                    }
-                }
-                vec sums = hsum16(partial);
-                memcpy(w.scores + (r * group + g) * stride + j0, &sums, sizeof sums);
+                score_tile(qg, w.keys, d, w.scores + (r * group + g) * stride + j0);
             }
         }
     }
@@ -226,21 +310,7 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
             for (int64_t g = 0; g < group && own > 0; g++) {
                 vec *sum = w.acc + (r * group + g) * blocks;
                 const float *p = w.scores + (r * group + g) * stride + j0;
-                for (int64_t b0 = 0; b0 < blocks; b0 += REG_BLOCKS) {
-                    /* REG_BLOCKS running sums in registers (a constant-bound loop GCC unrolls) */
-                    vec acc[REG_BLOCKS];
-                    for (int b = 0; b < REG_BLOCKS; b++)
-                        if (b0 + b < blocks) acc[b] = sum[b0 + b];
-                    for (int64_t l = 0; l < own; l++)
-                        for (int b = 0; b < REG_BLOCKS; b++)
-                            if (b0 + b < blocks) {
-                                vec v;
-                                memcpy(&v, w.keys + l * d + (b0 + b) * LANES, sizeof v);
-                                acc[b] += p[l] * v;
-                            }
-                    for (int b = 0; b < REG_BLOCKS; b++)
-                        if (b0 + b < blocks) sum[b0 + b] = acc[b];
-                }
+                add_weighted((float *)sum, p, w.keys, own, d);
             }
         }
     }
@@ -547,38 +617,62 @@ int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
  * first is the word shifted up 16 bits and of the second the word's high half: two FMAs per
  * pair, 8 outputs a vector. Each output's sum runs over K in the same order whatever the row
  * count, tile or thread (batch invariant by construction). x is widened to float32 once per
- * call; a pass does ROWS2 rows and 16 outputs (8 accumulators in registers), and a group's
- * weights (K/2 x 256 bytes) stay in L2 for the next rows. */
+ * call. A pass keeps 8 sums in registers whatever its rows (1 row x 64 outputs, 2 x 32, 3-4 x
+ * 16): fewer leave the FMA units waiting on each sum's chain (1 row x 16 outputs summed at half
+ * the memory's speed). K runs in chunks of CHUNK_PAIRS pairs (8 KB of weights, kept in L1) that
+ * every pass of a tile reads before the next chunk, so the weights stream from memory once and
+ * in order; the next tile of rows reads its group again from L2. */
 #include <immintrin.h>
 #define ROWS2 4
+#define PREFETCH_PAIRS 16 /* ahead of the pair being summed: 4 KB, ~2 us of weights */
+#define CHUNK_PAIRS 32
 
 int packed_linear_available(void) { return 1; }
 
 static __m256 pair_low(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
 static __m256 pair_high(__m256i w) { return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u))); }
 
-/* 16 outputs of `rows` rows over all K, x already widened to float32 ([rows][k], row stride k);
- * inlined per constant `rows`, so the sums stay in registers. */
-static inline __attribute__((always_inline)) void pass16(const uint32_t *wg, int64_t pairs, const float *xf,
-                                                          int64_t k, int rows, float out[ROWS2][16]) {
-    __m256 acc[ROWS2][2];
-    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < pairs; p++) {
-        const uint32_t *wp = wg + p * GROUP;
-        _mm_prefetch((const char *)(wp + 4 * GROUP), _MM_HINT_T0);
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)wp);
-        __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + 8));
-        __m256 lo0 = pair_low(w0), hi0 = pair_high(w0), lo1 = pair_low(w1), hi1 = pair_high(w1);
-        for (int i = 0; i < rows; i++) {
-            __m256 xa = _mm256_broadcast_ss(xf + i * k + 2 * p), xb = _mm256_broadcast_ss(xf + i * k + 2 * p + 1);
-            acc[i][0] = _mm256_fmadd_ps(xb, hi0, _mm256_fmadd_ps(xa, lo0, acc[i][0]));
-            acc[i][1] = _mm256_fmadd_ps(xb, hi1, _mm256_fmadd_ps(xa, lo1, acc[i][1]));
+/* Adds pairs [p0, p1) of K to the sums of `vecs` x 8 outputs (from output h of the group) of
+ * `rows` rows, x already widened to float32 ([rows][k], row stride k); inlined per constant
+ * (rows, vecs), so the sums stay in registers. The sums live in `sums` between calls: float32
+ * stored and loaded back exactly, so each output's chain of FMAs is the same however K is cut. */
+static inline __attribute__((always_inline)) void pass(const uint32_t *wg, int h, int64_t p0, int64_t p1,
+                                                        const float *xf, int64_t k, int rows, int vecs,
+                                                        float sums[ROWS2][GROUP]) {
+    __m256 acc[ROWS2][GROUP / 8];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < vecs; j++) acc[i][j] = _mm256_loadu_ps(sums[i] + h + 8 * j);
+    for (int64_t p = p0; p < p1; p++) {
+        const uint32_t *wp = wg + p * GROUP + h;
+        if (h == 0) /* the first pass over these pairs fetches all the group's outputs ahead */
+            for (int j = 0; j < GROUP; j += 16) _mm_prefetch((const char *)(wp + PREFETCH_PAIRS * GROUP + j), _MM_HINT_T0);
+        /* 16 ymm registers: widen the weights once and stream x, or the reverse when there are
+         * more weight vectors than rows (the same sums either way) */
+        if (vecs <= 2) {
+            __m256 lo[2], hi[2];
+            for (int j = 0; j < vecs; j++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(wp + 8 * j));
+                lo[j] = pair_low(w), hi[j] = pair_high(w);
+            }
+            for (int i = 0; i < rows; i++) {
+                __m256 xa = _mm256_broadcast_ss(xf + i * k + 2 * p), xb = _mm256_broadcast_ss(xf + i * k + 2 * p + 1);
+                for (int j = 0; j < vecs; j++) acc[i][j] = _mm256_fmadd_ps(xb, hi[j], _mm256_fmadd_ps(xa, lo[j], acc[i][j]));
+            }
+        } else {
+            __m256 xa[2], xb[2];
+            for (int i = 0; i < rows; i++) {
+                xa[i] = _mm256_broadcast_ss(xf + i * k + 2 * p);
+                xb[i] = _mm256_broadcast_ss(xf + i * k + 2 * p + 1);
+            }
+            for (int j = 0; j < vecs; j++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(wp + 8 * j));
+                __m256 lo = pair_low(w), hi = pair_high(w);
+                for (int i = 0; i < rows; i++) acc[i][j] = _mm256_fmadd_ps(xb[i], hi, _mm256_fmadd_ps(xa[i], lo, acc[i][j]));
+            }
         }
     }
-    for (int i = 0; i < rows; i++) {
-        _mm256_storeu_ps(out[i], acc[i][0]);
-        _mm256_storeu_ps(out[i] + 8, acc[i][1]);
-    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < vecs; j++) _mm256_storeu_ps(sums[i] + h + 8 * j, acc[i][j]);
 }
 
 int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
@@ -593,28 +687,27 @@ int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const uint32_t *wg = (const uint32_t *)packed + g * pairs * GROUP;
+        int outputs = n - g * GROUP < GROUP ? (int)(n - g * GROUP) : GROUP;
         for (int64_t m0 = 0; m0 < m; m0 += ROWS2) {
-            int rows = m - m0 < ROWS2 ? (int)(m - m0) : ROWS2;
+            int rows = m - m0 < ROWS2 ? (int)(m - m0) : ROWS2, width = rows == 1 ? 64 : rows == 2 ? 32 : 16;
             const float *xr = xf + m0 * k;
-            for (int h = 0; h < GROUP; h += 16) {
-                int64_t n0 = g * GROUP + h;
-                if (n0 >= n) break;
-                float out[ROWS2][16];
-                switch (rows) {
-                    case 1: pass16(wg + h, pairs, xr, k, 1, out); break;
-                    case 2: pass16(wg + h, pairs, xr, k, 2, out); break;
-                    case 3: pass16(wg + h, pairs, xr, k, 3, out); break;
-                    default: pass16(wg + h, pairs, xr, k, ROWS2, out); break;
-                }
-                int count = n - n0 < 16 ? (int)(n - n0) : 16;
-                for (int i = 0; i < rows; i++) {
-                    const uint16_t *res = residual ? residual + (m0 + i) * residual_stride : NULL;
-                    for (int j = 0; j < count; j++) {
-                        if (bias) out[i][j] += row_value((const char *)bias, n0 + j, 1);
-                        if (res) out[i][j] += row_value((const char *)res, n0 + j, 1);
+            float sums[ROWS2][GROUP] = {{0}};
+            for (int64_t p0 = 0; p0 < pairs; p0 += CHUNK_PAIRS) {
+                int64_t p1 = pairs - p0 < CHUNK_PAIRS ? pairs : p0 + CHUNK_PAIRS;
+                for (int h = 0; h < outputs; h += width) switch (rows) {
+                        case 1: pass(wg, h, p0, p1, xr, k, 1, 8, sums); break;
+                        case 2: pass(wg, h, p0, p1, xr, k, 2, 4, sums); break;
+                        case 3: pass(wg, h, p0, p1, xr, k, 3, 2, sums); break;
+                        default: pass(wg, h, p0, p1, xr, k, ROWS2, 2, sums); break;
                     }
-                    store_row(out[i], count, (char *)(y + (m0 + i) * y_stride + n0), 1);
+            }
+            for (int i = 0; i < rows; i++) {
+                const uint16_t *res = residual ? residual + (m0 + i) * residual_stride : NULL;
+                for (int j = 0; j < outputs; j++) {
+                    if (bias) sums[i][j] += row_value((const char *)bias, g * GROUP + j, 1);
+                    if (res) sums[i][j] += row_value((const char *)res, g * GROUP + j, 1);
                 }
+                store_row(sums[i], outputs, (char *)(y + (m0 + i) * y_stride + g * GROUP), 1);
             }
         }
     }
