@@ -88,6 +88,52 @@ def test_the_avx2_packed_linear_kernel_passes_the_packed_tests():
     assert off.stdout.strip() == "False", off.stderr[-3000:]
 
 
+# Attention over fixed random inputs, saved to argv[1]: queries alone and in runs sharing a key
+# list (a row's verification tokens), key counts around the 16-key tiles, head dims that take
+# the AVX2 loops' 64- and 16-wide parts.
+_ATTENTION_OUTPUTS = """
+import sys, torch
+from backends.runtime import cpu_kernels
+gen = torch.Generator().manual_seed(3)
+outs = []
+for dtype in (torch.float32, torch.bfloat16):
+    for heads, kv_heads, d in ((9, 3, 64), (4, 2, 16), (4, 4, 128), (2, 1, 96)):
+        kv = torch.randn(400, 2, kv_heads, d, generator=gen).to(dtype)
+        q = (3 * torch.randn(12, heads * d, generator=gen)).to(dtype)
+        lists = [torch.randperm(400, generator=gen)[:n] for n in (1, 15, 16, 17, 201, 399)]
+        shared = torch.randperm(400, generator=gen)[:300]
+        slots = torch.cat([*lists, shared])
+        start = [0, *torch.tensor([len(k) for k in lists]).cumsum(0).tolist()]
+        length = [len(k) for k in lists] + [295 + t for t in range(6)]
+        start += [start[-1]] * 5
+        keys = cpu_kernels.KeyLists(slots, torch.tensor(start), torch.tensor(length))
+        outs.append(cpu_kernels.attend(q, kv, keys, heads))
+torch.save(outs, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= set(cpu_kernels._cpu_flags().split()), reason="this CPU has no AVX2 + FMA")
+def test_the_avx2_attention_gives_the_generic_kernels_bits(tmp_path):
+    """Attention's inner loops have 8-wide AVX2 versions of the 16-wide vector code: built
+    without AVX-512 (the AVX2 loops) and without AVX2 either (the vector code), the kernel gives
+    the same bits, in float32 and bf16."""
+    outputs = []
+    for name, flags in (("avx2", "-mno-avx512f"), ("generic", "-mno-avx512f -mno-avx2")):
+        path = tmp_path / f"{name}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", _ATTENTION_OUTPUTS, str(path)],
+            env={**os.environ, cpu_kernels.FLAGS_ENV: flags},
+            cwd=Path(__file__).parents[2],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(torch.load(path))
+    assert len(outputs[0]) == len(outputs[1]) == 8
+    for avx2, generic in zip(*outputs):
+        assert avx2.isfinite().all() and torch.equal(avx2, generic)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (4, 4, 128), (8, 1, 32)])
 def test_kernel_matches_float64_attention_and_is_invariant(dtype, heads, kv_heads, head_dim):
