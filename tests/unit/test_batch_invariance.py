@@ -58,7 +58,23 @@ def test_tree_node_equals_its_root_path(model):
         assert torch.equal(tree[node], chain[-1])
 
 
-@pytest.mark.skipif(not {"avx2", "fma"} <= set(cpu_kernels._cpu_flags().split()), reason="this CPU has no AVX2 + FMA")
+needs_avx2 = pytest.mark.skipif(
+    not {"avx2", "fma"} <= set(cpu_kernels._cpu_flags().split()), reason="this CPU has no AVX2 + FMA"
+)
+
+
+def _with_kernel_flags(flags: str, *args: str) -> subprocess.CompletedProcess:
+    """Python run with `args` in the repository, its CPU kernels built with extra `flags`."""
+    return subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, cpu_kernels.FLAGS_ENV: flags},
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+    )
+
+
+@needs_avx2
 def test_the_avx2_packed_linear_kernel_passes_the_packed_tests():
     """The AVX2 + FMA variant (what an AVX2-only CPU builds) is also tested on a CPU with
     AVX-512, which builds the AVX-512 BF16 one: in a process whose kernels are built without
@@ -70,21 +86,11 @@ def test_the_avx2_packed_linear_kernel_passes_the_packed_tests():
             "test_packed_linear_refuses_what_it_cannot_take",
         )
     ]
-    env = {**os.environ, cpu_kernels.FLAGS_ENV: "-mno-avx512f"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-        env=env,
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-    )
+    done = _with_kernel_flags("-mno-avx512f", "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests)
     assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:]
     # the flags reach the build: without AVX2 either, no packed kernel is built
     ask = "from backends.runtime import cpu_kernels; print(cpu_kernels.packed_linear_available())"
-    env[cpu_kernels.FLAGS_ENV] = "-mno-avx512f -mno-avx2"
-    off = subprocess.run(
-        [sys.executable, "-c", ask], env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True
-    )
+    off = _with_kernel_flags("-mno-avx512f -mno-avx2", "-c", ask)
     assert off.stdout.strip() == "False", off.stderr[-3000:]
 
 
@@ -112,7 +118,7 @@ torch.save(outs, sys.argv[1])
 """
 
 
-@pytest.mark.skipif(not {"avx2", "fma"} <= set(cpu_kernels._cpu_flags().split()), reason="this CPU has no AVX2 + FMA")
+@needs_avx2
 def test_the_avx2_attention_gives_the_generic_kernels_bits(tmp_path):
     """Attention's inner loops have 8-wide AVX2 versions of the 16-wide vector code: built
     without AVX-512 (the AVX2 loops) and without AVX2 either (the vector code), the kernel gives
@@ -120,13 +126,7 @@ def test_the_avx2_attention_gives_the_generic_kernels_bits(tmp_path):
     outputs = []
     for name, flags in (("avx2", "-mno-avx512f"), ("generic", "-mno-avx512f -mno-avx2")):
         path = tmp_path / f"{name}.pt"
-        done = subprocess.run(
-            [sys.executable, "-c", _ATTENTION_OUTPUTS, str(path)],
-            env={**os.environ, cpu_kernels.FLAGS_ENV: flags},
-            cwd=Path(__file__).parents[2],
-            capture_output=True,
-            text=True,
-        )
+        done = _with_kernel_flags(flags, "-c", _ATTENTION_OUTPUTS, str(path))
         assert done.returncode == 0, done.stderr[-3000:]
         outputs.append(torch.load(path))
     assert len(outputs[0]) == len(outputs[1]) == 8
