@@ -41,7 +41,6 @@ wasted per sequence), and small blocks will suit prefix sharing best.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -80,6 +79,58 @@ def _block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + b"".join(t.to_bytes(8, "little") for t in token_ids)).digest()
 
 
+class _FreeBlocks:
+    """The free block ids as maximal runs of consecutive ids, so that taking and returning
+    blocks costs time in the number of runs, not of blocks (a pool of a small model holds
+    ~100k blocks: walking them in Python cost ~50 ms an admission)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._runs: dict[int, int] = {0: num_blocks}  # first block -> run length
+        self._ends: dict[int, int] = {num_blocks: 0}  # one past the last block -> first block
+        self._count = num_blocks
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, block: int) -> None:
+        """Return one block, merging it with the runs it touches."""
+        first, end = block, block + 1
+        if (before := self._ends.pop(block, None)) is not None:
+            first = before
+            del self._runs[before]
+        if (after := self._runs.pop(end, None)) is not None:
+            del self._ends[end + after]
+            end += after
+        self._runs[first], self._ends[end] = end - first, first
+        self._count += 1
+
+    def take(self, need: int) -> list[int]:
+        """The first ``need`` blocks of the smallest run that holds them (the lowest such run);
+        when none does, the lowest free blocks. The caller has made sure ``need`` are free."""
+        fitting = [(length, first) for first, length in self._runs.items() if length >= need]
+        if fitting:
+            _, first = min(fitting)
+            return self._cut(first, need)
+        taken: list[int] = []
+        for first in sorted(self._runs):
+            taken += self._cut(first, min(need - len(taken), self._runs[first]))
+            if len(taken) == need:
+                break
+        return taken
+
+    def _cut(self, first: int, n: int) -> list[int]:
+        """Take the first ``n`` blocks of the run starting at ``first``."""
+        length = self._runs.pop(first)
+        end = first + length
+        if n < length:
+            self._runs[first + n] = length - n
+            self._ends[end] = first + n
+        else:
+            del self._ends[end]
+        self._count -= n
+        return list(range(first, first + n))
+
+
 class KVCachePool:
     """Preallocated paged KV memory for one model instance.
 
@@ -113,7 +164,7 @@ class KVCachePool:
         # and untouched pages of a large pool then cost no memory until used.
         self.kv = torch.empty(num_layers, num_slots, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.layers = list(self.kv.unbind(0))  # per layer [slots, 2, kv_heads, head_dim]
-        self._free = list(range(self.num_blocks))  # sorted
+        self._free = _FreeBlocks(self.num_blocks)
         self._seqs: dict[Hashable, _Sequence] = {}
         self.prefix_caching = prefix_caching
         self._refs = [0] * self.num_blocks  # sequences holding each block
@@ -333,31 +384,17 @@ class KVCachePool:
             if block in self._block_key:
                 self._evictable[block] = None
             else:
-                bisect.insort(self._free, block)
+                self._free.add(block)
 
     def _take(self, need: int) -> list[int]:
         """Best fit: the smallest run of free blocks that holds ``need``; else the lowest free
         blocks. Cached prefixes are evicted, least recently released first, when free blocks
         alone are too few."""
-        free = self._free
-        while len(free) < need:
+        while len(self._free) < need:
             block, _ = self._evictable.popitem(last=False)
             del self._key_block[self._block_key.pop(block)]
-            bisect.insort(free, block)
-        best_len, best_at = None, 0  # smallest fitting run: its length and index in ``free``
-        i = 0
-        while i < len(free):
-            j = i
-            while j + 1 < len(free) and free[j + 1] == free[j] + 1:
-                j += 1
-            run = j - i + 1
-            if run >= need and (best_len is None or run < best_len):
-                best_len, best_at = run, i
-                if run == need:
-                    break
-            i = j + 1
-        taken = free[best_at : best_at + need]
-        del free[best_at : best_at + need]
+            self._free.add(block)
+        taken = self._free.take(need)
         for block in taken:
             self._refs[block] = 1
         return taken

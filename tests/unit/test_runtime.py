@@ -420,3 +420,45 @@ def test_pool_hands_out_the_smallest_fitting_run():
     assert pool.blocks("x") == [4, 5] and pool.contiguous_start("x") == 16
     pool.admit("y", 12)
     assert pool.blocks("y") == [0, 1, 2]
+
+
+def _walk_free_list(free: list[int], need: int) -> list[int]:
+    """The allocation rule spelled out over a sorted list of free blocks: the first ``need`` of
+    the smallest run that holds them (the lowest on a tie), else the lowest ``need``."""
+    runs, first = [], 0
+    for i in range(1, len(free) + 1):
+        if i == len(free) or free[i] != free[i - 1] + 1:
+            runs.append(free[first:i])
+            first = i
+    fitting = [run for run in runs if len(run) >= need]
+    return min(fitting, key=len)[:need] if fitting else free[:need]
+
+
+def test_pool_allocation_follows_the_free_list_rule_under_churn():
+    """The pool keeps its free blocks as runs (time per admission in runs, not blocks): over
+    random admissions, growths and releases it hands out what the rule over a plain sorted list
+    of free blocks would, block for block."""
+    import random
+
+    rng = random.Random(0)
+    pool = KVCachePool(1, 1, 4, capacity_tokens=200 * 4, block_size=4, dtype=torch.float32)
+    free, held = list(range(200)), {}
+    for step in range(3000):
+        if held and (rng.random() < 0.45 or len(free) < 12):
+            seq_id = rng.choice(sorted(held))
+            pool.release(seq_id)
+            free = sorted(free + held.pop(seq_id))
+            continue
+        need = rng.randint(1, 12)
+        expected = _walk_free_list(free, need)
+        if held and rng.random() < 0.2:  # grow a running sequence instead
+            seq_id = rng.choice(sorted(held))
+            pool.grow(seq_id, (len(held[seq_id]) + need) * 4)
+            held[seq_id] += expected
+        else:
+            pool.admit(step, need * 4)
+            held[step] = expected
+            seq_id = step
+        free = [b for b in free if b not in set(expected)]
+        assert pool.blocks(seq_id) == held[seq_id], step
+        assert pool.free_tokens == len(free) * 4
