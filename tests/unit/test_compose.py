@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 import yaml
 
+from client.cli.launcher import needs_auto_complete
 from tests.fixtures import ROOT
 from tests.fixtures.deploy import DEPLOY, load_compose, loadtest_args
 
@@ -46,7 +47,9 @@ def mounts(service: dict) -> dict[str, str]:
 
 
 def triton_flags(compose: dict) -> dict[str, str]:
-    return dict(arg.removeprefix("--").split("=", 1) for arg in compose["services"]["triton"]["command"][1:])
+    """{flag: value} of the triton service's command ("" for a flag without one)."""
+    flags = (arg.removeprefix("--").partition("=") for arg in compose["services"]["triton"]["command"][1:])
+    return {name: value for name, _, value in flags}
 
 
 def dockerfile() -> tuple[str, str]:
@@ -91,6 +94,9 @@ def test_triton_runs_nvidias_image_with_the_project_installed(compose):
     repository = triton_flags(compose)["model-repository"]
     assert repository == f"{workdir}/model_repository"
     assert mounts(compose["services"]["triton"])[repository] == "./model_repository"
+    # Without auto-completion only while the mounted configs leave nothing to fill in.
+    assert "disable-auto-complete-config" in triton_flags(compose)
+    assert not needs_auto_complete(ROOT / "model_repository")
 
 
 def test_gpus_are_reserved_and_the_model_cache_is_a_volume(compose):
