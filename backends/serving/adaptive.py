@@ -3,8 +3,9 @@ second for this sequence, and k = 0 (no drafter call at all) when speculation ca
 
 Tokens per verify step with per-token acceptance α (Leviathan et al., 2023):
     E(k) = (1 - α^(k+1)) / (1 - α)
-Step time T(k) = verify(k) + draft(k), both measured on this sequence's own steps (wall
-time of the calls, so BLS hops count). Verify time per k is kept in a small table; an
+Step time T(k) = verify(k) + draft(k), both measured on this sequence's own steps: the
+drafter call's wall time, and the verify step's cost to the server (StepCost: under load, the
+sequence's share of the batched forward, not the whole batch's time it waited for). Verify time per k is kept in a small table; an
 unseen k is interpolated from the nearest seen ones (or assumed flat, the optimistic
 choice that lets the table fill). While paused, a probe every `probe_every` steps keeps
 α current, so a sequence that turns repetitive gets speculation back.
@@ -86,6 +87,26 @@ class AdaptiveDraftLength:
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
+
+
+@dataclass
+class StepCost:
+    """A verify step's cost as the draft-length policies weigh it: the sequence's share of the
+    forward (the verifier's `forward_s`: its own tokens at what one token adds to the step,
+    plus an even part of the rest) and the call's hops (wall time beyond the forward, measured
+    while the sequence is served alone) shared by the `load` sequences served now. Alone,
+    that is the call's wall time. Under load, the wall time is the whole batch's step, which
+    one sequence's draft length hardly changes: weighed by it, every sequence would draft
+    its maximum while each extra token slows everyone's step."""
+
+    decay: float = 0.7
+    hop_s: float | None = None
+
+    def __call__(self, forward_s: float, wall_s: float, load: int) -> float:
+        if load <= 1:
+            hop = max(0.0, wall_s - forward_s)
+            self.hop_s = hop if self.hop_s is None else self.decay * self.hop_s + (1 - self.decay) * hop
+        return forward_s + (self.hop_s or 0.0) / max(1, load)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from backends.serving.adaptive import AdaptiveDraftLength, TreeSize
+from backends.serving.adaptive import AdaptiveDraftLength, StepCost, TreeSize
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
@@ -225,6 +225,7 @@ def generate(
     clock = time.perf_counter()
     last_drafter_call = time.monotonic()
     drafter_caught_up = False  # the drafter's first call reads the whole prompt
+    step_cost = StepCost()
     while True:
         if is_cancelled():
             yield StepOutput([], "", "cancelled")
@@ -300,6 +301,7 @@ def generate(
         )
         emitted, verify_s, hidden, logprobs = result.token_ids, result.forward_s, result.hidden_states, result.logprobs
         verify_wall = time.perf_counter() - start
+        verify_cost = step_cost(verify_s, verify_wall, load())
         if hidden is not None and speculate:
             hidden_rows.append(hidden)
         if call_drafter:
@@ -307,9 +309,9 @@ def generate(
         unseen_by_verifier, sampling = [], None
         stats.record(len(drafts), len(emitted), draft_s, verify_s)
         if policy and steady:
-            policy.record(k, len(drafts), len(emitted) - 1, verify_wall, draft_wall)
+            policy.record(k, len(drafts), len(emitted) - 1, verify_cost, draft_wall)
         if tree_policy and k > 0 and steady:
-            tree_policy.record(nodes, len(emitted), verify_wall + draft_wall)
+            tree_policy.record(nodes, len(emitted), verify_cost + draft_wall)
 
         finish = None
         taken: list[int] = []

@@ -14,6 +14,7 @@ so the cache never holds a token that is not part of the output.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
@@ -55,7 +56,7 @@ class VerifyRequest:
 class VerifyResult:
     token_ids: list[int]  # accepted drafts + one more token (recovered or bonus); none after a prefill chunk
     num_accepted: int
-    forward_s: float
+    forward_s: float  # this sequence's share of the forward's time (step_shares)
     hidden_states: torch.Tensor | None = None  # [kept positions, layers, hidden]
     logprobs: list[TokenLogprob] | None = None  # per emitted token, when the sequence asked for them
 
@@ -115,6 +116,42 @@ class _Step:
     def num_kept(self, result: VerifyResult) -> int:
         """Input positions whose KV stays: the pending tokens and the accepted drafts."""
         return len(self.pending) + result.num_accepted
+
+
+def step_shares(step_s: float, tokens: list[int], token_cost_s: float) -> list[float]:
+    """Each row's share of a batched step that took `step_s` over rows of `tokens` new tokens:
+    its own tokens at `token_cost_s` each, plus an even part of the rest. The shares sum to
+    `step_s`, and one more token in a row adds `token_cost_s` to that row's share: what it
+    adds to the step. (An even split hides that: under load every sequence then finds a
+    long draft as cheap as a short one and drafts its maximum, slowing every step.)"""
+    total = sum(tokens)
+    per_token = min(token_cost_s, step_s / total) if total else 0.0
+    rest = step_s - per_token * total
+    return [rest / len(tokens) + per_token * n for n in tokens]
+
+
+def measure_token_cost(lean: LeanCausalLM, pool: KVCachePool, context: int = 64, drafts: int = 4) -> float:
+    """Seconds one more new token adds to a lean step, on a scratch sequence of `context`
+    tokens: a (1 + `drafts`)-token step against a 1-token one (median of 3 each, after one
+    of each to warm up). The scratch sequence's blocks go back to the pool."""
+    probe = "token cost probe"  # not an int: no request's sequence id
+    pool.admit(probe, context + drafts + 1)
+    try:
+        lean.forward(pool, [Row(probe, [0] * context)], 0)
+
+        def step(n: int) -> float:
+            start = time.perf_counter()
+            lean.forward(pool, [Row(probe, [0] * n)])
+            elapsed = time.perf_counter() - start
+            pool.truncate(probe, context)
+            return elapsed
+
+        step(1), step(1 + drafts)
+        one = statistics.median(step(1) for _ in range(3))
+        more = statistics.median(step(1 + drafts) for _ in range(3))
+    finally:
+        pool.release(probe)
+    return max(0.0, (more - one) / drafts)
 
 
 def check_sliding_window(config, max_model_len: int) -> None:
@@ -204,8 +241,13 @@ class TargetRunner:
         )
         self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb, batch_invariant, prefix_caching)
         self.batch_invariant = self.lean is not None and self.lean.batch_invariant
+        # What one more token adds to a step: how a batched step's time is shared among its
+        # rows (step_shares). Transformers' batches are split evenly.
+        self.token_cost_s = 0.0
         if self.pool is not None:
             self.kv_budget_tokens = self.pool.capacity_tokens
+            self.token_cost_s = measure_token_cost(self.lean, self.pool)
+            log.info("a step's cost per new token: %.2f ms", self.token_cost_s * 1e3)
 
     def _lean_runtime(
         self, runtime: str, memory_gb: float | None, batch_invariant: str, prefix_caching: bool
@@ -436,9 +478,9 @@ class TargetRunner:
             self.pool.truncate(step.req.seq_id, step.seq.num_cached)
         start = time.perf_counter()
         out = self.lean.forward(self.pool, rows, [step.num_rows for step in steps], layers)
-        forward_s = (time.perf_counter() - start) / len(steps)  # each sequence's share
+        shares = step_shares(time.perf_counter() - start, [len(r.token_ids) for r in rows], self.token_cost_s)
         results: list[VerifyResult | Exception] = []
-        for row, step in enumerate(steps):
+        for row, (step, forward_s) in enumerate(zip(steps, shares)):
             try:  # from here on each row is its own sequence's business
                 result = self._accept(step, out.logits[row], forward_s)
                 if step.accepted:  # move the accepted path's KV into place behind the pending tokens

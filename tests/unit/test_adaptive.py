@@ -1,10 +1,11 @@
 import pytest
 
 from backends.config import SpeculativeConfig
-from backends.serving.adaptive import AdaptiveDraftLength
+from backends.serving.adaptive import AdaptiveDraftLength, StepCost
 from backends.serving.orchestrator import draft_length
 from backends.serving.proposer import DrafterInfo
 from backends.serving.request import GenerationRequest
+from backends.serving.target import step_shares
 
 
 def test_expected_tokens_formula():
@@ -97,3 +98,43 @@ def test_tree_size_probes_the_others_and_follows_a_change():
         policy.record(0, 1.8, 0.02)
     picks = [policy.next_size() for _ in range(3)]
     assert picks.count(0) >= 2
+
+
+def test_step_shares_charge_each_row_its_tokens_and_sum_to_the_step():
+    shares = step_shares(0.050, [1, 5, 1], token_cost_s=0.002)
+    assert sum(shares) == pytest.approx(0.050)
+    assert shares[1] - shares[0] == pytest.approx(4 * 0.002) and shares[0] == shares[2]
+    assert step_shares(0.030, [1, 1, 1], 0.0) == pytest.approx([0.010] * 3)  # no cost known: even
+    # a cost above what the step took: shares in proportion to tokens, never negative
+    assert step_shares(0.006, [1, 5], token_cost_s=0.010) == pytest.approx([0.001, 0.005])
+
+
+def test_step_cost_is_the_wall_time_alone_and_a_share_under_load():
+    cost = StepCost()
+    assert cost(forward_s=0.015, wall_s=0.018, load=1) == pytest.approx(0.018)
+    # under load the wall time is the batch's: only the share and a part of the hops count
+    assert cost(forward_s=0.004, wall_s=0.040, load=8) == pytest.approx(0.004 + 0.003 / 8)
+
+
+def _batch_step_s(tokens: list[int]) -> float:
+    """A SmolLM2-135M bf16 step on the 2-core CPU (tritonspec verify-cost): 12.2 ms, 0.18 ms
+    a row, 2.3 ms a token."""
+    return 0.0122 + 0.00018 * len(tokens) + 0.0023 * sum(tokens)
+
+
+@pytest.mark.parametrize("weighed_by", ["wall time", "share"])
+def test_under_load_the_draft_length_follows_the_share_of_the_step(weighed_by):
+    """Eight sequences share each step and seven draft 4 tokens. Weighed by the call's wall
+    time, a longer draft looks free (the batch's step hardly changes with one row) and the
+    policy drafts its maximum; weighed by its share (StepCost), at 0.6 acceptance, a sequence
+    drafts at most 1 token: at this load a second draft token costs more than it brings."""
+    policy, cost = AdaptiveDraftLength(max_k=4), StepCost()
+    for _ in range(3):
+        for k in range(5):
+            tokens = [k + 1] + [5] * 7
+            step_s = _batch_step_s(tokens)
+            share = step_shares(step_s, tokens, token_cost_s=0.0023)[0]
+            verify_s = step_s + 0.003 if weighed_by == "wall time" else cost(share, step_s + 0.003, load=8)
+            policy.record(k, k, 0, verify_s=verify_s, draft_s=0.0001)
+    policy.alpha = 0.6
+    assert policy.next_k(limit=4) == (4 if weighed_by == "wall time" else 1)

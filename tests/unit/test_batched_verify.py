@@ -92,3 +92,17 @@ def test_a_bad_request_fails_alone(runners, tiny_model_dir):
     assert len(results[0].token_ids) >= 1 and len(results[3].token_ids) == 1
     for seq_id in (21, 22, 23):
         runner.release(seq_id)
+
+
+def test_each_row_is_charged_its_own_tokens(tiny_model_dir):
+    """A batched step's time is shared so that a row's share grows with its own tokens (at the
+    cost measured at start-up), and the shares add up to the step; the start-up measurement
+    hands its scratch sequence's blocks back."""
+    runner = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
+    assert runner.token_cost_s > 0
+    assert runner.pool.num_sequences == 0 and runner.pool.reserved_tokens == 0
+    for seq_id in (1, 2):
+        runner.verify(VerifyRequest(seq_id, list(range(10, 30)), []))
+    short, long = runner.verify_batch([VerifyRequest(1, [], []), VerifyRequest(2, [], [7, 8, 9, 10])])
+    # the 5-token row's extra 4 tokens, at the start-up cost (capped by what the step took)
+    assert long.forward_s - short.forward_s == pytest.approx(min(4 * runner.token_cost_s, long.forward_s), rel=1e-6)
