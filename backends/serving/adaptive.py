@@ -4,16 +4,21 @@ second for this sequence, and k = 0 (no drafter call at all) when speculation ca
 Tokens per verify step with per-token acceptance α (Leviathan et al., 2023):
     E(k) = (1 - α^(k+1)) / (1 - α)
 Step time T(k) = verify(k) + draft(k), both measured on this sequence's own steps: the
-drafter call's wall time, and the verify step's cost to the server (StepCost: under load, the
-sequence's share of the batched forward, not the whole batch's time it waited for). Verify time per k is kept in a small table; an
-unseen k is interpolated from the nearest seen ones (or assumed flat, the optimistic
-choice that lets the table fill). While paused, a probe every `probe_every` steps keeps
+drafter call's wall time, and the verify step's cost to the server (StepCost: under load,
+the sequence's share of the batched forward, not the whole batch's time it waited for).
+Verify time per k is kept in a small table; an unseen k is interpolated from the nearest
+seen ones (or assumed flat, the optimistic choice that lets the table fill). While paused, a probe every `probe_every` steps keeps
 α current, so a sequence that turns repetitive gets speculation back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def moving_average(old: float | None, new: float, decay: float) -> float:
+    """`new` mixed into `old` with weight 1 - `decay` (`new` itself when nothing came before)."""
+    return new if old is None else decay * old + (1 - decay) * new
 
 
 @dataclass
@@ -86,7 +91,7 @@ class AdaptiveDraftLength:
             self.alpha = self.decay * self.alpha + (1 - self.decay) * (num_accepted / trials)
 
     def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+        return moving_average(old, new, self.decay)
 
 
 @dataclass
@@ -105,7 +110,7 @@ class StepCost:
     def __call__(self, forward_s: float, wall_s: float, load: int) -> float:
         if load <= 1:
             hop = max(0.0, wall_s - forward_s)
-            self.hop_s = hop if self.hop_s is None else self.decay * self.hop_s + (1 - self.decay) * hop
+            self.hop_s = moving_average(self.hop_s, hop, self.decay)
         return forward_s + (self.hop_s or 0.0) / max(1, load)
 
 
@@ -142,6 +147,5 @@ class TreeSize:
         return max(sizes, key=lambda s: self.tokens[s] / max(self.seconds[s], 1e-9))
 
     def record(self, size: int, num_emitted: int, step_s: float) -> None:
-        old_t, old_s = self.tokens.get(size), self.seconds.get(size)
-        self.tokens[size] = num_emitted if old_t is None else self.decay * old_t + (1 - self.decay) * num_emitted
-        self.seconds[size] = step_s if old_s is None else self.decay * old_s + (1 - self.decay) * step_s
+        self.tokens[size] = moving_average(self.tokens.get(size), num_emitted, self.decay)
+        self.seconds[size] = moving_average(self.seconds.get(size), step_s, self.decay)

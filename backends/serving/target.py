@@ -242,7 +242,7 @@ class TargetRunner:
         self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb, batch_invariant, prefix_caching)
         self.batch_invariant = self.lean is not None and self.lean.batch_invariant
         # What one more token adds to a step: how a batched step's time is shared among its
-        # rows (step_shares). Transformers' batches are split evenly.
+        # rows (step_shares). Not measured for transformers: its batches are split evenly.
         self.token_cost_s = 0.0
         if self.pool is not None:
             self.kv_budget_tokens = self.pool.capacity_tokens
@@ -526,10 +526,10 @@ class TargetRunner:
             use_cache=True,
             output_hidden_states=want_hidden,
         )
-        forward_s = (time.perf_counter() - start) / len(steps)  # each sequence's share
+        shares = step_shares(time.perf_counter() - start, lengths, self.token_cost_s)
 
         results: list[VerifyResult | Exception] = []
-        for row, (step, n) in enumerate(zip(steps, lengths)):
+        for row, (step, n, forward_s) in enumerate(zip(steps, lengths, shares)):
             try:  # from here on each row is its own sequence's business
                 result = self._accept(step, out.logits[row, n - step.num_rows : n], forward_s)
                 kept = step.num_kept(result)
