@@ -27,8 +27,19 @@
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
-typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+/* Lane-wise work (conversions, RoPE, SiLU, softmax's exp, argmax) runs on the CPU's own
+ * vector width: GCC splits 16-float arithmetic over two AVX2 registers well, but it turns
+ * comparisons of 16 floats into 16 scalar ones (SiLU took twice its time), and a lane-wise
+ * result is the same whatever the width. Sums across lanes keep LANES (their order is fixed). */
+#ifdef __AVX512F__
+#define ELEMS 16
+#else
+#define ELEMS 8
+#endif
+typedef float evec __attribute__((vector_size(ELEMS * sizeof(float))));
+typedef int32_t eivec __attribute__((vector_size(ELEMS * sizeof(int32_t))));
+typedef uint16_t ehvec __attribute__((vector_size(ELEMS * sizeof(uint16_t))));
+typedef uint32_t euvec __attribute__((vector_size(ELEMS * sizeof(uint32_t))));
 
 /* Keys are read one slot at a time with a stride the hardware prefetcher may not follow
  * (pool blocks, kv heads interleaved): ask for the rows PREFETCH keys ahead. */
@@ -39,16 +50,16 @@ static void prefetch_row(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-/* n floats (a multiple of LANES) from float32 or bf16 (the high half of a float32) */
+/* n floats (a multiple of ELEMS) from float32 or bf16 (the high half of a float32) */
 static void load_row(const char *src, int64_t n, float *dst, int bf16) {
     if (!bf16) {
         memcpy(dst, src, (size_t)n * sizeof(float));
         return;
     }
-    for (int64_t i = 0; i < n; i += LANES) {
-        hvec h;
+    for (int64_t i = 0; i < n; i += ELEMS) {
+        ehvec h;
         memcpy(&h, src + i * sizeof(uint16_t), sizeof h);
-        uvec u = __builtin_convertvector(h, uvec) << 16;
+        euvec u = __builtin_convertvector(h, euvec) << 16;
         memcpy(dst + i, &u, sizeof u);
     }
 }
@@ -70,8 +81,8 @@ static void store_row(const float *src, int64_t n, char *dst, int bf16) {
 }
 
 /* v rounded to bf16 (nearest even) and widened back: what a bf16 tensor op's result holds */
-static vec round_bf16(vec v) {
-    uvec u;
+static evec round_bf16(evec v) {
+    euvec u;
     memcpy(&u, &v, sizeof u);
     u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     memcpy(&v, &u, sizeof v);
@@ -79,8 +90,8 @@ static vec round_bf16(vec v) {
 }
 
 /* where mask: a, else b (masks as vector comparisons give them: all ones or zero per lane) */
-static vec select(ivec mask, vec a, vec b) {
-    ivec ai, bi;
+static evec select(eivec mask, evec a, evec b) {
+    eivec ai, bi;
     memcpy(&ai, &a, sizeof a);
     memcpy(&bi, &b, sizeof b);
     ai = (ai & mask) | (bi & ~mask);
@@ -90,22 +101,22 @@ static vec select(ivec mask, vec a, vec b) {
 
 /* exp(x) for x <= 0 (a score minus its row's max): Cephes' polynomial after a ln2 range
  * reduction, on whole vectors, so every key gets the same code. */
-static vec exp_nonpositive(vec x) {
-    x = select(x < -87.0f, (vec){0} - 87.0f, x);
-    vec y = x * 1.44269504088896341f + 0.5f;
-    ivec t = __builtin_convertvector(y, ivec); /* truncates towards zero */
-    vec n = __builtin_convertvector(t, vec);
+static evec exp_nonpositive(evec x) {
+    x = select(x < -87.0f, (evec){0} - 87.0f, x);
+    evec y = x * 1.44269504088896341f + 0.5f;
+    eivec t = __builtin_convertvector(y, eivec); /* truncates towards zero */
+    evec n = __builtin_convertvector(t, evec);
     n = select(n > y, n - 1.0f, n); /* floor */
-    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vec p = (vec){0} + 1.9875691500e-4f;
+    evec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    evec p = (evec){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    ivec e = (__builtin_convertvector(n, ivec) + 127) << 23;
-    vec scale;
+    eivec e = (__builtin_convertvector(n, eivec) + 127) << 23;
+    evec scale;
     memcpy(&scale, &e, sizeof scale);
     return p * scale;
 }
@@ -285,8 +296,8 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
             float *s = w.scores + (r * group + g) * stride, m = s[0], total = 0.0f;
             for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
             for (int64_t j = len; j < padded; j++) s[j] = m; /* lanes past the keys: never read */
-            for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
-                vec x;
+            for (int64_t j0 = 0; j0 < padded; j0 += ELEMS) {
+                evec x;
                 memcpy(&x, s + j0, sizeof x);
                 x = exp_nonpositive(x - m);
                 memcpy(s + j0, &x, sizeof x);
@@ -381,7 +392,7 @@ int rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int
     int64_t esz = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4 * threads)
     for (int64_t r = 0; r < rows; r++) {
-        float row[MAX_NORM], w[LANES];
+        float row[MAX_NORM], w[ELEMS];
         load_row((const char *)x + r * x_stride * esz, n, row, bf16);
         vec squares = {0};
         for (int64_t i = 0; i < n; i += LANES) {
@@ -390,13 +401,13 @@ int rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int
             squares += v * v;
         }
         float inv = 1.0f / sqrtf(hsum(squares) / (float)n + eps);
-        for (int64_t i = 0; i < n; i += LANES) {
-            vec v;
+        for (int64_t i = 0; i < n; i += ELEMS) {
+            evec v;
             memcpy(&v, row + i, sizeof v);
             v *= inv;
             if (bf16) v = round_bf16(v);
-            load_row((const char *)weight + i * esz, LANES, w, bf16);
-            vec wv;
+            load_row((const char *)weight + i * esz, ELEMS, w, bf16);
+            evec wv;
             memcpy(&wv, w, sizeof wv);
             v *= wv;
             memcpy(row + i, &v, sizeof v);
@@ -425,15 +436,15 @@ int rope_store(void *qkv, int64_t qkv_stride, const void *cos, const void *sin, 
             load_row(row + h * d * esz, d, x, bf16);
             memcpy(swapped, x + half, sizeof(float) * (size_t)half);
             memcpy(swapped + half, x, sizeof(float) * (size_t)half);
-            for (int64_t i = 0; i < d; i += LANES) {
-                vec xv, sw, cv, sv;
+            for (int64_t i = 0; i < d; i += ELEMS) {
+                evec xv, sw, cv, sv;
                 memcpy(&xv, x + i, sizeof xv);
                 memcpy(&sw, swapped + i, sizeof sw);
                 memcpy(&cv, c + i, sizeof cv);
                 memcpy(&sv, s + i, sizeof sv);
-                vec a = xv * cv;
+                evec a = xv * cv;
                 if (bf16) a = round_bf16(a);
-                vec out = a + sw * sv;
+                evec out = a + sw * sv;
                 memcpy(y + i, &out, sizeof out);
             }
             store_row(y, d, row + h * d * esz, bf16);
@@ -454,21 +465,18 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
     int64_t esz = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4 * threads)
     for (int64_t r = 0; r < rows; r++) {
-        float g[MAX_NORM], u[MAX_NORM];
-        load_row((const char *)gate_up + r * in_stride * esz, n, g, bf16);
-        load_row((const char *)gate_up + (r * in_stride + n) * esz, n, u, bf16);
-        for (int64_t i = 0; i < n; i += LANES) {
-            vec x, up;
-            memcpy(&x, g + i, sizeof x);
-            memcpy(&up, u + i, sizeof up);
-            vec e = exp_nonpositive(select(x < 0, x, -x));
-            vec sig = select(x < 0, e / (1.0f + e), 1.0f / (1.0f + e));
-            vec act = x * sig;
+        const char *gate = (const char *)gate_up + r * in_stride * esz, *up_row = gate + n * esz;
+        for (int64_t i = 0; i < n; i += ELEMS) {
+            evec x, up;
+            load_row(gate + i * esz, ELEMS, (float *)&x, bf16);
+            load_row(up_row + i * esz, ELEMS, (float *)&up, bf16);
+            evec e = exp_nonpositive(select(x < 0, x, -x));
+            evec sig = select(x < 0, e, (evec){0} + 1.0f) / (1.0f + e); /* e / (1 + e) or 1 / (1 + e) */
+            evec act = x * sig;
             if (bf16) act = round_bf16(act);
             act *= up;
-            memcpy(g + i, &act, sizeof act);
+            store_row((const float *)&act, ELEMS, (char *)out + (r * out_stride + i) * esz, bf16);
         }
-        store_row(g, n, (char *)out + r * out_stride * esz, bf16);
     }
     return 0;
 }
@@ -488,19 +496,19 @@ static float row_value(const char *row, int64_t i, int bf16) {
 }
 
 static int64_t argmax_row(const char *row, int64_t n, int bf16) {
-    int64_t esz = bf16 ? 2 : 4, whole = n - n % LANES;
-    vec best = {0};
-    ivec nan = {0};
+    int64_t esz = bf16 ? 2 : 4, whole = n - n % ELEMS;
+    evec best = {0};
+    eivec nan = {0};
     float m = -INFINITY;
     if (whole) {
-        load_row(row, LANES, (float *)&best, bf16);
-        for (int64_t i = 0; i < whole; i += LANES) {
-            vec v;
-            load_row(row + i * esz, LANES, (float *)&v, bf16);
+        load_row(row, ELEMS, (float *)&best, bf16);
+        for (int64_t i = 0; i < whole; i += ELEMS) {
+            evec v;
+            load_row(row + i * esz, ELEMS, (float *)&v, bf16);
             nan |= v != v;
             best = select(v > best, v, best);
         }
-        for (int l = 0; l < LANES; l++) {
+        for (int l = 0; l < ELEMS; l++) {
             if (nan[l]) return -1;
             if (best[l] > m) m = best[l];
         }
@@ -510,12 +518,12 @@ static int64_t argmax_row(const char *row, int64_t n, int bf16) {
         if (f != f) return -1;
         if (f > m) m = f;
     }
-    vec target = (vec){0} + m;
-    for (int64_t i = 0; i < whole; i += LANES) {
-        vec v;
-        load_row(row + i * esz, LANES, (float *)&v, bf16);
-        ivec hit = v == target;
-        for (int l = 0; l < LANES; l++)
+    evec target = (evec){0} + m;
+    for (int64_t i = 0; i < whole; i += ELEMS) {
+        evec v;
+        load_row(row + i * esz, ELEMS, (float *)&v, bf16);
+        eivec hit = v == target;
+        for (int l = 0; l < ELEMS; l++)
             if (hit[l]) return i + l;
     }
     for (int64_t i = whole; i < n; i++)
@@ -553,7 +561,7 @@ static __m512 widen_bf16(__mmask16 mask, const uint16_t *p) {
 }
 
 static __m256i narrow_bf16(__m512 v) { /* round_bf16's rounding (no NaN reaches here), high halves */
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512((__m512)round_bf16((vec)v)), 16));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512((__m512)round_bf16((evec)v)), 16));
 }
 
 #endif
