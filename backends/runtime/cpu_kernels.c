@@ -251,6 +251,26 @@ static void add_weighted(float *sum, const float *p, const float *values, int64_
 }
 #endif
 
+/* The largest of s[0 : len] as a scan from s[0] with `>` finds it (the same value: a NaN among
+ * the scores makes the softmax NaN whatever the maximum), ELEMS lanes at a time. */
+static float row_max(const float *s, int64_t len) {
+    float m = s[0];
+    int64_t j = 1;
+    if (len >= 2 * ELEMS) {
+        evec best;
+        memcpy(&best, s, sizeof best);
+        for (j = ELEMS; j + ELEMS <= len; j += ELEMS) {
+            evec v;
+            memcpy(&v, s + j, sizeof v);
+            best = select(v > best, v, best);
+        }
+        m = best[0];
+        for (int l = 1; l < ELEMS; l++) m = best[l] > m ? best[l] : m;
+    }
+    for (; j < len; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
 /* One task: the `group` query heads sharing kv head `kvh`, for a run of `nq` consecutive query
  * tokens that read prefixes of one key list (the tokens of a row, causal: each a longer prefix).
  * Each key row is loaded once for the whole run, but what a query computes is the same as alone:
@@ -292,9 +312,9 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
     }
     for (int64_t r = 0; r < nq; r++) {
         int64_t len = lens[r], padded = (len + LANES - 1) / LANES * LANES;
+        float *rs = w.scores + r * group * stride;
         for (int64_t g = 0; g < group; g++) {
-            float *s = w.scores + (r * group + g) * stride, m = s[0], total = 0.0f;
-            for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
+            float *s = rs + g * stride, m = row_max(s, len);
             for (int64_t j = len; j < padded; j++) s[j] = m; /* lanes past the keys: never read */
             for (int64_t j0 = 0; j0 < padded; j0 += ELEMS) {
                 evec x;
@@ -302,9 +322,17 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
                 x = exp_nonpositive(x - m);
                 memcpy(s + j0, &x, sizeof x);
             }
-            for (int64_t j = 0; j < len; j++) total += s[j];
-            w.total[r * group + g] = total;
             for (int64_t b = 0; b < blocks; b++) w.acc[(r * group + g) * blocks + b] = (vec){0};
+        }
+        /* each head's total over its keys in order, four heads side by side so that their
+         * chains of additions overlap (a spare lane repeats the first head) */
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            const float *p[4];
+            float total[4] = {0};
+            for (int i = 0; i < 4; i++) p[i] = rs + (g0 + i < group ? g0 + i : g0) * stride;
+            for (int64_t j = 0; j < len; j++)
+                for (int i = 0; i < 4; i++) total[i] += p[i][j];
+            for (int i = 0; i < 4 && g0 + i < group; i++) w.total[r * group + g0 + i] = total[i];
         }
     }
     /* Weighted values, a tile of LANES keys at a time with each query's sums in registers; each
