@@ -228,7 +228,8 @@ static inline __m256 fold4(__m256 a, __m256 b) { /* lanes e + (e + 4): a's in th
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-static void score_tile(const float *q, const float *keys, int64_t d, float *out) {
+static inline __attribute__((always_inline)) void score_tile_d(const float *q, const float *keys, int64_t d,
+                                                                float *out) {
     for (int half = 0; half < LANES; half += 8) {
         const float *k = keys + half * d;
         __m256 a01 = fold4(key_lanes(q, k, d), key_lanes(q, k + d, d));
@@ -241,6 +242,14 @@ static void score_tile(const float *q, const float *keys, int64_t d, float *out)
         /* e + (e + 1): keys 0, 2, 4, 6 | 1, 3, 5, 7, put back in order */
         __m256 c = _mm256_add_ps(_mm256_shuffle_ps(b03, b47, 0x88), _mm256_shuffle_ps(b03, b47, 0xdd));
         _mm256_storeu_ps(out + half, _mm256_permutevar8x32_ps(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+
+static void score_tile(const float *q, const float *keys, int64_t d, float *out) {
+    switch (d) { /* the common head dims unrolled */
+        case 64: score_tile_d(q, keys, 64, out); break;
+        case 128: score_tile_d(q, keys, 128, out); break;
+        default: score_tile_d(q, keys, d, out);
     }
 }
 
