@@ -4,13 +4,15 @@
  *
  * Attention: each query token attends over an explicit list of pool slots, in list order, and
  * its result is computed by the same arithmetic whatever else is in the call: no blocking,
- * padding or reduction order depends on the number of queries, their key lengths or the thread
- * count. So a token verified among k+1 drafts gets bit for bit what a 1-token step would give.
+ * padding or reduction order depends on the number of queries, the other queries' key lengths
+ * or the thread count. So a token verified among k+1 drafts gets bit for bit what a 1-token step
+ * would give.
  *
  * Math in float32 on GCC vectors of 16 floats; bf16 inputs are widened, the bf16 output rounded
  * to nearest even. Each key's score is the head dim's products in 16 lanes, summed across the
  * lanes in one pairwise order (hsum; hsum16 does 16 keys at once with the same order); softmax
- * and the weighted sum of values run over the keys in list order. Keys and values are read in
+ * and the weighted sum of values run over the keys in list order (a list longer than KEY_CHUNK
+ * in chunks of it, each chunk in order, combined in order). Keys and values are read in
  * tiles of 16 keys so the sums stay in registers. Built without -ffast-math, so no sum is ever
  * reordered.
  */
@@ -23,6 +25,12 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 #define MAX_RUN 32 /* query tokens sharing one pass over their keys */
+/* A query with more keys attends over them in chunks of this many (by position in its own key
+ * list, so the same chunks whatever else is in the call), each chunk a task of its own,
+ * combined in order: a few long queries then keep every thread busy (one token over 3 kv heads
+ * left one of 2 threads idle a third of the time). */
+#define KEY_CHUNK 256
+#define PART(d) ((d) + 2) /* a chunk's partial result: its maximum, its total, its weighted sums */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -152,6 +160,7 @@ typedef struct {
     float *qf;     /* [run][group][d]: scaled queries */
     float *scores; /* [run][group][stride]: scores, then probabilities */
     float *total;  /* [run][group]: softmax denominators */
+    float *max;    /* [run][group]: the scores' maxima */
     vec *acc;      /* [run][group][d / LANES]: weighted sums of values */
     float *keys;   /* [LANES][d]: one tile of keys, then of values */
 } scratch;
@@ -283,11 +292,13 @@ static float row_max(const float *s, int64_t len) {
 /* One task: the `group` query heads sharing kv head `kvh`, for a run of `nq` consecutive query
  * tokens that read prefixes of one key list (the tokens of a row, causal: each a longer prefix).
  * Each key row is loaded once for the whole run, but what a query computes is the same as alone:
- * its scores over its own keys, its own max, sum and weighted sum, each over its keys in order. */
+ * its scores over its own keys, its own max, sum and weighted sum, each over its keys in order.
+ * With `part` set, the keys are one chunk of longer lists (a query may have none of them) and
+ * each query head's partial result goes to part + (r * heads + head) * part_head instead. */
 static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int64_t *slots,
                        const int64_t *lens, int64_t nq, char *out, int64_t out_bytes, int64_t kvh,
                        int64_t kv_heads, int64_t group, int64_t d, float scale, int bf16,
-                       scratch w) {
+                       scratch w, float *part, int64_t part_head) {
     int64_t esz = bf16 ? 2 : 4, blocks = d / LANES, max_len = 0;
     int64_t slot_bytes = 2 * kv_heads * d * esz, k_off = kvh * d * esz, v_off = (kv_heads + kvh) * d * esz;
     float row[MAX_HEAD_DIM];
@@ -323,7 +334,8 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
         int64_t len = lens[r], padded = (len + LANES - 1) / LANES * LANES;
         float *rs = w.scores + r * group * stride;
         for (int64_t g = 0; g < group; g++) {
-            float *s = rs + g * stride, m = row_max(s, len);
+            float *s = rs + g * stride, m = len > 0 ? row_max(s, len) : -INFINITY;
+            w.max[r * group + g] = m;
             for (int64_t j = len; j < padded; j++) s[j] = m; /* lanes past the keys: never read */
             for (int64_t j0 = 0; j0 < padded; j0 += ELEMS) {
                 evec x;
@@ -364,6 +376,13 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
     }
     for (int64_t r = 0; r < nq; r++)
         for (int64_t g = 0; g < group; g++) {
+            if (part) {
+                float *entry = part + (r * group * kv_heads + g * kv_heads + kvh) * part_head;
+                entry[0] = w.max[r * group + g];
+                entry[1] = w.total[r * group + g];
+                memcpy(entry + 2, w.acc + (r * group + g) * blocks, sizeof(float) * (size_t)d);
+                continue;
+            }
             for (int64_t b = 0; b < blocks; b++) {
                 vec o = w.acc[(r * group + g) * blocks + b] / w.total[r * group + g];
                 memcpy(row + b * LANES, &o, sizeof o);
@@ -381,39 +400,100 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
 int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_slots,
            const int64_t *key_start, const int64_t *key_len, void *out, int64_t tokens,
            int64_t heads, int64_t kv_heads, int64_t d, float scale, int bf16, int threads) {
-    int64_t group = heads / kv_heads, esz = bf16 ? 2 : 4, max_len = 0, runs = 0;
+    int64_t group = heads / kv_heads, esz = bf16 ? 2 : 4, runs = 0, tasks = 0, max_chunks = 1;
     if (d % LANES != 0 || d > MAX_HEAD_DIM || group > MAX_GROUP || heads % kv_heads != 0) return -1;
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(tokens + 1));
-    if (!first) return -2;
+    if (tokens == 0) return 0;
+    /* per run: its first token and its longest query's chunks */
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(tokens + 1)), *chunks = malloc(sizeof(int64_t) * (size_t)tokens);
+    if (!first || !chunks) {
+        free(first), free(chunks);
+        return -2;
+    }
     for (int64_t t = 0; t < tokens; t++) {
-        max_len = key_len[t] > max_len ? key_len[t] : max_len;
-        if (t == 0 || key_start[t] != key_start[t - 1] || t - first[runs - 1] == MAX_RUN) first[runs++] = t;
+        if (t == 0 || key_start[t] != key_start[t - 1] || t - first[runs - 1] == MAX_RUN) chunks[runs] = 0, first[runs++] = t;
+        int64_t c = (key_len[t] + KEY_CHUNK - 1) / KEY_CHUNK;
+        chunks[runs - 1] = c > chunks[runs - 1] ? c : chunks[runs - 1];
     }
     first[runs] = tokens;
-    int64_t stride = (max_len + LANES - 1) / LANES * LANES, tasks = runs * kv_heads, failed = 0;
+    for (int64_t r = 0; r < runs; r++) {
+        tasks += kv_heads * chunks[r];
+        max_chunks = chunks[r] > max_chunks ? chunks[r] : max_chunks;
+    }
+    /* per task: its run, kv head and chunk; per token of a run of several chunks, its partial
+     * results [heads][max_chunks][PART(d)] */
+    int64_t part_head = max_chunks * PART(d), *task = malloc(sizeof(int64_t) * 3 * (size_t)tasks);
+    float *part = max_chunks > 1 ? malloc(sizeof(float) * (size_t)(tokens * heads * part_head)) : NULL;
+    unsigned char *split = max_chunks > 1 ? malloc((size_t)tokens) : NULL;
+    if (!task || (max_chunks > 1 && (!part || !split))) {
+        free(first), free(chunks), free(task), free(part), free(split);
+        return -2;
+    }
+    for (int64_t r = 0, i = 0; r < runs; r++) {
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+            for (int64_t c = 0; c < chunks[r]; c++, i++) task[3 * i] = r, task[3 * i + 1] = kvh, task[3 * i + 2] = c;
+        for (int64_t t = first[r]; split && t < first[r + 1]; t++) split[t] = chunks[r] > 1;
+    }
+    int64_t stride = KEY_CHUNK, failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         size_t cells = (size_t)(MAX_RUN * group);
         scratch w = {malloc(sizeof(float) * cells * (size_t)d), malloc(sizeof(float) * cells * (size_t)stride),
-                     malloc(sizeof(float) * cells), aligned_alloc(sizeof(vec), sizeof(vec) * cells * (size_t)(d / LANES)),
+                     malloc(sizeof(float) * cells), malloc(sizeof(float) * cells),
+                     aligned_alloc(sizeof(vec), sizeof(vec) * cells * (size_t)(d / LANES)),
                      malloc(sizeof(float) * LANES * (size_t)d)};
-        failed = !w.qf || !w.scores || !w.total || !w.acc || !w.keys;
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; task++) {
-            int64_t run = task / kv_heads, kvh = task % kv_heads, t = first[run];
-            if (!failed)
+        failed = !w.qf || !w.scores || !w.total || !w.max || !w.acc || !w.keys;
+        /* dynamic: chunks and runs differ in size; what each computes does not depend on who runs it */
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < tasks; i++) {
+            int64_t run = task[3 * i], kvh = task[3 * i + 1], c = task[3 * i + 2], t = first[run];
+            int64_t nq = first[run + 1] - t, lens[MAX_RUN];
+            if (failed) continue;
+            if (chunks[run] == 1) {
                 attend_run((const char *)q + t * q_stride * esz, q_stride * esz, (const char *)kv,
-                           key_slots + key_start[t], key_len + t, first[run + 1] - t,
-                           (char *)out + t * heads * d * esz, heads * d * esz, kvh, kv_heads, group, d,
-                           scale, bf16, w);
+                           key_slots + key_start[t], key_len + t, nq, (char *)out + t * heads * d * esz,
+                           heads * d * esz, kvh, kv_heads, group, d, scale, bf16, w, NULL, 0);
+                continue;
+            }
+            for (int64_t r = 0; r < nq; r++) { /* each query's keys in this chunk, maybe none */
+                int64_t own = key_len[t + r] - c * KEY_CHUNK;
+                lens[r] = own < 0 ? 0 : own > KEY_CHUNK ? KEY_CHUNK : own;
+            }
+            attend_run((const char *)q + t * q_stride * esz, q_stride * esz, (const char *)kv,
+                       key_slots + key_start[t] + c * KEY_CHUNK, lens, nq, NULL, 0, kvh, kv_heads, group, d, scale,
+                       bf16, w, part + t * heads * part_head + c * PART(d), part_head);
+        }
+        /* Each split query head's chunks combined in order: sums rescaled from the chunk's
+         * maximum to the query's, as one pass over the whole list would have made them. */
+        if (part) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < tokens * heads; i++) {
+                int64_t t = i / heads, own = (key_len[t] + KEY_CHUNK - 1) / KEY_CHUNK;
+                const float *e = part + i * part_head;
+                float m = e[0], total = 0.0f, acc[MAX_HEAD_DIM] = {0};
+                if (failed || !split[t]) continue;
+                for (int64_t c = 1; c < own; c++) m = e[c * PART(d)] > m ? e[c * PART(d)] : m;
+                for (int64_t c = 0; c < own; c++) {
+                    const float *ec = e + c * PART(d);
+                    float f = exp_nonpositive((evec){0} + (ec[0] - m))[0];
+                    total += ec[1] * f;
+                    for (int64_t j = 0; j < d; j++) acc[j] += ec[2 + j] * f;
+                }
+                for (int64_t j = 0; j < d; j++) acc[j] /= total;
+                store_row(acc, d, (char *)out + i * d * esz, bf16);
+            }
         }
         free(w.qf);
         free(w.scores);
         free(w.total);
+        free(w.max);
         free(w.acc);
         free(w.keys);
     }
     free(first);
+    free(chunks);
+    free(task);
+    free(part);
+    free(split);
     return failed ? -2 : 0;
 }
 

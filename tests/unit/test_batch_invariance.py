@@ -176,6 +176,30 @@ def test_kernel_result_does_not_depend_on_threads():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_key_lists_are_chunked_the_same_alone_or_in_a_run(dtype):
+    """Past 256 keys a query attends in chunks of its own list, combined in order: a run of
+    queries whose lists end on either side of a chunk boundary (a row verifying drafts there)
+    gives each the bits it gets alone, and the float64 attention's values."""
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(1100, 2, 3, 64, generator=gen).to(dtype)
+    q = torch.randn(10, 9 * 64, generator=gen).to(dtype)
+    order = torch.randperm(1100, generator=gen)
+    lengths = [254, 255, 256, 257, 258, 511, 512, 513, 514, 1025]
+    starts = [0] * 5 + [300] * 4 + [0]  # two runs sharing their lists' starts, then one alone
+    keys = cpu_kernels.KeyLists(order, torch.tensor(starts), torch.tensor(lengths))
+    out = cpu_kernels.attend(q, kv, keys, 9)
+    for t, (start, n) in enumerate(zip(starts, lengths)):
+        key_slots = order[start : start + n]
+        alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([n]))
+        assert torch.equal(cpu_kernels.attend(q[t : t + 1], kv, alone, 9)[0], out[t]), n
+        qh = q[t].double().view(9, 1, 64)
+        kvh = torch.arange(9) % 3
+        k, v = kv[key_slots, 0].double()[:, kvh].transpose(0, 1), kv[key_slots, 1].double()[:, kvh].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(qh, k, v).reshape(-1)
+        torch.testing.assert_close(out[t].double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
 def test_kernel_refuses_what_it_cannot_take():
     assert "head dim 24" in cpu_kernels.unavailable_reason(24, 4, 2)
     assert "query heads" in cpu_kernels.unavailable_reason(64, 64, 1)
