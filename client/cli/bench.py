@@ -320,7 +320,14 @@ def verify_batch_cost(
     verification and drafts cost on the target's engine (`runtime`, as TargetRunner's)."""
     from backends.serving.target import TargetRunner, VerifyRequest
 
-    runner = TargetRunner(model, dtype, runtime=runtime, batch_invariant=batch_invariant)
+    if batch < 1 or drafts < 0 or context < 1:
+        raise ValueError(f"need --batch >= 1, --drafts >= 0 and --context >= 1, got {batch}, {drafts}, {context}")
+    # No prefix caching: a repeat rolls back into the prompt's blocks, which caching would keep.
+    runner = TargetRunner(model, dtype, runtime=runtime, batch_invariant=batch_invariant, prefix_caching=False)
+    if context + drafts + 1 > runner.max_model_len:
+        raise ValueError(
+            f"--context {context} + --drafts {drafts} + 1 tokens do not fit the model's window of {runner.max_model_len}"
+        )
     for seq_id in range(batch):
         runner.verify(VerifyRequest(seq_id, list(range(100 + 7 * seq_id, 100 + 7 * seq_id + context)), []))
 

@@ -435,11 +435,22 @@ def _verify_cost(args: argparse.Namespace) -> int:
     from client.cli.bench import verify_batch_cost
 
     model = local_model(args.model)
-    cost = verify_batch_cost(
-        model, args.dtype, args.batch, args.drafts, runtime=args.runtime, batch_invariant=args.batch_invariant
-    )
+    try:
+        cost = verify_batch_cost(
+            model,
+            args.dtype,
+            args.batch,
+            args.drafts,
+            args.context,
+            runtime=args.runtime,
+            batch_invariant=args.batch_invariant,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(
-        f"{cost['engine']}: one verify step ({args.drafts} drafts each): 1 sequence {cost['one_ms']:.1f} ms, "
+        f"{cost['engine']}, {args.context} cached tokens: one verify step ({args.drafts} drafts each): "
+        f"1 sequence {cost['one_ms']:.1f} ms, "
         f"{args.batch} sequences {cost['batch_ms']:.1f} ms ({cost['ratio']:.2f}x); a plain 1-token step "
         f"{cost['plain_ms']:.1f} ms (verifying {args.drafts} drafts costs {cost['drafts_ratio']:.2f}x)"
     )
@@ -728,6 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--batch-invariant", default="auto", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
     cost.add_argument("--batch", type=int, default=8)
     cost.add_argument("--drafts", type=int, default=4)
+    cost.add_argument("--context", type=int, default=200, help="tokens each sequence has cached before the step")
     cost.set_defaults(func=_verify_cost)
 
     perf = sub.add_parser("perf", help="perf_analyzer concurrency sweep, plain vs speculative, with a chart")

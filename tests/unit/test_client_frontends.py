@@ -205,3 +205,16 @@ def test_bench_runs_a_profiles_drafter_settings_for_its_method_and_tree():
     eagle3 = method_config("eagle3+tree", PROFILES["smollm2-eagle3"]["speculative_config"])
     assert eagle3 == METHOD_CONFIGS["eagle3+tree"]  # the tree's own depth, not the profile's chain k
     assert method_config("ngram", qwen) == METHOD_CONFIGS["ngram"]  # another method: its own settings
+
+
+def test_verify_cost_runs_at_a_block_sized_context_and_names_what_does_not_fit(tiny_model_dir):
+    """A context of whole KV blocks used to fail on its repeats (prefix caching kept the
+    prompt's blocks); arguments that cannot run say which."""
+    from client.cli.bench import verify_batch_cost
+
+    cost = verify_batch_cost(tiny_model_dir, "float32", 2, 3, context=32, repeats=2, runtime="lean")
+    assert cost["one_ms"] > 0 and cost["batch_ms"] > 0 and cost["plain_ms"] > 0
+    with pytest.raises(ValueError, match="--batch >= 1"):
+        verify_batch_cost(tiny_model_dir, "float32", 0, 3)
+    with pytest.raises(ValueError, match="do not fit the model's window"):
+        verify_batch_cost(tiny_model_dir, "float32", 1, 3, context=10**6)
