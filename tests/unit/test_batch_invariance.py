@@ -134,6 +134,15 @@ def test_the_avx2_attention_gives_the_generic_kernels_bits(tmp_path):
         assert avx2.isfinite().all() and torch.equal(avx2, generic)
 
 
+def _float64_attention(q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    """One query token's attention ``[heads * head_dim]`` over the pool slots given, in float64."""
+    _, _, kv_heads, head_dim = kv.shape
+    heads = q.shape[0] // head_dim
+    kvh = torch.arange(heads) % kv_heads  # query heads group-major
+    k, v = (kv[key_slots, i].double()[:, kvh].transpose(0, 1) for i in (0, 1))
+    return F.scaled_dot_product_attention(q.double().view(heads, 1, head_dim), k, v).reshape(-1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (4, 4, 128), (8, 1, 32)])
 def test_kernel_matches_float64_attention_and_is_invariant(dtype, heads, kv_heads, head_dim):
@@ -150,10 +159,7 @@ def test_kernel_matches_float64_attention_and_is_invariant(dtype, heads, kv_head
     )
     out = cpu_kernels.attend(q[:, : heads * head_dim], kv, keys, heads)
     for t, key_slots in enumerate(lists):
-        qh = q[t, : heads * head_dim].double().view(heads, 1, head_dim)
-        kvh = torch.arange(heads) % kv_heads  # query heads group-major
-        k, v = kv[key_slots, 0].double()[:, kvh].transpose(0, 1), kv[key_slots, 1].double()[:, kvh].transpose(0, 1)
-        ref = torch.nn.functional.scaled_dot_product_attention(qh, k, v).reshape(-1)
+        ref = _float64_attention(q[t, : heads * head_dim], kv, key_slots)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out[t].double(), ref, atol=tol, rtol=0)
         alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([len(key_slots)]))
@@ -193,11 +199,8 @@ def test_long_key_lists_are_chunked_the_same_alone_or_in_a_run(dtype):
         key_slots = order[start : start + n]
         alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([n]))
         assert torch.equal(cpu_kernels.attend(q[t : t + 1], kv, alone, 9)[0], out[t]), n
-        qh = q[t].double().view(9, 1, 64)
-        kvh = torch.arange(9) % 3
-        k, v = kv[key_slots, 0].double()[:, kvh].transpose(0, 1), kv[key_slots, 1].double()[:, kvh].transpose(0, 1)
-        ref = F.scaled_dot_product_attention(qh, k, v).reshape(-1)
-        torch.testing.assert_close(out[t].double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[t].double(), _float64_attention(q[t], kv, key_slots), atol=tol, rtol=0)
 
 
 def test_kernel_refuses_what_it_cannot_take():
