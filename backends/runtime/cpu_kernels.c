@@ -26,9 +26,9 @@
 #define MAX_GROUP 32
 #define MAX_RUN 32 /* query tokens sharing one pass over their keys */
 /* A query with more keys attends over them in chunks of this many (by position in its own key
- * list, so the same chunks whatever else is in the call), each chunk a task of its own,
- * combined in order: a few long queries then keep every thread busy (one token over 3 kv heads
- * left one of 2 threads idle a third of the time). */
+ * list, so the same chunks whatever else is in the call), combined in order. In a step of few
+ * rows each chunk is a task of its own, so a few long queries keep every thread busy (one token
+ * over 3 kv heads left one of 2 threads idle a third of the time). */
 #define KEY_CHUNK 256
 #define PART(d) ((d) + 2) /* a chunk's partial result: its maximum, its total, its weighted sums */
 
@@ -294,11 +294,12 @@ static float row_max(const float *s, int64_t len) {
  * Each key row is loaded once for the whole run, but what a query computes is the same as alone:
  * its scores over its own keys, its own max, sum and weighted sum, each over its keys in order.
  * With `part` set, the keys are one chunk of longer lists (a query may have none of them) and
- * each query head's partial result goes to part + (r * heads + head) * part_head instead. */
+ * the partial result of query r's g-th head of the group goes to part + r * part_row + g * part_g
+ * instead. */
 static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int64_t *slots,
                        const int64_t *lens, int64_t nq, char *out, int64_t out_bytes, int64_t kvh,
                        int64_t kv_heads, int64_t group, int64_t d, float scale, int bf16,
-                       scratch w, float *part, int64_t part_head) {
+                       scratch w, float *part, int64_t part_row, int64_t part_g) {
     int64_t esz = bf16 ? 2 : 4, blocks = d / LANES, max_len = 0;
     int64_t slot_bytes = 2 * kv_heads * d * esz, k_off = kvh * d * esz, v_off = (kv_heads + kvh) * d * esz;
     float row[MAX_HEAD_DIM];
@@ -377,7 +378,7 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
     for (int64_t r = 0; r < nq; r++)
         for (int64_t g = 0; g < group; g++) {
             if (part) {
-                float *entry = part + (r * group * kv_heads + g * kv_heads + kvh) * part_head;
+                float *entry = part + r * part_row + g * part_g;
                 entry[0] = w.max[r * group + g];
                 entry[1] = w.total[r * group + g];
                 memcpy(entry + 2, w.acc + (r * group + g) * blocks, sizeof(float) * (size_t)d);
@@ -389,6 +390,37 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
             }
             store_row(row, d, out + r * out_bytes + (g * kv_heads + kvh) * d * esz, bf16);
         }
+}
+
+/* Chunk c of a run's key list for a task: its slots and each query's keys in it (maybe none),
+ * then attend_run's partial results at part (see there). */
+static void attend_chunk(const char *q, int64_t q_bytes, const char *kv, const int64_t *slots,
+                         const int64_t *key_len, int64_t nq, int64_t c, int64_t kvh, int64_t kv_heads,
+                         int64_t group, int64_t d, float scale, int bf16, scratch w, float *part, int64_t part_row,
+                         int64_t part_g) {
+    int64_t lens[MAX_RUN];
+    for (int64_t r = 0; r < nq; r++) {
+        int64_t own = key_len[r] - c * KEY_CHUNK;
+        lens[r] = own < 0 ? 0 : own > KEY_CHUNK ? KEY_CHUNK : own;
+    }
+    attend_run(q, q_bytes, kv, slots + c * KEY_CHUNK, lens, nq, NULL, 0, kvh, kv_heads, group, d, scale, bf16, w, part,
+               part_row, part_g);
+}
+
+/* One query head's `chunks` partial results (PART(d) apart) combined in order: each chunk's
+ * sums rescaled from its own maximum to the query's, as one pass over the whole list makes
+ * them; the output row written as attend_run writes it. */
+static void combine_chunks(const float *e, int64_t chunks, int64_t d, char *out, int bf16) {
+    float m = e[0], total = 0.0f, acc[MAX_HEAD_DIM] = {0};
+    for (int64_t c = 1; c < chunks; c++) m = e[c * PART(d)] > m ? e[c * PART(d)] : m;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *ec = e + c * PART(d);
+        float f = exp_nonpositive((evec){0} + (ec[0] - m))[0];
+        total += ec[1] * f;
+        for (int64_t j = 0; j < d; j++) acc[j] += ec[2 + j] * f;
+    }
+    for (int64_t j = 0; j < d; j++) acc[j] /= total;
+    store_row(acc, d, out, bf16);
 }
 
 /* q: [tokens, q_stride elements] with head h at h*d (query heads group-major: head
@@ -415,71 +447,66 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
         chunks[runs - 1] = c > chunks[runs - 1] ? c : chunks[runs - 1];
     }
     first[runs] = tokens;
-    for (int64_t r = 0; r < runs; r++) {
-        tasks += kv_heads * chunks[r];
-        max_chunks = chunks[r] > max_chunks ? chunks[r] : max_chunks;
-    }
-    /* per task: its run, kv head and chunk; per token of a run of several chunks, its partial
-     * results [heads][max_chunks][PART(d)] */
-    int64_t part_head = max_chunks * PART(d), *task = malloc(sizeof(int64_t) * 3 * (size_t)tasks);
-    float *part = max_chunks > 1 ? malloc(sizeof(float) * (size_t)(tokens * heads * part_head)) : NULL;
-    unsigned char *split = max_chunks > 1 ? malloc((size_t)tokens) : NULL;
-    if (!task || (max_chunks > 1 && (!part || !split))) {
-        free(first), free(chunks), free(task), free(part), free(split);
+    for (int64_t r = 0; r < runs; r++) max_chunks = chunks[r] > max_chunks ? chunks[r] : max_chunks;
+    /* Few tasks (a step of a row or two): each chunk of a run is a task of its own, its partial
+     * results [tokens][heads][max_chunks] kept in `part` for all; otherwise a task attends its
+     * run's chunks one after the other in its own scratch (bounded memory for long prompts).
+     * The arithmetic is the same: only who computes a chunk differs. */
+    int spread = max_chunks > 1 && runs * kv_heads < 4 * threads;
+    for (int64_t r = 0; r < runs; r++) tasks += kv_heads * (spread ? chunks[r] : 1);
+    int64_t part_head = max_chunks * PART(d), *task = malloc(sizeof(int64_t) * 3 * (size_t)tasks); /* run, kvh, chunk */
+    float *part = spread ? malloc(sizeof(float) * (size_t)(tokens * heads * part_head)) : NULL;
+    if (!task || (spread && !part)) {
+        free(first), free(chunks), free(task), free(part);
         return -2;
     }
-    for (int64_t r = 0, i = 0; r < runs; r++) {
+    for (int64_t r = 0, i = 0; r < runs; r++)
         for (int64_t kvh = 0; kvh < kv_heads; kvh++)
-            for (int64_t c = 0; c < chunks[r]; c++, i++) task[3 * i] = r, task[3 * i + 1] = kvh, task[3 * i + 2] = c;
-        for (int64_t t = first[r]; split && t < first[r + 1]; t++) split[t] = chunks[r] > 1;
-    }
-    int64_t stride = KEY_CHUNK, failed = 0;
+            for (int64_t c = 0; c < (spread ? chunks[r] : 1); c++, i++)
+                task[3 * i] = r, task[3 * i + 1] = kvh, task[3 * i + 2] = c;
+    int64_t failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         size_t cells = (size_t)(MAX_RUN * group);
-        scratch w = {malloc(sizeof(float) * cells * (size_t)d), malloc(sizeof(float) * cells * (size_t)stride),
+        scratch w = {malloc(sizeof(float) * cells * (size_t)d), malloc(sizeof(float) * cells * KEY_CHUNK),
                      malloc(sizeof(float) * cells), malloc(sizeof(float) * cells),
                      aligned_alloc(sizeof(vec), sizeof(vec) * cells * (size_t)(d / LANES)),
                      malloc(sizeof(float) * LANES * (size_t)d)};
-        failed = !w.qf || !w.scores || !w.total || !w.max || !w.acc || !w.keys;
+        float *local_part = max_chunks > 1 && !spread ? malloc(sizeof(float) * cells * (size_t)part_head) : NULL;
+        failed = !w.qf || !w.scores || !w.total || !w.max || !w.acc || !w.keys || (max_chunks > 1 && !spread && !local_part);
         /* dynamic: chunks and runs differ in size; what each computes does not depend on who runs it */
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < tasks; i++) {
             int64_t run = task[3 * i], kvh = task[3 * i + 1], c = task[3 * i + 2], t = first[run];
-            int64_t nq = first[run + 1] - t, lens[MAX_RUN];
+            int64_t nq = first[run + 1] - t, q_bytes = q_stride * esz;
+            const char *qt = (const char *)q + t * q_bytes;
+            const int64_t *slots = key_slots + key_start[t];
             if (failed) continue;
-            if (chunks[run] == 1) {
-                attend_run((const char *)q + t * q_stride * esz, q_stride * esz, (const char *)kv,
-                           key_slots + key_start[t], key_len + t, nq, (char *)out + t * heads * d * esz,
-                           heads * d * esz, kvh, kv_heads, group, d, scale, bf16, w, NULL, 0);
-                continue;
+            if (chunks[run] == 1)
+                attend_run(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, (char *)out + t * heads * d * esz,
+                           heads * d * esz, kvh, kv_heads, group, d, scale, bf16, w, NULL, 0, 0);
+            else if (spread)
+                attend_chunk(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, c, kvh, kv_heads, group, d, scale,
+                             bf16, w, part + (t * heads + kvh) * part_head + c * PART(d), heads * part_head,
+                             kv_heads * part_head);
+            else {
+                for (c = 0; c < chunks[run]; c++)
+                    attend_chunk(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, c, kvh, kv_heads, group, d,
+                                 scale, bf16, w, local_part + c * PART(d), group * part_head, part_head);
+                for (int64_t r = 0; r < nq; r++)
+                    for (int64_t g = 0; g < group; g++)
+                        combine_chunks(local_part + (r * group + g) * part_head, (key_len[t + r] + KEY_CHUNK - 1) / KEY_CHUNK,
+                                       d, (char *)out + ((t + r) * heads + g * kv_heads + kvh) * d * esz, bf16);
             }
-            for (int64_t r = 0; r < nq; r++) { /* each query's keys in this chunk, maybe none */
-                int64_t own = key_len[t + r] - c * KEY_CHUNK;
-                lens[r] = own < 0 ? 0 : own > KEY_CHUNK ? KEY_CHUNK : own;
-            }
-            attend_run((const char *)q + t * q_stride * esz, q_stride * esz, (const char *)kv,
-                       key_slots + key_start[t] + c * KEY_CHUNK, lens, nq, NULL, 0, kvh, kv_heads, group, d, scale,
-                       bf16, w, part + t * heads * part_head + c * PART(d), part_head);
         }
-        /* Each split query head's chunks combined in order: sums rescaled from the chunk's
-         * maximum to the query's, as one pass over the whole list would have made them. */
-        if (part) {
+        if (spread) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < tokens * heads; i++) {
-                int64_t t = i / heads, own = (key_len[t] + KEY_CHUNK - 1) / KEY_CHUNK;
-                const float *e = part + i * part_head;
-                float m = e[0], total = 0.0f, acc[MAX_HEAD_DIM] = {0};
-                if (failed || !split[t]) continue;
-                for (int64_t c = 1; c < own; c++) m = e[c * PART(d)] > m ? e[c * PART(d)] : m;
-                for (int64_t c = 0; c < own; c++) {
-                    const float *ec = e + c * PART(d);
-                    float f = exp_nonpositive((evec){0} + (ec[0] - m))[0];
-                    total += ec[1] * f;
-                    for (int64_t j = 0; j < d; j++) acc[j] += ec[2 + j] * f;
-                }
-                for (int64_t j = 0; j < d; j++) acc[j] /= total;
-                store_row(acc, d, (char *)out + i * d * esz, bf16);
+                int64_t t = i / heads, run = 0;
+                while (first[run + 1] <= t) run++;
+                if (!failed && chunks[run] > 1)
+                    combine_chunks(part + i * part_head, (key_len[t] + KEY_CHUNK - 1) / KEY_CHUNK, d,
+                                   (char *)out + i * d * esz, bf16);
             }
         }
         free(w.qf);
@@ -488,12 +515,12 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
         free(w.max);
         free(w.acc);
         free(w.keys);
+        free(local_part);
     }
     free(first);
     free(chunks);
     free(task);
     free(part);
-    free(split);
     return failed ? -2 : 0;
 }
 

@@ -186,7 +186,8 @@ def test_kernel_result_does_not_depend_on_threads():
 def test_long_key_lists_are_chunked_the_same_alone_or_in_a_run(dtype):
     """Past 256 keys a query attends in chunks of its own list, combined in order: a run of
     queries whose lists end on either side of a chunk boundary (a row verifying drafts there)
-    gives each the bits it gets alone, and the float64 attention's values."""
+    gives each the bits it gets alone, and the float64 attention's values. Alone, each chunk is
+    a task of its own; in this call of 3 runs on one thread, a task attends its run's chunks."""
     gen = torch.Generator().manual_seed(4)
     kv = torch.randn(1100, 2, 3, 64, generator=gen).to(dtype)
     q = torch.randn(10, 9 * 64, generator=gen).to(dtype)
@@ -194,7 +195,12 @@ def test_long_key_lists_are_chunked_the_same_alone_or_in_a_run(dtype):
     lengths = [254, 255, 256, 257, 258, 511, 512, 513, 514, 1025]
     starts = [0] * 5 + [300] * 4 + [0]  # two runs sharing their lists' starts, then one alone
     keys = cpu_kernels.KeyLists(order, torch.tensor(starts), torch.tensor(lengths))
-    out = cpu_kernels.attend(q, kv, keys, 9)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out = cpu_kernels.attend(q, kv, keys, 9)
+    finally:
+        torch.set_num_threads(before)
     for t, (start, n) in enumerate(zip(starts, lengths)):
         key_slots = order[start : start + n]
         alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([n]))
