@@ -11,7 +11,7 @@ from backends.config.errors import SpeculativeConfigError
 from backends.methods.draft_model import DraftModelProposer, sample_drafts
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
-from backends.runtime.lean_lm import LeanCausalLM, _Int8Linear
+from backends.runtime.lean_lm import LeanCausalLM, _Int8Linear, _PackedLinear
 from backends.runtime.model_store import load_causal_lm, load_tokenizer
 from backends.serving.drafting import DraftService
 from backends.serving.local import generate_local
@@ -202,6 +202,8 @@ def test_from_config(tiny_draft_dir, tiny_model_dir, prompt_ids):
     int8 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int8"), max_model_len=512)
     if cpu_kernels.int8_linear_available():  # the lean runtime's int8 kernel
         assert isinstance(int8.lean.lm_head, _Int8Linear)
+    elif cpu_kernels.packed_linear_available():  # bf16 on the packed kernel: faster than dynamic int8
+        assert isinstance(int8.lean.lm_head, _PackedLinear)
     else:  # torch's dynamic int8 through transformers
         assert "DynamicQuantizedLinear" in repr(int8.model) and int8.lean is None
     assert len(int8.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
