@@ -31,6 +31,7 @@
  * over 3 kv heads left one of 2 threads idle a third of the time). */
 #define KEY_CHUNK 256
 #define PART(d) ((d) + 2) /* a chunk's partial result: its maximum, its total, its weighted sums */
+#define MAX_SPREAD_FLOATS (2 << 20) /* the most partial results a call keeps for all (8 MB) */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -449,12 +450,13 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
     first[runs] = tokens;
     for (int64_t r = 0; r < runs; r++) max_chunks = chunks[r] > max_chunks ? chunks[r] : max_chunks;
     /* Few tasks (a step of a row or two): each chunk of a run is a task of its own, its partial
-     * results [tokens][heads][max_chunks] kept in `part` for all; otherwise a task attends its
-     * run's chunks one after the other in its own scratch (bounded memory for long prompts).
-     * The arithmetic is the same: only who computes a chunk differs. */
-    int spread = max_chunks > 1 && runs * kv_heads < 4 * threads;
+     * results [tokens][heads][max_chunks] kept in `part` for all; otherwise (or where those
+     * would take too much memory) a task attends its run's chunks one after the other in its
+     * own scratch. The arithmetic is the same: only who computes a chunk differs. */
+    int64_t part_head = max_chunks * PART(d);
+    int spread = max_chunks > 1 && runs * kv_heads < 4 * threads && tokens * heads * part_head <= MAX_SPREAD_FLOATS;
     for (int64_t r = 0; r < runs; r++) tasks += kv_heads * (spread ? chunks[r] : 1);
-    int64_t part_head = max_chunks * PART(d), *task = malloc(sizeof(int64_t) * 3 * (size_t)tasks); /* run, kvh, chunk */
+    int64_t *task = malloc(sizeof(int64_t) * 3 * (size_t)tasks); /* run, kvh, chunk */
     float *part = spread ? malloc(sizeof(float) * (size_t)(tokens * heads * part_head)) : NULL;
     if (!task || (spread && !part)) {
         free(first), free(chunks), free(task), free(part);
