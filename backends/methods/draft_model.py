@@ -452,13 +452,8 @@ def _lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausa
         return LeanCausalLM.from_hf(model, batch_invariant=True, quantization=quantization)
     except UnsupportedArchitecture as e:
         if quantization == "int8" and cpu_kernels.packed_linear_available():
-            try:
-                lean = LeanCausalLM.from_hf(model, batch_invariant=True)
-            except UnsupportedArchitecture:
-                pass
-            else:
-                log.info("draft model runs on the lean runtime in bf16, not int8: %s", e)
-                return lean
+            log.info("draft model in bf16 on the lean runtime, not int8: %s", e)
+            return _lean_drafter(model, None)
         log.info("draft model runs through transformers: %s", e)
         return None
 

@@ -7,8 +7,9 @@ Step time T(k) = verify(k) + draft(k), both measured on this sequence's own step
 drafter call's wall time, and the verify step's cost to the server (StepCost: under load,
 the sequence's share of the batched forward, not the whole batch's time it waited for).
 Verify time per k is kept in a small table; an unseen k is interpolated from the nearest
-seen ones (or assumed flat, the optimistic choice that lets the table fill). While paused, a probe every `probe_every` steps keeps
-α current, so a sequence that turns repetitive gets speculation back.
+seen ones (or assumed flat, the optimistic choice that lets the table fill). While paused, a
+probe every `probe_every` steps keeps α current, so a sequence that turns repetitive gets
+speculation back.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class AdaptiveDraftLength:
         return best
 
     def record(self, k_asked: int, num_drafted: int, num_accepted: int, verify_s: float, draft_s: float) -> None:
-        """One finished step: k asked of the drafter, drafts it gave, drafts accepted, and the
-        wall time of the verify and draft calls."""
+        """One finished step: k asked of the drafter, drafts it gave, drafts accepted, the
+        verify step's cost (StepCost) and the draft call's wall time."""
         self.verify_s[num_drafted] = self._mix(self.verify_s.get(num_drafted), verify_s)
         if k_asked > 0:
             per_call = draft_s if num_drafted == 0 else None
@@ -88,7 +89,7 @@ class AdaptiveDraftLength:
         if num_drafted:
             # Each draft position is a Bernoulli trial until the first rejection.
             trials = num_accepted + (1 if num_accepted < num_drafted else 0)
-            self.alpha = self.decay * self.alpha + (1 - self.decay) * (num_accepted / trials)
+            self.alpha = self._mix(self.alpha, num_accepted / trials)
 
     def _mix(self, old: float | None, new: float) -> float:
         return moving_average(old, new, self.decay)
