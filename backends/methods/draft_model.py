@@ -6,8 +6,8 @@ differs (the first rejected draft, or the target's correction) and feeds only wh
 then k - 1 drafts (the k-th is sampled but never fed: it may be rejected).
 
 Where the lean runtime runs the draft model (Llama, Qwen2/3, Mistral on the CPU; with
-``quantization: int8`` where the CPU has AVX-512 VNNI, its int8 kernel, and without VNNI in
-bf16 on its packed kernel, faster there than torch's dynamic int8), each sequence's KV
+``quantization: int8`` on its int8 kernel, where the CPU has AVX-512 VNNI or AVX2; a layer
+whose K the int8 kernel cannot take leaves the drafter in bf16 on the packed kernel), each sequence's KV
 lives in one paged pool (``backends/runtime``) with prefix caching: a batch is one ragged
 forward per draft position, rollback is a shorter length, no cache is ever copied. Otherwise
 (other architectures, GPUs, int8 on a CPU without either kernel: torch's dynamic int8) it runs through
@@ -445,9 +445,10 @@ def append_new_entries(
 def _lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausalLM | None:
     """The draft model on the lean runtime, or None where it does not run (transformers then).
     Batch-invariant: its layers run in one C call each (key-list attention), the fastest path
-    here; the drafts need not be invariant, the time is what counts. int8 without its kernel
-    (AVX-512 VNNI) runs in bf16 on the packed kernel where that runs: faster than torch's
-    dynamic int8 (Qwen2.5-Coder-0.5B on a 2-core AVX2 EPYC: 35 against 39 ms a token)."""
+    here; the drafts need not be invariant, the time is what counts. int8 where its kernel
+    cannot run (a K not a multiple of 4, a CPU without AVX2) runs in bf16 on the packed kernel
+    where that runs: faster than torch's dynamic int8 (Qwen2.5-Coder-0.5B on a 2-core AVX2
+    EPYC: 35 against 39 ms a token; int8 on the kernel: 19)."""
     try:
         return LeanCausalLM.from_hf(model, batch_invariant=True, quantization=quantization)
     except UnsupportedArchitecture as e:

@@ -1,6 +1,7 @@
 """The lean runtime's C kernels (``cpu_kernels.c``), built once per machine with gcc: batch-invariant
-attention; RMSNorm, RoPE with the KV write and SiLU-and-multiply for bf16 steps; and bf16
-linear layers on packed weights (where the CPU has AVX-512 BF16 or AVX2 + FMA).
+attention; RMSNorm, RoPE with the KV write and SiLU-and-multiply for bf16 steps; bf16
+linear layers on packed weights (where the CPU has AVX-512 BF16 or AVX2 + FMA); and int8 linear
+layers for quantized drafters (AVX-512 VNNI or AVX2 + FMA, the same bits on both).
 
 Why an attention kernel of our own: SDPA's CPU kernels block queries and keys by the sizes in the call, so
 a token's attention output changes in its last bits with the number of tokens verified beside
@@ -467,7 +468,7 @@ def _linear(
 
 
 def int8_linear_available() -> bool:
-    """Does this CPU run the int8 linear kernel (AVX-512 VNNI)?"""
+    """Does this CPU run the int8 linear kernel (AVX-512 VNNI, or AVX2 + FMA)?"""
     return _available("int8_linear")
 
 

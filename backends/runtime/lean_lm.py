@@ -294,7 +294,7 @@ class _PackedLinear(_Linear):
 
 
 class _Int8Linear(_Linear):
-    """A linear layer quantized to int8 (``cpu_kernels.int8_linear``, AVX-512 VNNI): weights per
+    """A linear layer quantized to int8 (``cpu_kernels.int8_linear``, AVX-512 VNNI or AVX2): weights per
     output channel, activations per row as they come. For drafters, which need speed, not the
     target's exact bits: half the bytes of bf16 to stream per step."""
 
@@ -443,7 +443,7 @@ class _Weights:
         if self.int8:
             if not _Int8Linear.runs(weight):
                 raise UnsupportedArchitecture(
-                    f"int8 linear layers need AVX-512 VNNI and a K divisible by 4 (weight {tuple(weight.shape)})"
+                    f"int8 linear layers need AVX-512 VNNI or AVX2 and a K divisible by 4 (weight {tuple(weight.shape)})"
                 )
             return _Int8Linear(weight, bias)
         if self.triton_kernels or _PackedLinear.runs(weight):
@@ -492,7 +492,7 @@ class _Weights:
         if self.triton_kernels:
             log.info("lean runtime on %s: the OpenAI Triton kernels (batch-invariant)", device)
         elif self.int8:
-            log.info("linear layers: the int8 kernel (AVX-512 VNNI; weights per channel, activations per row)")
+            log.info("linear layers: the int8 kernel (weights per channel, activations per row)")
         elif self.checked:
             log.info("linear layers: the packed bf16 kernel (row invariant by construction)")
         if self.splits:
@@ -893,7 +893,7 @@ class LeanCausalLM(LeanDecoder):
         models it does not run.
 
         ``quantization="int8"``: the linear layers (the LM head too) in int8 (``_Int8Linear``),
-        the rest in bf16; for drafters on a CPU with AVX-512 VNNI.
+        the rest in bf16; for drafters on a CPU with AVX-512 VNNI or AVX2.
 
         ``batch_invariant``: every token's logits and hidden states are the same bits whatever
         else shares its step (other tokens of its row, other rows, a prompt chunked or not); the

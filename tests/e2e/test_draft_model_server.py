@@ -84,7 +84,7 @@ def test_mismatched_vocabulary_is_refused_at_load(tiny_model_dir, tiny_hetero_di
 
 
 def test_int8_drafter_through_the_server(tiny_model_dir, tmp_path):
-    """An int8 drafter (the lean runtime's VNNI kernel where the CPU has it) drafts what it
+    """An int8 drafter (the lean runtime's int8 kernel where the CPU has one) drafts what it
     will; the output is the target's greedy output."""
     config = {
         "method": "draft_model",

@@ -13,7 +13,8 @@ from backends.runtime.lean_lm import LeanCausalLM, _Int8Linear
 from tests.fixtures.lean_models import FAMILIES, assert_same, build, decode, tokens
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.int8_linear_available(), reason="this CPU has no AVX-512 VNNI (the int8 linear kernel)"
+    not cpu_kernels.int8_linear_available(),
+    reason="this CPU has neither AVX-512 VNNI nor AVX2 (the int8 linear kernel)",
 )
 
 
