@@ -686,6 +686,13 @@ void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t n, int bf1
  * GROUP outputs (4 vectors of 16), packed by pack_linear. */
 #define GROUP 64
 #define TILE_ROWS 6
+/* The AVX2 kernels' tiling (bf16 and int8 alike; see the AVX2 packed_linear): 8 sums in
+ * registers a pass over 1-4 rows, K in chunks of CHUNK_WORDS words of a group (8 KB, kept in L1)
+ * that every tile of a block of BLOCK_ROWS rows reads before the next chunk. */
+#define AVX2_ROWS 4
+#define PREFETCH_WORDS 16 /* ahead of the word being summed: 4 KB, ~2 us of weights */
+#define CHUNK_WORDS 32
+#define BLOCK_ROWS 16 /* rows whose sums of a group stay in L1 (4 KB) */
 
 /* A linear layer's weight [n][words] (a word: the 2 bf16 or 4 int8 weights of one output that
  * one dot-product instruction takes) in the kernels' layout [groups][words][GROUP]: per group
@@ -773,15 +780,11 @@ int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
  * count, tile or thread (batch invariant by construction). x is widened to float32 once per
  * call. A pass keeps 8 sums in registers whatever its rows (1 row x 64 outputs, 2 x 32, 3-4 x
  * 16): fewer leave the FMA units waiting on each sum's chain (1 row x 16 outputs summed at half
- * the memory's speed). K runs in chunks of CHUNK_PAIRS pairs (8 KB of weights, kept in L1) that
+ * the memory's speed). K runs in chunks of CHUNK_WORDS pairs (8 KB of weights, kept in L1) that
  * every pass of every tile of up to BLOCK_ROWS rows reads before the next chunk, so the weights
  * stream from memory once and in order (a tile at a time over the whole group: 15-20% slower
  * for 5-16 rows); a prompt's further blocks of rows read the group again from L2. */
 #include <immintrin.h>
-#define ROWS2 4
-#define PREFETCH_PAIRS 16 /* ahead of the pair being summed: 4 KB, ~2 us of weights */
-#define CHUNK_PAIRS 32
-#define BLOCK_ROWS 16 /* rows whose sums of a group stay in L1 (4 KB) */
 
 int packed_linear_available(void) { return 1; }
 
@@ -795,13 +798,13 @@ static __m256 pair_high(__m256i w) { return _mm256_castsi256_ps(_mm256_and_si256
 static inline __attribute__((always_inline)) void pass(const uint32_t *wg, int h, int64_t p0, int64_t p1,
                                                         const float *xf, int64_t k, int rows, int vecs,
                                                         float (*sums)[GROUP]) {
-    __m256 acc[ROWS2][GROUP / 8];
+    __m256 acc[AVX2_ROWS][GROUP / 8];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < vecs; j++) acc[i][j] = _mm256_loadu_ps(sums[i] + h + 8 * j);
     for (int64_t p = p0; p < p1; p++) {
         const uint32_t *wp = wg + p * GROUP + h;
         if (h == 0) /* the first pass over these pairs fetches all the group's outputs ahead */
-            for (int j = 0; j < GROUP; j += 16) _mm_prefetch((const char *)(wp + PREFETCH_PAIRS * GROUP + j), _MM_HINT_T0);
+            for (int j = 0; j < GROUP; j += 16) _mm_prefetch((const char *)(wp + PREFETCH_WORDS * GROUP + j), _MM_HINT_T0);
         /* 16 ymm registers: widen the weights once and stream x, or the reverse when there are
          * more weight vectors than rows (the same sums either way) */
         if (vecs <= 2) {
@@ -847,17 +850,17 @@ int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
         for (int64_t b0 = 0; b0 < m; b0 += BLOCK_ROWS) {
             int64_t b1 = m - b0 < BLOCK_ROWS ? m : b0 + BLOCK_ROWS;
             float sums[BLOCK_ROWS][GROUP] = {{0}};
-            for (int64_t p0 = 0; p0 < pairs; p0 += CHUNK_PAIRS) {
-                int64_t p1 = pairs - p0 < CHUNK_PAIRS ? pairs : p0 + CHUNK_PAIRS;
-                for (int64_t m0 = b0; m0 < b1; m0 += ROWS2) {
-                    int rows = b1 - m0 < ROWS2 ? (int)(b1 - m0) : ROWS2, width = rows == 1 ? 64 : rows == 2 ? 32 : 16;
+            for (int64_t p0 = 0; p0 < pairs; p0 += CHUNK_WORDS) {
+                int64_t p1 = pairs - p0 < CHUNK_WORDS ? pairs : p0 + CHUNK_WORDS;
+                for (int64_t m0 = b0; m0 < b1; m0 += AVX2_ROWS) {
+                    int rows = b1 - m0 < AVX2_ROWS ? (int)(b1 - m0) : AVX2_ROWS, width = rows == 1 ? 64 : rows == 2 ? 32 : 16;
                     const float *xr = xf + m0 * k;
                     float(*tile)[GROUP] = sums + (m0 - b0);
                     for (int h = 0; h < outputs; h += width) switch (rows) {
                             case 1: pass(wg, h, p0, p1, xr, k, 1, 8, tile); break;
                             case 2: pass(wg, h, p0, p1, xr, k, 2, 4, tile); break;
                             case 3: pass(wg, h, p0, p1, xr, k, 3, 2, tile); break;
-                            default: pass(wg, h, p0, p1, xr, k, ROWS2, 2, tile); break;
+                            default: pass(wg, h, p0, p1, xr, k, AVX2_ROWS, 2, tile); break;
                         }
                 }
             }
@@ -976,12 +979,9 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
  * two int16 pairs ((w0, w2), (w1, w3)) and multiplied with x's matching u8 pairs by vpmaddwd,
  * whose int32 sums of two products (each at most 255 * 127) never saturate: the integer sums,
  * and so every output bit, are those of the VNNI kernel. Half the bytes of the bf16 kernel and
- * fewer instructions per weight: a drafter's step streams half the memory. */
+ * fewer instructions per weight: a drafter's step streams half the memory. Tiled as the AVX2 bf16
+ * kernel (AVX2_ROWS, CHUNK_WORDS, BLOCK_ROWS), int32 sums in place of float32. */
 #include <immintrin.h>
-#define Q_ROWS 4
-#define Q_CHUNK 32 /* quads of K per pass (8 KB of a group's weights, kept in L1 across passes) */
-#define Q_BLOCK 16 /* rows whose int32 sums of a group stay in L1 */
-#define Q_PREFETCH 16
 
 int int8_linear_available(void) { return 1; }
 
@@ -1005,13 +1005,13 @@ static float quantize_row(const uint16_t *x, int64_t k, uint32_t *pairs) {
 static inline __attribute__((always_inline)) void quad_pass(const int32_t *wg, int h, int64_t p0, int64_t p1,
                                                              const uint32_t *xp, int64_t k2, int rows, int vecs,
                                                              int32_t (*sums)[GROUP]) {
-    __m256i acc[Q_ROWS][GROUP / 8];
+    __m256i acc[AVX2_ROWS][GROUP / 8];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < vecs; j++) acc[i][j] = _mm256_loadu_si256((const __m256i *)(sums[i] + h + 8 * j));
     for (int64_t p = p0; p < p1; p++) {
         const int32_t *wp = wg + p * GROUP + h;
         if (h == 0)
-            for (int j = 0; j < GROUP; j += 16) _mm_prefetch((const char *)(wp + Q_PREFETCH * GROUP + j), _MM_HINT_T0);
+            for (int j = 0; j < GROUP; j += 16) _mm_prefetch((const char *)(wp + PREFETCH_WORDS * GROUP + j), _MM_HINT_T0);
         if (vecs <= 2) { /* few weight vectors: widen them once, stream the rows */
             __m256i even[2], odd[2];
             for (int j = 0; j < vecs; j++) {
@@ -1061,20 +1061,20 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
     for (int64_t g = 0; g < groups; g++) {
         const int32_t *wg = (const int32_t *)packed + g * quads * GROUP;
         int outputs = n - g * GROUP < GROUP ? (int)(n - g * GROUP) : GROUP;
-        for (int64_t b0 = 0; b0 < m; b0 += Q_BLOCK) {
-            int64_t b1 = m - b0 < Q_BLOCK ? m : b0 + Q_BLOCK;
-            int32_t sums[Q_BLOCK][GROUP] = {{0}};
-            for (int64_t p0 = 0; p0 < quads; p0 += Q_CHUNK) {
-                int64_t p1 = quads - p0 < Q_CHUNK ? quads : p0 + Q_CHUNK;
-                for (int64_t m0 = b0; m0 < b1; m0 += Q_ROWS) {
-                    int rows = b1 - m0 < Q_ROWS ? (int)(b1 - m0) : Q_ROWS, width = rows == 1 ? 64 : rows == 2 ? 32 : 16;
+        for (int64_t b0 = 0; b0 < m; b0 += BLOCK_ROWS) {
+            int64_t b1 = m - b0 < BLOCK_ROWS ? m : b0 + BLOCK_ROWS;
+            int32_t sums[BLOCK_ROWS][GROUP] = {{0}};
+            for (int64_t p0 = 0; p0 < quads; p0 += CHUNK_WORDS) {
+                int64_t p1 = quads - p0 < CHUNK_WORDS ? quads : p0 + CHUNK_WORDS;
+                for (int64_t m0 = b0; m0 < b1; m0 += AVX2_ROWS) {
+                    int rows = b1 - m0 < AVX2_ROWS ? (int)(b1 - m0) : AVX2_ROWS, width = rows == 1 ? 64 : rows == 2 ? 32 : 16;
                     const uint32_t *xr = xp + m0 * k2;
                     int32_t(*tile)[GROUP] = sums + (m0 - b0);
                     for (int h = 0; h < outputs; h += width) switch (rows) {
                             case 1: quad_pass(wg, h, p0, p1, xr, k2, 1, 8, tile); break;
                             case 2: quad_pass(wg, h, p0, p1, xr, k2, 2, 4, tile); break;
                             case 3: quad_pass(wg, h, p0, p1, xr, k2, 3, 2, tile); break;
-                            default: quad_pass(wg, h, p0, p1, xr, k2, Q_ROWS, 2, tile); break;
+                            default: quad_pass(wg, h, p0, p1, xr, k2, AVX2_ROWS, 2, tile); break;
                         }
                 }
             }
