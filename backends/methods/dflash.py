@@ -39,9 +39,10 @@ from config.json, never from the directory name; unsupported variants are refuse
 
 Drafts per pass: B-1. The drafter always runs its trained block size and returns the first
 k drafts asked for (a shorter block would change every slot's output: the slots attend to
-each other), so k above B-1 gives B-1. The drafter keeps, per sequence, only the context
-K/V of every layer (block K/V are thrown away each step); the context never holds anything
-speculative, so rollback is a crop to where the new hidden states start.
+each other), so k above B-1 gives B-1. The drafter keeps, per sequence, only the context's
+keys and values of every layer, in the lean runtime's paged KV pool (the block's own are
+written after them for the block's forward and dropped again); the context never holds
+anything speculative, so rollback is a truncation to where the new hidden states start.
 
 Greedy drafts come without probabilities (one-hot); `probabilistic` drafts are sampled from
 each slot's softmax at the request's temperature (a greedy request: the argmax) and come
@@ -51,7 +52,7 @@ with them, mapped to the target vocabulary.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,10 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from backends.config import aux_layer_ids
+from backends.methods.draft_model import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
+from backends.runtime.lean_lm import LeanDecoder, Row
 from backends.runtime.model_store import load_config
 from backends.serving.proposer import Draft, DraftRequest
 
@@ -493,36 +496,27 @@ def _rope_theta(cfg: Any) -> float:
 # ---------------------------------------------------------------------------- the proposer
 
 
-@dataclass
-class _Context:
-    """One sequence's context: token_ids[:t+1] produced the target state of entry t."""
-
-    token_ids: list[int] = field(default_factory=list)
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, c, head_dim]
-    values: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
-
-    def crop(self, length: int) -> None:
-        self.keys = [k[:, :length] for k in self.keys]
-        self.values = [v[:, :length] for v in self.values]
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if not self.keys:
-            self.keys, self.values = [k for k, _ in kv], [v for _, v in kv]
-            return
-        self.keys = [torch.cat([old, k], dim=1) for old, (k, _) in zip(self.keys, kv)]
-        self.values = [torch.cat([old, v], dim=1) for old, (_, v) in zip(self.values, kv)]
+def block_mask(context: int, size: int, causal: bool, window: int | None) -> torch.Tensor:
+    """What a block of `size` slots after `context` entries sees, [size, context + size]: the
+    context and the whole block, only up to itself where causal, and only keys less than
+    `window` positions back on a sliding layer."""
+    query = torch.arange(context, context + size)[:, None]
+    key = torch.arange(context + size)[None]
+    visible = torch.ones(size, context + size, dtype=torch.bool)
+    if causal:
+        visible &= key <= query
+    if window is not None:
+        visible &= query - key < window
+    return visible
 
 
 @dataclass
 class BlockWork:
     index: int
-    context: _Context
+    seq_id: int
+    context: torch.Tensor  # [rows, H] the context entries this call adds (positions start .. n-2)
     anchor: int  # x_{n-1}
-    position: int  # n - 1
+    position: int  # n - 1: the anchor's position, the context's length once they are in
     num_drafts: int
     temperature: float
     generator: torch.Generator | None  # the request's (SequenceProposer.generator_for)
@@ -531,9 +525,24 @@ class BlockWork:
 
 
 class DFlashProposer(HeadProposer):
+    """The head's layers run on the lean runtime (backends/runtime): each sequence's context
+    entries are its keys and values in one paged KV pool. A propose call is two ragged steps
+    over the batch: the new context entries' keys and values into the pool, then every
+    sequence's block over its context, whose entries are dropped again."""
+
     method = "dflash"
     head_class: type[DFlashHead] = DFlashHead
-    _seqs: dict[int, _Context]
+    _seqs: dict[int, None]  # the sequences with a context in the pool
+
+    def __init__(
+        self, head: DFlashHead, max_model_len: int, sample_method: str = "greedy", seed: int | None = None
+    ) -> None:
+        super().__init__(head, max_model_len, sample_method, seed)
+        # The runtime's layers see all keys of a row as the step's masks say (see _block_steps):
+        # its config keeps the head's dimensions and RoPE, not its sliding windows.
+        config = _qwen3_config({**head.config, "layer_types": None, "use_sliding_window": False})
+        self.decoder = LeanDecoder.from_layers(config, list(head.layers), self.dtype, input_norm=True)
+        self.pool = self.decoder.new_pool(memory_gb=DRAFT_KV_MEMORY_GB)
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> DFlashHead:
@@ -559,13 +568,19 @@ class DFlashProposer(HeadProposer):
         drafts = [Draft() for _ in batch]
         work = [w for i, req in enumerate(batch) if (w := self._prepare(i, req)) is not None]
         if work:
+            self._store_context(work)
             self._draft(self._run_block(work), work)
         for w in work:
             drafts[w.index] = Draft(w.drafts, w.probs)
         return drafts
 
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        self.pool.release(seq_id)
+
     def _prepare(self, index: int, req: DraftRequest) -> BlockWork | None:
-        """Bring the sequence's context up to position n-2 with the delivered hidden states."""
+        """Crop the sequence's context back to where the delivered hidden states start and
+        make room for them and the block; the work."""
         n, hidden = len(req.token_ids), req.hidden_states
         num_drafts = min(req.num_tokens, len(self.head.draft_slots), self.max_model_len - n)
         if hidden is None or num_drafts <= 0:
@@ -576,52 +591,61 @@ class DFlashProposer(HeadProposer):
                 f"sequence {req.seq_id}: hidden_states has shape {list(hidden.shape)}; expected [rows, {layers}, "
                 f"{width}] (layers {self.hidden_layer_ids}) with 1 <= rows <= {n - 1} (one per target position)"
             )
-        start = n - 1 - hidden.shape[0]
-        context = self._seqs.setdefault(req.seq_id, _Context())
-        valid = min(context.length, req.num_kept)
+        start, need = n - 1 - hidden.shape[0], n - 1 + self.head.block_size
+        if req.seq_id not in self._seqs:
+            self.pool.admit(req.seq_id, need + GROW_SLACK_TOKENS)
+            self._seqs[req.seq_id] = None
+        valid = min(self.pool.length(req.seq_id), req.num_kept)
         if valid < start:
             raise ValueError(
                 f"sequence {req.seq_id}: hidden states start at position {start}, but the drafter has target "
                 f"states up to position {valid - 1} only; deliver every position the target processed since "
                 "the last draft call"
             )
-        context.crop(start)
-        ctx = self.head.context(hidden.to(self.device, self.dtype))[None]
-        positions = torch.arange(start, n - 1, device=self.device)[None]
-        context.append([(k[0], v[0]) for k, v in self.head.context_kv(ctx, positions)])
-        context.token_ids = list(req.token_ids)
-        return BlockWork(index, context, req.token_ids[-1], n - 1, num_drafts, req.temperature, self.generator_for(req))
+        self.pool.truncate(req.seq_id, start)
+        if self.pool.reserved(req.seq_id) < need:
+            self.pool.grow(req.seq_id, need + GROW_SLACK_TOKENS)
+        context = self.head.context(hidden.to(self.device, self.dtype))
+        return BlockWork(
+            index, req.seq_id, context, req.token_ids[-1], n - 1, num_drafts, req.temperature, self.generator_for(req)
+        )
+
+    def _store_context(self, work: list[BlockWork]) -> None:
+        """Every layer's keys and values of the new context entries, after each sequence's kept ones."""
+        rows = [Row(w.seq_id, torch.zeros(len(w.context), dtype=torch.long)) for w in work]
+        step = self.decoder.plan(self.pool, rows)
+        order = sorted(range(len(work)), key=lambda i: step.spans[i][0])  # the step's token order
+        context = torch.cat([work[i].context for i in order])
+        for index in range(self.decoder.num_layers):
+            self.decoder.store_kv(index, context, self.pool, step)
 
     def _run_block(self, work: list[BlockWork]) -> torch.Tensor:
-        """One forward of every sequence's block: contexts left-padded to the longest, a
-        key mask over the padding. Returns the normed block outputs [batch, B, H]."""
-        size, longest = self.head.block_size, max(w.context.length for w in work)
-        offsets = torch.arange(size, device=self.device)
-        block_ids = torch.full((len(work), size), self.head.spec.mask_token_id, device=self.device)
-        block_ids[:, 0] = torch.tensor([w.anchor for w in work], device=self.device)
-        positions = torch.tensor([w.position for w in work], device=self.device)[:, None] + offsets
-        pads = [longest - w.context.length for w in work]
-        key_positions = torch.cat(
-            [
-                torch.arange(longest, device=self.device)[None] - torch.tensor(pads, device=self.device)[:, None],
-                positions,
-            ],
-            dim=1,
-        )
-        key_valid = torch.cat(
-            [key_positions[:, :longest] >= 0, torch.ones(len(work), size, dtype=torch.bool, device=self.device)], dim=1
-        )
-        if len(work) == 1:  # a lone sequence attends to its own cache, uncopied
-            context = [(k[None], v[None]) for k, v in zip(work[0].context.keys, work[0].context.values)]
-        else:
-            context = [
-                (
-                    torch.stack([F.pad(w.context.keys[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]),
-                    torch.stack([F.pad(w.context.values[i], (0, 0, pad, 0)) for w, pad in zip(work, pads)]),
-                )
-                for i in range(len(self.head.layers))
-            ]
-        return self.head(block_ids, positions, context, key_positions, key_valid)
+        """One forward of every sequence's block over its context; the normed block outputs
+        [batch, B, H]. The block's own keys and values leave the pool afterwards."""
+        mask_ids = [self.head.spec.mask_token_id] * (self.head.block_size - 1)
+        steps = self._block_steps([Row(w.seq_id, [w.anchor, *mask_ids]) for w in work], [w.position for w in work])
+        x = self.head.embed_tokens(steps[0].ids.to(self.device))
+        for index, step in enumerate(steps):
+            x = self.decoder.layer(index, x, self.pool, step)
+        for w in work:
+            self.pool.truncate(w.seq_id, w.position)
+        x = self.head.norm(x)
+        return torch.stack([x[a:b] for a, b in steps[0].spans])
+
+    def _block_steps(self, rows: list[Row], contexts: list[int]) -> list[Any]:
+        """The block step, planned once, for each layer: attending as that layer's kind (causal,
+        window) sees. contexts[i]: row i's context length."""
+        kinds = list(zip(self.head.spec.causal, self.head.spec.windows))
+
+        def masked(kind: tuple[bool, int | None]) -> list[Row]:
+            return [replace(row, mask=block_mask(c, self.head.block_size, *kind)) for row, c in zip(rows, contexts)]
+
+        first = self.decoder.plan(self.pool, masked(kinds[0]))
+        steps = {kinds[0]: first}
+        for kind in kinds[1:]:
+            if kind not in steps:
+                steps[kind] = self.decoder.remask(self.pool, first, masked(kind))
+        return [steps[kind] for kind in kinds]
 
     def _draft(self, hidden: torch.Tensor, work: list[BlockWork]) -> None:
         """DFlash: every slot's draft at once, from the slot's own logits."""

@@ -87,7 +87,7 @@ from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
 from backends.methods.draft_model import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gather_drafts
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
-from backends.runtime.lean_lm import LeanDecoder, Row, UnsupportedArchitecture
+from backends.runtime.lean_lm import LeanDecoder, Row
 from backends.serving.proposer import Draft, DraftRequest
 from backends.serving.tree import ROOT, DraftTree
 
@@ -402,7 +402,7 @@ class EagleProposer(HeadProposer):
         super().__init__(head, max_model_len, sample_method, seed)
         self.dynamic_tree = dynamic_tree
         self.token_tree = token_tree
-        self.decoder = head_decoder(head, self.dtype)
+        self.decoder = LeanDecoder.from_layers(head.config, list(head.layers), self.dtype)
         self.pool = self.decoder.new_pool(memory_gb=DRAFT_KV_MEMORY_GB)
 
     @classmethod
@@ -545,18 +545,6 @@ class EagleProposer(HeadProposer):
         tokens, probs = self.sample(logits, [w.temperature for w in work], [w.generator for w in work])
         steps.append((tokens, probs))
         return tokens
-
-
-def head_decoder(head: EagleHead, dtype: torch.dtype) -> LeanDecoder:
-    """The head's decoder layers on the lean runtime: batch-invariant where its kernels build
-    (bit-identical drafts alone or batched; the only path on a GPU), else the SDPA path."""
-    try:
-        return LeanDecoder.from_layers(head.config, list(head.layers), dtype, batch_invariant=True)
-    except UnsupportedArchitecture as e:
-        if next(head.parameters()).device.type != "cpu":
-            raise
-        log.info("%s head: batch-invariant kernels unavailable (%s); drafting on the SDPA path", head.layout, e)
-        return LeanDecoder.from_layers(head.config, list(head.layers), dtype)
 
 
 class Eagle3Proposer(EagleProposer):

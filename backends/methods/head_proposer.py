@@ -5,6 +5,7 @@ and its `propose`."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,12 @@ from torch import nn
 
 from backends.methods.draft_model import SAMPLE_METHODS, sample_drafts
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
+from backends.runtime.lean_lm import kernel_linears
 from backends.runtime.model_store import resolve_model
 from backends.serving.proposer import SequenceProposer, check_one_device
 from backends.serving.rejection import new_generator
+
+log = logging.getLogger("tritonspec.head_proposer")
 
 
 class HeadProposer(SequenceProposer):
@@ -35,6 +39,8 @@ class HeadProposer(SequenceProposer):
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
         self.generator = new_generator(self.device, seed)
+        if self.dtype == torch.bfloat16 and (turned := kernel_linears(head)):
+            log.info("%s head: %d linear layers on the packed bf16 kernel", self.method, turned)
 
     @classmethod
     def from_config(

@@ -73,10 +73,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels import batch_invariant as gpu_kernels
@@ -291,6 +292,37 @@ class _PackedLinear(_Linear):
     def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
         """Its fields of ``cpu_kernels.LinearWeights`` (a layer run in one C call)."""
         return self.packed, self.bias, None, None
+
+
+class KernelLinear(nn.Linear):
+    """An ``nn.Linear`` whose bf16 inference runs in the packed kernel: what a drafter head's own
+    layers (fc, LM heads, Medusa blocks, ...) become under ``kernel_linears``. On the 2-core
+    EPYC here ATen's bf16 matmul took 3-7x the packed kernel's time at 1-16 rows (an LM head of
+    49152 x 576 at 7 rows: 21.8 vs 4.3 ms), and the kernel is row invariant, so a head's drafts
+    are the same alone or batched. Training (gradients wanted) and other dtypes keep
+    ``nn.Linear``'s forward; the weight is packed on first use and again after it changes."""
+
+    _packed: tuple[int, torch.Tensor] | None = None  # (the weight's version, its packed layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return super().forward(x)
+        if self._packed is None or self._packed[0] != self.weight._version:
+            self._packed = (self.weight._version, cpu_kernels.pack_linear(self.weight.detach()))
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_kernels.packed_linear(rows, self._packed[1], self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def kernel_linears(module: nn.Module) -> int:
+    """Turn ``module``'s bf16 ``nn.Linear`` layers on the CPU into ``KernelLinear`` (where the
+    packed kernel runs here: AVX-512 BF16 or AVX2 + FMA, an even K); how many it turned."""
+    turned = 0
+    for m in module.modules():
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and _PackedLinear.runs(m.weight):
+            m.__class__ = KernelLinear
+            turned += 1
+    return turned
 
 
 class _Int8Linear(_Linear):
@@ -520,6 +552,13 @@ def _kernels_for(config, device: torch.device, batch_invariant: bool, triton_ker
     return triton_kernels
 
 
+def _check_mask(row: Row, n: int, cached: int) -> None:
+    if row.mask is not None and tuple(row.mask.shape) not in ((n, n), (n, cached + n)):
+        raise SequenceError(
+            f"sequence {row.seq_id!r}: mask {tuple(row.mask.shape)} for {n} new tokens after {cached} cached"
+        )
+
+
 def _fusable(layer: _Layer) -> bool:
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     return (
@@ -580,24 +619,29 @@ class LeanDecoder:
             ]
 
     @classmethod
-    def from_layers(
-        cls,
-        config,
-        modules: Sequence,
-        dtype: torch.dtype,
-        batch_invariant: bool = False,
-        triton_kernels: bool | None = None,
-    ) -> LeanDecoder:
-        """The decoder layers ``modules`` (transformers-style, see ``_Weights.layer``; their
-        attention may read a wider input than the residual, as EAGLE-3's) of a model described
-        by the Llama-style ``config``, on the modules' device. The caller gives every layer its
-        attention input (``layer(..., attn_in=...)``)."""
+    def from_layers(cls, config, modules: Sequence, dtype: torch.dtype, *, input_norm: bool = False) -> LeanDecoder:
+        """A drafter head's decoder layers ``modules`` (transformers-style, see ``_Weights.layer``;
+        their attention may read a wider input than the residual, as EAGLE-3's) of a model
+        described by the Llama-style ``config``, on the modules' device: batch-invariant where
+        its kernels build (bit-identical drafts alone or batched; the only path on a GPU), else
+        the SDPA path. Without ``input_norm`` the caller gives every layer its attention input
+        (``layer(..., attn_in=...)``)."""
         device = next(modules[0].parameters()).device
-        triton_kernels = _kernels_for(config, device, batch_invariant, triton_kernels)
-        weights = _Weights(config, dtype, batch_invariant, triton_kernels)
-        layers = [weights.layer(m, input_norm=False) for m in modules]
-        weights.log_kernels(device)
-        return cls(config, layers, dtype, batch_invariant, triton_kernels, device)
+
+        def build(batch_invariant: bool) -> LeanDecoder:
+            triton_kernels = _kernels_for(config, device, batch_invariant, None)
+            weights = _Weights(config, dtype, batch_invariant, triton_kernels)
+            layers = [weights.layer(m, input_norm=input_norm) for m in modules]
+            weights.log_kernels(device)
+            return cls(config, layers, dtype, batch_invariant, triton_kernels, device)
+
+        try:
+            return build(batch_invariant=True)
+        except UnsupportedArchitecture as e:
+            if device.type != "cpu":
+                raise
+            log.info("drafter head: batch-invariant kernels unavailable (%s); drafting on the SDPA path", e)
+            return build(batch_invariant=False)
 
     def new_pool(
         self,
@@ -640,11 +684,7 @@ class LeanDecoder:
             seen.add(r.seq_id)
             if n == 0 or not 0 <= m <= n:
                 raise SequenceError(f"sequence {r.seq_id!r}: {n} new tokens, {m} logits rows asked")
-            if r.mask is not None and tuple(r.mask.shape) not in ((n, n), (n, pool.length(r.seq_id) + n)):
-                raise SequenceError(
-                    f"sequence {r.seq_id!r}: mask {tuple(r.mask.shape)} for {n} new tokens after "
-                    f"{pool.length(r.seq_id)} cached"
-                )
+            _check_mask(r, n, pool.length(r.seq_id))
             if r.positions is not None and tuple(r.positions.shape) != (n,):
                 raise SequenceError(f"sequence {r.seq_id!r}: positions {tuple(r.positions.shape)} for {n} new tokens")
             if n > pool.room(r.seq_id):
@@ -669,12 +709,7 @@ class LeanDecoder:
             spans[i] = (t, t + n)
             t += n
 
-        if self.batch_invariant:
-            keys = self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order]).to(self.device)
-            groups = []
-        else:
-            groups, keys = self._groups(pool, rows, toks, cached, order, spans), None
-
+        groups, keys = self._attention(pool, rows, toks, cached, order, spans)
         joined = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)
         cat = lambda ts: joined(ts).to(self.device)
         scratch = None
@@ -691,6 +726,34 @@ class LeanDecoder:
             spans=spans,
             scratch=scratch,
         )
+
+    def remask(self, pool: KVCachePool, step: _Step, rows: Sequence[Row]) -> _Step:
+        """``step``, planned for these rows' sequences and tokens, attending as ``rows``' masks
+        say instead of the planned rows' (same checks as ``plan``'s): for drafters whose layers
+        see differently, as DFlash's sliding-window layers."""
+        toks = [torch.as_tensor(r.token_ids, dtype=torch.long).reshape(-1) for r in rows]
+        order = sorted(range(len(rows)), key=lambda i: toks[i].shape[0])
+        cached = {i: pool.length(r.seq_id) - t.shape[0] for i, (r, t) in enumerate(zip(rows, toks))}
+        for r, t, c in zip(rows, toks, cached.values()):
+            _check_mask(r, t.shape[0], c)
+        if [step.spans[i][1] - step.spans[i][0] for i in range(len(rows))] != [t.shape[0] for t in toks]:
+            raise SequenceError("remask takes the rows the step was planned for")
+        groups, keys = self._attention(pool, rows, toks, cached, order, step.spans)
+        return replace(step, groups=groups, keys=keys)
+
+    def _attention(
+        self,
+        pool: KVCachePool,
+        rows: Sequence[Row],
+        toks: list[torch.Tensor],
+        cached: dict[int, int],
+        order: list[int],
+        spans: list[tuple[int, int]],
+    ) -> tuple[list[_Group], cpu_kernels.KeyLists | None]:
+        """What the step's attention reads: each token's key list (batch-invariant) or SDPA groups."""
+        if self.batch_invariant:
+            return [], self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order]).to(self.device)
+        return self._groups(pool, rows, toks, cached, order, spans), None
 
     def _groups(
         self,
@@ -796,9 +859,36 @@ class LeanDecoder:
                 step.scratch,
             )
             return h
-        T = h.shape[0]
+        if attn_in is None:
+            attn_in = self._norm(h, layer.attn_norm)
+        q = self._store_kv(layer, attn_in, kv_layer, step)
+        if self.triton_kernels:
+            keys = step.keys
+            attended = gpu_kernels.attend(q, kv_layer, keys.slots, keys.start, keys.length, self.num_heads)
+        elif step.keys is not None:
+            attended = cpu_kernels.attend(q, kv_layer, step.keys, self.num_heads)
+        else:
+            outs = [self._attend(q[g.t0 : g.t1], g, index, kv_layer) for g in step.groups]
+            attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+        h = layer.o.add(attended, h)
+        x = self._norm(h, layer.mlp_norm)
+        gate_up = layer.gate_up(x)
+        if self.fused:
+            return layer.down.add(cpu_kernels.silu_mul(gate_up), h)
+        inter = gate_up.shape[1] // 2
+        return layer.down.add(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], h)
+
+    def store_kv(self, index: int, x: torch.Tensor, pool: KVCachePool, step: _Step) -> None:
+        """Write layer ``index``'s keys and values of ``x`` ``[T, hidden]`` (its attention input as
+        is: no input norm) to the step's slots, and nothing else of the layer: cache entries
+        made from something other than the layer's own stream (DFlash's context features)."""
+        self._store_kv(self.layers[index], x, pool.layers[index], step)
+
+    def _store_kv(self, layer: _Layer, x: torch.Tensor, kv_layer: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Project ``x``, norm q and k (Qwen3), rotate them, store k and v; the queries."""
+        T = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = layer.qkv(self._norm(h, layer.attn_norm) if attn_in is None else attn_in)
+        qkv = layer.qkv(x)
         qk = qkv[:, : (heads + kv_heads) * d].view(T, heads + kv_heads, d)
         if layer.qk_norm is not None and self.triton_kernels:
             qk.copy_(gpu_kernels.rms_norm(qk.reshape(-1, d), layer.qk_norm, self.eps).view_as(qk))
@@ -810,22 +900,7 @@ class LeanDecoder:
             swapped = qk.view(T, heads + kv_heads, 2, d // 2).flip(2).view(T, heads + kv_heads, d)
             qk.mul_(step.cos).addcmul_(swapped, step.sin)
             kv_layer.index_copy_(0, step.slots, qkv[:, heads * d :].view(T, 2, kv_heads, d))
-        q = qkv[:, : heads * d]
-        if self.triton_kernels:
-            keys = step.keys
-            attended = gpu_kernels.attend(q, kv_layer, keys.slots, keys.start, keys.length, heads)
-        elif step.keys is not None:
-            attended = cpu_kernels.attend(q, kv_layer, step.keys, heads)
-        else:
-            outs = [self._attend(q[g.t0 : g.t1], g, index, kv_layer) for g in step.groups]
-            attended = outs[0] if len(outs) == 1 else torch.cat(outs)
-        h = layer.o.add(attended, h)
-        x = self._norm(h, layer.mlp_norm)
-        gate_up = layer.gate_up(x)
-        if self.fused:
-            return layer.down.add(cpu_kernels.silu_mul(gate_up), h)
-        inter = gate_up.shape[1] // 2
-        return layer.down.add(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], h)
+        return qkv[:, : heads * d]
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.triton_kernels:

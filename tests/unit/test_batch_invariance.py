@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.runtime import cpu_kernels
-from backends.runtime.lean_lm import K_CHUNKS, LeanCausalLM, Row, _Linear
+from backends.runtime.lean_lm import K_CHUNKS, KernelLinear, LeanCausalLM, Row, _Linear, kernel_linears
 from tests.fixtures.lean_models import FAMILIES, assert_same, build, decode, tokens
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -370,6 +370,37 @@ def test_packed_linear_refuses_what_it_cannot_take():
         cpu_kernels.packed_linear(torch.zeros(2, 8), packed, 4)
     with pytest.raises(ValueError, match="residual must be"):
         cpu_kernels.packed_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4, residual=torch.zeros(2, 5))
+
+
+@needs_packed
+def test_a_heads_linears_run_in_the_packed_kernel():
+    """kernel_linears turns a module's bf16 nn.Linear layers (odd K stays) into KernelLinear:
+    the packed kernel's bits for any leading shape, the same bits for a row alone or batched,
+    repacked after the weight changes; float32 and gradient-taking calls keep nn.Linear's."""
+    torch.manual_seed(3)
+    head = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 5, bias=False), torch.nn.Linear(5, 7))
+    head = head.bfloat16()
+    assert kernel_linears(head) == 2
+    assert [type(m) for m in head] == [KernelLinear, KernelLinear, torch.nn.Linear]
+    first = head[0]
+    x = torch.randn(3, 4, 64).bfloat16()
+    with torch.inference_mode():
+        out = first(x)
+        packed = cpu_kernels.pack_linear(first.weight.detach())
+        assert out.shape == (3, 4, 96)
+        assert torch.equal(out.view(12, 96), cpu_kernels.packed_linear(x.view(12, 64), packed, 96, first.bias))
+        torch.testing.assert_close(
+            out.double(), F.linear(x.double(), first.weight.double(), first.bias.double()), rtol=1e-2, atol=2e-2
+        )
+        assert torch.equal(first(x[1, 2:3]), out[1, 2:3])
+        first.weight.mul_(2)
+        torch.testing.assert_close(
+            first(x).float(), F.linear(x, first.weight, first.bias).float(), rtol=2e-2, atol=5e-2
+        )
+    x.requires_grad_(True)
+    first(x.detach()).sum().backward()  # training: ATen's forward, so gradients flow
+    assert first.weight.grad is not None
+    assert torch.equal(head.float()[0](x.detach().float()), F.linear(x.detach().float(), first.weight, first.bias))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

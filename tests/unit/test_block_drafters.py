@@ -24,6 +24,7 @@ from backends.methods.dflash import (
 )
 from backends.methods.dspark import DSparkHead, DSparkProposer
 from backends.methods.dspark import default_config as dspark_default_config
+from backends.runtime import lean_lm
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
@@ -464,7 +465,22 @@ def test_greedy_drafts_follow_the_published_algorithm(name, heads, checkpoints, 
         assert draft.token_ids == reference_drafts(name, cfg, s, req.hidden_states, ids[-1], 8)
         assert len(draft.token_ids) == len(head.draft_slots)
         # The context holds one entry per target position, 0 .. n-2.
-        assert proposer._seqs[seq_id].length == len(ids) - 1
+        assert proposer.pool.length(seq_id) == len(ids) - 1  # the context: positions 0 .. n-2
+
+
+@pytest.mark.parametrize("name", ["dflash-causal-sliding", "dspark-rnn"])
+def test_the_sdpa_path_drafts_the_same(name, heads, checkpoints, target_weights, runner, prompt_ids, monkeypatch):
+    """Where the batch-invariant kernels do not build, the head's layers run on the runtime's
+    SDPA path: the published algorithm's drafts in one ragged batch, each layer kind (full,
+    causal, sliding) masked as its own."""
+    monkeypatch.setattr(lean_lm.cpu_kernels, "unavailable_reason", lambda *_: "not on this CPU (test)")
+    head = heads[name]
+    cfg, s = _reference_inputs(name, checkpoints, target_weights)
+    proposer = _proposer_class(name)(head, 512)
+    assert not proposer.decoder.batch_invariant
+    requests = [request(runner, head, seq_id, ids, 8) for seq_id, ids in enumerate(prompt_ids)]
+    for req, draft in zip(requests, proposer.propose(requests)):
+        assert draft.token_ids == reference_drafts(name, cfg, s, req.hidden_states, req.token_ids[-1], 8)
 
 
 @pytest.mark.parametrize("name", ["dflash-causal-sliding", "dspark-rnn"])
