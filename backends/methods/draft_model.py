@@ -42,7 +42,7 @@ from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, SequenceProposer, check_one_device
 from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
-from backends.serving.tree import DraftTree
+from backends.serving.tree import DraftTree, best_nodes, path_scores
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
 QUANTIZATIONS = (None, "int8")
@@ -74,8 +74,10 @@ class _Work:
     generator: torch.Generator | None  # the request's (SequenceProposer.generator_for)
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V] on the drafter's device (probabilistic)
-    tree: list[tuple[int, ...]] = field(default_factory=list)  # node paths asked for (empty: a chain)
-    ranked: list[list[int]] = field(default_factory=list)  # per draft position, the most likely ids
+    tree: list[tuple[int, ...]] = field(default_factory=list)  # the static tree's paths in reach (empty: a chain)
+    num_nodes: int = 0  # how many of them to keep
+    # per draft position: (token, draft probability) of the chain's token, then of the others by rank
+    candidates: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -196,6 +198,7 @@ class DraftModelProposer(SequenceProposer):
                     req.temperature,
                     self.generator_for(req),
                     tree=self._tree_paths(req, num_drafts),
+                    num_nodes=req.num_nodes,
                 )
             )
         if self.lean is not None and work:
@@ -213,25 +216,29 @@ class DraftModelProposer(SequenceProposer):
         return drafts
 
     def _tree_paths(self, req: DraftRequest, num_drafts: int) -> list[tuple[int, ...]]:
-        """The static tree's first `num_nodes` paths within this step's drafts; empty: a chain."""
+        """The static tree's paths within this step's drafts; empty: a chain."""
         if not req.num_nodes or self.token_tree is None or self.bridge is not None:
             return []
-        return [path for path in self.token_tree if len(path) <= num_drafts][: req.num_nodes]
+        return [path for path in self.token_tree if len(path) <= num_drafts]
 
     def _tree(self, w: _Work) -> Draft:
-        """The chain and its siblings as a tree. A sibling is a fixed token (a one-hot row when
-        the chain comes with probabilities), so sampled verification stays exact."""
+        """The chain and its siblings as a tree: the `num_nodes` paths of the highest
+        cumulative draft probability (a cut in breadth-first order would drop the chain's
+        deeper drafts first, which a confident draft gets accepted most). A sibling is a
+        fixed token (a one-hot row when the chain comes with probabilities), so sampled
+        verification stays exact whichever nodes are kept."""
+        scores = path_scores(w.tree, lambda depth, rank: w.candidates[depth][rank][1])
+        paths = [w.tree[i] for i in best_nodes(scores, [len(p) for p in w.tree], w.num_nodes)]
         tokens, rows = [], []
-        for path in w.tree:
+        for path in paths:
             depth, rank = len(path) - 1, path[-1]
-            chain = w.drafts[depth]
-            token = chain if rank == 0 else [t for t in w.ranked[depth] if t != chain][rank - 1]
+            token = w.candidates[depth][rank][0]
             tokens.append(token)
             if w.probs is not None:
                 rows.append(
                     w.probs[depth] if rank == 0 else F.one_hot(torch.tensor(token), w.probs.shape[-1]).to(w.probs)
                 )
-        tree = DraftTree.from_paths(w.tree, tokens)
+        tree = DraftTree.from_paths(paths, tokens)
         return Draft(list(tree.token_ids), torch.stack(rows) if rows else None, list(tree.parents))
 
     def _rollback(self, state: _SeqState, context: list[int], req: DraftRequest) -> list[int]:
@@ -307,9 +314,13 @@ class DraftModelProposer(SequenceProposer):
         steps.append((tokens, probs))
         ranks = max((path[-1] for w in work for path in w.tree), default=0)
         if ranks:  # siblings of the chain: the most likely ids, one more than needed (the chain's own)
-            ranked = logits.float().topk(ranks + 1, dim=-1).indices.tolist()
-            for w, row in zip(work, ranked):
-                w.ranked.append(row)
+            dist = logits.float().softmax(dim=-1)
+            top = dist.topk(ranks + 1, dim=-1)
+            chain = dist.gather(1, tokens.view(-1, 1)).squeeze(1)
+            rows = zip(work, tokens.tolist(), chain.tolist(), top.indices.tolist(), top.values.tolist())
+            for w, token, p, ids, ps in rows:
+                others = [(t, q) for t, q in zip(ids, ps) if t != token]
+                w.candidates.append([(token, p), *others[:ranks]])
         return tokens
 
     def _run_one(self, w: _Work) -> None:

@@ -89,7 +89,7 @@ from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, Ta
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime.lean_lm import LeanDecoder, Row
 from backends.serving.proposer import Draft, DraftRequest
-from backends.serving.tree import ROOT, DraftTree
+from backends.serving.tree import ROOT, DraftTree, best_nodes
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("eagle", "eagle3")
@@ -642,8 +642,8 @@ def best_subtree(
     """EAGLE-2's rerank: the `size` candidates of the highest score within `max_depth` levels
     (ties: the shallower, then the earlier; a node never scores above its parent, so every
     kept node's parent is kept), ordered by depth, then score. Returns (tokens, parents)."""
-    ranked = sorted((i for i, d in enumerate(depths) if d < max_depth), key=lambda i: (-scores[i], depths[i], i))
-    kept = sorted(ranked[:size], key=lambda i: depths[i])  # stable: by rank within a level
+    eligible = [i for i, d in enumerate(depths) if d < max_depth]
+    kept = [eligible[j] for j in best_nodes([scores[i] for i in eligible], [depths[i] for i in eligible], size)]
     index = {node: new for new, node in enumerate(kept)}
     return [token_ids[i] for i in kept], [ROOT if parents[i] == ROOT else index[parents[i]] for i in kept]
 

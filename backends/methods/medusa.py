@@ -36,7 +36,7 @@ from torch import nn
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 from backends.methods.last_hidden import LastHiddenProposer
 from backends.serving.proposer import Draft, DraftRequest
-from backends.serving.tree import DraftTree
+from backends.serving.tree import DraftTree, best_nodes, path_scores
 
 LAYOUTS = ("vllm", "medusa")  # vLLM-converted, FasterDecoding
 _BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # FasterDecoding keys
@@ -276,20 +276,27 @@ class MedusaProposer(LastHiddenProposer):
         if trees:
             states = torch.stack([self._last_state(batch[i]) for i in trees]).to(self.device, self.dtype)
             logits = self.head(states)  # [trees, heads, V_d]: every level's ranking at once
-            for i, ranked in zip(trees, logits.float().argsort(dim=-1, descending=True, stable=True)):
-                drafts[i] = self._tree(self._tree_paths(batch[i]), ranked)
+            for i, probs in zip(trees, logits.float().softmax(dim=-1)):
+                drafts[i] = self._tree(self._tree_paths(batch[i]), batch[i].num_nodes, probs)
         return drafts
 
     def _tree_paths(self, req: DraftRequest) -> list[tuple[int, ...]]:
-        """The static tree's first `num_nodes` paths within this step's depth (breadth-first
-        order, so the prefix keeps every parent); empty: draft a chain."""
+        """The static tree's paths within this step's depth; empty: draft a chain."""
         if not req.num_nodes or self.token_tree is None or req.hidden_states is None:
             return []
         depth = min(req.num_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
-        return [path for path in self.token_tree if len(path) <= depth][: req.num_nodes]
+        return [path for path in self.token_tree if len(path) <= depth]
 
-    def _tree(self, paths: list[tuple[int, ...]], ranked: torch.Tensor) -> Draft:
-        """Node tokens from each level's ranking [heads, V_d], mapped to target ids."""
+    def _tree(self, paths: list[tuple[int, ...]], num_nodes: int, probs: torch.Tensor) -> Draft:
+        """The `num_nodes` paths of the highest cumulative probability under the heads'
+        distributions `probs` [heads, V_d] (Medusa's tree choices rank paths by the heads'
+        accuracy; this ranks them by the heads' confidence this step), node tokens mapped to
+        target ids."""
+        ranks = max(p[-1] for p in paths) + 1
+        ranked = probs.argsort(dim=-1, descending=True, stable=True)[:, :ranks]  # [heads, ranks]
+        ranked_probs = probs.gather(1, ranked).tolist()
+        scores = path_scores(paths, lambda depth, rank: ranked_probs[depth][rank])
+        paths = [paths[i] for i in best_nodes(scores, [len(p) for p in paths], num_nodes)]
         ids = ranked[[len(p) - 1 for p in paths], [p[-1] for p in paths]]
         if self.head.draft_to_target is not None:
             ids = self.head.draft_to_target[ids]

@@ -23,7 +23,8 @@ accepted, all from the request's generator, in that order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -131,6 +132,21 @@ class DraftTree:
     def row_prefixes(self) -> list[list[int]]:
         """Draft tokens before each verification row (the root's, then each node's)."""
         return [[]] + [[self.token_ids[j] for j in self.path(i)] for i in range(len(self))]
+
+
+def best_nodes(scores: Sequence[float], depths: Sequence[int], size: int) -> list[int]:
+    """Which `size` candidate nodes a draft tree keeps: those of the highest score (ties: the
+    shallower, then the earlier), ordered by depth, then score. Where no node scores above its
+    parent (cumulative draft probabilities), every kept node's parent is kept: EAGLE-2's
+    rerank, and how a static tree is cut to the size a step can afford."""
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:size]
+    return sorted(ranked, key=lambda i: depths[i])  # stable: by rank within a level
+
+
+def path_scores(paths: Sequence[Sequence[int]], probs: Callable[[int, int], float]) -> list[float]:
+    """Each static-tree path's cumulative draft probability: the product over its levels d of
+    probs(d, rank at d), the draft's probability of that level's token."""
+    return [math.prod(probs(depth, rank) for depth, rank in enumerate(path)) for path in paths]
 
 
 def accept_tree(

@@ -3,6 +3,8 @@ the heterogeneous-vocabulary bridge, and speculative decoding with it in process
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -337,9 +339,22 @@ def test_a_tree_is_the_chain_with_its_next_most_likely_siblings(make, draft_lm, 
     with torch.inference_mode():
         logits = draft_lm(input_ids=torch.tensor([ids + chain])).logits[0, len(ids) - 1 :]
     ranked = [row.argsort(descending=True).tolist() for row in logits]
-    # Breadth-first: (0,) (1,) (2,) (0,0) (0,1) (0,0,0) (0,0,1); the 8th is cut by num_nodes.
-    assert draft.token_ids == [chain[0], ranked[0][1], ranked[0][2], chain[1], ranked[1][1], chain[2], ranked[2][1]]
-    assert draft.parents == [-1, -1, -1, 0, 0, 3, 3] and draft.probs is None
+    probs = logits.softmax(-1)
+
+    def token(path):  # the chain's token at the path's depth, or the rank-th most likely other one
+        d, r = len(path) - 1, path[-1]
+        return chain[d] if r == 0 else [t for t in ranked[d] if t != chain[d]][r - 1]
+
+    # num_nodes keeps the 7 of the 8 paths the draft finds most probable (the chain's
+    # probabilities down to the node, times the node's), by depth, then probability.
+    paths = proposer.token_tree
+    score = {
+        p: math.prod(float(probs[d][chain[d]]) for d in range(len(p) - 1)) * float(probs[len(p) - 1][token(p)])
+        for p in paths
+    }
+    kept = sorted(sorted(paths, key=lambda p: (-score[p], len(p)))[:7], key=len)
+    assert draft.token_ids == [token(p) for p in kept]
+    assert draft.parents == [kept.index(p[:-1]) if len(p) > 1 else -1 for p in kept] and draft.probs is None
     # The next step after a sibling was accepted: the cache is rolled back to the chain it holds.
     accepted = [chain[0], ranked[1][1], 7]
     again = proposer.propose([DraftRequest(1, ids + accepted, 4, num_new=3, num_accepted=2, num_nodes=7)])[0]

@@ -5,6 +5,7 @@ the writer the trainer uses, and speculative decoding through the real server.""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -233,12 +234,14 @@ def test_a_static_tree_drafts_each_heads_ranked_tokens(name, checkpoints, target
     requests = [DraftRequest(i, ids, 3, rows, num_nodes=6) for i, (ids, rows) in enumerate(zip(CONTEXTS, hidden))]
     drafts = proposer.propose(requests)
     for req, draft in zip(requests, drafts):
-        ranked = [
-            logits.argsort(descending=True) for logits in reference_logits(name, written, req.hidden_states[-1, 0])
-        ]
-        paths = TREE[:6]  # num_nodes cuts the breadth-first list, parents first
-        assert draft.token_ids == [int(ranked[len(p) - 1][p[-1]]) for p in paths]
-        assert draft.parents == [-1, -1, -1, 0, 0, 1] and draft.probs is None
+        probs = [logits.softmax(-1) for logits in reference_logits(name, written, req.hidden_states[-1, 0])]
+        ranked = [p.argsort(descending=True) for p in probs]
+        # num_nodes keeps the paths most probable under the heads (each node: its head's
+        # probability of its rank's token, times its parent's), by depth, then probability
+        score = {path: math.prod(float(probs[d][ranked[d][r]]) for d, r in enumerate(path)) for path in TREE}
+        kept = sorted(sorted(TREE, key=lambda p: (-score[p], len(p)))[:6], key=len)
+        assert draft.token_ids == [int(ranked[len(p) - 1][p[-1]]) for p in kept]
+        assert draft.parents == [kept.index(p[:-1]) if len(p) > 1 else -1 for p in kept] and draft.probs is None
     # Depth follows the step's k; without num_nodes the drafts are the chain.
     shallow = proposer.propose([DraftRequest(0, CONTEXTS[0], 1, hidden[0], num_nodes=10)])[0]
     assert shallow.parents == [-1, -1, -1]
