@@ -648,8 +648,9 @@ class DFlashProposer(HeadProposer):
         return [steps[kind] for kind in kinds]
 
     def _draft(self, hidden: torch.Tensor, work: list[BlockWork]) -> None:
-        """DFlash: every slot's draft at once, from the slot's own logits."""
-        slots = list(self.head.draft_slots)
+        """DFlash: every slot's draft at once, from the slot's own logits (only the slots a
+        sequence of the batch asks for: the LM head is most of a pass's cost)."""
+        slots = list(self.head.draft_slots)[: max(w.num_drafts for w in work)]
         tokens, probs = self._sample(self.head.logits(hidden[:, slots]), work)
         for row, w in enumerate(work):
             w.drafts = tokens[row, : w.num_drafts].tolist()

@@ -464,6 +464,9 @@ def test_greedy_drafts_follow_the_published_algorithm(name, heads, checkpoints, 
         assert draft.probs is None
         assert draft.token_ids == reference_drafts(name, cfg, s, req.hidden_states, ids[-1], 8)
         assert len(draft.token_ids) == len(head.draft_slots)
+        # fewer drafts asked: the block still runs whole, only fewer slots get logits
+        fewer = proposer.propose([request(runner, head, seq_id + 10, ids, 2)])[0]
+        assert fewer.token_ids == draft.token_ids[:2]
         # The context holds one entry per target position, 0 .. n-2.
         assert proposer.pool.length(seq_id) == len(ids) - 1  # the context: positions 0 .. n-2
 
