@@ -119,9 +119,12 @@ class DraftTree:
         pending tokens are causal, and each node sees every pending token, its ancestors and itself."""
         p, n = num_pending, len(self)
         mask = torch.ones(p + n, p + n, dtype=torch.bool).tril_()
-        mask[p:, p:] = False
-        for i in range(n):
-            mask[p + i, [p + j for j in self.path(i)]] = True
+        seen: list[list[bool]] = []  # each node's ancestors and itself, from its parent's (parents come first)
+        for i, parent in enumerate(self.parents):
+            row = seen[parent][:] if parent != ROOT else [False] * n
+            row[i] = True
+            seen.append(row)
+        mask[p:, p:] = torch.tensor(seen, dtype=torch.bool).reshape(n, n)
         return mask
 
     def positions(self, start: int, num_pending: int) -> torch.Tensor:
