@@ -6,7 +6,9 @@ acceptance. bf16, 2 threads. A sequence first hands over its whole prompt, then 
 brings 3 new target positions and asks for k drafts; batch 1 at 100 and 1000 cached tokens,
 batch 4 at 100.
 
-    .venv/bin/python scripts/bench_heads.py [--target DIR] [--calls 25] [--heads eagle3 dflash ...]
+    .venv/bin/python scripts/bench_heads.py [--target DIR] [--calls 25] [--heads eagle3 dflash ...] [--int8]
+
+`--int8` serves every head with `quantization: int8` (its own linear layers on the int8 kernel).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=Path.home() / ".cache/tritonspec/models/smollm2-135m")
     parser.add_argument("--calls", type=int, default=25)
     parser.add_argument("--heads", nargs="+", choices=sorted(HEADS), default=list(HEADS))
+    parser.add_argument("--int8", action="store_true", help="quantization: int8 for every head")
     args = parser.parse_args()
     torch.set_num_threads(2)
     from backends.methods.head_checkpoint import TargetInfo
@@ -91,7 +94,8 @@ def main() -> None:
             writer, options, spec, nodes = HEADS[name]
             path = Path(tmp) / name
             writer(path, args.target, **options)
-            config = SpeculativeConfig.from_json({**spec, "model": str(path)})
+            quantization = {"quantization": "int8"} if args.int8 else {}
+            config = SpeculativeConfig.from_json({**spec, **quantization, "model": str(path)})
             proposer = build_proposer(config, max_model_len=8192, dtype="bfloat16", target_model=args.target)
             k = spec["num_speculative_tokens"]
             cells = [

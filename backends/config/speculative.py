@@ -88,6 +88,8 @@ NO_EFFECT_FIELDS = (
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 # Methods that load no draft network, so a draft tensor-parallel size means nothing to them.
 _MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix", "extract_hidden_states")
+# Trained heads run by HeadProposer: quantization 'int8' puts their own linear layers on the int8 kernel.
+_HEAD_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "dflash", "dspark")
 _BATCH_SCHEDULE = "num_speculative_tokens_per_batch_size"
 # Which methods draft which kind of tree, and how many nodes one tree may have (the verifier's
 # per-step limit, vLLM's MAX_SPEC_LEN).
@@ -767,8 +769,13 @@ class SpeculativeConfig:
         tp = given.get("draft_tensor_parallel_size")
         if tp is not None and tp > 1 and self.method in _MODEL_FREE_METHODS:
             self._no_effect("draft_tensor_parallel_size", tp, f"method {self.method!r} loads no draft model")
-        if "quantization" in given and self.method not in ("draft_model", "custom_class"):
-            self._no_effect("quantization", given["quantization"], "only draft_model quantizes its draft")
+        quantizes = self.method in ("draft_model", "custom_class") or (
+            self.method in _HEAD_METHODS and given.get("quantization") == "int8"
+        )
+        if "quantization" in given and not quantizes:
+            self._no_effect(
+                "quantization", given["quantization"], "draft_model quantizes its draft; a trained head takes 'int8'"
+            )
 
     def _no_effect(self, name: str, value: Any, why: str) -> None:
         self.no_effect_fields.append(name)

@@ -80,6 +80,15 @@ class _Work:
     candidates: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+def check_int8_device(device: str) -> None:
+    """quantization='int8' quantizes for the CPU's int8 kernel; refuse it for other devices."""
+    if torch.device(device).type != "cpu":
+        raise ValueError(
+            f"quantization='int8' (dynamic int8) runs on the CPU only, but this drafter's device "
+            f"is {device}; drop the quantization or run the drafter on cpu"
+        )
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix; a binary search whose comparisons run in C."""
     lo, hi = 0, min(len(a), len(b))
@@ -144,11 +153,8 @@ class DraftModelProposer(SequenceProposer):
                 f"quantization={config.quantization!r} is not supported for the draft "
                 "model; use null or 'int8' (dynamic int8 of the linear layers)"
             )
-        if config.quantization == "int8" and torch.device(device).type != "cpu":
-            raise ValueError(
-                f"quantization='int8' (dynamic int8) runs on the CPU only, but this drafter's device "
-                f"is {device}; drop the quantization or run the drafter on cpu"
-            )
+        if config.quantization == "int8":
+            check_int8_device(device)
         if not config.model:
             raise ValueError("draft_model needs `model`: a named model, an HF directory or a GGUF file")
         path = resolve_model(config.model)

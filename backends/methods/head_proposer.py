@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.methods.draft_model import SAMPLE_METHODS, sample_drafts
+from backends.methods.draft_model import SAMPLE_METHODS, check_int8_device, sample_drafts
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.runtime.lean_lm import kernel_linears
 from backends.runtime.model_store import resolve_model
@@ -58,8 +58,17 @@ class HeadProposer(SequenceProposer):
         if target_model is None:
             raise ValueError(f"{cls.method} needs the target model (its hidden size, vocabulary, embedding)")
         check_one_device(config, f"the {cls.method} head")
-        head = cls.load_head(config, TargetInfo.load(target_model), dtype)
-        return cls(head.to(device), max_model_len, config.draft_sample_method, seed)
+        # Only 'int8' is acted on: mtp and dspark inherit the target's own quant_method (fp8,
+        # awq, ...), which says how the target was stored, not what to do with the head.
+        int8 = config.quantization == "int8"
+        if int8:
+            check_int8_device(device)
+        head = cls.load_head(config, TargetInfo.load(target_model), "bfloat16" if int8 else dtype)
+        proposer = cls(head.to(device), max_model_len, config.draft_sample_method, seed)
+        if int8:
+            turned = kernel_linears(head, int8=True)
+            log.info("%s head: %d linear layers quantized to int8", cls.method, turned)
+        return proposer
 
     def sample(
         self, logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]

@@ -295,33 +295,42 @@ class _PackedLinear(_Linear):
 
 
 class KernelLinear(nn.Linear):
-    """An ``nn.Linear`` whose bf16 inference runs in the packed kernel: what a drafter head's own
-    layers (fc, LM heads, Medusa blocks, ...) become under ``kernel_linears``. On the 2-core
-    EPYC here ATen's bf16 matmul took 3-7x the packed kernel's time at 1-16 rows (an LM head of
-    49152 x 576 at 7 rows: 21.8 vs 4.3 ms), and the kernel is row invariant, so a head's drafts
-    are the same alone or batched. Training (gradients wanted) and other dtypes keep
-    ``nn.Linear``'s forward; the weight is packed on first use and again after it changes."""
+    """An ``nn.Linear`` whose bf16 inference runs in the packed kernel, or the int8 one: what a
+    drafter head's own layers (fc, LM heads, Medusa blocks, ...) become under
+    ``kernel_linears``. On the 2-core EPYC here ATen's bf16 matmul took 3-7x the packed kernel's
+    time at 1-16 rows (an LM head of 49152 x 576 at 7 rows: 21.8 vs 4.3 ms; int8: 2.0 ms), and
+    both kernels are row invariant, so a head's drafts are the same alone or batched. Training
+    (gradients wanted) and other dtypes keep ``nn.Linear``'s forward; the weight is packed on
+    first use and again after it changes."""
 
-    _packed: tuple[int, torch.Tensor] | None = None  # (the weight's version, its packed layout)
+    int8 = False  # weights quantized per output channel, activations per row (drafts, not exact bits)
+    _packed: tuple[int, torch.Tensor | cpu_kernels.Int8Weight] | None = None  # (the weight's version, its layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and self.weight.requires_grad):
             return super().forward(x)
         if self._packed is None or self._packed[0] != self.weight._version:
-            self._packed = (self.weight._version, cpu_kernels.pack_linear(self.weight.detach()))
-        rows = x.reshape(-1, x.shape[-1])
-        out = cpu_kernels.packed_linear(rows, self._packed[1], self.out_features, self.bias)
+            pack = cpu_kernels.pack_linear_int8 if self.int8 else cpu_kernels.pack_linear
+            self._packed = (self.weight._version, pack(self.weight.detach()))
+        rows, packed = x.reshape(-1, x.shape[-1]), self._packed[1]
+        if self.int8:
+            out = cpu_kernels.int8_linear(rows, packed, self.bias)
+        else:
+            out = cpu_kernels.packed_linear(rows, packed, self.out_features, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def kernel_linears(module: nn.Module) -> int:
-    """Turn ``module``'s bf16 ``nn.Linear`` layers on the CPU into ``KernelLinear`` (where the
-    packed kernel runs here: AVX-512 BF16 or AVX2 + FMA, an even K); how many it turned."""
+def kernel_linears(module: nn.Module, int8: bool = False) -> int:
+    """Turn ``module``'s bf16 ``nn.Linear`` layers on the CPU into ``KernelLinear`` where the
+    packed kernel runs here (AVX-512 BF16 or AVX2 + FMA, an even K); ``int8``: on the int8
+    kernel where it runs (AVX-512 VNNI or AVX2, K a multiple of 4). How many it put on the
+    kernel asked for."""
     turned = 0
     for m in module.modules():
-        if type(m) is nn.Linear and m.weight.device.type == "cpu" and _PackedLinear.runs(m.weight):
+        if type(m) in (nn.Linear, KernelLinear) and m.weight.device.type == "cpu" and _PackedLinear.runs(m.weight):
             m.__class__ = KernelLinear
-            turned += 1
+            m.int8, m._packed = int8 and _Int8Linear.runs(m.weight), None
+            turned += m.int8 if int8 else 1
     return turned
 
 

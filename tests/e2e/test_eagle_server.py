@@ -26,11 +26,14 @@ def target_dir(tiny3_model_dir):
     return tiny3_model_dir
 
 
-@pytest.mark.parametrize("method", WRITERS)
-def test_served_greedy_equals_target_greedy(method, target_dir, tmp_path):
+@pytest.mark.parametrize("method,quantization", [("eagle", None), ("eagle3", None), ("eagle3", "int8")])
+def test_served_greedy_equals_target_greedy(method, quantization, target_dir, tmp_path):
+    """int8: the head (in bf16) drafts with its fc and LM head on the int8 kernel."""
     head = tmp_path / method
     WRITERS[method](head, target_dir)
     config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+    if quantization:
+        config["quantization"] = quantization
     results = served_greedy_results_once(tmp_path, target_dir, config, PROMPTS, 24)
     assert sum(r.total_draft_tokens for r in results) > 0
 

@@ -403,6 +403,31 @@ def test_a_heads_linears_run_in_the_packed_kernel():
     assert torch.equal(head.float()[0](x.detach().float()), F.linear(x.detach().float(), first.weight, first.bias))
 
 
+@needs_packed
+@pytest.mark.skipif(not cpu_kernels.int8_linear_available(), reason="this CPU has no int8 linear kernel")
+def test_a_heads_linears_on_the_int8_kernel():
+    """kernel_linears(int8=True): the int8 kernel's output for a K that is a multiple of 4
+    (the others stay bf16 packed), near the matmul, the same bits alone or batched; turned
+    back to bf16 by a second call."""
+    torch.manual_seed(4)
+    head = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8, bias=False), torch.nn.Linear(6, 8))
+    head = head.bfloat16()
+    assert kernel_linears(head, int8=True) == 2
+    assert [m.int8 for m in head] == [True, True, False] and type(head[2]) is KernelLinear
+    first, x = head[0], torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        out = first(x)
+        expected = cpu_kernels.int8_linear(x, cpu_kernels.pack_linear_int8(first.weight), first.bias)
+        assert torch.equal(out, expected)
+        reference = F.linear(x.double(), first.weight.double(), first.bias.double())
+        assert (out.double() - reference).abs().max() < 0.05 * reference.abs().max()
+        assert torch.equal(first(x[3:4]), out[3:4])
+        assert kernel_linears(head) == 3 and not first.int8
+        assert torch.equal(
+            first(x), cpu_kernels.packed_linear(x, cpu_kernels.pack_linear(first.weight), 96, first.bias)
+        )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_matmul_is_row_invariant_and_close_to_unsplit(dtype):
     """K split in chunks accumulates chunk by chunk: rows keep their bits at any row count, and

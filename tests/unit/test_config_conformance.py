@@ -87,6 +87,7 @@ def test_block_rejection_is_no_effect_but_synthetic_is_kept():
             ["quantization"],
         ),
         ({"method": "draft_model", "model": "org/small", "num_speculative_tokens": 3, "quantization": "int8"}, []),
+        ({"method": "eagle3", "model": "org/EAGLE3-x", "num_speculative_tokens": 3, "quantization": "int8"}, []),
     ],
 )
 def test_method_dependent_no_effect_fields(spec, flagged):

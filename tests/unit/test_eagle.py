@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from backends.config import SpeculativeConfig
 from backends.methods.eagle import Eagle3Proposer, EagleCheckpointError, EagleProposer, load_eagle
+from backends.runtime import cpu_kernels
 from backends.serving.local import generate_local
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
@@ -255,6 +256,23 @@ def test_from_config_and_aux_layer_ids(checkpoints, target_dir):
     )
     assert isinstance(eagle3, Eagle3Proposer) and eagle3.hidden_layer_ids == (0, 1, 2)  # ascending, as vLLM
     assert next(eagle3.head.parameters()).dtype == torch.bfloat16
+    # quantization int8: a bf16 head whose own linears (fc, LM head) run on the int8 kernel
+    # where this CPU has it, even when the target runs in float32; refused off the CPU
+    int8 = build_proposer(
+        config("eagle3-midlayer", "eagle3", quantization="int8"),
+        max_model_len=512,
+        dtype="float32",
+        target_model=target_dir,
+    )
+    assert next(int8.head.parameters()).dtype == torch.bfloat16
+    assert int8.head.lm_head.int8 == int8.head.fc.int8 == cpu_kernels.int8_linear_available()
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        build_proposer(
+            config("eagle3-midlayer", "eagle3", quantization="int8"),
+            max_model_len=512,
+            target_model=target_dir,
+            device="cuda",
+        )
     with pytest.raises(
         EagleCheckpointError,
         match=r"aux hidden-state layer ids \[0, 1, 3\] must be distinct "
