@@ -759,21 +759,10 @@ class LeanDecoder:
         order: list[int],
         spans: list[tuple[int, int]],
     ) -> tuple[list[_Group], cpu_kernels.KeyLists | None]:
-        """What the step's attention reads: each token's key list (batch-invariant) or SDPA groups."""
+        """What the step's attention reads: each token's key list (batch-invariant), or one SDPA
+        group per run of rows (in ``order``) with the same number of new tokens."""
         if self.batch_invariant:
             return [], self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order]).to(self.device)
-        return self._groups(pool, rows, toks, cached, order, spans), None
-
-    def _groups(
-        self,
-        pool: KVCachePool,
-        rows: Sequence[Row],
-        toks: list[torch.Tensor],
-        cached: dict[int, int],
-        order: list[int],
-        spans: list[tuple[int, int]],
-    ) -> list[_Group]:
-        """One SDPA group per run of rows (in ``order``) with the same number of new tokens."""
         groups, start = [], 0
         while start < len(order):
             end = start + 1
@@ -790,7 +779,7 @@ class LeanDecoder:
                 )
             )
             start = end
-        return groups
+        return groups, None
 
     @staticmethod
     def _key_lists(pool: KVCachePool, rows: list[Row], cached: list[int]) -> cpu_kernels.KeyLists:
