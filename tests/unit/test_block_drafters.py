@@ -471,16 +471,24 @@ def test_greedy_drafts_follow_the_published_algorithm(name, heads, checkpoints, 
         assert proposer.pool.length(seq_id) == len(ids) - 1  # the context: positions 0 .. n-2
 
 
-@pytest.mark.parametrize("name", ["dflash-causal-sliding", "dspark-rnn"])
-def test_the_sdpa_path_drafts_the_same(name, heads, checkpoints, target_weights, runner, prompt_ids, monkeypatch):
-    """Where the batch-invariant kernels do not build, the head's layers run on the runtime's
-    SDPA path: the published algorithm's drafts in one ragged batch, each layer kind (full,
+@pytest.mark.parametrize(
+    "name,path", [("dflash-causal-sliding", "sdpa"), ("dspark-rnn", "sdpa"), ("dflash-causal-sliding", "triton")]
+)
+def test_the_other_paths_draft_the_same(
+    name, path, heads, checkpoints, target_weights, runner, prompt_ids, monkeypatch
+):
+    """The head's layers on the runtime's other paths: SDPA (where the batch-invariant CPU
+    kernels do not build) and the OpenAI Triton kernels (a GPU's; here in Triton's
+    interpreter): the published algorithm's drafts in one ragged batch, each layer kind (full,
     causal, sliding) masked as its own."""
-    monkeypatch.setattr(lean_lm.cpu_kernels, "unavailable_reason", lambda *_: "not on this CPU (test)")
+    if path == "sdpa":
+        monkeypatch.setattr(lean_lm.cpu_kernels, "unavailable_reason", lambda *_: "not on this CPU (test)")
+    else:
+        monkeypatch.setattr(lean_lm, "_kernels_for", lambda *_: True)
     head = heads[name]
     cfg, s = _reference_inputs(name, checkpoints, target_weights)
     proposer = _proposer_class(name)(head, 512)
-    assert not proposer.decoder.batch_invariant
+    assert proposer.decoder.batch_invariant == proposer.decoder.triton_kernels == (path == "triton")
     requests = [request(runner, head, seq_id, ids, 8) for seq_id, ids in enumerate(prompt_ids)]
     for req, draft in zip(requests, proposer.propose(requests)):
         assert draft.token_ids == reference_drafts(name, cfg, s, req.hidden_states, req.token_ids[-1], 8)
