@@ -304,20 +304,15 @@ class KernelLinear(nn.Linear):
     first use and again after it changes."""
 
     int8 = False  # weights quantized per output channel, activations per row (drafts, not exact bits)
-    _packed: tuple[int, torch.Tensor | cpu_kernels.Int8Weight] | None = None  # (the weight's version, its layout)
+    _packed: tuple[int, _Linear] | None = None  # (the weight's version, the runtime's linear on it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and self.weight.requires_grad):
             return super().forward(x)
         if self._packed is None or self._packed[0] != self.weight._version:
-            pack = cpu_kernels.pack_linear_int8 if self.int8 else cpu_kernels.pack_linear
-            self._packed = (self.weight._version, pack(self.weight.detach()))
-        rows, packed = x.reshape(-1, x.shape[-1]), self._packed[1]
-        if self.int8:
-            out = cpu_kernels.int8_linear(rows, packed, self.bias)
-        else:
-            out = cpu_kernels.packed_linear(rows, packed, self.out_features, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+            kernel = _Int8Linear if self.int8 else _PackedLinear
+            self._packed = (self.weight._version, kernel(self.weight.detach(), self.bias))
+        return self._packed[1](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
 
 
 def kernel_linears(module: nn.Module, int8: bool = False) -> int:
