@@ -22,6 +22,7 @@ import triton_python_backend_utils as pb_utils
 from backends.config import SpeculativeConfig
 from backends.methods.extract_hidden_states import save_hidden_states
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
+from backends.serving.cancellation import CancellationWatch
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
 from backends.serving.local import LocalDrafter
@@ -82,23 +83,6 @@ TENSOR_INPUTS = (
 LIST_INPUTS = ("stop_words", "bad_words")  # STRING [-1]
 
 
-class CancellationPoll:
-    """`sender.is_cancelled()` is a round trip to the server process (0.05-0.5 ms on a busy
-    CPU); asking at most every `interval_s` keeps it out of each step's overhead."""
-
-    def __init__(self, sender, interval_s: float = 0.1) -> None:
-        self.sender = sender
-        self.interval_s = interval_s
-        self.next_check = 0.0
-
-    def __call__(self) -> bool:
-        now = time.monotonic()
-        if now < self.next_check:
-            return False
-        self.next_check = now + self.interval_s
-        return self.sender.is_cancelled()
-
-
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
@@ -151,6 +135,7 @@ class TritonPythonModel:
         # Responses go out from one thread, in order, so a step's send overlaps the next
         # step's forward pass instead of adding to it.
         self.outbox: queue.Queue = queue.Queue()
+        self.cancellation = CancellationWatch()
         self.sender_thread = threading.Thread(target=self._drain_outbox, name="spec-send", daemon=True)
         self.sender_thread.start()
         log.info(
@@ -216,6 +201,8 @@ class TritonPythonModel:
                 log.exception("could not send a response")
 
     def _post(self, sender, response, final: bool) -> None:
+        if final:  # the server frees what a cancellation poll reads once this is sent
+            self.cancellation.forget(sender)
         self.outbox.put((sender, response, FINAL if final else 0))
 
     def execute(self, requests: list) -> None:
@@ -260,7 +247,7 @@ class TritonPythonModel:
                 self.eos_token_ids,
                 self.max_model_len,
                 stats,
-                CancellationPoll(sender),
+                self.cancellation.watch(sender),
                 self.adaptive,
                 self.extract_layer_ids,
                 lambda: self.active_requests,
