@@ -5,7 +5,10 @@ model over gRPC, so OpenAI SDKs and genai-perf's OpenAI mode can drive it.
 Chat messages are rendered with the served model's tokenizer chat template (the model
 directory comes from the Triton model's `model` parameter, or --model). OpenAI's sampling
 defaults apply (temperature 1, top_p 1; completions: max_tokens 16; chat: up to the context
-window). Errors come back in OpenAI's shape, {"error": {"message", "type", "param",
+window). `n` choices per prompt and, for completions, a list of prompts are separate
+generations on the server (the j-th choice of a prompt samples with `seed + j` when a seed
+is given, as vLLM's parallel sampling does), at most MAX_CHOICES per request. Errors come
+back in OpenAI's shape, {"error": {"message", "type", "param",
 "code"}}, with 400 for a bad request (including what the Triton model rejects), 404 for an
 unknown model or route, 503 when Triton is unreachable or its KV cache budget is full, and
 500 for a failure inside generation.
@@ -31,6 +34,8 @@ from starlette.exceptions import HTTPException
 from client.api.triton import Generation, ServerUnavailableError, grpc_generate
 
 log = logging.getLogger("tritonspec.openai")
+# Choices in one request (prompts x n): each is a generation of its own on the server.
+MAX_CHOICES = 16
 
 
 class OpenAIError(Exception):
@@ -78,9 +83,6 @@ def _check_type(body: dict, name: str, kinds: tuple[type, ...], what: str) -> An
 
 def _check_unsupported(body: dict, kind: str) -> None:
     """Parameters that would change the answer but have no equivalent here: refused, not ignored."""
-    n = _check_type(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise OpenAIError(400, f"'n' must be 1 here (one choice per request), got {n}", param="n")
     best_of = _check_type(body, "best_of", (int,), "an integer")
     if best_of is not None and best_of != 1:
         raise OpenAIError(400, f"'best_of' must be 1 here, got {best_of}", param="best_of")
@@ -213,20 +215,29 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(_check_type(options, "include_usage", (bool,), "a boolean"))
 
 
-def completion_prompt(body: dict) -> str:
+def completion_prompts(body: dict) -> list[str]:
+    """The prompts of a completions request: a string or a list of strings."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
+    prompts = prompt if isinstance(prompt, list) and prompt else [prompt]
+    if not all(isinstance(p, str) for p in prompts):
         raise OpenAIError(
-            400,
-            "'prompt' must be a string (or a list of one string; token ids and several "
-            "prompts per request are not supported)",
-            param="prompt",
+            400, "'prompt' must be a string or a list of strings (token ids are not supported)", param="prompt"
         )
-    if not prompt:
+    if not all(prompts):
         raise OpenAIError(400, "'prompt' is empty", param="prompt")
-    return prompt
+    return prompts
+
+
+def choices_per_prompt(body: dict, num_prompts: int) -> int:
+    n = _check_type(body, "n", (int,), "an integer")
+    n = 1 if n is None else n
+    if n < 1:
+        raise OpenAIError(400, f"'n' must be at least 1, got {n}", param="n")
+    if n * num_prompts > MAX_CHOICES:
+        raise OpenAIError(
+            400, f"{n * num_prompts} choices ({num_prompts} prompt(s) x n={n}); at most {MAX_CHOICES}", param="n"
+        )
+    return n
 
 
 def _message_text(message: Any, index: int) -> dict[str, str]:
@@ -334,22 +345,29 @@ def openai_logprobs(kind: str, entries: list[dict], num_top: int, offset: int = 
     }
 
 
-class _Choice:
-    """Builds the chunks and bodies of one kind of response (completion or chat)."""
+class _Response:
+    """The envelope every body and chunk of one response shares: id, time, model, object."""
 
-    def __init__(self, kind: str, model: str, num_logprobs: int | None = None, offset: int = 0) -> None:
+    def __init__(self, kind: str, model: str) -> None:
         self.kind, self.model = kind, model
-        self.num_logprobs = num_logprobs  # alternatives per token; None: no logprobs
-        self.offset = offset  # completions' text_offset of the first generated token (echo)
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def _envelope(self, obj: str, choices: list, usage: dict | None = None, with_usage: bool = False) -> dict:
+    def envelope(self, choices: list, usage: dict | None = None, chunk: bool = False, with_usage: bool = False) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" else "text_completion"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None or with_usage:
             out["usage"] = usage
         return out
+
+
+class _Choice:
+    """One choice of a response: its index, and its logprobs' text offsets as they come."""
+
+    def __init__(self, kind: str, index: int, num_logprobs: int | None = None, offset: int = 0) -> None:
+        self.kind, self.index = kind, index
+        self.num_logprobs = num_logprobs  # alternatives per token; None: no logprobs
+        self.offset = offset  # completions' text_offset of the first generated token (echo)
 
     def logprobs(self, entries: list[dict]) -> dict | None:
         if self.num_logprobs is None:
@@ -358,40 +376,26 @@ class _Choice:
         self.offset += sum(len(text) for text in out.get("tokens", []))
         return out
 
-    def body(self, text: str, result: Generation) -> dict:
-        logprobs = self.logprobs(result.logprobs)
+    def whole(self, text: str, result: Generation) -> dict:
+        """The choice of a non-streamed response."""
+        choice: dict[str, Any] = {"index": self.index}
         if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": result.finish_reason or None,
-            }
-            return self._envelope("chat.completion", [choice], _usage(result))
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason or None}
-        return self._envelope("text_completion", [choice], _usage(result))
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**choice, "logprobs": self.logprobs(result.logprobs), "finish_reason": result.finish_reason or None}
 
-    def chunk(
-        self,
-        text: str | None,
-        finish_reason: str | None,
-        with_usage: bool,
-        first: bool = False,
-        entries: list[dict] | None = None,
+    def delta(
+        self, text: str | None, finish_reason: str | None, first: bool = False, entries: list[dict] | None = None
     ) -> dict:
+        """The choice of one streamed chunk."""
         logprobs = self.logprobs(entries) if entries else None
         if self.kind == "chat":
             delta: dict = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice], with_usage=with_usage)
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], with_usage=with_usage)
-
-    def usage_chunk(self, result: Generation) -> dict:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return self._envelope(obj, [], _usage(result))
+            return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def _sse(payload: dict | str) -> str:
@@ -401,46 +405,59 @@ def _sse(payload: dict | str) -> str:
 # ---------------------------------------------------------------------------- generation
 
 
-class GenerationRun:
-    """One request to the `speculative` model on a worker thread; its text deltas and the
-    end (result or error) arrive on an asyncio queue."""
+class GenerationRuns:
+    """One request to the `speculative` model per choice, each on a worker thread; their
+    text deltas and ends (result or error) arrive on one asyncio queue as (choice, event, value)."""
 
-    def __init__(self, backend: Backend, prompt: str, inputs: dict, stream: bool) -> None:
+    def __init__(self, backend: Backend, prompts: list[str], inputs: list[dict], stream: bool) -> None:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
+        for index, (prompt, choice_inputs) in enumerate(zip(prompts, inputs)):
+            threading.Thread(
+                target=self._work,
+                args=(backend, index, prompt, choice_inputs, stream),
+                name="openai-request",
+                daemon=True,
+            ).start()
 
-        def put(*event: Any) -> None:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+    def _put(self, *event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
-        def work() -> None:
-            try:
-                # No timeout of our own: max_tokens and the context window bound the request
-                # (a fixed 300 s used to throw away long finished generations with an empty
-                # HTTP 400); a streaming client that leaves cancels it.
-                result = grpc_generate(
-                    backend.grpc_url,
-                    prompt,
-                    backend.triton_model,
-                    stream=stream,
-                    on_response=(lambda out: put("text", out)) if stream else None,
-                    cancel=self.cancel,
-                    timeout_s=None,
-                    exclude_input_in_output=True,
-                    **inputs,
-                )
-                put("done", result)
-            except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP error
-                put("error", e)
-
-        threading.Thread(target=work, name="openai-request", daemon=True).start()
+    def _work(self, backend: Backend, index: int, prompt: str, inputs: dict, stream: bool) -> None:
+        try:
+            # No timeout of our own: max_tokens and the context window bound the request
+            # (a fixed 300 s used to throw away long finished generations with an empty
+            # HTTP 400); a streaming client that leaves cancels it.
+            result = grpc_generate(
+                backend.grpc_url,
+                prompt,
+                backend.triton_model,
+                stream=stream,
+                on_response=(lambda out: self._put(index, "text", out)) if stream else None,
+                cancel=self.cancel,
+                timeout_s=None,
+                exclude_input_in_output=True,
+                **inputs,
+            )
+            self._put(index, "done", result)
+        except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP error
+            self._put(index, "error", e)
 
     async def next(self) -> tuple:
         return await self.events.get()
 
 
+def _usage(results: list[Generation], per_prompt: int) -> dict[str, int]:
+    """Prompt tokens once per prompt (its first choice's count), completion tokens of every choice."""
+    prompt = sum(int(r.num_input_tokens) for r in results[::per_prompt])
+    completion = sum(int(r.num_output_tokens) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 async def _complete(backend: Backend, kind: str, body: dict) -> Any:
-    """Shared by both endpoints: validate, render, run; a JSON body or an SSE stream."""
+    """Shared by both endpoints: validate, render, run one generation per choice; a JSON body
+    or an SSE stream."""
     model = body.get("model")
     if model is not None and model != backend.served_model_name:
         raise OpenAIError(
@@ -451,52 +468,78 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
         )
     stream, include_usage = _stream_flags(body)
     if kind == "chat":
-        prompt = chat_prompt(body, backend.tokenizer)
-        default_max = max(1, backend.context_window - len(backend.tokenizer(prompt)["input_ids"]))
+        prompts = [chat_prompt(body, backend.tokenizer)]
+        default_max = max(1, backend.context_window - len(backend.tokenizer(prompts[0])["input_ids"]))
     else:
-        prompt = completion_prompt(body)
+        prompts = completion_prompts(body)
         default_max = 16
+    n = choices_per_prompt(body, len(prompts))
     inputs = sampling_inputs(body, default_max, kind)
     echo = kind == "completion" and bool(_check_type(body, "echo", (bool,), "a boolean"))
-    choice = _Choice(kind, backend.served_model_name, requested_logprobs(body, kind), len(prompt) if echo else 0)
-    run = GenerationRun(backend, prompt, inputs, stream)
+    prompts = [p for p in prompts for _ in range(n)]  # choice i*n + j: prompt i's j-th sample
+    seeds = [
+        {"random_seed": inputs["random_seed"] + i % n} if "random_seed" in inputs else {} for i in range(len(prompts))
+    ]
+    num_logprobs = requested_logprobs(body, kind)
+    choices = [_Choice(kind, i, num_logprobs, len(p) if echo else 0) for i, p in enumerate(prompts)]
+    response = _Response(kind, backend.served_model_name)
+    runs = GenerationRuns(backend, prompts, [{**inputs, **seed} for seed in seeds], stream)
+    results: list[Generation | None] = [None] * len(prompts)
     if not stream:
-        event, value = await run.next()
-        if event == "error":
-            raise generation_error(value)
-        return JSONResponse(choice.body((prompt if echo else "") + value.text, value))
+        try:
+            while None in results:
+                index, event, value = await runs.next()
+                if event == "error":
+                    raise generation_error(value)
+                results[index] = value
+        finally:
+            runs.cancel.set()  # a no-op when all are done; else the others are not wanted
+        bodies = [c.whole((p if echo else "") + r.text, r) for c, p, r in zip(choices, prompts, results)]
+        return JSONResponse(response.envelope(bodies, _usage(results, n)))
 
-    # Wait for the first event before answering, so a rejected request gets its HTTP status.
-    first = await run.next()
-    if first[0] == "error":
-        raise generation_error(first[1])
+    # Wait for every choice's first event before answering, so a rejected request gets its
+    # HTTP status; what came meanwhile is sent first.
+    early: list[tuple] = []
+    started: set[int] = set()
+    while len(started) < len(prompts):
+        index, event, value = await runs.next()
+        if event == "error":
+            runs.cancel.set()
+            raise generation_error(value)
+        started.add(index)
+        early.append((index, event, value))
+
+    def chunk(choice: _Choice, *args: Any, **kwargs: Any) -> str:
+        return _sse(response.envelope([choice.delta(*args, **kwargs)], chunk=True, with_usage=include_usage))
 
     async def events() -> AsyncIterator[str]:
-        event, value = first
-        pending: list[dict] = []  # logprobs of tokens whose text is still held back
+        pending: list[list[dict]] = [[] for _ in prompts]  # logprobs of tokens whose text is held back
         try:
-            if kind == "chat":
-                yield _sse(choice.chunk(None, None, include_usage, first=True))
-            if echo:
-                yield _sse(choice.chunk(prompt, None, include_usage))
-            while True:
+            for choice, prompt in zip(choices, prompts):
+                if kind == "chat":
+                    yield chunk(choice, None, None, first=True)
+                if echo:
+                    yield chunk(choice, prompt, None)
+            while None in results:
+                index, event, value = early.pop(0) if early else await runs.next()
+                choice = choices[index]
                 if event == "text":
-                    pending += json.loads(value.get("logprobs") or "null") or []
+                    pending[index] += json.loads(value.get("logprobs") or "null") or []
                     if value.get("text_output"):
-                        yield _sse(choice.chunk(value["text_output"], None, include_usage, entries=pending))
-                        pending = []
+                        yield chunk(choice, value["text_output"], None, entries=pending[index])
+                        pending[index] = []
                 elif event == "done":
-                    yield _sse(choice.chunk(None, value.finish_reason or None, include_usage, entries=pending))
-                    if include_usage:
-                        yield _sse(choice.usage_chunk(value))
-                    break
+                    yield chunk(choice, None, value.finish_reason or None, entries=pending[index])
+                    results[index] = value
                 else:  # the headers are gone: the error travels in the stream, as vLLM does
                     yield _sse(generation_error(value).body())
                     break
-                event, value = await run.next()
+            else:
+                if include_usage:
+                    yield _sse(response.envelope([], _usage(results, n), chunk=True))
             yield _sse("[DONE]")
         finally:
-            run.cancel.set()  # a no-op after the end; stops generation when the client left
+            runs.cancel.set()  # a no-op after the end; stops generation when the client left
 
     return StreamingResponse(events(), media_type="text/event-stream")
 

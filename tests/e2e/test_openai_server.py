@@ -159,6 +159,34 @@ def test_sampling_parameters_and_stop_are_passed_on(client, tiny_server):
         assert text == ref.text
 
 
+def test_several_prompts_and_choices_are_generations_of_their_own(client, tiny_server):
+    """A list of prompts and n > 1, streamed and not: choice i*n + j is prompt i's generation
+    with seed + j (what the `speculative` model gives that prompt and seed alone); usage
+    counts each prompt once and every choice's tokens; echo and logprobs stay per choice."""
+    prompts, n, seed = [PROMPT, "def add(a, b):"], 2, 5
+    params = {"max_tokens": 8, "temperature": 2.0, "top_k": 50}
+    refs = [reference(tiny_server, p, random_seed=seed + j, **params) for p in prompts for j in range(n)]
+    assert len({r.text for r in refs}) > 2  # the seeds matter: choices of one prompt differ
+    usage = (refs[0].num_input_tokens + refs[2].num_input_tokens, sum(r.num_output_tokens for r in refs))
+    common = {"model": "speculative", "prompt": prompts, "n": n, "seed": seed, "max_tokens": 8, "temperature": 2.0}
+    out = client.completions.create(**common, extra_body={"top_k": 50}, echo=True, logprobs=1)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [prompts[i // n] + r.text for i, r in enumerate(refs)]
+    assert all(c.logprobs.text_offset[0] == len(prompts[c.index // n]) for c in out.choices)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == usage
+    chunks = list(
+        client.completions.create(
+            **common, extra_body={"top_k": 50}, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)]
+    assert texts == [r.text for r in refs]
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2, 3]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == usage
+    error = _error(lambda: client.completions.create(**{**common, "n": 9}))
+    assert error.status_code == 400 and "18 choices (2 prompt(s) x n=9); at most 16" in error.message
+
+
 def test_logprobs_and_penalties_equal_the_speculative_model(client, tiny_server):
     """Completions and chat, streamed and not: the text and the logprobs are the
     `speculative` model's own with the same penalties (which change the text)."""
@@ -227,7 +255,7 @@ def test_bad_requests_get_400_with_a_message(client, stream):
         return lambda: client.completions.create(**{"model": "speculative", "prompt": PROMPT, "stream": stream, **kw})
 
     cases = [
-        (completion(n=2), "'n' must be 1"),
+        (completion(n=0), "'n' must be at least 1"),
         (completion(max_tokens="ten"), "'max_tokens' must be an integer"),
         (completion(temperature=-1.0), "'temperature' must be in [0, 2]"),  # OpenAI's ranges
         (completion(temperature=2.5), "'temperature' must be in [0, 2]"),
@@ -236,7 +264,7 @@ def test_bad_requests_get_400_with_a_message(client, stream):
         (completion(extra_body={"repetition_penalty": 0}), "repetition_penalty must be in (0, 100]"),  # the model's
         (completion(max_tokens=0), "max_tokens must be at least 1"),
         (completion(prompt="fox " * 2000), "context window"),
-        (completion(prompt=[1, 2, 3]), "'prompt' must be a string"),
+        (completion(prompt=[1, 2, 3]), "'prompt' must be a string or a list of strings (token ids"),
         (
             lambda: client.chat.completions.create(model="speculative", messages=[], stream=stream),
             "'messages' must be a non-empty list",

@@ -258,9 +258,9 @@ def test_the_openai_front_end_sets_no_timeout_of_its_own(monkeypatch):
     backend = openai_frontend.Backend("127.0.0.1:1", "m", None, 100)
 
     async def run():
-        return await openai_frontend.GenerationRun(backend, "hi", {"max_tokens": 3}, False).next()
+        return await openai_frontend.GenerationRuns(backend, ["hi"], [{"max_tokens": 3}], False).next()
 
-    assert asyncio.run(run())[0] == "done"
+    assert asyncio.run(run())[:2] == (0, "done")
     assert "timeout_s" in seen and seen["timeout_s"] is None
     # An exception without a message still answers with one.
     error = openai_frontend.generation_error(queue.Empty())
