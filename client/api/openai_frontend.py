@@ -477,13 +477,14 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
     inputs = sampling_inputs(body, default_max, kind)
     echo = kind == "completion" and bool(_check_type(body, "echo", (bool,), "a boolean"))
     prompts = [p for p in prompts for _ in range(n)]  # choice i*n + j: prompt i's j-th sample
-    seeds = [
-        {"random_seed": inputs["random_seed"] + i % n} if "random_seed" in inputs else {} for i in range(len(prompts))
+    seeded = "random_seed" in inputs
+    per_choice = [
+        {**inputs, "random_seed": inputs["random_seed"] + i % n} if seeded else inputs for i in range(len(prompts))
     ]
     num_logprobs = requested_logprobs(body, kind)
     choices = [_Choice(kind, i, num_logprobs, len(p) if echo else 0) for i, p in enumerate(prompts)]
     response = _Response(kind, backend.served_model_name)
-    runs = GenerationRuns(backend, prompts, [{**inputs, **seed} for seed in seeds], stream)
+    runs = GenerationRuns(backend, prompts, per_choice, stream)
     results: list[Generation | None] = [None] * len(prompts)
     if not stream:
         try:
