@@ -56,13 +56,23 @@ class ModelSettings:
 def initialize_model(args: dict) -> ModelSettings:
     """The start of every model's initialize: logging set up, then its settings."""
     setup_logging()
-    params = model_parameters(args)
+    return model_settings(model_parameters(args))
+
+
+def model_settings(params: dict[str, str]) -> ModelSettings:
+    """A model's settings from its config.pbtxt parameters."""
     return ModelSettings(
         params=params,
         target=resolve_model(params.get("model") or DEFAULT_MODEL),
         dtype=params.get("dtype", "bfloat16"),
         max_model_len=int(params.get("max_model_len") or 0) or None,
     )
+
+
+def model_repository(args: dict) -> Path:
+    """The model repository holding this model (Triton passes the model's own directory)."""
+    repository = Path(args["model_repository"])
+    return repository.parent if repository.name == args["model_name"] else repository
 
 
 def instance_device(args: dict, params: dict[str, str], log: logging.Logger) -> str:

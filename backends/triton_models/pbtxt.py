@@ -4,6 +4,7 @@ and what the orchestrator reads of its drafter's and verifier's entries at load)
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 
 def set_parameter(pbtxt: str, key: str, value: str) -> str:
@@ -17,8 +18,7 @@ def set_parameter(pbtxt: str, key: str, value: str) -> str:
 
 
 def get_parameter(pbtxt: str, key: str) -> str | None:
-    m = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', pbtxt)
-    return None if m is None else m.group(1).replace('\\"', '"').replace("\\\\", "\\")
+    return parameters(pbtxt).get(key)
 
 
 def single_instance(pbtxt: str, num_gpus: int) -> bool:
@@ -35,3 +35,37 @@ def single_instance(pbtxt: str, num_gpus: int) -> bool:
         return per_device == 1
     devices = len([g for g in gpus.group(1).split(",") if g.strip()]) if gpus else num_gpus
     return per_device * devices == 1
+
+
+def parameters(pbtxt: str) -> dict[str, str]:
+    """All string `parameters` of a config.pbtxt text."""
+    found = re.findall(r'key:\s*"((?:[^"\\]|\\.)*)"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', pbtxt)
+    values: dict[str, str] = {}
+    for key, value in found:  # the first of a repeated key, as Triton reads it
+        values.setdefault(key, value.replace('\\"', '"').replace("\\\\", "\\"))
+    return values
+
+
+def instance_group(pbtxt: str) -> tuple[str, int]:
+    """The first instance group's kind ("KIND_CPU", "KIND_GPU", ...; "" when none) and its
+    first GPU (0 when it names none)."""
+    group = re.search(r"\{[^{}]*\bkind:\s*(KIND_[A-Z]+)[^{}]*\}", pbtxt)
+    if group is None:
+        return "", 0
+    gpus = re.search(r"\bgpus:\s*\[\s*(\d+)", group.group(0))
+    return group.group(1), int(gpus.group(1)) if gpus else 0
+
+
+def verified_in_process(repository: Path, verifier_name: str) -> str:
+    """The orchestrators of `repository` (models that set `verifier_model_name` or
+    `verifier_in_process`) that load the target of verifier `verifier_name` and verify in their
+    own process, as "`a`, `b`"; "" unless some do and none calls the verifier (then it must load)."""
+    local, remote = [], []
+    for config in sorted(repository.glob("*/config.pbtxt")):
+        params = parameters(config.read_text())
+        orchestrates = "verifier_model_name" in params or "verifier_in_process" in params
+        if not orchestrates or params.get("verifier_model_name", "verifier") != verifier_name:
+            continue
+        in_process = params.get("verifier_in_process", "").strip().lower() == "true"
+        (local if in_process else remote).append(f"`{config.parent.name}`")
+    return "" if remote or not local else ", ".join(local)

@@ -108,7 +108,8 @@ class BlsVerifier(SequencePeer):
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         if self.batched is None:
-            self.batched = self.batcher is not None and not (req.sampling and req.sampling.logprobs is not None)
+            logprobs = req.sampling is not None and req.sampling.logprobs is not None
+            self.batched = self.batcher is not None and (self.batcher.carries_logprobs or not logprobs)
         if self.batched:
             return self.batcher.verify(req)
         # The first step carries the sequence's sampling parameters and its KV reservation.

@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
 from backends.methods.extract_hidden_states import save_hidden_states
+from backends.runtime.device import resolve_device
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
 from backends.serving.cancellation import CancellationWatch
 from backends.serving.detokenize import TextStream
@@ -47,18 +48,22 @@ from backends.serving.request import (
 from backends.triton_models.common import (
     SEQUENCE_END,
     SEQUENCE_START,
+    ActiveSequencesGauge,
     ServingMetrics,
     SpecDecodeCounters,
     bls,
     error_response,
     initialize_model,
     input_scalar,
+    model_repository,
+    model_settings,
     parse_flag,
 )
-from backends.triton_models.pbtxt import get_parameter, single_instance
+from backends.triton_models.pbtxt import get_parameter, instance_group, parameters, single_instance
 from backends.triton_models.peer_token import server_token, with_token
 from backends.triton_models.peers import BlsDrafter, BlsVerifier, SequencePeer
-from backends.triton_models.step_batch import StepBatcher, batch_correlation_id
+from backends.triton_models.step_batch import StepBatcher, batch_correlation_id, in_process, over_bls
+from backends.triton_models.verifier import prefix_counters, target_runner
 
 log = logging.getLogger("tritonspec.speculative")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -150,7 +155,7 @@ class TritonPythonModel:
         this repository, resolved as the drafter resolves it. A config that cannot be read
         leaves this model serving plain decoding (the drafter's own load fails with the reason)."""
         try:
-            pbtxt = (_repository(args) / self.drafter_name / "config.pbtxt").read_text()
+            pbtxt = (model_repository(args) / self.drafter_name / "config.pbtxt").read_text()
             config = SpeculativeConfig.from_json(
                 get_parameter(pbtxt, "speculative_config") or "",
                 target_model=str(target),
@@ -173,10 +178,12 @@ class TritonPythonModel:
         """Concurrent sequences' verify steps go to the verifier as one request (one forward),
         unless `batch_verify_steps` is "false" or the verifier has more than one instance (its
         sequences' caches would then be spread over instances that a batch cannot address)."""
+        if parse_flag(params, "verifier_in_process", False):
+            return self._in_process_batcher(args)
         if not parse_flag(params, "batch_verify_steps", True):
             return None
         try:
-            pbtxt = (_repository(args) / self.verifier_name / "config.pbtxt").read_text()
+            pbtxt = (model_repository(args) / self.verifier_name / "config.pbtxt").read_text()
         except OSError as e:
             log.warning("cannot read the verifier's config (%s): one verifier request per step", e)
             return None
@@ -190,7 +197,35 @@ class TritonPythonModel:
             return bls(self.verifier_name, inputs, outputs, batch_correlation_id(), flags, params)
 
         log.info("verify steps of concurrent sequences go to %r in batches", self.verifier_name)
-        return StepBatcher(send)
+        return StepBatcher(over_bls(send))
+
+    def _in_process_batcher(self, args: dict) -> StepBatcher:
+        """The verifier's target, as its config.pbtxt describes it, loaded in this process
+        (`verifier_in_process`): steps run here, one batch at a time (the batcher is the only
+        caller of the runner), with no BLS round trip. The verifier model stands by."""
+        try:
+            pbtxt = (model_repository(args) / self.verifier_name / "config.pbtxt").read_text()
+        except OSError as e:
+            raise ValueError(f"verifier_in_process: cannot read the config of verifier {self.verifier_name!r}: {e}")
+        settings = model_settings(parameters(pbtxt))
+        kind, gpu = instance_group(pbtxt)
+        device, why = resolve_device(kind, gpu, settings.params.get("device", ""))
+        log.info(
+            "verifying in this process (verifier_in_process): the target of %r on %s (%s)",
+            self.verifier_name,
+            device,
+            why,
+        )
+        runner = target_runner(settings, device)
+        active = ActiveSequencesGauge(self.verifier_name)
+        counters = prefix_counters(runner, self.verifier_name, "1")
+
+        def update_metrics() -> None:  # what the verifier model reports of its own sequences
+            active.set(len(runner.sequences))
+            if counters is not None:
+                counters.update(runner.pool.prefix_queries, runner.pool.prefix_hits)
+
+        return StepBatcher(in_process(runner, update_metrics), carries_logprobs=True)
 
     def _drain_outbox(self) -> None:
         while (item := self.outbox.get()) is not None:
@@ -392,12 +427,6 @@ class TritonPythonModel:
         self.outbox.put(None)
         self.sender_thread.join(timeout=10)
         self.metrics.close()
-
-
-def _repository(args: dict) -> Path:
-    """The model repository holding this model (Triton passes the model's own directory)."""
-    repository = Path(args["model_repository"])
-    return repository.parent if repository.name == args["model_name"] else repository
 
 
 class VllmOutputs:

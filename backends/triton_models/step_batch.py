@@ -12,14 +12,19 @@ the concatenated `input_ids`, `draft_ids`, `draft_probs` and `draft_parents` are
 response concatenates the rows' `output_ids` (with `output_lengths`) and per-row `forward_ms`;
 only when some row has them, `hidden_states` (with `hidden_lengths`) and `row_errors` ("" = no
 error). A row may instead end its sequence (`release`). Sequences that ask for logprobs keep one request per step.
+
+With the `speculative` model's `verifier_in_process`, the batcher hands its rows to the target
+in that process instead (`in_process`): no wire and no round trip, logprobs included.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +33,9 @@ import numpy as np
 import torch
 
 from backends.serving.request import SamplingParams
-from backends.serving.target import VerifyRequest, VerifyResult
+from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 
+log = logging.getLogger("tritonspec.verifier")
 ROWS = "rows"  # the request parameter that makes a verifier request a batch of steps
 BATCH_OUTPUTS = ["output_ids", "output_lengths", "hidden_states", "hidden_lengths", "forward_ms", "row_errors"]
 
@@ -183,6 +189,53 @@ def decode_results(out: dict[str, np.ndarray], num_rows: int) -> list[VerifyResu
     return results
 
 
+def over_bls(send: Callable[[dict, list[str], dict], dict]) -> Callable[[list[Row]], list]:
+    """A StepBatcher's run_rows that sends the rows to the verifier model as one request;
+    send(inputs, outputs, parameters) -> outputs is that BLS call."""
+
+    def run_rows(rows: list[Row]) -> list[VerifyResult | Exception]:
+        inputs, parameters = encode_rows(rows)
+        return decode_results(send(inputs, BATCH_OUTPUTS, parameters), len(rows))
+
+    return run_rows
+
+
+def verify_steps(runner: TargetRunner, steps: list[VerifyRequest]) -> list[VerifyResult | Exception]:
+    """runner.verify_batch, where a forward that fails fails every step in it."""
+    try:
+        return runner.verify_batch(steps)
+    except Exception as e:  # the forward itself failed: every sequence in it is suspect
+        log.exception("batched verification failed")
+        return [e] * len(steps)
+
+
+def in_process(runner: TargetRunner, after: Callable[[], None] = lambda: None) -> Callable[[list[Row]], list]:
+    """A StepBatcher's run_rows that verifies with `runner` in this process (the `speculative`
+    model's verifier_in_process): what the verifier model does with a batch request, releases
+    first and a failed step ending its sequence, without the round trip. `after` runs after
+    each batch (the metrics the verifier model would update)."""
+
+    def run_rows(rows: list[Row]) -> list[VerifyResult | Exception | None]:
+        for row in rows:
+            if isinstance(row, Release):
+                runner.release(row.seq_id)
+        steps = [row for row in rows if not isinstance(row, Release)]
+        results = verify_steps(runner, steps) if steps else []
+        answers: list[VerifyResult | Exception | None] = []
+        step_results = iter(results)
+        for row in rows:
+            result = None if isinstance(row, Release) else next(step_results)
+            if isinstance(result, Exception):  # the step fails; the other sequences don't
+                log.warning("sequence %d: %s", row.seq_id, result)
+                runner.release(row.seq_id)
+                result = RuntimeError(f"verifier: {result}")
+            answers.append(result)
+        after()
+        return answers
+
+    return run_rows
+
+
 # -- the orchestrator's side -----------------------------------------------------------------------
 class StepBatcher:
     """Gathers the verify steps of the orchestrator's running sequences into one request.
@@ -194,9 +247,18 @@ class StepBatcher:
     itself (a hop through the batcher's thread would cost it ~1 ms a step).
     """
 
-    def __init__(self, send, max_wait_s: float = 0.004, wait_fraction: float = 0.25) -> None:
-        # send(inputs, outputs, parameters) -> outputs: one BLS call to the verifier.
-        self.send = send
+    def __init__(
+        self,
+        run_rows: Callable[[list[Row]], list[VerifyResult | Exception | None]],
+        max_wait_s: float = 0.004,
+        wait_fraction: float = 0.25,
+        carries_logprobs: bool = False,
+    ) -> None:
+        # run_rows(rows) -> per row its result, its exception or None (a release): one
+        # request to the verifier model (over_bls) or the target in this process (in_process.py).
+        self.run_rows = run_rows
+        # Whether results carry logprobs (the wire does not: such sequences send their own steps).
+        self.carries_logprobs = carries_logprobs
         self.max_wait_s = max_wait_s
         self.wait_fraction = wait_fraction
         self.cond = threading.Condition()
@@ -258,8 +320,7 @@ class StepBatcher:
         rows = [row for row, _ in batch]
         start = time.perf_counter()
         try:
-            inputs, parameters = encode_rows(rows)
-            results = decode_results(self.send(inputs, BATCH_OUTPUTS, parameters), len(rows))
+            results = self.run_rows(rows)
         except Exception as e:  # the whole call failed: every row gets the error
             results = [e] * len(rows)
         self.last_round_trip_s = time.perf_counter() - start

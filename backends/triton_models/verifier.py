@@ -14,15 +14,19 @@ from backends.serving.logits import logprobs_to_arrays
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 from backends.triton_models.common import (
+    ModelSettings,
     PrefixCacheCounters,
+    error_response,
     initialize_model,
     input_array,
     input_ids,
     instance_device,
+    model_repository,
     parse_flag,
 )
+from backends.triton_models.pbtxt import verified_in_process
 from backends.triton_models.sequence_model import SequenceBatchedModel
-from backends.triton_models.step_batch import ROWS, decode_rows, encode_results
+from backends.triton_models.step_batch import ROWS, decode_rows, encode_results, verify_steps
 
 log = logging.getLogger("tritonspec.verifier")
 
@@ -32,33 +36,25 @@ class TritonPythonModel(SequenceBatchedModel):
 
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
-        budget = float(settings.params.get("kv_cache_memory_gb", "4"))
+        self.standby = verified_in_process(model_repository(args), args["model_name"])
+        if self.standby:
+            log.info(
+                "verifier standing by: the target is verified in the process of %s (verifier_in_process)", self.standby
+            )
+            return
         device = instance_device(args, settings.params, log)  # a GPU that cannot be used fails the load here
-        self.runner = TargetRunner(
-            settings.target,
-            dtype=settings.dtype,
-            device=device,
-            max_model_len=settings.max_model_len,
-            kv_cache_memory_gb=budget or None,
-            runtime=settings.params.get("runtime", "auto"),
-            batch_invariant=settings.params.get("batch_invariant", "auto"),
-            prefix_caching=parse_flag(settings.params, "enable_prefix_caching", True),
-        )
+        self.runner = target_runner(settings, device)
         self.init_sequences(args, settings.params, self.runner)
-        pool = self.runner.pool
-        self.prefix_counters = (
-            PrefixCacheCounters(args["model_name"], str(args.get("model_version", "1")))
-            if pool is not None and pool.prefix_caching
-            else None
-        )
-        log.info(
-            "verifier ready: %s (%s on %s, context %d, KV budget %s tokens)",
-            settings.target,
-            settings.dtype,
-            device,
-            self.runner.max_model_len,
-            self.runner.kv_budget_tokens or "unlimited",
-        )
+        self.prefix_counters = prefix_counters(self.runner, args["model_name"], str(args.get("model_version", "1")))
+
+    def execute(self, requests: list) -> list:
+        if self.standby:
+            message = (
+                f"verifier: standing by, the target is verified in the process of {self.standby} "
+                "(verifier_in_process); send generation requests to `speculative`"
+            )
+            return [error_response(message) for _ in requests]
+        return super().execute(requests)
 
     def parse(self, request) -> VerifyRequest:
         params = json.loads(request.parameters() or "{}")
@@ -97,11 +93,7 @@ class TritonPythonModel(SequenceBatchedModel):
 
     def run(self, calls: list[VerifyRequest]) -> list:
         """Requests from many sequences (the `oldest` sequence batcher) are verified together."""
-        try:
-            results = self.runner.verify_batch(calls)
-        except Exception as e:  # the forward itself failed: every sequence in it is suspect
-            log.exception("batched verification failed")
-            return [e] * len(calls)
+        results = verify_steps(self.runner, calls)
         if self.prefix_counters is not None:
             self.prefix_counters.update(self.runner.pool.prefix_queries, self.runner.pool.prefix_hits)
         return results
@@ -129,4 +121,35 @@ class TritonPythonModel(SequenceBatchedModel):
         return len(self.runner.sequences)
 
     def finalize(self) -> None:
-        self.runner.sequences.clear()
+        if not self.standby:
+            self.runner.sequences.clear()
+
+
+def target_runner(settings: ModelSettings, device: str) -> TargetRunner:
+    """The target as a verifier's config.pbtxt parameters describe it, on `device`."""
+    budget = float(settings.params.get("kv_cache_memory_gb", "4"))
+    runner = TargetRunner(
+        settings.target,
+        dtype=settings.dtype,
+        device=device,
+        max_model_len=settings.max_model_len,
+        kv_cache_memory_gb=budget or None,
+        runtime=settings.params.get("runtime", "auto"),
+        batch_invariant=settings.params.get("batch_invariant", "auto"),
+        prefix_caching=parse_flag(settings.params, "enable_prefix_caching", True),
+    )
+    log.info(
+        "verifier ready: %s (%s on %s, context %d, KV budget %s tokens)",
+        settings.target,
+        settings.dtype,
+        device,
+        runner.max_model_len,
+        runner.kv_budget_tokens or "unlimited",
+    )
+    return runner
+
+
+def prefix_counters(runner: TargetRunner, model_name: str, version: str) -> PrefixCacheCounters | None:
+    """The prefix cache counters on /metrics, when the target caches prefixes."""
+    pool = runner.pool
+    return PrefixCacheCounters(model_name, version) if pool is not None and pool.prefix_caching else None

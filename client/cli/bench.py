@@ -251,7 +251,8 @@ def engine_from_log(server_log: Path) -> str:
 def format_report(report: dict) -> str:
     lines = [
         f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "
-        f"target {report['model']} ({report['dtype']}), engine: {report.get('engine', 'unknown')}; "
+        f"target {report['model']} ({report['dtype']}), engine: {report.get('engine', 'unknown')}"
+        f"{', verified in process' if report.get('verifier_in_process') else ''}; "
         "`same`: outputs identical to plain decoding",
         f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'nodes':>5} {'accept':>7} "
         f"{'draft':>6} {'verify':>7} {'ovh':>5} {'ovh%':>5} {'same':>5} {'diverge@':>9}  per-position acceptance",

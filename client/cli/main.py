@@ -49,6 +49,10 @@ PROFILES: dict[str, dict] = {
 
 
 RUNTIMES = ["auto", "lean", "hf"]
+IN_PROCESS_HELP = (
+    "verify in the `speculative` model's process (its verifier_in_process): no BLS round trip a step; "
+    "the verifier model stands by"
+)
 BATCH_INVARIANT_HELP = (
     "the target's batch invariance (speculative output == plain output in bf16): auto (on where the lean "
     "runtime runs on a CPU, the default), on (on a GPU too, on its Triton kernels; refuse to start where "
@@ -161,6 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
         overrides.per_model.setdefault("speculative", {})["drafter_model_name"] = ""
+    if args.verifier_in_process:
+        overrides.per_model.setdefault("speculative", {})["verifier_in_process"] = "true"
     server = TritonServer(repository, args.http_port, args.grpc_port, args.metrics_port, args.host, overrides)
     try:
         server.start(timeout_s=args.startup_timeout, require_all_models=False)
@@ -318,6 +324,7 @@ def _bench(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "fixed_k": args.fixed_k,
+        "verifier_in_process": args.verifier_in_process,
         "methods": {},
     }
     for name in args.methods:
@@ -346,6 +353,7 @@ def _bench(args: argparse.Namespace) -> int:
             per_model={
                 "drafter": {"speculative_config": json.dumps(config)},
                 "verifier": {"enable_prefix_caching": str(args.enable_prefix_caching).lower()},
+                "speculative": {"verifier_in_process": str(args.verifier_in_process).lower()},
             },
         )
         with _own_server(args.port, overrides, out / f"server-{name}.log") as server:
@@ -470,6 +478,7 @@ def _perf(args: argparse.Namespace) -> int:
         overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
         if args.speculative_config:
             overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
+        overrides.per_model["speculative"] = {"verifier_in_process": str(args.verifier_in_process).lower()}
         out.mkdir(parents=True, exist_ok=True)
         server = _own_server(args.port, overrides, out / "server.log").start()
         url = server.grpc_url
@@ -635,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--spec-tokens", type=int, metavar="K", help="shorthand for the -sc key `num_speculative_tokens` (vLLM's flag)"
     )
     serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
+    serve.add_argument("--verifier-in-process", action="store_true", help=IN_PROCESS_HELP)
     serve.add_argument("--startup-timeout", type=float, default=600)
     serve.set_defaults(func=_serve)
 
@@ -679,6 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix caching in the bench's servers (off by default: each prompt runs plain, then "
         "speculative, and the second run would find the first one's prompt cached)",
     )
+    bench.add_argument("--verifier-in-process", action="store_true", help=IN_PROCESS_HELP)
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
     bench.add_argument(
         "--prompt-file",
@@ -748,6 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("--model", default=DEFAULT_MODEL)
     perf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     perf.add_argument("-sc", "--speculative-config")
+    perf.add_argument("--verifier-in-process", action="store_true", help=IN_PROCESS_HELP)
     perf.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     perf.add_argument("--max-tokens", type=int, default=64)
     perf.add_argument(

@@ -8,7 +8,6 @@ server is ready and holds no sequence state. One server (the shared tiny one) fo
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import wait_for_no_active_sequences
+from tests.fixtures.helpers import grpc_request, wait_for_no_active_sequences
 
 GOOD_PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\ndef add(a, b):", "café naïve 東京"]
 
@@ -27,39 +26,12 @@ GOOD_PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\ndef ad
 # -- transports: each returns the server's error message (or "" when the request succeeded) ----------------------
 
 
-def _grpc(server, model: str, tensors: dict[str, np.ndarray], **options: Any) -> str:
-    """One request over a gRPC stream with exactly these tensors (dtype from numpy)."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    inputs = []
-    for name, value in tensors.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True, **options)
-        while True:
-            result, error = responses.get(timeout=60)
-            if error is not None:
-                return str(error)
-            params = result.get_response().parameters
-            if "triton_final_response" in params and params["triton_final_response"].bool_param:
-                return ""
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
-
-
 def _text(*values: str | bytes) -> np.ndarray:
     return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
 
 
 def _speculative(server, prompt: str | bytes = "hi", **tensors: np.ndarray) -> str:
-    return _grpc(server, "speculative", {"text_input": _text(prompt), **tensors})
+    return grpc_request(server, "speculative", {"text_input": _text(prompt), **tensors})
 
 
 def _sampling(server, sampling: str | bytes, prompt: str = "hi") -> str:
@@ -226,7 +198,7 @@ CASES = [
     # wrong tensor dtypes and shapes
     Case(
         "text_input as INT32",
-        lambda server: _grpc(server, "speculative", {"text_input": np.array([1], np.int32)}),
+        lambda server: grpc_request(server, "speculative", {"text_input": np.array([1], np.int32)}),
         "inference input 'text_input' data-type is 'INT32', but model 'speculative' expects 'BYTES'",
     ),
     _t("max_tokens as FP32", "input 'max_tokens' data-type is 'FP32'", max_tokens=np.array([3.0], np.float32)),
@@ -237,7 +209,7 @@ CASES = [
     _t("max_tokens of shape [1, 1]", "unexpected shape for input 'max_tokens'", max_tokens=np.array([[3]], np.int32)),
     Case(
         "two prompts in text_input",
-        lambda server: _grpc(server, "speculative", {"text_input": _text("a", "b")}),
+        lambda server: grpc_request(server, "speculative", {"text_input": _text("a", "b")}),
         "unexpected shape for input 'text_input'",
     ),
     Case(
@@ -257,19 +229,19 @@ CASES = [
     # the internal models, addressed directly
     Case(
         "verifier START over gRPC",
-        lambda server: _grpc(server, "verifier", _verifier_inputs(), sequence_id=12345, sequence_start=True),
+        lambda server: grpc_request(server, "verifier", _verifier_inputs(), sequence_id=12345, sequence_start=True),
         "verifier: this model only serves the `speculative` model of this server",
     ),
     Case(
         "verifier END over gRPC",
-        lambda server: _grpc(
+        lambda server: grpc_request(
             server, "verifier", _verifier_inputs(), sequence_id=7, sequence_start=True, sequence_end=True
         ),
         "lacks its internal token",
     ),
     Case(
         "verifier with a forged token",
-        lambda server: _grpc(
+        lambda server: grpc_request(
             server,
             "verifier",
             _verifier_inputs(),
@@ -281,7 +253,7 @@ CASES = [
     ),
     Case(
         "drafter START over gRPC",
-        lambda server: _grpc(server, "drafter", _drafter_inputs(), sequence_id=12345, sequence_start=True),
+        lambda server: grpc_request(server, "drafter", _drafter_inputs(), sequence_id=12345, sequence_start=True),
         "drafter: this model only serves the `speculative` model of this server",
     ),
     Case(

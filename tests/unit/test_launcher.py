@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from backends.triton_models.pbtxt import get_parameter, set_parameter
+import shutil
+
+from backends.triton_models.pbtxt import get_parameter, instance_group, parameters, set_parameter, verified_in_process
+from client.cli.launcher import DEFAULT_REPOSITORY
 
 
 def test_set_and_get_parameter_round_trip():
@@ -18,9 +21,7 @@ def test_auto_complete_is_off_only_when_every_config_is_complete(tmp_path):
     """The project's configs name inputs, outputs and batch size: the server starts without
     auto-completion (one stub start less per model). A repository with a model that leaves any
     of them to its backend keeps it on."""
-    import shutil
-
-    from client.cli.launcher import DEFAULT_REPOSITORY, needs_auto_complete
+    from client.cli.launcher import needs_auto_complete
 
     assert not needs_auto_complete(DEFAULT_REPOSITORY)
     for field in ("input", "output", "max_batch_size"):
@@ -31,3 +32,28 @@ def test_auto_complete_is_off_only_when_every_config_is_complete(tmp_path):
         assert f"\n{field}" in text
         config.write_text(text.replace(f"\n{field}", "\n# removed:"))
         assert needs_auto_complete(repository), field
+
+
+def test_a_config_reads_as_its_parameters_and_instance_group():
+    text = (DEFAULT_REPOSITORY / "verifier" / "config.pbtxt").read_text()
+    params = parameters(text)
+    assert params["model"] == "smollm2-135m" and params["kv_cache_memory_gb"] == "4"
+    assert all(get_parameter(text, key) == value for key, value in params.items())
+    assert instance_group(text) == ("KIND_CPU", 0)
+    assert instance_group(text.replace("kind: KIND_CPU", "kind: KIND_GPU gpus: [ 2, 3 ]")) == ("KIND_GPU", 2)
+    assert instance_group('name: "m"') == ("", 0)
+
+
+def test_the_verifier_stands_by_only_when_every_orchestrator_naming_it_verifies_in_process(tmp_path):
+    repository = tmp_path / "repo"
+    shutil.copytree(DEFAULT_REPOSITORY, repository)
+    speculative = repository / "speculative" / "config.pbtxt"
+    shipped = speculative.read_text()
+    assert verified_in_process(repository, "verifier") == ""  # shipped: verified over BLS
+    speculative.write_text(set_parameter(shipped, "verifier_in_process", "true"))
+    assert verified_in_process(repository, "verifier") == "`speculative`"
+    assert verified_in_process(repository, "other_verifier") == ""
+    second = repository / "speculative_bls"
+    second.mkdir()
+    (second / "config.pbtxt").write_text(shipped)  # a second orchestrator calls it over BLS
+    assert verified_in_process(repository, "verifier") == ""

@@ -21,6 +21,8 @@ from backends.triton_models.step_batch import (
     decode_rows,
     encode_results,
     encode_rows,
+    in_process,
+    over_bls,
 )
 
 VERIFIER_CONFIG = (Path(__file__).parents[2] / "model_repository" / "verifier" / "config.pbtxt").read_text()
@@ -97,14 +99,12 @@ def test_results_survive_the_wire_each_with_its_own_hidden_rows_and_errors():
         decode_results(out, 6)
 
 
-class InProcessVerifier:
+class WireVerifier:
     """What the verifier model does with a batch request, on a TargetRunner in this process
-    (the server path runs in tests/e2e); records each batch's rows."""
+    (the server path runs in tests/e2e)."""
 
     def __init__(self, runner: TargetRunner) -> None:
         self.runner = runner
-        self.batches: list[list] = []
-        self.threads: list[str] = []  # who sent each batch
 
     def __call__(self, inputs: dict, outputs: list[str], parameters: dict) -> dict:
         parents = inputs.get("draft_parents")
@@ -115,8 +115,6 @@ class InProcessVerifier:
             inputs.get("draft_probs"),
             None if parents is None else parents.reshape(-1).tolist(),
         )
-        self.batches.append(rows)
-        self.threads.append(threading.current_thread().name)
         steps = [row for row in rows if not isinstance(row, Release)]
         results = iter(self.runner.verify_batch(steps))
         answers = []
@@ -129,6 +127,26 @@ class InProcessVerifier:
         return encode_results(answers)
 
 
+class RecordedVerifier:
+    """A StepBatcher's run_rows over a TargetRunner, through the verifier model's wire format
+    (`over_bls`) or in this process (`in_process`, the speculative model's verifier_in_process);
+    records each batch's rows and the thread that ran it."""
+
+    def __init__(self, runner: TargetRunner, transport: str) -> None:
+        self.runner = runner
+        self.run_rows = over_bls(WireVerifier(runner)) if transport == "wire" else in_process(runner)
+        self.batches: list[list] = []
+        self.threads: list[str] = []
+
+    def __call__(self, rows: list) -> list:
+        self.batches.append(rows)
+        self.threads.append(threading.current_thread().name)
+        return self.run_rows(rows)
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["wire", "in_process"])
+
+
 def _greedy(verify, seq_id: int, prompt: list[int], steps: int) -> list[int]:
     """Decode `steps` steps, drafting the sequence's own last tokens (some accepted, some not)."""
     out: list[int] = []
@@ -139,12 +157,13 @@ def _greedy(verify, seq_id: int, prompt: list[int], steps: int) -> list[int]:
     return out
 
 
-def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_model_dir):
+@TRANSPORTS
+def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_model_dir, transport):
     prompts = {seq_id: [1 + seq_id, 20 + seq_id, 3, 40 + seq_id][: 2 + seq_id % 3] for seq_id in range(1, 5)}
     alone = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
     expected = {seq_id: _greedy(alone.verify, seq_id, prompt, 6) for seq_id, prompt in prompts.items()}
 
-    verifier = InProcessVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"))
+    verifier = RecordedVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"), transport)
     # A wide gather window: every running sequence's step makes the batch (timing-free test).
     batcher = StepBatcher(verifier, max_wait_s=5.0, wait_fraction=1e6)
     got: dict[int, list[int]] = {}
@@ -166,8 +185,9 @@ def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_m
     assert not batcher.running
 
 
-def test_a_lone_sequence_sends_its_own_steps_at_once(tiny_model_dir):
-    verifier = InProcessVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"))
+@TRANSPORTS
+def test_a_lone_sequence_sends_its_own_steps_at_once(tiny_model_dir, transport):
+    verifier = RecordedVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"), transport)
     # The window would hold a step for 5 s if a lone sequence waited for it.
     batcher = StepBatcher(verifier, max_wait_s=5.0, wait_fraction=1e6)
     out = _greedy(batcher.verify, 1, [1, 2, 3], 4)
@@ -178,8 +198,9 @@ def test_a_lone_sequence_sends_its_own_steps_at_once(tiny_model_dir):
     assert not verifier.runner.sequences
 
 
-def test_a_failing_row_fails_its_sequence_alone(tiny_model_dir):
-    verifier = InProcessVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"))
+@TRANSPORTS
+def test_a_failing_row_fails_its_sequence_alone(tiny_model_dir, transport):
+    verifier = RecordedVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"), transport)
     batcher = StepBatcher(verifier, max_wait_s=5.0, wait_fraction=1e6)
     vocab = verifier.runner.logits_size
     errors: dict[int, Exception] = {}
@@ -200,6 +221,39 @@ def test_a_failing_row_fails_its_sequence_alone(tiny_model_dir):
     assert set(errors) == {2} and str(vocab + 5) in str(errors[2])
     assert len(got[1]) >= 3
     assert not verifier.runner.sequences and not batcher.running
+
+
+def test_in_process_steps_carry_logprobs_and_hidden_states(tiny_model_dir):
+    """The wire leaves logprobs out (such sequences send their own steps); in process a
+    batched step returns everything verifying alone returns."""
+    alone = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
+    runner = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
+    batcher = StepBatcher(in_process(runner), carries_logprobs=True)
+    sampling = SamplingParams(logprobs=2)
+    steps = [VerifyRequest(1, [1, 2, 3], [4, 5], sampling, (1, -1)), VerifyRequest(1, [], [6], None, (1, -1))]
+    for step in steps:
+        want, got = alone.verify(step), batcher.verify(step)
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+        assert got.logprobs and len(got.logprobs) == len(got.token_ids)
+        torch.testing.assert_close(got.hidden_states, want.hidden_states, rtol=0, atol=0)
+    batcher.release(1)
+    assert not runner.sequences
+
+
+def test_a_failed_forward_fails_every_step_in_it_and_ends_their_sequences(tiny_model_dir):
+    runner = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
+    run_rows = in_process(runner)
+    assert [len(r.token_ids) for r in run_rows([VerifyRequest(1, [1, 2], []), VerifyRequest(2, [3, 4], [])])] == [1, 1]
+
+    def broken(steps):
+        raise RuntimeError("out of memory in the forward")
+
+    runner.verify_batch = broken
+    results = run_rows([VerifyRequest(1, [], [5]), Release(3), VerifyRequest(2, [], [])])
+    assert results[1] is None
+    for result in (results[0], results[2]):
+        assert isinstance(result, RuntimeError) and "verifier: out of memory in the forward" in str(result)
+    assert not runner.sequences  # both sequences released, their KV blocks returned
 
 
 def test_batching_is_off_for_a_verifier_with_several_instances():
