@@ -1,5 +1,7 @@
 """`verifier` model: the target model behind Triton's sequence batcher (one KV cache per
-correlation id). Inputs per step: new token ids and draft ids; outputs: the emitted ids."""
+correlation id). Inputs per step: new token ids and draft ids; outputs: the emitted ids.
+It stands by, loading nothing, while the orchestrators that name it verify in their own
+process (`verifier_in_process`)."""
 
 from __future__ import annotations
 
