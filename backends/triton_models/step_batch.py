@@ -255,7 +255,7 @@ class StepBatcher:
         carries_logprobs: bool = False,
     ) -> None:
         # run_rows(rows) -> per row its result, its exception or None (a release): one
-        # request to the verifier model (over_bls) or the target in this process (in_process.py).
+        # request to the verifier model (over_bls) or the target in this process (in_process).
         self.run_rows = run_rows
         # Whether results carry logprobs (the wire does not: such sequences send their own steps).
         self.carries_logprobs = carries_logprobs
