@@ -390,7 +390,10 @@ def _soak(args: argparse.Namespace) -> int:
     from client.cli.soak import run_soak
 
     local_model(args.model)
-    overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
+    overrides = RepositoryOverrides(
+        common={"model": args.model, "dtype": args.dtype},
+        per_model={"speculative": {"verifier_in_process": str(args.verifier_in_process).lower()}},
+    )
     if args.chaos:
         return _chaos_soak(args, overrides)
     with _own_server(args.port, overrides, Path(args.log)) as server:
@@ -730,6 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["bfloat16", "float32"],
         help="float32 (default) makes every response exactly checkable; bfloat16 can flip near-ties",
     )
+    soak.add_argument("--verifier-in-process", action="store_true", help=IN_PROCESS_HELP)
     soak.add_argument("--seconds", type=float, default=180)
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--max-tokens", type=int, default=32)
