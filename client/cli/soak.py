@@ -117,8 +117,8 @@ def _direct_verifier_request(server, rng) -> str:
 
 
 def _expected_error(name: str) -> str:
-    if name == "a direct verifier request":
-        return "only serves the `speculative` model"
+    if name == "a direct verifier request":  # refused for its missing token, or by a standing-by verifier
+        return "send generation requests to `speculative`"
     return next(message for n, _, message in BAD_REQUESTS if n == name)
 
 
