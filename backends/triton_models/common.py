@@ -16,6 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.runtime.device import resolve_device
+from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.model_store import DEFAULT_MODEL, resolve_model
 
 SEQUENCE_START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -171,9 +172,9 @@ class PrefixCacheCounters:
         self.metrics = [family.Metric(labels=labels) for family in self.families]
         self.reported = [0, 0]
 
-    def update(self, queries: int, hits: int) -> None:
-        """Bring the counters to these totals (a round trip to the server only on a change)."""
-        for i, (metric, total) in enumerate(zip(self.metrics, (queries, hits))):
+    def update(self, pool: KVCachePool) -> None:
+        """Bring the counters to the KV pool's totals (a round trip to the server only on a change)."""
+        for i, (metric, total) in enumerate(zip(self.metrics, (pool.prefix_queries, pool.prefix_hits))):
             if total != self.reported[i]:
                 metric.increment(total - self.reported[i])
                 self.reported[i] = total

@@ -230,7 +230,7 @@ class TritonPythonModel:
         def update_metrics() -> None:  # what the verifier model reports of its own sequences
             active.set(len(runner.sequences))
             if counters is not None:
-                counters.update(runner.pool.prefix_queries, runner.pool.prefix_hits)
+                counters.update(runner.pool)
 
         run_rows = in_process(runner, update_metrics)
         return StepBatcher(lambda rows: verify_thread.submit(run_rows, rows).result(), carries_logprobs=True)

@@ -97,7 +97,7 @@ class TritonPythonModel(SequenceBatchedModel):
         """Requests from many sequences (the `oldest` sequence batcher) are verified together."""
         results = verify_steps(self.runner, calls)
         if self.prefix_counters is not None:
-            self.prefix_counters.update(self.runner.pool.prefix_queries, self.runner.pool.prefix_hits)
+            self.prefix_counters.update(self.runner.pool)
         return results
 
     def respond(self, result: VerifyResult | None) -> object:

@@ -26,6 +26,7 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The",
     "for i in range(10):\n    print(i",
 ]
+IN_PROCESS = {"speculative": {"verifier_in_process": "true"}}
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,6 @@ def server(tiny_model_dir, tmp_path_factory):
     server = start_server(root, str(tiny_model_dir), json.dumps(config), per_model=IN_PROCESS)
     yield server
     server.stop()
-
-
-IN_PROCESS = {"speculative": {"verifier_in_process": "true"}}
 
 
 def test_greedy_output_is_the_target_greedy_output(server, tiny_model_dir):

@@ -101,10 +101,11 @@ def test_results_survive_the_wire_each_with_its_own_hidden_rows_and_errors():
 
 class WireVerifier:
     """What the verifier model does with a batch request, on a TargetRunner in this process
-    (the server path runs in tests/e2e)."""
+    (the server path runs in tests/e2e): the decoded rows verified as `in_process` verifies
+    them, the results encoded."""
 
     def __init__(self, runner: TargetRunner) -> None:
-        self.runner = runner
+        self.run_rows = in_process(runner)
 
     def __call__(self, inputs: dict, outputs: list[str], parameters: dict) -> dict:
         parents = inputs.get("draft_parents")
@@ -115,16 +116,7 @@ class WireVerifier:
             inputs.get("draft_probs"),
             None if parents is None else parents.reshape(-1).tolist(),
         )
-        steps = [row for row in rows if not isinstance(row, Release)]
-        results = iter(self.runner.verify_batch(steps))
-        answers = []
-        for row in rows:
-            if isinstance(row, Release):
-                self.runner.release(row.seq_id)
-                answers.append(None)
-            else:
-                answers.append(next(results))
-        return encode_results(answers)
+        return encode_results(self.run_rows(rows))
 
 
 class RecordedVerifier:
