@@ -56,16 +56,51 @@ def instance_group(pbtxt: str) -> tuple[str, int]:
     return group.group(1), int(gpus.group(1)) if gpus else 0
 
 
-def verified_in_process(repository: Path, verifier_name: str) -> str:
-    """The orchestrators of `repository` (models that set `verifier_model_name` or
-    `verifier_in_process`) that load the target of verifier `verifier_name` and verify in their
-    own process, as "`a`, `b`"; "" unless some do and none calls the verifier (then it must load)."""
-    local, remote = [], []
+IN_PROCESS_CHOICES = ("auto", "true", "false")
+
+
+def _orchestrators(repository: Path) -> dict[str, dict[str, str]]:
+    """The parameters of each orchestrator of `repository` (a model that sets
+    `verifier_model_name` or `verifier_in_process`), by model name."""
+    found = {}
     for config in sorted(repository.glob("*/config.pbtxt")):
         params = parameters(config.read_text())
-        orchestrates = "verifier_model_name" in params or "verifier_in_process" in params
-        if not orchestrates or params.get("verifier_model_name", "verifier") != verifier_name:
+        if "verifier_model_name" in params or "verifier_in_process" in params:
+            found[config.parent.name] = params
+    return found
+
+
+def verifies_in_process(repository: Path, orchestrator: str, num_gpus: int) -> bool:
+    """Whether orchestrator `orchestrator` of `repository` loads its verifier's target and
+    verifies in its own process: its `verifier_in_process` is "true", or "auto" (the default)
+    and its steps are batched (`batch_verify_steps` not "false"), its verifier has one instance
+    and no other orchestrator names that verifier (they share it over BLS instead of each
+    loading a copy). A value other than the three choices reads as "false" here; the
+    orchestrator's own load refuses it by name."""
+    orchestrators = _orchestrators(repository)
+    params = orchestrators.get(orchestrator, {})
+    choice = params.get("verifier_in_process", "auto").strip().lower() or "auto"
+    if choice != "auto":
+        return choice == "true"
+    verifier = params.get("verifier_model_name", "verifier")
+    if params.get("batch_verify_steps", "true").strip().lower() == "false":
+        return False
+    if any(p.get("verifier_model_name", "verifier") == verifier for n, p in orchestrators.items() if n != orchestrator):
+        return False
+    try:
+        pbtxt = (repository / verifier / "config.pbtxt").read_text()
+    except OSError:
+        return False
+    return single_instance(pbtxt, num_gpus)
+
+
+def verified_in_process(repository: Path, verifier_name: str, num_gpus: int) -> str:
+    """The orchestrators of `repository` that load the target of verifier `verifier_name` and
+    verify in their own process, as "`a`, `b`"; "" unless some do and none calls the verifier
+    (then it must load)."""
+    local, remote = [], []
+    for name, params in _orchestrators(repository).items():
+        if params.get("verifier_model_name", "verifier") != verifier_name:
             continue
-        in_process = params.get("verifier_in_process", "").strip().lower() == "true"
-        (local if in_process else remote).append(f"`{config.parent.name}`")
+        (local if verifies_in_process(repository, name, num_gpus) else remote).append(f"`{name}`")
     return "" if remote or not local else ", ".join(local)

@@ -60,7 +60,14 @@ from backends.triton_models.common import (
     model_settings,
     parse_flag,
 )
-from backends.triton_models.pbtxt import get_parameter, instance_group, parameters, single_instance
+from backends.triton_models.pbtxt import (
+    IN_PROCESS_CHOICES,
+    get_parameter,
+    instance_group,
+    parameters,
+    single_instance,
+    verifies_in_process,
+)
 from backends.triton_models.peer_token import server_token, with_token
 from backends.triton_models.peers import BlsDrafter, BlsVerifier, SequencePeer
 from backends.triton_models.step_batch import StepBatcher, batch_correlation_id, in_process, over_bls
@@ -178,8 +185,15 @@ class TritonPythonModel:
     def _step_batcher(self, args: dict, params: dict[str, str]) -> StepBatcher | None:
         """Concurrent sequences' verify steps go to the verifier as one request (one forward),
         unless `batch_verify_steps` is "false" or the verifier has more than one instance (its
-        sequences' caches would then be spread over instances that a batch cannot address)."""
-        if parse_flag(params, "verifier_in_process", False):
+        sequences' caches would then be spread over instances that a batch cannot address).
+        Verified in this process when `verifier_in_process` says so (pbtxt.verifies_in_process)."""
+        choice = params.get("verifier_in_process", "auto").strip().lower() or "auto"
+        if choice not in IN_PROCESS_CHOICES:
+            raise ValueError(
+                f"parameter verifier_in_process must be one of {', '.join(IN_PROCESS_CHOICES)}, "
+                f"got {params['verifier_in_process']!r}"
+            )
+        if verifies_in_process(model_repository(args), args["model_name"], torch.cuda.device_count()):
             return self._in_process_batcher(args)
         if not parse_flag(params, "batch_verify_steps", True):
             return None

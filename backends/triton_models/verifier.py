@@ -38,7 +38,7 @@ class TritonPythonModel(SequenceBatchedModel):
 
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
-        self.standby = verified_in_process(model_repository(args), args["model_name"])
+        self.standby = verified_in_process(model_repository(args), args["model_name"], torch.cuda.device_count())
         if self.standby:
             log.info(
                 "verifier standing by: the target is verified in the process of %s (verifier_in_process)", self.standby

@@ -248,6 +248,11 @@ def engine_from_log(server_log: Path) -> str:
     return "unknown (no 'target runs' line in the server log)"
 
 
+def verified_in_process_from_log(server_log: Path) -> bool:
+    """Whether the orchestrator said it verifies in its own process (verifier_in_process)."""
+    return "verifying in this process" in server_log.read_text(errors="replace")
+
+
 def format_report(report: dict) -> str:
     lines = [
         f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "

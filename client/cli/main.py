@@ -24,6 +24,7 @@ from backends.runtime.model_store import (
 )
 from backends.serving.orchestrator import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens
 from backends.training import TRAINERS, data_dir, head_dir
+from backends.triton_models.pbtxt import IN_PROCESS_CHOICES
 
 # Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
 # The smollm2-* profiles draft with the heads `tritonspec train METHOD` writes (no `model`).
@@ -50,9 +51,18 @@ PROFILES: dict[str, dict] = {
 
 RUNTIMES = ["auto", "lean", "hf"]
 IN_PROCESS_HELP = (
-    "verify in the `speculative` model's process (its verifier_in_process): no BLS round trip a step; "
-    "the verifier model stands by"
+    "where the target's forward runs (the `speculative` model's verifier_in_process): true = in the "
+    "`speculative` model's process, no BLS round trip a step, the verifier model standing by; false = "
+    "in the verifier model, over BLS; auto (the default) = in process when the verifier has one instance; "
+    "the flag alone = true"
 )
+
+
+def _in_process(args: argparse.Namespace) -> dict[str, str]:
+    """The `speculative` model's verifier_in_process as the command line sets it (nothing: its config's)."""
+    return {"verifier_in_process": args.verifier_in_process} if args.verifier_in_process else {}
+
+
 BATCH_INVARIANT_HELP = (
     "the target's batch invariance (speculative output == plain output in bf16): auto (on where the lean "
     "runtime runs on a CPU, the default), on (on a GPU too, on its Triton kernels; refuse to start where "
@@ -165,8 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
         overrides.per_model.setdefault("speculative", {})["drafter_model_name"] = ""
-    if args.verifier_in_process:
-        overrides.per_model.setdefault("speculative", {})["verifier_in_process"] = "true"
+    overrides.per_model.setdefault("speculative", {}).update(_in_process(args))
     server = TritonServer(repository, args.http_port, args.grpc_port, args.metrics_port, args.host, overrides)
     try:
         server.start(timeout_s=args.startup_timeout, require_all_models=False)
@@ -300,6 +309,7 @@ def _bench(args: argparse.Namespace) -> int:
         measure,
         method_config,
         plot_report,
+        verified_in_process_from_log,
     )
     from client.cli.launcher import RepositoryOverrides
 
@@ -324,7 +334,6 @@ def _bench(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "fixed_k": args.fixed_k,
-        "verifier_in_process": args.verifier_in_process,
         "methods": {},
     }
     for name in args.methods:
@@ -353,11 +362,12 @@ def _bench(args: argparse.Namespace) -> int:
             per_model={
                 "drafter": {"speculative_config": json.dumps(config)},
                 "verifier": {"enable_prefix_caching": str(args.enable_prefix_caching).lower()},
-                "speculative": {"verifier_in_process": str(args.verifier_in_process).lower()},
+                "speculative": _in_process(args),
             },
         )
         with _own_server(args.port, overrides, out / f"server-{name}.log") as server:
             report.setdefault("engine", engine_from_log(out / f"server-{name}.log"))
+            report.setdefault("verifier_in_process", verified_in_process_from_log(out / f"server-{name}.log"))
             runs = measure(
                 server.grpc_url,
                 prompts,
@@ -391,8 +401,7 @@ def _soak(args: argparse.Namespace) -> int:
 
     local_model(args.model)
     overrides = RepositoryOverrides(
-        common={"model": args.model, "dtype": args.dtype},
-        per_model={"speculative": {"verifier_in_process": str(args.verifier_in_process).lower()}},
+        common={"model": args.model, "dtype": args.dtype}, per_model={"speculative": _in_process(args)}
     )
     if args.chaos:
         return _chaos_soak(args, overrides)
@@ -481,7 +490,7 @@ def _perf(args: argparse.Namespace) -> int:
         overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
         if args.speculative_config:
             overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
-        overrides.per_model["speculative"] = {"verifier_in_process": str(args.verifier_in_process).lower()}
+        overrides.per_model["speculative"] = _in_process(args)
         out.mkdir(parents=True, exist_ok=True)
         server = _own_server(args.port, overrides, out / "server.log").start()
         url = server.grpc_url
@@ -647,7 +656,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--spec-tokens", type=int, metavar="K", help="shorthand for the -sc key `num_speculative_tokens` (vLLM's flag)"
     )
     serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
-    serve.add_argument("--verifier-in-process", action="store_true", help=IN_PROCESS_HELP)
+    serve.add_argument(
+        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
+    )
     serve.add_argument("--startup-timeout", type=float, default=600)
     serve.set_defaults(func=_serve)
 
@@ -692,7 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix caching in the bench's servers (off by default: each prompt runs plain, then "
         "speculative, and the second run would find the first one's prompt cached)",
     )
-    bench.add_argument("--verifier-in-process", action="store_true", help=IN_PROCESS_HELP)
+    bench.add_argument(
+        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
+    )
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
     bench.add_argument(
         "--prompt-file",
@@ -733,7 +746,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["bfloat16", "float32"],
         help="float32 (default) makes every response exactly checkable; bfloat16 can flip near-ties",
     )
-    soak.add_argument("--verifier-in-process", action="store_true", help=IN_PROCESS_HELP)
+    soak.add_argument(
+        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
+    )
     soak.add_argument("--seconds", type=float, default=180)
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--max-tokens", type=int, default=32)
@@ -763,7 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("--model", default=DEFAULT_MODEL)
     perf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     perf.add_argument("-sc", "--speculative-config")
-    perf.add_argument("--verifier-in-process", action="store_true", help=IN_PROCESS_HELP)
+    perf.add_argument(
+        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
+    )
     perf.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     perf.add_argument("--max-tokens", type=int, default=64)
     perf.add_argument(

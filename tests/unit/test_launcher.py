@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import shutil
 
-from backends.triton_models.pbtxt import get_parameter, instance_group, parameters, set_parameter, verified_in_process
+from backends.triton_models.pbtxt import (
+    get_parameter,
+    instance_group,
+    parameters,
+    set_parameter,
+    verified_in_process,
+    verifies_in_process,
+)
 from client.cli.launcher import DEFAULT_REPOSITORY
 
 
@@ -48,12 +55,29 @@ def test_the_verifier_stands_by_only_when_every_orchestrator_naming_it_verifies_
     repository = tmp_path / "repo"
     shutil.copytree(DEFAULT_REPOSITORY, repository)
     speculative = repository / "speculative" / "config.pbtxt"
-    shipped = speculative.read_text()
-    assert verified_in_process(repository, "verifier") == ""  # shipped: verified over BLS
-    speculative.write_text(set_parameter(shipped, "verifier_in_process", "true"))
-    assert verified_in_process(repository, "verifier") == "`speculative`"
-    assert verified_in_process(repository, "other_verifier") == ""
+    verifier = repository / "verifier" / "config.pbtxt"
+    shipped, shipped_verifier = speculative.read_text(), verifier.read_text()
+    # Shipped ("auto"): one CPU verifier instance, one orchestrator: verified in its process.
+    assert get_parameter(shipped, "verifier_in_process") == "auto"
+    assert verifies_in_process(repository, "speculative", num_gpus=0)
+    assert verified_in_process(repository, "verifier", num_gpus=0) == "`speculative`"
+    assert verified_in_process(repository, "other_verifier", num_gpus=0) == ""
+    speculative.write_text(set_parameter(shipped, "verifier_in_process", "false"))
+    assert verified_in_process(repository, "verifier", num_gpus=0) == ""
+    speculative.write_text(set_parameter(shipped, "batch_verify_steps", "false"))  # auto needs batched steps
+    assert not verifies_in_process(repository, "speculative", num_gpus=0)
+    speculative.write_text(shipped)
+    verifier.write_text(shipped_verifier.replace("count: 1", "count: 2"))  # auto: not with two instances
+    assert not verifies_in_process(repository, "speculative", num_gpus=0)
+    speculative.write_text(set_parameter(shipped, "verifier_in_process", "true"))  # "true": even then
+    assert verified_in_process(repository, "verifier", num_gpus=0) == "`speculative`"
+    verifier.write_text(shipped_verifier)
     second = repository / "speculative_bls"
     second.mkdir()
-    (second / "config.pbtxt").write_text(shipped)  # a second orchestrator calls it over BLS
-    assert verified_in_process(repository, "verifier") == ""
+    (second / "config.pbtxt").write_text(set_parameter(shipped, "verifier_in_process", "false"))
+    assert verified_in_process(repository, "verifier", num_gpus=0) == ""  # a second calls it over BLS
+    speculative.write_text(shipped)
+    (second / "config.pbtxt").write_text(shipped)
+    # Two "auto" orchestrators naming one verifier share it over BLS rather than load two copies.
+    assert not verifies_in_process(repository, "speculative", num_gpus=0)
+    assert verified_in_process(repository, "verifier", num_gpus=0) == ""
