@@ -98,6 +98,44 @@ def _t(name: str, expected: str, prompt: str | bytes = "hi", **tensors: np.ndarr
     return Case(name, lambda server: _speculative(server, prompt, **tensors), expected)
 
 
+STANDING_BY = "verifier: standing by, the target is verified in the process of `speculative`"
+# Requests addressed to a loaded verifier model (verifier_in_process "false", `bls_server`).
+VERIFIER_CASES = [
+    Case(
+        "verifier START over gRPC",
+        lambda server: grpc_request(server, "verifier", _verifier_inputs(), sequence_id=12345, sequence_start=True),
+        "verifier: this model only serves the `speculative` model of this server",
+    ),
+    Case(
+        "verifier END over gRPC",
+        lambda server: grpc_request(
+            server, "verifier", _verifier_inputs(), sequence_id=7, sequence_start=True, sequence_end=True
+        ),
+        "lacks its internal token",
+    ),
+    Case(
+        "verifier with a forged token",
+        lambda server: grpc_request(
+            server,
+            "verifier",
+            _verifier_inputs(),
+            sequence_id=99,
+            sequence_start=True,
+            parameters={"tritonspec_token": "0" * 64},
+        ),
+        "lacks its internal token",
+    ),
+    Case(
+        "verifier START over HTTP",
+        lambda server: _http(
+            server,
+            "/v2/models/verifier/infer",
+            {"parameters": {"sequence_id": 4242, "sequence_start": True}, "inputs": _http_tensors(_verifier_inputs())},
+        ),
+        "lacks its internal token",
+    ),
+]
+
 CASES = [
     # wrong types
     _s("max_tokens as a word", {"max_tokens": "abc"}, "max_tokens must be an integer, got 'abc'"),
@@ -228,42 +266,9 @@ CASES = [
     ),
     # the internal models, addressed directly
     Case(
-        "verifier START over gRPC",
-        lambda server: grpc_request(server, "verifier", _verifier_inputs(), sequence_id=12345, sequence_start=True),
-        "verifier: this model only serves the `speculative` model of this server",
-    ),
-    Case(
-        "verifier END over gRPC",
-        lambda server: grpc_request(
-            server, "verifier", _verifier_inputs(), sequence_id=7, sequence_start=True, sequence_end=True
-        ),
-        "lacks its internal token",
-    ),
-    Case(
-        "verifier with a forged token",
-        lambda server: grpc_request(
-            server,
-            "verifier",
-            _verifier_inputs(),
-            sequence_id=99,
-            sequence_start=True,
-            parameters={"tritonspec_token": "0" * 64},
-        ),
-        "lacks its internal token",
-    ),
-    Case(
         "drafter START over gRPC",
         lambda server: grpc_request(server, "drafter", _drafter_inputs(), sequence_id=12345, sequence_start=True),
         "drafter: this model only serves the `speculative` model of this server",
-    ),
-    Case(
-        "verifier START over HTTP",
-        lambda server: _http(
-            server,
-            "/v2/models/verifier/infer",
-            {"parameters": {"sequence_id": 4242, "sequence_start": True}, "inputs": _http_tensors(_verifier_inputs())},
-        ),
-        "lacks its internal token",
     ),
     Case(
         "drafter END over HTTP",
@@ -282,6 +287,8 @@ CASES = [
         lambda server: _http(server, "/v2/models/verifier/infer", {"inputs": _http_tensors(_verifier_inputs())}),
         "must specify a non-zero or non-empty correlation ID",
     ),
+    # A standing-by verifier (it is verified in the orchestrator's process) refuses the same.
+    *[Case(f"{case.name}, standing by", case.send, STANDING_BY) for case in VERIFIER_CASES],
 ]
 
 
@@ -290,8 +297,10 @@ def test_the_corpus_is_large_and_names_every_case():
     assert len({case.name for case in CASES}) == len(CASES)
 
 
-def test_bad_requests_are_refused_by_name_and_hurt_nobody(tiny_server):
-    reference = {p: grpc_generate(tiny_server.grpc_url, p, max_tokens=24).output_ids for p in GOOD_PROMPTS}
+def _refused_by_name_hurting_nobody(server, cases: list[Case]) -> None:
+    """Send every case while two streams of good requests run: each case is refused with its
+    expected words, and every good request gets its reference output."""
+    reference = {p: grpc_generate(server.grpc_url, p, max_tokens=24).output_ids for p in GOOD_PROMPTS}
     done = threading.Event()
     good: list[tuple[str, list[int]]] = []
     errors: list[str] = []
@@ -302,7 +311,7 @@ def test_bad_requests_are_refused_by_name_and_hurt_nobody(tiny_server):
             prompt = GOOD_PROMPTS[n % len(GOOD_PROMPTS)]
             n += 1
             try:
-                good.append((prompt, grpc_generate(tiny_server.grpc_url, prompt, max_tokens=24).output_ids))
+                good.append((prompt, grpc_generate(server.grpc_url, prompt, max_tokens=24).output_ids))
             except Exception as e:  # noqa: BLE001 - a good request must never fail
                 errors.append(f"{prompt!r}: {e}")
 
@@ -311,8 +320,8 @@ def test_bad_requests_are_refused_by_name_and_hurt_nobody(tiny_server):
         t.start()
     failures = []
     try:
-        for case in CASES:
-            message = case.send(tiny_server)
+        for case in cases:
+            message = case.send(server)
             if not message:
                 failures.append(f"{case.name}: accepted")
             elif case.expected not in message:
@@ -327,8 +336,16 @@ def test_bad_requests_are_refused_by_name_and_hurt_nobody(tiny_server):
     assert not errors, errors
     assert len(good) >= len(GOOD_PROMPTS)
     assert all(ids == reference[prompt] for prompt, ids in good)
-    assert tiny_server.is_ready()
-    assert not any(wait_for_no_active_sequences(tiny_server).values())
+    assert server.is_ready()
+    assert not any(wait_for_no_active_sequences(server).values())
+
+
+def test_bad_requests_are_refused_by_name_and_hurt_nobody(tiny_server):
+    _refused_by_name_hurting_nobody(tiny_server, CASES)
+
+
+def test_a_loaded_verifier_refuses_requests_without_the_internal_token(bls_server):
+    _refused_by_name_hurting_nobody(bls_server, VERIFIER_CASES)
 
 
 def test_unusual_but_valid_text_is_served(tiny_server):

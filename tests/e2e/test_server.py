@@ -65,19 +65,11 @@ def test_fewer_draft_tokens_per_request(tiny_server, tiny_model_dir):
 def test_concurrent_streams_each_get_their_own_output(tiny_server, tiny_model_dir):
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(8)]
     alone = {p: grpc_generate(tiny_server.grpc_url, p, max_tokens=40).output_ids for p in prompts}
-
-    def verifier_requests() -> float:
-        return metric_values(tiny_server, "nv_inference_request_success").get('model="verifier",version="1"', 0.0)
-
-    before = verifier_requests()
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda p: grpc_generate(tiny_server.grpc_url, p, max_tokens=40), prompts))
     for prompt, result in zip(prompts, together):
         assert result.output_ids == alone[prompt]
     assert not any(wait_for_no_active_sequences(tiny_server).values())
-    # The streams' steps (and releases) reached the verifier batched: fewer requests than steps.
-    steps = sum(result.perf_metrics["num_steps"] for result in together)
-    assert verifier_requests() - before < steps
 
 
 def test_stop_words_cut_the_text(tiny_server, tiny_model_dir):
