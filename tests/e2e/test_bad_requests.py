@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -328,6 +329,9 @@ def _refused_by_name_hurting_nobody(server, cases: list[Case]) -> None:
                 failures.append(f"{case.name}: {message[:300]!r} does not say {case.expected!r}")
             elif len(message) > 2000:
                 failures.append(f"{case.name}: a {len(message)}-character message echoes the input")
+        deadline = time.monotonic() + 60  # a short corpus: let each good prompt come through once
+        while len(good) < len(GOOD_PROMPTS) and not errors and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         done.set()
         for t in threads:

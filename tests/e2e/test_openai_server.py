@@ -303,8 +303,15 @@ def test_raw_http_errors_have_the_openai_shape(api, client):
 
 
 def test_a_client_leaving_mid_stream_cancels_the_generation(client, tiny_server):
+    # Long enough that the tiny model is still generating when the cancellation arrives:
+    # sampled, its text rarely repeats, so n-gram drafts seldom shorten it to a few steps.
     stream = client.completions.create(
-        model="speculative", prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model="speculative",
+        prompt=PROMPT,
+        max_tokens=480,
+        temperature=1.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     for _ in zip(range(3), stream):
         pass
