@@ -59,6 +59,18 @@ def instance_group(pbtxt: str) -> tuple[str, int]:
 IN_PROCESS_CHOICES = ("auto", "true", "false")
 
 
+def in_process_choice(params: dict[str, str]) -> str:
+    """An orchestrator's `verifier_in_process` ("auto" when unset); ValueError naming the
+    parameter when it is none of IN_PROCESS_CHOICES."""
+    choice = params.get("verifier_in_process", "auto").strip().lower() or "auto"
+    if choice not in IN_PROCESS_CHOICES:
+        raise ValueError(
+            f"parameter verifier_in_process must be one of {', '.join(IN_PROCESS_CHOICES)}, "
+            f"got {params['verifier_in_process']!r}"
+        )
+    return choice
+
+
 def _orchestrators(repository: Path) -> dict[str, dict[str, str]]:
     """The parameters of each orchestrator of `repository` (a model that sets
     `verifier_model_name` or `verifier_in_process`), by model name."""
@@ -76,10 +88,18 @@ def verifies_in_process(repository: Path, orchestrator: str, num_gpus: int) -> b
     and its steps are batched (`batch_verify_steps` not "false"), its verifier has one instance
     and no other orchestrator names that verifier (they share it over BLS instead of each
     loading a copy). A value other than the three choices reads as "false" here; the
-    orchestrator's own load refuses it by name."""
-    orchestrators = _orchestrators(repository)
+    orchestrator's own load refuses it by name (in_process_choice)."""
+    return _verifies_in_process(repository, _orchestrators(repository), orchestrator, num_gpus)
+
+
+def _verifies_in_process(
+    repository: Path, orchestrators: dict[str, dict[str, str]], orchestrator: str, num_gpus: int
+) -> bool:
     params = orchestrators.get(orchestrator, {})
-    choice = params.get("verifier_in_process", "auto").strip().lower() or "auto"
+    try:
+        choice = in_process_choice(params)
+    except ValueError:
+        return False
     if choice != "auto":
         return choice == "true"
     verifier = params.get("verifier_model_name", "verifier")
@@ -98,9 +118,11 @@ def verified_in_process(repository: Path, verifier_name: str, num_gpus: int) -> 
     """The orchestrators of `repository` that load the target of verifier `verifier_name` and
     verify in their own process, as "`a`, `b`"; "" unless some do and none calls the verifier
     (then it must load)."""
+    orchestrators = _orchestrators(repository)
     local, remote = [], []
-    for name, params in _orchestrators(repository).items():
+    for name, params in orchestrators.items():
         if params.get("verifier_model_name", "verifier") != verifier_name:
             continue
-        (local if verifies_in_process(repository, name, num_gpus) else remote).append(f"`{name}`")
+        in_process = _verifies_in_process(repository, orchestrators, name, num_gpus)
+        (local if in_process else remote).append(f"`{name}`")
     return "" if remote or not local else ", ".join(local)

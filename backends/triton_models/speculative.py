@@ -61,8 +61,8 @@ from backends.triton_models.common import (
     parse_flag,
 )
 from backends.triton_models.pbtxt import (
-    IN_PROCESS_CHOICES,
     get_parameter,
+    in_process_choice,
     instance_group,
     parameters,
     single_instance,
@@ -187,12 +187,7 @@ class TritonPythonModel:
         unless `batch_verify_steps` is "false" or the verifier has more than one instance (its
         sequences' caches would then be spread over instances that a batch cannot address).
         Verified in this process when `verifier_in_process` says so (pbtxt.verifies_in_process)."""
-        choice = params.get("verifier_in_process", "auto").strip().lower() or "auto"
-        if choice not in IN_PROCESS_CHOICES:
-            raise ValueError(
-                f"parameter verifier_in_process must be one of {', '.join(IN_PROCESS_CHOICES)}, "
-                f"got {params['verifier_in_process']!r}"
-            )
+        in_process_choice(params)  # a value none of the choices fails the load by name
         if verifies_in_process(model_repository(args), args["model_name"], torch.cuda.device_count()):
             return self._in_process_batcher(args)
         if not parse_flag(params, "batch_verify_steps", True):

@@ -58,6 +58,12 @@ IN_PROCESS_HELP = (
 )
 
 
+def _add_in_process_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
+    )
+
+
 def _in_process(args: argparse.Namespace) -> dict[str, str]:
     """The `speculative` model's verifier_in_process as the command line sets it (nothing: its config's)."""
     return {"verifier_in_process": args.verifier_in_process} if args.verifier_in_process else {}
@@ -656,9 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--spec-tokens", type=int, metavar="K", help="shorthand for the -sc key `num_speculative_tokens` (vLLM's flag)"
     )
     serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
-    serve.add_argument(
-        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
-    )
+    _add_in_process_flag(serve)
     serve.add_argument("--startup-timeout", type=float, default=600)
     serve.set_defaults(func=_serve)
 
@@ -703,9 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix caching in the bench's servers (off by default: each prompt runs plain, then "
         "speculative, and the second run would find the first one's prompt cached)",
     )
-    bench.add_argument(
-        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
-    )
+    _add_in_process_flag(bench)
     bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
     bench.add_argument(
         "--prompt-file",
@@ -746,9 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["bfloat16", "float32"],
         help="float32 (default) makes every response exactly checkable; bfloat16 can flip near-ties",
     )
-    soak.add_argument(
-        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
-    )
+    _add_in_process_flag(soak)
     soak.add_argument("--seconds", type=float, default=180)
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--max-tokens", type=int, default=32)
@@ -778,9 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("--model", default=DEFAULT_MODEL)
     perf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     perf.add_argument("-sc", "--speculative-config")
-    perf.add_argument(
-        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
-    )
+    _add_in_process_flag(perf)
     perf.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     perf.add_argument("--max-tokens", type=int, default=64)
     perf.add_argument(

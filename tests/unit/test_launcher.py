@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from backends.triton_models.pbtxt import (
     get_parameter,
+    in_process_choice,
     instance_group,
     parameters,
     set_parameter,
@@ -59,6 +62,9 @@ def test_the_verifier_stands_by_only_when_every_orchestrator_naming_it_verifies_
     shipped, shipped_verifier = speculative.read_text(), verifier.read_text()
     # Shipped ("auto"): one CPU verifier instance, one orchestrator: verified in its process.
     assert get_parameter(shipped, "verifier_in_process") == "auto"
+    assert in_process_choice({}) == "auto" and in_process_choice({"verifier_in_process": " TRUE "}) == "true"
+    with pytest.raises(ValueError, match="verifier_in_process must be one of auto, true, false, got 'yes'"):
+        in_process_choice({"verifier_in_process": "yes"})
     assert verifies_in_process(repository, "speculative", num_gpus=0)
     assert verified_in_process(repository, "verifier", num_gpus=0) == "`speculative`"
     assert verified_in_process(repository, "other_verifier", num_gpus=0) == ""
