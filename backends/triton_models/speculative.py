@@ -8,10 +8,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +60,7 @@ from backends.triton_models.common import (
     model_settings,
     parse_flag,
 )
+from backends.triton_models.outbox import Outbox
 from backends.triton_models.pbtxt import (
     get_parameter,
     in_process_choice,
@@ -141,16 +142,14 @@ class TritonPythonModel:
         workers = int(params.get("max_concurrent_requests", "64"))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
         self.lock = threading.Lock()
+        # Responses are built and sent from one thread, in order, once the next step is under
+        # way: that work overlaps the forward pass instead of delaying it (outbox.py).
+        self.outbox = Outbox(lambda e: error_response(f"generation failed: could not build the response: {e}"))
         SequencePeer.token = server_token()  # proves our BLS calls to verifier and drafter
         BlsVerifier.batcher = self._step_batcher(args, params)
         self.counters = SpecDecodeCounters(args["model_name"])
         self.metrics = ServingMetrics(args["model_name"], str(args.get("model_version", "1")))
-        # Responses go out from one thread, in order, so a step's send overlaps the next
-        # step's forward pass instead of adding to it.
-        self.outbox: queue.Queue = queue.Queue()
         self.cancellation = CancellationWatch()
-        self.sender_thread = threading.Thread(target=self._drain_outbox, name="spec-send", daemon=True)
-        self.sender_thread.start()
         log.info(
             "speculative ready: verifier=%s drafter=%s context=%d",
             self.verifier_name,
@@ -204,6 +203,7 @@ class TritonPythonModel:
         def send(inputs: dict, outputs: list[str], parameters: dict) -> dict:
             flags = SEQUENCE_START | SEQUENCE_END  # a batch is a sequence of one request
             params = with_token(parameters, SequencePeer.token)
+            self.outbox.step_started()
             return bls(self.verifier_name, inputs, outputs, batch_correlation_id(), flags, params)
 
         log.info("verify steps of concurrent sequences go to %r in batches", self.verifier_name)
@@ -242,20 +242,18 @@ class TritonPythonModel:
                 counters.update(runner.pool)
 
         run_rows = in_process(runner, update_metrics)
-        return StepBatcher(lambda rows: verify_thread.submit(run_rows, rows).result(), carries_logprobs=True)
 
-    def _drain_outbox(self) -> None:
-        while (item := self.outbox.get()) is not None:
-            sender, response, flags = item
-            try:
-                sender.send(response, flags=flags)
-            except Exception:  # a client that went away must not stop the others' responses
-                log.exception("could not send a response")
+        def verify_here(rows: list) -> list:  # on the verify thread, so responses wait until it runs
+            self.outbox.step_started()
+            return run_rows(rows)
 
-    def _post(self, sender, response, final: bool) -> None:
+        return StepBatcher(lambda rows: verify_thread.submit(verify_here, rows).result(), carries_logprobs=True)
+
+    def _post(self, sender, build: Callable[[], object], final: bool) -> None:
+        """Queue a response for the sending thread; `build` makes it there."""
         if final:  # the server frees what a cancellation poll reads once this is sent
             self.cancellation.forget(sender)
-        self.outbox.put((sender, response, FINAL if final else 0))
+        self.outbox.post(sender, build, FINAL if final else 0)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -319,7 +317,7 @@ class TritonPythonModel:
                     hidden_parts.append(step.hidden_states)
                 if step.finish_reason == "cancelled":
                     log.info("request %d cancelled by the client", seq_id)
-                    self._post(sender, error_response("request cancelled"), final=True)
+                    self._post(sender, functools.partial(error_response, "request cancelled"), final=True)
                     return
                 extra = {}
                 if step.finish_reason is not None:
@@ -330,22 +328,22 @@ class TritonPythonModel:
                     counted = True
                 if req.stream and (step.text or step.token_ids or step.finish_reason):
                     extra.update(vllm.outputs(step.finish_reason, len(prompt_ids), step.token_ids, step.logprobs))
-                    self._post(
-                        sender,
-                        self._response(step, step.token_ids, step.text, len(prompt_ids), len(all_ids), stats, extra),
-                        step.finish_reason is not None,
+                    response = functools.partial(
+                        self._response, step, step.token_ids, step.text, len(prompt_ids), len(all_ids), stats, extra
                     )
+                    self._post(sender, response, step.finish_reason is not None)
             if not req.stream:
                 body = text.text if req.exclude_input_in_output else req.prompt + text.text
                 extra.update(vllm.outputs(step.finish_reason, len(prompt_ids), all_ids, all_logprobs))
-                self._post(
-                    sender, self._response(step, all_ids, body, len(prompt_ids), len(all_ids), stats, extra), final=True
+                response = functools.partial(
+                    self._response, step, all_ids, body, len(prompt_ids), len(all_ids), stats, extra
                 )
+                self._post(sender, response, final=True)
         except RequestError as e:
-            self._post(sender, error_response(str(e)), final=True)
+            self._post(sender, functools.partial(error_response, str(e)), final=True)
         except Exception as e:  # never leave a decoupled client waiting
             log.exception("request %d failed", seq_id)
-            self._post(sender, error_response(f"generation failed: {e}"), final=True)
+            self._post(sender, functools.partial(error_response, f"generation failed: {e}"), final=True)
         finally:
             self.metrics.finished(len(prompt_ids), last_token_at and last_token_at - arrived)
             with self.lock:
@@ -441,8 +439,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-        self.outbox.put(None)
-        self.sender_thread.join(timeout=10)
+        self.outbox.close()
         self.metrics.close()
 
 
