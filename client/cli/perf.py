@@ -7,9 +7,13 @@ that carries n tokens counts its gap n times, each gap / n, so multi-token specu
 steps are weighed per token) and request latency, each at p50 and p99.
 
 perf_analyzer runs a fixed number of requests (`--request-count`), so it never gives up on
-a noisy machine for want of stable windows; the requests are split here into consecutive
-windows instead, and each run reports the spread of tokens/s across them ("unstable" when
-it is above perf_analyzer's default 10%) next to the figures of the whole run.
+a noisy machine for want of stable windows. Throughput is measured while all `concurrency`
+streams run: from the first request's send to the last one's (perf_analyzer starts a request
+as soon as one ends). After the last send the run drains with fewer and fewer streams, and the
+drain is longer for a mode whose requests vary more in length (speculation's do), so the whole
+run's figure, drain included, is reported beside it but not compared. That span is cut into
+consecutive windows, and each run reports the spread of tokens/s across them ("unstable" when
+it is above perf_analyzer's default 10%).
 """
 
 from __future__ import annotations
@@ -40,46 +44,56 @@ def _num_tokens(output: dict) -> int:
     return 1 if isinstance(ids, int) else len(ids)
 
 
-def window_spread(requests: list[dict], windows: int = WINDOWS) -> tuple[list[float], float]:
-    """Output tokens/s of consecutive windows of requests (by send time) and their spread,
+def _token_times(requests: list[dict]) -> list[tuple[int, int]]:
+    """(response time in ns, output tokens it carries) for every response of the run."""
+    return [
+        (stamp, _num_tokens(output))
+        for r in requests
+        for stamp, output in zip(r["response_timestamps"], r.get("response_outputs", []))
+    ]
+
+
+def _rate(token_times: list[tuple[int, int]], start: int, end: int) -> float:
+    """Output tokens/s of the responses received in [start, end) (ns)."""
+    tokens = sum(n for stamp, n in token_times if start <= stamp < end)
+    return tokens / ((end - start) / 1e9) if end > start else 0.0
+
+
+def window_spread(requests: list[dict], windows: int = WINDOWS) -> tuple[float, list[float], float]:
+    """Output tokens/s while every stream runs (first send to last send; the whole run when
+    all requests were sent at once), that of `windows` equal slices of it, and their spread,
     (max - min) / median."""
-    ordered = sorted((r for r in requests if r["response_timestamps"]), key=lambda r: r["timestamp"])
-    size = len(ordered) // windows
-    if size == 0:
-        return [], 0.0
-    rates = []
-    for i in range(windows):
-        part = ordered[i * size : (i + 1) * size]
-        tokens = sum(_num_tokens(o) for r in part for o in r.get("response_outputs", []))
-        seconds = (max(r["response_timestamps"][-1] for r in part) - min(r["timestamp"] for r in part)) / 1e9
-        rates.append(tokens / seconds if seconds else 0.0)
+    token_times = _token_times(requests)
+    start, end = min(r["timestamp"] for r in requests), max(r["timestamp"] for r in requests)
+    if end <= start:
+        end = max(stamp for stamp, _ in token_times)
+    width = (end - start) / windows
+    rates = [_rate(token_times, int(start + i * width), int(start + (i + 1) * width)) for i in range(windows)]
     median = statistics.median(rates)
-    return rates, (max(rates) - min(rates)) / median if median else 0.0
+    return _rate(token_times, start, end), rates, (max(rates) - min(rates)) / median if median else 0.0
 
 
 def summarize_export(export: dict) -> dict:
-    """Latency and throughput figures from one perf_analyzer profile export, with the
-    tokens/s of its windows and their spread."""
-    requests = export["experiments"][0]["requests"]
-    ttft, itl, latency, tokens = [], [], [], 0
-    start = min(r["timestamp"] for r in requests)
-    end = max(r["response_timestamps"][-1] for r in requests if r["response_timestamps"])
+    """Latency and throughput figures from one perf_analyzer profile export: tokens/s while
+    every stream runs (with its windows and their spread) and over the whole run."""
+    sent = export["experiments"][0]["requests"]
+    requests = [r for r in sent if r["response_timestamps"]]
+    ttft, itl, latency = [], [], []
     for r in requests:
         stamps = r["response_timestamps"]
         counts = [_num_tokens(o) for o in r.get("response_outputs", [])]
-        if not stamps:
-            continue
         ttft.append((stamps[0] - r["timestamp"]) / 1e6)
         latency.append((stamps[-1] - r["timestamp"]) / 1e6)
-        tokens += sum(counts)
         for previous, now, n in zip(stamps, stamps[1:], counts[1:]):
             if n:
                 itl += [(now - previous) / 1e6 / n] * n
-    seconds = (end - start) / 1e9
-    windows, spread = window_spread(requests)
+    start = min(r["timestamp"] for r in requests)
+    end = max(r["response_timestamps"][-1] for r in requests)
+    steady, windows, spread = window_spread(requests)
     return {
-        "requests": len(requests),
-        "output_tokens_per_s": tokens / seconds if seconds else 0.0,
+        "requests": len(sent),
+        "output_tokens_per_s": steady,
+        "run_tokens_per_s": _rate(_token_times(requests), start, end + 1),
         "window_tokens_per_s": windows,
         "spread": spread,
         "stable": spread <= STABLE_SPREAD,
@@ -146,8 +160,8 @@ def run_sweep(
 
 def format_sweep(results: dict) -> str:
     lines = [
-        f"{'mode':12} {'conc':>4} {'tok/s':>8} {'spread':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
-        f"{'p99':>7} {'lat p50':>8} {'p99':>8}   (ms)"
+        f"{'mode':12} {'conc':>4} {'tok/s':>8} {'spread':>8} {'run':>8} {'TTFT p50':>9} {'p99':>7} "
+        f"{'ITL p50':>8} {'p99':>7} {'lat p50':>8} {'p99':>8}   (ms)"
     ]
     unstable = []
     for mode, by_c in results["modes"].items():
@@ -157,13 +171,13 @@ def format_sweep(results: dict) -> str:
                 unstable.append(f"{mode} c={c}: windows " + ", ".join(f"{r:.1f}" for r in s["window_tokens_per_s"]))
             lines.append(
                 f"{mode:12} {c:>4} {s['output_tokens_per_s']:8.1f} {s.get('spread', 0):7.0%}{mark:1} "
-                f"{s['ttft_ms_p50']:9.1f} {s['ttft_ms_p99']:7.1f} {s['itl_ms_p50']:8.2f} "
-                f"{s['itl_ms_p99']:7.2f} {s['latency_ms_p50']:8.0f} {s['latency_ms_p99']:8.0f}"
+                f"{s.get('run_tokens_per_s', 0):8.1f} {s['ttft_ms_p50']:9.1f} {s['ttft_ms_p99']:7.1f} "
+                f"{s['itl_ms_p50']:8.2f} {s['itl_ms_p99']:7.2f} {s['latency_ms_p50']:8.0f} {s['latency_ms_p99']:8.0f}"
             )
+    lines.append("tok/s: while every stream runs (first send to last send); run: the whole run, its drain included")
     if unstable:
         lines.append(
-            f"* unstable: tokens/s of its {WINDOWS} windows differ by more than {STABLE_SPREAD:.0%} "
-            "(a busy machine); the row is the whole run"
+            f"* unstable: tokens/s of its {WINDOWS} windows differ by more than {STABLE_SPREAD:.0%} (a busy machine)"
         )
         lines += [f"  {line}" for line in unstable]
     return "\n".join(lines)

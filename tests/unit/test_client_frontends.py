@@ -98,21 +98,23 @@ def test_generate_says_the_server_cannot_be_reached(capsys):
         assert "the server cannot be reached at 127.0.0.1:1" in err and "Traceback" not in err
 
 
+def request(sent_s: float, responses: list[tuple[float, int]]) -> dict:
+    """One request of a profile export: its send time and (time, tokens) per response."""
+    return {
+        "timestamp": int(sent_s * 1e9),
+        "response_timestamps": [int(t * 1e9) for t, _ in responses],
+        "response_outputs": [{"output_ids": list(range(n))} for _, n in responses],
+    }
+
+
 def export(rates: list[float], per_window: int = 4) -> dict:
-    """A profile export whose consecutive windows run at these tokens/s (10 tokens each)."""
-    requests, t = [], 0
-    for rate in rates:
-        for _ in range(per_window):
-            seconds = 10 / rate
-            requests.append(
-                {
-                    "timestamp": int(t * 1e9),
-                    "response_timestamps": [int((t + seconds) * 1e9)],
-                    "response_outputs": [{"output_ids": list(range(10))}],
-                }
-            )
-            t += seconds
-    return {"experiments": [{"requests": requests}]}
+    """One stream, a request a second answered half a second later, each window's requests
+    carrying its rate's tokens; a last request starts the drain."""
+    requests = [
+        request(i, [(i + 0.5, int(rate))]) for i, rate in enumerate(r for r in rates for _ in range(per_window))
+    ]
+    end = len(requests)
+    return {"experiments": [{"requests": [*requests, request(end, [(end + 0.5, 10)])]}]}
 
 
 def test_perf_reports_the_spread_of_unstable_windows_instead_of_failing():
@@ -120,9 +122,21 @@ def test_perf_reports_the_spread_of_unstable_windows_instead_of_failing():
     assert steady["stable"] and steady["spread"] < 0.05
     noisy = summarize_export(export([100, 40, 100]))
     assert not noisy["stable"] and noisy["spread"] == pytest.approx(0.6)
-    assert noisy["output_tokens_per_s"] > 0 and len(noisy["window_tokens_per_s"]) == 3
+    assert noisy["window_tokens_per_s"] == pytest.approx([100, 40, 100])
+    assert noisy["output_tokens_per_s"] == pytest.approx(80)
     table = format_sweep({"modes": {"plain": {"1": steady}, "speculative": {"1": noisy}}})
     assert "unstable" in table and "speculative c=1: windows 100.0, 40.0, 100.0" in table
+
+
+def test_perf_measures_throughput_while_every_stream_runs_not_the_drain():
+    """Two streams of 1-second requests streaming 10 tokens; the last one sent runs 10 s alone
+    (the drain): the run's figure drops with it, the steady one does not."""
+    streamed = [(0.05 + 0.1 * j, 1) for j in range(10)]
+    requests = [request(i, [(i + t, n) for t, n in streamed]) for i in range(6) for _ in range(2)]
+    requests.append(request(6, [(6 + t, 1) for t in range(1, 11)]))
+    summary = summarize_export({"experiments": [{"requests": requests}]})
+    assert summary["output_tokens_per_s"] == pytest.approx(20)
+    assert summary["run_tokens_per_s"] == pytest.approx((12 * 10 + 10) / 16)
 
 
 def test_an_error_body_with_status_200_is_raised_not_returned_empty(monkeypatch):
