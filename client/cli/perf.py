@@ -59,14 +59,11 @@ def _rate(token_times: list[tuple[int, int]], start: int, end: int) -> float:
     return tokens / ((end - start) / 1e9) if end > start else 0.0
 
 
-def window_spread(requests: list[dict], windows: int = WINDOWS) -> tuple[float, list[float], float]:
-    """Output tokens/s while every stream runs (first send to last send; the whole run when
-    all requests were sent at once), that of `windows` equal slices of it, and their spread,
-    (max - min) / median."""
-    token_times = _token_times(requests)
-    start, end = min(r["timestamp"] for r in requests), max(r["timestamp"] for r in requests)
-    if end <= start:
-        end = max(stamp for stamp, _ in token_times)
+def window_spread(
+    token_times: list[tuple[int, int]], start: int, end: int, windows: int = WINDOWS
+) -> tuple[float, list[float], float]:
+    """Output tokens/s over [start, end) (ns), that of `windows` equal slices of it, and their
+    spread, (max - min) / median."""
     width = (end - start) / windows
     rates = [_rate(token_times, int(start + i * width), int(start + (i + 1) * width)) for i in range(windows)]
     median = statistics.median(rates)
@@ -87,13 +84,15 @@ def summarize_export(export: dict) -> dict:
         for previous, now, n in zip(stamps, stamps[1:], counts[1:]):
             if n:
                 itl += [(now - previous) / 1e6 / n] * n
-    start = min(r["timestamp"] for r in requests)
-    end = max(r["response_timestamps"][-1] for r in requests)
-    steady, windows, spread = window_spread(requests)
+    token_times = _token_times(requests)
+    start, last_send = min(r["timestamp"] for r in requests), max(r["timestamp"] for r in requests)
+    end = max(r["response_timestamps"][-1] for r in requests) + 1  # the last response included
+    # Every stream runs from the first send to the last (the whole run when all went at once).
+    steady, windows, spread = window_spread(token_times, start, last_send if last_send > start else end)
     return {
         "requests": len(sent),
         "output_tokens_per_s": steady,
-        "run_tokens_per_s": _rate(_token_times(requests), start, end + 1),
+        "run_tokens_per_s": _rate(token_times, start, end),
         "window_tokens_per_s": windows,
         "spread": spread,
         "stable": spread <= STABLE_SPREAD,
