@@ -5,7 +5,7 @@ from backends.serving.adaptive import AdaptiveDraftLength, StepCost
 from backends.serving.orchestrator import draft_length
 from backends.serving.proposer import DrafterInfo
 from backends.serving.request import GenerationRequest
-from backends.serving.target import step_shares
+from backends.serving.target import StepCostCurve, step_shares
 
 
 def test_expected_tokens_formula():
@@ -138,3 +138,38 @@ def test_under_load_the_draft_length_follows_the_share_of_the_step(weighed_by):
             policy.record(k, k, 0, verify_s=verify_s, draft_s=0.0001)
     policy.alpha = 0.6
     assert policy.next_k(limit=4) == (4 if weighed_by == "wall time" else 1)
+
+
+# SmolLM2-135M bf16 on a 2-core AVX-512 BF16 CPU, one row of 1..64 new tokens (measure_step_cost)
+MEASURED_CURVE = StepCostCurve((1, 2, 4, 8, 16, 32, 64), (0.0080, 0.0083, 0.0089, 0.0100, 0.0155, 0.0250, 0.0480))
+
+
+def test_step_cost_curve_interpolates_and_extends_its_last_slope():
+    curve = MEASURED_CURVE
+    assert curve.time(8) == pytest.approx(0.0100)
+    assert curve.time(12) == pytest.approx((0.0100 + 0.0155) / 2)
+    assert curve.time(96) == pytest.approx(0.0480 + 32 * (0.0480 - 0.0250) / 32)
+    # a draft token in a lone sequence's step costs the flat start, in 8 rows the steep part
+    assert curve.token_cost(rows=1, total=5) == pytest.approx((curve.time(5) - 0.0080) / 4)
+    assert curve.token_cost(rows=8, total=16) == pytest.approx((0.0155 - 0.0100) / 8)
+    assert curve.token_cost(rows=8, total=8) == pytest.approx(curve.time(9) - 0.0100)  # the next token's
+    assert curve.token_cost(rows=8, total=16) > 2 * curve.token_cost(rows=1, total=5)
+
+
+@pytest.mark.parametrize("priced_by", ["one row's cost", "the curve"])
+def test_under_load_a_draft_token_is_priced_at_the_batch_size(priced_by):
+    """Eight sequences share each step and seven draft 1 token. Priced at what a draft token
+    adds to a lone sequence's step (the flat start of the curve), a sequence accepting 35% of
+    its drafts still drafts; at what it adds to this batch's step, it does not: here a draft
+    token costs ~0.7 ms, more than it brings at 35%."""
+    policy, cost = AdaptiveDraftLength(max_k=2), StepCost()
+    for _ in range(3):
+        for k in range(3):
+            tokens = [k + 1] + [2] * 7
+            step_s = MEASURED_CURVE.time(sum(tokens)) + 0.00025 * (len(tokens) - 1)  # and a row's own part
+            rows, total = len(tokens), sum(tokens)
+            token_cost = MEASURED_CURVE.token_cost(*((1, 5) if priced_by == "one row's cost" else (rows, total)))
+            share = step_shares(step_s, tokens, token_cost)[0]
+            policy.record(k, k, 0, verify_s=cost(share, step_s, load=8), draft_s=0.0001)
+    policy.alpha = 0.35
+    assert policy.next_k(limit=2) == (1 if priced_by == "one row's cost" else 0)

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from backends.serving.request import SamplingParams
-from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
+from backends.serving.target import SequenceError, StepCostCurve, TargetRunner, VerifyRequest
 
 PROMPTS = [
     "The quick brown fox",
@@ -95,15 +95,17 @@ def test_a_bad_request_fails_alone(runners, tiny_model_dir):
 
 
 def test_each_row_is_charged_its_own_tokens(tiny_model_dir):
-    """A batched step's time is shared so that a row's share grows with its own tokens (at the
-    cost measured at start-up), and the shares add up to the step; the start-up measurement
-    hands its scratch sequence's blocks back."""
+    """A batched step's time is shared so that a row's share grows with its own tokens (at
+    what a token adds to a step of that size, by the curve measured at start-up), and the
+    shares add up to the step; the start-up measurement hands its scratch sequence's blocks back."""
     runner = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
-    assert runner.token_cost_s >= 0  # a timing: on the tiny model it may round to nothing
+    assert runner.step_cost.tokens == (1, 2, 4, 8, 16, 32, 64)
+    assert all(s > 0 for s in runner.step_cost.seconds)
     assert runner.pool.num_sequences == 0 and runner.pool.reserved_tokens == 0
-    runner.token_cost_s = 1e-4  # a known cost, so the shares below are checked whatever was measured
+    # a known curve, so the shares below are checked whatever was measured: 0.01 ms a token
+    runner.step_cost = StepCostCurve((1, 2), (0.0, 1e-5))
     for seq_id in (1, 2):
         runner.verify(VerifyRequest(seq_id, list(range(10, 30)), []))
     short, long = runner.verify_batch([VerifyRequest(1, [], []), VerifyRequest(2, [], [7, 8, 9, 10])])
-    # the 5-token row's extra 4 tokens at that cost (a step of 6 tokens takes far more than 6 x 0.1 ms)
-    assert long.forward_s - short.forward_s == pytest.approx(4 * runner.token_cost_s, rel=1e-6)
+    # the 5-token row's extra 4 tokens at that cost (a step of 6 tokens takes far more than 6 x 0.01 ms)
+    assert long.forward_s - short.forward_s == pytest.approx(4 * 1e-5, rel=1e-6)
