@@ -602,6 +602,7 @@ def _paths(args: argparse.Namespace) -> int:
         ("TRITON_BACKEND_DIR", str(backend_directory())),
         ("PATH", env["PATH"]),
         ("LD_LIBRARY_PATH", env["LD_LIBRARY_PATH"]),
+        ("GOMP_SPINCOUNT", env["GOMP_SPINCOUNT"]),
     ):
         print(f"export {key}={shlex.quote(value)}")
     return 0

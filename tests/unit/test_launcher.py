@@ -15,7 +15,7 @@ from backends.triton_models.pbtxt import (
     verified_in_process,
     verifies_in_process,
 )
-from client.cli.launcher import DEFAULT_REPOSITORY
+from client.cli.launcher import DEFAULT_REPOSITORY, OPENMP_SPIN_COUNT, TritonServer
 
 
 def test_set_and_get_parameter_round_trip():
@@ -87,3 +87,12 @@ def test_the_verifier_stands_by_only_when_every_orchestrator_naming_it_verifies_
     # Two "auto" orchestrators naming one verifier share it over BLS rather than load two copies.
     assert not verifies_in_process(repository, "speculative", num_gpus=0)
     assert verified_in_process(repository, "verifier", num_gpus=0) == ""
+
+
+def test_openmp_threads_stop_spinning_soon_unless_the_user_says_otherwise(monkeypatch):
+    """The server's processes get a short OpenMP spin (their forwards take turns on the same
+    cores); a GOMP_SPINCOUNT the user set is kept."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert TritonServer.environment()["GOMP_SPINCOUNT"] == OPENMP_SPIN_COUNT
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    assert TritonServer.environment()["GOMP_SPINCOUNT"] == "300000"
