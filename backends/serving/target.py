@@ -13,6 +13,7 @@ so the cache never holds a token that is not part of the output.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import statistics
 import time
@@ -142,14 +143,10 @@ class StepCostCurve:
     seconds: tuple[float, ...]
 
     def time(self, n: float) -> float:
-        (x0, y0), (x1, y1) = next(
-            (pair for pair in zip(self.points, self.points[1:]) if n <= pair[1][0]), self.points[-2:]
-        )
+        # the segment that ends at the first size >= n (the first or last segment outside them)
+        i = min(max(bisect.bisect_left(self.tokens, n), 1), len(self.tokens) - 1)
+        (x0, x1), (y0, y1) = self.tokens[i - 1 : i + 1], self.seconds[i - 1 : i + 1]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-
-    @property
-    def points(self) -> list[tuple[int, float]]:
-        return list(zip(self.tokens, self.seconds))
 
     def token_cost(self, rows: int, total: int) -> float:
         """What one draft token adds to a step of `rows` rows and `total` new tokens: the
@@ -159,7 +156,7 @@ class StepCostCurve:
         return max(0.0, (self.time(top) - self.time(rows)) / (top - rows))
 
     def __str__(self) -> str:
-        return ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in self.points) + " ms"
+        return ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(self.tokens, self.seconds)) + " ms"
 
 
 def measure_step_cost(
