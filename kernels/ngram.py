@@ -60,6 +60,7 @@ def _ngram_match_kernel(
     K: tl.constexpr,
     K_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = tokens_ptr + row.to(tl.int64) * tokens_stride
@@ -88,7 +89,7 @@ def _ngram_match_kernel(
     offs = tl.arange(0, K_BLOCK)
     idx = first_end + 1 + offs
     valid = (offs < K) & (idx < limit)
-    drafts = tl.load(row_ptr + idx, mask=valid, other=PAD_TOKEN_ID)
+    drafts = tl.load(row_ptr + idx, mask=valid, other=PAD)
     tl.store(drafts_ptr + row * drafts_stride + offs, drafts.to(tl.int32), mask=offs < K)
     tl.store(num_valid_ptr + row, tl.sum(valid.to(tl.int32), axis=0))
 
@@ -115,6 +116,7 @@ def ngram_match(
             K=k,
             K_BLOCK=triton.next_power_of_2(k),
             BLOCK=_BLOCK,
+            PAD=PAD_TOKEN_ID,  # compiled kernels read no plain globals (the interpreter does)
         )
     elif batch:
         num_valid.zero_()

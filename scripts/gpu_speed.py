@@ -1,11 +1,11 @@
 """A small speed comparison of the GPU path against the CPU path, in process: one verify step
-of a random ~170M-parameter Llama (bfloat16, k = 4 drafts, batch 1 and 8), on the GPU also
-batch-invariant (the lean runtime on kernels/batch_invariant.py; its cost against transformers
-decides whether it becomes the GPU's default), k = 4 drafts from a random two-layer draft
-model, and batched rejection sampling (the OpenAI Triton kernels on CUDA vs their torch
-references). Random weights: only the times mean anything.
+of a random ~170M-parameter Llama (bfloat16, k = 4 drafts, batch 1 and 8) and k = 4 drafts
+from a random two-layer draft model, each on the lean runtime (on the GPU its batch-invariant
+kernels, kernels/batch_invariant.py) and, on the GPU, through transformers; and batched
+rejection sampling (the OpenAI Triton kernels on CUDA vs their torch references). Random
+weights: only the times mean anything.
 
-    python scripts/gpu_speed.py [--out results.json]
+    python scripts/gpu_speed.py [--out results.json] [--profile]
 
 Run by scripts/gpu_check.sh; needs a CUDA device."""
 
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.methods.draft_model import DraftModelProposer  # noqa: E402
+from backends.methods.draft_model import DraftModelProposer, lean_drafter  # noqa: E402
 from backends.serving import rejection  # noqa: E402
 from backends.serving.proposer import DraftRequest  # noqa: E402
 from backends.serving.target import TargetRunner, VerifyRequest  # noqa: E402
@@ -63,8 +63,9 @@ def timed(fn, device: str, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def verify_step(model_dir: Path, device: str, batch: int, repeat: int, invariant: str = "auto") -> float:
-    runner = TargetRunner(model_dir, dtype="bfloat16", device=device, batch_invariant=invariant)
+def verify_step(model_dir: Path, device: str, batch: int, repeat: int, runtime: str = "auto") -> float:
+    """`runtime` "auto": the lean runtime (on a GPU its batch-invariant Triton kernels); "hf": transformers."""
+    runner = TargetRunner(model_dir, dtype="bfloat16", device=device, runtime=runtime)
     gen = torch.Generator().manual_seed(1)
     for seq in range(batch):
         runner.verify(VerifyRequest(seq, torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist(), []))
@@ -77,10 +78,12 @@ def verify_step(model_dir: Path, device: str, batch: int, repeat: int, invariant
     return timed(step, device, repeat)
 
 
-def draft_step(model_dir: Path, device: str, batch: int, repeat: int) -> float:
+def draft_step(model_dir: Path, device: str, batch: int, repeat: int, runtime: str = "auto") -> float:
     from backends.runtime.model_store import load_causal_lm
 
-    proposer = DraftModelProposer(load_causal_lm(model_dir, "bfloat16").to(device), max_model_len=4096)
+    model = load_causal_lm(model_dir, "bfloat16").to(device)
+    lean = lean_drafter(model, None) if runtime == "auto" else None
+    proposer = DraftModelProposer(model, max_model_len=4096, lean=lean)
     gen = torch.Generator().manual_seed(2)
     contexts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(batch)]
 
@@ -114,9 +117,28 @@ def rejection_step(device: str, batch: int, repeat: int, kernels: bool) -> float
         rejection.accept_functions = original
 
 
+def profile_transformers_step(model_dir: Path) -> None:
+    """Where a transformers verify step's time goes on CUDA (torch.profiler, top ops by CPU time)."""
+    runner = TargetRunner(model_dir, dtype="bfloat16", device="cuda", runtime="hf")
+    gen = torch.Generator().manual_seed(1)
+    runner.verify(VerifyRequest(0, torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist(), []))
+
+    def step():
+        runner.verify_batch([VerifyRequest(0, [], torch.randint(0, VOCAB, (K,), generator=gen).tolist())])
+
+    step()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", action="store_true", help="also the top ops of a transformers verify step on CUDA")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_speed.py needs a CUDA device")
@@ -127,20 +149,19 @@ def main() -> None:
         for batch in (1, 8):
             # batch is bound as a default: each lambda runs within its own loop pass anyway
             for name, fn in (
-                (f"verify step, {K} drafts, batch {batch}", lambda d, r, b=batch: verify_step(target, d, b, r)),
-                (f"draft {K} tokens (draft_model), batch {batch}", lambda d, r, b=batch: draft_step(drafter, d, b, r)),
+                (f"verify step, {K} drafts, batch {batch}", lambda d, r, rt, b=batch: verify_step(target, d, b, r, rt)),
+                (
+                    f"draft {K} tokens (draft_model), batch {batch}",
+                    lambda d, r, rt, b=batch: draft_step(drafter, d, b, r, rt),
+                ),
             ):
-                cpu, cuda = fn("cpu", 2), fn("cuda", 20)
-                rows.append({"what": name, "cpu_ms": cpu * 1e3, "cuda_ms": cuda * 1e3})
-                if name.startswith("verify"):
-                    invariant = verify_step(target, "cuda", batch, 20, invariant="on")
-                    rows.append(
-                        {
-                            "what": f"  same, batch-invariant ({invariant / cuda:.2f}x transformers)",
-                            "cpu_ms": None,
-                            "cuda_ms": invariant * 1e3,
-                        }
-                    )
+                cpu, lean, hf = fn("cpu", 2, "auto"), fn("cuda", 20, "auto"), fn("cuda", 20, "hf")
+                rows.append({"what": name, "cpu_ms": cpu * 1e3, "cuda_ms": lean * 1e3})
+                rows.append(
+                    {"what": f"  same through transformers ({hf / lean:.1f}x)", "cpu_ms": None, "cuda_ms": hf * 1e3}
+                )
+        if args.profile:
+            profile_transformers_step(target)
         batch = 32
         rows.append(
             {

@@ -162,9 +162,7 @@ class DraftModelProposer(SequenceProposer):
         # int8 on the lean runtime quantizes from bf16 weights; torch's dynamic int8 (the
         # fallback) from float32 ones (its matmuls run in float32 anyway).
         model = load_causal_lm(path, "bfloat16" if int8 else dtype).to(device)
-        lean = None
-        if torch.device(device).type == "cpu":
-            lean = _lean_drafter(model, config.quantization)
+        lean = lean_drafter(model, config.quantization)
         if int8 and lean is None:
             model = quantize_int8(model.float())
         bridge = None
@@ -459,19 +457,19 @@ def append_new_entries(
             own.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx)
 
 
-def _lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausalLM | None:
+def lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausalLM | None:
     """The draft model on the lean runtime, or None where it does not run (transformers then).
-    Batch-invariant: its layers run in one C call each (key-list attention), the fastest path
-    here; the drafts need not be invariant, the time is what counts. int8 where its kernel
-    cannot run (a K not a multiple of 4, a CPU without AVX2) runs in bf16 on the packed kernel
-    where that runs: faster than torch's dynamic int8 (Qwen2.5-Coder-0.5B on a 2-core AVX2
-    EPYC: 35 against 39 ms a token; int8 on the kernel: 19)."""
+    Batch-invariant: on the CPU its layers run in one C call each (key-list attention), on a GPU
+    on the runtime's Triton kernels; the drafts need not be invariant, the time is what counts.
+    int8 where its kernel cannot run (a K not a multiple of 4, a CPU without AVX2) runs in bf16
+    on the packed kernel where that runs: faster than torch's dynamic int8 (Qwen2.5-Coder-0.5B
+    on a 2-core AVX2 EPYC: 35 against 39 ms a token; int8 on the kernel: 19)."""
     try:
         return LeanCausalLM.from_hf(model, batch_invariant=True, quantization=quantization)
     except UnsupportedArchitecture as e:
         if quantization == "int8" and cpu_kernels.packed_linear_available():
             log.info("draft model in bf16 on the lean runtime, not int8: %s", e)
-            return _lean_drafter(model, None)
+            return lean_drafter(model, None)
         log.info("draft model runs through transformers: %s", e)
         return None
 

@@ -71,8 +71,8 @@ def _in_process(args: argparse.Namespace) -> dict[str, str]:
 
 BATCH_INVARIANT_HELP = (
     "the target's batch invariance (speculative output == plain output in bf16): auto (on where the lean "
-    "runtime runs on a CPU, the default), on (on a GPU too, on its Triton kernels; refuse to start where "
-    "it cannot be) or off"
+    "runtime runs, on a GPU on its Triton kernels; the default), on (refuse to start where it cannot be) "
+    "or off (on a GPU: transformers)"
 )
 
 

@@ -104,7 +104,7 @@ def test_kernels_compile_for_a_gpu(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("bytes") == 6, done.stdout
+    assert done.stdout.count("bytes") == 7, done.stdout
 
 
 def test_kernels_refuse_what_they_cannot_take():
