@@ -9,7 +9,8 @@
 #                                  (GPU_PYTHON, default 3.12: the GPU machine's python3).
 #   scripts/gpu_check.sh           on the GPU machine, from the repository root, with .gpu/:
 #                                  about 3-5 minutes on an H200, always under 9.
-#   scripts/gpu_check.sh tests     the same, the tests alone (about 2.5 minutes on an H200).
+#   scripts/gpu_check.sh tests     the same, the tests alone (about 2.5 minutes on an H200);
+#   scripts/gpu_check.sh speed     the speed comparison alone (about a minute).
 #
 # The GPU machine must have: an NVIDIA GPU, a python3 with a CUDA build of torch and triton
 # (plus tokenizers, safetensors, huggingface_hub, pytest, pytest-timeout), a C compiler for
@@ -114,14 +115,17 @@ if [ -n "$MISSING" ]; then
     echo "SERVER TESTS NOT RUN: the Triton Python stub cannot load here: $MISSING"
 fi
 
-say "GPU tests"
 export PYTHONUNBUFFERED=1 TRITONSPEC_CACHE=/tmp/tritonspec-cache
-SELECT=()
-[ "$SERVER" = 1 ] || SELECT=(-m "not e2e")
-timeout 330 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_device.py tests/e2e/test_device_server.py \
-    tests/unit/test_rejection_kernels.py tests/unit/test_ngram_gpu.py tests/unit/test_gpu_kernels.py "${SELECT[@]}" \
-    --junitxml "$OUTDIR/gpu_tests.xml" 2>&1 | tee "$OUTDIR/gpu_tests.log"
-TESTS=${PIPESTATUS[0]}
+TESTS=0
+if [ "${1:-}" != speed ]; then  # `scripts/gpu_check.sh speed`: the speed comparison alone
+    say "GPU tests"
+    SELECT=()
+    [ "$SERVER" = 1 ] || SELECT=(-m "not e2e")
+    timeout 330 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_device.py tests/e2e/test_device_server.py \
+        tests/unit/test_rejection_kernels.py tests/unit/test_ngram_gpu.py tests/unit/test_gpu_kernels.py "${SELECT[@]}" \
+        --junitxml "$OUTDIR/gpu_tests.xml" 2>&1 | tee "$OUTDIR/gpu_tests.log"
+    TESTS=${PIPESTATUS[0]}
+fi
 
 SPEED=0
 if [ "${1:-}" != tests ]; then  # `scripts/gpu_check.sh tests`: the tests alone
@@ -131,7 +135,7 @@ if [ "${1:-}" != tests ]; then  # `scripts/gpu_check.sh tests`: the tests alone
 fi
 
 say "summary"
-echo "tests: $(grep -E '(passed|failed|error)' "$OUTDIR/gpu_tests.log" | tail -1) (exit $TESTS)"
+[ "${1:-}" = speed ] || echo "tests: $(grep -E '(passed|failed|error)' "$OUTDIR/gpu_tests.log" | tail -1) (exit $TESTS)"
 [ "$SERVER" = 1 ] || echo "server tests: NOT RUN (see above)"
 [ "${1:-}" = tests ] || echo "speed: exit $SPEED; table above, $OUTDIR/gpu_speed.json"
 echo "took $(($(date +%s) - STARTED)) s"

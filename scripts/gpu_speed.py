@@ -12,7 +12,9 @@ Run by scripts/gpu_check.sh; needs a CUDA device."""
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -23,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.methods.draft_model import DraftModelProposer, lean_drafter  # noqa: E402
+from backends.runtime.device import keep_attention_off_cudnn  # noqa: E402
 from backends.serving import rejection  # noqa: E402
 from backends.serving.proposer import DraftRequest  # noqa: E402
 from backends.serving.target import TargetRunner, VerifyRequest  # noqa: E402
@@ -83,6 +86,8 @@ def draft_step(model_dir: Path, device: str, batch: int, repeat: int, runtime: s
 
     model = load_causal_lm(model_dir, "bfloat16").to(device)
     lean = lean_drafter(model, None) if runtime == "auto" else None
+    if lean is None:  # as DraftModelProposer.from_config does
+        keep_attention_off_cudnn(device)
     proposer = DraftModelProposer(model, max_model_len=4096, lean=lean)
     gen = torch.Generator().manual_seed(2)
     contexts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(batch)]
@@ -117,9 +122,11 @@ def rejection_step(device: str, batch: int, repeat: int, kernels: bool) -> float
         rejection.accept_functions = original
 
 
-def profile_transformers_step(model_dir: Path) -> None:
-    """Where a transformers verify step's time goes on CUDA (torch.profiler, top ops by CPU time)."""
-    runner = TargetRunner(model_dir, dtype="bfloat16", device="cuda", runtime="hf")
+def profile_step(model_dir: Path, runtime: str) -> None:
+    """Where a verify step's time goes on CUDA: torch.profiler's top ops by CPU time, then
+    cProfile's top Python functions by their own time."""
+    print(f"\n== profile of a verify step on CUDA, runtime {runtime}")
+    runner = TargetRunner(model_dir, dtype="bfloat16", device="cuda", runtime=runtime)
     gen = torch.Generator().manual_seed(1)
     runner.verify(VerifyRequest(0, torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist(), []))
 
@@ -132,13 +139,20 @@ def profile_transformers_step(model_dir: Path) -> None:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    python = cProfile.Profile()
+    python.enable()
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    python.disable()
+    pstats.Stats(python).sort_stats("tottime").print_stats(20)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--profile", action="store_true", help="also the top ops of a transformers verify step on CUDA")
+    parser.add_argument("--profile", action="store_true", help="also profile a verify step on CUDA, both engines")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_speed.py needs a CUDA device")
@@ -161,7 +175,8 @@ def main() -> None:
                     {"what": f"  same through transformers ({hf / lean:.1f}x)", "cpu_ms": None, "cuda_ms": hf * 1e3}
                 )
         if args.profile:
-            profile_transformers_step(target)
+            for runtime in ("hf", "auto"):
+                profile_step(target, runtime)
         batch = 32
         rows.append(
             {

@@ -38,6 +38,7 @@ from transformers import DynamicCache
 
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
+from backends.runtime.device import keep_attention_off_cudnn
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, SequenceProposer, check_one_device
@@ -163,6 +164,8 @@ class DraftModelProposer(SequenceProposer):
         # fallback) from float32 ones (its matmuls run in float32 anyway).
         model = load_causal_lm(path, "bfloat16" if int8 else dtype).to(device)
         lean = lean_drafter(model, config.quantization)
+        if lean is None:
+            keep_attention_off_cudnn(device)
         if int8 and lean is None:
             model = quantize_int8(model.float())
         bridge = None

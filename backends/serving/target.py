@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from backends.runtime import BATCH_INVARIANT_MODES
+from backends.runtime.device import keep_attention_off_cudnn
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
 from backends.runtime.model_store import context_window, load_causal_lm
@@ -254,6 +255,7 @@ class TargetRunner:
         if batch_invariant == "on" and runtime == "hf":
             raise ValueError("batch_invariant 'on' needs the lean runtime (runtime 'hf' was asked)")
         self.model = load_causal_lm(model_path, dtype).to(device)
+        keep_attention_off_cudnn(device)
         self.device = torch.device(device)
         self.max_model_len = context_window(self.model.config, max_model_len)
         check_sliding_window(self.model.config, self.max_model_len)

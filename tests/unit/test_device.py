@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.runtime.device import DeviceError, resolve_device
+from backends.runtime.device import DeviceError, keep_attention_off_cudnn, resolve_device
 from backends.serving import rejection
 from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 from backends.serving.target import TargetRunner, VerifyRequest
@@ -282,3 +282,13 @@ def test_sampled_drafts_and_verification_stay_on_cuda(method, checkpoints, targe
         assert drafted and all(d.probs.device.type == "cuda" for d in drafted)
         outs.append(out)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("device, turned_off", [("cuda:0", True), ("cuda", True), ("cpu", False), ("meta", False)])
+def test_transformers_attention_on_a_gpu_stays_off_cudnn(device, turned_off, monkeypatch):
+    """cuDNN's attention plans again for every new shape, which decoding makes every step."""
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append)
+    keep_attention_off_cudnn(device)
+    assert calls == ([False] if turned_off else [])
