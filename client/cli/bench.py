@@ -26,8 +26,8 @@ PROMPT_FILE = Path(__file__).parents[1] / "data" / "bench_prompts.json"
 
 # Method name -> speculative config (draft_model's `model` is filled from --draft-model).
 METHOD_CONFIGS: dict[str, dict] = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-    "ngram_gpu": {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "ngram_gpu": {"method": "ngram_gpu", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},
     # Trained heads (`tritonspec train`); `model` is the head trained for the target.
