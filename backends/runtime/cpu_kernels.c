@@ -629,7 +629,8 @@ int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stri
 
 /* Greedy verification's argmax: per row of n values, the index of the largest (the first of
  * equal ones, as torch.argmax), or -1 for a row holding a NaN (the caller then asks torch,
- * whose argmax picks the NaN). Two passes over the row: its maximum, then where it first is. */
+ * whose argmax picks the NaN). One pass: each lane keeps its largest value and where it first
+ * was; the row's answer is the first index among the lanes holding the largest. */
 static float row_value(const char *row, int64_t i, int bf16) {
     float f;
     if (bf16) {
@@ -641,40 +642,42 @@ static float row_value(const char *row, int64_t i, int bf16) {
     return f;
 }
 
+#define ARGMAX_WAYS 4 /* independent (value, index) pairs a lane keeps: no chain of selects */
 static int64_t argmax_row(const char *row, int64_t n, int bf16) {
-    int64_t esz = bf16 ? 2 : 4, whole = n - n % ELEMS;
-    evec best = {0};
-    eivec nan = {0};
+    const int64_t step = ELEMS * ARGMAX_WAYS;
+    int64_t esz = bf16 ? 2 : 4, whole = n - n % step, at = -1;
     float m = -INFINITY;
     if (whole) {
-        load_row(row, ELEMS, (float *)&best, bf16);
-        for (int64_t i = 0; i < whole; i += ELEMS) {
-            evec v;
-            load_row(row + i * esz, ELEMS, (float *)&v, bf16);
-            nan |= v != v;
-            best = select(v > best, v, best);
+        evec best[ARGMAX_WAYS];
+        eivec lane, best_at[ARGMAX_WAYS], nan = {0};
+        for (int l = 0; l < ELEMS; l++) lane[l] = l;
+        for (int w = 0; w < ARGMAX_WAYS; w++) {
+            load_row(row + w * ELEMS * esz, ELEMS, (float *)&best[w], bf16);
+            nan |= best[w] != best[w];
+            best_at[w] = lane + w * ELEMS;
         }
+        for (int64_t i = step; i < whole; i += step)
+            for (int w = 0; w < ARGMAX_WAYS; w++) {
+                evec v;
+                load_row(row + (i + w * ELEMS) * esz, ELEMS, (float *)&v, bf16);
+                nan |= v != v;
+                eivec above = v > best[w]; /* strictly: a lane keeps its first of equal values */
+                best[w] = select(above, v, best[w]);
+                best_at[w] = (above & (lane + (int32_t)(i + w * ELEMS))) | (~above & best_at[w]);
+            }
         for (int l = 0; l < ELEMS; l++) {
             if (nan[l]) return -1;
-            if (best[l] > m) m = best[l];
+            for (int w = 0; w < ARGMAX_WAYS; w++)
+                if (at < 0 || best[w][l] > m || (best[w][l] == m && best_at[w][l] < at))
+                    m = best[w][l], at = best_at[w][l];
         }
     }
     for (int64_t i = whole; i < n; i++) {
         float f = row_value(row, i, bf16);
         if (f != f) return -1;
-        if (f > m) m = f;
+        if (f > m || at < 0) m = f, at = i;
     }
-    evec target = (evec){0} + m;
-    for (int64_t i = 0; i < whole; i += ELEMS) {
-        evec v;
-        load_row(row + i * esz, ELEMS, (float *)&v, bf16);
-        eivec hit = v == target;
-        for (int l = 0; l < ELEMS; l++)
-            if (hit[l]) return i + l;
-    }
-    for (int64_t i = whole; i < n; i++)
-        if (row_value(row, i, bf16) == m) return i;
-    return -1; /* an empty row */
+    return at; /* -1 for an empty row */
 }
 
 void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t n, int bf16, int64_t *out) {

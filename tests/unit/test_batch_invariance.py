@@ -297,8 +297,9 @@ def test_silu_mul_is_the_tensor_ops(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_kernel_is_torch_argmax(dtype):
-    """Greedy verification's argmax: torch's index on random rows, ties (the first), rows of
-    -inf, -0 beside +0, a width that is no multiple of 16 and strided rows; a row with a NaN
+    """Greedy verification's argmax: torch's index on random rows, ties (the first, also among
+    rows of few values), rows of -inf, -0 beside +0, widths that are no multiple of the kernel's
+    vectors and strided rows; a row with a NaN
     is the kernel's -1, and argmax_rows then answers as torch does (the NaN's index)."""
     gen = torch.Generator().manual_seed(6)
     rows = torch.randn(6, 49152 + 7, generator=gen).to(dtype)
@@ -307,6 +308,10 @@ def test_argmax_kernel_is_torch_argmax(dtype):
     rows[3, :] = -1.0
     rows[3, 30], rows[3, 20] = 0.0, -0.0  # equal values: the first
     strided = torch.randn(4, 2, 4096, generator=gen).to(dtype)[:, 1]
+    # Many ties in every lane and way of the kernel's one pass: the first index still wins,
+    # also where the largest is only in the tail past the whole vectors, or both in and past them.
+    ties = torch.randint(0, 4, (8, 1000 + 37), generator=gen).to(dtype)
+    ties[5, -3] = ties[6, -1] = ties[6, 500] = 9.0
 
     def kernel(x: torch.Tensor) -> list[int]:  # the C function itself, no torch fallback
         out = torch.empty(x.shape[0], dtype=torch.int64)
@@ -314,7 +319,7 @@ def test_argmax_kernel_is_torch_argmax(dtype):
         cpu_kernels._library().argmax_rows(x.data_ptr(), x.stride(0), *x.shape, bf16, out.data_ptr())
         return out.tolist()
 
-    for x in (rows, strided, rows[:, :16], rows[:, :5]):
+    for x in (rows, strided, rows[:, :16], rows[:, :5], ties, ties[:, :64], ties[:, :65], ties[:, :63], ties[:, :1]):
         expected = x.float().argmax(dim=-1).tolist()
         assert kernel(x) == expected
         assert cpu_kernels.argmax_rows(x) == expected
