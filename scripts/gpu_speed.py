@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.methods.draft_model import DraftModelProposer, lean_drafter  # noqa: E402
+from backends.config import SpeculativeConfig  # noqa: E402
+from backends.methods.draft_model import DraftModelProposer  # noqa: E402
 from backends.runtime.device import keep_attention_off_cudnn  # noqa: E402
 from backends.serving import rejection  # noqa: E402
 from backends.serving.proposer import DraftRequest  # noqa: E402
@@ -82,13 +83,18 @@ def verify_step(model_dir: Path, device: str, batch: int, repeat: int, runtime: 
 
 
 def draft_step(model_dir: Path, device: str, batch: int, repeat: int, runtime: str = "auto") -> float:
+    """`runtime` "auto": the draft model as the server loads it (the lean runtime where it
+    runs); "hf": the same model through transformers."""
     from backends.runtime.model_store import load_causal_lm
 
-    model = load_causal_lm(model_dir, "bfloat16").to(device)
-    lean = lean_drafter(model, None) if runtime == "auto" else None
-    if lean is None:  # as DraftModelProposer.from_config does
+    if runtime == "auto":
+        config = SpeculativeConfig.from_json(
+            {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K}
+        )
+        proposer = DraftModelProposer.from_config(config, max_model_len=4096, device=device)
+    else:
         keep_attention_off_cudnn(device)
-    proposer = DraftModelProposer(model, max_model_len=4096, lean=lean)
+        proposer = DraftModelProposer(load_causal_lm(model_dir, "bfloat16").to(device), max_model_len=4096)
     gen = torch.Generator().manual_seed(2)
     contexts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(batch)]
 

@@ -163,7 +163,7 @@ class DraftModelProposer(SequenceProposer):
         # int8 on the lean runtime quantizes from bf16 weights; torch's dynamic int8 (the
         # fallback) from float32 ones (its matmuls run in float32 anyway).
         model = load_causal_lm(path, "bfloat16" if int8 else dtype).to(device)
-        lean = lean_drafter(model, config.quantization)
+        lean = _lean_drafter(model, config.quantization)
         if lean is None:
             keep_attention_off_cudnn(device)
         if int8 and lean is None:
@@ -460,7 +460,7 @@ def append_new_entries(
             own.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx)
 
 
-def lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausalLM | None:
+def _lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausalLM | None:
     """The draft model on the lean runtime, or None where it does not run (transformers then).
     Batch-invariant: on the CPU its layers run in one C call each (key-list attention), on a GPU
     on the runtime's Triton kernels; the drafts need not be invariant, the time is what counts.
@@ -472,7 +472,7 @@ def lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausal
     except UnsupportedArchitecture as e:
         if quantization == "int8" and cpu_kernels.packed_linear_available():
             log.info("draft model in bf16 on the lean runtime, not int8: %s", e)
-            return lean_drafter(model, None)
+            return _lean_drafter(model, None)
         log.info("draft model runs through transformers: %s", e)
         return None
 

@@ -255,7 +255,6 @@ class TargetRunner:
         if batch_invariant == "on" and runtime == "hf":
             raise ValueError("batch_invariant 'on' needs the lean runtime (runtime 'hf' was asked)")
         self.model = load_causal_lm(model_path, dtype).to(device)
-        keep_attention_off_cudnn(device)
         self.device = torch.device(device)
         self.max_model_len = context_window(self.model.config, max_model_len)
         check_sliding_window(self.model.config, self.max_model_len)
@@ -276,6 +275,8 @@ class TargetRunner:
             else None
         )
         self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb, batch_invariant, prefix_caching)
+        if self.lean is None:
+            keep_attention_off_cudnn(device)
         self.batch_invariant = self.lean is not None and self.lean.batch_invariant
         # What a step costs by its new tokens: how a batched step's time is shared among its
         # rows (step_shares). Not measured for transformers: its batches are split evenly.

@@ -299,8 +299,8 @@ def test_silu_mul_is_the_tensor_ops(dtype):
 def test_argmax_kernel_is_torch_argmax(dtype):
     """Greedy verification's argmax: torch's index on random rows, ties (the first, also among
     rows of few values), rows of -inf, -0 beside +0, widths that are no multiple of the kernel's
-    vectors and strided rows; a row with a NaN
-    is the kernel's -1, and argmax_rows then answers as torch does (the NaN's index)."""
+    vectors and strided rows; a row with a NaN is the kernel's -1, and argmax_rows then answers
+    as torch does (the NaN's index)."""
     gen = torch.Generator().manual_seed(6)
     rows = torch.randn(6, 49152 + 7, generator=gen).to(dtype)
     rows[1, 100] = rows[1, 9000] = 50.0  # a tie: the first wins
