@@ -166,6 +166,27 @@ typedef struct {
     float *keys;   /* [LANES][d]: one tile of keys, then of values */
 } scratch;
 
+/* The keys a run's queries may not see (a draft tree's other branches): query r of the run sees
+ * key j >= from[r] of its list only where visible[r * width + j - from[r]] is set. Tree nodes
+ * verified in one row share one list (the cached tokens, then the nodes in order), each a
+ * longer prefix as in a chain, so their keys are loaded once. A hidden key's weight is an
+ * exact 0: it changes no maximum, and adding 0 (or 0 * value) changes no sum, so a node gets
+ * the bits it gets over a list of its ancestors alone (given the same chunks: lean_lm shares a
+ * list only where the nodes all fall in one chunk). `base`: where the run's keys begin in
+ * its lists (a chunk's offset). */
+typedef struct {
+    const int64_t *from;
+    const uint8_t *visible;
+    int64_t width, base;
+} key_mask;
+
+/* Query r's scores s[0:len] (keys base.. of its list) at hidden keys set to `value`. */
+static void hide_keys(const key_mask *mask, int64_t r, float *s, int64_t len, float value) {
+    int64_t first = mask->from[r] - mask->base;
+    for (int64_t j = first > 0 ? first : 0; j < len; j++)
+        if (!mask->visible[r * mask->width + mask->base + j - mask->from[r]]) s[j] = value;
+}
+
 /* attend_run's two inner loops, most of its time:
  * - score_tile: out[l] = the score of query q against key l of a tile of LANES keys ([LANES][d]),
  *   its lane products summed over d's blocks, then its lanes as hsum adds them;
@@ -300,7 +321,7 @@ static float row_max(const float *s, int64_t len) {
 static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int64_t *slots,
                        const int64_t *lens, int64_t nq, char *out, int64_t out_bytes, int64_t kvh,
                        int64_t kv_heads, int64_t group, int64_t d, float scale, int bf16,
-                       scratch w, float *part, int64_t part_row, int64_t part_g) {
+                       const key_mask *mask, scratch w, float *part, int64_t part_row, int64_t part_g) {
     int64_t esz = bf16 ? 2 : 4, blocks = d / LANES, max_len = 0;
     int64_t slot_bytes = 2 * kv_heads * d * esz, k_off = kvh * d * esz, v_off = (kv_heads + kvh) * d * esz;
     float row[MAX_HEAD_DIM];
@@ -336,7 +357,9 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
         int64_t len = lens[r], padded = (len + LANES - 1) / LANES * LANES;
         float *rs = w.scores + r * group * stride;
         for (int64_t g = 0; g < group; g++) {
-            float *s = rs + g * stride, m = len > 0 ? row_max(s, len) : -INFINITY;
+            float *s = rs + g * stride;
+            if (mask) hide_keys(mask, r, s, len, -INFINITY);
+            float m = len > 0 ? row_max(s, len) : -INFINITY;
             w.max[r * group + g] = m;
             for (int64_t j = len; j < padded; j++) s[j] = m; /* lanes past the keys: never read */
             for (int64_t j0 = 0; j0 < padded; j0 += ELEMS) {
@@ -345,6 +368,7 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
                 x = exp_nonpositive(x - m);
                 memcpy(s + j0, &x, sizeof x);
             }
+            if (mask) hide_keys(mask, r, s, len, 0.0f); /* an exact 0, whatever exp makes of -inf */
             for (int64_t b = 0; b < blocks; b++) w.acc[(r * group + g) * blocks + b] = (vec){0};
         }
         /* each head's total over its keys in order, four heads side by side so that their
@@ -397,15 +421,17 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
  * then attend_run's partial results at part (see there). */
 static void attend_chunk(const char *q, int64_t q_bytes, const char *kv, const int64_t *slots,
                          const int64_t *key_len, int64_t nq, int64_t c, int64_t kvh, int64_t kv_heads,
-                         int64_t group, int64_t d, float scale, int bf16, scratch w, float *part, int64_t part_row,
-                         int64_t part_g) {
+                         int64_t group, int64_t d, float scale, int bf16, const key_mask *mask, scratch w,
+                         float *part, int64_t part_row, int64_t part_g) {
     int64_t lens[MAX_RUN];
+    key_mask chunk_mask;
+    if (mask) chunk_mask = *mask, chunk_mask.base = c * KEY_CHUNK, mask = &chunk_mask;
     for (int64_t r = 0; r < nq; r++) {
         int64_t own = key_len[r] - c * KEY_CHUNK;
         lens[r] = own < 0 ? 0 : own > KEY_CHUNK ? KEY_CHUNK : own;
     }
-    attend_run(q, q_bytes, kv, slots + c * KEY_CHUNK, lens, nq, NULL, 0, kvh, kv_heads, group, d, scale, bf16, w, part,
-               part_row, part_g);
+    attend_run(q, q_bytes, kv, slots + c * KEY_CHUNK, lens, nq, NULL, 0, kvh, kv_heads, group, d, scale, bf16, mask, w,
+               part, part_row, part_g);
 }
 
 /* One query head's `chunks` partial results (PART(d) apart) combined in order: each chunk's
@@ -426,13 +452,15 @@ static void combine_chunks(const float *e, int64_t chunks, int64_t d, char *out,
 
 /* q: [tokens, q_stride elements] with head h at h*d (query heads group-major: head
  * g*kv_heads + kvh uses kv head kvh); kv: one layer of the pool, [slots, 2, kv_heads, d];
- * query t attends over key_slots[key_start[t] : key_start[t] + key_len[t]] (key_len >= 1);
- * out: [tokens, heads*d]. Consecutive tokens with the same key_start form runs (of at most
- * MAX_RUN) that share key loads. Returns 0, -1 for a head dim or group it does not take, -2
- * when out of memory. */
+ * query t attends over key_slots[key_start[t] : key_start[t] + key_len[t]] (key_len >= 1),
+ * less the keys j >= mask_from[t] of that list where mask[t * mask_width + j - mask_from[t]]
+ * is 0 (mask_from NULL: none hidden; see key_mask); out: [tokens, heads*d]. Consecutive
+ * tokens with the same key_start form runs (of at most MAX_RUN) that share key loads. Returns
+ * 0, -1 for a head dim or group it does not take, -2 when out of memory. */
 int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_slots,
-           const int64_t *key_start, const int64_t *key_len, void *out, int64_t tokens,
-           int64_t heads, int64_t kv_heads, int64_t d, float scale, int bf16, int threads) {
+           const int64_t *key_start, const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask,
+           int64_t mask_width, void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d, float scale,
+           int bf16, int threads) {
     int64_t group = heads / kv_heads, esz = bf16 ? 2 : 4, runs = 0, tasks = 0, max_chunks = 1;
     if (d % LANES != 0 || d > MAX_HEAD_DIM || group > MAX_GROUP || heads % kv_heads != 0) return -1;
     if (tokens == 0) return 0;
@@ -483,18 +511,21 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
             int64_t nq = first[run + 1] - t, q_bytes = q_stride * esz;
             const char *qt = (const char *)q + t * q_bytes;
             const int64_t *slots = key_slots + key_start[t];
+            key_mask run_mask = {0};
+            if (mask_from) run_mask = (key_mask){mask_from + t, mask + t * mask_width, mask_width, 0};
+            const key_mask *hides = mask_from ? &run_mask : NULL;
             if (failed) continue;
             if (chunks[run] == 1)
                 attend_run(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, (char *)out + t * heads * d * esz,
-                           heads * d * esz, kvh, kv_heads, group, d, scale, bf16, w, NULL, 0, 0);
+                           heads * d * esz, kvh, kv_heads, group, d, scale, bf16, hides, w, NULL, 0, 0);
             else if (spread)
                 attend_chunk(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, c, kvh, kv_heads, group, d, scale,
-                             bf16, w, part + (t * heads + kvh) * part_head + c * PART(d), heads * part_head,
+                             bf16, hides, w, part + (t * heads + kvh) * part_head + c * PART(d), heads * part_head,
                              kv_heads * part_head);
             else {
                 for (c = 0; c < chunks[run]; c++)
                     attend_chunk(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, c, kvh, kv_heads, group, d,
-                                 scale, bf16, w, local_part + c * PART(d), group * part_head, part_head);
+                                 scale, bf16, hides, w, local_part + c * PART(d), group * part_head, part_head);
                 for (int64_t r = 0; r < nq; r++)
                     for (int64_t g = 0; g < group; g++)
                         combine_chunks(local_part + (r * group + g) * part_head, (key_len[t + r] + KEY_CHUNK - 1) / KEY_CHUNK,
@@ -1138,7 +1169,7 @@ static int linear(const linear_weights *w, const uint16_t *x, int64_t x_stride, 
 int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads,
                int64_t d, float eps, float scale, const layer_weights *w, void *kv, const int64_t *slots, const uint16_t *cos,
                const uint16_t *sin, const int64_t *key_slots, const int64_t *key_start, const int64_t *key_len,
-               uint16_t *scratch, int threads) {
+               const int64_t *mask_from, const uint8_t *mask, int64_t mask_width, uint16_t *scratch, int threads) {
     int64_t qkv_n = (heads + 2 * kv_heads) * d, att_n = heads * d;
     uint16_t *x = scratch, *qkv = x + tokens * hidden, *att = qkv + tokens * qkv_n, *gu = att + tokens * att_n,
              *act = gu + tokens * 2 * inter;
@@ -1146,8 +1177,8 @@ int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64
     if (!rc) rc = linear(&w->qkv, x, hidden, NULL, 0, qkv, qkv_n, tokens, qkv_n, hidden, threads);
     if (!rc) rc = rope_store(qkv, qkv_n, cos, sin, kv, slots, tokens, heads, kv_heads, d, 1, threads);
     if (!rc)
-        rc = attend(qkv, qkv_n, kv, key_slots, key_start, key_len, att, tokens, heads, kv_heads, d, scale, 1,
-                    threads);
+        rc = attend(qkv, qkv_n, kv, key_slots, key_start, key_len, mask_from, mask, mask_width, att, tokens, heads,
+                    kv_heads, d, scale, 1, threads);
     if (!rc) rc = linear(&w->o, att, att_n, h, hidden, h, hidden, tokens, hidden, att_n, threads);
     if (!rc) rc = rms_norm(h, hidden, w->mlp_norm, x, hidden, tokens, hidden, eps, 1, threads);
     if (!rc) rc = linear(&w->gate_up, x, hidden, NULL, 0, gu, 2 * inter, tokens, 2 * inter, hidden, threads);

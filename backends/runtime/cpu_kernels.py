@@ -96,6 +96,9 @@ def _library() -> ctypes.CDLL:
         ptr,
         ptr,
         ptr,
+        ptr,
+        i64,
+        ptr,
         i64,
         i64,
         i64,
@@ -123,7 +126,7 @@ def _library() -> ctypes.CDLL:
     lib.int8_linear.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.layer_step.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.layer_step.argtypes += [ptr, ctypes.c_int]
+    lib.layer_step.argtypes += [ptr, ptr, i64, ptr, ctypes.c_int]
     lib.layer_step.restype = ctypes.c_int
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
     lib.argmax_rows.restype = None
@@ -134,6 +137,7 @@ def _library() -> ctypes.CDLL:
 MAX_HEAD_DIM = 256
 MAX_GROUP = 32
 MAX_NORM = 16384
+KEY_CHUNK = 256  # a longer key list is attended in chunks of this many keys
 
 
 def unavailable_reason(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
@@ -160,17 +164,40 @@ def _check_rows(x: torch.Tensor, *others: torch.Tensor) -> None:
 class KeyLists:
     """Per query token of a step, the pool slots it attends to, in position order.
 
-    Built once per step and shared by every layer (the slots are the same in each layer's pool).
+    Token t reads ``slots[start[t] : start[t] + length[t]]``; with ``mask_from`` given, less the
+    keys j >= ``mask_from[t]`` of that list where ``mask[t, j - mask_from[t]]`` is False (the
+    nodes of a draft tree sharing one list: see cpu_kernels.c's key_mask). Only the CPU kernel
+    reads masks. Built once per step and shared by every layer (the slots are the same in each
+    layer's pool).
     """
 
-    def __init__(self, slots: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> None:
+    def __init__(
+        self,
+        slots: torch.Tensor,
+        start: torch.Tensor,
+        length: torch.Tensor,
+        mask_from: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> None:
         self.slots = slots.to(torch.int64).contiguous()
         self.start = start.to(torch.int64).contiguous()
         self.length = length.to(torch.int64).contiguous()
         self.tokens = self.start.shape[0]
+        self.mask_from = None if mask_from is None else mask_from.to(torch.int64).contiguous()
+        self.mask = None if mask is None else mask.to(torch.uint8).contiguous()
+        if self.mask is not None and (self.mask.dim() != 2 or self.mask.shape[0] != self.tokens):
+            raise ValueError(f"a key mask of shape {tuple(self.mask.shape)} for {self.tokens} tokens")
 
     def to(self, device: torch.device) -> KeyLists:
-        return KeyLists(self.slots.to(device), self.start.to(device), self.length.to(device))
+        if self.mask is not None and torch.device(device).type != "cpu":
+            raise ValueError("key masks are read by the CPU kernel only")
+        return KeyLists(self.slots.to(device), self.start.to(device), self.length.to(device), self.mask_from, self.mask)
+
+    def mask_args(self) -> tuple[int | None, int | None, int]:
+        """(mask_from, mask, mask width) as the C functions take them."""
+        if self.mask is None:
+            return None, None, 0
+        return self.mask_from.data_ptr(), self.mask.data_ptr(), self.mask.shape[1]
 
 
 def attend(
@@ -189,6 +216,7 @@ def attend(
         keys.slots.data_ptr(),
         keys.start.data_ptr(),
         keys.length.data_ptr(),
+        *keys.mask_args(),
         out.data_ptr(),
         keys.tokens,
         num_heads,
@@ -356,6 +384,7 @@ def layer_step(
         keys.slots.data_ptr(),
         keys.start.data_ptr(),
         keys.length.data_ptr(),
+        *keys.mask_args(),
         scratch.data_ptr(),
         torch.get_num_threads(),
     )

@@ -757,7 +757,10 @@ class LeanDecoder:
         """What the step's attention reads: each token's key list (batch-invariant), or one SDPA
         group per run of rows (in ``order``) with the same number of new tokens."""
         if self.batch_invariant:
-            return [], self._key_lists(pool, [rows[i] for i in order], [cached[i] for i in order]).to(self.device)
+            keys = self._key_lists(
+                pool, [rows[i] for i in order], [cached[i] for i in order], share_trees=not self.triton_kernels
+            )
+            return [], keys.to(self.device)
         groups, start = [], 0
         while start < len(order):
             end = start + 1
@@ -777,27 +780,55 @@ class LeanDecoder:
         return groups, None
 
     @staticmethod
-    def _key_lists(pool: KVCachePool, rows: list[Row], cached: list[int]) -> cpu_kernels.KeyLists:
+    def _key_lists(
+        pool: KVCachePool, rows: list[Row], cached: list[int], share_trees: bool = True
+    ) -> cpu_kernels.KeyLists:
         """Each new token's keys, rows in flat order: the cached tokens, then the new tokens its
-        row's mask allows (causal: itself and those before it)."""
-        slots, starts, lengths, offset = [], [], [], 0
+        row's mask allows (causal: itself and those before it).
+
+        With ``share_trees`` (the CPU kernel), a tree's nodes (a mask among the new tokens that
+        sees no later token) share one list as a chain's tokens do, each hiding the other
+        branches by a key mask, so the cached keys are read once for all nodes (at 1000 cached
+        keys, 13 nodes: 1.4x faster). Only where the nodes all fall in one KEY_CHUNK of the
+        list: a node's chunks are then those of its own list, so its bits are too."""
+        slots, starts, lengths, offset, token = [], [], [], 0, 0
+        hides: dict[int, tuple[int, torch.Tensor]] = {}  # a tree's first token -> (cached, mask)
         for r, c in zip(rows, cached):
             n = len(r.token_ids)
             table = pool.slots(r.seq_id)[: c + n]
-            if r.mask is None:  # causal: all the row's tokens share one list, each a longer prefix
+            full = r.mask is not None and r.mask.shape[1] == c + n  # the mask covers the cached tokens too
+            shared = (
+                r.mask is not None
+                and share_trees
+                and not full
+                and c // cpu_kernels.KEY_CHUNK == (c + n - 1) // cpu_kernels.KEY_CHUNK
+                and not r.mask.bool().triu(1).any()
+            )
+            if r.mask is None or shared:  # all the row's tokens share one list, each a longer prefix
+                if shared:
+                    hides[token] = (c, r.mask.bool())
+                token += n
                 slots.append(table)
                 starts.append(torch.full((n,), offset))
                 lengths.append(torch.arange(c + 1, c + n + 1))
                 offset += c + n
                 continue
-            full = r.mask.shape[1] == c + n  # the mask covers the cached tokens too
             for allowed in r.mask.bool():
                 own = table[allowed] if full else torch.cat([table[:c], table[c:][allowed]])
                 slots.append(own)
                 starts.append(torch.tensor([offset]))
                 lengths.append(torch.tensor([own.shape[0]]))
                 offset += own.shape[0]
-        return cpu_kernels.KeyLists(torch.cat(slots), torch.cat(starts), torch.cat(lengths))
+            token += n
+        length = torch.cat(lengths)
+        if not hides:
+            return cpu_kernels.KeyLists(torch.cat(slots), torch.cat(starts), length)
+        mask_from = length.clone()  # nothing hidden
+        mask = torch.zeros(length.shape[0], max(m.shape[0] for _, m in hides.values()), dtype=torch.bool)
+        for t, (c, m) in hides.items():
+            mask_from[t : t + m.shape[0]] = c
+            mask[t : t + m.shape[0], : m.shape[1]] = m
+        return cpu_kernels.KeyLists(torch.cat(slots), torch.cat(starts), length, mask_from, mask)
 
     def _group(self, pool: KVCachePool, rows: list[Row], cached: list[int], t0: int, n: int) -> _Group:
         lengths = [c + n for c in cached]

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.runtime import cpu_kernels
-from backends.runtime.lean_lm import K_CHUNKS, KernelLinear, LeanCausalLM, Row, _Linear, kernel_linears
+from backends.runtime.kv_cache import KVCachePool
+from backends.runtime.lean_lm import K_CHUNKS, KernelLinear, LeanCausalLM, LeanDecoder, Row, _Linear, kernel_linears
 from tests.fixtures.lean_models import FAMILIES, assert_same, build, decode, tokens
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -42,12 +43,15 @@ def test_verification_chunked_prefill_and_batching_change_no_bit(model):
     assert_same(decode(model, seq, [20] + [5] * 8, traffic=7), plain)
 
 
-def test_tree_node_equals_its_root_path(model):
-    """A node of a draft tree gets the bits of the chain along its root path."""
-    prefix, a, b1, b2, c = tokens(10, seed=2), 11, 22, 33, 44
+@pytest.mark.parametrize("cached", [10, 254, 300])
+def test_tree_node_equals_its_root_path(model, cached):
+    """A node of a draft tree gets the bits of the chain along its root path: its nodes sharing
+    one key list (10 or 300 cached tokens), or each its own (254: the nodes cross the 256-key
+    chunk boundary)."""
+    prefix, a, b1, b2, c = tokens(cached, seed=2), 11, 22, 33, 44
     at = len(prefix)
-    pool = model.new_pool(capacity_tokens=256)
-    pool.admit("t", 32)
+    pool = model.new_pool(capacity_tokens=512)
+    pool.admit("t", cached + 8)
     model.forward(pool, [Row("t", prefix)])
     # a -> b1, a -> b2 -> c
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
@@ -180,6 +184,40 @@ def test_kernel_result_does_not_depend_on_threads():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def _tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
+    """A random tree of n nodes in topological order: node i sees itself and its ancestors."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j], j = True, parents[j]
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_nodes_sharing_a_key_list_get_their_own_lists_bits(dtype):
+    """Tree nodes verified in one row share one key list with a mask (cpu_kernels.c's key_mask):
+    each gets the bits it gets over its own list (the cached tokens and its ancestors), beside
+    chains and other trees, at cached lengths inside one chunk and past several. Where the
+    nodes would cross a chunk boundary, each keeps its own list."""
+    gen = torch.Generator().manual_seed(5)
+    pool = KVCachePool(1, 3, 64, capacity_tokens=4096, dtype=dtype)
+    cached = {"a": 5, "b": 300, "c": 700, "d": 250, "chain": 40}
+    nodes = {"a": 9, "b": 17, "c": 40, "d": 13, "chain": 5}
+    for seq, c in cached.items():
+        pool.admit(seq, c + nodes[seq])
+    pool.layers[0].copy_(torch.randn(pool.layers[0].shape, generator=gen).to(dtype))
+    rows = [Row(s, list(range(n)), None if s == "chain" else _tree_mask(n, gen)) for s, n in nodes.items()]
+    q = torch.randn(sum(nodes.values()), 9 * 64, generator=gen).to(dtype)
+    shared = LeanDecoder._key_lists(pool, rows, list(cached.values()))
+    own = LeanDecoder._key_lists(pool, rows, list(cached.values()), share_trees=False)
+    assert own.mask is None and shared.mask is not None
+    # one list for each of "a", "b", "c" and the chain; "d" (250 + 13 crosses 256) one per node
+    assert shared.start.unique().numel() == 3 + 13 + 1
+    assert torch.equal(cpu_kernels.attend(q, pool.layers[0], shared, 9), cpu_kernels.attend(q, pool.layers[0], own, 9))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
