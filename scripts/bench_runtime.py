@@ -7,6 +7,10 @@ DynamicCache cropped back after each step, the lean runtime with its paged pool 
 
     .venv/bin/python scripts/bench_runtime.py [MODEL_DIR] [--repeats 3] [--block-size 16] [--int8]
 
+`--tree N` also times one row of N new tokens verified as a chain and as a draft tree (each
+node's parent (i - 1) // 3: a ternary tree) on the batch-invariant engine, where a tree's nodes
+share one key list with a mask (lean_lm's _key_lists).
+
 `--int8` adds the lean runtime with int8 linear layers, batch-invariant (one C call a layer),
 as a quantized drafter runs (e.g. `~/.cache/tritonspec/models/qwen2.5-coder-0.5b`), where the
 CPU has AVX-512 VNNI.
@@ -43,6 +47,24 @@ def lean_step(lm: LeanCausalLM, pool, batch: int, n: int, context: int, new: tor
     return step
 
 
+def tree_step(lm: LeanCausalLM, pool, n: int, context: int, new: torch.Tensor):
+    mask = ternary_tree(n)
+
+    def step() -> None:
+        lm.forward(pool, [Row(0, new[0, :n], mask)], logits_rows=n)
+        pool.truncate(0, context)
+
+    return step
+
+
+def ternary_tree(n: int) -> torch.Tensor:
+    """The [n, n] mask of a tree whose node i > 0 hangs under node (i - 1) // 3."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        mask[i] |= mask[(i - 1) // 3]
+    return mask
+
+
 def hf_step(hf, cache: DynamicCache, n: int, new: torch.Tensor):
     def step() -> None:
         hf(input_ids=new[:, :n], cache=cache, use_cache=True)
@@ -62,6 +84,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="time the lean runtime only")
     parser.add_argument("--int8", action="store_true", help="also the lean runtime with int8 linear layers")
+    parser.add_argument("--tree", type=int, help="also one row of N new tokens as a chain and as a tree")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -74,13 +97,13 @@ def main() -> None:
     vocab = hf.config.vocab_size
     max_batch = max(b for b, _ in CASES)
     prompt = torch.randint(0, vocab, (max_batch, args.context), generator=gen)
-    new = torch.randint(0, vocab, (max_batch, max(n for _, n in CASES)), generator=gen)
+    new = torch.randint(0, vocab, (max_batch, max(n for _, n in CASES + [(1, args.tree or 1)])), generator=gen)
 
     pools = {}
     for name, lm in engines.items():
         pools[name] = lm.new_pool(capacity_tokens=max_batch * (args.context + 64), block_size=args.block_size)
         for b in range(max_batch):
-            pools[name].admit(b, args.context + 32)
+            pools[name].admit(b, args.context + max(32, args.tree or 0))
             lm.forward(pools[name], [Row(b, prompt[b])])
     steps = {}
     with torch.inference_mode():
@@ -91,6 +114,13 @@ def main() -> None:
                 cache = DynamicCache(config=hf.config)
                 hf(input_ids=prompt[:batch], cache=cache, use_cache=True)
                 steps[("hf", batch, n)] = hf_step(hf, cache, n, new[:batch])
+        if args.tree:
+            steps[("chain", 1, args.tree)] = lean_step(
+                engines["invariant"], pools["invariant"], 1, args.tree, args.context, new
+            )
+            steps[("tree", 1, args.tree)] = tree_step(
+                engines["invariant"], pools["invariant"], args.tree, args.context, new
+            )
 
         medians: dict[tuple, list[float]] = {key: [] for key in steps}
         best: dict[tuple, float] = {key: float("inf") for key in steps}
@@ -138,6 +168,11 @@ def main() -> None:
             + "".join(f"{cell((name, batch, n)):>24} | " for name in columns)
             + f"{ratio(('invariant', batch, n), lean):>14} | {ratio(('hf', batch, n), lean)}"
             + (f" | {ratio(('int8', batch, n), lean)}" if args.int8 else "")
+        )
+    if args.tree:
+        chain, tree = ("chain", 1, args.tree), ("tree", 1, args.tree)
+        print(
+            f"1 x {args.tree}, batch-invariant: chain {cell(chain)}, tree {cell(tree)}: tree / chain {ratio(tree, chain)}"
         )
 
 
