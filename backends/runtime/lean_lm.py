@@ -786,27 +786,29 @@ class LeanDecoder:
         """Each new token's keys, rows in flat order: the cached tokens, then the new tokens its
         row's mask allows (causal: itself and those before it).
 
-        With ``share_trees`` (the CPU kernel), a tree's nodes (a mask among the new tokens that
-        sees no later token) share one list as a chain's tokens do, each hiding the other
-        branches by a key mask, so the cached keys are read once for all nodes (at 1000 cached
-        keys, 13 nodes: 1.4x faster). Only where the nodes all fall in one KEY_CHUNK of the
-        list: a node's chunks are then those of its own list, so its bits are too."""
+        With ``share_trees`` (the CPU kernel), a tree's nodes (a mask that sees no later new
+        token) share one list as a chain's tokens do, each hiding the other branches by a key
+        mask, so the cached keys are read once for all nodes (at 1000 cached keys, 13 nodes:
+        1.4x faster); so do a drafter's tree level's nodes, which also hide cached nodes of
+        earlier levels. Only where the keys a mask hides all fall in the chunk (KEY_CHUNK) of
+        the row's last key: a node's chunks are then those of its own list, so its bits are too."""
         slots, starts, lengths, offset, token = [], [], [], 0, 0
-        hides: dict[int, tuple[int, torch.Tensor]] = {}  # a tree's first token -> (cached, mask)
+        hides: dict[int, tuple[int, torch.Tensor]] = {}  # a tree's first token -> (mask_from, mask)
         for r, c in zip(rows, cached):
             n = len(r.token_ids)
             table = pool.slots(r.seq_id)[: c + n]
             full = r.mask is not None and r.mask.shape[1] == c + n  # the mask covers the cached tokens too
-            shared = (
-                r.mask is not None
-                and share_trees
-                and not full
-                and c // cpu_kernels.KEY_CHUNK == (c + n - 1) // cpu_kernels.KEY_CHUNK
-                and not r.mask.bool().triu(1).any()
-            )
+            shared = False
+            if r.mask is not None and share_trees:
+                mask = r.mask.bool()
+                hidden = (~mask[:, :c]).any(0).nonzero() if full else []
+                start = min(int(hidden[0]), c) if len(hidden) else c  # the first key any node hides
+                shared = start // cpu_kernels.KEY_CHUNK == (c + n - 1) // cpu_kernels.KEY_CHUNK and not (
+                    mask[:, -n:].triu(1).any()
+                )
             if r.mask is None or shared:  # all the row's tokens share one list, each a longer prefix
                 if shared:
-                    hides[token] = (c, r.mask.bool())
+                    hides[token] = (start, mask[:, start:] if full else mask)
                 token += n
                 slots.append(table)
                 starts.append(torch.full((n,), offset))
@@ -824,9 +826,9 @@ class LeanDecoder:
         if not hides:
             return cpu_kernels.KeyLists(torch.cat(slots), torch.cat(starts), length)
         mask_from = length.clone()  # nothing hidden
-        mask = torch.zeros(length.shape[0], max(m.shape[0] for _, m in hides.values()), dtype=torch.bool)
-        for t, (c, m) in hides.items():
-            mask_from[t : t + m.shape[0]] = c
+        mask = torch.zeros(length.shape[0], max(m.shape[1] for _, m in hides.values()), dtype=torch.bool)
+        for t, (start, m) in hides.items():
+            mask_from[t : t + m.shape[0]] = start
             mask[t : t + m.shape[0], : m.shape[1]] = m
         return cpu_kernels.KeyLists(torch.cat(slots), torch.cat(starts), length, mask_from, mask)
 

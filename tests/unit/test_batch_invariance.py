@@ -201,22 +201,30 @@ def _tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
 def test_tree_nodes_sharing_a_key_list_get_their_own_lists_bits(dtype):
     """Tree nodes verified in one row share one key list with a mask (cpu_kernels.c's key_mask):
     each gets the bits it gets over its own list (the cached tokens and its ancestors), beside
-    chains and other trees, at cached lengths inside one chunk and past several. Where the
-    nodes would cross a chunk boundary, each keeps its own list."""
+    chains and other trees, at cached lengths inside one chunk and past several, and a
+    drafter's tree level hiding cached nodes of earlier levels. Where the hidden keys would
+    cross a chunk boundary, each node keeps its own list."""
     gen = torch.Generator().manual_seed(5)
-    pool = KVCachePool(1, 3, 64, capacity_tokens=4096, dtype=dtype)
-    cached = {"a": 5, "b": 300, "c": 700, "d": 250, "chain": 40}
-    nodes = {"a": 9, "b": 17, "c": 40, "d": 13, "chain": 5}
+    pool = KVCachePool(1, 3, 64, capacity_tokens=8192, dtype=dtype)
+    cached = {"a": 5, "b": 300, "c": 700, "d": 250, "chain": 40, "level": 120, "far": 300}
+    nodes = {"a": 9, "b": 17, "c": 40, "d": 13, "chain": 5, "level": 4, "far": 4}
     for seq, c in cached.items():
         pool.admit(seq, c + nodes[seq])
     pool.layers[0].copy_(torch.randn(pool.layers[0].shape, generator=gen).to(dtype))
-    rows = [Row(s, list(range(n)), None if s == "chain" else _tree_mask(n, gen)) for s, n in nodes.items()]
+    rows = [Row(s, list(range(nodes[s])), None if s == "chain" else _tree_mask(nodes[s], gen)) for s in list(nodes)[:5]]
+    # a drafter's tree level: 4 nodes that also see some of the cached nodes of earlier levels
+    # (the last 8 cached tokens of "level"; "far" hides a key 100 back, in the chunk before)
+    for seq, back in (("level", 8), ("far", 100)):
+        mask = torch.cat([torch.ones(4, cached[seq]), torch.eye(4)], dim=1).bool()
+        mask[:, cached[seq] - back : cached[seq]] = torch.rand(4, back, generator=gen) < 0.5
+        rows.append(Row(seq, list(range(4)), mask))
     q = torch.randn(sum(nodes.values()), 9 * 64, generator=gen).to(dtype)
     shared = LeanDecoder._key_lists(pool, rows, list(cached.values()))
     own = LeanDecoder._key_lists(pool, rows, list(cached.values()), share_trees=False)
     assert own.mask is None and shared.mask is not None
-    # one list for each of "a", "b", "c" and the chain; "d" (250 + 13 crosses 256) one per node
-    assert shared.start.unique().numel() == 3 + 13 + 1
+    # one list for each of "a", "b", "c", the chain and "level"; "d" (250 + 13 crosses 256) and
+    # "far" one per node
+    assert shared.start.unique().numel() == 5 + 13 + 4
     assert torch.equal(cpu_kernels.attend(q, pool.layers[0], shared, 9), cpu_kernels.attend(q, pool.layers[0], own, 9))
 
 
