@@ -339,7 +339,10 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
     for (int64_t j0 = 0; j0 < max_len; j0 += LANES) {
         for (int64_t l = 0; l < LANES; l++) {
             int64_t j = j0 + l;
-            if (j + PREFETCH < max_len) prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + k_off, d * esz);
+            if (j + PREFETCH < max_len) { /* the values too: they are read right after this pass */
+                prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + k_off, d * esz);
+                prefetch_row(kv + slots[j + PREFETCH] * slot_bytes + v_off, d * esz);
+            }
             if (j < max_len)
                 load_row(kv + slots[j] * slot_bytes + k_off, d, w.keys + l * d, bf16);
             else
@@ -490,9 +493,12 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
         free(first), free(chunks), free(task), free(part);
         return -2;
     }
+    /* chunk-major: the kv heads of one chunk run at about the same time (on 2 threads, 2 of
+     * them at once), while the pool rows they share, all heads' keys and values side by side,
+     * are in cache */
     for (int64_t r = 0, i = 0; r < runs; r++)
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
-            for (int64_t c = 0; c < (spread ? chunks[r] : 1); c++, i++)
+        for (int64_t c = 0; c < (spread ? chunks[r] : 1); c++)
+            for (int64_t kvh = 0; kvh < kv_heads; kvh++, i++)
                 task[3 * i] = r, task[3 * i + 1] = kvh, task[3 * i + 2] = c;
     int64_t failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)

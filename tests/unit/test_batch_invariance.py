@@ -255,6 +255,29 @@ def test_long_key_lists_are_chunked_the_same_alone_or_in_a_run(dtype):
         torch.testing.assert_close(out[t].double(), _float64_attention(q[t], kv, key_slots), atol=tol, rtol=0)
 
 
+def test_a_long_list_beside_a_short_one_attends_every_head_of_each_chunk():
+    """A call whose chunks can keep both threads busy (a list of 2100 keys: 9 chunks) gives a
+    task all kv heads of one chunk; a short list beside it (one chunk) is attended whole per
+    task. Every head of every token is still the float64 attention's, and its bits alone."""
+    gen = torch.Generator().manual_seed(6)
+    kv = torch.randn(2200, 2, 3, 64, generator=gen).bfloat16()
+    q = torch.randn(3, 9 * 64, generator=gen).bfloat16()
+    order = torch.randperm(2200, generator=gen)
+    starts, lengths = [0, 0, 2150], [2099, 2100, 40]
+    keys = cpu_kernels.KeyLists(order, torch.tensor(starts), torch.tensor(lengths))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = cpu_kernels.attend(q, kv, keys, 9)
+    finally:
+        torch.set_num_threads(before)
+    for t, (start, n) in enumerate(zip(starts, lengths)):
+        key_slots = order[start : start + n]
+        alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([n]))
+        assert torch.equal(cpu_kernels.attend(q[t : t + 1], kv, alone, 9)[0], out[t]), n
+        torch.testing.assert_close(out[t].double(), _float64_attention(q[t], kv, key_slots), atol=2e-2, rtol=0)
+
+
 def test_kernel_refuses_what_it_cannot_take():
     assert "head dim 24" in cpu_kernels.unavailable_reason(24, 4, 2)
     assert "query heads" in cpu_kernels.unavailable_reason(64, 64, 1)
