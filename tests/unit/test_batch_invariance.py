@@ -228,6 +228,24 @@ def test_tree_nodes_sharing_a_key_list_get_their_own_lists_bits(dtype):
     assert torch.equal(cpu_kernels.attend(q, pool.layers[0], shared, 9), cpu_kernels.attend(q, pool.layers[0], own, 9))
 
 
+def _check_each_list_alone(q, kv, order, starts, lengths, threads: int) -> None:
+    """attend over the lists order[start : start + length] in one call on `threads` threads:
+    each token gets the bits it gets alone, and the float64 attention's values."""
+    keys = cpu_kernels.KeyLists(order, torch.tensor(starts), torch.tensor(lengths))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cpu_kernels.attend(q, kv, keys, 9)
+    finally:
+        torch.set_num_threads(before)
+    for t, (start, n) in enumerate(zip(starts, lengths)):
+        key_slots = order[start : start + n]
+        alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([n]))
+        assert torch.equal(cpu_kernels.attend(q[t : t + 1], kv, alone, 9)[0], out[t]), n
+        tol = 2e-2 if q.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[t].double(), _float64_attention(q[t], kv, key_slots), atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_key_lists_are_chunked_the_same_alone_or_in_a_run(dtype):
     """Past 256 keys a query attends in chunks of its own list, combined in order: a run of
@@ -240,42 +258,17 @@ def test_long_key_lists_are_chunked_the_same_alone_or_in_a_run(dtype):
     order = torch.randperm(1100, generator=gen)
     lengths = [254, 255, 256, 257, 258, 511, 512, 513, 514, 1025]
     starts = [0] * 5 + [300] * 4 + [0]  # two runs sharing their lists' starts, then one alone
-    keys = cpu_kernels.KeyLists(order, torch.tensor(starts), torch.tensor(lengths))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        out = cpu_kernels.attend(q, kv, keys, 9)
-    finally:
-        torch.set_num_threads(before)
-    for t, (start, n) in enumerate(zip(starts, lengths)):
-        key_slots = order[start : start + n]
-        alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([n]))
-        assert torch.equal(cpu_kernels.attend(q[t : t + 1], kv, alone, 9)[0], out[t]), n
-        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-        torch.testing.assert_close(out[t].double(), _float64_attention(q[t], kv, key_slots), atol=tol, rtol=0)
+    _check_each_list_alone(q, kv, order, starts, lengths, threads=1)
 
 
-def test_a_long_list_beside_a_short_one_attends_every_head_of_each_chunk():
-    """A call whose chunks can keep both threads busy (a list of 2100 keys: 9 chunks) gives a
-    task all kv heads of one chunk; a short list beside it (one chunk) is attended whole per
-    task. Every head of every token is still the float64 attention's, and its bits alone."""
+def test_a_long_list_beside_a_short_one():
+    """Chunks as tasks of their own (a call of few runs), chunk-major, on two threads: a run of
+    two tokens over 2099 and 2100 keys (9 chunks) beside a token over 40 keys (one task for
+    the whole list)."""
     gen = torch.Generator().manual_seed(6)
     kv = torch.randn(2200, 2, 3, 64, generator=gen).bfloat16()
     q = torch.randn(3, 9 * 64, generator=gen).bfloat16()
-    order = torch.randperm(2200, generator=gen)
-    starts, lengths = [0, 0, 2150], [2099, 2100, 40]
-    keys = cpu_kernels.KeyLists(order, torch.tensor(starts), torch.tensor(lengths))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        out = cpu_kernels.attend(q, kv, keys, 9)
-    finally:
-        torch.set_num_threads(before)
-    for t, (start, n) in enumerate(zip(starts, lengths)):
-        key_slots = order[start : start + n]
-        alone = cpu_kernels.KeyLists(key_slots, torch.tensor([0]), torch.tensor([n]))
-        assert torch.equal(cpu_kernels.attend(q[t : t + 1], kv, alone, 9)[0], out[t]), n
-        torch.testing.assert_close(out[t].double(), _float64_attention(q[t], kv, key_slots), atol=2e-2, rtol=0)
+    _check_each_list_alone(q, kv, torch.randperm(2200, generator=gen), [0, 0, 2150], [2099, 2100, 40], threads=2)
 
 
 def test_kernel_refuses_what_it_cannot_take():
