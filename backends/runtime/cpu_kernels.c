@@ -9,8 +9,9 @@
  * would give.
  *
  * Math in float32 on GCC vectors of 16 floats; bf16 inputs are widened, the bf16 output rounded
- * to nearest even. Each key's score is the head dim's products in 16 lanes, summed across the
- * lanes in one pairwise order (hsum; hsum16 does 16 keys at once with the same order); softmax
+ * to nearest even. Each key's score is the head dim's products accumulated in 16 lanes (each
+ * product added with one rounding: FMA), summed across the lanes in one pairwise order (hsum;
+ * hsum16 does 16 keys at once with the same order); softmax
  * and the weighted sum of values run over the keys in list order (a list longer than KEY_CHUNK
  * in chunks of it, each chunk in order, combined in order). Keys and values are read in
  * tiles of 16 keys so the sums stay in registers. Built without -ffast-math, so no sum is ever
@@ -191,9 +192,20 @@ static void hide_keys(const key_mask *mask, int64_t r, float *s, int64_t len, fl
  * - score_tile: out[l] = the score of query q against key l of a tile of LANES keys ([LANES][d]),
  *   its lane products summed over d's blocks, then its lanes as hsum adds them;
  * - add_weighted: sum[0:d] += p[l] * values[l][0:d] for each of `own` keys in order.
- * Products and sums are separate operations (no FMA contraction under -std=c11), so the 8-wide
- * versions below give these the same bits. */
-#if defined(__AVX512F__) || !defined(__AVX2__)
+ * Each product is added to its sum with one rounding (a fused multiply-add: one instruction
+ * where the CPU has FMA, half the work of a product and a sum), in the 16-wide versions and in
+ * the 8-wide ones below alike, so both give the same bits. */
+#if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline vec fma_vec(vec a, vec b, vec c) { return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+static inline vec fma_vec(vec a, vec b, vec c) {
+    for (int i = 0; i < LANES; i++) c[i] = fmaf(a[i], b[i], c[i]);
+    return c;
+}
+#endif
+
 static void score_tile(const float *q, const float *keys, int64_t d, float *out) {
     vec partial[LANES] = {{0}};
     for (int64_t b = 0; b < d / LANES; b++) { /* 16 independent sums: no add waits on another */
@@ -202,7 +214,7 @@ static void score_tile(const float *q, const float *keys, int64_t d, float *out)
         for (int l = 0; l < LANES; l++) {
             vec kv_;
             memcpy(&kv_, keys + l * d + b * LANES, sizeof kv_);
-            partial[l] += qv * kv_;
+            partial[l] = fma_vec(qv, kv_, partial[l]);
         }
     }
     vec sums = hsum16(partial);
@@ -221,7 +233,7 @@ static void add_weighted(float *sum, const float *p, const float *values, int64_
                 if (b0 + b < d / LANES) {
                     vec v;
                     memcpy(&v, values + l * d + (b0 + b) * LANES, sizeof v);
-                    acc[b] += p[l] * v;
+                    acc[b] = fma_vec((vec){0} + p[l], v, acc[b]);
                 }
         for (int b = 0; b < REG_BLOCKS; b++)
             if (b0 + b < d / LANES) s[b0 + b] = acc[b];
@@ -238,7 +250,7 @@ static inline __attribute__((always_inline)) void add_weighted8(float *sum, cons
     for (int64_t l = 0; l < own; l++) {
         __m256 pl = _mm256_set1_ps(p[l]);
         for (int j = 0; j < vecs; j++)
-            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(pl, _mm256_loadu_ps(values + l * d + 8 * j)));
+            acc[j] = _mm256_fmadd_ps(pl, _mm256_loadu_ps(values + l * d + 8 * j), acc[j]);
     }
     for (int j = 0; j < vecs; j++) _mm256_storeu_ps(sum + 8 * j, acc[j]);
 }
@@ -249,8 +261,8 @@ static inline __attribute__((always_inline)) void add_weighted8(float *sum, cons
 static inline __m256 key_lanes(const float *q, const float *k, int64_t d) {
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (int64_t b = 0; b < d; b += 16) {
-        lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + b), _mm256_loadu_ps(k + b)));
-        hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + b + 8), _mm256_loadu_ps(k + b + 8)));
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + b), _mm256_loadu_ps(k + b), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + b + 8), _mm256_loadu_ps(k + b + 8), hi);
     }
     return _mm256_add_ps(lo, hi);
 }
