@@ -125,17 +125,18 @@ torch.save(outs, sys.argv[1])
 @needs_avx2
 def test_the_avx2_attention_gives_the_generic_kernels_bits(tmp_path):
     """Attention's inner loops have 8-wide AVX2 versions of the 16-wide vector code: built
-    without AVX-512 (the AVX2 loops) and without AVX2 either (the vector code), the kernel gives
-    the same bits, in float32 and bf16."""
+    as this CPU allows (AVX-512 where it has it), without AVX-512 (the AVX2 loops) and without
+    AVX2 either (the vector code, its FMAs one lane at a time), the kernel gives the same bits,
+    in float32 and bf16."""
     outputs = []
-    for name, flags in (("avx2", "-mno-avx512f"), ("generic", "-mno-avx512f -mno-avx2")):
+    for name, flags in (("native", ""), ("avx2", "-mno-avx512f"), ("generic", "-mno-avx512f -mno-avx2")):
         path = tmp_path / f"{name}.pt"
         done = _with_kernel_flags(flags, "-c", _ATTENTION_OUTPUTS, str(path))
         assert done.returncode == 0, done.stderr[-3000:]
         outputs.append(torch.load(path))
-    assert len(outputs[0]) == len(outputs[1]) == 8
-    for avx2, generic in zip(*outputs):
-        assert avx2.isfinite().all() and torch.equal(avx2, generic)
+    assert [len(o) for o in outputs] == [8, 8, 8]
+    for native, avx2, generic in zip(*outputs):
+        assert avx2.isfinite().all() and torch.equal(avx2, generic) and torch.equal(native, avx2)
 
 
 def _float64_attention(q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
