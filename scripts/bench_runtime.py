@@ -7,8 +7,8 @@ DynamicCache cropped back after each step, the lean runtime with its paged pool 
 
     .venv/bin/python scripts/bench_runtime.py [MODEL_DIR] [--repeats 3] [--block-size 16] [--int8]
 
-`--tree N` also times one row of N new tokens verified as a chain and as a draft tree (each
-node's parent (i - 1) // 3: a ternary tree) on the batch-invariant engine, where a tree's nodes
+`--tree N` also times one row of N new tokens verified as a chain and as a draft tree (a
+pending token and a ternary tree of N - 1 nodes under it) on the batch-invariant engine, where a tree's nodes
 share one key list with a mask (lean_lm's _key_lists).
 
 `--int8` adds the lean runtime with int8 linear layers, batch-invariant (one C call a layer),
@@ -34,35 +34,20 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends.runtime.lean_lm import LeanCausalLM, Row  # noqa: E402
+from backends.serving.tree import DraftTree  # noqa: E402
 
 CASES = [(1, 1), (1, 5), (1, 17), (8, 1), (8, 5)]  # (batch, new tokens per row)
 
 
-def lean_step(lm: LeanCausalLM, pool, batch: int, n: int, context: int, new: torch.Tensor):
+def lean_step(lm: LeanCausalLM, pool, batch: int, n: int, context: int, new: torch.Tensor, mask=None):
+    """`mask`: each row's [n, n] mask among its new tokens (a draft tree), else causal."""
+
     def step() -> None:
-        lm.forward(pool, [Row(b, new[b, :n]) for b in range(batch)], logits_rows=n)
+        lm.forward(pool, [Row(b, new[b, :n], mask) for b in range(batch)], logits_rows=n)
         for b in range(batch):
             pool.truncate(b, context)
 
     return step
-
-
-def tree_step(lm: LeanCausalLM, pool, n: int, context: int, new: torch.Tensor):
-    mask = ternary_tree(n)
-
-    def step() -> None:
-        lm.forward(pool, [Row(0, new[0, :n], mask)], logits_rows=n)
-        pool.truncate(0, context)
-
-    return step
-
-
-def ternary_tree(n: int) -> torch.Tensor:
-    """The [n, n] mask of a tree whose node i > 0 hangs under node (i - 1) // 3."""
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        mask[i] |= mask[(i - 1) // 3]
-    return mask
 
 
 def hf_step(hf, cache: DynamicCache, n: int, new: torch.Tensor):
@@ -97,7 +82,7 @@ def main() -> None:
     vocab = hf.config.vocab_size
     max_batch = max(b for b, _ in CASES)
     prompt = torch.randint(0, vocab, (max_batch, args.context), generator=gen)
-    new = torch.randint(0, vocab, (max_batch, max(n for _, n in CASES + [(1, args.tree or 1)])), generator=gen)
+    new = torch.randint(0, vocab, (max_batch, max(*(n for _, n in CASES), args.tree or 0)), generator=gen)
 
     pools = {}
     for name, lm in engines.items():
@@ -118,8 +103,10 @@ def main() -> None:
             steps[("chain", 1, args.tree)] = lean_step(
                 engines["invariant"], pools["invariant"], 1, args.tree, args.context, new
             )
-            steps[("tree", 1, args.tree)] = tree_step(
-                engines["invariant"], pools["invariant"], args.tree, args.context, new
+            # the verifier's mask for a pending token and a ternary tree under it (node k's parent k // 3 - 1)
+            tree = DraftTree(tuple(range(args.tree - 1)), tuple(k // 3 - 1 for k in range(args.tree - 1)))
+            steps[("tree", 1, args.tree)] = lean_step(
+                engines["invariant"], pools["invariant"], 1, args.tree, args.context, new, tree.attention_mask(1)
             )
 
         medians: dict[tuple, list[float]] = {key: [] for key in steps}

@@ -797,25 +797,27 @@ class LeanDecoder:
         for r, c in zip(rows, cached):
             n = len(r.token_ids)
             table = pool.slots(r.seq_id)[: c + n]
-            full = r.mask is not None and r.mask.shape[1] == c + n  # the mask covers the cached tokens too
+            seen = None if r.mask is None else r.mask.bool()
+            full = seen is not None and seen.shape[1] == c + n  # the mask covers the cached tokens too
             shared = False
-            if r.mask is not None and share_trees:
-                mask = r.mask.bool()
-                hidden = (~mask[:, :c]).any(0).nonzero() if full else []
-                start = min(int(hidden[0]), c) if len(hidden) else c  # the first key any node hides
+            if seen is not None and share_trees:
+                start = c  # the first key any node may hide: a cached one, or else the first new one
+                if full:
+                    hidden = (~seen[:, :c]).any(0).nonzero()
+                    start = int(hidden[0]) if len(hidden) else c
                 shared = start // cpu_kernels.KEY_CHUNK == (c + n - 1) // cpu_kernels.KEY_CHUNK and not (
-                    mask[:, -n:].triu(1).any()
+                    seen[:, -n:].triu(1).any()
                 )
-            if r.mask is None or shared:  # all the row's tokens share one list, each a longer prefix
+            if seen is None or shared:  # all the row's tokens share one list, each a longer prefix
                 if shared:
-                    hides[token] = (start, mask[:, start:] if full else mask)
+                    hides[token] = (start, seen[:, start:] if full else seen)
                 token += n
                 slots.append(table)
                 starts.append(torch.full((n,), offset))
                 lengths.append(torch.arange(c + 1, c + n + 1))
                 offset += c + n
                 continue
-            for allowed in r.mask.bool():
+            for allowed in seen:
                 own = table[allowed] if full else torch.cat([table[:c], table[c:][allowed]])
                 slots.append(own)
                 starts.append(torch.tensor([offset]))

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from backends.runtime import cpu_kernels
 from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.lean_lm import K_CHUNKS, KernelLinear, LeanCausalLM, LeanDecoder, Row, _Linear, kernel_linears
+from backends.serving.tree import DraftTree
 from tests.fixtures.lean_models import FAMILIES, assert_same, build, decode, tokens
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -188,14 +189,9 @@ def test_kernel_result_does_not_depend_on_threads():
 
 
 def _tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
-    """A random tree of n nodes in topological order: node i sees itself and its ancestors."""
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j], j = True, parents[j]
-    return mask
+    """The verifier's [n, n] mask for a pending token and a random tree of n - 1 nodes under it."""
+    parents = tuple(int(torch.randint(-1, k, (1,), generator=gen)) for k in range(n - 1))
+    return DraftTree(tuple(range(n - 1)), parents).attention_mask(1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
