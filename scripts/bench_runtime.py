@@ -5,15 +5,15 @@ batch 1 (1, 5, 17 new tokens: a plain step and two verify sizes) and batch 8 (x1
 compute the logits of every new token (what verification needs); transformers runs with a
 DynamicCache cropped back after each step, the lean runtime with its paged pool truncated back.
 
-    .venv/bin/python scripts/bench_runtime.py [MODEL_DIR] [--repeats 3] [--block-size 16] [--int8]
+    .venv/bin/python scripts/bench_runtime.py [MODEL_DIR] [--repeats 3] [--block-size 16] [--int8] [--int4]
 
 `--tree N` also times one row of N new tokens verified as a chain and as a draft tree (a
 pending token and a ternary tree of N - 1 nodes under it) on the batch-invariant engine, where a tree's nodes
 share one key list with a mask (lean_lm's _key_lists).
 
-`--int8` adds the lean runtime with int8 linear layers, batch-invariant (one C call a layer),
-as a quantized drafter runs (e.g. `~/.cache/tritonspec/models/qwen2.5-coder-0.5b`), where the
-CPU has AVX-512 VNNI.
+`--int8` / `--int4` add the lean runtime with int8 / int4 linear layers, batch-invariant (one C
+call a layer), as a quantized drafter runs (e.g. `~/.cache/tritonspec/models/qwen2.5-coder-0.5b`),
+where the CPU has AVX-512 VNNI or AVX2.
 
 The machine is shared and noisy: every case is measured --repeats times, interleaved, and the
 table gives the median of the per-repeat medians, their spread (min-max), and the fastest single
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="time the lean runtime only")
     parser.add_argument("--int8", action="store_true", help="also the lean runtime with int8 linear layers")
+    parser.add_argument("--int4", action="store_true", help="also the lean runtime with int4 linear layers")
     parser.add_argument("--tree", type=int, help="also one row of N new tokens as a chain and as a tree")
     args = parser.parse_args()
 
@@ -76,8 +77,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(Path(args.model).expanduser(), dtype=dtype).eval()
     engines = {"lean": LeanCausalLM.from_hf(hf), "invariant": LeanCausalLM.from_hf(hf, batch_invariant=True)}
-    if args.int8:
-        engines["int8"] = LeanCausalLM.from_hf(hf, batch_invariant=True, quantization="int8")
+    quantized = [q for q in ("int8", "int4") if getattr(args, q)]
+    for q in quantized:
+        engines[q] = LeanCausalLM.from_hf(hf, batch_invariant=True, quantization=q)
     gen = torch.Generator().manual_seed(0)
     vocab = hf.config.vocab_size
     max_batch = max(b for b, _ in CASES)
@@ -140,13 +142,19 @@ def main() -> None:
     def ratio(a, b) -> str:
         return "-" if a not in medians else f"{statistics.median(medians[a]) / statistics.median(medians[b]):.2f}x"
 
-    titles = {"lean": "lean", "invariant": "lean, batch-invariant", "hf": "transformers", "int8": "int8 linears"}
+    titles = {
+        "lean": "lean",
+        "invariant": "lean, batch-invariant",
+        "hf": "transformers",
+        "int8": "int8 linears",
+        "int4": "int4 linears",
+    }
     columns = [name for name in titles if name in engines or name == "hf"]
     print(
         f"{'batch x new':>12} | "
         + "".join(f"{titles[name]:>24} | " for name in columns)
         + "invariant cost | lean speedup vs transformers (medians)"
-        + (" | int8 / lean" if args.int8 else "")
+        + "".join(f" | {q} / lean" for q in quantized)
     )
     for batch, n in CASES:
         lean = ("lean", batch, n)
@@ -154,7 +162,7 @@ def main() -> None:
             f"{f'{batch} x {n}':>12} | "
             + "".join(f"{cell((name, batch, n)):>24} | " for name in columns)
             + f"{ratio(('invariant', batch, n), lean):>14} | {ratio(('hf', batch, n), lean)}"
-            + (f" | {ratio(('int8', batch, n), lean)}" if args.int8 else "")
+            + "".join(f" | {ratio((q, batch, n), lean)}" for q in quantized)
         )
     if args.tree:
         chain, tree = ("chain", 1, args.tree), ("tree", 1, args.tree)

@@ -6,8 +6,9 @@ differs (the first rejected draft, or the target's correction) and feeds only wh
 then k - 1 drafts (the k-th is sampled but never fed: it may be rejected).
 
 Where the lean runtime runs the draft model (Llama, Qwen2/3, Mistral on the CPU; with
-``quantization: int8`` on its int8 kernel, where the CPU has AVX-512 VNNI or AVX2; a layer
-whose K the int8 kernel cannot take leaves the drafter in bf16 on the packed kernel), each sequence's KV
+``quantization: int8`` or ``int4`` on its int8 or int4 kernel, where the CPU has AVX-512 VNNI or
+AVX2; int4 takes a layer whose K is a multiple of 64 and leaves others in int8; a layer whose K
+the int8 kernel cannot take leaves the drafter in bf16 on the packed kernel), each sequence's KV
 lives in one paged pool (``backends/runtime``) with prefix caching: a batch is one ragged
 forward per draft position, rollback is a shorter length, no cache is ever copied. Otherwise
 (other architectures, GPUs, int8 on a CPU without either kernel: torch's dynamic int8) it runs through
@@ -46,7 +47,7 @@ from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
 from backends.serving.tree import DraftTree, best_nodes, path_scores
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "int4")
 # The lean runtime's KV pool for the draft model (touched only where sequences write), and the
 # room a sequence's reservation grows by beyond what the current call needs (fewer, longer runs).
 DRAFT_KV_MEMORY_GB = 1.0
@@ -81,12 +82,12 @@ class _Work:
     candidates: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
-def check_int8_device(device: str) -> None:
-    """quantization='int8' quantizes for the CPU's int8 kernel; refuse it for other devices."""
+def check_quantization_device(quantization: str, device: str) -> None:
+    """quantization='int8' / 'int4' quantizes for the CPU's kernels; refuse it for other devices."""
     if torch.device(device).type != "cpu":
         raise ValueError(
-            f"quantization='int8' (dynamic int8) runs on the CPU only, but this drafter's device "
-            f"is {device}; drop the quantization or run the drafter on cpu"
+            f"quantization={quantization!r} (dynamic {quantization}) runs on the CPU only, but this drafter's "
+            f"device is {device}; drop the quantization or run the drafter on cpu"
         )
 
 
@@ -152,21 +153,21 @@ class DraftModelProposer(SequenceProposer):
         if config.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization={config.quantization!r} is not supported for the draft "
-                "model; use null or 'int8' (dynamic int8 of the linear layers)"
+                "model; use null, 'int8' or 'int4' (the linear layers' weights in 8 or 4 bits)"
             )
-        if config.quantization == "int8":
-            check_int8_device(device)
+        quantized = config.quantization is not None
+        if quantized:
+            check_quantization_device(config.quantization, device)
         if not config.model:
             raise ValueError("draft_model needs `model`: a named model, an HF directory or a GGUF file")
         path = resolve_model(config.model)
-        int8 = config.quantization == "int8"
-        # int8 on the lean runtime quantizes from bf16 weights; torch's dynamic int8 (the
-        # fallback) from float32 ones (its matmuls run in float32 anyway).
-        model = load_causal_lm(path, "bfloat16" if int8 else dtype).to(device)
+        # The lean runtime quantizes from bf16 weights; torch's dynamic int8 (the fallback, for
+        # int4 too) from float32 ones (its matmuls run in float32 anyway).
+        model = load_causal_lm(path, "bfloat16" if quantized else dtype).to(device)
         lean = _lean_drafter(model, config.quantization)
         if lean is None:
             keep_attention_off_cudnn(device)
-        if int8 and lean is None:
+        if quantized and lean is None:
             model = quantize_int8(model.float())
         bridge = None
         if config.use_heterogeneous_vocab:
@@ -470,8 +471,8 @@ def _lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausa
     try:
         return LeanCausalLM.from_hf(model, batch_invariant=True, quantization=quantization)
     except UnsupportedArchitecture as e:
-        if quantization == "int8" and cpu_kernels.packed_linear_available():
-            log.info("draft model in bf16 on the lean runtime, not int8: %s", e)
+        if quantization and cpu_kernels.packed_linear_available():
+            log.info("draft model in bf16 on the lean runtime, not %s: %s", quantization, e)
             return _lean_drafter(model, None)
         log.info("draft model runs through transformers: %s", e)
         return None

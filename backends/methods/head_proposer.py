@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.methods.draft_model import SAMPLE_METHODS, check_int8_device, sample_drafts
+from backends.methods.draft_model import SAMPLE_METHODS, check_quantization_device, sample_drafts
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.runtime.lean_lm import kernel_linears
 from backends.runtime.model_store import resolve_model
@@ -62,7 +62,7 @@ class HeadProposer(SequenceProposer):
         # awq, ...), which says how the target was stored, not what to do with the head.
         int8 = config.quantization == "int8"
         if int8:
-            check_int8_device(device)
+            check_quantization_device("int8", device)
         head = cls.load_head(config, TargetInfo.load(target_model), "bfloat16" if int8 else dtype)
         proposer = cls(head.to(device), max_model_len, config.draft_sample_method, seed)
         if int8:

@@ -1155,6 +1155,225 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
 }
 #endif
 
+/* int4 linear layers (a quantized drafter's, `quantization: int4`): y = x W^T (+ bias)
+ * (+ residual), bf16 in and out. Half the bytes of int8 per weight: a drafter's token is bound
+ * by the bytes it streams.
+ *
+ * W is quantized once at load, symmetric per output and per Q4_GROUP positions of K
+ * (w = scale[n][c] * q, q in [-7, 7]), stored as nibbles q + 8 and packed as
+ * [groups][K/8][4][16][4]: per group of GROUP outputs and 8 positions of K, for each 16 outputs
+ * 4 bytes each, whose low nibbles are K positions 0-3 and high nibbles 4-7. So one 64-byte load
+ * unpacks (and, shift) into two vectors of u8 that VNNI adds, 4 products at a time, to 16
+ * outputs' int32 sums against a broadcast 4 bytes of x. x is quantized per row when the call
+ * comes, symmetric to s8 (scale xs), with the sum of its values per Q4_GROUP (xsum), so a
+ * group's sum of (q + 8) * xq less 8 * xsum is sum(q * xq), exact in int32. Each group's sum
+ * then goes into a float32 sum in K order (fma with its scale), and y = that * xs + bias: the
+ * same float steps in the AVX-512 VNNI and the AVX2 kernel (vpmaddubsw + vpmaddwd give VNNI's
+ * int32 sums, no pair of products saturating: 2 * 15 * 127 < 32767), so the same bits. Not
+ * exact (the target never runs this); each row is quantized and summed alone, so a row gets
+ * the same result whatever shares its call. */
+#define Q4_GROUP 64
+#define Q4_ROWS 4
+
+typedef int8_t ecvec __attribute__((vector_size(ELEMS)));
+
+/* one row of k bf16 values -> s8 (round to nearest even) and its sum per Q4_GROUP; its scale */
+static float quantize_row_s8(const uint16_t *x, int64_t k, int8_t *q, int32_t *sums) {
+    float part[Q4_GROUP];
+    evec top = {0};
+    for (int64_t i = 0; i < k; i += Q4_GROUP) {
+        load_row((const char *)(x + i), Q4_GROUP, part, 1);
+        for (int j = 0; j < Q4_GROUP; j += ELEMS) {
+            evec v;
+            memcpy(&v, part + j, sizeof v);
+            v = select(v < 0, -v, v);
+            top = select(v > top, v, top); /* a NaN is passed over, as fmaxf does */
+        }
+    }
+    float most = 0.0f;
+    for (int l = 0; l < ELEMS; l++) most = fmaxf(most, top[l]);
+    float scale = most > 0 ? most / 127.0f : 1.0f, inv = 1.0f / scale;
+    for (int64_t c = 0; c < k / Q4_GROUP; c++) {
+        load_row((const char *)(x + c * Q4_GROUP), Q4_GROUP, part, 1);
+        eivec sum = {0};
+        for (int j = 0; j < Q4_GROUP; j += ELEMS) {
+            evec v;
+            memcpy(&v, part + j, sizeof v);
+            v = v * inv;
+            v = v + 12582912.0f; /* 1.5 * 2^23: rounds |v| < 2^22 to an integer, nearest even (lrintf) */
+            eivec r = __builtin_convertvector(v - 12582912.0f, eivec);
+            ecvec b = __builtin_convertvector(r, ecvec);
+            memcpy(q + c * Q4_GROUP + j, &b, sizeof b);
+            sum += r;
+        }
+        int32_t total = 0;
+        for (int l = 0; l < ELEMS; l++) total += sum[l];
+        sums[c] = total;
+    }
+    return scale;
+}
+
+typedef struct {
+    int8_t *xq;
+    int32_t *xsum;
+    float *xs;
+} q4_rows;
+
+static int quantize_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int threads, q4_rows *r) {
+    int64_t groups = k / Q4_GROUP;
+    r->xq = malloc((size_t)(m * k));
+    r->xsum = malloc((size_t)(m * groups) * sizeof(int32_t));
+    r->xs = malloc((size_t)m * sizeof(float));
+    if (!r->xq || !r->xsum || !r->xs) return -3;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < m; i++) r->xs[i] = quantize_row_s8(x + i * x_stride, k, r->xq + i * k, r->xsum + i * groups);
+    return 0;
+}
+
+static void free_rows(q4_rows *r) {
+    free(r->xq);
+    free(r->xsum);
+    free(r->xs);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT4_KERNEL
+
+/* the sums of rows already quantized (r) */
+static void int4_rows(const q4_rows *r, const uint8_t *packed, const float *scale, const uint16_t *bias,
+                      const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
+                      int64_t n, int64_t k, int threads) {
+    int64_t groups = (n + GROUP - 1) / GROUP, kg = k / Q4_GROUP;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = packed + g * GROUP * (k / 2);
+        const float *sg = scale + g * kg * GROUP;
+        for (int64_t m0 = 0; m0 < m; m0 += Q4_ROWS) {
+            int rows = m - m0 < Q4_ROWS ? (int)(m - m0) : Q4_ROWS;
+            __m512 sum[Q4_ROWS][4];
+            for (int i = 0; i < rows; i++)
+                for (int j = 0; j < 4; j++) sum[i][j] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < kg; c++) {
+                __m512i acc[Q4_ROWS][4];
+                for (int i = 0; i < rows; i++)
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
+                for (int64_t o = c * (Q4_GROUP / 8); o < (c + 1) * (Q4_GROUP / 8); o++) {
+                    const uint8_t *wp = wg + o * 4 * 64;
+                    for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wp + 8 * 4 * 64 + 64 * j), _MM_HINT_T0);
+                    __m512i lo[4], hi[4];
+                    for (int j = 0; j < 4; j++) {
+                        __m512i v = _mm512_loadu_si512(wp + 64 * j);
+                        lo[j] = _mm512_and_si512(v, low);
+                        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    }
+                    for (int i = 0; i < rows; i++) {
+                        const int32_t *xr = (const int32_t *)(r->xq + (m0 + i) * k);
+                        __m512i x0 = _mm512_set1_epi32(xr[2 * o]), x1 = _mm512_set1_epi32(xr[2 * o + 1]);
+                        for (int j = 0; j < 4; j++)
+                            acc[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][j], lo[j], x0), hi[j], x1);
+                    }
+                }
+                for (int i = 0; i < rows; i++) {
+                    __m512i offset = _mm512_set1_epi32(r->xsum[(m0 + i) * kg + c] * 8);
+                    for (int j = 0; j < 4; j++)
+                        sum[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], offset)),
+                                                    _mm512_loadu_ps(sg + c * GROUP + 16 * j), sum[i][j]);
+                }
+            }
+            for (int j = 0; j < 4; j++) {
+                int64_t n0 = g * GROUP + j * 16;
+                if (n0 >= n) break;
+                __mmask16 mask = n - n0 >= 16 ? 0xffff : (__mmask16)((1u << (n - n0)) - 1);
+                __m512 b = bias ? widen_bf16(mask, bias + n0) : _mm512_setzero_ps();
+                for (int i = 0; i < rows; i++) {
+                    __m512 v = _mm512_fmadd_ps(sum[i][j], _mm512_set1_ps(r->xs[m0 + i]), b);
+                    if (residual) v = _mm512_add_ps(v, widen_bf16(mask, residual + (m0 + i) * residual_stride + n0));
+                    _mm256_mask_storeu_epi16(y + (m0 + i) * y_stride + n0, mask, narrow_bf16(v));
+                }
+            }
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define INT4_KERNEL
+
+/* VNNI's vpdpbusd on AVX2: 4 products of u8 w and s8 x per int32 lane, added to acc */
+static inline __m256i dpbusd8(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+
+/* the sums of rows already quantized (r) */
+static void int4_rows(const q4_rows *r, const uint8_t *packed, const float *scale, const uint16_t *bias,
+                      const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
+                      int64_t n, int64_t k, int threads) {
+    int64_t groups = (n + GROUP - 1) / GROUP, kg = k / Q4_GROUP;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    /* one row at a time over a group's 64 outputs (8 vectors of sums in registers); the other
+     * rows read the group's weights again from cache */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = packed + g * GROUP * (k / 2);
+        const float *sg = scale + g * kg * GROUP;
+        int outputs = n - g * GROUP < GROUP ? (int)(n - g * GROUP) : GROUP;
+        for (int64_t i = 0; i < m; i++) {
+            const int32_t *xr = (const int32_t *)(r->xq + i * k);
+            __m256 sum[8];
+            for (int j = 0; j < 8; j++) sum[j] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < kg; c++) {
+                __m256i acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_si256();
+                for (int64_t o = c * (Q4_GROUP / 8); o < (c + 1) * (Q4_GROUP / 8); o++) {
+                    const uint8_t *wp = wg + o * 4 * 64;
+                    for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wp + 8 * 4 * 64 + 64 * j), _MM_HINT_T0);
+                    __m256i x0 = _mm256_set1_epi32(xr[2 * o]), x1 = _mm256_set1_epi32(xr[2 * o + 1]);
+                    for (int j = 0; j < 8; j++) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(wp + 32 * j));
+                        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                        acc[j] = dpbusd8(dpbusd8(acc[j], lo, x0), hi, x1);
+                    }
+                }
+                __m256i offset = _mm256_set1_epi32(r->xsum[i * kg + c] * 8);
+                for (int j = 0; j < 8; j++)
+                    sum[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[j], offset)),
+                                             _mm256_loadu_ps(sg + c * GROUP + 8 * j), sum[j]);
+            }
+            float out[GROUP], total[GROUP]; /* the VNNI kernel's float steps, one output at a time */
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(total + 8 * j, sum[j]);
+            for (int j = 0; j < outputs; j++) {
+                int64_t o = g * GROUP + j;
+                float b = bias ? row_value((const char *)bias, o, 1) : 0.0f;
+                out[j] = fmaf(total[j], r->xs[i], b);
+                if (residual) out[j] += row_value((const char *)(residual + i * residual_stride), o, 1);
+            }
+            store_row(out, outputs, (char *)(y + i * y_stride + g * GROUP), 1);
+        }
+    }
+}
+#endif
+
+#ifdef INT4_KERNEL
+int int4_linear_available(void) { return 1; }
+
+int int4_linear(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const float *scale, const uint16_t *bias,
+                const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
+                int64_t n, int64_t k, int threads) {
+    if (k % Q4_GROUP != 0) return -1;
+    q4_rows r;
+    int rc = quantize_rows(x, x_stride, m, k, threads, &r);
+    if (!rc) int4_rows(&r, packed, scale, bias, residual, residual_stride, y, y_stride, m, n, k, threads);
+    free_rows(&r);
+    return rc;
+}
+#else
+int int4_linear_available(void) { return 0; }
+int int4_linear(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const float *scale, const uint16_t *bias,
+                const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
+                int64_t n, int64_t k, int threads) {
+    return -2;
+}
+#endif
+
 /* One bf16 decoder layer of a step, the calls lean_lm makes one by one, made here in one: the
  * same kernels in the same order on the same buffers, so the bits are those of the calls one
  * by one; what goes is ~8 Python -> C transitions a layer (~7 us each here, 1.5-2 ms of a
@@ -1162,12 +1381,13 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
  * stream, updated in place (o_proj and down_proj add into it); the attention runs over
  * explicit key lists (batch-invariant mode); `scratch` holds
  * tokens * (hidden + qkv + heads*d + 2*inter + inter) values. The linear layers are all bf16
- * (packed_linear) or all int8 (int8_linear, where `scale` is set). */
+ * (packed_linear), all int8 (int8_linear, where `wsum` is set) or all int4 (int4_linear, where
+ * only `scale` is). */
 typedef struct {
     const void *packed;
     const uint16_t *bias;   /* or NULL */
-    const float *scale;     /* int8: per output; NULL: bf16 */
-    const int32_t *wsum;    /* int8: per output */
+    const float *scale;     /* int8: per output; int4: per output and Q4_GROUP of K; NULL: bf16 */
+    const int32_t *wsum;    /* int8: per output; NULL: int4 */
 } linear_weights;
 
 typedef struct {
@@ -1178,6 +1398,9 @@ typedef struct {
 static int linear(const linear_weights *w, const uint16_t *x, int64_t x_stride, const uint16_t *residual,
                   int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
                   int threads) {
+    if (w->scale && !w->wsum)
+        return int4_linear(x, x_stride, w->packed, w->scale, w->bias, residual, residual_stride, y, y_stride, m, n, k,
+                           threads);
     if (w->scale)
         return int8_linear(x, x_stride, w->packed, w->scale, w->wsum, w->bias, residual, residual_stride, y, y_stride,
                            m, n, k, threads);

@@ -1,7 +1,7 @@
 """The lean runtime's C kernels (``cpu_kernels.c``), built once per machine with gcc: batch-invariant
 attention; RMSNorm, RoPE with the KV write and SiLU-and-multiply for bf16 steps; bf16
-linear layers on packed weights (where the CPU has AVX-512 BF16 or AVX2 + FMA); and int8 linear
-layers for quantized drafters (AVX-512 VNNI or AVX2 + FMA, the same bits on both).
+linear layers on packed weights (where the CPU has AVX-512 BF16 or AVX2 + FMA); and int8 and int4
+linear layers for quantized drafters (AVX-512 VNNI or AVX2 + FMA, the same bits on both).
 
 Why an attention kernel of our own: SDPA's CPU kernels block queries and keys by the sizes in the call, so
 a token's attention output changes in its last bits with the number of tokens verified beside
@@ -124,6 +124,10 @@ def _library() -> ctypes.CDLL:
     lib.int8_linear_available.restype = ctypes.c_int
     lib.int8_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.int8_linear.restype = ctypes.c_int
+    lib.int4_linear_available.argtypes = []
+    lib.int4_linear_available.restype = ctypes.c_int
+    lib.int4_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.int4_linear.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.layer_step.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.layer_step.argtypes += [ptr, ptr, i64, ptr, ctypes.c_int]
@@ -316,8 +320,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class LinearWeights(ctypes.Structure):
-    """cpu_kernels.c's linear_weights: a packed weight, its bias (or NULL) and, for int8, its
-    per-output scales and sums (NULL for bf16)."""
+    """cpu_kernels.c's linear_weights: a packed weight, its bias (or NULL), for int8 its
+    per-output scales and sums, for int4 its scales only (NULL for bf16)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("packed", "bias", "scale", "wsum")]
 
@@ -535,5 +539,58 @@ def int8_linear(
     out, rc = _linear(_library().int8_linear, "int8 linear", x, pointers, weight.out_features, bias, residual)
     if rc != 0:
         reasons = {-1: f"K {x.shape[1]} is not a multiple of 4", -2: "the int8 linear kernel is not built for this CPU"}
+        raise KernelUnavailable(reasons.get(rc, "out of memory for the quantized activations"))
+    return out
+
+
+Q4_GROUP = 64  # cpu_kernels.c: positions of K sharing one int4 scale
+
+
+def int4_linear_available() -> bool:
+    """Does this CPU run the int4 linear kernel (AVX-512 VNNI, or AVX2 + FMA)?"""
+    return _available("int4_linear")
+
+
+@dataclass
+class Int4Weight:
+    """A linear layer's weight for ``int4_linear``: per output and Q4_GROUP positions of K,
+    q = round(w / scale) in [-7, 7], packed as nibbles q + 8; ``scale`` ``[groups, K / Q4_GROUP,
+    GROUP]`` float32 (the kernel reads 16 outputs' scales at once)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    out_features: int
+
+
+def pack_linear_int4(weight: torch.Tensor) -> Int4Weight:
+    """Quantize a ``[n, k]`` weight (k a multiple of Q4_GROUP) symmetrically per output and
+    group of K, and pack it in cpu_kernels.c's int4 layout."""
+    n, k = weight.shape
+    if k % Q4_GROUP:
+        raise ValueError(f"the int4 linear kernel takes weights whose K is a multiple of {Q4_GROUP}, got {n}x{k}")
+    padded = -(-n // GROUP) * GROUP
+    w = torch.zeros(padded, k // Q4_GROUP, Q4_GROUP)
+    w[:n] = weight.detach().to(torch.float32).view(n, -1, Q4_GROUP)
+    scale = (w.abs().amax(dim=2) / 7).clamp_min(torch.finfo(torch.float32).tiny)
+    nibbles = (w / scale[..., None]).round_().clamp_(-7, 7).add_(8).to(torch.uint8)
+    # [outputs (group, 4, 16), octets of K (low half, high half) x 4] -> [group, octet, 4, 16, 4]
+    nibbles = nibbles.view(padded // GROUP, 4, 16, k // 8, 2, 4).permute(0, 3, 1, 2, 5, 4)
+    packed = (nibbles[..., 0] | nibbles[..., 1] << 4).contiguous().view(-1)
+    scale = scale.view(padded // GROUP, GROUP, -1).transpose(1, 2).contiguous()
+    return Int4Weight(packed, scale, n)
+
+
+def int4_linear(
+    x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided), each
+    row quantized to int8 on the fly, W as ``pack_linear_int4`` left it -> ``[m, n]`` bf16."""
+    pointers = (weight.packed.data_ptr(), weight.scale.data_ptr())
+    out, rc = _linear(_library().int4_linear, "int4 linear", x, pointers, weight.out_features, bias, residual)
+    if rc != 0:
+        reasons = {
+            -1: f"K {x.shape[1]} is not a multiple of {Q4_GROUP}",
+            -2: "the int4 linear kernel is not built for this CPU",
+        }
         raise KernelUnavailable(reasons.get(rc, "out of memory for the quantized activations"))
     return out

@@ -83,14 +83,15 @@ def test_mismatched_vocabulary_is_refused_at_load(tiny_model_dir, tiny_hetero_di
         server.stop()
 
 
-def test_int8_drafter_through_the_server(tiny_model_dir, tmp_path):
-    """An int8 drafter (the lean runtime's int8 kernel where the CPU has one) drafts what it
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_drafter_through_the_server(tiny_model_dir, tmp_path, quantization):
+    """An int8 or int4 drafter (the lean runtime's kernel where the CPU has one) drafts what it
     will; the output is the target's greedy output."""
     config = {
         "method": "draft_model",
         "model": str(tiny_model_dir),
         "num_speculative_tokens": 3,
-        "quantization": "int8",
+        "quantization": quantization,
     }
     results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 32)
     assert sum(r.total_accepted_draft_tokens for r in results) > 0

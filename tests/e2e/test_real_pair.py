@@ -1,5 +1,5 @@
 """Opt-in (TRITONSPEC_REAL_PAIR=1; fetches 1.6 GB once): the real Qwen2.5-Coder pair through
-the server, its drafter in int8 as the qwen-coder profile runs it, reproduces the 1.5B target's
+the server, its drafter in int4 as the qwen-coder profile runs it, reproduces the 1.5B target's
 own greedy output."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_qwen_coder_pair_is_lossless(tmp_path):
     from backends.runtime.model_store import fetch
 
     target, draft = fetch("qwen2.5-coder-1.5b"), fetch("qwen2.5-coder-0.5b")
-    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4, "quantization": "int8"}
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4, "quantization": "int4"}
     server = start_server(tmp_path, str(target), json.dumps(config))
     try:
         r = grpc_generate(server.grpc_url, PROMPT, max_tokens=24, timeout_s=900)

@@ -13,7 +13,7 @@ from backends.config.errors import SpeculativeConfigError
 from backends.methods.draft_model import DraftModelProposer, sample_drafts
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
-from backends.runtime.lean_lm import LeanCausalLM, _Int8Linear, _PackedLinear
+from backends.runtime.lean_lm import LeanCausalLM, _Int4Linear, _Int8Linear, _PackedLinear
 from backends.runtime.model_store import load_causal_lm, load_tokenizer
 from backends.serving.drafting import DraftService
 from backends.serving.local import generate_local
@@ -209,6 +209,10 @@ def test_from_config(tiny_draft_dir, tiny_model_dir, prompt_ids):
     else:  # torch's dynamic int8 through transformers
         assert "DynamicQuantizedLinear" in repr(int8.model) and int8.lean is None
     assert len(int8.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
+    int4 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int4"), max_model_len=512)
+    if cpu_kernels.int4_linear_available():  # int4 where K is a multiple of 64 (the tiny hidden size)
+        assert isinstance(int4.lean.lm_head, _Int4Linear)
+    assert len(int4.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
     with pytest.raises(ValueError, match="quantization='fp8'"):
         build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="fp8"), max_model_len=512)
     config = draft_config(tiny_draft_dir, tiny_model_dir)
@@ -224,7 +228,7 @@ def speculate(runner, tokenizer, prompt, proposer, max_tokens=40):
     return generate_local(prompt, tokenizer, runner, DraftService(proposer, config), {0}, max_tokens=max_tokens)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_speculative_greedy_equals_target_greedy(runner, tokenizer, tiny_model_dir, tiny_draft_dir, quantization):
     config = draft_config(tiny_draft_dir, tiny_model_dir, quantization=quantization)
     proposer = build_proposer(config, max_model_len=512, dtype="float32")
