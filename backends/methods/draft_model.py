@@ -86,8 +86,8 @@ def check_quantization_device(quantization: str, device: str) -> None:
     """quantization='int8' / 'int4' quantizes for the CPU's kernels; refuse it for other devices."""
     if torch.device(device).type != "cpu":
         raise ValueError(
-            f"quantization={quantization!r} (dynamic {quantization}) runs on the CPU only, but this drafter's "
-            f"device is {device}; drop the quantization or run the drafter on cpu"
+            f"quantization={quantization!r} (the CPU's {quantization} kernels) runs on the CPU only, but this "
+            f"drafter's device is {device}; drop the quantization or run the drafter on cpu"
         )
 
 
