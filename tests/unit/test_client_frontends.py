@@ -213,8 +213,8 @@ def test_bench_runs_a_profiles_drafter_settings_for_its_method_and_tree():
 
     qwen = PROFILES["qwen-coder"]["speculative_config"]
     assert method_config("draft_model", qwen) == qwen
-    tree = method_config("draft_model+tree", qwen)  # the profile's int8 drafter, drafting trees
-    assert tree["quantization"] == "int8" and tree["model"] == qwen["model"]
+    tree = method_config("draft_model+tree", qwen)  # the profile's quantized drafter, drafting trees
+    assert tree["quantization"] == qwen["quantization"] == "int4" and tree["model"] == qwen["model"]
     assert tree["speculative_token_tree"] == METHOD_CONFIGS["draft_model+tree"]["speculative_token_tree"]
     eagle3 = method_config("eagle3+tree", PROFILES["smollm2-eagle3"]["speculative_config"])
     assert eagle3 == METHOD_CONFIGS["eagle3+tree"]  # the tree's own depth, not the profile's chain k
