@@ -1239,7 +1239,7 @@ static void free_rows(q4_rows *r) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define INT4_KERNEL
 
-/* the sums of rows already quantized (r) */
+/* y for the rows quantized in r: the kernel proper (int4_linear quantizes, then calls it) */
 static void int4_rows(const q4_rows *r, const uint8_t *packed, const float *scale, const uint16_t *bias,
                       const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
                       int64_t n, int64_t k, int threads) {
@@ -1303,7 +1303,7 @@ static inline __m256i dpbusd8(__m256i acc, __m256i w, __m256i x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 
-/* the sums of rows already quantized (r) */
+/* y for the rows quantized in r: the kernel proper (int4_linear quantizes, then calls it) */
 static void int4_rows(const q4_rows *r, const uint8_t *packed, const float *scale, const uint16_t *bias,
                       const uint16_t *residual, int64_t residual_stride, uint16_t *y, int64_t y_stride, int64_t m,
                       int64_t n, int64_t k, int threads) {
