@@ -128,6 +128,14 @@ def test_the_lean_runtime_quantizes_to_int8_or_int4_only():
         LeanCausalLM.from_hf(build("llama"), quantization="int2")
 
 
+def test_int4_packing_in_chunks_of_outputs_is_the_whole_weights(monkeypatch):
+    weight = (torch.randn(200, 128, generator=torch.Generator().manual_seed(9)) * 0.05).bfloat16()
+    whole = cpu_kernels.pack_linear_int4(weight)
+    monkeypatch.setattr(cpu_kernels, "PACK_CHUNK", cpu_kernels.GROUP)  # 4 chunks, the last partial
+    chunked = cpu_kernels.pack_linear_int4(weight)
+    assert torch.equal(chunked.packed, whole.packed) and torch.equal(chunked.scale, whole.scale)
+
+
 def test_int4_linear_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="multiple of 64"):
         cpu_kernels.pack_linear_int4(torch.zeros(4, 96))
