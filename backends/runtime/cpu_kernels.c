@@ -1380,9 +1380,10 @@ int int4_linear(const uint16_t *x, int64_t x_stride, const uint8_t *packed, cons
  * 10 ms SmolLM2 step) and the tensor ops around them. h [tokens][hidden] is the residual
  * stream, updated in place (o_proj and down_proj add into it); the attention runs over
  * explicit key lists (batch-invariant mode); `scratch` holds
- * tokens * (hidden + qkv + heads*d + 2*inter + inter) values. The linear layers are all bf16
- * (packed_linear), all int8 (int8_linear, where `wsum` is set) or all int4 (int4_linear, where
- * only `scale` is). */
+ * tokens * (hidden + qkv + heads*d + 2*inter + inter) values. Each linear layer runs the kernel
+ * its weights name: bf16 (packed_linear, no `scale`), int8 (int8_linear, `scale` and `wsum`) or
+ * int4 (int4_linear, `scale` only); an int4 model's layer may mix int4 and int8 (a K int4 cannot
+ * take stays int8). */
 typedef struct {
     const void *packed;
     const uint16_t *bias;   /* or NULL */
