@@ -397,14 +397,15 @@ needs_packed = pytest.mark.skipif(
 @pytest.mark.parametrize("n", [64, 200, 3])  # whole groups of 64 outputs, a partial last group, less than one
 def test_packed_linear_is_the_matmul_and_row_invariant(n):
     """x W^T + bias + residual to bf16 rounding of a float64 reference; every row the same bits
-    alone, among 40 rows or strided, at any thread count."""
+    alone, among 52 rows (two blocks of row tiles, K in four and a half chunks) or strided, at
+    any thread count."""
     gen = torch.Generator().manual_seed(6)
     k = 576
     weight = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16()
-    wide = torch.randn(40, k + 8, generator=gen).bfloat16()
+    wide = torch.randn(52, k + 8, generator=gen).bfloat16()
     x = wide[:, :k]  # strided rows
-    residual = torch.randn(40, n, generator=gen).bfloat16()
+    residual = torch.randn(52, n, generator=gen).bfloat16()
     packed = cpu_kernels.pack_linear(weight)
     out = cpu_kernels.packed_linear(x, packed, n, bias, residual)
     reference = x.double() @ weight.double().T + bias.double() + residual.double()
@@ -414,12 +415,12 @@ def test_packed_linear_is_the_matmul_and_row_invariant(n):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        for i in (0, 5, 39):
+        for i in (0, 5, 39, 51):
             alone = cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, n, bias, residual[i : i + 1])
             assert torch.equal(alone[0], out[i])
     finally:
         torch.set_num_threads(before)
-    for m in (1, 6, 7, 13):  # whole and partial tiles of 6 rows
+    for m in (1, 6, 7, 13, 48, 49):  # one tile, tiles split evenly (4 + 3, 5 + 4 + 4), one and two blocks
         assert torch.equal(cpu_kernels.packed_linear(x[:m], packed, n, bias, residual[:m]), out[:m])
 
 
