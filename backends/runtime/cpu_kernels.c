@@ -484,6 +484,21 @@ static void combine_chunks(const float *e, int64_t chunks, int64_t d, char *out,
  * is 0 (mask_from NULL: none hidden; see key_mask); out: [tokens, heads*d]. Consecutive
  * tokens with the same key_start form runs (of at most MAX_RUN) that share key loads. Returns
  * 0, -1 for a head dim or group it does not take, -2 when out of memory. */
+/* Runs: consecutive query tokens of one key list (one sequence), at most `cap` each, which
+ * share each pass over their keys. first[r]: run r's first token (first[runs] = tokens);
+ * chunks[r]: the KEY_CHUNKs of its longest query. Returns the number of runs. */
+static int64_t form_runs(const int64_t *key_start, const int64_t *key_len, int64_t tokens, int64_t cap,
+                         int64_t *first, int64_t *chunks) {
+    int64_t runs = 0;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (t == 0 || key_start[t] != key_start[t - 1] || t - first[runs - 1] == cap) chunks[runs] = 0, first[runs++] = t;
+        int64_t c = (key_len[t] + KEY_CHUNK - 1) / KEY_CHUNK;
+        chunks[runs - 1] = c > chunks[runs - 1] ? c : chunks[runs - 1];
+    }
+    first[runs] = tokens;
+    return runs;
+}
+
 int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_slots,
            const int64_t *key_start, const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask,
            int64_t mask_width, void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d, float scale,
@@ -497,13 +512,17 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
         free(first), free(chunks);
         return -2;
     }
-    for (int64_t t = 0; t < tokens; t++) {
-        if (t == 0 || key_start[t] != key_start[t - 1] || t - first[runs - 1] == MAX_RUN) chunks[runs] = 0, first[runs++] = t;
-        int64_t c = (key_len[t] + KEY_CHUNK - 1) / KEY_CHUNK;
-        chunks[runs - 1] = c > chunks[runs - 1] ? c : chunks[runs - 1];
-    }
-    first[runs] = tokens;
+    runs = form_runs(key_start, key_len, tokens, MAX_RUN, first, chunks);
     for (int64_t r = 0; r < runs; r++) max_chunks = chunks[r] > max_chunks ? chunks[r] : max_chunks;
+    if (runs * kv_heads < 2 * threads && runs < tokens && max_chunks == 1) {
+        /* Too few tasks to share (a 5-token verification's 3 kv heads on 2 threads: one
+         * thread did two, the other waited), and no chunks of keys to spread instead: runs of
+         * half the length. A query's result does not depend on the run it is in; only the
+         * keys' widening is done once more. */
+        int64_t longest = 0;
+        for (int64_t r = 0; r < runs; r++) longest = first[r + 1] - first[r] > longest ? first[r + 1] - first[r] : longest;
+        runs = form_runs(key_start, key_len, tokens, (longest + 1) / 2, first, chunks);
+    }
     /* Few tasks (a step of a row or two): each chunk of a run is a task of its own, its partial
      * results [tokens][heads][max_chunks] kept in `part` for all; otherwise (or where those
      * would take too much memory) a task attends its run's chunks one after the other in its

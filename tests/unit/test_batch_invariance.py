@@ -172,17 +172,23 @@ def test_kernel_matches_float64_attention_and_is_invariant(dtype, heads, kv_head
         assert torch.equal(cpu_kernels.attend(q[t : t + 1, : heads * head_dim], kv, alone, heads)[0], out[t])
 
 
-def test_kernel_result_does_not_depend_on_threads():
+@pytest.mark.parametrize("last", [300, 200])  # keys in two chunks; in one (the run split in two on 2 threads)
+def test_kernel_result_does_not_depend_on_threads_or_runs(last):
+    """A verification's 5 queries over one key list: the same bits on 1 or 2 threads, and
+    each query's bits alone."""
     gen = torch.Generator().manual_seed(1)
     kv = torch.randn(300, 2, 3, 64, generator=gen).bfloat16()
     q = torch.randn(5, 9 * 64, generator=gen).bfloat16()
-    keys = cpu_kernels.KeyLists(torch.arange(300), torch.zeros(5, dtype=torch.long), torch.arange(296, 301))
+    keys = cpu_kernels.KeyLists(torch.arange(300), torch.zeros(5, dtype=torch.long), torch.arange(last - 4, last + 1))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = cpu_kernels.attend(q, kv, keys, 9)
         torch.set_num_threads(2)
         two = cpu_kernels.attend(q, kv, keys, 9)
+        for t in range(5):
+            alone = cpu_kernels.KeyLists(torch.arange(300), torch.tensor([0]), torch.tensor([last - 4 + t]))
+            assert torch.equal(cpu_kernels.attend(q[t : t + 1], kv, alone, 9)[0], two[t])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
