@@ -28,16 +28,6 @@ from backends.runtime import cpu_kernels
 from backends.runtime.lean_lm import LeanCausalLM, Row
 
 
-def build(source: Path):
-    """The kernels built from `source`, loaded (cached by source hash, as the runtime's own)."""
-    own = cpu_kernels.SOURCE
-    cpu_kernels.SOURCE = source
-    try:
-        return cpu_kernels._library.__wrapped__()
-    finally:
-        cpu_kernels.SOURCE = own
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base", type=Path, help="the cpu_kernels.c to compare against")
@@ -50,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    libraries = {"base": build(args.base.expanduser()), "this": build(cpu_kernels.SOURCE)}
+    libraries = {"base": cpu_kernels.load_library(args.base.expanduser()), "this": cpu_kernels._library()}
     current = ["this"]
     cpu_kernels._library = lambda: libraries[current[0]]  # every kernel call goes to the build in turn
 

@@ -477,13 +477,6 @@ static void combine_chunks(const float *e, int64_t chunks, int64_t d, char *out,
     store_row(acc, d, out, bf16);
 }
 
-/* q: [tokens, q_stride elements] with head h at h*d (query heads group-major: head
- * g*kv_heads + kvh uses kv head kvh); kv: one layer of the pool, [slots, 2, kv_heads, d];
- * query t attends over key_slots[key_start[t] : key_start[t] + key_len[t]] (key_len >= 1),
- * less the keys j >= mask_from[t] of that list where mask[t * mask_width + j - mask_from[t]]
- * is 0 (mask_from NULL: none hidden; see key_mask); out: [tokens, heads*d]. Consecutive
- * tokens with the same key_start form runs (of at most MAX_RUN) that share key loads. Returns
- * 0, -1 for a head dim or group it does not take, -2 when out of memory. */
 /* Runs: consecutive query tokens of one key list (one sequence), at most `cap` each, which
  * share each pass over their keys. first[r]: run r's first token (first[runs] = tokens);
  * chunks[r]: the KEY_CHUNKs of its longest query. Returns the number of runs. */
@@ -499,6 +492,13 @@ static int64_t form_runs(const int64_t *key_start, const int64_t *key_len, int64
     return runs;
 }
 
+/* q: [tokens, q_stride elements] with head h at h*d (query heads group-major: head
+ * g*kv_heads + kvh uses kv head kvh); kv: one layer of the pool, [slots, 2, kv_heads, d];
+ * query t attends over key_slots[key_start[t] : key_start[t] + key_len[t]] (key_len >= 1),
+ * less the keys j >= mask_from[t] of that list where mask[t * mask_width + j - mask_from[t]]
+ * is 0 (mask_from NULL: none hidden; see key_mask); out: [tokens, heads*d]. Consecutive
+ * tokens with the same key_start form runs (of at most MAX_RUN) that share key loads. Returns
+ * 0, -1 for a head dim or group it does not take, -2 when out of memory. */
 int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_slots,
            const int64_t *key_start, const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask,
            int64_t mask_width, void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d, float scale,

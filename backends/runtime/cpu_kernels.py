@@ -64,10 +64,16 @@ def _cpu_flags() -> str:
 
 @cache
 def _library() -> ctypes.CDLL:
+    return load_library(SOURCE)
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """The kernels of the C source at `path`, built once per source, compiler, flags and CPU
+    into the cache, loaded with their signatures (scripts/bench_kernels_ab.py loads two)."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (gcc) on PATH to build the lean runtime's CPU kernels")
-    source = SOURCE.read_bytes()
+    source = path.read_bytes()
     flags = (*FLAGS, *os.environ.get(FLAGS_ENV, "").split())
     # -march=native: a cache shared by machines of other CPUs must not hand them this build
     digest = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
@@ -79,10 +85,10 @@ def _library() -> ctypes.CDLL:
             partial = Path(tmp.name)
         try:
             done = subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True
+                [compiler, *flags, str(path), "-o", str(partial), "-lm"], capture_output=True, text=True
             )
             if done.returncode != 0:
-                raise KernelUnavailable(f"building {SOURCE.name} failed:\n{done.stderr.strip()}")
+                raise KernelUnavailable(f"building {path.name} failed:\n{done.stderr.strip()}")
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
