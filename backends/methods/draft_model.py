@@ -236,7 +236,8 @@ class DraftModelProposer(SequenceProposer):
         fixed token (a one-hot row when the chain comes with probabilities), so sampled
         verification stays exact whichever nodes are kept."""
         scores = path_scores(w.tree, lambda depth, rank: w.candidates[depth][rank][1])
-        paths = [w.tree[i] for i in best_nodes(scores, [len(p) for p in w.tree], w.num_nodes)]
+        kept = best_nodes(scores, [len(p) for p in w.tree], w.num_nodes)
+        paths = [w.tree[i] for i in kept]
         tokens, rows = [], []
         for path in paths:
             depth, rank = len(path) - 1, path[-1]
@@ -247,7 +248,9 @@ class DraftModelProposer(SequenceProposer):
                     w.probs[depth] if rank == 0 else F.one_hot(torch.tensor(token), w.probs.shape[-1]).to(w.probs)
                 )
         tree = DraftTree.from_paths(paths, tokens)
-        return Draft(list(tree.token_ids), torch.stack(rows) if rows else None, list(tree.parents))
+        return Draft(
+            list(tree.token_ids), torch.stack(rows) if rows else None, list(tree.parents), [scores[i] for i in kept]
+        )
 
     def _rollback(self, state: _SeqState, context: list[int], req: DraftRequest) -> list[int]:
         """Crop the cache past the drafts the target rejected; the tokens to feed. At least

@@ -72,6 +72,7 @@ the call returns: the accepted path comes back as new tokens with the target's s
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +90,7 @@ from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, Ta
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime.lean_lm import LeanDecoder, Row
 from backends.serving.proposer import Draft, DraftRequest
-from backends.serving.tree import ROOT, DraftTree, best_nodes
+from backends.serving.tree import ROOT, DraftTree, best_nodes, subtree_parents
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("eagle", "eagle3")
@@ -371,6 +372,7 @@ class _Work:
     drafts: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [num_drafts, V_target] on the head's device (probabilistic)
     parents: list[int] | None = None  # a tree's (None: a chain)
+    scores: list[float] | None = None  # a tree's node scores (Draft.scores)
 
     @property
     def context(self) -> int:
@@ -425,7 +427,7 @@ class EagleProposer(HeadProposer):
         if trees:
             self._run_tree(trees)
         for w in work:
-            drafts[w.index] = Draft(w.drafts, w.probs, w.parents)
+            drafts[w.index] = Draft(w.drafts, w.probs, w.parents, w.scores)
         return drafts
 
     def release(self, seq_id: int) -> None:
@@ -531,8 +533,8 @@ class EagleProposer(HeadProposer):
         else:
             paths = [[p for p in self.token_tree if len(p) <= w.num_drafts][: w.num_nodes] for w in work]
             trees = static_trees(feed, root, paths, self._target_ids)
-        for w, (token_ids, parents) in zip(work, trees):
-            w.drafts, w.parents = token_ids, parents
+        for w, (token_ids, parents, scores) in zip(work, trees):
+            w.drafts, w.parents, w.scores = token_ids, parents, scores
             self.pool.truncate(w.seq_id, w.context)
 
     def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -611,7 +613,7 @@ def dynamic_trees(
     depths: list[int],
     sizes: list[int],
     target_ids: Callable[[torch.Tensor], torch.Tensor],
-) -> list[tuple[list[int], list[int]]]:
+) -> list[tuple[list[int], list[int], list[float]]]:
     """EAGLE-2's trees from the root's draft logits `root` [B, V_d]: at most depths[i] levels
     and sizes[i] nodes for sequence i. Every candidate is a (token, cumulative log-probability,
     parent) triple; each level feeds its top_k candidates. `target_ids` maps draft ids."""
@@ -638,14 +640,14 @@ def dynamic_trees(
 
 def best_subtree(
     token_ids: list[int], scores: list[float], parents: list[int], depths: list[int], max_depth: int, size: int
-) -> tuple[list[int], list[int]]:
-    """EAGLE-2's rerank: the `size` candidates of the highest score within `max_depth` levels
-    (ties: the shallower, then the earlier; a node never scores above its parent, so every
-    kept node's parent is kept), ordered by depth, then score. Returns (tokens, parents)."""
+) -> tuple[list[int], list[int], list[float]]:
+    """EAGLE-2's rerank: the `size` candidates of the highest score (cumulative log-probability)
+    within `max_depth` levels (ties: the shallower, then the earlier; a node never scores above
+    its parent, so every kept node's parent is kept), ordered by depth, then score. Returns
+    (tokens, parents, path probabilities)."""
     eligible = [i for i, d in enumerate(depths) if d < max_depth]
     kept = [eligible[j] for j in best_nodes([scores[i] for i in eligible], [depths[i] for i in eligible], size)]
-    index = {node: new for new, node in enumerate(kept)}
-    return [token_ids[i] for i in kept], [ROOT if parents[i] == ROOT else index[parents[i]] for i in kept]
+    return [token_ids[i] for i in kept], subtree_parents(parents, kept), [math.exp(scores[i]) for i in kept]
 
 
 def static_trees(
@@ -653,21 +655,27 @@ def static_trees(
     root: torch.Tensor,
     trees: list[list[tuple[int, ...]]],
     target_ids: Callable[[torch.Tensor], torch.Tensor],
-) -> list[tuple[list[int], list[int]]]:
+) -> list[tuple[list[int], list[int], list[float]]]:
     """Static trees from the root's draft logits `root` [B, V_d]: trees[i] is sequence i's
     node paths (closed under parents, breadth-first). Their union runs for every sequence,
-    a level at a time, feeding only the nodes that have children."""
+    a level at a time, feeding only the nodes that have children. Returns each tree's
+    (tokens, parents, path probabilities under the head)."""
     paths = sorted(set().union(*trees), key=lambda p: (len(p), p))
     index = {p: i for i, p in enumerate(paths)}
     has_children = {p[:-1] for p in paths}
     tokens = torch.zeros(len(root), len(paths), dtype=torch.long, device=root.device)
+    scores = torch.ones(len(root), len(paths), device=root.device)
     logits, fed, slot = root.unsqueeze(1), [()], {(): 0}  # the distributions the next level ranks
     for depth in range(1, len(paths[-1]) + 1):
         level = [p for p in paths if len(p) == depth]
         ranked = logits.topk(max(p[-1] for p in level) + 1).indices  # [B, fed, ranks]
         where = {p: j for j, p in enumerate(fed)}
-        chosen = ranked[:, [where[p[:-1]] for p in level], [p[-1] for p in level]]
+        parent_rows, ranks = [where[p[:-1]] for p in level], [p[-1] for p in level]
+        chosen = ranked[:, parent_rows, ranks]
         tokens[:, [index[p] for p in level]] = target_ids(chosen)
+        probs = logits.softmax(-1).gather(-1, ranked)[:, parent_rows, ranks]
+        above = scores[:, [index[p[:-1]] for p in level]] if depth > 1 else 1.0
+        scores[:, [index[p] for p in level]] = above * probs
         fed = [p for p in level if p in has_children]
         if not fed:
             break
@@ -675,9 +683,8 @@ def static_trees(
         parents = torch.tensor([slot[p[:-1]] for p in fed], device=root.device).expand(len(root), -1)
         logits = feed(tokens[:, [index[p] for p in fed]], parents, depth - 1)
         slot.update({p: base + j for j, p in enumerate(fed)})
-    rows = tokens.tolist()
     out = []
-    for row, own in zip(rows, trees):
+    for row, row_scores, own in zip(tokens.tolist(), scores.tolist(), trees):
         token_ids = [row[index[p]] for p in own]
-        out.append((token_ids, list(DraftTree.from_paths(own, token_ids).parents)))
+        out.append((token_ids, list(DraftTree.from_paths(own, token_ids).parents), [row_scores[index[p]] for p in own]))
     return out

@@ -296,12 +296,13 @@ class MedusaProposer(LastHiddenProposer):
         ranked = probs.argsort(dim=-1, descending=True, stable=True)[:, :ranks]  # [heads, ranks]
         ranked_probs = probs.gather(1, ranked).tolist()
         scores = path_scores(paths, lambda depth, rank: ranked_probs[depth][rank])
-        paths = [paths[i] for i in best_nodes(scores, [len(p) for p in paths], num_nodes)]
+        kept = best_nodes(scores, [len(p) for p in paths], num_nodes)
+        paths = [paths[i] for i in kept]
         ids = ranked[[len(p) - 1 for p in paths], [p[-1] for p in paths]]
         if self.head.draft_to_target is not None:
             ids = self.head.draft_to_target[ids]
         tree = DraftTree.from_paths(paths, ids.tolist())
-        return Draft(list(tree.token_ids), None, list(tree.parents))
+        return Draft(list(tree.token_ids), None, list(tree.parents), [scores[i] for i in kept])
 
     @classmethod
     def load_head(cls, config: Any, target: TargetInfo, dtype: str) -> MedusaHead:

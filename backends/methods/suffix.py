@@ -453,7 +453,7 @@ class SuffixDrafter(Proposer):
                 self.min_token_prob,
                 r.num_tokens if tree else None,
             )
-            drafts.append(Draft(draft.token_ids, parents=draft.parents))
+            drafts.append(Draft(draft.token_ids, parents=draft.parents, scores=draft.probs if tree else None))
         return drafts
 
     def release(self, seq_id: int) -> None:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from backends.serving.adaptive import AdaptiveDraftLength, StepCost, TreeSize
+from backends.serving.adaptive import AdaptiveDraftLength, StepCost, TreeCut
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
@@ -214,10 +214,10 @@ def generate(
     # A seeded sampled request keeps a fixed draft length: adaptive k follows timings, and a
     # different k would change which random draws each token uses (no reproducibility).
     adapt = speculate and adaptive and req.num_draft_tokens is None and not seeded(req)
-    # A tree-drafting config keeps its depth (k) and adapts the tree's size instead.
+    # A tree-drafting config keeps its depth (k); each step verifies the part of its tree that pays.
     max_nodes = drafter.info.config.max_tree_nodes(drafter.info.num_speculative_tokens) if speculate else 0
     policy = AdaptiveDraftLength(drafter.info.num_speculative_tokens) if adapt and not max_nodes else None
-    tree_policy = TreeSize(max_nodes) if adapt and max_nodes else None
+    tree_policy = TreeCut() if adapt and max_nodes else None
     layer_ids = extract_layer_ids or (drafter.info.hidden_layer_ids if speculate else ())
     hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
     # Wall time runs from step to step, so the caller's streaming of a step's output counts
@@ -248,7 +248,9 @@ def generate(
         nodes = 0  # tree nodes asked for (0: a chain); the tree must fit the window too
         if k > 0 and max_nodes:
             nodes = drafter.info.config.max_tree_nodes(k)
-            nodes = min(nodes, tree_policy.next_size(load()) if tree_policy else nodes, max_model_len - num_tokens - 1)
+            if tree_policy:  # under load a node costs every sequence in the batch: nodes / load
+                nodes = max(1, nodes // load())
+            nodes = min(nodes, max_model_len - num_tokens - 1)
         draft, draft_s, draft_wall = Draft(), 0.0, 0.0
         # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
         # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
@@ -285,6 +287,8 @@ def generate(
             drafter_caught_up = True
             if hidden_in is not None:
                 hidden_rows = []
+        if tree_policy and draft.scores:  # verify the best-scored nodes that pay
+            draft = draft.best(tree_policy.cut(draft.scores, draft_wall))
         start = time.perf_counter()
         drafts = draft.token_ids
         result = verifier.verify(
@@ -310,8 +314,8 @@ def generate(
         stats.record(len(drafts), len(emitted), draft_s, verify_s)
         if policy and steady:
             policy.record(k, len(drafts), len(emitted) - 1, verify_cost, draft_wall)
-        if tree_policy and k > 0 and steady:
-            tree_policy.record(nodes, len(emitted), verify_cost + draft_wall)
+        if tree_policy and steady:
+            tree_policy.record(len(drafts), len(emitted) - 1, sum(draft.scores or ()), verify_cost)
 
         finish = None
         taken: list[int] = []

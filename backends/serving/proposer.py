@@ -17,6 +17,7 @@ import torch
 
 from backends.config import DrafterConfig, SpeculativeConfig
 from backends.serving.rejection import new_generator
+from backends.serving.tree import DraftTree, best_nodes, subtree_parents
 
 
 @dataclass
@@ -58,6 +59,21 @@ class Draft:
     # A tree: each node's parent (-1 = the root), nodes in topological order
     # (backends/serving/tree.py); None: a chain.
     parents: list[int] | None = None
+    # A tree's node scores: the drafter's probability of each node's whole path (EAGLE-2's
+    # cumulative confidence); the orchestrator verifies the best-scored nodes that pay
+    # (adaptive.TreeCut). None: the tree is verified whole.
+    scores: list[float] | None = None
+
+    def best(self, size: int) -> Draft:
+        """This tree cut to its `size` nodes of the highest score (closed under parents, as a
+        node never scores above its parent), parents first."""
+        kept = best_nodes(self.scores, DraftTree(tuple(self.token_ids), tuple(self.parents)).depths, size)
+        return Draft(
+            [self.token_ids[i] for i in kept],
+            None if self.probs is None else self.probs[kept],
+            subtree_parents(self.parents, kept),
+            [self.scores[i] for i in kept],
+        )
 
 
 class Proposer:

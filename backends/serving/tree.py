@@ -146,6 +146,12 @@ def best_nodes(scores: Sequence[float], depths: Sequence[int], size: int) -> lis
     return sorted(ranked, key=lambda i: depths[i])  # stable: by rank within a level
 
 
+def subtree_parents(parents: Sequence[int], kept: Sequence[int]) -> list[int]:
+    """The parents of the subtree made of nodes `kept` (each after its parent), renumbered."""
+    index = {node: new for new, node in enumerate(kept)}
+    return [ROOT if parents[i] == ROOT else index[parents[i]] for i in kept]
+
+
 def path_scores(paths: Sequence[Sequence[int]], probs: Callable[[int, int], float]) -> list[float]:
     """Each static-tree path's cumulative draft probability: the product over its levels d of
     probs(d, rank at d), the draft's probability of that level's token."""

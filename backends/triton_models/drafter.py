@@ -2,7 +2,7 @@
 Triton's sequence batcher. Inputs per step: the tokens new since the last call, the k the
 orchestrator decided, how many drafts of the last answer were accepted, the request's
 temperature and seed, and the target's hidden states when the method reads them; outputs:
-the draft ids (and their probabilities when sampled)."""
+the draft ids (and their probabilities when sampled; a tree's parents and node scores)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,8 @@ class TritonPythonModel(SequenceBatchedModel):
         extra = [] if probs is None else [pb_utils.Tensor("draft_probs", probs.float().cpu().numpy()[None])]
         if draft.parents is not None:
             extra.append(pb_utils.Tensor("draft_parents", np.array([draft.parents], dtype=np.int64)))
+        if draft.scores is not None:
+            extra.append(pb_utils.Tensor("draft_scores", np.array([draft.scores], dtype=np.float32)))
         return pb_utils.InferenceResponse(
             output_tensors=extra
             + [

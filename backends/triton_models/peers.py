@@ -79,12 +79,13 @@ class BlsDrafter(SequencePeer):
             inputs["hidden_states"] = call.hidden_states.numpy()[None]
         if call.num_nodes:
             inputs["num_draft_nodes"] = np.array([[call.num_nodes]], dtype=np.int32)
-        out = self.call(inputs, ["draft_ids", "propose_ms", "draft_probs", "draft_parents"])
-        probs, parents = out.get("draft_probs"), out.get("draft_parents")
+        out = self.call(inputs, ["draft_ids", "propose_ms", "draft_probs", "draft_parents", "draft_scores"])
+        probs, parents, scores = out.get("draft_probs"), out.get("draft_parents"), out.get("draft_scores")
         draft = Draft(
             out["draft_ids"].reshape(-1).tolist(),
             None if probs is None else torch.from_numpy(probs.reshape(probs.shape[-2:])),
             None if parents is None else parents.reshape(-1).tolist(),
+            None if scores is None else scores.reshape(-1).tolist(),
         )
         return draft, float(out["propose_ms"].item()) / 1e3
 

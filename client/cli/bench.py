@@ -39,12 +39,15 @@ METHOD_CONFIGS: dict[str, dict] = {
     # Block drafters (trained 7 drafts deep): one drafter pass fills the whole block.
     "dflash": {"method": "dflash", "num_speculative_tokens": 7},
     "dspark": {"method": "dspark", "num_speculative_tokens": 7},
-    # Draft trees (one verification pass over all nodes); compare each with its chain above.
-    # 8 levels, 16 nodes; a tree's alternatives cost nodes, not depth, so it takes short matches
-    # twice as deep and continuations down to 5% (the chain: 1x and 10%).
+    # Draft trees (one verification pass over the nodes that pay); compare each with its chain
+    # above. 16 levels, 16 nodes: a confident match grows one deep branch, an unsure one several
+    # short ones, and each step verifies only its best-scored nodes (adaptive.TreeCut). A tree's
+    # alternatives cost nodes, not depth, so it takes short matches twice as deep and
+    # continuations down to 5% (the chain: 1x and 10%).
     "suffix+tree": {
         "method": "suffix",
-        "num_speculative_tokens": 8,
+        "num_speculative_tokens": 16,
+        "suffix_decoding_max_tree_nodes": 16,
         "suffix_decoding_use_tree_spec": True,
         "suffix_decoding_max_spec_factor": 2.0,
         "suffix_decoding_min_token_prob": 0.05,

@@ -1,9 +1,10 @@
 import pytest
+import torch
 
 from backends.config import SpeculativeConfig
-from backends.serving.adaptive import AdaptiveDraftLength, StepCost
+from backends.serving.adaptive import AdaptiveDraftLength, StepCost, TreeCut
 from backends.serving.orchestrator import draft_length
-from backends.serving.proposer import DrafterInfo
+from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest
 from backends.serving.target import StepCostCurve, step_shares
 
@@ -67,37 +68,67 @@ def test_batch_size_schedule_caps_k_under_load():
     assert [draft_length(req, info, load, 10, None) for load in (1, 2, 3, 8, 9, 64)] == [4, 4, 1, 1, 0, 0]
 
 
-def test_tree_size_tries_each_size_then_keeps_the_fastest():
-    from backends.serving.adaptive import TreeSize
-
-    policy = TreeSize(max_nodes=16, probe_every=1000)
-    assert policy.sizes == [0, 4, 8, 16]
-    tried = []
-    for _ in range(4):  # every size once, the largest first
-        size = policy.next_size()
-        tried.append(size)
-        # Bigger trees emit more per step but cost more: 8 nodes is the best tokens/s here.
-        policy.record(size, {0: 2, 4: 3, 8: 4, 16: 4.2}[size], {0: 0.02, 4: 0.022, 8: 0.024, 16: 0.04}[size])
-    assert tried == [16, 8, 4, 0]
-    assert [policy.next_size() for _ in range(3)] == [8, 8, 8]
-    # Under load a tree costs every sequence in the batch: at most max_nodes / load nodes.
-    assert policy.next_size(load=3) == 4
-    assert policy.next_size(load=64) == 0
+def _measured_cut(per_node_s: float, nodes: int = 16) -> TreeCut:
+    """A TreeCut whose verify steps cost 10 ms plus `per_node_s` a node (0 to `nodes` measured)."""
+    cut = TreeCut()
+    for m in range(nodes + 1):
+        cut.record(m, 0, 0.0, 0.010 + per_node_s * m)
+    return cut
 
 
-def test_tree_size_probes_the_others_and_follows_a_change():
-    from backends.serving.adaptive import TreeSize
+def test_tree_cut_keeps_the_nodes_that_pay_for_their_verification():
+    scores = [0.9, 0.8, 0.5, 0.3, 0.1, 0.05, 0.0, 0.0]
+    # Nodes nearly free to verify: every node that can be accepted, never one scored 0.
+    assert _measured_cut(0.00001).cut(scores, draft_s=0.001) == 6
+    # A node costs 2 ms of a 10 ms step: the gain of a node must beat what it adds (~0.2 a token).
+    assert _measured_cut(0.002).cut(scores, draft_s=0.001) == 3
+    # So costly that no draft pays: a plain step.
+    assert _measured_cut(0.050).cut(scores, draft_s=0.001) == 0
+    assert _measured_cut(0.002).cut([], draft_s=0.001) == 0
 
-    policy = TreeSize(max_nodes=8, probe_every=4)
-    for size in policy.sizes:
-        policy.record(size, 1 + size / 8, 0.02)  # big trees pay
-    picks = [policy.next_size() for _ in range(8)]
-    assert set(picks) - {8}  # probes visit other sizes now and then
-    for _ in range(10):
-        policy.record(8, 1.0, 0.03)  # the text changed: the big tree no longer pays
-        policy.record(0, 1.8, 0.02)
-    picks = [policy.next_size() for _ in range(3)]
-    assert picks.count(0) >= 2
+
+def test_tree_cut_follows_what_the_target_accepted():
+    scores = [0.9, 0.8, 0.5, 0.3]
+    cut = _measured_cut(0.002)
+    assert cut.cut(scores, 0.001) == 3
+    for _ in range(10):  # an overconfident drafter: its nodes scored 2.5 a step, 0.5 were accepted
+        cut.record(4, 0, 2.5, 0.018)
+        cut.record(4, 1, 2.5, 0.018)
+    assert cut.confidence == pytest.approx(0.25, abs=0.02)  # at or near the floor
+    assert cut.cut(scores, 0.001) < 3
+    for _ in range(20):  # now everything verified is accepted
+        cut.record(4, 4, 2.5, 0.018)
+    assert cut.confidence > 1.5 and cut.cut(scores, 0.001) == 3  # back to its first choice
+
+
+def test_tree_cut_probes_after_plain_steps_and_measures_a_second_size():
+    cut = _measured_cut(0.050)
+    cut.probe_every = 3
+    assert [cut.cut([0.5, 0.2], 0.001) for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+    # One size measured and chosen again (a drafter that always fills its tree): half of it.
+    fresh = TreeCut()
+    assert fresh.cut([0.9] * 8, 0.001) == 8  # nothing measured: every size costs the same
+    fresh.record(8, 6, 7.2, 0.020)
+    assert fresh.cut([0.9] * 8, 0.001) == 4
+    fresh.record(4, 4, 3.6, 0.012)
+    assert fresh.cut([0.9] * 8, 0.001) == 8  # 8 nodes for 20 ms beat 4 for 12
+
+
+def test_a_tree_cut_keeps_the_best_scored_nodes_closed_under_parents():
+    #        root
+    #      /      \
+    #     0 (.6)   1 (.3)
+    #    / \        \
+    #   2 (.5) 3 (.05) 4 (.2)
+    #   |
+    #   5 (.4)
+    draft = Draft([10, 11, 12, 13, 14, 15], None, [-1, -1, 0, 0, 1, 2], [0.6, 0.3, 0.5, 0.05, 0.2, 0.4])
+    best = draft.best(4)
+    assert best.token_ids == [10, 11, 12, 15] and best.parents == [-1, -1, 0, 2]
+    assert best.scores == [0.6, 0.3, 0.5, 0.4]
+    assert draft.best(0).token_ids == [] and draft.best(6).token_ids == [10, 11, 12, 14, 13, 15]  # by level, score
+    probs = torch.eye(20)[[10, 11, 12, 13, 14, 15]]
+    assert torch.equal(Draft(draft.token_ids, probs, draft.parents, draft.scores).best(2).probs, probs[[0, 2]])
 
 
 def test_step_shares_charge_each_row_its_tokens_and_sum_to_the_step():

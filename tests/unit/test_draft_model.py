@@ -359,12 +359,15 @@ def test_a_tree_is_the_chain_with_its_next_most_likely_siblings(make, draft_lm, 
     kept = sorted(sorted(paths, key=lambda p: (-score[p], len(p)))[:7], key=len)
     assert draft.token_ids == [token(p) for p in kept]
     assert draft.parents == [kept.index(p[:-1]) if len(p) > 1 else -1 for p in kept] and draft.probs is None
+    assert draft.scores == pytest.approx([score[p] for p in kept], rel=1e-4)  # what the loop's cut weighs
     # The next step after a sibling was accepted: the cache is rolled back to the chain it holds.
     accepted = [chain[0], ranked[1][1], 7]
     again = proposer.propose([DraftRequest(1, ids + accepted, 4, num_new=3, num_accepted=2, num_nodes=7)])[0]
     fresh = make(512)
     fresh.token_tree = proposer.token_tree
-    assert again == fresh.propose([DraftRequest(2, ids + accepted, 4, num_nodes=7)])[0]
+    alone = fresh.propose([DraftRequest(2, ids + accepted, 4, num_nodes=7)])[0]
+    assert (again.token_ids, again.parents) == (alone.token_ids, alone.parents)
+    assert again.scores == pytest.approx(alone.scores, rel=1e-3)
     assert cached_length(proposer, 1) == cached_length(fresh, 2)
 
 

@@ -6,6 +6,7 @@ the lean runtime (greedy output is the target's own)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import replace
 
@@ -150,9 +151,11 @@ def test_the_rerank_keeps_parents_before_equal_scoring_children():
     """Node 2 (a child of probability 1) scores as its parent, node 0: the shallower is kept
     first. Nodes deeper than the depth asked for are left out."""
     candidates = ([5, 6, 7, 8], [-1.0, -0.5, -1.0, -2.0], [ROOT, ROOT, 0, 2], [0, 0, 1, 2])
-    assert best_subtree(*candidates, 3, 2) == ([6, 5], [ROOT, ROOT])
-    assert best_subtree(*candidates, 3, 3) == ([6, 5, 7], [ROOT, ROOT, 1])
-    assert best_subtree(*candidates, 2, 9) == ([6, 5, 7], [ROOT, ROOT, 1])
+    assert best_subtree(*candidates, 3, 2)[:2] == ([6, 5], [ROOT, ROOT])
+    assert best_subtree(*candidates, 3, 3)[:2] == ([6, 5, 7], [ROOT, ROOT, 1])
+    tokens, parents, scores = best_subtree(*candidates, 2, 9)
+    assert (tokens, parents) == ([6, 5, 7], [ROOT, ROOT, 1])
+    assert scores == pytest.approx([math.exp(-0.5), math.exp(-1.0), math.exp(-1.0)])  # path probabilities
 
 
 @pytest.mark.parametrize("name", WRITERS)
@@ -176,6 +179,7 @@ def test_dynamic_tree_is_eagle2s(name, k, nodes, heads, runner, prompt_ids):
         other = sampling.propose([replace(req, temperature=1.0)])[0]
         assert (other.token_ids, other.parents, other.probs) == (draft.token_ids, draft.parents, None)
         assert greedy.pool.length(seq) == len(ids) - 1  # the tree's entries are dropped
+        assert_path_probabilities(draft)
 
 
 @pytest.mark.parametrize("name", WRITERS)
@@ -191,6 +195,16 @@ def test_static_tree_takes_the_heads_ranked_tokens(name, k, nodes, heads, runner
         assert draft.parents == list(DraftTree.from_paths(paths, draft.token_ids).parents)
         assert draft.token_ids == reference_static_tree(Cacheless(head, ids, req.hidden_states), paths)
         assert draft.probs is None
+        assert_path_probabilities(draft)
+
+
+def assert_path_probabilities(draft) -> None:
+    """A tree's scores are path probabilities: in (0, 1], a child's at most its parent's, and
+    the root's children (distinct tokens of one distribution) at most 1 together."""
+    scores = draft.scores
+    assert len(scores) == len(draft.token_ids) and all(0 < s <= 1 for s in scores)
+    assert all(scores[i] <= scores[p] * (1 + 1e-6) for i, p in enumerate(draft.parents) if p != ROOT)
+    assert sum(s for s, p in zip(scores, draft.parents) if p == ROOT) <= 1 + 1e-6
 
 
 def random_root_path(rng: random.Random, draft) -> list[int]:

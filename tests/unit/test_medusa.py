@@ -242,6 +242,7 @@ def test_a_static_tree_drafts_each_heads_ranked_tokens(name, checkpoints, target
         kept = sorted(sorted(TREE, key=lambda p: (-score[p], len(p)))[:6], key=len)
         assert draft.token_ids == [int(ranked[len(p) - 1][p[-1]]) for p in kept]
         assert draft.parents == [kept.index(p[:-1]) if len(p) > 1 else -1 for p in kept] and draft.probs is None
+        assert draft.scores == pytest.approx([score[p] for p in kept], rel=1e-4)  # what the loop's cut weighs
     # Depth follows the step's k; without num_nodes the drafts are the chain.
     shallow = proposer.propose([DraftRequest(0, CONTEXTS[0], 1, hidden[0], num_nodes=10)])[0]
     assert shallow.parents == [-1, -1, -1]

@@ -38,10 +38,12 @@ class OracleProposer(Proposer):
 
 class TreeOracleProposer(OracleProposer):
     """Asked for a tree: the target's continuation as the last child at each level, after wrong
-    siblings (and with corrupt_every, a wrong token on that path now and then)."""
+    siblings (and with corrupt_every, a wrong token on that path now and then). With `scored`,
+    the tree comes with node scores: 0 for the wrong siblings, 0.9 ** depth on the path."""
 
-    def __init__(self, reference: list[int], prompt_len: int, corrupt_every: int = 0) -> None:
+    def __init__(self, reference: list[int], prompt_len: int, corrupt_every: int = 0, scored: bool = False) -> None:
         super().__init__(reference, prompt_len, corrupt_every)
+        self.scored = scored
         self.asked: list[int] = []
 
     def propose(self, batch):
@@ -56,7 +58,8 @@ class TreeOracleProposer(OracleProposer):
                 tokens += [(token + 7) % 50, token]
                 parents += [parent, parent]
                 parent = len(tokens) - 1
-            out.append(Draft(tokens, None, parents))
+            scores = [0.0 if i % 2 == 0 else 0.9 ** (i // 2 + 1) for i in range(len(tokens))]
+            out.append(Draft(tokens, None, parents, scores if self.scored else None))
         return out
 
 
@@ -174,6 +177,18 @@ def test_draft_trees_through_the_loop_give_the_target_greedy_output(runner, toke
     assert stats.acceptance.num_accepted_tokens > 0 and 0 < stats.acceptance.acceptance_rate < 1
     if not corrupt_every:  # four levels, each the true token after a wrong sibling: all accepted
         assert stats.acceptance.mean_acceptance_length > 4
+
+
+def test_scored_trees_are_cut_to_the_nodes_that_pay(runner, tokenizer, tiny_model_dir):
+    """With adaptive drafting, a tree with node scores is verified in part (adaptive.TreeCut):
+    the wrong siblings, scored 0, never are, so every node verified is accepted."""
+    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
+    prompt_len = len(tokenizer(PROMPT)["input_ids"])
+    proposer = TreeOracleProposer(reference, prompt_len, scored=True)
+    out, stats = run(runner, tokenizer, PROMPT, proposer, k=8, tree=True, adaptive=True)
+    assert out == reference
+    assert stats.acceptance.num_draft_tokens > 0 and stats.acceptance.acceptance_rate == 1.0
+    assert max(proposer.asked) == 16  # the drafter is asked for the whole tree; the cut is the loop's
 
 
 def test_max_tokens_is_exact_with_drafts(runner, tokenizer, tiny_model_dir):

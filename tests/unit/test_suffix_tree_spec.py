@@ -151,10 +151,11 @@ def test_drafter_proposes_both_continuations_of_a_repeated_context():
     drafter = build_proposer(config, max_model_len=1000)
     tree = drafter.propose([DraftRequest(1, REPEATED, 3, num_nodes=4)])[0]
     assert (tree.token_ids, tree.parents) == ([8, 1, 9, 2], [ROOT, ROOT, 0, 1])
+    assert tree.scores == pytest.approx([1 / 3] * 4)  # "0 5 6 7" went on 3 times: 8, 1, not yet
     one_level = drafter.propose([DraftRequest(1, REPEATED, 1, num_nodes=4)])[0]
     assert (one_level.token_ids, one_level.parents) == ([8, 1], [ROOT, ROOT])
     chain = drafter.propose([DraftRequest(1, REPEATED, 3)])[0]  # num_nodes 0: path mode, as before
-    assert (chain.token_ids, chain.parents) == ([8, 9, 3], None)
+    assert (chain.token_ids, chain.parents, chain.scores) == ([8, 9, 3], None, None)
 
 
 def test_the_caches_hold_the_real_sequence_whichever_branch_was_accepted():
@@ -169,6 +170,7 @@ def test_the_caches_hold_the_real_sequence_whichever_branch_was_accepted():
     service = DraftService(build_proposer(config, max_model_len=1000), config)
     tree = service.draft([DraftCall(1, list(REPEATED), 3, num_nodes=4)])[0]
     assert (tree.token_ids, tree.parents) == ([8, 1, 9, 2], [ROOT, ROOT, 0, 1])
+    assert tree.scores == pytest.approx([1 / 3] * 4)  # "0 5 6 7" went on 3 times: 8, 1, not yet
     # The target took the second branch (1 2) and then emitted 3, as the orchestrator says.
     service.draft([DraftCall(1, [1, 2, 3], 3, num_accepted=2, num_nodes=4)])
     local = RefTree(8)
