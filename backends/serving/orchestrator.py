@@ -247,10 +247,7 @@ def generate(
         k = draft_length(req, drafter.info, load(), room, policy) if speculate else 0
         nodes = 0  # tree nodes asked for (0: a chain); the tree must fit the window too
         if k > 0 and max_nodes:
-            nodes = drafter.info.config.max_tree_nodes(k)
-            if tree_policy:  # under load a node costs every sequence in the batch: nodes / load
-                nodes = max(1, nodes // load())
-            nodes = min(nodes, max_model_len - num_tokens - 1)
+            nodes = min(drafter.info.config.max_tree_nodes(k), max_model_len - num_tokens - 1)
         draft, draft_s, draft_wall = Draft(), 0.0, 0.0
         # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
         # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
