@@ -132,64 +132,45 @@ class StepCost:
 @dataclass
 class TreeCut:
     """Per sequence and step, how many nodes of a draft tree to verify: the m nodes of the
-    highest score (the drafter's cumulative probability of a node, i.e. of its whole path:
-    EAGLE-2's rerank, closed under parents) that give the most expected tokens per second,
+    highest score (the drafter's probability of a node's whole path: EAGLE-2's rerank, closed
+    under parents) that give the most expected tokens per second,
 
-        (1 + c * sum of their scores) / (verify(m) + draft),
+        (1 + sum of their scores) / (verify(m) + draft),
 
-    a node's score standing for the chance that the target accepts it; c scales the drafter's
-    confidence to what this sequence's steps accepted (accepted drafts / kept scores, moving
-    averages); verify(m) is this sequence's measured verify cost for m drafts (VerifyCosts);
-    draft is the drafter call's wall time, spent whatever m. m = 0 is a plain step; after
-    `probe_every` of those in a row a step keeps the best node, so c can recover. While the
-    one size measured is the one chosen (a drafter that always fills its tree), a step keeps
-    half as many nodes, so the cost's slope gets measured too.
+    a node's score standing for the chance that the target accepts it and its ancestors;
+    verify(m) is this sequence's measured verify cost for m drafts (VerifyCosts: under load
+    its share of the batched forward, where a node costs what it adds to the batch); draft
+    is the drafter call's wall time, spent whatever m. m = 0 is a plain step. While the one
+    size measured is the one chosen (a drafter that always fills its tree), a step keeps half
+    as many nodes, so the cost's slope gets measured too.
 
-    It replaces a bandit over four tree sizes (0, 1/4, 1/2 and all of the nodes), which spent
-    steps probing sizes that never paid and could not follow one step's confidence. Replayed
-    offline on the bench's greedy outputs (suffix trees, all four prompt families, SmolLM2's
-    measured step costs), the cut of a 16-level tree estimated 3-4% more tokens per second than
-    the bandit on the same tree and 10-13% more than on the 8-level tree the bench used."""
+    It replaces a bandit over four tree sizes (0, 1/4, 1/2 and all of the nodes, at most
+    nodes / load under load), which spent steps probing sizes that never paid and could not
+    follow one step's confidence. Replayed offline on the bench's greedy outputs (suffix trees
+    of 16 levels and nodes, all four prompt families), at SmolLM2's measured batch-1 step costs
+    the cut estimated 3-4% more tokens per second than the bandit on the same tree (13% more
+    than the 8-deep chain), and at a compute-bound cost (0.6 ms a token, what a node adds to a
+    loaded batch) as much as the chain, where the uncut tree lost 30%. Scaling the scores by
+    what was accepted (accepted / predicted, moving averages) did no better at batch 1 and
+    under load got stuck: one rejected step lowered the scale, the cut then verified nothing,
+    and nothing raised it again."""
 
-    decay: float = 0.7
-    probe_every: int = 16
     verify: VerifyCosts = field(default_factory=VerifyCosts)
-    accepted: float | None = None  # moving average of the drafts accepted a step ...
-    expected: float | None = None  # ... and of the scores of the nodes verified
-    _plain_steps: int = 0
-
-    @property
-    def confidence(self) -> float:
-        """c: what the target accepted per unit of drafter score, within [0.25, 2]."""
-        if self.accepted is None or not self.expected:
-            return 1.0
-        return min(2.0, max(0.25, self.accepted / self.expected))
 
     def cut(self, scores: list[float], draft_s: float) -> int:
         """How many of the nodes to keep, given their `scores` (any order)."""
-        c, gain, cost = self.confidence, 1.0, self.verify(0)
+        gain, cost = 1.0, self.verify(0)
         best, best_rate = 0, gain / (cost + draft_s)
         for m, score in enumerate(sorted(scores, reverse=True), 1):
-            gain += c * score
+            gain += score
             cost = max(cost, self.verify(m))  # more nodes never cost less (measurements are noisy)
             rate = gain / (cost + draft_s)
             if rate > best_rate:
                 best, best_rate = m, rate
         if best > 1 and list(self.verify.seconds) == [best]:
             return best // 2  # one size measured, chosen again: measure a second, for the slope
-        if best == 0 and scores:
-            self._plain_steps += 1
-            if self._plain_steps >= self.probe_every:
-                self._plain_steps = 0
-                return 1
-        else:
-            self._plain_steps = 0
         return best
 
-    def record(self, num_nodes: int, num_accepted: int, score: float, verify_s: float) -> None:
-        """One verified step: nodes verified, drafts accepted, the sum of the verified nodes'
-        scores, and the verify step's cost (StepCost)."""
+    def record(self, num_nodes: int, verify_s: float) -> None:
+        """One verified step: nodes verified and the verify step's cost (StepCost)."""
         self.verify.record(num_nodes, verify_s)
-        if num_nodes:
-            self.accepted = moving_average(self.accepted, num_accepted, self.decay)
-            self.expected = moving_average(self.expected, score, self.decay)

@@ -312,7 +312,7 @@ def generate(
         if policy and steady:
             policy.record(k, len(drafts), len(emitted) - 1, verify_cost, draft_wall)
         if tree_policy and steady:
-            tree_policy.record(len(drafts), len(emitted) - 1, sum(draft.scores or ()), verify_cost)
+            tree_policy.record(len(drafts), verify_cost)
 
         finish = None
         taken: list[int] = []

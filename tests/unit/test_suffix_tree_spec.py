@@ -24,7 +24,7 @@ def continuation_probs(ref, tail, min_prob, max_levels):
         cur = tuple(tail) + path
         if len(path) >= max_levels or len(cur) >= ref.depth:
             continue
-        count = len(ref.occurrences(cur))
+        count = sum(1 for _, t in ref.occurrences(cur) if t is not None)  # the occurrences that go on
         for t in {t for _, t in ref.occurrences(cur) if t is not None}:
             p = prob * (len(ref.occurrences(cur + (t,))) / count)
             if p >= min_prob:
@@ -113,8 +113,9 @@ def test_tree_speculation_matches_brute_force():
 
 
 # "1 2" continues 3 4 7 0 (twice), 3 4 8 0 (twice) and 5 6 0 (once); the sequence ends in
-# "1 2" again (6 occurrences): p(3) = p(4) = 4/6, p(7) = p(8) = p(0 after either) = 2/6,
-# p(5) = p(6) = p(0 after 6) = 1/6. The context "0 1 2" tries the matches "2" and "1 2" only.
+# "1 2" again, with no next token yet (the 5 that go on count): p(3) = p(4) = 4/5, p(7) =
+# p(8) = p(0 after either) = 2/5, p(5) = p(6) = p(0 after 6) = 1/5. The context "0 1 2" tries
+# the matches "2" and "1 2" only.
 BRANCHY = [1, 2, 3, 4, 7, 0] * 2 + [1, 2, 3, 4, 8, 0] * 2 + [1, 2, 5, 6, 0, 1, 2]
 
 
@@ -133,11 +134,11 @@ def test_the_tree_is_the_most_probable_nodes():
 
 
 def test_depth_and_min_token_prob_bound_the_tree():
-    # 3 levels: the 1/6 branch takes the nodes the fourth level may not
+    # 3 levels: the 1/5 branch takes the nodes the fourth level may not
     assert tree_of(8, 3) == ([3, 4, 8, 7, 5, 6, 0], [ROOT, 0, 1, 1, ROOT, 4, 5])
     assert tree_of(8, 1) == ([3, 5], [ROOT, ROOT])
-    assert tree_of(8, 3, min_token_prob=0.2) == ([3, 4, 8, 7], [ROOT, 0, 1, 1])
-    assert tree_of(8, 3, min_token_prob=0.5) == ([3, 4], [ROOT, 0])  # 4/6 passes, 2/6 does not
+    assert tree_of(8, 3, min_token_prob=0.25) == ([3, 4, 8, 7], [ROOT, 0, 1, 1])
+    assert tree_of(8, 3, min_token_prob=0.5) == ([3, 4], [ROOT, 0])  # 4/5 passes, 2/5 does not
 
 
 # "0 5 6 7" went on with 8 9 once and with 1 2 once; the sequence ends in "0 5 6 7" again.
@@ -151,7 +152,7 @@ def test_drafter_proposes_both_continuations_of_a_repeated_context():
     drafter = build_proposer(config, max_model_len=1000)
     tree = drafter.propose([DraftRequest(1, REPEATED, 3, num_nodes=4)])[0]
     assert (tree.token_ids, tree.parents) == ([8, 1, 9, 2], [ROOT, ROOT, 0, 1])
-    assert tree.scores == pytest.approx([1 / 3] * 4)  # "0 5 6 7" went on 3 times: 8, 1, not yet
+    assert tree.scores == [0.5, 0.5, 0.5, 0.5]  # "0 5 6 7" went on with 8 once, with 1 once
     one_level = drafter.propose([DraftRequest(1, REPEATED, 1, num_nodes=4)])[0]
     assert (one_level.token_ids, one_level.parents) == ([8, 1], [ROOT, ROOT])
     chain = drafter.propose([DraftRequest(1, REPEATED, 3)])[0]  # num_nodes 0: path mode, as before
@@ -170,7 +171,7 @@ def test_the_caches_hold_the_real_sequence_whichever_branch_was_accepted():
     service = DraftService(build_proposer(config, max_model_len=1000), config)
     tree = service.draft([DraftCall(1, list(REPEATED), 3, num_nodes=4)])[0]
     assert (tree.token_ids, tree.parents) == ([8, 1, 9, 2], [ROOT, ROOT, 0, 1])
-    assert tree.scores == pytest.approx([1 / 3] * 4)  # "0 5 6 7" went on 3 times: 8, 1, not yet
+    assert tree.scores == [0.5, 0.5, 0.5, 0.5]  # "0 5 6 7" went on with 8 once, with 1 once
     # The target took the second branch (1 2) and then emitted 3, as the orchestrator says.
     service.draft([DraftCall(1, [1, 2, 3], 3, num_accepted=2, num_nodes=4)])
     local = RefTree(8)
