@@ -41,9 +41,11 @@ class TreeOracleProposer(OracleProposer):
     siblings (and with corrupt_every, a wrong token on that path now and then). With `scored`,
     the tree comes with node scores: 0 for the wrong siblings, 0.9 ** depth on the path."""
 
-    def __init__(self, reference: list[int], prompt_len: int, corrupt_every: int = 0, scored: bool = False) -> None:
+    def __init__(
+        self, reference: list[int], prompt_len: int, corrupt_every: int = 0, scored: bool = False, vocab: int = 0
+    ) -> None:
         super().__init__(reference, prompt_len, corrupt_every)
-        self.scored = scored
+        self.scored, self.vocab = scored, vocab  # vocab: send one-hot draft probabilities over it
         self.asked: list[int] = []
 
     def propose(self, batch):
@@ -59,7 +61,8 @@ class TreeOracleProposer(OracleProposer):
                 parents += [parent, parent]
                 parent = len(tokens) - 1
             scores = [0.0 if i % 2 == 0 else 0.9 ** (i // 2 + 1) for i in range(len(tokens))]
-            out.append(Draft(tokens, None, parents, scores if self.scored else None))
+            probs = torch.eye(self.vocab)[tokens] if self.vocab else None
+            out.append(Draft(tokens, probs, parents, scores if self.scored else None))
         return out
 
 
@@ -189,6 +192,30 @@ def test_scored_trees_are_cut_to_the_nodes_that_pay(runner, tokenizer, tiny_mode
     assert out == reference
     assert stats.acceptance.num_draft_tokens > 0 and stats.acceptance.acceptance_rate == 1.0
     assert max(proposer.asked) == 16  # the drafter is asked for the whole tree; the cut is the loop's
+
+
+def test_a_cut_sampled_tree_keeps_its_nodes_draft_probabilities(runner, tokenizer, tiny_model_dir):
+    """An unseeded sampled request drafting scored trees with draft probabilities: the cut
+    tree's probability rows stay those of its nodes (a row of another node would make the
+    verifier's rejection sampling refuse or mis-weigh it), and the request runs to the end."""
+    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
+    prompt_len = len(tokenizer(PROMPT)["input_ids"])
+    proposer = TreeOracleProposer(reference, prompt_len, scored=True, vocab=runner.logits_size)
+    seen = []
+    verify = LocalVerifier(runner)
+    original = verify.verify
+
+    def checked(req):
+        if req.draft_probs is not None:  # each row one-hot on its own node's token
+            seen.append(req.draft_probs.argmax(-1).tolist() == req.draft_token_ids)
+        return original(req)
+
+    verify.verify = checked
+    out, stats = run(
+        runner, tokenizer, PROMPT, proposer, k=8, tree=True, adaptive=True, verifier=verify, temperature=0.7
+    )
+    assert len(out) == 40 and seen and all(seen)
+    assert stats.acceptance.num_draft_tokens > 0
 
 
 def test_max_tokens_is_exact_with_drafts(runner, tokenizer, tiny_model_dir):
