@@ -36,8 +36,8 @@ def continuation_probs(ref, tail, min_prob, max_levels):
 def ref_tree_speculate(refs, context, max_nodes, factor, min_prob, max_levels):
     """(probs, score, {continuation: prob}): every continuation of every match of the
     context's tail in either tree (a match of m tokens at most m * factor levels deep), at its
-    highest probability; the draft's probabilities are the largest of them, in non-increasing
-    order."""
+    highest probability times 1 - 2^-m; the draft's probabilities are the largest of them, in
+    non-increasing order."""
     scored = {}
     for ref in refs:
         for m in range(1, len(context)):
@@ -46,7 +46,7 @@ def ref_tree_speculate(refs, context, max_nodes, factor, min_prob, max_levels):
                 break
             levels = min(max_levels, int(m * factor + 1e-6))
             for path, prob in continuation_probs(ref, tail, min_prob, levels).items():
-                scored[path] = max(scored.get(path, 0.0), prob)
+                scored[path] = max(scored.get(path, 0.0), prob * (1 - 0.5**m))  # a short match counts less
     probs = sorted(scored.values(), reverse=True)[:max_nodes]
     score = 0.0
     for p in probs:
@@ -104,9 +104,10 @@ def test_tree_speculation_matches_brute_force():
                 if got.token_ids:
                     check_tree(got, expected[2], max_nodes, levels)
                     branched += not DraftTree(tuple(got.token_ids), tuple(got.parents)).is_chain
-                # A tree scores at least what a path of as many nodes does.
+                # A tree scores at least what a path of as many nodes does, its match's trust
+                # (1 - 2^-m) applied.
                 path = cache.speculate(req, context, min(max_nodes, levels), factor, min_prob)
-                assert got.score >= path.score
+                assert got.score >= path.score * (1 - 0.5**path.match_len) - 1e-12
                 compared += 1
             cache.stop_request(req)
     assert compared > 300 and branched > 30
@@ -152,7 +153,8 @@ def test_drafter_proposes_both_continuations_of_a_repeated_context():
     drafter = build_proposer(config, max_model_len=1000)
     tree = drafter.propose([DraftRequest(1, REPEATED, 3, num_nodes=4)])[0]
     assert (tree.token_ids, tree.parents) == ([8, 1, 9, 2], [ROOT, ROOT, 0, 1])
-    assert tree.scores == [0.5, 0.5, 0.5, 0.5]  # "0 5 6 7" went on with 8 once, with 1 once
+    # "0 5 6 7" went on with 8 once, with 1 once; a match of 4 tokens is trusted 1 - 2^-4
+    assert tree.scores == pytest.approx([0.5 * (1 - 2**-4)] * 4)
     one_level = drafter.propose([DraftRequest(1, REPEATED, 1, num_nodes=4)])[0]
     assert (one_level.token_ids, one_level.parents) == ([8, 1], [ROOT, ROOT])
     chain = drafter.propose([DraftRequest(1, REPEATED, 3)])[0]  # num_nodes 0: path mode, as before
@@ -171,7 +173,8 @@ def test_the_caches_hold_the_real_sequence_whichever_branch_was_accepted():
     service = DraftService(build_proposer(config, max_model_len=1000), config)
     tree = service.draft([DraftCall(1, list(REPEATED), 3, num_nodes=4)])[0]
     assert (tree.token_ids, tree.parents) == ([8, 1, 9, 2], [ROOT, ROOT, 0, 1])
-    assert tree.scores == [0.5, 0.5, 0.5, 0.5]  # "0 5 6 7" went on with 8 once, with 1 once
+    # "0 5 6 7" went on with 8 once, with 1 once; a match of 4 tokens is trusted 1 - 2^-4
+    assert tree.scores == pytest.approx([0.5 * (1 - 2**-4)] * 4)
     # The target took the second branch (1 2) and then emitted 3, as the orchestrator says.
     service.draft([DraftCall(1, [1, 2, 3], 3, num_accepted=2, num_nodes=4)])
     local = RefTree(8)
