@@ -61,10 +61,13 @@ class AdaptiveDraftLength:
     alpha: float = 0.6  # prior per-token acceptance, refined from the first drafted step
     decay: float = 0.7  # weight of history in each moving average
     probe_every: int = 16
-    verify: VerifyCosts = field(default_factory=VerifyCosts)
+    verify: VerifyCosts = field(init=False)  # verify time per k, averaged with `decay`
     draft_s_per_token: float | None = None
     draft_s_per_call: float | None = None
     _since_probe: int = 0
+
+    def __post_init__(self) -> None:
+        self.verify = VerifyCosts(self.decay)
 
     def expected_tokens(self, k: int) -> float:
         a = min(self.alpha, 0.999)
