@@ -108,6 +108,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # end the output, like EOS
     bad_words: list[str] = field(default_factory=list)  # tokenized into sampling.bad_words_ids
+    stream_interval: int | None = None  # tokens per streamed response; None: the server's setting
     # The vLLM backend's return_* flags that are set (without the prefix): these outputs go
     # on every response, with that backend's meaning.
     returns: frozenset[str] = frozenset()
@@ -256,6 +257,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "num_draft_tokens": ("num_draft_tokens", _to_int),
     "ignore_eos": ("ignore_eos", _to_bool),
     "stream": ("stream", _to_bool),
+    "stream_interval": ("stream_interval", _to_int),
     "exclude_input_in_output": ("exclude_input_in_output", _to_bool),
     # Token controls (vLLM's names; min_length and bad_words are TRT-LLM's too).
     "repetition_penalty": ("repetition_penalty", _to_float),
@@ -343,6 +345,9 @@ def parse_request(tensors: dict[str, Any], parameters_json: str = "", sampling_j
     if num_draft is not None and num_draft > MAX_DRAFT_TOKENS:
         raise RequestError(f"num_draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {num_draft}")
     _check_controls(values, max_tokens)
+    interval = values.get("stream_interval")
+    if interval is not None and not 1 <= interval <= MAX_INT32:
+        raise RequestError(f"stream_interval must be a whole number of tokens in [1, {MAX_INT32}], got {interval}")
     stream = values.get("stream", False)
     exclude = values.get("exclude_input_in_output", stream)
     if stream and not exclude:
@@ -370,6 +375,7 @@ def parse_request(tensors: dict[str, Any], parameters_json: str = "", sampling_j
         ignore_eos=values.get("ignore_eos", False),
         stop_token_ids=values.get("stop_token_ids", []),
         bad_words=values.get("bad_words", []),
+        stream_interval=interval,
         returns=frozenset(name for name in RETURN_OUTPUTS if values.get(f"return_{name}")),
     )
 

@@ -34,8 +34,10 @@ from backends.serving.orchestrator import (
     Drafter,
     GenerationStats,
     StepOutput,
+    coalesce,
     generate,
     prefill_chunk_tokens,
+    stream_interval,
 )
 from backends.serving.proposer import DrafterInfo, build_proposer, describe_drafter
 from backends.serving.request import (
@@ -79,6 +81,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TENSOR_INPUTS = (
     "text_input",
     "stream",
+    "stream_interval",
     "exclude_input_in_output",
     "max_tokens",
     "temperature",
@@ -139,6 +142,8 @@ class TritonPythonModel:
         # With an extract_hidden_states drafter: also write each request's hidden states here.
         self.hidden_states_dir = params.get("hidden_states_dir", "")
         self.prefill_chunk = prefill_chunk_tokens(params.get("prefill_chunk_tokens", str(DEFAULT_PREFILL_CHUNK)))
+        # Streamed responses carry at least this many tokens (a request may set its own).
+        self.stream_interval = stream_interval(params.get("stream_interval", "1"))
         workers = int(params.get("max_concurrent_requests", "64"))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
         self.lock = threading.Lock()
@@ -303,6 +308,8 @@ class TritonPythonModel:
                 lambda: self.active_requests,
                 self.prefill_chunk,
             )
+            if req.stream and (req.stream_interval or self.stream_interval) > 1:
+                steps = coalesce(steps, req.stream_interval or self.stream_interval)
             all_ids: list[int] = []
             all_logprobs: list[TokenLogprob] = []
             hidden_parts: list[torch.Tensor] = []

@@ -150,6 +150,7 @@ def grpc_generate(
     dtypes = {
         "max_tokens": np.int32,
         "num_draft_tokens": np.int32,
+        "stream_interval": np.int32,
         "top_k": np.int32,
         "min_tokens": np.int32,
         "temperature": np.float32,

@@ -22,7 +22,7 @@ from backends.runtime.model_store import (
     local_model,
     resolve_model,
 )
-from backends.serving.orchestrator import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens
+from backends.serving.orchestrator import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens, stream_interval
 from backends.training import TRAINERS, data_dir, head_dir
 from backends.triton_models.pbtxt import IN_PROCESS_CHOICES
 
@@ -177,6 +177,13 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: --prefill-chunk-tokens: {e}", file=sys.stderr)
             return 2
         overrides.per_model.setdefault("speculative", {})["prefill_chunk_tokens"] = str(args.prefill_chunk_tokens)
+    if args.stream_interval is not None:
+        try:  # the check the `speculative` model applies to the parameter
+            stream_interval(str(args.stream_interval))
+        except ValueError as e:
+            print(f"error: --stream-interval: {e}", file=sys.stderr)
+            return 2
+        overrides.per_model.setdefault("speculative", {})["stream_interval"] = str(args.stream_interval)
     if args.speculative_config:
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
@@ -488,6 +495,9 @@ def _perf(args: argparse.Namespace) -> int:
     from client.cli.launcher import RepositoryOverrides
     from client.cli.perf import format_sweep, plot_sweep, run_sweep, speedup_table
 
+    if args.stream_interval is not None and args.stream_interval < 1:
+        print("error: --stream-interval must be at least 1 (tokens per response)", file=sys.stderr)
+        return 2
     out = Path(args.out)
     server = None
     url = args.url
@@ -501,7 +511,9 @@ def _perf(args: argparse.Namespace) -> int:
         server = _own_server(args.port, overrides, out / "server.log").start()
         url = server.grpc_url
     try:
-        results = run_sweep(url, out, tuple(args.concurrency), args.max_tokens, args.requests_per_window)
+        results = run_sweep(
+            url, out, tuple(args.concurrency), args.max_tokens, args.requests_per_window, args.stream_interval
+        )
     finally:
         if server:
             server.stop()
@@ -652,6 +664,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"between them (default {DEFAULT_PREFILL_CHUNK}; 0: each prompt in one step)",
     )
     serve.add_argument(
+        "--stream-interval",
+        type=int,
+        metavar="N",
+        help="streamed responses carry at least N tokens (the first and the last go out at once): fewer "
+        "responses, less server work beside decoding (vLLM's flag; default 1, every step)",
+    )
+    serve.add_argument(
         "--device",
         help="verifier and drafter device: auto, cpu, cuda or cuda:N (default: the "
         "instance_group kind; see README, Running on a GPU)",
@@ -787,6 +806,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="finished requests per measurement window (3 windows per point; at least 2x concurrency)",
+    )
+    perf.add_argument(
+        "--stream-interval",
+        type=int,
+        metavar="N",
+        help="each request asks for responses of at least N tokens (default: the server's setting)",
     )
     perf.add_argument("--port", type=int, default=18700, help="HTTP port; gRPC and metrics follow")
     perf.add_argument("--out", default="perf-results")

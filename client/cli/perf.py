@@ -111,9 +111,13 @@ def run_sweep(
     concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16),
     max_tokens: int = 64,
     requests_per_window: int = 16,
+    stream_interval: int | None = None,
 ) -> dict:
+    """`stream_interval`: each request's own (None: the server's setting)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"max_tokens": max_tokens, "concurrency": list(concurrencies), "modes": {}}
+    if stream_interval is not None:
+        results["stream_interval"] = stream_interval
     jobs = [(mode, c) for mode in MODES for c in concurrencies]
     for mode, concurrency in tqdm(jobs, desc="perf sweep", unit="run"):
         data = out_dir / f"input_{mode}.json"
@@ -122,6 +126,8 @@ def run_sweep(
             row = {"text_input": [prompt], "max_tokens": [max_tokens], "stream": [True], "ignore_eos": [True]}
             if MODES[mode] is not None:
                 row["num_draft_tokens"] = [MODES[mode]]
+            if stream_interval is not None:
+                row["stream_interval"] = [stream_interval]
             rows.append(row)
         data.write_text(json.dumps({"data": rows}))
         export = out_dir / f"profile_{mode}_c{concurrency}.json"

@@ -98,6 +98,19 @@ def test_sampling_parameters_json_with_string_numbers(tiny_server, tiny_model_di
     assert tuple(r.output_ids) == hf_greedy(str(tiny_model_dir), prompt, 12)
 
 
+def test_stream_interval_sends_fewer_fuller_responses(tiny_server, tiny_model_dir):
+    prompt, n, interval = PROMPTS[3], 40, 4
+    expected = hf_greedy(str(tiny_model_dir), prompt, n)
+    every = grpc_generate(tiny_server.grpc_url, prompt, max_tokens=n, num_draft_tokens=0)
+    fuller = grpc_generate(tiny_server.grpc_url, prompt, max_tokens=n, num_draft_tokens=0, stream_interval=interval)
+    assert tuple(every.output_ids) == tuple(fuller.output_ids) == expected and fuller.text == every.text
+    assert every.num_responses >= n  # a token a step, each sent as it came
+    # the first response and the last may be short, every other one has `interval` tokens or more
+    assert fuller.num_responses <= 2 + (n - 1) // interval
+    sse = http_generate(tiny_server.http_url, prompt, stream=True, max_tokens=n, stream_interval=interval)
+    assert tuple(sse.output_ids) == expected and sse.num_responses <= 2 + (n - 1) // interval
+
+
 BAD_REQUESTS = [
     ({"prompt": ""}, "text_input is empty"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
@@ -118,6 +131,7 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"prompt": "The quick brown fox " * 200}, "context window"),
     ({"prompt": "hi", "num_draft_tokens": 99}, "num_draft_tokens=99 must be in [0, 4]"),
+    ({"prompt": "hi", "stream_interval": 0}, "stream_interval must be a whole number of tokens in [1, "),
 ]
 
 

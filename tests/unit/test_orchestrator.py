@@ -493,3 +493,36 @@ def test_prefill_chunk_tokens_is_checked():
     for bad in ("-1", "lots", "2.5"):
         with pytest.raises(ValueError, match="prefill_chunk_tokens must be a whole number of tokens"):
             prefill_chunk_tokens(bad)
+
+
+def test_stream_interval_is_checked():
+    from backends.serving.orchestrator import stream_interval
+
+    assert stream_interval("1") == 1 and stream_interval("16") == 16
+    for bad in ("0", "-2", "many", "2.5"):
+        with pytest.raises(ValueError, match="stream_interval must be a whole number of tokens >= 1"):
+            stream_interval(bad)
+
+
+def test_coalesced_steps_carry_at_least_the_interval_and_lose_nothing():
+    from backends.serving.logits import TokenLogprob
+    from backends.serving.orchestrator import StepOutput, coalesce
+
+    def step(ids: list[int], finish: str | None = None, hidden: bool = False) -> StepOutput:
+        rows = torch.full((len(ids) or 1, 1, 2), float(ids[0] if ids else -1)) if hidden else None
+        logprobs = [TokenLogprob(t, -0.5, 1) for t in ids]
+        return StepOutput(ids, "".join(f"<{t}>" for t in ids), finish, rows, logprobs)
+
+    # a prefill chunk (hidden rows, no tokens), then steps of 2, 1, 1, 3, 1 and a last one of 1
+    steps = [step([], hidden=True), step([1, 2], hidden=True), step([3]), step([4]), step([5, 6, 7]), step([8])]
+    steps.append(step([9], "stop"))
+    out = list(coalesce(iter(steps), 4))
+    assert [s.token_ids for s in out] == [[1, 2], [3, 4, 5, 6, 7], [8, 9]]
+    assert [s.finish_reason for s in out] == [None, None, "stop"]
+    assert "".join(s.text for s in out) == "".join(s.text for s in steps)
+    assert [lp.token_id for s in out for lp in s.logprobs] == list(range(1, 10))
+    assert out[0].hidden_states[:, 0, 0].tolist() == [-1.0, 1.0, 1.0]  # the chunk's rows, then the step's
+    assert out[1].hidden_states is None and out[2].hidden_states is None
+    # 1: every step with tokens as it came; a finish below the interval still goes out
+    assert [s.token_ids for s in coalesce(iter(steps), 1)] == [s.token_ids for s in steps[1:]]
+    assert [s.token_ids for s in coalesce(iter([step([1]), step([2]), step([], "length")]), 8)] == [[1], [2]]
