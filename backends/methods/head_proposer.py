@@ -25,6 +25,7 @@ log = logging.getLogger("tritonspec.head_proposer")
 class HeadProposer(SequenceProposer):
     method = ""
     needs_model = True  # False: the head may live in the target's own checkpoint (MTP)
+    beside_verifier = True  # small, our own: drafts on the in-process verifier's thread
 
     def __init__(
         self, head: nn.Module, max_model_len: int, sample_method: str = "greedy", seed: int | None = None

@@ -36,19 +36,25 @@ class LocalVerifier:
         self.runner.release(seq_id)
 
 
+def drafter_info(service: DraftService) -> DrafterInfo:
+    """What the orchestrator knows of a drafter it calls in process."""
+    proposer = service.proposer
+    return DrafterInfo(
+        DrafterConfig.from_speculative(service.config),
+        tuple(proposer.hidden_layer_ids),
+        proposer.proposes_drafts,
+        proposer.in_orchestrator,
+        proposer.beside_verifier,
+    )
+
+
 class LocalDrafter:
     """The orchestrator's Drafter over a DraftService in this process; the `speculative`
     model's request threads share one (drafter_in_process), so calls take turns."""
 
     def __init__(self, service: DraftService) -> None:
         self.service = service
-        proposer = service.proposer
-        self.info = DrafterInfo(
-            DrafterConfig.from_speculative(service.config),
-            tuple(proposer.hidden_layer_ids),
-            proposer.proposes_drafts,
-            proposer.in_orchestrator,
-        )
+        self.info = drafter_info(service)
         self.lock = threading.Lock()
 
     def draft(self, call: DraftCall) -> tuple[Draft, float]:

@@ -88,6 +88,11 @@ class Proposer:
     # `speculative` model may run it in its own process (its `drafter_in_process`): a step
     # then makes one BLS round trip (to the verifier) instead of two.
     in_orchestrator: bool = False
+    # True: a drafter model of this project's own (the heads) that the `speculative` model may
+    # run in its process when it verifies there too, on the verify thread (drafter_in_process):
+    # no BLS round trip a step. Never user code (custom_class): a call that hangs there would
+    # stall every sequence's verification, where over BLS it is abandoned (drafter_timeout_s).
+    beside_verifier: bool = False
     device = torch.device("cpu")  # where sampled drafts are drawn
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
@@ -146,6 +151,7 @@ class DrafterInfo:
     hidden_layer_ids: tuple[int, ...]  # target layers it drafts from (or extracts)
     proposes_drafts: bool = True  # False: it only names layers to extract (extract_hidden_states)
     in_orchestrator: bool = False  # it may draft in the orchestrator's process (Proposer.in_orchestrator)
+    beside_verifier: bool = False  # it may draft beside an in-process verifier (Proposer.beside_verifier)
 
     @property
     def method(self) -> str:
@@ -160,7 +166,8 @@ def describe_drafter(config: SpeculativeConfig | DrafterConfig, target_model: An
     """The drafter that `config` builds, without building it."""
     config = _runtime_config(config)
     cls = proposer_class(config.method)
-    return DrafterInfo(config, tuple(cls.layers_for(config, target_model)), cls.proposes_drafts, cls.in_orchestrator)
+    layers = tuple(cls.layers_for(config, target_model))
+    return DrafterInfo(config, layers, cls.proposes_drafts, cls.in_orchestrator, cls.beside_verifier)
 
 
 # method name -> "module:Class"; importing lazily keeps model-free methods free of model code.

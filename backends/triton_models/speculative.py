@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ from backends.triton_models.pbtxt import (
 )
 from backends.triton_models.peer_token import server_token, with_token
 from backends.triton_models.peers import BlsDrafter, BlsVerifier, SequencePeer
-from backends.triton_models.step_batch import StepBatcher, batch_correlation_id, in_process, over_bls
+from backends.triton_models.step_batch import GatheredDrafter, StepBatcher, batch_correlation_id, in_process, over_bls
 from backends.triton_models.verifier import prefix_counters, target_runner
 
 log = logging.getLogger("tritonspec.speculative")
@@ -117,11 +118,13 @@ class TritonPythonModel:
         drafter_config, self.drafter_info = (
             self._describe_drafter(args, model_path) if self.drafter_name else (None, None)
         )
+        self.drafter_config = drafter_config
         # A drafter that needs no model (ngram, suffix) drafts in this process: a step then
         # makes one BLS round trip instead of two. Its config is still the drafter model's.
         self.local_drafter = None
         info = self.drafter_info
-        if info and info.in_orchestrator and parse_flag(params, "drafter_in_process", True):
+        self.drafts_in_process = parse_flag(params, "drafter_in_process", True)
+        if info and info.in_orchestrator and self.drafts_in_process:
             try:
                 proposer = build_proposer(drafter_config, max_model_len=self.max_model_len)
             except Exception as e:  # the drafter model's own load fails with the reason too
@@ -252,7 +255,43 @@ class TritonPythonModel:
             self.outbox.step_started()
             return run_rows(rows)
 
+        info = self.drafter_info
+        if info and info.beside_verifier and self.drafts_in_process:
+            self.local_drafter = self._drafter_beside(args, lambda work: verify_thread.submit(work).result())
         return StepBatcher(lambda rows: verify_thread.submit(verify_here, rows).result(), carries_logprobs=True)
+
+    def _drafter_beside(self, args: dict, run: Callable[[Callable[[], Any]], Any]) -> GatheredDrafter | None:
+        """The drafter's head loaded in this process, as its config.pbtxt describes it, drafting
+        on the verify thread (`run` puts work there): a step then makes no BLS round trip at
+        all (~1 ms each here). None, and the drafter model drafts, when it cannot be built."""
+        try:
+            pbtxt = (model_repository(args) / self.drafter_name / "config.pbtxt").read_text()
+            settings = model_settings(parameters(pbtxt))
+            kind, gpu = instance_group(pbtxt)
+            device, _ = resolve_device(kind, gpu, settings.params.get("device", ""))
+            proposer = run(
+                lambda: build_proposer(
+                    self.drafter_config,
+                    max_model_len=self.max_model_len,
+                    target_model=settings.target,
+                    dtype=settings.dtype,
+                    device=device,
+                )
+            )
+            if tuple(proposer.hidden_layer_ids) != self.drafter_info.hidden_layer_ids:
+                raise ValueError(
+                    f"its head reads target layers {list(proposer.hidden_layer_ids)}, its config describes "
+                    f"{list(self.drafter_info.hidden_layer_ids)}"
+                )
+        except Exception as e:  # the drafter model's own load fails with the reason too
+            log.error("drafter %r cannot draft in this process (%s); calling the drafter model", self.drafter_name, e)
+            return None
+        log.info(
+            "drafter %r drafts in this process, beside the verifier, on %s (drafter_in_process)",
+            self.drafter_name,
+            device,
+        )
+        return GatheredDrafter(DraftService(proposer, self.drafter_config), run)
 
     def _post(self, sender, build: Callable[[], object], final: bool) -> None:
         """Queue a response for the sending thread; `build` makes it there."""

@@ -14,7 +14,9 @@ only when some row has them, `hidden_states` (with `hidden_lengths`) and `row_er
 error). A row may instead end its sequence (`release`). Sequences that ask for logprobs keep one request per step.
 
 With the `speculative` model's `verifier_in_process`, the batcher hands its rows to the target
-in that process instead (`in_process`): no wire and no round trip, logprobs included.
+in that process instead (`in_process`): no wire and no round trip, logprobs included. A head
+drafter there drafts beside it (`GatheredDrafter`): a second batcher gathers the sequences'
+draft calls into one propose on the same thread.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends.serving.drafting import DraftCall, DraftService
+from backends.serving.local import drafter_info
+from backends.serving.proposer import Draft
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 
@@ -269,9 +274,13 @@ class StepBatcher:
         threading.Thread(target=self._loop, name="spec-step-batcher", daemon=True).start()
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
-        result = self._submit(req, start=True)
+        result = self.submit(req)
         assert isinstance(result, VerifyResult)
         return result
+
+    def submit(self, row: VerifyRequest | DraftCall) -> Any:
+        """One sequence's row in the next batch; what run_rows answered for it."""
+        return self._submit(row, start=True)
 
     def release(self, seq_id: int) -> None:
         with self.cond:
@@ -279,7 +288,7 @@ class StepBatcher:
                 return
         self._submit(Release(seq_id), start=False)
 
-    def _submit(self, row: Row, start: bool) -> VerifyResult | None:
+    def _submit(self, row: Row | DraftCall, start: bool) -> Any:
         future: Future = Future()
         with self.cond:
             if start:
@@ -341,3 +350,47 @@ class StepBatcher:
 def batch_correlation_id() -> int:
     """A fresh correlation id for one batch request (a single-request sequence)."""
     return secrets.randbits(63) or 1
+
+
+# -- a head drafter beside the in-process verifier ----------------------------------------------
+def drafting(service: DraftService) -> Callable[[list[DraftCall | Release]], list]:
+    """A StepBatcher's run_rows over a DraftService: releases first, then one propose for every
+    sequence's call; each call's answer is (its drafts, the propose's seconds). A propose that
+    fails fails each of its calls (those requests decode plainly from there, as after any
+    drafter failure) and forgets their sequences."""
+
+    def run_rows(rows: list[DraftCall | Release]) -> list:
+        for row in rows:
+            if isinstance(row, Release):
+                service.release(row.seq_id)
+        calls = [row for row in rows if not isinstance(row, Release)]
+        start = time.perf_counter()
+        try:
+            drafts: list = service.draft(calls) if calls else []
+        except Exception as e:
+            log.warning("drafting for %d sequence(s) failed: %s", len(calls), e)
+            for call in calls:
+                service.release(call.seq_id)
+            drafts = [RuntimeError(f"drafter: {e}")] * len(calls)
+        seconds = time.perf_counter() - start
+        answers = iter(d if isinstance(d, Exception) else (d, seconds) for d in drafts)
+        return [None if isinstance(row, Release) else next(answers) for row in rows]
+
+    return run_rows
+
+
+class GatheredDrafter:
+    """The orchestrator's Drafter for a head that drafts in the `speculative` model's process,
+    on the verify thread (one OpenMP team for both; `run` puts a call there): concurrent
+    sequences' draft calls are gathered into one propose, as their verify steps are."""
+
+    def __init__(self, service: DraftService, run: Callable[[Callable[[], list]], list]) -> None:
+        self.info = drafter_info(service)
+        rows = drafting(service)
+        self.batcher = StepBatcher(lambda batch: run(lambda: rows(batch)))
+
+    def draft(self, call: DraftCall) -> tuple[Draft, float]:
+        return self.batcher.submit(call)
+
+    def release(self, seq_id: int) -> None:
+        self.batcher.release(seq_id)

@@ -62,11 +62,20 @@ def _add_in_process_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
     )
+    parser.add_argument(
+        "--drafter-in-process",
+        choices=["true", "false"],
+        help="where ngram and suffix draft, and the heads when the verifier is in process (the `speculative` "
+        "model's drafter_in_process): true (the default) = in the `speculative` model's process; false = "
+        "in the drafter model, over BLS",
+    )
 
 
 def _in_process(args: argparse.Namespace) -> dict[str, str]:
-    """The `speculative` model's verifier_in_process as the command line sets it (nothing: its config's)."""
-    return {"verifier_in_process": args.verifier_in_process} if args.verifier_in_process else {}
+    """The `speculative` model's verifier_in_process and drafter_in_process as the command line
+    sets them (nothing: its config's)."""
+    flags = {"verifier_in_process": args.verifier_in_process, "drafter_in_process": args.drafter_in_process}
+    return {name: value for name, value in flags.items() if value}
 
 
 BATCH_INVARIANT_HELP = (

@@ -6,14 +6,17 @@ head names, the orchestrator carries them to the drafter, and the output is the 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from backends.methods.eagle import load_eagle
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training.eagle import Eagle1Trainer
+from client.api.triton import grpc_generate
 from tests.fixtures.head_server import ServedHeadTests, fit_and_save, next_token_loss
-from tests.fixtures.helpers import served_greedy_results_once
+from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results_once
+from tests.fixtures.servers import start_server
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
@@ -36,6 +39,35 @@ def test_served_greedy_equals_target_greedy(method, quantization, target_dir, tm
         config["quantization"] = quantization
     results = served_greedy_results_once(tmp_path, target_dir, config, PROMPTS, 24)
     assert sum(r.total_draft_tokens for r in results) > 0
+
+
+def test_a_head_drafts_beside_the_in_process_verifier_or_in_the_drafter_model(target_dir, tmp_path):
+    """With the verifier in the `speculative` model's process (the default), the head drafts
+    there too, concurrent streams' calls gathered into one propose, and the drafter model gets
+    no request; `drafter_in_process: "false"` keeps it in the drafter model. Both give the
+    target's own output."""
+    write_eagle3(tmp_path / "head", target_dir)
+    config = json.dumps({"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3})
+    prompts = PROMPTS * 2
+    expected = [hf_greedy(str(target_dir), p, 20) for p in prompts]
+    for beside in (True, False):
+        where = tmp_path / str(beside)
+        where.mkdir()
+        server = start_server(
+            where, str(target_dir), config, per_model={"speculative": {"drafter_in_process": str(beside).lower()}}
+        )
+        try:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                results = list(pool.map(lambda p, url=server.grpc_url: grpc_generate(url, p, max_tokens=20), prompts))
+            drafter_requests = sum(
+                v for k, v in metric_values(server, "nv_inference_request_success").items() if 'model="drafter"' in k
+            )
+        finally:
+            server.stop()
+        assert [tuple(r.output_ids) for r in results] == expected
+        assert sum(r.total_draft_tokens for r in results) > 0
+        assert ("beside the verifier" in (where / "server.log").read_text()) == beside
+        assert (drafter_requests == 0) == beside, drafter_requests
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,21 @@ steps into shared forwards whose results equal verifying each sequence alone."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from backends.config import SpeculativeConfig
+from backends.serving.drafting import DraftCall, DraftService
+from backends.serving.proposer import Draft, Proposer
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 from backends.triton_models.pbtxt import single_instance
 from backends.triton_models.step_batch import (
     ROWS,
+    GatheredDrafter,
     Release,
     StepBatcher,
     decode_results,
@@ -255,3 +260,49 @@ def test_batching_is_off_for_a_verifier_with_several_instances():
     assert single_instance(gpu, num_gpus=1) and not single_instance(gpu, num_gpus=2)
     assert single_instance(gpu.replace("KIND_GPU", "KIND_GPU gpus: [ 1 ]"), num_gpus=4)
     assert not single_instance(gpu.replace("KIND_GPU", "KIND_GPU gpus: [ 0, 1 ]"), num_gpus=4)
+
+
+class CountingProposer(Proposer):
+    """Drafts each sequence's last token + 1, k times; records each propose's batch; fails
+    while `fail` is set."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.released: list[int] = []
+        self.fail = False
+
+    def propose(self, batch: list) -> list[Draft]:
+        if self.fail:
+            raise RuntimeError("injected")
+        self.batches.append([req.seq_id for req in batch])
+        return [Draft([req.token_ids[-1] + 1] * req.num_tokens) for req in batch]
+
+    def release(self, seq_id: int) -> None:
+        self.released.append(seq_id)
+
+
+def test_a_gathered_drafter_drafts_concurrent_sequences_in_one_propose_on_its_thread():
+    proposer = CountingProposer()
+    service = DraftService(proposer, SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 2}'))
+    thread = ThreadPoolExecutor(1, thread_name_prefix="verify")
+    drafter = GatheredDrafter(service, lambda work: thread.submit(work).result())
+    drafter.batcher.max_wait_s, drafter.batcher.wait_fraction = 5.0, 1e6  # every running sequence makes the batch
+    got: dict[int, list[list[int]]] = {}
+
+    def run(seq_id: int) -> None:
+        got[seq_id] = [drafter.draft(DraftCall(seq_id, [10 * seq_id + step], 2))[0].token_ids for step in range(3)]
+        drafter.release(seq_id)
+
+    threads = [threading.Thread(target=run, args=(seq_id,)) for seq_id in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got == {s: [[10 * s + step + 1] * 2 for step in range(3)] for s in (1, 2, 3)}
+    assert max(len(batch) for batch in proposer.batches) == 3  # the three sequences in one propose
+    assert sorted(proposer.released) == [1, 2, 3] and not service.num_sequences and not drafter.batcher.running
+
+    proposer.fail = True  # a failed propose fails its calls and forgets their sequences
+    with pytest.raises(RuntimeError, match="drafter: injected"):
+        drafter.draft(DraftCall(4, [7], 2))
+    assert not service.num_sequences and 4 in proposer.released and not drafter.batcher.running
