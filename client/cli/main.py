@@ -179,20 +179,16 @@ def _serve(args: argparse.Namespace) -> int:
         ).lower()
     if args.device:
         overrides.common["device"] = args.device
-    if args.prefill_chunk_tokens is not None:
+    for name, check in (("prefill_chunk_tokens", prefill_chunk_tokens), ("stream_interval", stream_interval)):
+        value = getattr(args, name)
+        if value is None:
+            continue
         try:  # the check the `speculative` model applies to the parameter
-            prefill_chunk_tokens(str(args.prefill_chunk_tokens))
+            check(str(value))
         except ValueError as e:
-            print(f"error: --prefill-chunk-tokens: {e}", file=sys.stderr)
+            print(f"error: --{name.replace('_', '-')}: {e}", file=sys.stderr)
             return 2
-        overrides.per_model.setdefault("speculative", {})["prefill_chunk_tokens"] = str(args.prefill_chunk_tokens)
-    if args.stream_interval is not None:
-        try:  # the check the `speculative` model applies to the parameter
-            stream_interval(str(args.stream_interval))
-        except ValueError as e:
-            print(f"error: --stream-interval: {e}", file=sys.stderr)
-            return 2
-        overrides.per_model.setdefault("speculative", {})["stream_interval"] = str(args.stream_interval)
+        overrides.per_model.setdefault("speculative", {})[name] = str(value)
     if args.speculative_config:
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
