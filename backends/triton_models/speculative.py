@@ -255,9 +255,15 @@ class TritonPythonModel:
             self.outbox.step_started()
             return run_rows(rows)
 
+        def draft_here(work: Callable[[], Any]) -> Any:  # responses due meanwhile wait for the verify
+            with self.outbox.holding():
+                return work()
+
         info = self.drafter_info
         if info and info.beside_verifier and self.drafts_in_process:
-            self.local_drafter = self._drafter_beside(args, lambda work: verify_thread.submit(work).result())
+            self.local_drafter = self._drafter_beside(
+                args, lambda work: verify_thread.submit(draft_here, work).result()
+            )
         return StepBatcher(lambda rows: verify_thread.submit(verify_here, rows).result(), carries_logprobs=True)
 
     def _drafter_beside(self, args: dict, run: Callable[[Callable[[], Any]], Any]) -> GatheredDrafter | None:

@@ -71,6 +71,20 @@ def test_without_a_next_step_a_response_goes_when_its_hold_runs_out():
     outbox.close()
 
 
+def test_a_response_whose_hold_runs_out_during_a_draft_waits_for_the_next_step():
+    outbox, sender = Outbox(str, hold_s=0.01), Sender()
+    with outbox.holding():
+        outbox.post(sender, built("r0"), flags=0)
+        time.sleep(0.2)
+        assert sender.sent == []  # its hold ran out while the head drafted
+    assert wait_for(lambda: len(sender.sent) == 1)  # the draft ended: it goes (nothing else would start)
+    with outbox.holding():
+        outbox.post(sender, built("r1"), flags=0)
+        outbox.step_started()  # a verification began: it goes, draft or not
+        assert wait_for(lambda: len(sender.sent) == 2)
+    outbox.close()
+
+
 def test_a_backlog_waits_once_not_once_per_response():
     outbox, sender = Outbox(str, hold_s=1.0), Sender()
     for i in range(4):
