@@ -353,8 +353,9 @@ class TritonPythonModel:
                 lambda: self.active_requests,
                 self.prefill_chunk,
             )
-            if req.stream and (req.stream_interval or self.stream_interval) > 1:
-                steps = coalesce(steps, req.stream_interval or self.stream_interval)
+            interval = req.stream_interval or self.stream_interval
+            if req.stream and interval > 1:
+                steps = coalesce(steps, interval)
             all_ids: list[int] = []
             all_logprobs: list[TokenLogprob] = []
             hidden_parts: list[torch.Tensor] = []
