@@ -100,15 +100,20 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
-def stream_interval(value: str) -> int:
-    """The `stream_interval` parameter: tokens per streamed response, a whole number >= 1."""
+def _whole_tokens(name: str, value: str, least: int, meaning: str) -> int:
+    """A config parameter that counts tokens: a whole number >= `least` (ValueError naming it)."""
     try:
         tokens = int(value)
     except ValueError:
-        tokens = 0
-    if tokens < 1:
-        raise ValueError(f"stream_interval must be a whole number of tokens >= 1 (1: every step), got {value!r}")
+        tokens = least - 1
+    if tokens < least:
+        raise ValueError(f"{name} must be a whole number of tokens >= {least} ({meaning}), got {value!r}")
     return tokens
+
+
+def stream_interval(value: str) -> int:
+    """The `stream_interval` parameter: tokens per streamed response, a whole number >= 1."""
+    return _whole_tokens("stream_interval", value, 1, "1: every step")
 
 
 def coalesce(steps: Iterable[StepOutput], interval: int) -> Iterator[StepOutput]:
@@ -151,13 +156,7 @@ DEFAULT_PREFILL_CHUNK = 128
 
 def prefill_chunk_tokens(value: str) -> int:
     """The `prefill_chunk_tokens` parameter: a positive number of tokens, or 0 (no chunking)."""
-    try:
-        tokens = int(value)
-    except ValueError:
-        tokens = -1
-    if tokens < 0:
-        raise ValueError(f"prefill_chunk_tokens must be a whole number of tokens >= 0 (0: no chunking), got {value!r}")
-    return tokens
+    return _whole_tokens("prefill_chunk_tokens", value, 0, "0: no chunking")
 
 
 def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

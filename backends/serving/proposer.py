@@ -170,6 +170,17 @@ def describe_drafter(config: SpeculativeConfig | DrafterConfig, target_model: An
     return DrafterInfo(config, layers, cls.proposes_drafts, cls.in_orchestrator, cls.beside_verifier)
 
 
+def check_layers(proposer: Proposer, info: DrafterInfo) -> None:
+    """A built proposer must read the target layers its config described: the orchestrator
+    learnt them from the config alone (describe_drafter) and asks the verifier for those."""
+    if tuple(proposer.hidden_layer_ids) != info.hidden_layer_ids:
+        raise RuntimeError(
+            f"{info.method} proposer asks for target layers {proposer.hidden_layer_ids}, "
+            f"but its config describes {info.hidden_layer_ids}; a custom proposer declares "
+            "hidden_layer_ids as a class attribute"
+        )
+
+
 # method name -> "module:Class"; importing lazily keeps model-free methods free of model code.
 _REGISTRY: dict[str, str] = {
     "ngram": "backends.methods.ngram:NgramDrafter",

@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 from backends.config import SpeculativeConfig
 from backends.runtime.model_store import context_window, load_config
 from backends.serving.drafting import DraftCall, DraftService
-from backends.serving.proposer import Draft, build_proposer, describe_drafter
+from backends.serving.proposer import Draft, build_proposer, check_layers, describe_drafter
 from backends.triton_models.common import initialize_model, input_array, input_ids, input_scalar, instance_device
 from backends.triton_models.sequence_model import SequenceBatchedModel
 
@@ -38,14 +38,7 @@ class TritonPythonModel(SequenceBatchedModel):
         proposer = build_proposer(
             self.config, max_model_len=max_len, target_model=target, dtype=settings.dtype, device=device
         )
-        # The orchestrator learnt the layers from the config alone (describe_drafter): they must agree.
-        described = describe_drafter(self.config, target).hidden_layer_ids
-        if tuple(proposer.hidden_layer_ids) != described:
-            raise RuntimeError(
-                f"{self.config.method} proposer asks for target layers {proposer.hidden_layer_ids}, "
-                f"but its config describes {described}; a custom proposer declares "
-                "hidden_layer_ids as a class attribute"
-            )
+        check_layers(proposer, describe_drafter(self.config, target))
         self.service = DraftService(proposer, self.config)
         self.init_sequences(args, settings.params, self.service)
         log.info(

@@ -40,7 +40,7 @@ from backends.serving.orchestrator import (
     prefill_chunk_tokens,
     stream_interval,
 )
-from backends.serving.proposer import DrafterInfo, build_proposer, describe_drafter
+from backends.serving.proposer import DrafterInfo, build_proposer, check_layers, describe_drafter
 from backends.serving.request import (
     RETURN_OUTPUTS,
     GenerationRequest,
@@ -53,6 +53,7 @@ from backends.triton_models.common import (
     SEQUENCE_END,
     SEQUENCE_START,
     ActiveSequencesGauge,
+    ModelSettings,
     ServingMetrics,
     SpecDecodeCounters,
     bls,
@@ -227,9 +228,7 @@ class TritonPythonModel:
             raise ValueError(
                 f"verifier_in_process: cannot read the config of verifier {self.verifier_name!r}: {e}"
             ) from None
-        settings = model_settings(parameters(pbtxt))
-        kind, gpu = instance_group(pbtxt)
-        device, why = resolve_device(kind, gpu, settings.params.get("device", ""))
+        settings, device, why = _settings_and_device(pbtxt)
         log.info(
             "verifying in this process (verifier_in_process): the target of %r on %s (%s)",
             self.verifier_name,
@@ -272,9 +271,7 @@ class TritonPythonModel:
         all (~1 ms each here). None, and the drafter model drafts, when it cannot be built."""
         try:
             pbtxt = (model_repository(args) / self.drafter_name / "config.pbtxt").read_text()
-            settings = model_settings(parameters(pbtxt))
-            kind, gpu = instance_group(pbtxt)
-            device, _ = resolve_device(kind, gpu, settings.params.get("device", ""))
+            settings, device, _ = _settings_and_device(pbtxt)
             proposer = run(
                 lambda: build_proposer(
                     self.drafter_config,
@@ -284,11 +281,7 @@ class TritonPythonModel:
                     device=device,
                 )
             )
-            if tuple(proposer.hidden_layer_ids) != self.drafter_info.hidden_layer_ids:
-                raise ValueError(
-                    f"its head reads target layers {list(proposer.hidden_layer_ids)}, its config describes "
-                    f"{list(self.drafter_info.hidden_layer_ids)}"
-                )
+            check_layers(proposer, self.drafter_info)
         except Exception as e:  # the drafter model's own load fails with the reason too
             log.error("drafter %r cannot draft in this process (%s); calling the drafter model", self.drafter_name, e)
             return None
@@ -494,6 +487,15 @@ class TritonPythonModel:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.outbox.close()
         self.metrics.close()
+
+
+def _settings_and_device(pbtxt: str) -> tuple[ModelSettings, str, str]:
+    """A peer model's settings from its config.pbtxt, and the device it would run on (and why):
+    what this model loads when it verifies or drafts in its own process."""
+    settings = model_settings(parameters(pbtxt))
+    kind, gpu = instance_group(pbtxt)
+    device, why = resolve_device(kind, gpu, settings.params.get("device", ""))
+    return settings, device, why
 
 
 class VllmOutputs:

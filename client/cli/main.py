@@ -500,9 +500,12 @@ def _perf(args: argparse.Namespace) -> int:
     from client.cli.launcher import RepositoryOverrides
     from client.cli.perf import format_sweep, plot_sweep, run_sweep, speedup_table
 
-    if args.stream_interval is not None and args.stream_interval < 1:
-        print("error: --stream-interval must be at least 1 (tokens per response)", file=sys.stderr)
-        return 2
+    if args.stream_interval is not None:
+        try:  # the check the `speculative` model applies to a request's own
+            stream_interval(str(args.stream_interval))
+        except ValueError as e:
+            print(f"error: --stream-interval: {e}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     server = None
     url = args.url
