@@ -154,6 +154,14 @@ def _greedy(verify, seq_id: int, prompt: list[int], steps: int) -> list[int]:
     return out
 
 
+def _gather_all(batcher: StepBatcher, seq_ids) -> None:
+    """Make every step wait for all of `seq_ids` (timing-free tests): they count as running
+    before any submits, so none goes alone however late its thread starts, and the gather window
+    is wide from the first batch on."""
+    batcher.max_wait_s, batcher.wait_fraction, batcher.last_round_trip_s = 5.0, 1e6, 1.0
+    batcher.running.update(seq_ids)
+
+
 @TRANSPORTS
 def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_model_dir, transport):
     prompts = {seq_id: [1 + seq_id, 20 + seq_id, 3, 40 + seq_id][: 2 + seq_id % 3] for seq_id in range(1, 5)}
@@ -161,8 +169,8 @@ def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_m
     expected = {seq_id: _greedy(alone.verify, seq_id, prompt, 6) for seq_id, prompt in prompts.items()}
 
     verifier = RecordedVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"), transport)
-    # A wide gather window: every running sequence's step makes the batch (timing-free test).
-    batcher = StepBatcher(verifier, max_wait_s=5.0, wait_fraction=1e6)
+    batcher = StepBatcher(verifier)
+    _gather_all(batcher, prompts)
     got: dict[int, list[int]] = {}
 
     def run(seq_id: int) -> None:
@@ -286,7 +294,7 @@ def test_a_gathered_drafter_drafts_concurrent_sequences_in_one_propose_on_its_th
     service = DraftService(proposer, SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 2}'))
     thread = ThreadPoolExecutor(1, thread_name_prefix="verify")
     drafter = GatheredDrafter(service, lambda work: thread.submit(work).result())
-    drafter.batcher.max_wait_s, drafter.batcher.wait_fraction = 5.0, 1e6  # every running sequence makes the batch
+    _gather_all(drafter.batcher, (1, 2, 3))
     got: dict[int, list[list[int]]] = {}
 
     def run(seq_id: int) -> None:
