@@ -21,13 +21,13 @@ import json
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from backends.config import SpeculativeConfig
 from backends.runtime.model_store import resolve_model
+from backends.runtime.threads import forward_thread
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
 from backends.serving.local import LocalDrafter
@@ -112,10 +112,10 @@ def main() -> None:
 
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    forward_thread = ThreadPoolExecutor(1, thread_name_prefix="forward")
-    runner = forward_thread.submit(TargetRunner, model, "bfloat16").result()
+    forward = forward_thread("forward")  # as the server: the one thread with OpenMP teams
+    runner = forward.submit(TargetRunner, model, "bfloat16").result()
     run_rows = in_process(runner)
-    batcher = StepBatcher(lambda rows: forward_thread.submit(run_rows, rows).result(), carries_logprobs=True)
+    batcher = StepBatcher(lambda rows: forward.submit(run_rows, rows).result(), carries_logprobs=True)
     config = shipped_drafter_config()
     drafter = LocalDrafter(DraftService(build_proposer(config, max_model_len=runner.max_model_len), config))
     prompts = [p for category in load_prompts()[1].values() for p in category]

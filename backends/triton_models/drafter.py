@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
 from backends.runtime.model_store import context_window, load_config
+from backends.runtime.threads import own_cores
 from backends.serving.drafting import DraftCall, DraftService
 from backends.serving.proposer import Draft, build_proposer, check_layers, describe_drafter
 from backends.triton_models.common import initialize_model, input_array, input_ids, input_scalar, instance_device
@@ -28,6 +29,7 @@ class TritonPythonModel(SequenceBatchedModel):
 
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
+        own_cores()  # execute, and so every forward, runs on this thread (threads.py)
         target = settings.target
         max_len = context_window(load_config(target), settings.max_model_len)
         # A bad speculative_config fails this model's load with the config's own message.

@@ -25,6 +25,7 @@ from backends.config import SpeculativeConfig
 from backends.methods.extract_hidden_states import save_hidden_states
 from backends.runtime.device import resolve_device
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
+from backends.runtime.threads import forward_thread, serial_elsewhere
 from backends.serving.cancellation import CancellationWatch
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
@@ -105,6 +106,9 @@ LIST_INPUTS = ("stop_words", "bad_words")  # STRING [-1]
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
+        # Forwards run on the verify thread (in process) or in the verifier's process: torch
+        # on this process's other threads must not start OpenMP teams of its own (threads.py).
+        serial_elsewhere()
         params, model_path = settings.params, settings.target
         self.tokenizer = load_tokenizer(model_path)
         config = load_config(model_path)
@@ -235,10 +239,10 @@ class TritonPythonModel:
             device,
             why,
         )
-        # One thread loads the target and runs every forward: OpenMP keeps a team of worker
-        # threads per calling thread, and with more of them than cores its workers stop spinning
-        # between parallel regions (a plain step took 20-40% longer from other threads).
-        verify_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-verify")
+        # One thread loads the target and runs every forward, the process's only parallel
+        # thread: OpenMP keeps a team of worker threads per calling thread, and with more of
+        # them than cores its workers stop spinning between parallel regions (threads.py).
+        verify_thread = forward_thread("spec-verify")
         runner = verify_thread.submit(target_runner, settings, device).result()
         active = ActiveSequencesGauge(self.verifier_name)
         counters = prefix_counters(runner, self.verifier_name, "1")

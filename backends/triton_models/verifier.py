@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from backends.runtime.threads import own_cores
 from backends.serving.logits import logprobs_to_arrays
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
@@ -38,6 +39,7 @@ class TritonPythonModel(SequenceBatchedModel):
 
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
+        own_cores()  # execute, and so every forward, runs on this thread (threads.py)
         self.standby = verified_in_process(model_repository(args), args["model_name"], torch.cuda.device_count())
         if self.standby:
             log.info(
