@@ -39,13 +39,13 @@ class TritonPythonModel(SequenceBatchedModel):
 
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
-        own_cores()  # execute, and so every forward, runs on this thread (threads.py)
         self.standby = verified_in_process(model_repository(args), args["model_name"], torch.cuda.device_count())
         if self.standby:
             log.info(
                 "verifier standing by: the target is verified in the process of %s (verifier_in_process)", self.standby
             )
             return
+        own_cores()  # execute, and so every forward, runs on this thread (threads.py)
         device = instance_device(args, settings.params, log)  # a GPU that cannot be used fails the load here
         self.runner = target_runner(settings, device)
         self.init_sequences(args, settings.params, self.runner)
