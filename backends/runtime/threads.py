@@ -39,20 +39,25 @@ def cores() -> int:
 
 @functools.cache
 def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (its own copy of libgomp), or None where there is none."""
+    """The GNU OpenMP runtime torch loaded (the copy in torch's own directory first), or None
+    where there is none: then nothing here changes torch's threads, as a thread's own count
+    could not be given back."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
     paths = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
-    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+    mine = str(Path(torch.__file__).parent)
+    ordered = sorted(paths, key=lambda path: (not path.startswith(mine), path))
+    return ctypes.CDLL(ordered[0]) if ordered else None
 
 
 def serial_elsewhere() -> None:
     """From now on a thread that has not used torch yet runs its ops on one thread, and so
     does the calling thread."""
     cores()
-    torch.set_num_threads(1)
+    if _openmp() is not None:
+        torch.set_num_threads(1)
 
 
 def own_cores() -> int:
@@ -62,12 +67,14 @@ def own_cores() -> int:
     torch.get_num_threads()  # torch's setup of this thread on first use, which would undo ours
     serial_elsewhere()
     openmp = _openmp()
-    if openmp is not None:
-        openmp.omp_set_num_threads(wanted)  # this thread's own setting, after torch's
-    got = torch.get_num_threads()
     name = threading.current_thread().name
+    if openmp is None:
+        log.info("%s runs this process's forwards; no GNU OpenMP runtime, torch's threads left as set", name)
+        return torch.get_num_threads()
+    openmp.omp_set_num_threads(wanted)  # this thread's own setting, after torch's
+    got = torch.get_num_threads()
     if got != wanted:
-        log.warning("%s runs the forwards on %d thread(s), not %d: no OpenMP runtime to set", name, got, wanted)
+        log.warning("%s runs the forwards on %d thread(s), not %d", name, got, wanted)
     else:
         log.info("%s runs this process's forwards on %d threads; torch on its other threads on one", name, got)
     return got
@@ -76,6 +83,5 @@ def own_cores() -> int:
 def forward_thread(prefix: str) -> ThreadPoolExecutor:
     """A one-thread executor for this process's forwards, the only thread whose CPU work runs
     in parallel (the calling thread's runs on one from now on)."""
-    cores()
     serial_elsewhere()
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=prefix, initializer=own_cores)

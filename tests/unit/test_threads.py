@@ -20,14 +20,16 @@ from backends.runtime import threads
 def thread_count():
     return len(os.listdir("/proc/self/task"))
 
-if MODE == "executor":
+if MODE == "no openmp":  # a torch on another OpenMP runtime (or none): threads left as they are
+    threads._openmp = lambda: None
+if MODE in ("executor", "no openmp"):
     forward = threads.forward_thread("forward")
     on_forward = lambda f: forward.submit(f).result()
 else:  # the calling thread runs the forwards (the verifier and drafter models' main thread)
     threads.own_cores()
     on_forward = lambda f: f()
 seen = {"forward": on_forward(torch.get_num_threads)}
-if MODE == "executor":
+if MODE in ("executor", "no openmp"):
     seen["caller"] = torch.get_num_threads()
 
 def other():  # a request thread: one op big enough for torch to run it in parallel
@@ -66,3 +68,9 @@ def test_a_forward_thread_alone_runs_parallel_work():
 
 def test_the_calling_thread_can_own_the_cores():
     assert run("own") == {"forward": 2, "other": 1, "threads started by its op": 0, "forward after": 2}
+
+
+def test_without_gnu_openmp_nothing_changes():
+    # one team per thread as before, rather than a forward thread that could not get its cores back
+    seen = run("no openmp")
+    assert seen["forward"] == seen["caller"] == seen["other"] == seen["forward after"] == 2
