@@ -56,26 +56,57 @@ class VerifyCosts:
 
 
 @dataclass
+class DraftCost:
+    """A drafter call's seconds as a + b * drafts, fitted by least squares to moving averages
+    of the calls (an empty proposal is a call at 0 drafts). Every call moves the fit, so a slow
+    one fades like any other: the per-call part used to be fixed by the first call for a drafter
+    that always drafts (the heads), and one cold call of 6.6 ms against 2 ms steady kept an
+    EAGLE-3 sequence from drafting for the rest of its request. A drafter asked for one length
+    only costs its mean at every length (no slope to fit), and nothing measured costs nothing."""
+
+    decay: float = 0.7
+    means: tuple[float, ...] | None = None  # drafts, seconds, drafts^2, drafts * seconds
+
+    def record(self, drafts: int, seconds: float) -> None:
+        sample = (drafts, seconds, drafts * drafts, drafts * seconds)
+        self.means = (
+            sample
+            if self.means is None
+            else tuple(moving_average(m, x, self.decay) for m, x in zip(self.means, sample))
+        )
+
+    def __call__(self, drafts: int) -> float:
+        if self.means is None:
+            return 0.0
+        n, s, nn, ns = self.means
+        spread = nn - n * n
+        slope = max(0.0, (ns - n * s) / spread) if spread > 1e-9 else 0.0
+        return max(0.0, s + slope * (drafts - n))
+
+
+@dataclass
 class AdaptiveDraftLength:
     max_k: int
-    alpha: float = 0.6  # prior per-token acceptance, refined from the first drafted step
+    alpha: float = 0.6  # per-token acceptance: its prior, then accepted / trials (moving averages)
     decay: float = 0.7  # weight of history in each moving average
     probe_every: int = 16
     verify: VerifyCosts = field(init=False)  # verify time per k, averaged with `decay`
-    draft_s_per_token: float | None = None
-    draft_s_per_call: float | None = None
+    draft: DraftCost = field(init=False)
     _since_probe: int = 0
+    _accepted: float = field(init=False)  # drafts accepted a step, moving average
+    _trials: float = field(init=False)  # positions tried a step (accepted + the first rejected)
 
     def __post_init__(self) -> None:
         self.verify = VerifyCosts(self.decay)
+        self.draft = DraftCost(self.decay)
+        self._accepted, self._trials = self.alpha, 1.0  # the prior counts as one trial
 
     def expected_tokens(self, k: int) -> float:
         a = min(self.alpha, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
     def step_time(self, k: int) -> float:
-        draft = 0.0 if k == 0 else (self.draft_s_per_call or 0.0) + (self.draft_s_per_token or 0.0) * k
-        return self.verify(k) + draft
+        return self.verify(k) + (self.draft(k) if k else 0.0)
 
     def next_k(self, limit: int) -> int:
         """Draft length for the next step, at most `limit` (room left, client's choice)."""
@@ -95,18 +126,16 @@ class AdaptiveDraftLength:
         verify step's cost (StepCost) and the draft call's wall time."""
         self.verify.record(num_drafted, verify_s)
         if k_asked > 0:
-            per_call = draft_s if num_drafted == 0 else None
-            if per_call is not None:  # an empty proposal costs only the call itself
-                self.draft_s_per_call = self._mix(self.draft_s_per_call, per_call)
-            elif self.draft_s_per_call is not None:
-                extra = max(0.0, draft_s - self.draft_s_per_call) / num_drafted
-                self.draft_s_per_token = self._mix(self.draft_s_per_token, extra)
-            else:
-                self.draft_s_per_call = self._mix(self.draft_s_per_call, draft_s)
+            self.draft.record(num_drafted, draft_s)
         if num_drafted:
-            # Each draft position is a Bernoulli trial until the first rejection.
+            # Each draft position is a Bernoulli trial until the first rejection. Trials and
+            # acceptances are averaged apart: the mean of each step's ratio is biased low (a
+            # rejected first draft weighs as much as three accepted ones; at 0.5 per position
+            # and 3 drafts it averages 0.33), which stopped EAGLE-3 drafting where it paid.
             trials = num_accepted + (1 if num_accepted < num_drafted else 0)
-            self.alpha = self._mix(self.alpha, num_accepted / trials)
+            self._accepted = self._mix(self._accepted, num_accepted)
+            self._trials = self._mix(self._trials, trials)
+            self.alpha = self._accepted / self._trials
 
     def _mix(self, old: float | None, new: float) -> float:
         return moving_average(old, new, self.decay)

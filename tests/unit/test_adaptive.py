@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.serving.adaptive import AdaptiveDraftLength, StepCost, TreeCut
+from backends.serving.adaptive import AdaptiveDraftLength, DraftCost, StepCost, TreeCut
 from backends.serving.orchestrator import draft_length
 from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest
@@ -45,6 +45,41 @@ def test_probes_bring_speculation_back():
     for _ in range(12):  # the text turned repetitive: probes get accepted
         policy.record(1, 1, 1, verify_s=0.055, draft_s=0.002)
     assert policy.next_k(100) > 0
+
+
+def test_acceptance_is_pooled_over_positions_not_averaged_per_step():
+    """Drafts accepted at 0.5 per position, 3 a step: 0, 1, 2 and 3 accepted in the geometric
+    proportions 4 : 2 : 1 : 1. Averaging each step's accepted / trials gives 0.33; pooling the
+    trials gives the 0.5 the drafts are accepted at."""
+    policy = AdaptiveDraftLength(max_k=3, decay=0.99)
+    for _ in range(200):
+        for accepted in (0, 0, 0, 0, 1, 1, 2, 3):
+            policy.record(3, 3, accepted, verify_s=0.010, draft_s=0.001)
+    assert policy.alpha == pytest.approx(0.5, abs=0.03)
+
+
+def test_one_slow_draft_call_fades():
+    """A head always drafts: its first recorded call was cold (6.6 ms), the rest take 2 ms. The
+    policy keeps drafting once the slow call has faded, as it pays at 0.5 acceptance."""
+    policy = AdaptiveDraftLength(max_k=3)
+    policy.record(3, 3, 2, verify_s=0.0074, draft_s=0.0066)
+    for step in range(60):
+        k = policy.next_k(3)
+        accepted = (1, 2, 0, 1)[step % 4] if k else 0
+        policy.record(k, k, min(accepted, k), verify_s=0.0068 + 0.0002 * k, draft_s=0.002 if k else 0.0)
+    assert policy.draft(3) == pytest.approx(0.002, rel=0.05)
+    assert policy.next_k(3) > 0
+
+
+def test_draft_cost_is_a_call_plus_a_slope_once_two_lengths_are_seen():
+    cost = DraftCost()
+    assert cost(4) == 0.0  # nothing measured: drafting looks free
+    cost.record(4, 0.0003)
+    assert cost(1) == cost(4) == pytest.approx(0.0003)  # one length: its mean at every length
+    for _ in range(20):  # a lookup: empty proposals cost the call, drafts 0.05 ms each
+        cost.record(0, 0.0001)
+        cost.record(4, 0.0003)
+    assert cost(0) == pytest.approx(0.0001) and cost(2) == pytest.approx(0.0002)
 
 
 def test_unseen_lengths_are_interpolated():
