@@ -84,11 +84,12 @@ def load_library(path: Path) -> ctypes.CDLL:
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            done = subprocess.run(
-                [compiler, *flags, str(path), "-o", str(partial), "-lm"], capture_output=True, text=True
-            )
+            # Bytes, decoded here: gcc quotes names in UTF-8 (and warns on AVX2-only CPUs),
+            # and the Triton stub's locale decodes text as ASCII, which failed the model's load.
+            done = subprocess.run([compiler, *flags, str(path), "-o", str(partial), "-lm"], capture_output=True)
             if done.returncode != 0:
-                raise KernelUnavailable(f"building {path.name} failed:\n{done.stderr.strip()}")
+                errors = done.stderr.decode("utf-8", errors="replace").strip()
+                raise KernelUnavailable(f"building {path.name} failed:\n{errors}")
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)

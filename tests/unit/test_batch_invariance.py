@@ -99,6 +99,38 @@ def test_the_avx2_packed_linear_kernel_passes_the_packed_tests():
     assert off.stdout.strip() == "False", off.stderr[-3000:]
 
 
+_NOISY_COMPILER = """#!/bin/sh
+printf '\\342\\200\\230hsum16\\342\\200\\231: warning \\377\\n' >&2
+[ -n "$FAIL" ] && exit 1
+exec gcc "$@"
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_kernels_build_in_an_ascii_locale_whatever_the_compiler_prints(tmp_path, fail):
+    """gcc quotes names in UTF-8 and, on an AVX2-only CPU, warns while building the kernels;
+    the Triton stub runs Python in an ASCII locale, where decoding that text failed the
+    verifier's load. Built in such a process (C locale, no UTF-8 mode) by a compiler that
+    prints curly quotes and a byte that is no UTF-8 at all, the kernels load; a failed build
+    says what the compiler printed."""
+    compiler = tmp_path / "cc"
+    compiler.write_text(_NOISY_COMPILER)
+    compiler.chmod(0o755)
+    ask = "from backends.runtime import cpu_kernels; print(ascii(cpu_kernels.unavailable_reason(64, 9, 3)))"
+    env = {**os.environ, "LC_ALL": "C", "CC": str(compiler), "TRITONSPEC_CACHE": str(tmp_path / "cache")}
+    env.pop("PYTHONUTF8", None)
+    env["FAIL"] = "1" if fail else ""
+    done = subprocess.run(
+        [sys.executable, "-X", "utf8=0", "-c", ask], env=env, cwd=Path(__file__).parents[2], capture_output=True
+    )
+    said = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    if fail:
+        assert "building cpu_kernels.c failed" in said and r"\u2018hsum16\u2019: warning \ufffd" in said, said
+    else:
+        assert said.strip() == "None", said
+
+
 # Attention over fixed random inputs, saved to argv[1]: queries alone and in runs sharing a key
 # list (a row's verification tokens), key counts around the 16-key tiles, head dims that take
 # the AVX2 loops' 64- and 16-wide parts.
