@@ -48,6 +48,7 @@ from backends.config.detect import (
     speculators_spec,
 )
 from backends.config.errors import SpeculativeConfigError
+from backends.runtime.model_store import unnamable
 
 logger = logging.getLogger(__name__)
 
@@ -887,6 +888,8 @@ def _validate_batch_schedule(schedule: Any) -> list[tuple[int, int, int]]:
 
 def _read_model_config(path: str | None, field_name: str) -> dict[str, Any]:
     """A local directory's config.json; {} for None or a bare name (nothing to read)."""
+    if path is not None and (why := unnamable(path)):
+        raise SpeculativeConfigError(f"{field_name}: {why}")
     if path is None or not os.path.isdir(path):
         return {}
     config_path = os.path.join(path, "config.json")

@@ -89,6 +89,20 @@ def converted_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def unnamable(path: str) -> str:
+    """Why this process cannot open `path` by name, or "" where it can. Triton's Python stub
+    runs Python isolated from the locale, with ASCII file names: a path outside ASCII then
+    looks like no file at all."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        return (
+            f"{path!r} is not ASCII, and this process names files in {sys.getfilesystemencoding()} "
+            "(Triton's Python stub runs Python isolated from the locale): move or link it to a plain ASCII path"
+        )
+    return ""
+
+
 def resolve_model(spec: str) -> Path:
     """A local HF directory, a GGUF file, or the converted directory of a named model."""
     path = Path(spec).expanduser()
@@ -105,6 +119,8 @@ def resolve_model(spec: str) -> Path:
         if (out / "config.json").exists():
             return out
         raise ModelNotFoundError(f"model {spec!r} is not fetched yet: run `tritonspec models fetch {spec}`")
+    if why := unnamable(spec):
+        raise ModelNotFoundError(f"model {why}")
     raise ModelNotFoundError(
         f"model {spec!r} is neither a local directory, a .gguf file nor a known model ({', '.join(NAMED_MODELS)})"
     )

@@ -4,6 +4,7 @@ where `triton_python_backend_utils` exists)."""
 from __future__ import annotations
 
 import json
+import locale
 import logging
 import queue
 import sys
@@ -26,6 +27,27 @@ SEQUENCE_END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 def setup_logging() -> None:
     # The stub's stdout/stderr land in the server log; give our loggers a plain format.
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+
+
+def utf8_text() -> None:
+    """Text in this process (files, subprocess output) decodes as UTF-8. The Triton stub embeds
+    Python without its start-up locale work (no setlocale, no C-locale coercion, no UTF-8
+    mode: PYTHONUTF8 and LANG are ignored), so text defaulted to ASCII and one non-ASCII
+    character in a config.pbtxt (a comment, a model path with an accent) failed the load.
+    This is what `python` itself does in the C locale (PEP 538): LC_CTYPE set to C.UTF-8."""
+    if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+        return
+    for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+            return
+        except locale.Error:
+            continue
+    logging.getLogger("tritonspec").warning(
+        "no UTF-8 locale (C.UTF-8) on this system: files are read as %s, and a config.pbtxt with "
+        "characters outside it cannot be read",
+        locale.getpreferredencoding(False),
+    )
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -55,8 +77,9 @@ class ModelSettings:
 
 
 def initialize_model(args: dict) -> ModelSettings:
-    """The start of every model's initialize: logging set up, then its settings."""
+    """The start of every model's initialize: UTF-8 text, logging set up, then its settings."""
     setup_logging()
+    utf8_text()
     return model_settings(model_parameters(args))
 
 

@@ -128,7 +128,7 @@ def patched_repository(source: Path, overrides: RepositoryOverrides, dest: Path)
     """Copy `source` to `dest` with the overrides written into each config.pbtxt."""
     shutil.copytree(source, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     for config in sorted(dest.glob("*/config.pbtxt")):
-        text = config.read_text()
+        text = config.read_text(encoding="utf-8")
         for key, value in overrides.common.items():
             if get_parameter(text, key) is not None:
                 text = set_parameter(text, key, value)
@@ -136,7 +136,7 @@ def patched_repository(source: Path, overrides: RepositoryOverrides, dest: Path)
             text = set_parameter(text, key, value)
         if config.parent.name in overrides.instance_kinds:
             text = set_instance_kind(text, overrides.instance_kinds[config.parent.name])
-        config.write_text(text)
+        config.write_text(text, encoding="utf-8")
     return dest
 
 

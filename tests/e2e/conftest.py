@@ -6,15 +6,20 @@ import json
 
 import pytest
 
-from tests.fixtures.servers import fixture_server
+from tests.fixtures.servers import NON_ASCII_NOTE, fixture_server
 from tests.fixtures.synthetic_checkpoints import write_eagle1
 
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir, tmp_path_factory):
     """The shipped repository on the tiny model (ngram): it verifies in the orchestrator's
-    process (verifier_in_process "auto"), the verifier model standing by."""
-    yield from fixture_server(tmp_path_factory, "tiny-server", tiny_model_dir, sequence_idle_timeout_s="5")
+    process (verifier_in_process "auto"), the verifier model standing by. Each config.pbtxt
+    carries a parameter in non-ASCII text, which each model reads (test_server.py)."""
+    note = {"note": NON_ASCII_NOTE}
+    per_model = {"speculative": note, "verifier": note, "drafter": note}
+    yield from fixture_server(
+        tmp_path_factory, "tiny-server", tiny_model_dir, sequence_idle_timeout_s="5", per_model=per_model
+    )
 
 
 @pytest.fixture(scope="session")

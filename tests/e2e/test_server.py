@@ -6,9 +6,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import tritonclient.http as httpclient
 
 from client.api.triton import GenerationError, grpc_generate, http_generate
 from tests.fixtures.helpers import active_sequences, hf_greedy, metric_values, wait_for_no_active_sequences
+from tests.fixtures.servers import NON_ASCII_NOTE
 
 PROMPTS = [
     "The quick brown fox",
@@ -32,6 +34,17 @@ def test_greedy_ngram_equals_target_greedy(tiny_server, tiny_model_dir, prompt):
     sse = http_generate(tiny_server.http_url, prompt, stream=True, max_tokens=48)
     assert tuple(sse.output_ids) == expected and sse.text == streamed.text
     assert streamed.num_output_tokens == len(expected)
+
+
+def test_a_config_pbtxt_with_non_ascii_text_loads(tiny_server, tiny_model_dir):
+    """The Triton stub runs Python isolated, reading text as ASCII unless the models set
+    UTF-8 up (common.utf8_text): each model reads config.pbtxt files as text at load, and
+    this server's carry a parameter outside ASCII."""
+    client = httpclient.InferenceServerClient(tiny_server.http_url)
+    for model in ("speculative", "verifier", "drafter"):
+        assert client.get_model_config(model)["parameters"]["note"]["string_value"] == NON_ASCII_NOTE
+    r = grpc_generate(tiny_server.grpc_url, PROMPTS[0], max_tokens=8)
+    assert tuple(r.output_ids) == hf_greedy(str(tiny_model_dir), PROMPTS[0], 8)
 
 
 def test_drafts_are_accepted_on_repetitive_text(tiny_server, tiny_model_dir):

