@@ -10,6 +10,7 @@ allow the GPU's other summation order.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from backends.runtime.lean_lm import LeanCausalLM, UnsupportedArchitecture
+from backends.serving import target
 from backends.serving.target import TargetRunner, VerifyRequest
 from kernels import batch_invariant as bi
 from tests.fixtures.lean_models import assert_same, build, decode, tokens
@@ -159,6 +161,10 @@ def test_target_speculative_output_is_plain_output(target_dir, dtype, monkeypatc
         monkeypatch.setattr(
             LeanCausalLM, "from_hf", classmethod(lambda cls, m, **kw: from_hf(cls, m, **kw, triton_kernels=True))
         )
+        # The start-up step-cost probe (29 forwards of up to 64 tokens) times steps and decides
+        # no token; interpreted, it took most of this test's minutes.
+        cheap_probe = functools.partial(target.measure_step_cost, context=4, sizes=(1, 2))
+        monkeypatch.setattr(target, "measure_step_cost", cheap_probe)
     runner = TargetRunner(target_dir, dtype=dtype, device=DEVICE, batch_invariant="on")
     assert runner.lean.triton_kernels and runner.batch_invariant
     prompt = tokens(6, seed=3)
