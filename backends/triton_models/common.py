@@ -33,8 +33,9 @@ def utf8_text() -> None:
     """Text in this process (files, subprocess output) decodes as UTF-8. The Triton stub embeds
     Python without its start-up locale work (no setlocale, no C-locale coercion, no UTF-8
     mode: PYTHONUTF8 and LANG are ignored), so text defaulted to ASCII and one non-ASCII
-    character in a config.pbtxt (a comment, a model path with an accent) failed the load.
-    This is what `python` itself does in the C locale (PEP 538): LC_CTYPE set to C.UTF-8."""
+    character in a config.pbtxt (a comment, a parameter's value) failed the load. This is
+    what `python` itself does in the C locale (PEP 538): LC_CTYPE set to C.UTF-8. File names
+    stay ASCII (fixed at the stub's start): model_store.unnamable refuses other paths."""
     if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
         return
     for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):

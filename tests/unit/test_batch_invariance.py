@@ -22,6 +22,7 @@ from backends.runtime import cpu_kernels
 from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.lean_lm import K_CHUNKS, KernelLinear, LeanCausalLM, LeanDecoder, Row, _Linear, kernel_linears
 from backends.serving.tree import DraftTree
+from tests.fixtures.helpers import run_as_stub
 from tests.fixtures.lean_models import FAMILIES, assert_same, build, decode, tokens
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -117,12 +118,8 @@ def test_the_kernels_build_in_an_ascii_locale_whatever_the_compiler_prints(tmp_p
     compiler.write_text(_NOISY_COMPILER)
     compiler.chmod(0o755)
     ask = "from backends.runtime import cpu_kernels; print(ascii(cpu_kernels.unavailable_reason(64, 9, 3)))"
-    env = {**os.environ, "LC_ALL": "C", "CC": str(compiler), "TRITONSPEC_CACHE": str(tmp_path / "cache")}
-    env.pop("PYTHONUTF8", None)
-    env["FAIL"] = "1" if fail else ""
-    done = subprocess.run(
-        [sys.executable, "-X", "utf8=0", "-c", ask], env=env, cwd=Path(__file__).parents[2], capture_output=True
-    )
+    env = {"CC": str(compiler), "TRITONSPEC_CACHE": str(tmp_path / "cache"), "FAIL": "1" if fail else ""}
+    done = run_as_stub(ask, env=env)
     said = done.stdout.decode()
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
     if fail:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from backends.runtime.model_store import (
     fetch_named,
     resolve_model,
 )
+from tests.fixtures.helpers import run_as_stub
 
 
 @pytest.fixture(autouse=True)
@@ -157,18 +155,9 @@ def test_a_path_the_process_cannot_name_is_refused_saying_why(tmp_path):
     model = tmp_path / "modèle"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')
-    env = {**os.environ, "LC_ALL": "C"}
-    env.pop("PYTHONUTF8", None)
-    done = subprocess.run(
-        [sys.executable, "-X", "utf8=0", "-c", _NON_ASCII_PATHS, json.dumps(str(model))],
-        env=env,
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        encoding="utf-8",
-    )
-    said = [json.loads(line) for line in done.stdout.splitlines()]
-    assert done.returncode == 0 and len(said) == 2, done.stderr[-3000:]
+    done = run_as_stub(_NON_ASCII_PATHS, json.dumps(str(model)))
+    said = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    assert done.returncode == 0 and len(said) == 2, done.stderr.decode(errors="replace")[-3000:]
     assert said[0].startswith(f"model {str(model)!r}") and said[1].startswith(f"model: {str(model)!r}"), said
     for line in said:
         assert "is not ASCII" in line and "move or link it to a plain ASCII path" in line, line
