@@ -11,14 +11,15 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.runtime.device import resolve_device
-from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.model_store import DEFAULT_MODEL, resolve_model
+
+if TYPE_CHECKING:
+    from backends.runtime.kv_cache import KVCachePool
 
 SEQUENCE_START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -103,6 +104,8 @@ def model_repository(args: dict) -> Path:
 def instance_device(args: dict, params: dict[str, str], log: logging.Logger) -> str:
     """The torch device of this model instance (backends/runtime/device.py's rule over its
     instance_group kind and GPU, the `device` parameter and $TRITONSPEC_DEVICE), logged."""
+    from backends.runtime.device import resolve_device  # torch: not for a model standing by
+
     device, why = resolve_device(
         args.get("model_instance_kind", ""), args.get("model_instance_device_id", 0), params.get("device", "")
     )

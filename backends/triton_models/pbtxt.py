@@ -4,6 +4,7 @@ and what the orchestrator reads of its drafter's and verifier's entries at load)
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -21,9 +22,10 @@ def get_parameter(pbtxt: str, key: str) -> str | None:
     return parameters(pbtxt).get(key)
 
 
-def single_instance(pbtxt: str, num_gpus: int) -> bool:
+def single_instance(pbtxt: str, num_gpus: int | Callable[[], int]) -> bool:
     """Whether the config's instance_group makes exactly one instance (on a host with
-    `num_gpus` GPUs: a KIND_GPU group without `gpus` makes one per GPU)."""
+    `num_gpus` GPUs: a KIND_GPU group without `gpus` makes one per GPU). `num_gpus` may be a
+    function giving the count, called only for such a group (counting GPUs imports torch)."""
     groups = re.findall(r"\{[^{}]*\bkind:\s*KIND_([A-Z]+)[^{}]*\}", pbtxt)
     if len(groups) != 1:
         return False
@@ -33,7 +35,10 @@ def single_instance(pbtxt: str, num_gpus: int) -> bool:
     per_device = 1 if count is None else int(count.group(1))
     if groups[0] != "GPU":
         return per_device == 1
-    devices = len([g for g in gpus.group(1).split(",") if g.strip()]) if gpus else num_gpus
+    if gpus:
+        devices = len([g for g in gpus.group(1).split(",") if g.strip()])
+    else:
+        devices = num_gpus() if callable(num_gpus) else num_gpus
     return per_device * devices == 1
 
 
@@ -82,7 +87,7 @@ def _orchestrators(repository: Path) -> dict[str, dict[str, str]]:
     return found
 
 
-def verifies_in_process(repository: Path, orchestrator: str, num_gpus: int) -> bool:
+def verifies_in_process(repository: Path, orchestrator: str, num_gpus: int | Callable[[], int]) -> bool:
     """Whether orchestrator `orchestrator` of `repository` loads its verifier's target and
     verifies in its own process: its `verifier_in_process` is "true", or "auto" (the default)
     and its steps are batched (`batch_verify_steps` not "false"), its verifier has one instance
@@ -93,7 +98,7 @@ def verifies_in_process(repository: Path, orchestrator: str, num_gpus: int) -> b
 
 
 def _verifies_in_process(
-    repository: Path, orchestrators: dict[str, dict[str, str]], orchestrator: str, num_gpus: int
+    repository: Path, orchestrators: dict[str, dict[str, str]], orchestrator: str, num_gpus: int | Callable[[], int]
 ) -> bool:
     params = orchestrators.get(orchestrator, {})
     try:
@@ -114,7 +119,7 @@ def _verifies_in_process(
     return single_instance(pbtxt, num_gpus)
 
 
-def verified_in_process(repository: Path, verifier_name: str, num_gpus: int) -> str:
+def verified_in_process(repository: Path, verifier_name: str, num_gpus: int | Callable[[], int]) -> str:
     """The orchestrators of `repository` that load the target of verifier `verifier_name` and
     verify in their own process, as "`a`, `b`"; "" unless some do and none calls the verifier
     (then it must load)."""

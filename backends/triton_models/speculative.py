@@ -77,7 +77,7 @@ from backends.triton_models.pbtxt import (
 from backends.triton_models.peer_token import server_token, with_token
 from backends.triton_models.peers import BlsDrafter, BlsVerifier, SequencePeer
 from backends.triton_models.step_batch import GatheredDrafter, StepBatcher, batch_correlation_id, in_process, over_bls
-from backends.triton_models.verifier import prefix_counters, target_runner
+from backends.triton_models.verifier_serving import prefix_counters, target_runner
 
 log = logging.getLogger("tritonspec.speculative")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -1,159 +1,49 @@
-"""`verifier` model: the target model behind Triton's sequence batcher (one KV cache per
-correlation id). Inputs per step: new token ids and draft ids; outputs: the emitted ids.
-It stands by, loading nothing, while the orchestrators that name it verify in their own
-process (`verifier_in_process`)."""
+"""`verifier` model: the target model behind Triton's sequence batcher (`verifier_serving.py`),
+or, while the orchestrators that name it verify in their own process (`verifier_in_process`),
+standing by. Standing by imports neither torch nor the target's code: its stub would load them
+beside `speculative`'s own load, on the same cores, for nothing (~2 s of a 2-core server's
+start, and the stub's memory)."""
 
 from __future__ import annotations
 
-import json
 import logging
 
-import numpy as np
-import torch
-import triton_python_backend_utils as pb_utils
-
-from backends.runtime.threads import own_cores
-from backends.serving.logits import logprobs_to_arrays
-from backends.serving.request import SamplingParams
-from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
-from backends.triton_models.common import (
-    ModelSettings,
-    PrefixCacheCounters,
-    error_response,
-    initialize_model,
-    input_array,
-    input_ids,
-    instance_device,
-    model_repository,
-    parse_flag,
-)
+from backends.triton_models.common import error_response, initialize_model, model_repository
 from backends.triton_models.pbtxt import verified_in_process
-from backends.triton_models.sequence_model import SequenceBatchedModel
-from backends.triton_models.step_batch import ROWS, decode_rows, encode_results, verify_steps
 
 log = logging.getLogger("tritonspec.verifier")
 
 
-class TritonPythonModel(SequenceBatchedModel):
-    role = "verifier"
+def gpu_count() -> int:
+    """The GPUs torch sees (imports torch: asked only for a GPU instance group without `gpus`)."""
+    import torch
 
+    return torch.cuda.device_count()
+
+
+class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
-        self.standby = verified_in_process(model_repository(args), args["model_name"], torch.cuda.device_count())
+        self.standby = verified_in_process(model_repository(args), args["model_name"], gpu_count)
+        self.serving = None
         if self.standby:
             log.info(
                 "verifier standing by: the target is verified in the process of %s (verifier_in_process)", self.standby
             )
             return
-        own_cores()  # execute, and so every forward, runs on this thread (threads.py)
-        device = instance_device(args, settings.params, log)  # a GPU that cannot be used fails the load here
-        self.runner = target_runner(settings, device)
-        self.init_sequences(args, settings.params, self.runner)
-        self.prefix_counters = prefix_counters(self.runner, args["model_name"], str(args.get("model_version", "1")))
+        from backends.triton_models.verifier_serving import VerifierModel
+
+        self.serving = VerifierModel(args, settings)
 
     def execute(self, requests: list) -> list:
-        if self.standby:
+        if self.serving is None:
             message = (
                 f"verifier: standing by, the target is verified in the process of {self.standby} "
                 "(verifier_in_process); send generation requests to `speculative`"
             )
             return [error_response(message) for _ in requests]
-        return super().execute(requests)
-
-    def parse(self, request) -> VerifyRequest:
-        params = json.loads(request.parameters() or "{}")
-        sampling_json = params.get("sampling")
-        draft_probs = input_array(request, "draft_probs")
-        parents = input_array(request, "draft_parents")
-        return VerifyRequest(
-            request.correlation_id(),
-            input_ids(request, "input_ids"),
-            input_ids(request, "draft_ids"),
-            SamplingParams.from_json(sampling_json) if sampling_json else None,
-            tuple(input_ids(request, "hidden_layer_ids")),
-            None if draft_probs is None else torch.from_numpy(draft_probs.reshape(draft_probs.shape[-2:])),
-            params.get("max_new_tokens"),
-            None if parents is None else parents.reshape(-1).tolist(),
-            params.get("prefill_only") is True,
-        )
-
-    def carried(self, request) -> list | None:
-        params = json.loads(request.parameters() or "{}")
-        if ROWS not in params:
-            return None
-        parents = input_array(request, "draft_parents")
-        return decode_rows(
-            params[ROWS],
-            input_ids(request, "input_ids"),
-            input_ids(request, "draft_ids"),
-            input_array(request, "draft_probs"),
-            None if parents is None else parents.reshape(-1).tolist(),
-        )
-
-    def respond_rows(self, results: list) -> object:
-        return pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(name, array) for name, array in encode_results(results).items()]
-        )
-
-    def run(self, calls: list[VerifyRequest]) -> list:
-        """Requests from many sequences (the `oldest` sequence batcher) are verified together."""
-        results = verify_steps(self.runner, calls)
-        if self.prefix_counters is not None:
-            self.prefix_counters.update(self.runner.pool)
-        return results
-
-    def respond(self, result: VerifyResult | None) -> object:
-        token_ids, forward_s, hidden = (
-            ([], 0.0, None) if result is None else (result.token_ids, result.forward_s, result.hidden_states)
-        )
-        outputs = [
-            pb_utils.Tensor("output_ids", np.array([token_ids], dtype=np.int64)),
-            pb_utils.Tensor("forward_ms", np.array([[forward_s * 1e3]], dtype=np.float64)),
-        ]
-        if hidden is not None:
-            outputs.append(pb_utils.Tensor("hidden_states", hidden.numpy()[None]))
-        if result is not None and result.logprobs is not None:  # top arrays only with alternatives
-            outputs += [
-                pb_utils.Tensor(name, array[None])
-                for name, array in logprobs_to_arrays(result.logprobs).items()
-                if array.size
-            ]
-        return pb_utils.InferenceResponse(output_tensors=outputs)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.runner.sequences)
+        return self.serving.execute(requests)
 
     def finalize(self) -> None:
-        if not self.standby:
-            self.runner.sequences.clear()
-
-
-def target_runner(settings: ModelSettings, device: str) -> TargetRunner:
-    """The target as a verifier's config.pbtxt parameters describe it, on `device`."""
-    budget = float(settings.params.get("kv_cache_memory_gb", "4"))
-    runner = TargetRunner(
-        settings.target,
-        dtype=settings.dtype,
-        device=device,
-        max_model_len=settings.max_model_len,
-        kv_cache_memory_gb=budget or None,
-        runtime=settings.params.get("runtime", "auto"),
-        batch_invariant=settings.params.get("batch_invariant", "auto"),
-        prefix_caching=parse_flag(settings.params, "enable_prefix_caching", True),
-    )
-    log.info(
-        "verifier ready: %s (%s on %s, context %d, KV budget %s tokens)",
-        settings.target,
-        settings.dtype,
-        device,
-        runner.max_model_len,
-        runner.kv_budget_tokens or "unlimited",
-    )
-    return runner
-
-
-def prefix_counters(runner: TargetRunner, model_name: str, version: str) -> PrefixCacheCounters | None:
-    """The prefix cache counters on /metrics, when the target caches prefixes."""
-    pool = runner.pool
-    return PrefixCacheCounters(model_name, version) if pool is not None and pool.prefix_caching else None
+        if self.serving is not None:
+            self.serving.finalize()

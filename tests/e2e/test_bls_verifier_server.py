@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from client.api.triton import grpc_generate
+from client.cli.launcher import pids_with_cmdline
 from tests.fixtures.helpers import (
     active_sequences,
     grpc_request,
@@ -33,6 +34,19 @@ def test_the_shipped_repository_verifies_in_process_and_bls_when_pinned(tiny_ser
     assert "verifying in this process (verifier_in_process)" in default and "verifier standing by" in default
     assert "verifying in this process" not in pinned and "verifier standing by" not in pinned
     assert "verify steps of concurrent sequences go to 'verifier' in batches" in pinned
+
+
+def _stub_libraries(server, instance: str) -> str:
+    """The shared libraries that the Python stub of model instance `instance` has mapped."""
+    (pid,) = pids_with_cmdline(server.shm_prefix, b"triton_python_backend_stub", b"\0" + instance.encode() + b"\0")
+    with open(f"/proc/{pid}/maps") as maps:
+        return "".join(line for line in maps if ".so" in line)
+
+
+def test_a_standing_by_verifier_loads_neither_torch_nor_the_target(tiny_server, bls_server):
+    """Its stub would import them beside `speculative`'s own load, on the same cores."""
+    assert "libtorch" not in _stub_libraries(tiny_server, "verifier_0_0")
+    assert "libtorch" in _stub_libraries(bls_server, "verifier_0_0")  # the one that serves
 
 
 def test_greedy_output_over_bls_is_the_target_greedy_output(bls_server, tiny_model_dir):

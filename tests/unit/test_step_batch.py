@@ -270,6 +270,20 @@ def test_batching_is_off_for_a_verifier_with_several_instances():
     assert not single_instance(gpu.replace("KIND_GPU", "KIND_GPU gpus: [ 0, 1 ]"), num_gpus=4)
 
 
+def test_gpus_are_counted_only_for_a_gpu_group_that_lists_none():
+    """Counting GPUs imports torch, which a standing-by verifier does not load."""
+    asked = []
+
+    def count() -> int:
+        asked.append(1)
+        return 2
+
+    gpu = VERIFIER_CONFIG.replace("kind: KIND_CPU", "kind: KIND_GPU")
+    assert single_instance(VERIFIER_CONFIG, count) and not asked
+    assert single_instance(gpu.replace("KIND_GPU", "KIND_GPU gpus: [ 1 ]"), count) and not asked
+    assert not single_instance(gpu, count) and asked == [1]
+
+
 class CountingProposer(Proposer):
     """Drafts each sequence's last token + 1, k times; records each propose's batch; fails
     while `fail` is set."""
