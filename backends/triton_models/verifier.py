@@ -15,7 +15,9 @@ log = logging.getLogger("tritonspec.verifier")
 
 
 def gpu_count() -> int:
-    """The GPUs torch sees (imports torch: asked only for a GPU instance group without `gpus`)."""
+    """The GPUs torch sees, counted as `speculative` counts them for the same decision (not
+    device.cuda_device_count, which reads 0 where CUDA is unusable: the two models must agree on
+    who verifies). Imports torch: asked only for a GPU instance group without `gpus`."""
     import torch
 
     return torch.cuda.device_count()
