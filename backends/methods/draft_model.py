@@ -41,7 +41,7 @@ from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
 from backends.runtime.device import keep_attention_off_cudnn
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
-from backends.runtime.model_store import load_causal_lm, load_tokenizer, resolve_model
+from backends.runtime.model_store import hand_back_freed_memory, load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, SequenceProposer, check_one_device
 from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
 from backends.serving.tree import DraftTree, best_nodes, path_scores
@@ -124,7 +124,9 @@ class DraftModelProposer(SequenceProposer):
             raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
         if bridge is not None and sample_method != "greedy":
             raise ValueError("use_heterogeneous_vocab supports greedy draft sampling only")
-        self.model = model
+        # transformers runs the forward only without `lean`, which holds its own copy of the weights
+        self.model = None if lean is not None else model
+        self.config = model.config
         self.device = next(model.parameters()).device
         limit = getattr(model.config, "max_position_embeddings", None) or max_model_len
         self.max_model_len = min(limit, max_model_len)
@@ -178,6 +180,9 @@ class DraftModelProposer(SequenceProposer):
             bridge = TextBridge(load_tokenizer(Path(target_model)), load_tokenizer(path))
         proposer = cls(model, max_model_len, config.draft_sample_method, bridge, seed, lean)
         proposer.token_tree = config.speculative_token_tree
+        if lean is not None:
+            del model
+            hand_back_freed_memory()
         return proposer
 
     @torch.inference_mode()
@@ -277,7 +282,7 @@ class DraftModelProposer(SequenceProposer):
         return context[keep:]
 
     def _new_state(self, seq_id: int, context: list[int]) -> _SeqState:
-        state = _SeqState(DynamicCache(config=self.model.config) if self.pool is None else None)
+        state = _SeqState(DynamicCache(config=self.config) if self.pool is None else None)
         if self.pool is not None:
             self._attach(seq_id, state, context)
         self._seqs[seq_id] = state
@@ -348,7 +353,7 @@ class DraftModelProposer(SequenceProposer):
         cached = [len(w.state.token_ids) for w in work]
         lengths = [len(w.new_ids) for w in work]
         max_cached, max_len = max(cached), max(lengths)
-        cache = stack_caches([w.state.cache for w in work], cached, self.model.config)
+        cache = stack_caches([w.state.cache for w in work], cached, self.config)
         input_ids = [w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)]
         mask = torch.tensor(
             [[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n) for c, n in zip(cached, lengths)],

@@ -190,6 +190,10 @@ class _Linear:
         self.k_chunk = k_chunk
         self.slab = slab
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds (its weights in whatever form its kernel takes)."""
+        return [t for t in (*self.weights, self.bias) if t is not None]
+
     @classmethod
     def invariant(
         cls, weight: torch.Tensor, bias: torch.Tensor | None = None, slab: int = ROW_SLAB, adds: bool = True
@@ -266,11 +270,25 @@ class _TritonLinear(_Linear):
         self.bias = bias
         self.k_chunk = self.slab = None
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]
+
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return gpu_kernels.linear(x, self.weight, self.bias, residual)
 
 
-class _PackedLinear(_Linear):
+class _CLinear(_Linear):
+    """A linear layer on one of ``cpu_kernels``' C kernels: a layer of them runs in one C call."""
+
+    def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """Its fields of ``cpu_kernels.LinearWeights``."""
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.kernel_weights() if t is not None]
+
+
+class _PackedLinear(_CLinear):
     """A bf16 linear layer in ``cpu_kernels.packed_linear`` (AVX-512 BF16 or AVX2): faster than oneDNN
     here up to 40 rows, level with it from 128, and row invariant by construction (no K split)."""
 
@@ -290,7 +308,6 @@ class _PackedLinear(_Linear):
         return cpu_kernels.packed_linear(x, self.packed, self.out_features, self.bias, residual)
 
     def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
-        """Its fields of ``cpu_kernels.LinearWeights`` (a layer run in one C call)."""
         return self.packed, self.bias, None, None
 
 
@@ -329,7 +346,7 @@ def kernel_linears(module: nn.Module, int8: bool = False) -> int:
     return turned
 
 
-class _Int4Linear(_Linear):
+class _Int4Linear(_CLinear):
     """A linear layer quantized to int4 (``cpu_kernels.int4_linear``, AVX-512 VNNI or AVX2): weights
     per output channel and 64 positions of K, activations per row as they come. A quarter of
     bf16's bytes: a drafter whose step streams its weights (Qwen2.5-Coder-0.5B: 7.4 against
@@ -354,7 +371,7 @@ class _Int4Linear(_Linear):
         return self.weight.packed, self.bias, self.weight.scale, None
 
 
-class _Int8Linear(_Linear):
+class _Int8Linear(_CLinear):
     """A linear layer quantized to int8 (``cpu_kernels.int8_linear``, AVX-512 VNNI or AVX2): weights per
     output channel, activations per row as they come. For drafters, which need speed, not the
     target's exact bits: half the bytes of bf16 to stream per step."""
@@ -603,11 +620,7 @@ def _check_mask(row: Row, n: int, cached: int) -> None:
 
 def _fusable(layer: _Layer) -> bool:
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    return (
-        layer.attn_norm is not None
-        and layer.qk_norm is None
-        and all(isinstance(x, (_PackedLinear, _Int8Linear, _Int4Linear)) for x in linears)
-    )
+    return layer.attn_norm is not None and layer.qk_norm is None and all(isinstance(x, _CLinear) for x in linears)
 
 
 class LeanDecoder:
@@ -659,6 +672,18 @@ class LeanDecoder:
                 )
                 for layer in layers
             ]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every weight tensor it holds (its KV lives in the pools it makes)."""
+        held = []
+        for layer in self.layers:
+            held += [t for t in (layer.attn_norm, layer.qk_norm, layer.mlp_norm) if t is not None]
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                held += linear.tensors()
+        return held
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in {id(t): t for t in self.tensors()}.values())
 
     @classmethod
     def from_layers(cls, config, modules: Sequence, dtype: torch.dtype, *, input_norm: bool = False) -> LeanDecoder:
@@ -1019,6 +1044,9 @@ class LeanCausalLM(LeanDecoder):
         self.norm = norm
         self.lm_head = lm_head
         self.vocab_size = embed.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.embed, *super().tensors(), self.norm, *self.lm_head.tensors()]
 
     @classmethod
     def from_hf(

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -28,12 +29,15 @@ from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.device import keep_attention_off_cudnn
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
-from backends.runtime.model_store import context_window, load_causal_lm
+from backends.runtime.model_store import context_window, hand_back_freed_memory, load_causal_lm
 from backends.serving.idle import release_idle
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
 from backends.serving.request import SamplingParams
 from backends.serving.tree import DraftTree, TreeError, accept_tree
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("tritonspec.target")
 
@@ -254,29 +258,34 @@ class TargetRunner:
             )
         if batch_invariant == "on" and runtime == "hf":
             raise ValueError("batch_invariant 'on' needs the lean runtime (runtime 'hf' was asked)")
-        self.model = load_causal_lm(model_path, dtype).to(device)
+        model = load_causal_lm(model_path, dtype).to(device)
+        self.config = model.config
         self.device = torch.device(device)
-        self.max_model_len = context_window(self.model.config, max_model_len)
-        check_sliding_window(self.model.config, self.max_model_len)
+        self.max_model_len = context_window(self.config, max_model_len)
+        check_sliding_window(self.config, self.max_model_len)
         # What a step may name: ids the embedding has (an id past it is a device assert on
         # CUDA, which poisons the process), probabilities over the logits' vocabulary, and
         # hidden-state layers 0..L (-1: the final normed state).
-        self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.logits_size = self.model.get_output_embeddings().weight.shape[0]
-        self.num_layers = self.model.config.num_hidden_layers
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.logits_size = model.get_output_embeddings().weight.shape[0]
+        self.num_layers = self.config.num_hidden_layers
         self.sequences: dict[int, _Sequence] = {}
         self._warned_trees = False
         # What idleness is measured on; the Triton verifier counts only the time it waits for
         # work (sequence_model.IdleClock), so a step queued behind others never looks idle.
         self.clock: Callable[[], float] = time.monotonic
         self.kv_budget_tokens = (
-            int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.model.config, dtype))
-            if kv_cache_memory_gb
-            else None
+            int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.config, dtype)) if kv_cache_memory_gb else None
         )
-        self.lean, self.pool = self._lean_runtime(runtime, kv_cache_memory_gb, batch_invariant, prefix_caching)
+        self.lean, self.pool = self._lean_runtime(model, runtime, kv_cache_memory_gb, batch_invariant, prefix_caching)
+        # transformers runs the forward where the lean runtime does not; where it does, the
+        # lean runtime holds its own copy of the weights and transformers' is let go.
+        self.model: PreTrainedModel | None = model if self.lean is None else None
+        del model
         if self.lean is None:
             keep_attention_off_cudnn(device)
+        else:
+            hand_back_freed_memory()
         self.batch_invariant = self.lean is not None and self.lean.batch_invariant
         # What a step costs by its new tokens: how a batched step's time is shared among its
         # rows (step_shares). Not measured for transformers: its batches are split evenly.
@@ -287,7 +296,7 @@ class TargetRunner:
             log.info("a step's cost by its new tokens: %s", self.step_cost)
 
     def _lean_runtime(
-        self, runtime: str, memory_gb: float | None, batch_invariant: str, prefix_caching: bool
+        self, model: PreTrainedModel, runtime: str, memory_gb: float | None, batch_invariant: str, prefix_caching: bool
     ) -> tuple[LeanCausalLM | None, KVCachePool | None]:
         """The lean runtime and its KV pool, when this model and device have it (else transformers)."""
         # On a GPU the lean runtime is its batch-invariant Triton path (scripts/gpu_speed.py: on an
@@ -300,13 +309,13 @@ class TargetRunner:
         lean = None
         if batch_invariant != "off":
             try:
-                lean = LeanCausalLM.from_hf(self.model, batch_invariant=True)
+                lean = LeanCausalLM.from_hf(model, batch_invariant=True)
             except UnsupportedArchitecture as e:
                 if batch_invariant == "on" or runtime == "lean":
                     raise
                 log.warning("target is not batch-invariant (bf16 speculative output may differ from plain): %s", e)
         try:
-            lean = lean or LeanCausalLM.from_hf(self.model)
+            lean = lean or LeanCausalLM.from_hf(model)
         except UnsupportedArchitecture as e:
             if runtime == "lean":
                 raise
@@ -319,9 +328,11 @@ class TargetRunner:
             else lean.new_pool(capacity_tokens=8 * (self.max_model_len + MAX_SPEC_LEN), prefix_caching=prefix_caching)
         )
         log.info(
-            "target runs on the lean runtime, batch-invariant %s, prefix caching %s: KV pool of %d tokens (%.2f GB)",
+            "target runs on the lean runtime, batch-invariant %s, prefix caching %s: weights %.2f GB, "
+            "KV pool of %d tokens (%.2f GB)",
             "on" if lean.batch_invariant else "off",
             "on" if prefix_caching else "off",
+            lean.weight_bytes() / 2**30,
             pool.capacity_tokens,
             pool.capacity_tokens * pool.bytes_per_token / 2**30,
         )
@@ -541,7 +552,7 @@ class TargetRunner:
         cached = [step.seq.num_cached for step in steps]
         lengths = [len(step.input_ids) for step in steps]
         max_cached, max_len = max(cached), max(lengths)
-        batched = DynamicCache(config=self.model.config)
+        batched = DynamicCache(config=self.config)
         for layer in range(len(steps[0].seq.cache.layers)):
             keys, values = [], []
             for step, n in zip(steps, cached):
@@ -650,7 +661,7 @@ class TargetRunner:
         seq_id = req.seq_id
         generator = new_generator(self.device, sampling.seed)
         _check_token_controls(sampling, self.logits_size)
-        cache = None if self.pool is not None else DynamicCache(config=self.model.config)
+        cache = None if self.pool is not None else DynamicCache(config=self.config)
         seq = _Sequence(cache, sampling, generator, reserve)
         self.sequences[seq_id] = seq
         log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))

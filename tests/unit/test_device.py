@@ -149,6 +149,8 @@ def make_proposer(
 
 def tensors_of(proposer) -> list[torch.Tensor]:
     module = proposer.head if hasattr(proposer, "head") else proposer.model
+    if module is None:  # draft_model on the lean runtime, which holds the only copy of its weights
+        return proposer.lean.tensors()
     return list(module.parameters()) + [b for b in module.buffers() if b is not None]
 
 

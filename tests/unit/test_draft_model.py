@@ -199,8 +199,8 @@ def test_no_drafts_past_the_context_window(make, draft_lm, prompt_ids):
 def test_from_config(tiny_draft_dir, tiny_model_dir, prompt_ids):
     proposer = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
     assert isinstance(proposer, DraftModelProposer)
-    assert next(proposer.model.parameters()).dtype == torch.float32
-    assert proposer.lean is not None  # a Llama on the CPU: the lean runtime
+    # a Llama on the CPU: the lean runtime, which holds the only copy of the weights
+    assert proposer.lean is not None and proposer.lean.dtype == torch.float32 and proposer.model is None
     int8 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int8"), max_model_len=512)
     if cpu_kernels.int8_linear_available():  # the lean runtime's int8 kernel
         assert isinstance(int8.lean.lm_head, _Int8Linear)
@@ -285,7 +285,7 @@ def test_text_bridge_maps_draft_text_to_target_tokens(tiny_model_dir, tiny_heter
 def test_heterogeneous_vocab_speculation_equals_target_greedy(runner, tokenizer, tiny_model_dir, tiny_hetero_dir):
     config = draft_config(tiny_hetero_dir, tiny_model_dir, use_heterogeneous_vocab=True)
     proposer = build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
-    vocab = runner.model.config.vocab_size
+    vocab = runner.config.vocab_size
     drafts = proposer.propose([DraftRequest(1, tokenizer(PROMPTS[0])["input_ids"], 4)])[0]
     assert drafts.probs is None and drafts.token_ids and all(0 <= t < vocab for t in drafts.token_ids)
     proposer.release(1)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
+from backends.runtime.model_store import load_causal_lm
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
 from backends.serving.local import LocalDrafter, LocalVerifier, generate_local
@@ -16,7 +17,7 @@ from backends.serving.orchestrator import GenerationStats, draft_length, generat
 from backends.serving.proposer import Draft, DrafterInfo, Proposer, build_proposer
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
 from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
-from tests.fixtures.helpers import hf_greedy
+from tests.fixtures.helpers import hf_greedy, load_hf_model
 
 
 class OracleProposer(Proposer):
@@ -233,25 +234,26 @@ def test_context_window_limits(runner, tokenizer):
         runner.verify(VerifyRequest(12345, [], [1, 2], None))
 
 
-def test_hidden_states_match_a_plain_forward(runner, tokenizer):
+def test_hidden_states_match_a_plain_forward(runner, tokenizer, target_dir):
     """Id i is the residual stream entering decoder layer i; -1 is the final normed state."""
     ids = tokenizer(PROMPT)["input_ids"]
     captured = {}
-    model = runner.model.model
+    hf_model = load_hf_model(str(target_dir))[0]
+    model = hf_model.model
     hooks = [
         model.layers[0].register_forward_hook(lambda m, i, o: captured.setdefault("layer0", o)),
         model.norm.register_forward_hook(lambda m, i, o: captured.setdefault("norm", o)),
     ]
     try:
         with torch.inference_mode():
-            runner.model(input_ids=torch.tensor([ids]))
+            hf_model(input_ids=torch.tensor([ids]))
     finally:
         for hook in hooks:
             hook.remove()
     result = runner.verify(VerifyRequest(777, ids, [], None, hidden_layer_ids=(1, -1)))
     runner.release(777)
     layer0 = captured["layer0"][0] if isinstance(captured["layer0"], tuple) else captured["layer0"]
-    assert result.hidden_states.shape == (len(ids), 2, runner.model.config.hidden_size)
+    assert result.hidden_states.shape == (len(ids), 2, runner.config.hidden_size)
     torch.testing.assert_close(result.hidden_states[:, 0], layer0[0])
     torch.testing.assert_close(result.hidden_states[:, 1], captured["norm"][0])
 
@@ -268,8 +270,9 @@ def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, t
 
     ids = tokenizer(PROMPT)["input_ids"]
     drafts = list(hf_greedy(str(tiny_model_dir), PROMPT, 3))
+    hf_model = load_hf_model(str(tiny_model_dir))[0]
     with torch.inference_mode():
-        logits = runner.model(input_ids=torch.tensor([ids + drafts])).logits[0, len(ids) - 1 : -1]
+        logits = hf_model(input_ids=torch.tensor([ids + drafts])).logits[0, len(ids) - 1 : -1]
     probs = logits.float().softmax(-1)
     sampling = SamplingParams(temperature=1.0, seed=3)
     result = runner.verify(VerifyRequest(99, ids, drafts, sampling, draft_probs=probs))
@@ -282,7 +285,7 @@ def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokeni
     from backends.serving.target import KVCacheFullError, kv_bytes_per_token
 
     probe = TargetRunner(tiny_model_dir, dtype="float32", runtime="hf")
-    per_token = kv_bytes_per_token(probe.model.config, "float32")
+    per_token = kv_bytes_per_token(probe.config, "float32")
     runner = TargetRunner(tiny_model_dir, dtype="float32", kv_cache_memory_gb=400 * per_token / 2**30, runtime=engine)
     assert runner.kv_budget_tokens == 400 and (runner.pool is not None) == (engine == "lean")
     ids = tokenizer(PROMPT)["input_ids"]
@@ -292,6 +295,33 @@ def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokeni
     assert len(runner.verify(VerifyRequest(1, [], [1, 2])).token_ids) >= 1  # the running one goes on
     runner.release(1)
     runner.verify(VerifyRequest(2, ids, [], max_new_tokens=100))  # room again
+
+
+@pytest.mark.parametrize("engine", ["lean", "hf"])
+def test_the_target_weights_are_held_once(tiny_model_dir, monkeypatch, engine):
+    """On the lean runtime, which holds its own fused and packed copy, transformers' model is let
+    go once converted; through transformers it is the engine and stays."""
+    import weakref
+
+    import backends.serving.target as target
+
+    loaded = []
+
+    def load(*args, **kwargs):
+        model = load_causal_lm(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(target, "load_causal_lm", load)
+    runner = TargetRunner(tiny_model_dir, dtype="float32", runtime=engine)
+    (model,) = loaded
+    if engine == "lean":
+        assert runner.lean is not None and runner.model is None and model() is None
+        assert runner.lean.weight_bytes() >= sum(
+            p.nbytes for p in load_causal_lm(tiny_model_dir, "float32").parameters()
+        )
+    else:
+        assert runner.lean is None and runner.model is model()
 
 
 class FailingProposer(Proposer):

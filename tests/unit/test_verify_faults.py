@@ -171,13 +171,14 @@ def test_idle_time_counts_from_the_end_of_a_step(tiny_model_dir, tokenizer, monk
     runner = TargetRunner(tiny_model_dir, dtype="float32")
     now = [0.0]
     runner.clock = lambda: now[0]
-    forward = runner.model.forward
+    engine = runner.lean or runner.model
+    forward = engine.forward
 
     def slow(*args, **kwargs):
         now[0] += 100.0  # every forward takes 100 s of the clock
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(runner.model, "forward", slow)
+    monkeypatch.setattr(engine, "forward", slow)
     runner.verify(VerifyRequest(1, tokenizer("The quick brown fox")["input_ids"], []))
     assert runner.release_idle(60.0) == []  # idle since its step ended: 0 s
     now[0] += 61.0
