@@ -31,6 +31,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from transformers import DynamicCache
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
 from backends.runtime.device import keep_attention_off_cudnn
-from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
+from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import hand_back_freed_memory, load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, SequenceProposer, check_one_device
 from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
@@ -112,23 +113,23 @@ class DraftModelProposer(SequenceProposer):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | None,
         max_model_len: int,
         sample_method: str = "greedy",
         bridge: TextBridge | None = None,
         seed: int | None = None,
         lean: LeanCausalLM | None = None,
     ) -> None:
-        """`lean`: the same model on the lean runtime, which then runs every forward."""
+        """`model`: the draft model through transformers; `lean`: on the lean runtime, which then
+        runs every forward (`model` may then be None: the runtime holds its own weights)."""
         if sample_method not in SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
         if bridge is not None and sample_method != "greedy":
             raise ValueError("use_heterogeneous_vocab supports greedy draft sampling only")
-        # transformers runs the forward only without `lean`, which holds its own copy of the weights
         self.model = None if lean is not None else model
-        self.config = model.config
-        self.device = next(model.parameters()).device
-        limit = getattr(model.config, "max_position_embeddings", None) or max_model_len
+        self.config = lean.config if lean is not None else model.config
+        self.device = lean.device if lean is not None else next(model.parameters()).device
+        limit = getattr(self.config, "max_position_embeddings", None) or max_model_len
         self.max_model_len = min(limit, max_model_len)
         self.sample_method = sample_method
         self.bridge = bridge
@@ -165,12 +166,20 @@ class DraftModelProposer(SequenceProposer):
         path = resolve_model(config.model)
         # The lean runtime quantizes from bf16 weights; torch's dynamic int8 (the fallback, for
         # int4 too) from float32 ones (its matmuls run in float32 anyway).
-        model = load_causal_lm(path, "bfloat16" if quantized else dtype).to(device)
-        lean = _lean_drafter(model, config.quantization)
-        if lean is None:
+        dtype = "bfloat16" if quantized else dtype
+        # The lean runtime reads the weights itself where it can; transformers loads the rest.
+        checkpoint = read_checkpoint(path, getattr(torch, dtype), device)
+        model = None if checkpoint else load_causal_lm(path, dtype).to(device)
+        lean = _lean_drafter(checkpoint or model, config.quantization)
+        del checkpoint
+        if lean is not None:  # it holds its own copy of the weights
+            model = None
+            hand_back_freed_memory()
+        else:
+            model = model or load_causal_lm(path, dtype).to(device)  # the checkpoint was read in vain
             keep_attention_off_cudnn(device)
-        if quantized and lean is None:
-            model = quantize_int8(model.float())
+            if quantized:
+                model = quantize_int8(model.float())
         bridge = None
         if config.use_heterogeneous_vocab:
             if target_model is None:
@@ -180,9 +189,6 @@ class DraftModelProposer(SequenceProposer):
             bridge = TextBridge(load_tokenizer(Path(target_model)), load_tokenizer(path))
         proposer = cls(model, max_model_len, config.draft_sample_method, bridge, seed, lean)
         proposer.token_tree = config.speculative_token_tree
-        if lean is not None:
-            del model
-            hand_back_freed_memory()
         return proposer
 
     @torch.inference_mode()
@@ -469,8 +475,9 @@ def append_new_entries(
             own.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx)
 
 
-def _lean_drafter(model: torch.nn.Module, quantization: str | None) -> LeanCausalLM | None:
-    """The draft model on the lean runtime, or None where it does not run (transformers then).
+def _lean_drafter(model: torch.nn.Module | SimpleNamespace, quantization: str | None) -> LeanCausalLM | None:
+    """The draft model (transformers' or a checkpoint read for the runtime) on the lean runtime,
+    or None where it does not run (transformers then).
     Batch-invariant: on the CPU its layers run in one C call each (key-list attention), on a GPU
     on the runtime's Triton kernels; the drafts need not be invariant, the time is what counts.
     int8 where its kernel cannot run (a K not a multiple of 4, a CPU without AVX2) runs in bf16

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from backends.config import speculators_draft_config
-from backends.runtime.model_store import gguf_kwargs, load_causal_lm
+from backends.runtime.model_store import gguf_kwargs, load_causal_lm, read_safetensors
 
 
 class HeadCheckpointError(ValueError):
@@ -72,13 +72,7 @@ def read_state_dict(
     stored inside a large target checkpoint load without it)."""
     files = sorted(path.glob("*.safetensors"))
     if files:
-        from safetensors import safe_open
-
-        state = {}
-        for file in files:
-            with safe_open(file, "pt") as st:
-                state.update({k: st.get_tensor(k) for k in st.keys() if keep is None or keep(k)})
-        return state
+        return read_safetensors(files, keep)
     files = sorted({f for pattern in bins for f in path.glob(pattern)})
     if not files:
         raise error(f"{path}: no *.safetensors or {' / '.join(bins)}")

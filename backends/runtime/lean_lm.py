@@ -71,9 +71,12 @@ weights as frozen module parameters and let ``freezing=True`` prepack them itsel
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +87,7 @@ from kernels import batch_invariant as gpu_kernels
 
 from . import cpu_kernels
 from .kv_cache import KVCachePool, SequenceError
+from .model_store import load_config, read_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -1025,6 +1029,97 @@ class LeanDecoder:
         return o.reshape(g.rows * g.n, heads * d)
 
 
+def checkpoint_modules(path: Path, config, dtype: torch.dtype, device: torch.device | str = "cpu") -> SimpleNamespace:
+    """A causal LM's safetensors directory as the attributes ``LeanCausalLM.from_hf`` reads of a
+    transformers model (``model.layers[i].self_attn.q_proj.weight``, ``lm_head``, ``config``,
+    ...), the same tensors transformers would load, without building its model: importing and
+    loading that took about 2 of a SmolLM2 server's 9-13 s to start, and held a second copy of
+    the weights. Raises UnsupportedArchitecture for a model the runtime does not run or a
+    checkpoint not in transformers' names (the caller loads it through transformers then)."""
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise UnsupportedArchitecture(f"lean runtime cannot run this model: {reason}")
+    num_layers = config.num_hidden_layers
+
+    def keep(name: str) -> bool:  # not a checkpoint's extra layers (MTP modules) or other towers
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            return len(parts) > 2 and parts[2].isdigit() and int(parts[2]) < num_layers
+        return parts[0] in ("model", "lm_head")
+
+    files = _safetensors_files(Path(path))
+    state = read_safetensors(files, keep, dtype, device)
+    layer_names = [
+        *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
+    wanted = ["model.embed_tokens.weight", "model.norm.weight"]
+    wanted += [f"model.layers.{i}.{name}" for i in range(num_layers) for name in layer_names]
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [name for name in wanted + ([] if tied else ["lm_head.weight"]) if name not in state]
+    if not files or missing:
+        raise UnsupportedArchitecture(
+            f"{path}: not a safetensors checkpoint in transformers' names (missing {', '.join(missing[:3]) or 'files'})"
+        )
+    modules = _as_modules(state)
+    if tied:
+        modules.lm_head = SimpleNamespace(weight=modules.model.embed_tokens.weight, bias=None)
+    return SimpleNamespace(
+        config=config, device=torch.device(device), dtype=dtype, model=modules.model, lm_head=modules.lm_head
+    )
+
+
+def read_checkpoint(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> SimpleNamespace | None:
+    """``checkpoint_modules`` of a model directory the lean runtime runs, or None where
+    transformers is to load the model: a GGUF file, another architecture, a checkpoint not in
+    transformers' names (said in the log)."""
+    if not path.is_dir():
+        return None
+    config = load_config(path)
+    if unsupported_reason(config) is not None:
+        return None
+    try:
+        return checkpoint_modules(path, config, dtype, device)
+    except UnsupportedArchitecture as e:
+        log.info("%s loads through transformers: %s", path, e)
+        return None
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The files transformers loads a model from: those its index names, else model.safetensors
+    (other safetensors beside them, a drafter head's say, are not the model's)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [path / "model.safetensors"] if (path / "model.safetensors").exists() else []
+
+
+def _as_modules(state: dict[str, torch.Tensor]) -> SimpleNamespace:
+    """Dotted names as attributes; numbered parts become lists, and a module with a weight and
+    no bias has bias None (as transformers' ``nn.Linear``)."""
+    tree: dict = {}
+    for name, tensor in state.items():
+        *parts, leaf = name.split(".")
+        node = tree
+        for part in parts:
+            node = node.setdefault(part, {})
+        node[leaf] = tensor
+
+    def build(node):
+        if not isinstance(node, dict):
+            return node
+        if all(key.isdigit() for key in node):
+            return [build(node[key]) for key in sorted(node, key=int)]
+        module = SimpleNamespace(**{key: build(value) for key, value in node.items()})
+        if "weight" in node and "bias" not in node:
+            module.bias = None
+        return module
+
+    return build(tree)
+
+
 class LeanCausalLM(LeanDecoder):
     """A decoder-only LM run over a paged KV pool. Build with ``from_hf``."""
 
@@ -1057,8 +1152,8 @@ class LeanCausalLM(LeanDecoder):
         triton_kernels: bool | None = None,
         quantization: str | None = None,
     ) -> LeanCausalLM:
-        """Take the weights of a loaded transformers ``*ForCausalLM`` (fused and prepacked copies;
-        the embedding is shared), on the model's device. Raises UnsupportedArchitecture for
+        """Take the weights of a loaded transformers ``*ForCausalLM``, or of ``checkpoint_modules``
+        (fused and prepacked copies; the embedding is shared), on the model's device. Raises UnsupportedArchitecture for
         models it does not run.
 
         ``quantization="int8"``: the linear layers (the LM head too) in int8 (``_Int8Linear``),

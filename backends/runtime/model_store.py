@@ -14,8 +14,13 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("tritonspec.models")
 
@@ -138,6 +143,27 @@ def load_causal_lm(path: Path, dtype: str = "bfloat16"):
     where, kwargs = gguf_kwargs(path)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype), **kwargs)
     return model.eval()
+
+
+def read_safetensors(
+    files: Iterable[Path],
+    keep: Callable[[str], bool] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors files: only the names `keep` accepts (nothing else is read),
+    each moved to `device` and, if floating point, converted to `dtype` as it is read, so a
+    checkpoint stored in float32 and served in bf16 is never held whole in both."""
+    from safetensors import safe_open
+
+    state = {}
+    for file in files:
+        with safe_open(file, "pt") as st:
+            for name in st.keys():
+                if keep is None or keep(name):
+                    tensor = st.get_tensor(name)
+                    state[name] = tensor.to(device, dtype if tensor.is_floating_point() else None)
+    return state
 
 
 def hand_back_freed_memory() -> None:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +29,7 @@ from transformers import DynamicCache
 from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.device import keep_attention_off_cudnn
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
-from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture
+from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import context_window, hand_back_freed_memory, load_causal_lm
 from backends.serving.idle import release_idle
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
@@ -164,12 +165,19 @@ class StepCostCurve:
         return ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(self.tokens, self.seconds)) + " ms"
 
 
+# A size's steps are repeated only while they took less than this in all: four steps of every
+# size took 5 of a SmolLM2 server's 13-16 s start on the 2-core Zen 1 host (a 64-token step
+# 0.57 s there), and would take about 4x that for a 1.5B model. A long step needs no repeat
+# for its time to be what it is.
+STEP_COST_BUDGET_S = 0.25
+
+
 def measure_step_cost(
     lean: LeanCausalLM, pool: KVCachePool, context: int = 64, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 ) -> StepCostCurve:
     """The step cost curve, on a scratch sequence of `context` cached tokens: a step of each
-    size in `sizes` new tokens (median of 3, after one to warm up). The scratch sequence's
-    blocks go back to the pool."""
+    size in `sizes` new tokens (median of 3, after one to warm up; fewer where steps are
+    long, see STEP_COST_BUDGET_S). The scratch sequence's blocks go back to the pool."""
     probe = "token cost probe"  # not an int: no request's sequence id
     pool.admit(probe, context + max(sizes))
     try:
@@ -186,8 +194,10 @@ def measure_step_cost(
 
         seconds = []
         for n in sizes:
-            step(n)
-            seconds.append(statistics.median(step(n) for _ in range(3)))
+            times = [step(n)]  # the first warms up
+            while len(times) < 4 and sum(times) < STEP_COST_BUDGET_S:
+                times.append(step(n))
+            seconds.append(statistics.median(times[1:] or times))
     finally:
         pool.release(probe)
     return StepCostCurve(sizes, tuple(seconds))
@@ -258,16 +268,13 @@ class TargetRunner:
             )
         if batch_invariant == "on" and runtime == "hf":
             raise ValueError("batch_invariant 'on' needs the lean runtime (runtime 'hf' was asked)")
-        model = load_causal_lm(model_path, dtype).to(device)
-        self.config = model.config
         self.device = torch.device(device)
+        # The lean runtime reads the weights itself where it can; transformers loads the rest.
+        checkpoint = None if runtime == "hf" else read_checkpoint(Path(model_path), getattr(torch, dtype), self.device)
+        model = checkpoint or load_causal_lm(model_path, dtype).to(device)
+        self.config = model.config
         self.max_model_len = context_window(self.config, max_model_len)
         check_sliding_window(self.config, self.max_model_len)
-        # What a step may name: ids the embedding has (an id past it is a device assert on
-        # CUDA, which poisons the process), probabilities over the logits' vocabulary, and
-        # hidden-state layers 0..L (-1: the final normed state).
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.logits_size = model.get_output_embeddings().weight.shape[0]
         self.num_layers = self.config.num_hidden_layers
         self.sequences: dict[int, _Sequence] = {}
         self._warned_trees = False
@@ -278,10 +285,20 @@ class TargetRunner:
             int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.config, dtype)) if kv_cache_memory_gb else None
         )
         self.lean, self.pool = self._lean_runtime(model, runtime, kv_cache_memory_gb, batch_invariant, prefix_caching)
+        if self.lean is None and checkpoint is not None:  # read for a runtime that then did not run
+            model = load_causal_lm(model_path, dtype).to(device)
+        # What a step may name: ids the embedding has (an id past it is a device assert on
+        # CUDA, which poisons the process), probabilities over the logits' vocabulary, and
+        # hidden-state layers 0..L (-1: the final normed state).
+        if self.lean is not None:
+            self.vocab_size, self.logits_size = self.lean.vocab_size, self.lean.lm_head.out_features
+        else:
+            self.vocab_size = model.get_input_embeddings().num_embeddings
+            self.logits_size = model.get_output_embeddings().weight.shape[0]
         # transformers runs the forward where the lean runtime does not; where it does, the
-        # lean runtime holds its own copy of the weights and transformers' is let go.
+        # lean runtime holds its own copy of the weights and the source it was made from goes.
         self.model: PreTrainedModel | None = model if self.lean is None else None
-        del model
+        del model, checkpoint
         if self.lean is None:
             keep_attention_off_cudnn(device)
         else:
@@ -296,7 +313,12 @@ class TargetRunner:
             log.info("a step's cost by its new tokens: %s", self.step_cost)
 
     def _lean_runtime(
-        self, model: PreTrainedModel, runtime: str, memory_gb: float | None, batch_invariant: str, prefix_caching: bool
+        self,
+        model: PreTrainedModel | SimpleNamespace,
+        runtime: str,
+        memory_gb: float | None,
+        batch_invariant: str,
+        prefix_caching: bool,
     ) -> tuple[LeanCausalLM | None, KVCachePool | None]:
         """The lean runtime and its KV pool, when this model and device have it (else transformers)."""
         # On a GPU the lean runtime is its batch-invariant Triton path (scripts/gpu_speed.py: on an

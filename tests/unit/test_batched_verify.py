@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -92,6 +93,27 @@ def test_a_bad_request_fails_alone(runners, tiny_model_dir):
     assert len(results[0].token_ids) >= 1 and len(results[3].token_ids) == 1
     for seq_id in (21, 22, 23):
         runner.release(seq_id)
+
+
+def test_long_steps_are_measured_fewer_times(tiny_model_dir, monkeypatch):
+    """At start-up each size is stepped 4 times (one to warm up), but a size whose steps are
+    long is not repeated past the budget: its one or two steps are its time."""
+    from backends.serving import target
+
+    runner = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
+    forward, steps = runner.lean.forward, []
+
+    def slowed(pool, rows, *args, **kwargs):  # 16 tokens: 0.2 s a step, 64: 0.3 s
+        n = len(rows[0].token_ids)
+        steps.append(n)
+        time.sleep({16: 0.2, 64: 0.3}.get(n, 0.0))
+        return forward(pool, rows, *args, **kwargs)
+
+    monkeypatch.setattr(runner.lean, "forward", slowed)
+    curve = target.measure_step_cost(runner.lean, runner.pool, context=8, sizes=(1, 16, 64))
+    assert [steps.count(n) for n in (1, 16, 64)] == [4, 2, 1]
+    assert curve.seconds[1] == pytest.approx(0.2, abs=0.05) and curve.seconds[2] == pytest.approx(0.3, abs=0.05)
+    assert runner.pool.num_sequences == 0
 
 
 def test_each_row_is_charged_its_own_tokens(tiny_model_dir):

@@ -299,29 +299,39 @@ def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokeni
 
 @pytest.mark.parametrize("engine", ["lean", "hf"])
 def test_the_target_weights_are_held_once(tiny_model_dir, monkeypatch, engine):
-    """On the lean runtime, which holds its own fused and packed copy, transformers' model is let
-    go once converted; through transformers it is the engine and stays."""
+    """The lean runtime reads the checkpoint itself and keeps only its own fused, packed copy:
+    the tensors it read are let go, and transformers' model is never built. Through
+    transformers the model is the engine and stays."""
     import weakref
 
     import backends.serving.target as target
 
-    loaded = []
+    sources = {}
 
-    def load(*args, **kwargs):
-        model = load_causal_lm(*args, **kwargs)
-        loaded.append(weakref.ref(model))
-        return model
+    def recorded(name, load):
+        def record(*args, **kwargs):
+            source = load(*args, **kwargs)
+            sources[name] = weakref.ref(source.model.layers[0].mlp.up_proj.weight)
+            return source
 
-    monkeypatch.setattr(target, "load_causal_lm", load)
+        return record
+
+    for name in ("load_causal_lm", "read_checkpoint"):
+        monkeypatch.setattr(target, name, recorded(name, getattr(target, name)))
+    handed_back = []  # whether the tensors read were gone when their memory was handed back
+    monkeypatch.setattr(
+        target, "hand_back_freed_memory", lambda: handed_back.append(sources["read_checkpoint"]() is None)
+    )
     runner = TargetRunner(tiny_model_dir, dtype="float32", runtime=engine)
-    (model,) = loaded
     if engine == "lean":
-        assert runner.lean is not None and runner.model is None and model() is None
+        assert list(sources) == ["read_checkpoint"] and handed_back == [True]
+        assert runner.lean is not None and runner.model is None
         assert runner.lean.weight_bytes() >= sum(
             p.nbytes for p in load_causal_lm(tiny_model_dir, "float32").parameters()
         )
     else:
-        assert runner.lean is None and runner.model is model()
+        assert list(sources) == ["load_causal_lm"] and runner.lean is None and not handed_back
+        assert runner.model.model.layers[0].mlp.up_proj.weight is sources["load_causal_lm"]()
 
 
 class FailingProposer(Proposer):

@@ -6,6 +6,8 @@ own forward on the same weights (a full forward over the tokens so far), never f
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import (
@@ -360,6 +362,53 @@ def test_unsupported_architectures_are_refused():
     assert "hidden_act" in unsupported_reason(LlamaConfig(**TINY, hidden_act="gelu"))
     assert unsupported_reason(LlamaConfig(**TINY)) is None
     assert unsupported_reason(Qwen2Config(**TINY)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_checkpoint_read_directly_gives_the_weights_transformers_loads(name, dtype, tmp_path):
+    """checkpoint_modules (the lean runtime reading safetensors itself) makes the runtime of
+    the weights transformers' from_pretrained loads, bit for bit, from a sharded checkpoint
+    with a tensor past its layers (an MTP module's: ignored, as transformers ignores it) and
+    a stray safetensors beside it (not the model's)."""
+    from safetensors.torch import save_file
+
+    from backends.runtime.lean_lm import checkpoint_modules
+    from backends.runtime.model_store import load_causal_lm, load_config
+
+    build(name).save_pretrained(tmp_path, max_shard_size="40KB")
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    save_file({"model.layers.2.mlp.up_proj.weight": torch.ones(96, 64)}, tmp_path / "extra-layer.safetensors")
+    index["weight_map"]["model.layers.2.mlp.up_proj.weight"] = "extra-layer.safetensors"
+    index_file.write_text(json.dumps(index))
+    save_file({"model.norm.weight": torch.zeros(64)}, tmp_path / "stray.safetensors")
+    want = LeanCausalLM.from_hf(load_causal_lm(tmp_path, str(dtype).removeprefix("torch.")))
+    got = LeanCausalLM.from_hf(checkpoint_modules(tmp_path, load_config(tmp_path), dtype))
+    assert got.num_layers == want.num_layers == TINY["num_hidden_layers"]
+    assert len(got.tensors()) == len(want.tensors())
+    for a, b in zip(got.tensors(), want.tensors()):
+        a, b = (t.to_dense() if t.is_mkldnn else t for t in (a, b))  # oneDNN's prepacked float32 weights
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_checkpoint_the_runtime_cannot_read_is_refused_by_name(tmp_path):
+    """The caller (TargetRunner, draft_model) then loads it through transformers."""
+    from safetensors.torch import load_file, save_file
+
+    from backends.runtime.lean_lm import checkpoint_modules
+    from backends.runtime.model_store import load_config
+
+    build("llama").save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in state.items()}, tmp_path / "model.safetensors")
+    with pytest.raises(UnsupportedArchitecture, match="missing model.embed_tokens.weight"):
+        checkpoint_modules(tmp_path, load_config(tmp_path), torch.float32)
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)).save_pretrained(gpt2)
+    with pytest.raises(UnsupportedArchitecture, match="gpt2"):
+        checkpoint_modules(gpt2, load_config(gpt2), torch.float32)
 
 
 def test_long_blocks_use_unfolded_attention(monkeypatch):
