@@ -67,33 +67,30 @@ def _library() -> ctypes.CDLL:
     return load_library(SOURCE)
 
 
+def row_invariant_shapes() -> set[str]:
+    """The weight shapes whose row invariance on this build of the kernels was probed and
+    held (``lean_lm._PackedLinear.row_invariant``), kept beside the build: the probe is
+    deterministic for one build on one CPU, and took 9 s for Qwen2.5-1.5B's LM head alone on
+    the 2-core Zen 1 host, at every start."""
+    try:
+        return set(_record().read_text().splitlines())
+    except OSError:
+        return set()
+
+
+def remember_row_invariant(shape: str) -> None:
+    with open(_record(), "a") as record:  # one short appended line: concurrent loads do not mix
+        record.write(shape + "\n")
+
+
+def _record() -> Path:
+    return _built(SOURCE).with_suffix(".row-invariant")
+
+
 def load_library(path: Path) -> ctypes.CDLL:
     """The kernels of the C source at `path`, built once per source, compiler, flags and CPU
     into the cache, loaded with their signatures (scripts/bench_kernels_ab.py loads two)."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise KernelUnavailable("no C compiler (gcc) on PATH to build the lean runtime's CPU kernels")
-    source = path.read_bytes()
-    flags = (*FLAGS, *os.environ.get(FLAGS_ENV, "").split())
-    # -march=native: a cache shared by machines of other CPUs must not hand them this build
-    digest = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"cpu_kernels-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        log.info("building the lean runtime's CPU kernels: %s", target)
-        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
-        try:
-            # Bytes, decoded here: gcc quotes names in UTF-8 (and warns on AVX2-only CPUs),
-            # and the Triton stub's locale decodes text as ASCII, which failed the model's load.
-            done = subprocess.run([compiler, *flags, str(path), "-o", str(partial), "-lm"], capture_output=True)
-            if done.returncode != 0:
-                errors = done.stderr.decode("utf-8", errors="replace").strip()
-                raise KernelUnavailable(f"building {path.name} failed:\n{errors}")
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(_built(path)))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.attend.argtypes = [
         ptr,
@@ -149,6 +146,35 @@ MAX_HEAD_DIM = 256
 MAX_GROUP = 32
 MAX_NORM = 16384
 KEY_CHUNK = 256  # a longer key list is attended in chunks of this many keys
+
+
+@cache
+def _built(path: Path) -> Path:
+    """The shared library of the C source at `path`, built into the cache if not there yet."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (gcc) on PATH to build the lean runtime's CPU kernels")
+    source = path.read_bytes()
+    flags = (*FLAGS, *os.environ.get(FLAGS_ENV, "").split())
+    # -march=native: a cache shared by machines of other CPUs must not hand them this build
+    digest = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"cpu_kernels-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        log.info("building the lean runtime's CPU kernels: %s", target)
+        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        try:
+            # Bytes, decoded here: gcc quotes names in UTF-8 (and warns on AVX2-only CPUs),
+            # and the Triton stub's locale decodes text as ASCII, which failed the model's load.
+            done = subprocess.run([compiler, *flags, str(path), "-o", str(partial), "-lm"], capture_output=True)
+            if done.returncode != 0:
+                errors = done.stderr.decode("utf-8", errors="replace").strip()
+                raise KernelUnavailable(f"building {path.name} failed:\n{errors}")
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return target
 
 
 def unavailable_reason(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:

@@ -308,6 +308,20 @@ class _PackedLinear(_CLinear):
     def runs(weight: torch.Tensor) -> bool:
         return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_kernels.packed_linear_available()
 
+    def row_invariant(self, adds: bool, max_rows: int | None = None) -> bool:
+        """The probe runs once per build of the kernels, weight shape and thread count: a shape
+        that held is remembered beside the build (cpu_kernels.row_invariant_shapes)."""
+        shape = (
+            f"packed {self.out_features}x{self.bounds[-1][1]} bias={self.bias is not None} adds={adds} "
+            f"rows={max_rows} threads={torch.get_num_threads()}"
+        )
+        if shape in cpu_kernels.row_invariant_shapes():
+            return True
+        if not super().row_invariant(adds, max_rows):
+            return False
+        cpu_kernels.remember_row_invariant(shape)
+        return True
+
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return cpu_kernels.packed_linear(x, self.packed, self.out_features, self.bias, residual)
 

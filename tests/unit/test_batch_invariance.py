@@ -555,6 +555,38 @@ def test_probe_splits_until_rows_are_invariant(monkeypatch):
 
 
 @needs_packed
+def test_the_packed_probe_runs_once_per_build_and_shape(monkeypatch, tmp_path):
+    """A shape whose row invariance held is remembered beside the kernels' build and not probed
+    again (9 s for Qwen2.5-1.5B's LM head); one that failed is not remembered; another shape,
+    or the same at another thread count, is probed."""
+    from backends.runtime.lean_lm import _PackedLinear
+
+    monkeypatch.setattr(cpu_kernels, "_record", lambda: tmp_path / "kernels.row-invariant")
+    calls = []
+    run = _PackedLinear._run
+    monkeypatch.setattr(_PackedLinear, "_run", lambda self, *args: calls.append(1) or run(self, *args))
+    weight = (torch.randn(48, 128, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
+
+    def probed(linear: _PackedLinear) -> bool:
+        calls.clear()
+        assert linear.row_invariant(adds=True, max_rows=8)
+        return bool(calls)
+
+    assert probed(_PackedLinear(weight)) and not probed(_PackedLinear(weight))
+    assert probed(_PackedLinear(weight[:32]))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert probed(_PackedLinear(weight))
+    finally:
+        torch.set_num_threads(before)
+    assert len(cpu_kernels.row_invariant_shapes()) == 3
+    monkeypatch.setattr(_Linear, "row_invariant", lambda self, adds, max_rows=None: False)  # the probe fails
+    assert not _PackedLinear(weight[:16]).row_invariant(adds=True, max_rows=8)
+    assert len(cpu_kernels.row_invariant_shapes()) == 3
+
+
+@needs_packed
 @pytest.mark.parametrize("family", ["llama-tied-biased", "qwen2", "qwen3"])
 def test_a_layer_in_one_c_call_is_the_calls_one_by_one(family):
     """bf16 layers whose every part has a C kernel run as one layer_step call: the bits of
