@@ -79,8 +79,11 @@ def row_invariant_shapes() -> set[str]:
 
 
 def remember_row_invariant(shape: str) -> None:
-    with open(_record(), "a") as record:  # one short appended line: concurrent loads do not mix
-        record.write(shape + "\n")
+    try:
+        with open(_record(), "a") as record:  # one short appended line: concurrent loads do not mix
+            record.write(shape + "\n")
+    except OSError as e:  # a read-only cache: the next start probes again
+        log.info("row invariance of %s not remembered: %s", shape, e)
 
 
 def _record() -> Path:

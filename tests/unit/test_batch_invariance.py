@@ -584,6 +584,9 @@ def test_the_packed_probe_runs_once_per_build_and_shape(monkeypatch, tmp_path):
     monkeypatch.setattr(_Linear, "row_invariant", lambda self, adds, max_rows=None: False)  # the probe fails
     assert not _PackedLinear(weight[:16]).row_invariant(adds=True, max_rows=8)
     assert len(cpu_kernels.row_invariant_shapes()) == 3
+    monkeypatch.undo()  # the real probe again, and a record that cannot be written: still loads
+    monkeypatch.setattr(cpu_kernels, "_record", lambda: tmp_path / "no such directory" / "kernels.row-invariant")
+    assert _PackedLinear(weight).row_invariant(adds=True, max_rows=8)
 
 
 @needs_packed
