@@ -167,8 +167,8 @@ def read_safetensors(
 
 
 def hand_back_freed_memory() -> None:
-    """Return the heap's free memory to the system (after dropping transformers' copy of a
-    model's weights): glibc keeps freed blocks of a few MB for reuse, so without this a dropped
+    """Return the heap's free memory to the system (once the weights a model was built from
+    are dropped): glibc keeps freed blocks of a few MB for reuse, so without this a dropped
     SmolLM2 (256 MB) left the process's resident size where it was."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
