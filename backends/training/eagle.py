@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from backends.config import aux_layer_ids
 from backends.methods.eagle import Eagle1Head, Eagle3Head, EagleHead, llama_config
 from backends.methods.head_checkpoint import TargetInfo
+from backends.runtime.model_store import read_safetensors
 from backends.training.data import TrainingData
 from backends.training.trainer import Batch, HeadTrainer, StepMetrics
 
@@ -73,17 +74,13 @@ def head_config(target: TargetInfo, **extra: Any) -> dict[str, Any]:
 
 def target_layer(target: TargetInfo) -> dict[str, torch.Tensor]:
     """The target's last decoder layer and final norm, keyed as a head layer names them."""
-    from safetensors import safe_open
-
     prefix = f"model.layers.{target.num_layers - 1}."
-    out = {}
-    for file in sorted(target.path.glob("*.safetensors")):
-        with safe_open(file, "pt") as st:
-            for key in st.keys():
-                if key.startswith(prefix):
-                    out[key.removeprefix(prefix)] = st.get_tensor(key).float()
-                elif key == "model.norm.weight":
-                    out["final_norm"] = st.get_tensor(key).float()
+    state = read_safetensors(
+        sorted(target.path.glob("*.safetensors")),
+        lambda key: key.startswith(prefix) or key == "model.norm.weight",
+        torch.float32,
+    )
+    out = {"final_norm" if key == "model.norm.weight" else key.removeprefix(prefix): t for key, t in state.items()}
     if "final_norm" not in out:
         raise ValueError(f"{target.path}: the trainer needs the target as safetensors (a converted model directory)")
     return out
