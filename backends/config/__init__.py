@@ -11,9 +11,10 @@ from backends.config.detect import (
 )
 from backends.config.drafter import DrafterConfig
 from backends.config.errors import SpeculativeConfigError, UnsupportedSpeculativeMethodError
-from backends.config.speculative import METHODS, NO_EFFECT_FIELDS, SpeculativeConfig
+from backends.config.speculative import IN_ORCHESTRATOR_METHODS, METHODS, NO_EFFECT_FIELDS, SpeculativeConfig
 
 __all__ = [
+    "IN_ORCHESTRATOR_METHODS",
     "METHODS",
     "MTP_MODEL_TYPES",
     "MULTI_STEP_MTP_TYPES",

@@ -89,6 +89,10 @@ NO_EFFECT_FIELDS = (
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 # Methods that load no draft network, so a draft tensor-parallel size means nothing to them.
 _MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix", "extract_hidden_states")
+# Methods that draft from token ids alone, holding no model (their proposers' `in_orchestrator`):
+# the `speculative` model runs them in its own process, and their drafter model, then never
+# called, stands by without loading torch (pbtxt.drafted_in_process).
+IN_ORCHESTRATOR_METHODS = ("ngram", "suffix")
 # Trained heads run by HeadProposer: quantization 'int8' puts their own linear layers on the int8 kernel.
 _HEAD_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "dflash", "dspark")
 _BATCH_SCHEDULE = "num_speculative_tokens_per_batch_size"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import re
@@ -189,6 +190,20 @@ def context_window(config, cap: int | None = None) -> int:
     Orchestrator, verifier and drafter all size the window with this, so they agree."""
     limit = getattr(config, "max_position_embeddings", None) or 2048
     return min(limit, cap) if cap else limit
+
+
+def model_context_window(path: Path, cap: int | None = None) -> int:
+    """context_window of the model at `path`, from its config.json's max_position_embeddings
+    where it names one (what transformers' config would hold: importing its config classes
+    costs a model's stub ~2 s of its start), else from transformers' config (a GGUF file, or a
+    config.json leaving it to the class's default)."""
+    try:
+        limit = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        limit = None
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return min(limit, cap) if cap else limit
+    return context_window(load_config(path), cap)
 
 
 def load_tokenizer(path: Path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from backends.config import DrafterConfig
@@ -50,21 +51,31 @@ def drafter_info(service: DraftService) -> DrafterInfo:
 
 class LocalDrafter:
     """The orchestrator's Drafter over a DraftService in this process; the `speculative`
-    model's request threads share one (drafter_in_process), so calls take turns."""
+    model's request threads share one (drafter_in_process), so calls take turns.
+    `report_sequences`, if given, is told how many sequences the service holds after each call
+    (the drafter model's active-sequences metric, when it stands by)."""
 
-    def __init__(self, service: DraftService) -> None:
+    def __init__(self, service: DraftService, report_sequences: Callable[[int], None] | None = None) -> None:
         self.service = service
         self.info = drafter_info(service)
         self.lock = threading.Lock()
+        self.report_sequences = report_sequences
 
     def draft(self, call: DraftCall) -> tuple[Draft, float]:
         with self.lock:
             start = time.perf_counter()
-            return self.service.draft([call])[0], time.perf_counter() - start
+            draft = self.service.draft([call])[0], time.perf_counter() - start
+            self._report()
+            return draft
 
     def release(self, seq_id: int) -> None:
         with self.lock:
             self.service.release(seq_id)
+            self._report()
+
+    def _report(self) -> None:
+        if self.report_sequences is not None:
+            self.report_sequences(self.service.num_sequences)
 
 
 def generate_local(

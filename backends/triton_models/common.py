@@ -138,6 +138,25 @@ def error_response(message: str) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
+class ServingOrStandingBy:
+    """The `verifier` and `drafter` models: `initialize` loads the model that serves
+    (`serving`), or leaves it None while the orchestrators do that model's work in their own
+    process; it then stands by, answering every request with `standby_message`."""
+
+    serving: Any = None
+    standby_message = ""
+
+    def execute(self, requests: list) -> list:
+        if self.serving is None:
+            return [error_response(self.standby_message) for _ in requests]
+        return self.serving.execute(requests)
+
+    def finalize(self) -> None:
+        finalize = getattr(self.serving, "finalize", None)
+        if finalize is not None:
+            finalize()
+
+
 def bls(
     model_name: str,
     inputs: dict[str, np.ndarray],

@@ -7,6 +7,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from backends.config import IN_ORCHESTRATOR_METHODS
+
 
 def set_parameter(pbtxt: str, key: str, value: str) -> str:
     """Set (or add) a string parameter in a config.pbtxt text."""
@@ -85,6 +87,25 @@ def _orchestrators(repository: Path) -> dict[str, dict[str, str]]:
         if "verifier_model_name" in params or "verifier_in_process" in params:
             found[config.parent.name] = params
     return found
+
+
+def drafted_in_process(repository: Path, drafter_name: str, method: str) -> tuple[str, ...]:
+    """The orchestrators of `repository` that draft in their own process what drafter
+    `drafter_name` would (its `method` drafts from token ids alone, IN_ORCHESTRATOR_METHODS, and
+    their `drafter_in_process` is on, the default), when every orchestrator naming that drafter
+    does; () when none names it or one calls it (then it must load). A value of
+    `drafter_in_process` other than "true"/"false" reads as "false" here; the orchestrator's own
+    load refuses it by name."""
+    if method not in IN_ORCHESTRATOR_METHODS:
+        return ()
+    callers = {
+        name: params.get("drafter_in_process", "").strip().lower() or "true"
+        for name, params in _orchestrators(repository).items()
+        if params.get("drafter_model_name", "") == drafter_name
+    }
+    if not callers or any(flag != "true" for flag in callers.values()):
+        return ()
+    return tuple(callers)
 
 
 def verifies_in_process(repository: Path, orchestrator: str, num_gpus: int | Callable[[], int]) -> bool:

@@ -67,6 +67,7 @@ from backends.triton_models.common import (
 )
 from backends.triton_models.outbox import Outbox
 from backends.triton_models.pbtxt import (
+    drafted_in_process,
     get_parameter,
     in_process_choice,
     instance_group,
@@ -130,15 +131,7 @@ class TritonPythonModel:
         info = self.drafter_info
         self.drafts_in_process = parse_flag(params, "drafter_in_process", True)
         if info and info.in_orchestrator and self.drafts_in_process:
-            try:
-                proposer = build_proposer(drafter_config, max_model_len=self.max_model_len)
-            except Exception as e:  # the drafter model's own load fails with the reason too
-                log.error(
-                    "drafter %r cannot draft in this process (%s); calling the drafter model", self.drafter_name, e
-                )
-            else:
-                self.local_drafter = LocalDrafter(DraftService(proposer, drafter_config))
-                log.info("drafter %r drafts in this process (drafter_in_process)", self.drafter_name)
+            self.local_drafter = self._local_drafter(args)
         # A drafter call that takes longer is abandoned: that request decodes plainly from there.
         BlsDrafter.timeout_s = float(params.get("drafter_timeout_s", "30")) or None
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
@@ -193,6 +186,24 @@ class TritonPythonModel:
             list(info.hidden_layer_ids),
         )
         return config, info
+
+    def _local_drafter(self, args: dict) -> LocalDrafter | None:
+        """The drafter's proposer (ngram, suffix) built in this process. The drafter model
+        stands by when every orchestrator naming it drafts so (pbtxt.drafted_in_process): this
+        one alone then reports the sequences it holds under the drafter's name, and if the
+        proposer cannot be built here, requests decode plainly (none would be there either)."""
+        callers = drafted_in_process(model_repository(args), self.drafter_name, self.drafter_info.method)
+        try:
+            proposer = build_proposer(self.drafter_config, max_model_len=self.max_model_len)
+        except Exception as e:
+            fallback = "serving plain decoding" if callers else "calling the drafter model"
+            log.error("drafter %r cannot draft in this process (%s); %s", self.drafter_name, e, fallback)
+            if callers:
+                self.drafter_config, self.drafter_info = None, None
+            return None
+        log.info("drafter %r drafts in this process (drafter_in_process)", self.drafter_name)
+        active = ActiveSequencesGauge(self.drafter_name) if callers == (args["model_name"],) else None
+        return LocalDrafter(DraftService(proposer, self.drafter_config), None if active is None else active.set)
 
     def _step_batcher(self, args: dict, params: dict[str, str]) -> StepBatcher | None:
         """Concurrent sequences' verify steps go to the verifier as one request (one forward),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from backends.triton_models.common import error_response, initialize_model, model_repository
+from backends.triton_models.common import ServingOrStandingBy, initialize_model, model_repository
 from backends.triton_models.pbtxt import verified_in_process
 
 log = logging.getLogger("tritonspec.verifier")
@@ -23,29 +23,17 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-class TritonPythonModel:
+class TritonPythonModel(ServingOrStandingBy):
     def initialize(self, args: dict) -> None:
         settings = initialize_model(args)
-        self.standby = verified_in_process(model_repository(args), args["model_name"], gpu_count)
-        self.serving = None
-        if self.standby:
-            log.info(
-                "verifier standing by: the target is verified in the process of %s (verifier_in_process)", self.standby
+        callers = verified_in_process(model_repository(args), args["model_name"], gpu_count)
+        if callers:
+            log.info("verifier standing by: the target is verified in the process of %s (verifier_in_process)", callers)
+            self.standby_message = (
+                f"verifier: standing by, the target is verified in the process of {callers} "
+                "(verifier_in_process); send generation requests to `speculative`"
             )
             return
         from backends.triton_models.verifier_serving import VerifierModel
 
         self.serving = VerifierModel(args, settings)
-
-    def execute(self, requests: list) -> list:
-        if self.serving is None:
-            message = (
-                f"verifier: standing by, the target is verified in the process of {self.standby} "
-                "(verifier_in_process); send generation requests to `speculative`"
-            )
-            return [error_response(message) for _ in requests]
-        return self.serving.execute(requests)
-
-    def finalize(self) -> None:
-        if self.serving is not None:
-            self.serving.finalize()

@@ -100,6 +100,28 @@ def _t(name: str, expected: str, prompt: str | bytes = "hi", **tensors: np.ndarr
 
 
 STANDING_BY = "verifier: standing by, the target is verified in the process of `speculative`"
+DRAFTER_STANDING_BY = "drafter: standing by, drafting runs in the process of `speculative`"
+# Requests addressed to a loaded drafter model (an EAGLE head called over BLS, `bls_server`).
+DRAFTER_CASES = [
+    Case(
+        "drafter START over gRPC",
+        lambda server: grpc_request(server, "drafter", _drafter_inputs(), sequence_id=12345, sequence_start=True),
+        "drafter: this model only serves the `speculative` model of this server",
+    ),
+    Case(
+        "drafter END over HTTP",
+        lambda server: _http(
+            server,
+            "/v2/models/drafter/infer",
+            {
+                "parameters": {"sequence_id": 4242, "sequence_start": True, "sequence_end": True},
+                "inputs": _http_tensors(_drafter_inputs()),
+            },
+        ),
+        "lacks its internal token",
+    ),
+]
+
 # Requests addressed to a loaded verifier model (verifier_in_process "false", `bls_server`).
 VERIFIER_CASES = [
     Case(
@@ -267,29 +289,14 @@ CASES = [
     ),
     # the internal models, addressed directly
     Case(
-        "drafter START over gRPC",
-        lambda server: grpc_request(server, "drafter", _drafter_inputs(), sequence_id=12345, sequence_start=True),
-        "drafter: this model only serves the `speculative` model of this server",
-    ),
-    Case(
-        "drafter END over HTTP",
-        lambda server: _http(
-            server,
-            "/v2/models/drafter/infer",
-            {
-                "parameters": {"sequence_id": 4242, "sequence_start": True, "sequence_end": True},
-                "inputs": _http_tensors(_drafter_inputs()),
-            },
-        ),
-        "lacks its internal token",
-    ),
-    Case(
         "verifier without a sequence id",
         lambda server: _http(server, "/v2/models/verifier/infer", {"inputs": _http_tensors(_verifier_inputs())}),
         "must specify a non-zero or non-empty correlation ID",
     ),
     # A standing-by verifier (it is verified in the orchestrator's process) refuses the same.
     *[Case(f"{case.name}, standing by", case.send, STANDING_BY) for case in VERIFIER_CASES],
+    # A standing-by drafter (ngram drafts in the orchestrator's process) refuses the same.
+    *[Case(f"{case.name}, standing by", case.send, DRAFTER_STANDING_BY) for case in DRAFTER_CASES],
 ]
 
 
@@ -348,8 +355,8 @@ def test_bad_requests_are_refused_by_name_and_hurt_nobody(tiny_server):
     _refused_by_name_hurting_nobody(tiny_server, CASES)
 
 
-def test_a_loaded_verifier_refuses_requests_without_the_internal_token(bls_server):
-    _refused_by_name_hurting_nobody(bls_server, VERIFIER_CASES)
+def test_loaded_internal_models_refuse_requests_without_the_internal_token(bls_server):
+    _refused_by_name_hurting_nobody(bls_server, VERIFIER_CASES + DRAFTER_CASES)
 
 
 def test_unusual_but_valid_text_is_served(tiny_server):

@@ -43,10 +43,14 @@ def _stub_libraries(server, instance: str) -> str:
         return "".join(line for line in maps if ".so" in line)
 
 
-def test_a_standing_by_verifier_loads_neither_torch_nor_the_target(tiny_server, bls_server):
-    """Its stub would import them beside `speculative`'s own load, on the same cores."""
-    assert "libtorch" not in _stub_libraries(tiny_server, "verifier_0_0")
-    assert "libtorch" in _stub_libraries(bls_server, "verifier_0_0")  # the one that serves
+@pytest.mark.parametrize("model", ["verifier", "drafter"])
+def test_a_standing_by_model_loads_neither_torch_nor_the_target(tiny_server, bls_server, model):
+    """Its stub would import them beside `speculative`'s own load, on the same cores. On
+    `tiny_server` the orchestrator verifies and drafts (ngram) in its own process; on
+    `bls_server` it calls both models (an EAGLE head drafts from hidden states over BLS)."""
+    assert f"{model} standing by" in tiny_server.log_path.read_text()
+    assert "libtorch" not in _stub_libraries(tiny_server, f"{model}_0_0")
+    assert "libtorch" in _stub_libraries(bls_server, f"{model}_0_0")  # the one that serves
 
 
 def test_greedy_output_over_bls_is_the_target_greedy_output(bls_server, tiny_model_dir):

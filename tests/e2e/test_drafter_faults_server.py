@@ -50,7 +50,12 @@ def test_a_drafter_stub_killed_mid_stream_costs_no_output(tiny_model_dir, tmp_pa
     """SIGKILL the drafter's stub process while a stream runs: that stream (and later
     requests) finish with exactly the target's output, the server stays up, no verifier
     state is left behind."""
-    server = start_server(tmp_path, str(tiny_model_dir), per_model={"speculative": {"drafter_timeout_s": "5"}})
+    # ngram drafting in the drafter model (not in the orchestrator's process), so steps call it
+    server = start_server(
+        tmp_path,
+        str(tiny_model_dir),
+        per_model={"speculative": {"drafter_timeout_s": "5", "drafter_in_process": "false"}},
+    )
     try:
         expected = hf_greedy(str(tiny_model_dir), PROMPT, 160)
         results, killed = [], []
@@ -70,6 +75,7 @@ def test_a_drafter_stub_killed_mid_stream_costs_no_output(tiny_model_dir, tmp_pa
         stream.join(timeout=120)
         assert killed, "no drafter stub found to kill"
         assert results and tuple(results[0].output_ids) == expected
+        assert "Stub process 'drafter_0_0' is not healthy" in results[0].perf_metrics.get("fallback", "")
         after = grpc_generate(server.grpc_url, PROMPT, max_tokens=24)
         assert tuple(after.output_ids) == expected[:24]
         assert server.is_ready()

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 
+from backends.config import IN_ORCHESTRATOR_METHODS
+from backends.runtime.model_store import context_window, load_config, model_context_window
+from backends.serving.proposer import proposer_class, registered_methods
 from backends.triton_models.pbtxt import (
+    drafted_in_process,
     get_parameter,
     in_process_choice,
     instance_group,
@@ -87,6 +92,49 @@ def test_the_verifier_stands_by_only_when_every_orchestrator_naming_it_verifies_
     # Two "auto" orchestrators naming one verifier share it over BLS rather than load two copies.
     assert not verifies_in_process(repository, "speculative", num_gpus=0)
     assert verified_in_process(repository, "verifier", num_gpus=0) == ""
+
+
+def test_the_drafter_stands_by_only_when_every_orchestrator_naming_it_drafts_in_process(tmp_path):
+    repository = tmp_path / "repo"
+    shutil.copytree(DEFAULT_REPOSITORY, repository)
+    speculative = repository / "speculative" / "config.pbtxt"
+    shipped = speculative.read_text()
+    # Shipped: ngram, drafter_in_process "true": drafted in the orchestrator's process.
+    assert drafted_in_process(repository, "drafter", "ngram") == ("speculative",)
+    assert drafted_in_process(repository, "drafter", "suffix") == ("speculative",)
+    for method in ("ngram_gpu", "draft_model", "eagle3", "custom_class"):  # these draft in the drafter model
+        assert drafted_in_process(repository, "drafter", method) == ()
+    assert drafted_in_process(repository, "other_drafter", "ngram") == ()  # nobody names it
+    speculative.write_text(shipped.replace('key: "drafter_in_process"', 'key: "unset"'))  # on by default
+    assert drafted_in_process(repository, "drafter", "ngram") == ("speculative",)
+    for value in ("false", "no"):  # off, or a value the orchestrator's own load refuses
+        speculative.write_text(set_parameter(shipped, "drafter_in_process", value))
+        assert drafted_in_process(repository, "drafter", "ngram") == ()
+    speculative.write_text(shipped)
+    second = repository / "speculative_b"
+    second.mkdir()
+    (second / "config.pbtxt").write_text(shipped)
+    assert drafted_in_process(repository, "drafter", "ngram") == ("speculative", "speculative_b")
+    (second / "config.pbtxt").write_text(set_parameter(shipped, "drafter_in_process", "false"))
+    assert drafted_in_process(repository, "drafter", "ngram") == ()  # the second one calls it
+
+
+def test_the_methods_a_drafter_stands_by_for_are_those_that_draft_in_the_orchestrator():
+    """The standing-by drafter knows them without importing a proposer (and torch)."""
+    in_orchestrator = {m for m in registered_methods() if proposer_class(m).in_orchestrator}
+    assert in_orchestrator == set(IN_ORCHESTRATOR_METHODS)
+
+
+def test_the_context_window_is_read_without_transformers_where_config_json_names_it(tmp_path, tiny_model_dir):
+    """What a standing-by drafter sizes its config's check with: transformers' own value."""
+    assert model_context_window(tiny_model_dir) == context_window(load_config(tiny_model_dir))
+    assert model_context_window(tiny_model_dir, 16) == 16
+    config = (tiny_model_dir / "config.json").read_text()
+    # Absent (transformers' class default: LlamaConfig's 2048), or 0 (context_window's 2048).
+    for name, entry in (("absent", ""), ("zero", '"max_position_embeddings": 0,')):
+        shutil.copytree(tiny_model_dir, tmp_path / name)
+        (tmp_path / name / "config.json").write_text(re.sub(r'"max_position_embeddings": \d+,', entry, config))
+        assert model_context_window(tmp_path / name) == context_window(load_config(tmp_path / name)) == 2048
 
 
 def test_openmp_threads_stop_spinning_soon_unless_the_user_says_otherwise(monkeypatch):
