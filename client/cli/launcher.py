@@ -159,8 +159,13 @@ class TritonServer:
         overrides: RepositoryOverrides | None = None,
         log_path: Path | None = None,
         log_verbose: int = 0,
+        graceful_stop: bool = True,
     ) -> None:
         self.source_repository = Path(model_repository).resolve()
+        # False for a throwaway server (the tests'): stop() kills it at once. A graceful stop
+        # takes ~3 s however small the models: Triton unloads each model's stub and checks
+        # once a second whether any is left.
+        self.graceful_stop = graceful_stop
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.host = host
         self.overrides = overrides or RepositoryOverrides()
@@ -281,8 +286,9 @@ class TritonServer:
         return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        """SIGINT, then SIGKILL for whatever is left; then stray stubs and shm regions."""
-        if self.process is not None and self.process.poll() is None:
+        """SIGINT (unless not graceful_stop), then SIGKILL for whatever is left; then stray
+        stubs and shm regions."""
+        if self.graceful_stop and self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout=20)

@@ -42,9 +42,9 @@ def server_log(server) -> str:
 
 @pytest.mark.skipif(CUDA, reason="checks the error a host without CUDA gives")
 def test_a_gpu_the_server_cannot_use_fails_that_models_load_with_the_reason(tiny_model_dir, tmp_path):
-    server = start_server(
-        tmp_path, str(tiny_model_dir), require_all_models=False, per_model={"verifier": {"device": "cuda"}}
-    )
+    # ngram drafting in the drafter model, which resolves its own device
+    per_model = {"verifier": {"device": "cuda"}, "speculative": {"drafter_in_process": "false"}}
+    server = start_server(tmp_path, str(tiny_model_dir), require_all_models=False, per_model=per_model)
     try:
         states = server.model_states()
         # The verifier's target loads in the orchestrator's process (verifier_in_process "auto").

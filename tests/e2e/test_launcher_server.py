@@ -13,7 +13,11 @@ from tests.fixtures.servers import start_server
 
 def test_bad_speculative_config_fails_only_the_drafter(tiny_model_dir, tmp_path):
     server = start_server(
-        tmp_path, str(tiny_model_dir), '{"method": "ngram", "num_speculative_tokens": 0}', require_all_models=False
+        tmp_path,
+        str(tiny_model_dir),
+        '{"method": "ngram", "num_speculative_tokens": 0}',
+        require_all_models=False,
+        graceful_stop=True,
     )
     try:
         states = server.model_states()
