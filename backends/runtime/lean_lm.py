@@ -162,6 +162,13 @@ def bf16_matmul_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
+# The K chunk that passed the row-invariance probe, by weight shape, bias, fused add, row slab,
+# dtype and thread count: what oneDNN runs depends on nothing else in a process, so one that
+# builds models again (a drafter beside the target, a reload, the tests: ~0.5 s a tiny model)
+# probes each shape once.
+_PROBED_K_CHUNKS: dict[tuple, int | None] = {}
+
+
 class _Linear:
     """y = x W^T + b on weights prepacked for oneDNN (optionally + residual, fused).
 
@@ -561,11 +568,12 @@ class _Weights:
         if not invariant:
             return _Linear(weight, bias)
         shape = (tuple(weight.shape), bias is not None, adds, slab)
-        if shape in self.splits:
-            return _Linear(weight, bias, self.splits[shape], slab)
-        probed = _Linear.invariant(weight, bias, slab, adds)
-        self.splits[shape] = probed.k_chunk
-        return probed
+        if shape not in self.splits:
+            key = (*shape, weight.dtype, torch.get_num_threads())
+            if key not in _PROBED_K_CHUNKS:
+                _PROBED_K_CHUNKS[key] = _Linear.invariant(weight, bias, slab, adds).k_chunk
+            self.splits[shape] = _PROBED_K_CHUNKS[key]
+        return _Linear(weight, bias, self.splits[shape], slab)
 
     def layer(self, layer, input_norm: bool = True) -> _Layer:
         """A transformers-style decoder layer (``self_attn.{q,k,v,o}_proj``, ``mlp.*_proj``,
@@ -1176,7 +1184,7 @@ class LeanCausalLM(LeanDecoder):
 
         ``batch_invariant``: every token's logits and hidden states are the same bits whatever
         else shares its step (other tokens of its row, other rows, a prompt chunked or not); the
-        matmul splits are probed once per weight shape here (about a second for SmolLM2).
+        matmul splits are probed once per weight shape in a process (about a second for SmolLM2).
         ``triton_kernels``: run the OpenAI Triton kernels (``kernels/batch_invariant.py``)
         instead of the CPU's; the default on a GPU, where only that batch-invariant path runs.
         On a CPU they run in Triton's interpreter: for tests."""

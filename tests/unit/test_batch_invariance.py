@@ -554,6 +554,37 @@ def test_probe_splits_until_rows_are_invariant(monkeypatch):
         _Linear.invariant(weight)
 
 
+def test_onednn_splits_are_probed_once_per_process_shape_and_thread_count(monkeypatch):
+    """A model built again in the same process (a reload, a drafter beside the target of the
+    same shapes) takes the K chunks probed for the first; at another thread count, or for
+    another dtype, they are probed again."""
+    from backends.runtime import lean_lm
+
+    monkeypatch.setattr(lean_lm, "_PROBED_K_CHUNKS", {})
+    monkeypatch.setattr(lean_lm._PackedLinear, "runs", staticmethod(lambda weight: False))  # oneDNN's path
+    probed = []
+    invariant = _Linear.invariant.__func__
+    monkeypatch.setattr(
+        _Linear, "invariant", classmethod(lambda cls, *a: probed.append(a[0].shape) or invariant(cls, *a))
+    )
+    model = build("qwen2")
+
+    def probes(dtype: torch.dtype) -> int:
+        probed.clear()
+        LeanCausalLM.from_hf(model.to(dtype), batch_invariant=True)
+        return len(probed)
+
+    first = probes(torch.float32)
+    assert first > 0 and probes(torch.float32) == 0
+    assert probes(torch.bfloat16) == first
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if before > 1 else 2)
+        assert probes(torch.float32) == first
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_packed
 def test_the_packed_probe_runs_once_per_build_and_shape(monkeypatch, tmp_path):
     """A shape whose row invariance held is remembered beside the kernels' build and not probed
