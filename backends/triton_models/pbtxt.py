@@ -140,15 +140,15 @@ def _verifies_in_process(
     return single_instance(pbtxt, num_gpus)
 
 
-def verified_in_process(repository: Path, verifier_name: str, num_gpus: int | Callable[[], int]) -> str:
+def verified_in_process(repository: Path, verifier_name: str, num_gpus: int | Callable[[], int]) -> tuple[str, ...]:
     """The orchestrators of `repository` that load the target of verifier `verifier_name` and
-    verify in their own process, as "`a`, `b`"; "" unless some do and none calls the verifier
-    (then it must load)."""
+    verify in their own process; () unless some do and none calls the verifier (then it must
+    load)."""
     orchestrators = _orchestrators(repository)
     local, remote = [], []
     for name, params in orchestrators.items():
         if params.get("verifier_model_name", "verifier") != verifier_name:
             continue
         in_process = _verifies_in_process(repository, orchestrators, name, num_gpus)
-        (local if in_process else remote).append(f"`{name}`")
-    return "" if remote or not local else ", ".join(local)
+        (local if in_process else remote).append(name)
+    return () if remote or not local else tuple(local)

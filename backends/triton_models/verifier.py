@@ -28,9 +28,10 @@ class TritonPythonModel(ServingOrStandingBy):
         settings = initialize_model(args)
         callers = verified_in_process(model_repository(args), args["model_name"], gpu_count)
         if callers:
-            log.info("verifier standing by: the target is verified in the process of %s (verifier_in_process)", callers)
+            where = ", ".join(f"`{name}`" for name in callers)
+            log.info("verifier standing by: the target is verified in the process of %s (verifier_in_process)", where)
             self.standby_message = (
-                f"verifier: standing by, the target is verified in the process of {callers} "
+                f"verifier: standing by, the target is verified in the process of {where} "
                 "(verifier_in_process); send generation requests to `speculative`"
             )
             return

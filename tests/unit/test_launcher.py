@@ -71,27 +71,27 @@ def test_the_verifier_stands_by_only_when_every_orchestrator_naming_it_verifies_
     with pytest.raises(ValueError, match="verifier_in_process must be one of auto, true, false, got 'yes'"):
         in_process_choice({"verifier_in_process": "yes"})
     assert verifies_in_process(repository, "speculative", num_gpus=0)
-    assert verified_in_process(repository, "verifier", num_gpus=0) == "`speculative`"
-    assert verified_in_process(repository, "other_verifier", num_gpus=0) == ""
+    assert verified_in_process(repository, "verifier", num_gpus=0) == ("speculative",)
+    assert verified_in_process(repository, "other_verifier", num_gpus=0) == ()
     speculative.write_text(set_parameter(shipped, "verifier_in_process", "false"))
-    assert verified_in_process(repository, "verifier", num_gpus=0) == ""
+    assert verified_in_process(repository, "verifier", num_gpus=0) == ()
     speculative.write_text(set_parameter(shipped, "batch_verify_steps", "false"))  # auto needs batched steps
     assert not verifies_in_process(repository, "speculative", num_gpus=0)
     speculative.write_text(shipped)
     verifier.write_text(shipped_verifier.replace("count: 1", "count: 2"))  # auto: not with two instances
     assert not verifies_in_process(repository, "speculative", num_gpus=0)
     speculative.write_text(set_parameter(shipped, "verifier_in_process", "true"))  # "true": even then
-    assert verified_in_process(repository, "verifier", num_gpus=0) == "`speculative`"
+    assert verified_in_process(repository, "verifier", num_gpus=0) == ("speculative",)
     verifier.write_text(shipped_verifier)
     second = repository / "speculative_bls"
     second.mkdir()
     (second / "config.pbtxt").write_text(set_parameter(shipped, "verifier_in_process", "false"))
-    assert verified_in_process(repository, "verifier", num_gpus=0) == ""  # a second calls it over BLS
+    assert verified_in_process(repository, "verifier", num_gpus=0) == ()  # a second calls it over BLS
     speculative.write_text(shipped)
     (second / "config.pbtxt").write_text(shipped)
     # Two "auto" orchestrators naming one verifier share it over BLS rather than load two copies.
     assert not verifies_in_process(repository, "speculative", num_gpus=0)
-    assert verified_in_process(repository, "verifier", num_gpus=0) == ""
+    assert verified_in_process(repository, "verifier", num_gpus=0) == ()
 
 
 def test_the_drafter_stands_by_only_when_every_orchestrator_naming_it_drafts_in_process(tmp_path):
