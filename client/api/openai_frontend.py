@@ -639,7 +639,7 @@ def build_backend(
 ) -> Backend:
     """Everything the app needs: the tokenizer (and chat template) and context window of the
     model Triton serves (from its config, or `model`)."""
-    from backends.runtime.model_store import context_window, load_config, load_tokenizer, local_model
+    from backends.runtime.model_store import load_tokenizer, local_model, model_context_window
 
     cap = None
     if model is None:
@@ -649,7 +649,7 @@ def build_backend(
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
     return Backend(
-        grpc_url, served_model_name or triton_model, tokenizer, context_window(load_config(path), cap), triton_model
+        grpc_url, served_model_name or triton_model, tokenizer, model_context_window(path, cap), triton_model
     )
 
 
