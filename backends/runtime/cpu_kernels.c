@@ -1470,10 +1470,11 @@ static int linear(const linear_weights *w, const uint16_t *x, int64_t x_stride, 
     return packed_linear(x, x_stride, w->packed, w->bias, residual, residual_stride, y, y_stride, m, n, k, threads);
 }
 
-int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads,
-               int64_t d, float eps, float scale, const layer_weights *w, void *kv, const int64_t *slots, const uint16_t *cos,
-               const uint16_t *sin, const int64_t *key_slots, const int64_t *key_start, const int64_t *key_len,
-               const int64_t *mask_from, const uint8_t *mask, int64_t mask_width, uint16_t *scratch, int threads) {
+static int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads,
+                      int64_t d, float eps, float scale, const layer_weights *w, void *kv, const int64_t *slots,
+                      const uint16_t *cos, const uint16_t *sin, const int64_t *key_slots, const int64_t *key_start,
+                      const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask, int64_t mask_width,
+                      uint16_t *scratch, int threads) {
     int64_t qkv_n = (heads + 2 * kv_heads) * d, att_n = heads * d;
     uint16_t *x = scratch, *qkv = x + tokens * hidden, *att = qkv + tokens * qkv_n, *gu = att + tokens * att_n,
              *act = gu + tokens * 2 * inter;
@@ -1488,5 +1489,19 @@ int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64
     if (!rc) rc = linear(&w->gate_up, x, hidden, NULL, 0, gu, 2 * inter, tokens, 2 * inter, hidden, threads);
     if (!rc) rc = silu_mul(gu, 2 * inter, act, inter, tokens, inter, 1, threads);
     if (!rc) rc = linear(&w->down, act, inter, h, hidden, h, hidden, tokens, hidden, inter, threads);
+    return rc;
+}
+
+/* `layers` consecutive decoder layers (w[0..layers), layer l's KV at kv + l * kv_stride bytes)
+ * in one call: a step's whole stack, where ~30 calls from Python cost ~10 us each. */
+int run_layers(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads, int64_t d,
+               float eps, float scale, const layer_weights *w, int64_t layers, char *kv, int64_t kv_stride,
+               const int64_t *slots, const uint16_t *cos, const uint16_t *sin, const int64_t *key_slots,
+               const int64_t *key_start, const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask,
+               int64_t mask_width, uint16_t *scratch, int threads) {
+    int rc = 0;
+    for (int64_t l = 0; l < layers && !rc; l++)
+        rc = layer_step(h, tokens, hidden, inter, heads, kv_heads, d, eps, scale, w + l, kv + l * kv_stride, slots, cos,
+                        sin, key_slots, key_start, key_len, mask_from, mask, mask_width, scratch, threads);
     return rc;
 }

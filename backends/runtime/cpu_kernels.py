@@ -62,11 +62,6 @@ def _cpu_flags() -> str:
     return next((line for line in cpuinfo.splitlines() if line.startswith("flags")), platform.processor())
 
 
-@cache
-def _library() -> ctypes.CDLL:
-    return load_library(SOURCE)
-
-
 def row_invariant_shapes() -> set[str]:
     """The weight shapes whose row invariance on this build of the kernels was probed and
     held (``lean_lm._PackedLinear.row_invariant``), kept beside the build: the probe is
@@ -90,10 +85,11 @@ def _record() -> Path:
     return _built(SOURCE).with_suffix(".row-invariant")
 
 
-def load_library(path: Path) -> ctypes.CDLL:
-    """The kernels of the C source at `path`, built once per source, compiler, flags and CPU
-    into the cache, loaded with their signatures (scripts/bench_kernels_ab.py loads two)."""
-    lib = ctypes.CDLL(str(_built(path)))
+@cache
+def _library() -> ctypes.CDLL:
+    """The kernels, built once per source, compiler, flags and CPU into the cache, loaded with
+    their signatures."""
+    lib = ctypes.CDLL(str(_built(SOURCE)))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.attend.argtypes = [
         ptr,
@@ -136,9 +132,9 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.int4_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.int4_linear.restype = ctypes.c_int
     f32 = ctypes.c_float
-    lib.layer_step.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.layer_step.argtypes += [ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.layer_step.restype = ctypes.c_int
+    lib.run_layers.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]
+    lib.run_layers.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.run_layers.restype = ctypes.c_int
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
     lib.argmax_rows.restype = None
     return lib
@@ -229,6 +225,8 @@ class KeyLists:
             raise ValueError(f"a key mask of shape {tuple(self.mask.shape)} for {self.tokens} tokens")
 
     def to(self, device: torch.device) -> KeyLists:
+        if self.slots.device == torch.device(device):
+            return self
         if self.mask is not None and torch.device(device).type != "cpu":
             raise ValueError("key masks are read by the CPU kernel only")
         return KeyLists(self.slots.to(device), self.start.to(device), self.length.to(device), self.mask_from, self.mask)
@@ -370,43 +368,56 @@ class LayerWeights(ctypes.Structure):
     ]
 
 
-class LayerStep:
-    """A bf16 decoder layer run by ``layer_step`` in one call: RMSNorm, the q|k|v projection,
-    RoPE and the KV write, attention over key lists, o_proj into the residual, RMSNorm,
-    gate|up, SiLU * up and down_proj into the residual. The same kernels in the same order as
-    lean_lm's calls one by one, so the same bits (tested), without their per-call Python cost.
-    ``norms``: (attn, mlp); ``linears``: q|k|v, o, gate|up, down, each as LinearWeights' fields
-    (tensors or None)."""
+class LayerSteps:
+    """bf16 decoder layers run by ``run_layers``, any run of them in one call: per layer RMSNorm,
+    the q|k|v projection, RoPE and the KV write, attention over key lists, o_proj into the
+    residual, RMSNorm, gate|up, SiLU * up and down_proj into the residual. The same kernels in
+    the same order as lean_lm's calls one by one, so the same bits (tested), without their
+    per-call Python cost. Per layer, ``norms``: (attn, mlp); ``linears``: q|k|v, o, gate|up,
+    down, each as LinearWeights' fields (tensors or None)."""
 
-    def __init__(self, norms: tuple[torch.Tensor, torch.Tensor], linears: list[tuple[torch.Tensor | None, ...]]):
-        # kept alive: the struct holds their addresses
-        self.tensors = [*norms, *(t for linear in linears for t in linear)]
+    def __init__(self, layers: list[tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor | None, ...]]]]):
+        # kept alive: the structs hold their addresses
+        self.tensors = [t for norms, linears in layers for t in (*norms, *(t for linear in linears for t in linear))]
 
         def ptrs(tensors):
             return [None if t is None else t.data_ptr() for t in tensors]
 
-        self.weights = LayerWeights(*ptrs(norms), *(LinearWeights(*ptrs(linear)) for linear in linears))
+        self.weights = (LayerWeights * len(layers))(
+            *(
+                LayerWeights(*ptrs(norms), *(LinearWeights(*ptrs(linear)) for linear in linears))
+                for norms, linears in layers
+            )
+        )
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
-def layer_step(
-    layer: LayerStep,
+def run_layers(
+    layers: LayerSteps,
+    first: int,
+    end: int,
     h: torch.Tensor,
     sizes: tuple[int, int, int, int, int],
     eps: float,
-    kv_layer: torch.Tensor,
+    kv: torch.Tensor,
     slots: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     keys: KeyLists,
     scratch: torch.Tensor,
 ) -> None:
-    """One decoder layer on the residual stream ``h`` ``[tokens, hidden]`` bf16 (contiguous),
-    in place. ``sizes``: (hidden, intermediate, heads, kv_heads, head_dim); ``scratch``: at
-    least ``layer_scratch(tokens, sizes)`` bf16 values. Arguments are the caller's to get
-    right (lean_lm builds them once per step); the kernels' own checks still refuse sizes they
+    """Decoder layers ``first`` to ``end`` - 1 on the residual stream ``h`` ``[tokens, hidden]``
+    bf16 (contiguous), in place, in one call. ``sizes``: (hidden, intermediate, heads,
+    kv_heads, head_dim); ``kv``: the pool's ``[layers, slots, ...]`` KV; ``scratch``: at least
+    ``layer_scratch(tokens, sizes)`` bf16 values. Arguments are the caller's to get right
+    (lean_lm builds them once per step); the kernels' own checks still refuse sizes they
     cannot take."""
     hidden, inter, heads, kv_heads, d = sizes
-    rc = _library().layer_step(
+    if not 0 <= first < end <= len(layers) or kv.shape[0] < end:
+        raise ValueError(f"layers {first} to {end} of {len(layers)} (KV of {kv.shape[0]})")
+    rc = _library().run_layers(
         h.data_ptr(),
         h.shape[0],
         hidden,
@@ -416,8 +427,10 @@ def layer_step(
         d,
         eps,
         d**-0.5,
-        ctypes.byref(layer.weights),
-        kv_layer.data_ptr(),
+        ctypes.byref(layers.weights, first * ctypes.sizeof(LayerWeights)),
+        end - first,
+        kv.data_ptr() + first * kv.stride(0) * kv.element_size(),
+        kv.stride(0) * kv.element_size(),
         slots.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
@@ -429,11 +442,11 @@ def layer_step(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise KernelUnavailable(f"layer_step refused its sizes {sizes} (or ran out of memory: {rc})")
+        raise KernelUnavailable(f"run_layers refused its sizes {sizes} (or ran out of memory: {rc})")
 
 
 def layer_scratch(tokens: int, sizes: tuple[int, int, int, int, int]) -> int:
-    """bf16 values of scratch ``layer_step`` needs for ``tokens`` tokens."""
+    """bf16 values of scratch ``run_layers`` needs for ``tokens`` tokens."""
     hidden, inter, heads, kv_heads, d = sizes
     return tokens * (hidden + (heads + 2 * kv_heads) * d + heads * d + 3 * inter)
 

@@ -39,9 +39,10 @@ by ``scripts/bench_runtime.py``):
   norms alone were 2.6 ms of a 17 ms step); float32 keeps the tensor ops, whose sums are
   transformers'.
 - Where every part of a bf16 layer has its C kernel (packed linears, key-list attention, no
-  q/k norms: SmolLM2, Llama, Qwen2, Mistral on AVX-512 BF16 or AVX2), the layer is one C call
-  (``cpu_kernels.layer_step``): the same kernels in the same order, so the same bits, without
-  ~8 Python -> C calls a layer (~7 us each).
+  q/k norms: SmolLM2, Llama, Qwen2, Mistral on AVX-512 BF16 or AVX2), a step's whole stack of
+  layers is one C call (``cpu_kernels.run_layers``; one per run between hidden states asked
+  for): the same kernels in the same order, so the same bits, without ~8 Python -> C calls a
+  layer (~7 us each) or a call per layer (~10 us each on the Zen 1 host).
 - Positions default to cached length + index; explicit per-row positions are accepted (trees).
 - RoPE cos/sin come from transformers' own init functions (default, linear, dynamic, yarn,
   llama3, longrope), computed like its rotary embedding (float32, then cast), as a table by
@@ -479,6 +480,14 @@ class _Rope:
             self.cos, self.sin = self._table(torch.arange(2 * seq_len))
         return self.cos[positions], self.sin[positions]
 
+    def span(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lookup`` of positions ``first`` to ``first + n - 1`` in a sequence that long: views
+        of the tables where they hold them (a step's common case, no gather)."""
+        end = first + n
+        if (self.limit is not None and end > self.limit) or end > self.cos.shape[0]:
+            return self.lookup(torch.arange(first, end), end)
+        return self.cos[first:end], self.sin[first:end]
+
 
 @dataclass
 class _Group:
@@ -637,6 +646,11 @@ def _kernels_for(config, device: torch.device, batch_invariant: bool, triton_ker
     return triton_kernels
 
 
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without the copy for one tensor (a step's common case: one row)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def _check_mask(row: Row, n: int, cached: int) -> None:
     if row.mask is not None and tuple(row.mask.shape) not in ((n, n), (n, cached + n)):
         raise SequenceError(
@@ -691,13 +705,15 @@ class LeanDecoder:
         self.sizes = (self.hidden_size, config.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
         self.layer_steps = None
         if self.fused and batch_invariant and all(_fusable(layer) for layer in layers):
-            self.layer_steps = [
-                cpu_kernels.LayerStep(
-                    (layer.attn_norm, layer.mlp_norm),
-                    [lin.kernel_weights() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)],
-                )
-                for layer in layers
-            ]
+            self.layer_steps = cpu_kernels.LayerSteps(
+                [
+                    (
+                        (layer.attn_norm, layer.mlp_norm),
+                        [lin.kernel_weights() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)],
+                    )
+                    for layer in layers
+                ]
+            )
 
     def tensors(self) -> list[torch.Tensor]:
         """Every weight tensor it holds (its KV lives in the pools it makes)."""
@@ -793,8 +809,12 @@ class LeanDecoder:
         t = 0
         for i in order:
             r, n, c = rows[i], toks[i].shape[0], cached[i]
-            row_positions = torch.arange(c, c + n) if r.positions is None else r.positions.long()
-            row_cos, row_sin = self.rope.lookup(row_positions, max(c + n, int(row_positions.max()) + 1))
+            if r.positions is None:
+                row_positions = torch.arange(c, c + n)
+                row_cos, row_sin = self.rope.span(c, n)
+            else:
+                row_positions = r.positions.long()
+                row_cos, row_sin = self.rope.lookup(row_positions, max(c + n, int(row_positions.max()) + 1))
             positions.append(row_positions)
             cos.append(row_cos)
             sin.append(row_sin)
@@ -803,14 +823,13 @@ class LeanDecoder:
             t += n
 
         groups, keys = self._attention(pool, rows, toks, cached, order, spans)
-        joined = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)
-        cat = lambda ts: joined(ts).to(self.device)
+        cat = lambda ts: _joined(ts).to(self.device)
         scratch = None
         if self.layer_steps is not None:
             scratch = torch.empty(cpu_kernels.layer_scratch(t, self.sizes), dtype=self.dtype)
         return _Step(
             ids=cat([toks[i] for i in order]),
-            positions=joined(positions),
+            positions=_joined(positions),
             cos=cat(cos).unsqueeze(1),
             sin=cat(sin).unsqueeze(1),
             slots=cat(slots),
@@ -913,15 +932,15 @@ class LeanDecoder:
                 lengths.append(torch.tensor([own.shape[0]]))
                 offset += own.shape[0]
             token += n
-        length = torch.cat(lengths)
+        length = _joined(lengths)
         if not hides:
-            return cpu_kernels.KeyLists(torch.cat(slots), torch.cat(starts), length)
+            return cpu_kernels.KeyLists(_joined(slots), _joined(starts), length)
         mask_from = length.clone()  # nothing hidden
         mask = torch.zeros(length.shape[0], max(m.shape[1] for _, m in hides.values()), dtype=torch.bool)
         for t, (start, m) in hides.items():
             mask_from[t : t + m.shape[0]] = start
             mask[t : t + m.shape[0], : m.shape[1]] = m
-        return cpu_kernels.KeyLists(torch.cat(slots), torch.cat(starts), length, mask_from, mask)
+        return cpu_kernels.KeyLists(_joined(slots), _joined(starts), length, mask_from, mask)
 
     def _group(self, pool: KVCachePool, rows: list[Row], cached: list[int], t0: int, n: int) -> _Group:
         lengths = [c + n for c in cached]
@@ -961,21 +980,9 @@ class LeanDecoder:
         attention reads the normed ``h``, or ``attn_in`` where the caller gives one (drafter
         heads: EAGLE-3's [embedding | hidden] input, a first layer without input norm). A layer
         run in one C call (``layer_steps``) updates ``h`` in place and returns it."""
-        layer, kv_layer = self.layers[index], pool.layers[index]
         if attn_in is None and step.scratch is not None:  # the whole layer in one C call, in place
-            cpu_kernels.layer_step(
-                self.layer_steps[index],
-                h,
-                self.sizes,
-                self.eps,
-                kv_layer,
-                step.slots,
-                step.cos,
-                step.sin,
-                step.keys,
-                step.scratch,
-            )
-            return h
+            return self.run_layers(index, index + 1, h, pool, step)
+        layer, kv_layer = self.layers[index], pool.layers[index]
         if attn_in is None:
             attn_in = self._norm(h, layer.attn_norm)
         q = self._store_kv(layer, attn_in, kv_layer, step)
@@ -994,6 +1001,25 @@ class LeanDecoder:
             return layer.down.add(cpu_kernels.silu_mul(gate_up), h)
         inter = gate_up.shape[1] // 2
         return layer.down.add(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], h)
+
+    def run_layers(self, first: int, end: int, h: torch.Tensor, pool: KVCachePool, step: _Step) -> torch.Tensor:
+        """Layers ``first`` to ``end`` - 1 of a step planned with ``layer_steps`` in one C call,
+        updating ``h`` in place (returned)."""
+        cpu_kernels.run_layers(
+            self.layer_steps,
+            first,
+            end,
+            h,
+            self.sizes,
+            self.eps,
+            pool.kv,
+            step.slots,
+            step.cos,
+            step.sin,
+            step.keys,
+            step.scratch,
+        )
+        return h
 
     def store_kv(self, index: int, x: torch.Tensor, pool: KVCachePool, step: _Step) -> None:
         """Write layer ``index``'s keys and values of ``x`` ``[T, hidden]`` (its attention input as
@@ -1231,10 +1257,17 @@ class LeanCausalLM(LeanDecoder):
         step = self.plan(pool, rows, counts)
         saved = {}
         h = F.embedding(step.ids, self.embed)
-        for i in range(self.num_layers):
-            if i in want:  # a fused layer updates h in place
-                saved[i] = h.clone() if step.scratch is not None else h
-            h = self.layer(i, h, pool, step)
+        if step.scratch is not None:  # the layers in C, in place: one call per run between saved states
+            cuts = sorted({0, self.num_layers} | want)
+            for first, end in zip(cuts, cuts[1:]):
+                if first in want:
+                    saved[first] = h.clone()
+                self.run_layers(first, end, h, pool, step)
+        else:
+            for i in range(self.num_layers):
+                if i in want:
+                    saved[i] = h
+                h = self.layer(i, h, pool, step)
         logits = self._logits(h, step, counts, saved, self.num_layers in want)
         hidden = [{i: saved[self.num_layers if i == -1 else i][a:b] for i in hidden_layers} for a, b in step.spans]
         return StepOutput(logits, hidden)

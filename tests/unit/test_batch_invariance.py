@@ -623,7 +623,7 @@ def test_the_packed_probe_runs_once_per_build_and_shape(monkeypatch, tmp_path):
 @needs_packed
 @pytest.mark.parametrize("family", ["llama-tied-biased", "qwen2", "qwen3"])
 def test_a_layer_in_one_c_call_is_the_calls_one_by_one(family):
-    """bf16 layers whose every part has a C kernel run as one layer_step call: the bits of
+    """bf16 layers whose every part has a C kernel run as one run_layers call: the bits of
     the kernels called one by one, hidden states included (Qwen3's q/k norms keep the calls)."""
     lm = LeanCausalLM.from_hf(build(family).to(torch.bfloat16), batch_invariant=True)
     assert (lm.layer_steps is None) == (family == "qwen3")

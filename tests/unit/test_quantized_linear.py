@@ -113,7 +113,7 @@ def test_an_int8_model_stays_near_bf16_and_batches_exactly(family):
 
 @pytest.mark.parametrize("family", ["llama-tied-biased", "qwen2"])
 def test_an_int8_layer_in_one_c_call_is_the_calls_one_by_one(family):
-    """int8 layers run as one layer_step call too (a drafter's step), with the bits of the
+    """int8 layers run as one run_layers call too (a drafter's step), with the bits of the
     kernels called one by one."""
     lm = LeanCausalLM.from_hf(build(family).bfloat16(), batch_invariant=True, quantization="int8")
     assert lm.layer_steps is not None
