@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the GPU path (README, "Running on a GPU"), in two parts:
+# The GPU check of the GPU path (docs/gpu.md), in two parts:
 #
 #   scripts/gpu_check.sh prepare   where PyPI is reachable (the dev machine): writes .gpu/
 #                                  (git-ignored, ~56 MB) with what a GPU machine without

@@ -681,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--device",
         help="verifier and drafter device: auto, cpu, cuda or cuda:N (default: the "
-        "instance_group kind; see README, Running on a GPU)",
+        "instance_group kind; see docs/gpu.md)",
     )
     serve.add_argument("-sc", "--speculative-config", help="vLLM --speculative-config JSON for the drafter")
     serve.add_argument("--spec-method", metavar="METHOD", help="shorthand for the -sc key `method` (vLLM's flag)")

@@ -28,5 +28,5 @@ def test_trained_head_is_lossless_and_accepted(method, smollm2_dir, tmp_path):
     results = served_greedy_results_once(tmp_path, smollm2_dir, config, [ps[0] for ps in prompts.values()], 48)
     drafts = sum(r.perf_metrics["num_drafts"] for r in results)
     accepted = sum(r.total_accepted_draft_tokens for r in results)
-    # Real but modest: the CPU-trained SmolLM2 heads measured 1.1-1.3 (README, Training).
+    # Real but modest: the CPU-trained SmolLM2 heads measured 1.1-1.3 (docs/training.md).
     assert 1 + accepted / drafts > 1.05, (method, accepted, drafts)

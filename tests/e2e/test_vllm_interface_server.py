@@ -373,7 +373,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(tiny_server):
 def test_http_generate_with_stream_true_answers_with_the_route_to_use(tiny_server):
     """Triton fixes the HTTP status with the first response, and the model sees the same
     request on /generate and /generate_stream: the answer is Triton's error body with status
-    200 (README); client.api.triton raises it (tests/unit/test_client_frontends.py)."""
+    200 (docs/model-repository.md); client.api.triton raises it (tests/unit/test_client_frontends.py)."""
     import urllib.request
 
     body = json.dumps({"text_input": "The quick", "max_tokens": 4, "stream": True}).encode()
