@@ -631,3 +631,27 @@ def test_a_layer_in_one_c_call_is_the_calls_one_by_one(family):
     fused = decode(lm, seq, chunks, traffic=3)
     lm.layer_steps = None
     assert_same(decode(lm, seq, chunks, traffic=3), fused)
+
+
+@needs_packed
+def test_the_layers_run_in_one_call_or_one_at_a_time_alike_and_never_past_the_stack():
+    """A drafter head calls its layers one at a time (`layer`), a step the whole stack at once:
+    the same bits; a run past the layers (or past the pool's) is refused before any C runs."""
+    lm = LeanCausalLM.from_hf(build("llama-tied-biased").to(torch.bfloat16), batch_invariant=True)
+    pool = lm.new_pool(capacity_tokens=256)
+    ids = tokens(12, seed=1)
+    streams = []
+    for seq in ("whole", "one at a time"):
+        pool.admit(seq, 64)
+        step = lm.plan(pool, [Row(seq, ids)], [12])
+        h = F.embedding(step.ids, lm.embed)
+        if seq == "whole":
+            lm.run_layers(0, lm.num_layers, h, pool, step)
+        else:
+            for i in range(lm.num_layers):
+                h = lm.layer(i, h, pool, step)
+        streams.append(h)
+    assert torch.equal(*streams)
+    for first, end in ((0, lm.num_layers + 1), (1, 1), (-1, 1)):
+        with pytest.raises(ValueError, match=f"layers {first} to {end} of {lm.num_layers}"):
+            lm.run_layers(first, end, h, pool, step)
