@@ -634,10 +634,16 @@ def test_a_layer_in_one_c_call_is_the_calls_one_by_one(family):
 
 
 @needs_packed
-def test_the_layers_run_in_one_call_or_one_at_a_time_alike_and_never_past_the_stack():
-    """A drafter head calls its layers one at a time (`layer`), a step the whole stack at once:
-    the same bits; a run past the layers (or past the pool's) is refused before any C runs."""
-    lm = LeanCausalLM.from_hf(build("llama-tied-biased").to(torch.bfloat16), batch_invariant=True)
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_the_layers_run_in_one_call_or_one_at_a_time_alike_and_never_past_the_stack(quantization):
+    """A drafter head calls its layers one at a time (`layer`), a step the whole stack at once
+    (bf16, or a quantized drafter's): the same bits; a run past the layers (or past the pool's)
+    is refused before any C runs."""
+    if quantization and not cpu_kernels.int8_linear_available():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2 (the int8 and int4 linear kernels)")
+    hf = build("llama-tied-biased").to(torch.bfloat16)
+    lm = LeanCausalLM.from_hf(hf, batch_invariant=True, quantization=quantization)
+    assert lm.layer_steps is not None
     pool = lm.new_pool(capacity_tokens=256)
     ids = tokens(12, seed=1)
     streams = []
