@@ -417,6 +417,7 @@ def run_layers(
     hidden, inter, heads, kv_heads, d = sizes
     if not 0 <= first < end <= len(layers) or kv.shape[0] < end:
         raise ValueError(f"layers {first} to {end} of {len(layers)} (KV of {kv.shape[0]})")
+    layer_bytes = kv.stride(0) * kv.element_size()
     rc = _library().run_layers(
         h.data_ptr(),
         h.shape[0],
@@ -429,8 +430,8 @@ def run_layers(
         d**-0.5,
         ctypes.byref(layers.weights, first * ctypes.sizeof(LayerWeights)),
         end - first,
-        kv.data_ptr() + first * kv.stride(0) * kv.element_size(),
-        kv.stride(0) * kv.element_size(),
+        kv.data_ptr() + first * layer_bytes,
+        layer_bytes,
         slots.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),

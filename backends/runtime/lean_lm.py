@@ -484,7 +484,8 @@ class _Rope:
         """``lookup`` of positions ``first`` to ``first + n - 1`` in a sequence that long: views
         of the tables where they hold them (a step's common case, no gather)."""
         end = first + n
-        if (self.limit is not None and end > self.limit) or end > self.cos.shape[0]:
+        # the table ends at the switch of dynamic / longrope frequencies, and never grows past it
+        if end > self.cos.shape[0]:
             return self.lookup(torch.arange(first, end), end)
         return self.cos[first:end], self.sin[first:end]
 
