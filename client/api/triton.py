@@ -64,6 +64,7 @@ class Generation:
     perf_metrics: dict = field(default_factory=dict)
     num_responses: int = 0
     seconds: float = 0.0
+    first_token_s: float | None = None  # from the send to the first response with output tokens
     # From an extract_hidden_states drafter (gRPC): [positions, layers, hidden] for prompt +
     # output but the last token, the layer ids, and the server-side file when one was written.
     hidden_states: np.ndarray | None = None
@@ -203,6 +204,8 @@ def grpc_generate(
             out = _decode_outputs(response, OUTPUTS + HIDDEN_OUTPUTS)
             if out:
                 result.add(out)
+                if result.first_token_s is None and out.get("output_ids"):
+                    result.first_token_s = time.perf_counter() - start
                 if on_text and out.get("text_output"):
                     on_text(out["text_output"])
                 if on_response:

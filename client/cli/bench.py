@@ -22,7 +22,13 @@ from tqdm import tqdm
 
 from client.api.triton import Generation, grpc_generate
 
-PROMPT_FILE = Path(__file__).parents[1] / "data" / "bench_prompts.json"
+# The versioned prompt sets: short prompts of four families, and long contexts (a 2k and an
+# 8k-token document with a question, a source file to edit, a 30-turn chat; built by
+# scripts/make_long_prompts.py).
+PROMPT_SETS = {
+    "short": Path(__file__).parents[1] / "data" / "bench_prompts.json",
+    "long": Path(__file__).parents[1] / "data" / "long_prompts.json",
+}
 
 # Method name -> speculative config (draft_model's `model` is filled from --draft-model).
 METHOD_CONFIGS: dict[str, dict] = {
@@ -111,10 +117,12 @@ def read_prompt_file(path: Path) -> dict[str, list[str]]:
     return prompts
 
 
-def load_prompts(categories: list[str] | None = None, path: Path | None = None) -> tuple[str, dict[str, list[str]]]:
-    """The versioned benchmark prompts, or a file of your own (`read_prompt_file`)."""
+def load_prompts(
+    categories: list[str] | None = None, path: Path | None = None, prompt_set: str = "short"
+) -> tuple[str, dict[str, list[str]]]:
+    """A versioned benchmark prompt set (PROMPT_SETS), or a file of your own (`read_prompt_file`)."""
     if path is None:
-        data = json.loads(PROMPT_FILE.read_text())
+        data = json.loads(PROMPT_SETS[prompt_set].read_text())
         version, prompts = data["version"], data["prompts"]
     else:
         version, prompts = f"file {path.name}", read_prompt_file(path)
@@ -171,8 +179,13 @@ def summarize(results: list[Generation]) -> dict[str, Any]:
     per_position = [
         sum(m["accepted_per_position"][i] for m in metrics if i < len(m["accepted_per_position"])) for i in range(width)
     ]
+    # Time to first token (the prefill), and the decoding speed after it.
+    first = [r.first_token_s for r in results if r.first_token_s is not None]
+    decode_s = sum(r.seconds - r.first_token_s for r in results if r.first_token_s is not None)
     return {
         "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "ttft_ms": statistics.median(first) * 1e3 if first else 0.0,
+        "decode_tokens_per_s": (tokens - len(first)) / decode_s if decode_s > 0 else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "per_position_acceptance": [n / drafts for n in per_position] if drafts else [],
@@ -261,8 +274,10 @@ def format_report(report: dict) -> str:
         f"prompt set v{report['prompt_set']}, {report['max_tokens']} tokens, {report['repeats']} repeat(s), "
         f"target {report['model']} ({report['dtype']}), engine: {report.get('engine', 'unknown')}"
         f"{', verified in process' if report.get('verifier_in_process') else ''}; "
+        "`ttft`: median time to first token (ms) and `dec/s`: tokens/s after it, both of the speculative runs; "
         "`same`: outputs identical to plain decoding",
-        f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'MAL':>5} {'nodes':>5} {'accept':>7} "
+        f"{'method':12} {'category':11} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'ttft':>6} {'dec/s':>6} "
+        f"{'MAL':>5} {'nodes':>5} {'accept':>7} "
         f"{'draft':>6} {'verify':>7} {'ovh':>5} {'ovh%':>5} {'same':>5} {'diverge@':>9}  per-position acceptance",
     ]
     for method, by_category in report["methods"].items():
@@ -270,7 +285,8 @@ def format_report(report: dict) -> str:
             s = r["speculative"]
             lines.append(
                 f"{method:12} {category:11} {s['tokens_per_s']:7.1f} {r['plain']['tokens_per_s']:7.1f} "
-                f"{r['speedup_vs_plain']:7.2f}x {s['mean_acceptance_length']:5.2f} {s['nodes_per_step']:5.1f} "
+                f"{r['speedup_vs_plain']:7.2f}x {s['ttft_ms']:6.0f} {s['decode_tokens_per_s']:6.1f} "
+                f"{s['mean_acceptance_length']:5.2f} {s['nodes_per_step']:5.1f} "
                 f"{s['acceptance_rate']:7.2f} "
                 f"{s['draft_ms_per_step']:6.1f} {s['verify_ms_per_step']:7.1f} {s['overhead_ms_per_step']:5.1f} "
                 f"{s['overhead_share']:5.1%} {r['identical_outputs']:>2}/{r['outputs']:<2} "

@@ -335,7 +335,9 @@ def _bench(args: argparse.Namespace) -> int:
         args.model = PROFILES[args.profile]["model"]
         args.draft_model = args.draft_model or PROFILES[args.profile]["speculative_config"].get("model")
     try:
-        version, prompts = load_prompts(args.categories, Path(args.prompt_file) if args.prompt_file else None)
+        version, prompts = load_prompts(
+            args.categories, Path(args.prompt_file) if args.prompt_file else None, args.prompt_set
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -736,7 +738,14 @@ def build_parser() -> argparse.ArgumentParser:
         "speculative, and the second run would find the first one's prompt cached)",
     )
     _add_in_process_flag(bench)
-    bench.add_argument("--categories", nargs="+", help="prompt categories (default: all)")
+    bench.add_argument(
+        "--prompt-set",
+        default="short",
+        choices=("short", "long"),
+        help="the versioned prompts: short (code, chat, rag, multi-turn; 80-340 tokens) or long (rag-2k, "
+        "rag-8k, code-edit, chat-30: 1.9k-7.6k tokens; the servers' context window must cover them)",
+    )
+    bench.add_argument("--categories", nargs="+", help="prompt categories of the set (default: all)")
     bench.add_argument(
         "--prompt-file",
         help="your own prompts: a JSON list or {category: [prompts]} (e.g. a "

@@ -207,6 +207,45 @@ def test_bench_reports_tree_nodes_per_step_and_runs_tree_variants_as_their_metho
     SpeculativeConfig.from_json(METHOD_CONFIGS["suffix+tree"])  # the variants are valid configs
 
 
+def test_bench_reports_time_to_first_token_and_decode_speed_after_it():
+    from client.api.triton import Generation
+    from client.cli.bench import summarize
+
+    metrics = {
+        "num_steps": 4,
+        "num_drafts": 0,
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+        "accepted_per_position": [],
+        "draft_ms": 0.0,
+        "verify_ms": 1.0,
+        "overhead_ms": 1.0,
+        "total_ms": 2.0,
+    }
+    runs = [
+        Generation(num_output_tokens=5, seconds=1.0, first_token_s=0.6, perf_metrics=metrics),
+        Generation(num_output_tokens=9, seconds=2.0, first_token_s=0.4, perf_metrics=metrics),
+        Generation(num_output_tokens=3, seconds=3.0, first_token_s=2.0, perf_metrics=metrics),
+    ]
+    summary = summarize(runs)
+    assert summary["ttft_ms"] == 600.0  # the median
+    assert summary["decode_tokens_per_s"] == (4 + 8 + 2) / (0.4 + 1.6 + 1.0)
+
+
+def test_the_long_prompt_set_has_its_four_shapes_at_their_sizes():
+    from client.cli.bench import load_prompts
+
+    version, prompts = load_prompts(prompt_set="long")
+    assert version.startswith("long") and set(prompts) == {"rag-2k", "rag-8k", "code-edit", "chat-30"}
+    assert all(len(texts) == 2 for texts in prompts.values())
+    # Characters, not tokens (no tokenizer here): ~3-4 per token in this Markdown.
+    assert all(5_000 < len(t) < 9_000 for t in prompts["rag-2k"])
+    assert all(20_000 < len(t) < 34_000 for t in prompts["rag-8k"])
+    assert all(t.count("<|im_start|>user") == 31 for t in prompts["chat-30"])
+    with pytest.raises(ValueError, match="unknown prompt categories"):
+        load_prompts(["rag"], prompt_set="long")
+
+
 def test_bench_runs_a_profiles_drafter_settings_for_its_method_and_tree():
     from client.cli.bench import METHOD_CONFIGS, method_config
     from client.cli.main import PROFILES
