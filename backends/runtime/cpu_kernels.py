@@ -153,6 +153,11 @@ def _built(path: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (gcc) on PATH to build the lean runtime's CPU kernels")
+    if not path.is_file():
+        raise KernelUnavailable(
+            f"the CPU kernels' C source {path} is missing from this installation "
+            "(a package built without its package data): reinstall tritonspec from a complete wheel or checkout"
+        )
     source = path.read_bytes()
     flags = (*FLAGS, *os.environ.get(FLAGS_ENV, "").split())
     # -march=native: a cache shared by machines of other CPUs must not hand them this build
