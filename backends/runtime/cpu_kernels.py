@@ -178,7 +178,22 @@ def _built(path: Path) -> Path:
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
+    _check_trusted(target)
     return target
+
+
+def _check_trusted(library: Path) -> None:
+    """Refuse a cached library that someone else could have put there: its name is computable
+    from public inputs, so only a file (and folder) owned by this user and writable by no one
+    else may be loaded into the serving process."""
+    for path in (library, library.parent):
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise KernelUnavailable(
+                f"refusing to load {library}: {path} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o} "
+                f"(this process runs as uid {os.getuid()}; only its own files, writable by no one else, are loaded). "
+                "Remove the file, or fix its owner and mode"
+            )
 
 
 def unavailable_reason(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:

@@ -221,6 +221,9 @@ def test_openai_service_talks_grpc_through_the_balancer(compose):
     assert args[:2] == ["tritonspec", "openai"] and value["--url"] == f"lb:{triton_flags(compose)['grpc-port']}"
     assert value["--host"] == "0.0.0.0" and int(value["--port"]) in container_ports(openai)
     assert f":{value['--port']}/health" in " ".join(openai["healthcheck"]["test"])
+    # The internet-facing front end reads the model cache only: the replicas load kernel
+    # libraries from it.
+    assert openai["volumes"] == ["model-cache:/models:ro"]
 
 
 def test_the_deployment_page_documents_images_ports_and_volumes(compose):

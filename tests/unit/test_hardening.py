@@ -1,7 +1,7 @@
 """Issue 17's smaller hardening, in process: numbers bounded at parse time, stop-string
 caps, the peers' internal token, hidden-state files that never overwrite, custom proposers'
 ids and probabilities checked, sliding-window targets refused at load, wheels-only weight
-downloads, and client timeouts with a message."""
+downloads, client timeouts with a message, and a kernel cache that loads only this user's own files."""
 
 from __future__ import annotations
 
@@ -265,3 +265,29 @@ def test_the_openai_front_end_sets_no_timeout_of_its_own(monkeypatch):
     # An exception without a message still answers with one.
     error = openai_frontend.generation_error(queue.Empty())
     assert error.status == 500 and error.message == "generation failed: Empty"
+
+
+# -- the kernel cache loads only this user's own files ----------------------------------------------------------
+
+
+def test_a_cached_kernel_library_others_could_write_is_refused(tmp_path, monkeypatch):
+    """The library's name is computable from public inputs: one planted by another user, or
+    left writable by others, must not be loaded into the serving process."""
+    import shutil
+
+    from backends.runtime import cpu_kernels
+
+    built = cpu_kernels._built(cpu_kernels.SOURCE)  # this user's own build, trusted
+    monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
+    planted = tmp_path / "kernels" / built.name
+    planted.parent.mkdir(mode=0o755)
+    shutil.copy(built, planted)
+    planted.chmod(0o644)
+    assert cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE) == planted  # own file, not writable by others
+    planted.chmod(0o666)
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="refusing to load .* mode 666"):
+        cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
+    planted.chmod(0o644)
+    planted.parent.chmod(0o777)  # a folder anyone may write: the file could be swapped
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="mode 777"):
+        cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
