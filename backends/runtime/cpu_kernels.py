@@ -175,6 +175,7 @@ def _built(path: Path) -> Path:
             if done.returncode != 0:
                 errors = done.stderr.decode("utf-8", errors="replace").strip()
                 raise KernelUnavailable(f"building {path.name} failed:\n{errors}")
+            partial.chmod(0o755)  # whatever the umask: no other user may write what is loaded
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
@@ -184,14 +185,16 @@ def _built(path: Path) -> Path:
 
 def _check_trusted(library: Path) -> None:
     """Refuse a cached library that someone else could have put there: its name is computable
-    from public inputs, so only a file (and folder) owned by this user and writable by no one
-    else may be loaded into the serving process."""
+    from public inputs, so only a file (and folder) owned by this user and writable by no other
+    user may be loaded into the serving process."""
     for path in (library, library.parent):
         st = path.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        # Group-writable only for this process's own group (a umask of 002 with a group per user).
+        others_write = st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getgid())
+        if st.st_uid != os.getuid() or others_write:
             raise KernelUnavailable(
                 f"refusing to load {library}: {path} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o} "
-                f"(this process runs as uid {os.getuid()}; only its own files, writable by no one else, are loaded). "
+                f"(this process runs as uid {os.getuid()}; only its own files, writable by no other user, are loaded). "
                 "Remove the file, or fix its owner and mode"
             )
 

@@ -273,6 +273,7 @@ def test_the_openai_front_end_sets_no_timeout_of_its_own(monkeypatch):
 def test_a_cached_kernel_library_others_could_write_is_refused(tmp_path, monkeypatch):
     """The library's name is computable from public inputs: one planted by another user, or
     left writable by others, must not be loaded into the serving process."""
+    import os
     import shutil
 
     from backends.runtime import cpu_kernels
@@ -287,7 +288,12 @@ def test_a_cached_kernel_library_others_could_write_is_refused(tmp_path, monkeyp
     planted.chmod(0o666)
     with pytest.raises(cpu_kernels.KernelUnavailable, match="refusing to load .* mode 666"):
         cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
-    planted.chmod(0o644)
+    planted.chmod(0o664)  # this process's own group may write (a umask of 002)
+    assert cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE) == planted
+    if os.getuid() == 0:  # only root may hand a file to another group
+        os.chown(planted, -1, os.getgid() + 1)
+        with pytest.raises(cpu_kernels.KernelUnavailable, match="mode 664"):
+            cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
     planted.parent.chmod(0o777)  # a folder anyone may write: the file could be swapped
     with pytest.raises(cpu_kernels.KernelUnavailable, match="mode 777"):
         cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
