@@ -294,6 +294,7 @@ def test_a_cached_kernel_library_others_could_write_is_refused(tmp_path, monkeyp
         os.chown(planted, -1, os.getgid() + 1)
         with pytest.raises(cpu_kernels.KernelUnavailable, match="mode 664"):
             cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
+    planted.chmod(0o644)
     planted.parent.chmod(0o777)  # a folder anyone may write: the file could be swapped
     with pytest.raises(cpu_kernels.KernelUnavailable, match="mode 777"):
         cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
