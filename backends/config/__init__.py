@@ -11,9 +11,16 @@ from backends.config.detect import (
 )
 from backends.config.drafter import DrafterConfig
 from backends.config.errors import SpeculativeConfigError, UnsupportedSpeculativeMethodError
-from backends.config.speculative import IN_ORCHESTRATOR_METHODS, METHODS, NO_EFFECT_FIELDS, SpeculativeConfig
+from backends.config.speculative import (
+    BESIDE_VERIFIER_METHODS,
+    IN_ORCHESTRATOR_METHODS,
+    METHODS,
+    NO_EFFECT_FIELDS,
+    SpeculativeConfig,
+)
 
 __all__ = [
+    "BESIDE_VERIFIER_METHODS",
     "IN_ORCHESTRATOR_METHODS",
     "METHODS",
     "MTP_MODEL_TYPES",

@@ -91,10 +91,13 @@ _EAGLE_FAMILY = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 _MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix", "extract_hidden_states")
 # Methods that draft from token ids alone, holding no model (their proposers' `in_orchestrator`):
 # the `speculative` model runs them in its own process, and their drafter model, then never
-# called, stands by without loading torch (pbtxt.drafted_in_process).
+# called, stands by without loading torch (triton_models/topology.py).
 IN_ORCHESTRATOR_METHODS = ("ngram", "suffix")
 # Trained heads run by HeadProposer: quantization 'int8' puts their own linear layers on the int8 kernel.
 _HEAD_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "dflash", "dspark")
+# Methods that draft beside a verifier the `speculative` model runs in its own process, on its
+# verify thread (their proposers' `beside_verifier`): the heads, small and this project's own.
+BESIDE_VERIFIER_METHODS = _HEAD_METHODS
 _BATCH_SCHEDULE = "num_speculative_tokens_per_batch_size"
 # Which methods draft which kind of tree, and how many nodes one tree may have (the verifier's
 # per-step limit, vLLM's MAX_SPEC_LEN).

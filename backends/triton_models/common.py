@@ -9,14 +9,13 @@ import logging
 import queue
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.runtime.model_store import DEFAULT_MODEL, resolve_model
+from backends.triton_models.pbtxt import ModelSettings, model_settings
 
 if TYPE_CHECKING:
     from backends.runtime.kv_cache import KVCachePool
@@ -68,31 +67,11 @@ def parse_flag(params: dict[str, str], name: str, default: bool) -> bool:
     return value == "true"
 
 
-@dataclass(frozen=True)
-class ModelSettings:
-    """The config.pbtxt parameters that the speculative, verifier and drafter models read alike."""
-
-    params: dict[str, str]  # all of them, as strings
-    target: Path  # the target model (the `model` parameter, else the default model)
-    dtype: str
-    max_model_len: int | None  # a cap on the target's context window; None: no cap
-
-
 def initialize_model(args: dict) -> ModelSettings:
     """The start of every model's initialize: UTF-8 text, logging set up, then its settings."""
     setup_logging()
     utf8_text()
     return model_settings(model_parameters(args))
-
-
-def model_settings(params: dict[str, str]) -> ModelSettings:
-    """A model's settings from its config.pbtxt parameters."""
-    return ModelSettings(
-        params=params,
-        target=resolve_model(params.get("model") or DEFAULT_MODEL),
-        dtype=params.get("dtype", "bfloat16"),
-        max_model_len=int(params.get("max_model_len") or 0) or None,
-    )
 
 
 def model_repository(args: dict) -> Path:

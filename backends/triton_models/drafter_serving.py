@@ -18,7 +18,8 @@ from backends.config import SpeculativeConfig
 from backends.runtime.threads import own_cores
 from backends.serving.drafting import DraftCall, DraftService
 from backends.serving.proposer import Draft, build_proposer, check_layers, describe_drafter
-from backends.triton_models.common import ModelSettings, input_array, input_ids, input_scalar, instance_device
+from backends.triton_models.common import input_array, input_ids, input_scalar, instance_device
+from backends.triton_models.pbtxt import ModelSettings
 from backends.triton_models.sequence_model import SequenceBatchedModel
 
 log = logging.getLogger("tritonspec.drafter")

@@ -1,13 +1,15 @@
-"""Reading and writing string `parameters` of a config.pbtxt text (what the launcher patches
-and what the orchestrator reads of its drafter's and verifier's entries at load)."""
+"""Reading a config.pbtxt text: its string `parameters` (and writing them: what the launcher
+patches), the settings the models read alike from them, and its instance group. Who loads what
+is topology.py's."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from backends.config import IN_ORCHESTRATOR_METHODS
+from backends.runtime.model_store import DEFAULT_MODEL, resolve_model
 
 
 def set_parameter(pbtxt: str, key: str, value: str) -> str:
@@ -63,92 +65,21 @@ def instance_group(pbtxt: str) -> tuple[str, int]:
     return group.group(1), int(gpus.group(1)) if gpus else 0
 
 
-IN_PROCESS_CHOICES = ("auto", "true", "false")
+@dataclass(frozen=True)
+class ModelSettings:
+    """The config.pbtxt parameters that the speculative, verifier and drafter models read alike."""
+
+    params: dict[str, str]  # all of them, as strings
+    target: Path  # the target model (the `model` parameter, else the default model)
+    dtype: str
+    max_model_len: int | None  # a cap on the target's context window; None: no cap
 
 
-def in_process_choice(params: dict[str, str]) -> str:
-    """An orchestrator's `verifier_in_process` ("auto" when unset); ValueError naming the
-    parameter when it is none of IN_PROCESS_CHOICES."""
-    choice = params.get("verifier_in_process", "auto").strip().lower() or "auto"
-    if choice not in IN_PROCESS_CHOICES:
-        raise ValueError(
-            f"parameter verifier_in_process must be one of {', '.join(IN_PROCESS_CHOICES)}, "
-            f"got {params['verifier_in_process']!r}"
-        )
-    return choice
-
-
-def _orchestrators(repository: Path) -> dict[str, dict[str, str]]:
-    """The parameters of each orchestrator of `repository` (a model that sets
-    `verifier_model_name` or `verifier_in_process`), by model name."""
-    found = {}
-    for config in sorted(repository.glob("*/config.pbtxt")):
-        params = parameters(config.read_text())
-        if "verifier_model_name" in params or "verifier_in_process" in params:
-            found[config.parent.name] = params
-    return found
-
-
-def drafted_in_process(repository: Path, drafter_name: str, method: str) -> tuple[str, ...]:
-    """The orchestrators of `repository` that draft in their own process what drafter
-    `drafter_name` would (its `method` drafts from token ids alone, IN_ORCHESTRATOR_METHODS, and
-    their `drafter_in_process` is on, the default), when every orchestrator naming that drafter
-    does; () when none names it or one calls it (then it must load). A value of
-    `drafter_in_process` other than "true"/"false" reads as "false" here; the orchestrator's own
-    load refuses it by name."""
-    if method not in IN_ORCHESTRATOR_METHODS:
-        return ()
-    callers = {
-        name: params.get("drafter_in_process", "").strip().lower() or "true"
-        for name, params in _orchestrators(repository).items()
-        if params.get("drafter_model_name", "") == drafter_name
-    }
-    if not callers or any(flag != "true" for flag in callers.values()):
-        return ()
-    return tuple(callers)
-
-
-def verifies_in_process(repository: Path, orchestrator: str, num_gpus: int | Callable[[], int]) -> bool:
-    """Whether orchestrator `orchestrator` of `repository` loads its verifier's target and
-    verifies in its own process: its `verifier_in_process` is "true", or "auto" (the default)
-    and its steps are batched (`batch_verify_steps` not "false"), its verifier has one instance
-    and no other orchestrator names that verifier (they share it over BLS instead of each
-    loading a copy). A value other than the three choices reads as "false" here; the
-    orchestrator's own load refuses it by name (in_process_choice)."""
-    return _verifies_in_process(repository, _orchestrators(repository), orchestrator, num_gpus)
-
-
-def _verifies_in_process(
-    repository: Path, orchestrators: dict[str, dict[str, str]], orchestrator: str, num_gpus: int | Callable[[], int]
-) -> bool:
-    params = orchestrators.get(orchestrator, {})
-    try:
-        choice = in_process_choice(params)
-    except ValueError:
-        return False
-    if choice != "auto":
-        return choice == "true"
-    verifier = params.get("verifier_model_name", "verifier")
-    if params.get("batch_verify_steps", "true").strip().lower() == "false":
-        return False
-    if any(p.get("verifier_model_name", "verifier") == verifier for n, p in orchestrators.items() if n != orchestrator):
-        return False
-    try:
-        pbtxt = (repository / verifier / "config.pbtxt").read_text()
-    except OSError:
-        return False
-    return single_instance(pbtxt, num_gpus)
-
-
-def verified_in_process(repository: Path, verifier_name: str, num_gpus: int | Callable[[], int]) -> tuple[str, ...]:
-    """The orchestrators of `repository` that load the target of verifier `verifier_name` and
-    verify in their own process; () unless some do and none calls the verifier (then it must
-    load)."""
-    orchestrators = _orchestrators(repository)
-    local, remote = [], []
-    for name, params in orchestrators.items():
-        if params.get("verifier_model_name", "verifier") != verifier_name:
-            continue
-        in_process = _verifies_in_process(repository, orchestrators, name, num_gpus)
-        (local if in_process else remote).append(name)
-    return () if remote or not local else tuple(local)
+def model_settings(params: dict[str, str]) -> ModelSettings:
+    """A model's settings from its config.pbtxt parameters."""
+    return ModelSettings(
+        params=params,
+        target=resolve_model(params.get("model") or DEFAULT_MODEL),
+        dtype=params.get("dtype", "bfloat16"),
+        max_model_len=int(params.get("max_model_len") or 0) or None,
+    )

@@ -1,23 +1,41 @@
-"""The orchestrator's handles on its BLS peers: the `drafter` and `verifier` models, one
-handle per sequence (START on the first call, END on release; or the verifier's steps batched
-with other sequences', step_batch.py). They implement the
-`Drafter` / `Verifier` protocols of backends.serving.orchestrator over Triton."""
+"""The orchestrator's peers: its handles on the verifier and the drafter, where the placement
+plan (topology.py) puts them. `Peers` builds at load what every request shares (the step
+batcher, over BLS or on the verifier's target loaded in this process; a drafter drafting in this
+process, or beside that target) and hands each request its handles: a `BlsVerifier` (the
+verifier model over BLS, one request a step, or the step batcher, step_batch.py), and a
+`BlsDrafter` (the drafter model over BLS: START on the first call, END on release) or the
+drafter in this process. They implement the `Drafter` / `Verifier` protocols of
+backends.serving.orchestrator."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 import torch
 
-from backends.serving.drafting import DraftCall
+from backends.config import SpeculativeConfig
+from backends.runtime.device import resolve_device
+from backends.runtime.threads import forward_thread
+from backends.serving.drafting import DraftCall, DraftService
+from backends.serving.local import LocalDrafter
 from backends.serving.logits import LOGPROB_OUTPUTS, logprobs_from_arrays
-from backends.serving.proposer import Draft, DrafterInfo
+from backends.serving.orchestrator import Drafter
+from backends.serving.proposer import Draft, DrafterInfo, build_proposer, check_layers
 from backends.serving.target import VerifyRequest, VerifyResult
-from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, bls
-from backends.triton_models.peer_token import with_token
-from backends.triton_models.step_batch import StepBatcher
+from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, ActiveSequencesGauge, bls
+from backends.triton_models.outbox import Outbox
+from backends.triton_models.pbtxt import ModelSettings, instance_group, model_settings, parameters
+from backends.triton_models.peer_token import server_token, with_token
+from backends.triton_models.step_batch import GatheredDrafter, StepBatcher, batch_correlation_id, in_process, over_bls
+from backends.triton_models.topology import DraftAt, Placement, PlacementError, VerifyAt
+from backends.triton_models.verifier_serving import prefix_counters, target_runner
+
+log = logging.getLogger("tritonspec.speculative")
 
 
 class PeerTimeoutError(TimeoutError):
@@ -28,21 +46,18 @@ _BOUNDED_CALLS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="bls-boun
 
 
 class SequencePeer:
-    """A sequence-batched BLS peer: START on the first call, END on release."""
+    """A sequence-batched BLS peer: START on the first call, END on release. Every call carries
+    `token`, this server's internal token (peer_token.py): the peers refuse requests without it.
+    A call that takes longer than `timeout_s` (None: no bound) is abandoned: a BLS call cannot
+    be cancelled in this Triton, so a bounded one runs on a helper thread that is left to
+    finish on its own."""
 
-    # This server's internal token (peer_token.py), sent with every call: the peers refuse
-    # requests without it. Set once by the `speculative` model when it loads.
-    token = ""
-
-    def __init__(self, model_name: str, seq_id: int) -> None:
+    def __init__(self, model_name: str, seq_id: int, token: str, timeout_s: float | None = None) -> None:
         self.model_name = model_name
         self.seq_id = seq_id
+        self.token = token
+        self.timeout_s = timeout_s
         self.started = False
-
-    # Seconds a call may take before the request stops waiting for it (None: no bound). A
-    # BLS call cannot be cancelled in this Triton, so a bounded one runs on a helper thread
-    # that is left to finish on its own.
-    timeout_s: float | None = None
 
     def call(self, inputs: dict, outputs: list[str], parameters: dict | None = None) -> dict:
         flags = 0 if self.started else SEQUENCE_START
@@ -65,8 +80,8 @@ class SequencePeer:
 
 
 class BlsDrafter(SequencePeer):
-    def __init__(self, model_name: str, seq_id: int, info: DrafterInfo) -> None:
-        super().__init__(model_name, seq_id)
+    def __init__(self, model_name: str, seq_id: int, info: DrafterInfo, token: str, timeout_s: float | None) -> None:
+        super().__init__(model_name, seq_id, token, timeout_s)
         self.info = info
 
     def draft(self, call: DraftCall) -> tuple[Draft, float]:
@@ -101,11 +116,15 @@ class BlsDrafter(SequencePeer):
 
 
 class BlsVerifier(SequencePeer):
-    logprobs = False  # the sequence asked for logprobs (its first step's sampling parameters)
-    # Set by the `speculative` model when its steps go to the verifier in batches
-    # (step_batch.py); a sequence that asks for logprobs still makes one request per step.
-    batcher: StepBatcher | None = None
-    batched: bool | None = None  # this sequence's steps go through the batcher (set by its first)
+    """The verifier model over BLS, one request a step, or `batcher` (step_batch.py): its steps
+    with other sequences', to the verifier model or to the target in this process. A sequence
+    that asks for logprobs makes one request a step, unless the batcher carries them."""
+
+    def __init__(self, model_name: str, seq_id: int, token: str, batcher: StepBatcher | None) -> None:
+        super().__init__(model_name, seq_id, token)
+        self.batcher = batcher
+        self.batched: bool | None = None  # this sequence's steps go through the batcher (set by its first)
+        self.logprobs = False  # the sequence asked for logprobs (its first step's sampling parameters)
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         if self.batched is None:
@@ -151,3 +170,150 @@ class BlsVerifier(SequencePeer):
             self.batcher.release(self.seq_id)
         else:
             super().release(self._inputs([], []))
+
+
+class Peers:
+    """The handles of orchestrator `model_name` on its verifier and drafter, where the plan puts
+    them: built once at load, handed to each request (`verifier`, `drafter`). `drafter_info`
+    may become None here (plain decoding) when the drafter model stands by for this process
+    and its proposer cannot be built in it either."""
+
+    def __init__(
+        self,
+        model_name: str,
+        plan: Placement,
+        drafter_config: SpeculativeConfig | None,
+        drafter_info: DrafterInfo | None,
+        max_model_len: int,
+        outbox: Outbox,
+        drafter_timeout_s: float | None,
+    ) -> None:
+        self.model_name, self.plan, self.route = model_name, plan, plan.route(model_name)
+        self.drafter_config, self.drafter_info = drafter_config, drafter_info
+        self.max_model_len = max_model_len
+        self.outbox = outbox
+        self.drafter_timeout_s = drafter_timeout_s  # a call that takes longer: the request decodes plainly
+        self.token = server_token()  # proves our BLS calls to verifier and drafter
+        # The drafter in this process (ngram, suffix; or a head beside the in-process verifier).
+        self.local_drafter: Drafter | None = None
+        if drafter_info and self.route.draft_at is DraftAt.IN_PROCESS:
+            self.local_drafter = self._drafting_here()
+        self.batcher = self._step_batcher()
+
+    def verifier(self, seq_id: int) -> BlsVerifier:
+        return BlsVerifier(self.route.verifier, seq_id, self.token, self.batcher)
+
+    def drafter(self, seq_id: int) -> Drafter | None:
+        """The request's drafter; None when there is none, or it drafts nothing (extract_hidden_states)."""
+        info = self.drafter_info
+        if info is None or not info.proposes_drafts:
+            return None
+        return self.local_drafter or BlsDrafter(self.route.drafter, seq_id, info, self.token, self.drafter_timeout_s)
+
+    def _drafting_here(self) -> LocalDrafter | None:
+        """The drafter's proposer (ngram, suffix) built in this process. When the drafter model
+        stands by for this orchestrator alone, this one reports the sequences it holds under the
+        drafter's name; if the proposer cannot be built here, requests decode plainly when the
+        drafter model stands by (it would not answer either), else call it."""
+        name = self.route.drafter
+        callers = self.plan.stands_by_for(name)
+        try:
+            proposer = build_proposer(self.drafter_config, max_model_len=self.max_model_len)
+        except Exception as e:
+            fallback = "serving plain decoding" if callers else "calling the drafter model"
+            log.error("drafter %r cannot draft in this process (%s); %s", name, e, fallback)
+            if callers:
+                self.drafter_config, self.drafter_info = None, None
+            return None
+        log.info("drafter %r drafts in this process (drafter_in_process)", name)
+        active = ActiveSequencesGauge(name) if callers == (self.model_name,) else None
+        return LocalDrafter(DraftService(proposer, self.drafter_config), None if active is None else active.set)
+
+    def _step_batcher(self) -> StepBatcher | None:
+        """Concurrent sequences' verify steps go as one batch (one forward): to the target in
+        this process, or to the verifier model over BLS; None: one verifier request a step."""
+        route = self.route
+        if route.verify_at is VerifyAt.IN_PROCESS:
+            return self._verifying_here()
+        if route.verify_at is VerifyAt.PER_STEP:
+            log.info("verify steps go to %r one request a step (%s)", route.verifier, route.why)
+            return None
+
+        def send(inputs: dict, outputs: list[str], parameters: dict) -> dict:
+            flags = SEQUENCE_START | SEQUENCE_END  # a batch is a sequence of one request
+            self.outbox.step_started()
+            return bls(
+                route.verifier, inputs, outputs, batch_correlation_id(), flags, with_token(parameters, self.token)
+            )
+
+        log.info("verify steps of concurrent sequences go to %r in batches", route.verifier)
+        return StepBatcher(over_bls(send))
+
+    def _verifying_here(self) -> StepBatcher:
+        """The verifier's target, as its config.pbtxt describes it, loaded in this process: steps
+        run here, one batch at a time (the batcher is the runner's only caller), with no BLS
+        round trip. The verifier model stands by (topology.py)."""
+        name = self.route.verifier
+        pbtxt = self.plan.configs.get(name)
+        if pbtxt is None:
+            raise PlacementError(f"verifier_in_process: the model repository has no readable config of {name!r}")
+        settings, device, why = peer_settings(pbtxt)
+        log.info("verifying in this process (verifier_in_process): the target of %r on %s (%s)", name, device, why)
+        # One thread loads the target and runs every forward, the process's only parallel
+        # thread: OpenMP keeps a team of worker threads per calling thread, and with more of
+        # them than cores its workers stop spinning between parallel regions (threads.py).
+        verify_thread = forward_thread("spec-verify")
+        runner = verify_thread.submit(target_runner, settings, device).result()
+        active = ActiveSequencesGauge(name)
+        counters = prefix_counters(runner, name, "1")
+
+        def update_metrics() -> None:  # what the verifier model reports of its own sequences
+            active.set(len(runner.sequences))
+            if counters is not None:
+                counters.update(runner.pool)
+
+        run_rows = in_process(runner, update_metrics)
+
+        def verify_here(rows: list) -> list:  # on the verify thread, so responses wait until it runs
+            self.outbox.step_started()
+            return run_rows(rows)
+
+        def draft_here(work: Callable[[], Any]) -> Any:  # responses due meanwhile wait for the verify
+            with self.outbox.holding():
+                return work()
+
+        if self.drafter_info and self.route.draft_at is DraftAt.BESIDE_VERIFIER:
+            self.local_drafter = self._drafting_beside(lambda work: verify_thread.submit(draft_here, work).result())
+        return StepBatcher(lambda rows: verify_thread.submit(verify_here, rows).result(), carries_logprobs=True)
+
+    def _drafting_beside(self, run: Callable[[Callable[[], Any]], Any]) -> GatheredDrafter | None:
+        """The drafter's head loaded in this process, as its config.pbtxt describes it, drafting
+        on the verify thread (`run` puts work there): a step then makes no BLS round trip at all
+        (~1 ms each here). None, and the drafter model drafts, when it cannot be built."""
+        name = self.route.drafter
+        try:
+            settings, device, _ = peer_settings(self.plan.configs[name])
+            proposer = run(
+                lambda: build_proposer(
+                    self.drafter_config,
+                    max_model_len=self.max_model_len,
+                    target_model=settings.target,
+                    dtype=settings.dtype,
+                    device=device,
+                )
+            )
+            check_layers(proposer, self.drafter_info)
+        except Exception as e:  # the drafter model's own load fails with the reason too
+            log.error("drafter %r cannot draft in this process (%s); calling the drafter model", name, e)
+            return None
+        log.info("drafter %r drafts in this process, beside the verifier, on %s (drafter_in_process)", name, device)
+        return GatheredDrafter(DraftService(proposer, self.drafter_config), run)
+
+
+def peer_settings(pbtxt: str) -> tuple[ModelSettings, str, str]:
+    """A peer model's settings from its config.pbtxt, and the device it would run on (and why):
+    what the orchestrator loads when it verifies or drafts in its own process."""
+    settings = model_settings(parameters(pbtxt))
+    kind, gpu = instance_group(pbtxt)
+    device, why = resolve_device(kind, gpu, settings.params.get("device", ""))
+    return settings, device, why

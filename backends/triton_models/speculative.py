@@ -1,7 +1,9 @@
 """`speculative` model: the client-facing, decoupled orchestrator. Each request runs the
-draft -> verify loop of `backends.serving.orchestrator` in its own worker thread, calling the
-`drafter` and `verifier` models through (non-decoupled) BLS, and streams text back. With
-`verifier_in_process` it runs the verifier's target itself instead of calling it."""
+draft -> verify loop of `backends.serving.orchestrator` in its own worker thread, with the
+verifier and drafter handles of `peers.Peers`: the `verifier` and `drafter` models over
+(non-decoupled) BLS, or, where the placement plan says so (topology.py: `verifier_in_process`,
+`drafter_in_process`), the verifier's target and the drafter in this process. It streams text
+back."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -23,13 +24,10 @@ import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
 from backends.methods.extract_hidden_states import save_hidden_states
-from backends.runtime.device import resolve_device
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
-from backends.runtime.threads import forward_thread, serial_elsewhere
+from backends.runtime.threads import serial_elsewhere
 from backends.serving.cancellation import CancellationWatch
 from backends.serving.detokenize import TextStream
-from backends.serving.drafting import DraftService
-from backends.serving.local import LocalDrafter
 from backends.serving.logits import TokenLogprob, vllm_logprobs
 from backends.serving.orchestrator import (
     DEFAULT_PREFILL_CHUNK,
@@ -41,7 +39,7 @@ from backends.serving.orchestrator import (
     prefill_chunk_tokens,
     stream_interval,
 )
-from backends.serving.proposer import DrafterInfo, build_proposer, check_layers, describe_drafter
+from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.serving.request import (
     RETURN_OUTPUTS,
     GenerationRequest,
@@ -51,34 +49,18 @@ from backends.serving.request import (
     parse_request,
 )
 from backends.triton_models.common import (
-    SEQUENCE_END,
-    SEQUENCE_START,
-    ActiveSequencesGauge,
-    ModelSettings,
     ServingMetrics,
     SpecDecodeCounters,
-    bls,
     error_response,
     initialize_model,
     input_scalar,
     model_repository,
-    model_settings,
     parse_flag,
 )
 from backends.triton_models.outbox import Outbox
-from backends.triton_models.pbtxt import (
-    drafted_in_process,
-    get_parameter,
-    in_process_choice,
-    instance_group,
-    parameters,
-    single_instance,
-    verifies_in_process,
-)
-from backends.triton_models.peer_token import server_token, with_token
-from backends.triton_models.peers import BlsDrafter, BlsVerifier, SequencePeer
-from backends.triton_models.step_batch import GatheredDrafter, StepBatcher, batch_correlation_id, in_process, over_bls
-from backends.triton_models.verifier_serving import prefix_counters, target_runner
+from backends.triton_models.pbtxt import get_parameter
+from backends.triton_models.peers import Peers
+from backends.triton_models.topology import Placement
 
 log = logging.getLogger("tritonspec.speculative")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -110,34 +92,20 @@ class TritonPythonModel:
         # Forwards run on the verify thread (in process) or in the verifier's process: torch
         # on this process's other threads must not start OpenMP teams of its own (threads.py).
         serial_elsewhere()
-        params, model_path = settings.params, settings.target
-        self.tokenizer = load_tokenizer(model_path)
-        config = load_config(model_path)
+        params, self.target = settings.params, settings.target
+        self.tokenizer = load_tokenizer(self.target)
+        config = load_config(self.target)
         self.max_model_len = context_window(config, settings.max_model_len)
         eos = getattr(config, "eos_token_id", None)
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.vocab_size = config.vocab_size  # what token ids in a request may name
         self.decode_token = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
-        self.verifier_name = params.get("verifier_model_name", "verifier")
-        self.drafter_name = params.get("drafter_model_name", "")
-        drafter_config, self.drafter_info = (
-            self._describe_drafter(args, model_path) if self.drafter_name else (None, None)
-        )
-        self.drafter_config = drafter_config
-        # A drafter that needs no model (ngram, suffix) drafts in this process: a step then
-        # makes one BLS round trip instead of two. Its config is still the drafter model's.
-        self.local_drafter = None
-        info = self.drafter_info
-        self.drafts_in_process = parse_flag(params, "drafter_in_process", True)
-        if info and info.in_orchestrator and self.drafts_in_process:
-            self.local_drafter = self._local_drafter(args)
-        # A drafter call that takes longer is abandoned: that request decodes plainly from there.
-        BlsDrafter.timeout_s = float(params.get("drafter_timeout_s", "30")) or None
-        # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
-        self.extract_layer_ids = (
-            self.drafter_info.hidden_layer_ids if self.drafter_info and not self.drafter_info.proposes_drafts else ()
-        )
+        # Who verifies and who drafts, where: the plan the verifier and drafter models read too.
+        plan = Placement.read(model_repository(args))
+        route = plan.route(args["model_name"])  # a placement parameter none of its values fails the load
+        self.verifier_name, self.drafter_name = route.verifier, route.drafter
+        drafter_config, drafter_info = self._describe_drafter(plan) if self.drafter_name else (None, None)
         self.active_requests = 0
         self.adaptive = parse_flag(params, "adaptive_draft_length", True)
         # With an extract_hidden_states drafter: also write each request's hidden states here.
@@ -151,8 +119,17 @@ class TritonPythonModel:
         # Responses are built and sent from one thread, in order, once the next step is under
         # way: that work overlaps the forward pass instead of delaying it (outbox.py).
         self.outbox = Outbox(lambda e: error_response(f"generation failed: could not build the response: {e}"))
-        SequencePeer.token = server_token()  # proves our BLS calls to verifier and drafter
-        BlsVerifier.batcher = self._step_batcher(args, params)
+        # The verifier and drafter handles each request gets: over BLS, or in this process. A
+        # drafter call that takes longer than drafter_timeout_s is abandoned: that request
+        # decodes plainly from there.
+        timeout_s = float(params.get("drafter_timeout_s", "30")) or None
+        self.peers = Peers(
+            args["model_name"], plan, drafter_config, drafter_info, self.max_model_len, self.outbox, timeout_s
+        )
+        self.drafter_info = self.peers.drafter_info  # None when a drafter standing by cannot draft here
+        # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
+        info = self.drafter_info
+        self.extract_layer_ids = info.hidden_layer_ids if info and not info.proposes_drafts else ()
         self.counters = SpecDecodeCounters(args["model_name"])
         self.metrics = ServingMetrics(args["model_name"], str(args.get("model_version", "1")))
         self.cancellation = CancellationWatch()
@@ -163,18 +140,20 @@ class TritonPythonModel:
             self.max_model_len,
         )
 
-    def _describe_drafter(self, args: dict, target: Path) -> tuple[SpeculativeConfig | None, DrafterInfo | None]:
+    def _describe_drafter(self, plan: Placement) -> tuple[SpeculativeConfig | None, DrafterInfo | None]:
         """The drafter's config and what it is (method, k, layers), from its config.pbtxt in
-        this repository, resolved as the drafter resolves it. A config that cannot be read
+        this repository, resolved against this model's target. A config that cannot be read
         leaves this model serving plain decoding (the drafter's own load fails with the reason)."""
         try:
-            pbtxt = (model_repository(args) / self.drafter_name / "config.pbtxt").read_text()
+            pbtxt = plan.configs.get(self.drafter_name)
+            if pbtxt is None:
+                raise FileNotFoundError("the model repository has no readable config.pbtxt of it")
             config = SpeculativeConfig.from_json(
                 get_parameter(pbtxt, "speculative_config") or "",
-                target_model=str(target),
+                target_model=str(self.target),
                 target_max_model_len=self.max_model_len,
             )
-            info = describe_drafter(config, target)
+            info = describe_drafter(config, self.target)
         except Exception as e:
             log.error("drafter %r: %s; serving plain decoding", self.drafter_name, e)
             return None, None
@@ -186,126 +165,6 @@ class TritonPythonModel:
             list(info.hidden_layer_ids),
         )
         return config, info
-
-    def _local_drafter(self, args: dict) -> LocalDrafter | None:
-        """The drafter's proposer (ngram, suffix) built in this process. The drafter model
-        stands by when every orchestrator naming it drafts so (pbtxt.drafted_in_process): this
-        one alone then reports the sequences it holds under the drafter's name, and if the
-        proposer cannot be built here, requests decode plainly (none would be there either)."""
-        callers = drafted_in_process(model_repository(args), self.drafter_name, self.drafter_info.method)
-        try:
-            proposer = build_proposer(self.drafter_config, max_model_len=self.max_model_len)
-        except Exception as e:
-            fallback = "serving plain decoding" if callers else "calling the drafter model"
-            log.error("drafter %r cannot draft in this process (%s); %s", self.drafter_name, e, fallback)
-            if callers:
-                self.drafter_config, self.drafter_info = None, None
-            return None
-        log.info("drafter %r drafts in this process (drafter_in_process)", self.drafter_name)
-        active = ActiveSequencesGauge(self.drafter_name) if callers == (args["model_name"],) else None
-        return LocalDrafter(DraftService(proposer, self.drafter_config), None if active is None else active.set)
-
-    def _step_batcher(self, args: dict, params: dict[str, str]) -> StepBatcher | None:
-        """Concurrent sequences' verify steps go to the verifier as one request (one forward),
-        unless `batch_verify_steps` is "false" or the verifier has more than one instance (its
-        sequences' caches would then be spread over instances that a batch cannot address).
-        Verified in this process when `verifier_in_process` says so (pbtxt.verifies_in_process)."""
-        in_process_choice(params)  # a value none of the choices fails the load by name
-        if verifies_in_process(model_repository(args), args["model_name"], torch.cuda.device_count()):
-            return self._in_process_batcher(args)
-        if not parse_flag(params, "batch_verify_steps", True):
-            return None
-        try:
-            pbtxt = (model_repository(args) / self.verifier_name / "config.pbtxt").read_text()
-        except OSError as e:
-            log.warning("cannot read the verifier's config (%s): one verifier request per step", e)
-            return None
-        if not single_instance(pbtxt, torch.cuda.device_count()):
-            log.info("the verifier has several instances: one verifier request per step, not batched")
-            return None
-
-        def send(inputs: dict, outputs: list[str], parameters: dict) -> dict:
-            flags = SEQUENCE_START | SEQUENCE_END  # a batch is a sequence of one request
-            params = with_token(parameters, SequencePeer.token)
-            self.outbox.step_started()
-            return bls(self.verifier_name, inputs, outputs, batch_correlation_id(), flags, params)
-
-        log.info("verify steps of concurrent sequences go to %r in batches", self.verifier_name)
-        return StepBatcher(over_bls(send))
-
-    def _in_process_batcher(self, args: dict) -> StepBatcher:
-        """The verifier's target, as its config.pbtxt describes it, loaded in this process
-        (`verifier_in_process`): steps run here, one batch at a time (the batcher is the only
-        caller of the runner), with no BLS round trip. The verifier model stands by."""
-        try:
-            pbtxt = (model_repository(args) / self.verifier_name / "config.pbtxt").read_text()
-        except OSError as e:
-            raise ValueError(
-                f"verifier_in_process: cannot read the config of verifier {self.verifier_name!r}: {e}"
-            ) from None
-        settings, device, why = _settings_and_device(pbtxt)
-        log.info(
-            "verifying in this process (verifier_in_process): the target of %r on %s (%s)",
-            self.verifier_name,
-            device,
-            why,
-        )
-        # One thread loads the target and runs every forward, the process's only parallel
-        # thread: OpenMP keeps a team of worker threads per calling thread, and with more of
-        # them than cores its workers stop spinning between parallel regions (threads.py).
-        verify_thread = forward_thread("spec-verify")
-        runner = verify_thread.submit(target_runner, settings, device).result()
-        active = ActiveSequencesGauge(self.verifier_name)
-        counters = prefix_counters(runner, self.verifier_name, "1")
-
-        def update_metrics() -> None:  # what the verifier model reports of its own sequences
-            active.set(len(runner.sequences))
-            if counters is not None:
-                counters.update(runner.pool)
-
-        run_rows = in_process(runner, update_metrics)
-
-        def verify_here(rows: list) -> list:  # on the verify thread, so responses wait until it runs
-            self.outbox.step_started()
-            return run_rows(rows)
-
-        def draft_here(work: Callable[[], Any]) -> Any:  # responses due meanwhile wait for the verify
-            with self.outbox.holding():
-                return work()
-
-        info = self.drafter_info
-        if info and info.beside_verifier and self.drafts_in_process:
-            self.local_drafter = self._drafter_beside(
-                args, lambda work: verify_thread.submit(draft_here, work).result()
-            )
-        return StepBatcher(lambda rows: verify_thread.submit(verify_here, rows).result(), carries_logprobs=True)
-
-    def _drafter_beside(self, args: dict, run: Callable[[Callable[[], Any]], Any]) -> GatheredDrafter | None:
-        """The drafter's head loaded in this process, as its config.pbtxt describes it, drafting
-        on the verify thread (`run` puts work there): a step then makes no BLS round trip at
-        all (~1 ms each here). None, and the drafter model drafts, when it cannot be built."""
-        try:
-            pbtxt = (model_repository(args) / self.drafter_name / "config.pbtxt").read_text()
-            settings, device, _ = _settings_and_device(pbtxt)
-            proposer = run(
-                lambda: build_proposer(
-                    self.drafter_config,
-                    max_model_len=self.max_model_len,
-                    target_model=settings.target,
-                    dtype=settings.dtype,
-                    device=device,
-                )
-            )
-            check_layers(proposer, self.drafter_info)
-        except Exception as e:  # the drafter model's own load fails with the reason too
-            log.error("drafter %r cannot draft in this process (%s); calling the drafter model", self.drafter_name, e)
-            return None
-        log.info(
-            "drafter %r drafts in this process, beside the verifier, on %s (drafter_in_process)",
-            self.drafter_name,
-            device,
-        )
-        return GatheredDrafter(DraftService(proposer, self.drafter_config), run)
 
     def _post(self, sender, build: Callable[[], object], final: bool) -> None:
         """Queue a response for the sending thread; `build` makes it there."""
@@ -327,11 +186,7 @@ class TritonPythonModel:
         seq_id = secrets.randbits(63) or 1
         with self.lock:
             self.active_requests += 1  # the load the batch-size schedule follows
-        verifier = BlsVerifier(self.verifier_name, seq_id)
-        info = self.drafter_info
-        drafter = None
-        if info and info.proposes_drafts:
-            drafter = self.local_drafter or BlsDrafter(self.drafter_name, seq_id, info)
+        verifier, drafter = self.peers.verifier(seq_id), self.peers.drafter(seq_id)
         stats = None
         counted = False
         prompt_ids: list[int] = []
@@ -502,15 +357,6 @@ class TritonPythonModel:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.outbox.close()
         self.metrics.close()
-
-
-def _settings_and_device(pbtxt: str) -> tuple[ModelSettings, str, str]:
-    """A peer model's settings from its config.pbtxt, and the device it would run on (and why):
-    what this model loads when it verifies or drafts in its own process."""
-    settings = model_settings(parameters(pbtxt))
-    kind, gpu = instance_group(pbtxt)
-    device, why = resolve_device(kind, gpu, settings.params.get("device", ""))
-    return settings, device, why
 
 
 class VllmOutputs:

@@ -15,14 +15,8 @@ from backends.runtime.threads import own_cores
 from backends.serving.logits import logprobs_to_arrays
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
-from backends.triton_models.common import (
-    ModelSettings,
-    PrefixCacheCounters,
-    input_array,
-    input_ids,
-    instance_device,
-    parse_flag,
-)
+from backends.triton_models.common import PrefixCacheCounters, input_array, input_ids, instance_device, parse_flag
+from backends.triton_models.pbtxt import ModelSettings
 from backends.triton_models.sequence_model import SequenceBatchedModel
 from backends.triton_models.step_batch import ROWS, decode_rows, encode_results, verify_steps
 

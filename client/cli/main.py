@@ -24,7 +24,7 @@ from backends.runtime.model_store import (
 )
 from backends.serving.orchestrator import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens, stream_interval
 from backends.training import TRAINERS, data_dir, head_dir
-from backends.triton_models.pbtxt import IN_PROCESS_CHOICES
+from backends.triton_models.topology import VERIFIER_IN_PROCESS_CHOICES
 
 # Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
 # The smollm2-* profiles draft with the heads `tritonspec train METHOD` writes (no `model`).
@@ -60,7 +60,7 @@ IN_PROCESS_HELP = (
 
 def _add_in_process_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--verifier-in-process", nargs="?", const="true", choices=IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
+        "--verifier-in-process", nargs="?", const="true", choices=VERIFIER_IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
     )
     parser.add_argument(
         "--drafter-in-process",

@@ -1,25 +1,13 @@
-"""The launcher's repository patching (its servers: tests/e2e/test_launcher_server.py)."""
+"""The launcher's repository patching (its servers: tests/e2e/test_launcher_server.py). Who
+loads what in a repository: tests/unit/test_topology.py."""
 
 from __future__ import annotations
 
 import re
 import shutil
 
-import pytest
-
-from backends.config import IN_ORCHESTRATOR_METHODS
 from backends.runtime.model_store import context_window, load_config, model_context_window
-from backends.serving.proposer import proposer_class, registered_methods
-from backends.triton_models.pbtxt import (
-    drafted_in_process,
-    get_parameter,
-    in_process_choice,
-    instance_group,
-    parameters,
-    set_parameter,
-    verified_in_process,
-    verifies_in_process,
-)
+from backends.triton_models.pbtxt import get_parameter, instance_group, parameters, set_parameter
 from client.cli.launcher import DEFAULT_REPOSITORY, OPENMP_SPIN_COUNT, TritonServer
 
 
@@ -57,72 +45,6 @@ def test_a_config_reads_as_its_parameters_and_instance_group():
     assert instance_group(text) == ("KIND_CPU", 0)
     assert instance_group(text.replace("kind: KIND_CPU", "kind: KIND_GPU gpus: [ 2, 3 ]")) == ("KIND_GPU", 2)
     assert instance_group('name: "m"') == ("", 0)
-
-
-def test_the_verifier_stands_by_only_when_every_orchestrator_naming_it_verifies_in_process(tmp_path):
-    repository = tmp_path / "repo"
-    shutil.copytree(DEFAULT_REPOSITORY, repository)
-    speculative = repository / "speculative" / "config.pbtxt"
-    verifier = repository / "verifier" / "config.pbtxt"
-    shipped, shipped_verifier = speculative.read_text(), verifier.read_text()
-    # Shipped ("auto"): one CPU verifier instance, one orchestrator: verified in its process.
-    assert get_parameter(shipped, "verifier_in_process") == "auto"
-    assert in_process_choice({}) == "auto" and in_process_choice({"verifier_in_process": " TRUE "}) == "true"
-    with pytest.raises(ValueError, match="verifier_in_process must be one of auto, true, false, got 'yes'"):
-        in_process_choice({"verifier_in_process": "yes"})
-    assert verifies_in_process(repository, "speculative", num_gpus=0)
-    assert verified_in_process(repository, "verifier", num_gpus=0) == ("speculative",)
-    assert verified_in_process(repository, "other_verifier", num_gpus=0) == ()
-    speculative.write_text(set_parameter(shipped, "verifier_in_process", "false"))
-    assert verified_in_process(repository, "verifier", num_gpus=0) == ()
-    speculative.write_text(set_parameter(shipped, "batch_verify_steps", "false"))  # auto needs batched steps
-    assert not verifies_in_process(repository, "speculative", num_gpus=0)
-    speculative.write_text(shipped)
-    verifier.write_text(shipped_verifier.replace("count: 1", "count: 2"))  # auto: not with two instances
-    assert not verifies_in_process(repository, "speculative", num_gpus=0)
-    speculative.write_text(set_parameter(shipped, "verifier_in_process", "true"))  # "true": even then
-    assert verified_in_process(repository, "verifier", num_gpus=0) == ("speculative",)
-    verifier.write_text(shipped_verifier)
-    second = repository / "speculative_bls"
-    second.mkdir()
-    (second / "config.pbtxt").write_text(set_parameter(shipped, "verifier_in_process", "false"))
-    assert verified_in_process(repository, "verifier", num_gpus=0) == ()  # a second calls it over BLS
-    speculative.write_text(shipped)
-    (second / "config.pbtxt").write_text(shipped)
-    # Two "auto" orchestrators naming one verifier share it over BLS rather than load two copies.
-    assert not verifies_in_process(repository, "speculative", num_gpus=0)
-    assert verified_in_process(repository, "verifier", num_gpus=0) == ()
-
-
-def test_the_drafter_stands_by_only_when_every_orchestrator_naming_it_drafts_in_process(tmp_path):
-    repository = tmp_path / "repo"
-    shutil.copytree(DEFAULT_REPOSITORY, repository)
-    speculative = repository / "speculative" / "config.pbtxt"
-    shipped = speculative.read_text()
-    # Shipped: ngram, drafter_in_process "true": drafted in the orchestrator's process.
-    assert drafted_in_process(repository, "drafter", "ngram") == ("speculative",)
-    assert drafted_in_process(repository, "drafter", "suffix") == ("speculative",)
-    for method in ("ngram_gpu", "draft_model", "eagle3", "custom_class"):  # these draft in the drafter model
-        assert drafted_in_process(repository, "drafter", method) == ()
-    assert drafted_in_process(repository, "other_drafter", "ngram") == ()  # nobody names it
-    speculative.write_text(shipped.replace('key: "drafter_in_process"', 'key: "unset"'))  # on by default
-    assert drafted_in_process(repository, "drafter", "ngram") == ("speculative",)
-    for value in ("false", "no"):  # off, or a value the orchestrator's own load refuses
-        speculative.write_text(set_parameter(shipped, "drafter_in_process", value))
-        assert drafted_in_process(repository, "drafter", "ngram") == ()
-    speculative.write_text(shipped)
-    second = repository / "speculative_b"
-    second.mkdir()
-    (second / "config.pbtxt").write_text(shipped)
-    assert drafted_in_process(repository, "drafter", "ngram") == ("speculative", "speculative_b")
-    (second / "config.pbtxt").write_text(set_parameter(shipped, "drafter_in_process", "false"))
-    assert drafted_in_process(repository, "drafter", "ngram") == ()  # the second one calls it
-
-
-def test_the_methods_a_drafter_stands_by_for_are_those_that_draft_in_the_orchestrator():
-    """The standing-by drafter knows them without importing a proposer (and torch)."""
-    in_orchestrator = {m for m in registered_methods() if proposer_class(m).in_orchestrator}
-    assert in_orchestrator == set(IN_ORCHESTRATOR_METHODS)
 
 
 def test_the_context_window_is_read_without_transformers_where_config_json_names_it(tmp_path, tiny_model_dir):
