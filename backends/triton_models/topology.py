@@ -208,7 +208,7 @@ class Placement:
             return VerifyAt.PER_STEP, f"the model repository has no readable config of {verifier!r}"
         if not single_instance(text, self.num_gpus):
             return VerifyAt.PER_STEP, f"{verifier!r} has several instances, and a batch cannot address them all"
-        return VerifyAt.BATCHED, "batch_verify_steps"
+        return VerifyAt.BATCHED, 'batch_verify_steps "true", one verifier instance'
 
     def _method(self, drafter: str) -> str | None:
         if drafter not in self.methods:
