@@ -126,9 +126,8 @@ class TritonPythonModel:
         self.peers = Peers(
             args["model_name"], plan, drafter_config, drafter_info, self.max_model_len, self.outbox, timeout_s
         )
-        self.drafter_info = self.peers.drafter_info  # None when a drafter standing by cannot draft here
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
-        info = self.drafter_info
+        info = self.peers.drafter_info  # None when a drafter standing by cannot draft here either
         self.extract_layer_ids = info.hidden_layer_ids if info and not info.proposes_drafts else ()
         self.counters = SpecDecodeCounters(args["model_name"])
         self.metrics = ServingMetrics(args["model_name"], str(args.get("model_version", "1")))
