@@ -89,6 +89,7 @@ from kernels import batch_invariant as gpu_kernels
 from . import cpu_kernels
 from .kv_cache import KVCachePool, SequenceError
 from .model_store import load_config, read_safetensors
+from .threads import governed
 
 log = logging.getLogger(__name__)
 
@@ -1188,6 +1189,9 @@ class LeanCausalLM(LeanDecoder):
         self.norm = norm
         self.lm_head = lm_head
         self.vocab_size = embed.shape[0]
+        # Every step the same bits on any number of threads: the layers, the final norm and the
+        # head in the C kernels, each thread computing whole rows or outputs (threads.governed).
+        self.thread_invariant = self.layer_steps is not None and isinstance(lm_head, _CLinear)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.embed, *super().tensors(), self.norm, *self.lm_head.tensors()]
@@ -1257,19 +1261,20 @@ class LeanCausalLM(LeanDecoder):
             raise ValueError(f"hidden layer ids must be in [-1, {self.num_layers}], got {list(hidden_layers)}")
         step = self.plan(pool, rows, counts)
         saved = {}
-        h = F.embedding(step.ids, self.embed)
-        if step.scratch is not None:  # the layers in C, in place: one call per run between saved states
-            cuts = sorted({0, self.num_layers} | want)
-            for first, end in zip(cuts, cuts[1:]):
-                if first in want:
-                    saved[first] = h.clone()
-                self.run_layers(first, end, h, pool, step)
-        else:
-            for i in range(self.num_layers):
-                if i in want:
-                    saved[i] = h
-                h = self.layer(i, h, pool, step)
-        logits = self._logits(h, step, counts, saved, self.num_layers in want)
+        with governed(self.thread_invariant):  # its threads fewer while a core is busy elsewhere
+            h = F.embedding(step.ids, self.embed)
+            if step.scratch is not None:  # the layers in C, in place: one call per run between saved states
+                cuts = sorted({0, self.num_layers} | want)
+                for first, end in zip(cuts, cuts[1:]):
+                    if first in want:
+                        saved[first] = h.clone()
+                    self.run_layers(first, end, h, pool, step)
+            else:
+                for i in range(self.num_layers):
+                    if i in want:
+                        saved[i] = h
+                    h = self.layer(i, h, pool, step)
+            logits = self._logits(h, step, counts, saved, self.num_layers in want)
         hidden = [{i: saved[self.num_layers if i == -1 else i][a:b] for i in hidden_layers} for a, b in step.spans]
         return StepOutput(logits, hidden)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backends.runtime.model_store import cache_dir
+from backends.runtime.threads import THREADS_ENV
 from backends.triton_models.pbtxt import get_parameter, set_parameter
 
 log = logging.getLogger("tritonspec.server")
@@ -160,7 +161,13 @@ class TritonServer:
         log_path: Path | None = None,
         log_verbose: int = 0,
         graceful_stop: bool = True,
+        threads: int | None = None,
     ) -> None:
+        """`threads`: how many threads each model's forwards use (`--threads`), else what the CPUs
+        the server may use allow (its affinity and cgroup quota: backends/runtime/threads.py)."""
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self.threads = threads
         self.source_repository = Path(model_repository).resolve()
         # False for a throwaway server (the tests'): stop() kills it at once. A graceful stop
         # takes ~3 s however small the models: Triton unloads each model's stub and checks
@@ -206,8 +213,10 @@ class TritonServer:
         ]
 
     @staticmethod
-    def environment() -> dict[str, str]:
+    def environment(threads: int | None = None) -> dict[str, str]:
         env = dict(os.environ)
+        if threads is not None:  # every model reads it (threads.py); the stubs inherit this environment
+            env[THREADS_ENV] = str(threads)
         # The stub embeds the Python found first on PATH and honours its pyvenv.cfg.
         env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         libdir = sysconfig.get_config_var("LIBDIR") or ""
@@ -226,7 +235,7 @@ class TritonServer:
         log.info("starting tritonserver on %s (HTTP), %s (gRPC)", self.http_url, self.grpc_url)
         self.process = subprocess.Popen(
             self.command(repository),
-            env=self.environment(),
+            env=self.environment(self.threads),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # our own process group: stop() can reach every stub

@@ -71,6 +71,24 @@ def _add_in_process_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _thread_count(value: str) -> int:
+    count = int(value)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {count}")
+    return count
+
+
+def _add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=_thread_count,
+        metavar="N",
+        help="threads for each model's forwards (default: the CPUs the server may use: its affinity mask and "
+        "cgroup CPU quota; the server logs what it chose and why). A team starved by other work on its "
+        "cores still shrinks while it lasts (docs/serving-under-load.md)",
+    )
+
+
 def _in_process(args: argparse.Namespace) -> dict[str, str]:
     """The `speculative` model's verifier_in_process and drafter_in_process as the command line
     sets them (nothing: its config's)."""
@@ -194,7 +212,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.no_speculation:
         overrides.per_model.setdefault("speculative", {})["drafter_model_name"] = ""
     overrides.per_model.setdefault("speculative", {}).update(_in_process(args))
-    server = TritonServer(repository, args.http_port, args.grpc_port, args.metrics_port, args.host, overrides)
+    server = TritonServer(
+        repository, args.http_port, args.grpc_port, args.metrics_port, args.host, overrides, threads=args.threads
+    )
     try:
         server.start(timeout_s=args.startup_timeout, require_all_models=False)
     except ServerStartError as e:
@@ -307,12 +327,17 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _own_server(http_port: int, overrides, log_path: Path):
+def _own_server(http_port: int, overrides, log_path: Path, threads: int | None = None):
     """A server for a measuring command: HTTP on `http_port`, gRPC and metrics right after."""
     from client.cli.launcher import TritonServer
 
     return TritonServer(
-        http_port=http_port, grpc_port=http_port + 1, metrics_port=http_port + 2, overrides=overrides, log_path=log_path
+        http_port=http_port,
+        grpc_port=http_port + 1,
+        metrics_port=http_port + 2,
+        overrides=overrides,
+        log_path=log_path,
+        threads=threads,
     )
 
 
@@ -385,7 +410,7 @@ def _bench(args: argparse.Namespace) -> int:
                 "speculative": _in_process(args),
             },
         )
-        with _own_server(args.port, overrides, out / f"server-{name}.log") as server:
+        with _own_server(args.port, overrides, out / f"server-{name}.log", args.threads) as server:
             report.setdefault("engine", engine_from_log(out / f"server-{name}.log"))
             report.setdefault("verifier_in_process", verified_in_process_from_log(out / f"server-{name}.log"))
             runs = measure(
@@ -518,7 +543,7 @@ def _perf(args: argparse.Namespace) -> int:
             overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
         overrides.per_model["speculative"] = _in_process(args)
         out.mkdir(parents=True, exist_ok=True)
-        server = _own_server(args.port, overrides, out / "server.log").start()
+        server = _own_server(args.port, overrides, out / "server.log", args.threads).start()
         url = server.grpc_url
     try:
         results = run_sweep(
@@ -693,6 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
     _add_in_process_flag(serve)
+    _add_threads_flag(serve)
     serve.add_argument("--startup-timeout", type=float, default=600)
     serve.set_defaults(func=_serve)
 
@@ -738,6 +764,7 @@ def build_parser() -> argparse.ArgumentParser:
         "speculative, and the second run would find the first one's prompt cached)",
     )
     _add_in_process_flag(bench)
+    _add_threads_flag(bench)
     bench.add_argument(
         "--prompt-set",
         default="short",
@@ -816,6 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     perf.add_argument("-sc", "--speculative-config")
     _add_in_process_flag(perf)
+    _add_threads_flag(perf)
     perf.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     perf.add_argument("--max-tokens", type=int, default=64)
     perf.add_argument(

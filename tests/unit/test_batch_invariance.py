@@ -661,3 +661,31 @@ def test_the_layers_run_in_one_call_or_one_at_a_time_alike_and_never_past_the_st
     for first, end in ((0, lm.num_layers + 1), (1, 1), (-1, 1)):
         with pytest.raises(ValueError, match=f"layers {first} to {end} of {lm.num_layers}"):
             lm.run_layers(first, end, h, pool, step)
+
+
+@needs_packed
+@pytest.mark.parametrize(
+    ("family", "quantization"), [("llama-tied-biased", None), ("qwen2", "int8"), ("qwen2", "int4")]
+)
+def test_a_thread_invariant_engine_decodes_the_same_bits_on_one_thread(family, quantization):
+    """What lets a server shrink its OpenMP team while a core is busy elsewhere (threads.governed):
+    an engine that says it is thread invariant decodes the same bits on 1 thread as on 2."""
+    if quantization and not cpu_kernels.int8_linear_available():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2 (the int8 and int4 linear kernels)")
+    lm = LeanCausalLM.from_hf(build(family).to(torch.bfloat16), batch_invariant=True, quantization=quantization)
+    assert lm.thread_invariant
+    seq, chunks = tokens(40, seed=5), [12] + [5] * 4 + [1] * 8
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = decode(lm, seq, chunks, traffic=3)
+        torch.set_num_threads(1)
+        assert_same(decode(lm, seq, chunks, traffic=3), two)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_engines_whose_bits_could_follow_the_thread_count_are_not_thread_invariant():
+    assert not LeanCausalLM.from_hf(build("llama-tied-biased").to(torch.bfloat16)).thread_invariant  # oneDNN linears
+    # Qwen3's q/k norms keep a layer out of one C call: torch ops between the kernels
+    assert not LeanCausalLM.from_hf(build("qwen3").to(torch.bfloat16), batch_invariant=True).thread_invariant
