@@ -237,17 +237,18 @@ def own_cores() -> int:
 # process pinned to a core slowed a step from 21 ms to a median of 71-266 ms, where one
 # thread alone takes ~30 ms. So the forward thread watches its team: the time its threads
 # spent runnable but waiting for a CPU (the run-queue wait, /proc/<tid>/schedstat's second
-# field, which a sleeping thread does not accumulate). While they wait more than STARVED of
-# their forward time, the team shrinks by a thread; while it is smaller than it may be, it grows
-# back by one whenever the CPUs it may use had a spare half CPU idle over the last second,
-# and a try that starves at once doubles the wait before the next (up to PROBE_MAX_S). Only
-# engines whose every step is the same bits on any number of threads (lean_lm's
-# thread_invariant: each thread computes whole rows or outputs, the same way) are governed.
+# field, which a sleeping thread does not accumulate). When they wait more than STARVED of
+# their forward time in two windows running, the team shrinks by a thread; while it is smaller
+# than it may be, it grows back by one once the CPUs it may use had half a CPU idle over the
+# last PROBE_MIN_S (/proc/stat), and a try that starves at once doubles the wait before the
+# next (up to PROBE_MAX_S). Only engines whose every step is the same bits on any number of
+# threads (lean_lm's thread_invariant: each thread computes whole rows or outputs, the same
+# way) are governed, so the output never depends on what else ran.
 ADAPT_ENV = "TRITONSPEC_ADAPT_THREADS"  # "0": keep the team at its size whatever else runs
 WINDOW_S = 0.05  # forward time one look at the run-queue wait covers
-STARVED = 0.1  # run-queue wait per team thread and second of forward time that shrinks the team
+STARVED = 0.1  # run-queue wait per team thread and second of forward time that counts as starved
 SPARE_CPU = 0.5  # idle CPUs' worth that lets the team try a thread more
-PROBE_MIN_S, PROBE_MAX_S = 1.0, 16.0
+PROBE_MIN_S, PROBE_MAX_S = 0.5, 16.0
 
 
 @dataclass
@@ -259,23 +260,25 @@ class TeamSize:
     probe_every_s: float = PROBE_MIN_S
     next_probe: float = 0.0
     trying: bool = False  # the last change was a try at a thread more
+    starved: int = 0  # windows in a row whose wait was past STARVED
 
     def update(self, waited: float, idle_cpus: float | None, now: float) -> str | None:
         """`waited`: the team's run-queue wait per thread and second of forward time over the
         last window; `idle_cpus`: the CPUs' worth idle since the last call (None: not read,
         as no try is due). Returns why the size changed, or None."""
-        if self.size > 1 and waited > STARVED:
+        self.starved = self.starved + 1 if waited > STARVED else 0
+        if self.size > 1 and (self.starved >= 2 or self.starved and self.trying):  # one window may be a blip
             if self.trying:  # the try starved at once: wait longer before the next
                 self.probe_every_s = min(2 * self.probe_every_s, PROBE_MAX_S)
-            self.size, self.trying = self.size - 1, False
+            self.size, self.trying, self.starved = self.size - 1, False, 0
             self.next_probe = now + self.probe_every_s
             return f"its threads waited {waited:.0%} of their forward time for a CPU"
-        if self.trying:  # a window at the new size without starving: it holds
+        if self.trying and not self.starved:  # a window at the new size without starving: it holds
             self.trying, self.probe_every_s = False, PROBE_MIN_S
         if self.size < self.full and now >= self.next_probe and idle_cpus is not None:
             self.next_probe = now + PROBE_MIN_S
             if idle_cpus >= SPARE_CPU:
-                self.size, self.trying = self.size + 1, True
+                self.size, self.trying, self.starved = self.size + 1, True, 0
                 return f"{idle_cpus:.1f} CPUs idle over the last {PROBE_MIN_S:g} s"
         return None
 

@@ -225,24 +225,28 @@ def test_a_process_in_a_one_cpu_cgroup_chooses_one_thread():
 def test_a_starved_team_shrinks_and_a_quiet_one_keeps_its_size():
     sizes = threads.TeamSize(full=2, size=2)
     assert sizes.update(waited=0.02, idle_cpus=None, now=0.0) is None and sizes.size == 2
-    assert "waited 40% of their forward time" in sizes.update(waited=0.4, idle_cpus=None, now=0.1)
+    assert sizes.update(waited=0.3, idle_cpus=None, now=0.1) is None and sizes.size == 2  # one window: a blip
+    assert sizes.update(waited=0.02, idle_cpus=None, now=0.2) is None and sizes.size == 2
+    assert sizes.update(waited=0.3, idle_cpus=None, now=0.3) is None
+    assert "waited 40% of their forward time" in sizes.update(waited=0.4, idle_cpus=None, now=0.4)
     assert sizes.size == 1
     assert sizes.update(waited=0.9, idle_cpus=None, now=0.2) is None and sizes.size == 1  # never below one
 
 
 def test_a_shrunk_team_tries_a_thread_more_when_a_cpu_is_spare():
     sizes = threads.TeamSize(full=2, size=2)
+    sizes.update(waited=0.5, idle_cpus=None, now=9.95)
     sizes.update(waited=0.5, idle_cpus=None, now=10.0)
-    assert not sizes.try_due(10.5) and sizes.try_due(11.0)
-    assert sizes.update(waited=0.0, idle_cpus=0.1, now=11.0) is None and sizes.size == 1  # the other core still busy
-    assert not sizes.try_due(11.5)  # idle is looked at again a second later
-    assert "0.9 CPUs idle" in sizes.update(waited=0.0, idle_cpus=0.9, now=12.0)
+    assert not sizes.try_due(10.4) and sizes.try_due(10.5)
+    assert sizes.update(waited=0.0, idle_cpus=0.1, now=10.5) is None and sizes.size == 1  # the other core still busy
+    assert not sizes.try_due(10.9)  # idle is looked at again half a second later
+    assert "0.9 CPUs idle" in sizes.update(waited=0.0, idle_cpus=0.9, now=11.0)
     assert sizes.size == 2 and sizes.trying
 
 
 def test_a_try_that_starves_at_once_waits_twice_as_long_for_the_next():
     sizes = threads.TeamSize(full=2, size=1)
-    for wait in (2.0, 4.0, 8.0, 16.0, 16.0):
+    for wait in (1.0, 2.0, 4.0, 8.0, 16.0, 16.0):
         now = sizes.next_probe
         sizes.update(waited=0.0, idle_cpus=0.9, now=now)
         assert sizes.size == 2
@@ -256,6 +260,7 @@ def test_a_try_that_starves_at_once_waits_twice_as_long_for_the_next():
 def test_a_team_of_four_steps_down_and_up_one_thread_at_a_time():
     sizes = threads.TeamSize(full=4, size=4)
     for size in (3, 2):
+        sizes.update(waited=0.3, idle_cpus=None, now=0.0)
         sizes.update(waited=0.3, idle_cpus=None, now=0.0)
         assert sizes.size == size
     sizes.update(waited=0.0, idle_cpus=1.5, now=sizes.next_probe)

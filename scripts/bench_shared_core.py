@@ -1,0 +1,224 @@
+"""Decoding through a real server on a shared or a limited CPU: tokens/s quiet, with a busy
+process pinned to one core, and (`--cgroup`) inside a cgroup granted 1 CPU.
+
+    flock /work/heavy.lock .venv/bin/python scripts/bench_shared_core.py [--repeats 3] [--prompts 2]
+        [--max-tokens 128] [--speculative ngram] [--fixed] [--cgroup]
+
+Through a server rather than in process: what a busy core costs depends on every process that
+serves a request (tritonserver, the `speculative` model's, the verifier's), not on the forward
+alone. Each point decodes the first `--prompts` benchmark prompts (client/data/bench_prompts.json,
+one per category) with `ignore_eos`, `--max-tokens` each, greedy; tokens/s is their tokens over
+their seconds (prefill included), as `tritonspec bench` counts them.
+
+- adaptive (the server as it is): quiet and busy points interleaved, `--repeats` times. Busy:
+  `taskset -c LAST python -c 'while True: pass'`, LAST the last CPU this process may use.
+- `--fixed`: the same with TRITONSPEC_ADAPT_THREADS=0, the team never shrinking (the server
+  before backends/runtime/threads.py's Team): what the adaptive server is measured against.
+- `--cgroup`: servers started inside a child of the cgroup v1 cpu hierarchy with a 1-CPU quota
+  (what `docker run --cpus 1` sets; needs root and a writable hierarchy): the thread count it
+  chose, quiet, against `--threads 1` and `--threads 2` in the same group.
+
+Every point's outputs are checked against the first quiet point's: a team that changed size
+must not change a bit (the lean runtime's bf16 path is thread invariant). The machine may be
+shared: hold the lock, and read the spread (min-max over the repeats) beside the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from backends.runtime.threads import ADAPT_ENV  # noqa: E402
+from client.api.triton import grpc_generate  # noqa: E402
+from client.cli.bench import load_prompts, method_config  # noqa: E402
+from client.cli.launcher import RepositoryOverrides, TritonServer  # noqa: E402
+
+
+def busy_core() -> subprocess.Popen:
+    cpu = max(os.sched_getaffinity(0))
+    return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"])
+
+
+@contextlib.contextmanager
+def one_cpu_cgroup() -> Iterator[tuple[Path, Path]]:
+    """A fresh child of the v1 cpu hierarchy with a quota of 1 CPU (100 ms every 100 ms), and
+    the group this process is in there (to go back to)."""
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    points = [line.split()[4] for line in mounts if " - cgroup " in line and "cpu" in line.split()[-1].split(",")]
+    if not points:
+        raise SystemExit("--cgroup: no cgroup v1 cpu hierarchy is mounted here")
+    mine = next(line.split(":", 2)[2] for line in open("/proc/self/cgroup") if "cpu" in line.split(":")[1].split(","))
+    home = Path(points[0]) / mine.strip().lstrip("/")
+    group = Path(points[0]) / f"tritonspec-bench-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("100000")
+    except OSError as e:
+        raise SystemExit(f"--cgroup: cannot make a cgroup with a quota in {points[0]}: {e}") from e
+    try:
+        yield group, home
+    finally:
+        for _ in range(50):  # the server's processes may take a moment to leave it
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def server(args, label: str, threads: int | None = None, adapt: bool = True, cgroup: tuple[Path, Path] | None = None):
+    """A server of the target (and `--speculative`'s drafter) started `threads` / `adapt` /
+    inside `cgroup` (the group, and where this process goes back to once the server is up)."""
+    overrides = RepositoryOverrides(common={"model": args.model, "dtype": "bfloat16"})
+    if args.speculative:
+        config = method_config(args.speculative)
+        overrides.per_model["drafter"] = {"speculative_config": json.dumps(config)}
+    log_path = args.out / f"server-{label}.log"
+    log_path.unlink(missing_ok=True)
+    srv = TritonServer(
+        http_port=args.port,
+        grpc_port=args.port + 1,
+        metrics_port=args.port + 2,
+        overrides=overrides,
+        log_path=log_path,
+        threads=threads,
+    )
+    saved = dict(os.environ)
+    os.environ[ADAPT_ENV] = "1" if adapt else "0"  # the launcher hands the server this environment
+    try:
+        if cgroup is not None:  # the server's processes are born in the group; this one leaves it after
+            (cgroup[0] / "cgroup.procs").write_text(str(os.getpid()))
+        print(f"[{label}] starting the server (log {log_path})", flush=True)
+        srv.start()
+    finally:
+        if cgroup is not None:
+            (cgroup[1] / "cgroup.procs").write_text(str(os.getpid()))
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        chosen = sorted(set(re.findall(r"\d+ threads?: [^\n]*", log_path.read_text())))
+        for line in chosen:
+            print(f"[{label}] server: {line}", flush=True)
+        yield srv
+        changes = re.findall(r"forwards on \d+ thread\(s\), not \d+: [^\n]*", log_path.read_text())
+        print(f"[{label}] the team changed size {len(changes)} times" + (f", e.g. {changes[0]}" if changes else ""))
+    finally:
+        srv.stop()
+
+
+def decode(url: str, prompts: list[str], max_tokens: int, draft: bool) -> tuple[float, list[list[int]]]:
+    """tokens/s over the prompts, and their output ids."""
+    extra = {} if draft else {"num_draft_tokens": 0}
+    runs = [grpc_generate(url, p, max_tokens=max_tokens, ignore_eos=True, timeout_s=600, **extra) for p in prompts]
+    return sum(r.num_output_tokens for r in runs) / sum(r.seconds for r in runs), [r.output_ids for r in runs]
+
+
+class Points:
+    """tokens/s per (server, condition, mode), every output checked against the first quiet one's."""
+
+    def __init__(self, args, prompts: list[str]) -> None:
+        self.args, self.prompts = args, prompts
+        self.rates: dict[tuple, list[float]] = {}
+        self.reference: dict[str, list[list[int]]] = {}
+        self.differs: set[tuple] = set()
+
+    def measure(self, srv: TritonServer, label: str, condition: str) -> None:
+        args = self.args
+        busy = busy_core() if condition == "busy" else None
+        try:
+            time.sleep(3.0)  # a team shrunk in the last busy point grows back within ~1-2 s of it ending
+            grpc_generate(srv.grpc_url, "warm up", max_tokens=16, num_draft_tokens=0)
+            for mode in ["plain"] + ([args.speculative] if args.speculative else []):
+                rate, outputs = decode(srv.grpc_url, self.prompts, args.max_tokens, mode != "plain")
+                self.rates.setdefault((label, condition, mode), []).append(rate)
+                if self.reference.setdefault(mode, outputs) != outputs:
+                    self.differs.add((label, condition, mode))
+                print(f"[{label}] {condition:5s} {mode:6s} {rate:6.1f} tok/s", flush=True)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+
+    def cell(self, key: tuple) -> str:
+        rates = self.rates.get(key)
+        if not rates:
+            return "-"
+        return f"{statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})"
+
+    def ratio(self, key: tuple, base: tuple) -> str:
+        if not self.rates.get(key) or not self.rates.get(base):
+            return "-"
+        ratios = sorted(a / b for a, b in zip(self.rates[key], self.rates[base]))  # repeat by repeat
+        return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=2, help="benchmark prompts per point (one per category)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--speculative", metavar="METHOD", help="also decode with this method (e.g. ngram)")
+    parser.add_argument("--fixed", action="store_true", help=f"also the server with {ADAPT_ENV}=0")
+    parser.add_argument("--cgroup", action="store_true", help="also servers inside a 1-CPU cgroup quota")
+    parser.add_argument("--port", type=int, default=18600)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench_shared_core"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    _, by_category = load_prompts()
+    points = Points(args, [ps[0] for ps in list(by_category.values())[: args.prompts]])
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(
+        f"{cpu}, CPUs {sorted(os.sched_getaffinity(0))}; {args.model} bf16, {len(points.prompts)} prompts x "
+        f"{args.max_tokens} tokens a point, {args.repeats} repeats",
+        flush=True,
+    )
+
+    servers = [("adaptive", True)] + ([("fixed", False)] if args.fixed else [])
+    for label, adapt in servers:
+        with server(args, label, adapt=adapt) as srv:
+            for _ in range(args.repeats):
+                for condition in ("quiet", "busy"):
+                    points.measure(srv, label, condition)
+    if args.cgroup:
+        with one_cpu_cgroup() as group:
+            for label, threads in (("cgroup", None), ("cgroup-threads-1", 1), ("cgroup-threads-2", 2)):
+                with server(args, label, threads=threads, cgroup=group) as srv:
+                    for _ in range(args.repeats):
+                        points.measure(srv, label, "quiet")
+
+    modes = ["plain"] + ([args.speculative] if args.speculative else [])
+    print(f"\ntokens/s, median (min-max) of {args.repeats} repeats; ratios repeat by repeat")
+    for mode in modes:
+        for label, _ in servers:
+            quiet, busy = (label, "quiet", mode), (label, "busy", mode)
+            print(
+                f"{mode:6s} {label:9s} quiet {points.cell(quiet)}  busy core {points.cell(busy)}  "
+                f"busy/quiet {points.ratio(busy, quiet)}"
+            )
+        if args.fixed:
+            print(
+                f"{mode:6s} quiet adaptive/fixed {points.ratio(('adaptive', 'quiet', mode), ('fixed', 'quiet', mode))}"
+            )
+        if args.cgroup:
+            one = ("cgroup-threads-1", "quiet", mode)
+            for label in ("cgroup", "cgroup-threads-1", "cgroup-threads-2"):
+                key = (label, "quiet", mode)
+                print(f"{mode:6s} 1-CPU quota {label:16s} {points.cell(key)}  vs --threads 1 {points.ratio(key, one)}")
+    same = "every output the same as the first quiet point's" if not points.differs else f"DIFFERENT: {points.differs}"
+    print(same)
+
+
+if __name__ == "__main__":
+    main()
