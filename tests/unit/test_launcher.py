@@ -66,3 +66,20 @@ def test_openmp_threads_stop_spinning_soon_unless_the_user_says_otherwise(monkey
     assert TritonServer.environment()["GOMP_SPINCOUNT"] == OPENMP_SPIN_COUNT
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
     assert TritonServer.environment()["GOMP_SPINCOUNT"] == "300000"
+
+
+def test_threads_reach_every_model_through_the_environment(monkeypatch):
+    """`--threads N` becomes TRITONSPEC_THREADS in the server's environment, which every stub
+    inherits and backends/runtime/threads.py reads; without it the models choose for themselves."""
+    from backends.runtime.threads import THREADS_ENV
+    from client.cli.main import build_parser
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert THREADS_ENV not in TritonServer.environment()
+    assert TritonServer.environment(3)[THREADS_ENV] == "3"
+    assert build_parser().parse_args(["serve", "--threads", "1"]).threads == 1
+    assert build_parser().parse_args(["perf", "--threads", "2"]).threads == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--threads", "0"])
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        TritonServer(threads=0)
