@@ -10,13 +10,16 @@ alone. Each point decodes the first `--prompts` benchmark prompts (client/data/b
 one per category) with `ignore_eos`, `--max-tokens` each, greedy; tokens/s is their tokens over
 their seconds (prefill included), as `tritonspec bench` counts them.
 
-- adaptive (the server as it is): quiet and busy points interleaved, `--repeats` times. Busy:
+- adaptive (the server as it is): quiet and busy points, `--repeats` times. Busy:
   `taskset -c LAST python -c 'while True: pass'`, LAST the last CPU this process may use.
-- `--fixed`: the same with TRITONSPEC_ADAPT_THREADS=0, the team never shrinking (the server
-  before backends/runtime/threads.py's Team): what the adaptive server is measured against.
-- `--cgroup`: servers started inside a child of the cgroup v1 cpu hierarchy with a 1-CPU quota
-  (what `docker run --cpus 1` sets; needs root and a writable hierarchy): the thread count it
-  chose, quiet, against `--threads 1` and `--threads 2` in the same group.
+- `--fixed`: beside it, a server with TRITONSPEC_ADAPT_THREADS=0, its team never shrinking
+  (the server before backends/runtime/threads.py's Team).
+- `--cgroup`: then three servers, each started inside its own child of the cgroup v1 cpu
+  hierarchy with a 1-CPU quota (what `docker run --cpus 1` sets; needs root and a writable
+  hierarchy): one choosing its threads, one with `--threads 1`, one with `--threads 2`, quiet.
+
+The servers of a block are up together (an idle one takes no CPU) and each point measures
+them one after the other, so their ratios compare measurements minutes apart at most.
 
 Every point's outputs are checked against the first quiet point's: a team that changed size
 must not change a bit (the lean runtime's bf16 path is thread invariant). The machine may be
@@ -43,6 +46,9 @@ from client.api.triton import grpc_generate  # noqa: E402
 from client.cli.bench import load_prompts, method_config  # noqa: E402
 from client.cli.launcher import RepositoryOverrides, TritonServer  # noqa: E402
 
+# the servers in 1-CPU cgroups: label suffix, --threads
+CGROUP_SERVERS = (("", None), ("-threads-1", 1), ("-threads-2", 2))
+
 
 def busy_core() -> subprocess.Popen:
     cpu = max(os.sched_getaffinity(0))
@@ -50,7 +56,7 @@ def busy_core() -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def one_cpu_cgroup() -> Iterator[tuple[Path, Path]]:
+def one_cpu_cgroup(name: str) -> Iterator[tuple[Path, Path]]:
     """A fresh child of the v1 cpu hierarchy with a quota of 1 CPU (100 ms every 100 ms), and
     the group this process is in there (to go back to)."""
     mounts = Path("/proc/self/mountinfo").read_text().splitlines()
@@ -59,7 +65,7 @@ def one_cpu_cgroup() -> Iterator[tuple[Path, Path]]:
         raise SystemExit("--cgroup: no cgroup v1 cpu hierarchy is mounted here")
     mine = next(line.split(":", 2)[2] for line in open("/proc/self/cgroup") if "cpu" in line.split(":")[1].split(","))
     home = Path(points[0]) / mine.strip().lstrip("/")
-    group = Path(points[0]) / f"tritonspec-bench-{os.getpid()}"
+    group = Path(points[0]) / f"tritonspec-bench-{os.getpid()}-{name}"
     try:
         group.mkdir()
         (group / "cpu.cfs_period_us").write_text("100000")
@@ -77,9 +83,18 @@ def one_cpu_cgroup() -> Iterator[tuple[Path, Path]]:
 
 
 @contextlib.contextmanager
-def server(args, label: str, threads: int | None = None, adapt: bool = True, cgroup: tuple[Path, Path] | None = None):
-    """A server of the target (and `--speculative`'s drafter) started `threads` / `adapt` /
-    inside `cgroup` (the group, and where this process goes back to once the server is up)."""
+def server(
+    args, label: str, port: int, threads: int | None = None, adapt: bool = True, in_cgroup: bool = False
+) -> Iterator[TritonServer]:
+    """A server of the target (and `--speculative`'s drafter) with `threads` / `adapt`, or
+    inside a 1-CPU cgroup of its own."""
+    with contextlib.ExitStack() as stack:
+        groups = stack.enter_context(one_cpu_cgroup(label)) if in_cgroup else None
+        yield stack.enter_context(_started(args, label, port, threads, adapt, groups))
+
+
+@contextlib.contextmanager
+def _started(args, label: str, port: int, threads: int | None, adapt: bool, groups: tuple[Path, Path] | None):
     overrides = RepositoryOverrides(common={"model": args.model, "dtype": "bfloat16"})
     if args.speculative:
         config = method_config(args.speculative)
@@ -87,9 +102,9 @@ def server(args, label: str, threads: int | None = None, adapt: bool = True, cgr
     log_path = args.out / f"server-{label}.log"
     log_path.unlink(missing_ok=True)
     srv = TritonServer(
-        http_port=args.port,
-        grpc_port=args.port + 1,
-        metrics_port=args.port + 2,
+        http_port=port,
+        grpc_port=port + 1,
+        metrics_port=port + 2,
         overrides=overrides,
         log_path=log_path,
         threads=threads,
@@ -97,13 +112,13 @@ def server(args, label: str, threads: int | None = None, adapt: bool = True, cgr
     saved = dict(os.environ)
     os.environ[ADAPT_ENV] = "1" if adapt else "0"  # the launcher hands the server this environment
     try:
-        if cgroup is not None:  # the server's processes are born in the group; this one leaves it after
-            (cgroup[0] / "cgroup.procs").write_text(str(os.getpid()))
+        if groups is not None:  # the server's processes are born in the group; this one leaves it after
+            (groups[0] / "cgroup.procs").write_text(str(os.getpid()))
         print(f"[{label}] starting the server (log {log_path})", flush=True)
         srv.start()
     finally:
-        if cgroup is not None:
-            (cgroup[1] / "cgroup.procs").write_text(str(os.getpid()))
+        if groups is not None:
+            (groups[1] / "cgroup.procs").write_text(str(os.getpid()))
         os.environ.clear()
         os.environ.update(saved)
     try:
@@ -129,22 +144,25 @@ class Points:
 
     def __init__(self, args, prompts: list[str]) -> None:
         self.args, self.prompts = args, prompts
+        self.modes = ["plain"] + ([args.speculative] if args.speculative else [])
         self.rates: dict[tuple, list[float]] = {}
         self.reference: dict[str, list[list[int]]] = {}
         self.differs: set[tuple] = set()
 
-    def measure(self, srv: TritonServer, label: str, condition: str) -> None:
-        args = self.args
+    def measure(self, servers: list[tuple[str, TritonServer]], condition: str) -> None:
+        """One point of every server, one after the other, under `condition` (quiet or busy)."""
         busy = busy_core() if condition == "busy" else None
         try:
-            time.sleep(3.0)  # a team shrunk in the last busy point grows back within ~1-2 s of it ending
-            grpc_generate(srv.grpc_url, "warm up", max_tokens=16, num_draft_tokens=0)
-            for mode in ["plain"] + ([args.speculative] if args.speculative else []):
-                rate, outputs = decode(srv.grpc_url, self.prompts, args.max_tokens, mode != "plain")
-                self.rates.setdefault((label, condition, mode), []).append(rate)
-                if self.reference.setdefault(mode, outputs) != outputs:
-                    self.differs.add((label, condition, mode))
-                print(f"[{label}] {condition:5s} {mode:6s} {rate:6.1f} tok/s", flush=True)
+            time.sleep(3.0)
+            for label, srv in servers:
+                # ~1 s of decoding first: a team shrunk in a busy point grows back within ~1 s of it ending
+                grpc_generate(srv.grpc_url, "warm up", max_tokens=128, ignore_eos=True, num_draft_tokens=0)
+                for mode in self.modes:
+                    rate, outputs = decode(srv.grpc_url, self.prompts, self.args.max_tokens, mode != "plain")
+                    self.rates.setdefault((label, condition, mode), []).append(rate)
+                    if self.reference.setdefault(mode, outputs) != outputs:
+                        self.differs.add((label, condition, mode))
+                    print(f"[{label}] {condition:5s} {mode:6s} {rate:6.1f} tok/s", flush=True)
         finally:
             if busy is not None:
                 busy.kill()
@@ -185,35 +203,35 @@ def main() -> None:
         flush=True,
     )
 
-    servers = [("adaptive", True)] + ([("fixed", False)] if args.fixed else [])
-    for label, adapt in servers:
-        with server(args, label, adapt=adapt) as srv:
-            for _ in range(args.repeats):
-                for condition in ("quiet", "busy"):
-                    points.measure(srv, label, condition)
+    blocks = [[("adaptive", {})] + ([("fixed", {"adapt": False})] if args.fixed else [])]
+    conditions = [("quiet", "busy")]
     if args.cgroup:
-        with one_cpu_cgroup() as group:
-            for label, threads in (("cgroup", None), ("cgroup-threads-1", 1), ("cgroup-threads-2", 2)):
-                with server(args, label, threads=threads, cgroup=group) as srv:
-                    for _ in range(args.repeats):
-                        points.measure(srv, label, "quiet")
+        blocks.append([(f"cgroup{n}", {"threads": threads, "in_cgroup": True}) for n, threads in CGROUP_SERVERS])
+        conditions.append(("quiet",))
+    for block, block_conditions in zip(blocks, conditions):
+        with contextlib.ExitStack() as stack:
+            servers = [
+                (label, stack.enter_context(server(args, label, args.port + 10 * i, **kw)))
+                for i, (label, kw) in enumerate(block)
+            ]
+            for _ in range(args.repeats):
+                for condition in block_conditions:
+                    points.measure(servers, condition)
 
-    modes = ["plain"] + ([args.speculative] if args.speculative else [])
     print(f"\ntokens/s, median (min-max) of {args.repeats} repeats; ratios repeat by repeat")
-    for mode in modes:
-        for label, _ in servers:
+    for mode in points.modes:
+        for label, _ in blocks[0]:
             quiet, busy = (label, "quiet", mode), (label, "busy", mode)
             print(
                 f"{mode:6s} {label:9s} quiet {points.cell(quiet)}  busy core {points.cell(busy)}  "
                 f"busy/quiet {points.ratio(busy, quiet)}"
             )
         if args.fixed:
-            print(
-                f"{mode:6s} quiet adaptive/fixed {points.ratio(('adaptive', 'quiet', mode), ('fixed', 'quiet', mode))}"
-            )
+            adaptive, fixed = ("adaptive", "quiet", mode), ("fixed", "quiet", mode)
+            print(f"{mode:6s} quiet adaptive/fixed {points.ratio(adaptive, fixed)}")
         if args.cgroup:
             one = ("cgroup-threads-1", "quiet", mode)
-            for label in ("cgroup", "cgroup-threads-1", "cgroup-threads-2"):
+            for label, _ in blocks[1]:
                 key = (label, "quiet", mode)
                 print(f"{mode:6s} 1-CPU quota {label:16s} {points.cell(key)}  vs --threads 1 {points.ratio(key, one)}")
     same = "every output the same as the first quiet point's" if not points.differs else f"DIFFERENT: {points.differs}"
