@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import shutil
 
+import pytest
+
 from backends.runtime.model_store import context_window, load_config, model_context_window
 from backends.triton_models.pbtxt import get_parameter, instance_group, parameters, set_parameter
 from client.cli.launcher import DEFAULT_REPOSITORY, OPENMP_SPIN_COUNT, TritonServer
