@@ -1,5 +1,5 @@
-"""The launcher with a real tritonserver: a clean stop, and a bad drafter config that fails
-only its own model."""
+"""The launcher with a real tritonserver: a clean stop, a bad drafter config that fails
+only its own model, and `--threads` reaching every model."""
 
 from __future__ import annotations
 
@@ -42,3 +42,18 @@ def test_bad_speculative_config_fails_only_the_drafter(tiny_model_dir, tmp_path)
         server.stop()
     assert not pids_with_cmdline(prefix), "stub processes outlived the server"
     assert not list(Path("/dev/shm").glob(f"{prefix}*")), "shared-memory regions left behind"
+
+
+def test_every_model_computes_on_the_threads_asked(tiny_model_dir, tmp_path):
+    """`--threads 1` (TRITONSPEC_THREADS in the server's environment): every model process logs
+    the choice and why, and its forwards run on one thread."""
+    server = start_server(tmp_path, str(tiny_model_dir), threads=1, dtype="bfloat16")
+    try:
+        generated = grpc_generate(server.grpc_url, "The quick", max_tokens=4, num_draft_tokens=0)
+        assert len(generated.output_ids) == 4
+        log = server.log_tail(2000)
+    finally:
+        server.stop()
+    assert "1 thread: TRITONSPEC_THREADS=1 (affinity " in log
+    assert "runs this process's forwards on 1 threads" in log
+    assert "forwards on 2 thread" not in log  # a team of one never grows
