@@ -247,9 +247,9 @@ def own_cores() -> int:
 ADAPT_ENV = "TRITONSPEC_ADAPT_THREADS"  # "0": keep the team at its size whatever else runs
 WINDOW_S = 0.05  # forward time one look at the run-queue wait covers
 # Run-queue wait per team thread and second of forward time that counts as starved. A wait w
-# of each thread stretches a step of a barrier-bound team to about T2 / (1 - 2w); one thread
-# alone takes T1 ~ 1.6-1.8 T2 here, so one thread wins past w ~ 0.2. Busy processes pinned to
-# a core made it 0.4-1.9; the server's own other threads (responses, the client) stay below.
+# of each of 2 threads stretches a barrier-bound step to about T2 / (1 - 2w), and one thread
+# alone takes T1 <= 2 T2, so past w = 0.25 one thread is faster even for a team that scales
+# perfectly. A busy process pinned to a core, or another's test suite, made it 0.26-1.9.
 STARVED = 0.25
 SPARE_CPU = 0.5  # idle CPUs' worth that lets the team try a thread more
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 16.0
