@@ -283,7 +283,7 @@ class TeamSize:
             self.next_probe = now + PROBE_MIN_S
             if idle_cpus >= SPARE_CPU:
                 self.size, self.trying, self.starved = self.size + 1, True, 0
-                return f"{idle_cpus:.1f} CPUs idle over the last {PROBE_MIN_S:g} s"
+                return f"{idle_cpus:.1f} CPUs idle since the last look"
         return None
 
     def try_due(self, now: float) -> bool:
