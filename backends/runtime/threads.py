@@ -145,12 +145,17 @@ def _positive(name: str, value: str) -> int:
 
 
 def choose_threads(
-    affinity: Collection[int], quota: CpuQuota | None, asked: str | None = None, omp_num_threads: str | None = None
+    affinity: Collection[int],
+    quota: CpuQuota | None,
+    asked: str | None = None,
+    omp_num_threads: str | None = None,
+    torch_default: int | None = None,
 ) -> ThreadChoice:
     """The team size for this process's forwards: `asked` (TRITONSPEC_THREADS) or OMP_NUM_THREADS
     where set, else the CPUs of the affinity mask, fewer where the cgroup quota grants fewer
     (rounded down, at least 1: a thread beyond the quota is throttled, and the team's other
-    threads wait for it at every region)."""
+    threads wait for it at every region) or where torch's own default is fewer (its physical
+    cores on a host whose CPUs are hyperthreads)."""
     cpus = f"affinity {_cpu_list(affinity)}"
     limit = f"cgroup quota {quota.cpus:g} CPU ({quota.source})" if quota else "no cgroup quota"
     for name, value in ((THREADS_ENV, asked), ("OMP_NUM_THREADS", omp_num_threads)):
@@ -160,7 +165,10 @@ def choose_threads(
     count = len(affinity)
     if quota is not None:
         count = min(count, max(1, math.floor(quota.cpus + 1e-6)))
-    return ThreadChoice(count, f"{count} thread{'s' * (count > 1)}: {cpus}, {limit}")
+    reason = f"{cpus}, {limit}"
+    if torch_default is not None and torch_default < count:
+        count, reason = torch_default, f"torch's default ({reason})"
+    return ThreadChoice(count, f"{count} thread{'s' * (count > 1)}: {reason}")
 
 
 def _read(path: str) -> str:
@@ -172,10 +180,12 @@ def _read(path: str) -> str:
 
 @functools.cache
 def decided() -> ThreadChoice:
-    """This process's choice (logged once): `choose_threads` on what it may really use."""
+    """This process's choice (logged once): `choose_threads` on what it may really use. First
+    called before `serial_elsewhere` changes torch's count, which it reads."""
     quota = cgroup_quota(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo"))
+    env = os.environ
     choice = choose_threads(
-        os.sched_getaffinity(0), quota, os.environ.get(THREADS_ENV), os.environ.get("OMP_NUM_THREADS")
+        os.sched_getaffinity(0), quota, env.get(THREADS_ENV), env.get("OMP_NUM_THREADS"), torch.get_num_threads()
     )
     log.info("%s", choice.reason)
     return choice
@@ -204,6 +214,7 @@ def _openmp() -> ctypes.CDLL | None:
 def serial_elsewhere() -> None:
     """From now on a thread that has not used torch yet runs its ops on one thread, and so
     does the calling thread."""
+    decided()  # torch's own count first, before it is 1
     if _openmp() is not None:
         torch.set_num_threads(1)
 

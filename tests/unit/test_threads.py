@@ -158,6 +158,11 @@ def test_the_choice_takes_the_fewest_cpus():
     assert threads.choose_threads({0, 1}, quota(0.5)).threads == 1
     assert threads.choose_threads({0, 1}, quota(4)).threads == 2
     assert threads.choose_threads({0, 2, 3, 4, 7}, None).reason == "5 threads: affinity 0,2-4,7, no cgroup quota"
+    # torch's default where fewer: its physical cores, on a host whose CPUs are hyperthreads
+    assert threads.choose_threads(set(range(16)), None, torch_default=8) == threads.ThreadChoice(
+        8, "8 threads: torch's default (affinity 0-15, no cgroup quota)"
+    )
+    assert threads.choose_threads(set(range(16)), quota(2), torch_default=8).threads == 2
 
 
 def test_an_explicit_count_wins_and_is_checked():
