@@ -1,6 +1,8 @@
-"""Only the thread that runs a process's forwards starts OpenMP teams (backends/runtime/threads.py).
+"""backends/runtime/threads.py: only the thread that runs a process's forwards starts OpenMP
+teams; how many threads it gets (affinity, cgroup quota, an explicit count); and how its team
+shrinks while another process starves it.
 
-Each case runs in a fresh interpreter with two OpenMP threads: the settings are per process
+Cases that change OpenMP settings run in a fresh interpreter: the settings are per process
 and would leak into the rest of the suite."""
 
 from __future__ import annotations
