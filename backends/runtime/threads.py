@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
+from . import THREADS_ENV
+
 log = logging.getLogger(__name__)
-# The thread count `tritonspec serve --threads N` gives every model (the launcher sets it).
-THREADS_ENV = "TRITONSPEC_THREADS"
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends.runtime import THREADS_ENV
 from backends.runtime.model_store import cache_dir
-from backends.runtime.threads import THREADS_ENV
 from backends.triton_models.pbtxt import get_parameter, set_parameter
 
 log = logging.getLogger("tritonspec.server")
