@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -299,11 +300,13 @@ print(json.dumps({"members": members, "size": team.sizes.size, "torch": torch.ge
 
 def test_a_team_sharing_a_core_with_a_busy_process_shrinks_to_one_thread():
     """A real starved team: 2 threads, a busy process pinned to the second CPU."""
-    if not {0, 1} <= os.sched_getaffinity(0):
-        pytest.skip("needs CPUs 0 and 1")
+    if not {0, 1} <= os.sched_getaffinity(0) or not shutil.which("taskset"):
+        pytest.skip("needs CPUs 0 and 1, and taskset")
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": "10000"}
     env.pop(threads.ADAPT_ENV, None)
-    out = subprocess.run([sys.executable, "-c", GOVERNED], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(  # on CPUs 0 and 1 alone, so the busy one is half of what the team may use
+        ["taskset", "-c", "0,1", sys.executable, "-c", GOVERNED], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.splitlines()[-1])
     assert seen["members"] == 2  # the forward thread and its one worker, named by a region of our own
