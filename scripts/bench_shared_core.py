@@ -11,7 +11,8 @@ one per category) with `ignore_eos`, `--max-tokens` each, greedy; tokens/s is th
 their seconds (prefill included), as `tritonspec bench` counts them.
 
 - adaptive (the server as it is): quiet and busy points, `--repeats` times. Busy:
-  `taskset -c LAST python -c 'while True: pass'`, LAST the last CPU this process may use.
+  `taskset -c LAST python -c 'while True: pass'`, LAST the last CPU this process may use (on
+  a bigger host, `taskset -c 0,1 python scripts/bench_shared_core.py ...` is the 2-core case).
 - `--fixed`: beside it, a server with TRITONSPEC_ADAPT_THREADS=0, its team never shrinking
   (the server before backends/runtime/threads.py's Team).
 - `--cgroup`: then three servers, each started inside its own child of the cgroup v1 cpu
