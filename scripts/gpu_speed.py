@@ -28,7 +28,7 @@ from backends.config import SpeculativeConfig  # noqa: E402
 from backends.methods.draft_model import DraftModelProposer  # noqa: E402
 from backends.runtime.device import keep_attention_off_cudnn  # noqa: E402
 from backends.serving import rejection  # noqa: E402
-from backends.serving.proposer import DraftRequest  # noqa: E402
+from backends.serving.proposer import DraftRequest, build_proposer  # noqa: E402
 from backends.serving.target import TargetRunner, VerifyRequest  # noqa: E402
 from kernels import rejection as rk  # noqa: E402
 
@@ -91,7 +91,7 @@ def draft_step(model_dir: Path, device: str, batch: int, repeat: int, runtime: s
         config = SpeculativeConfig.from_json(
             {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K}
         )
-        proposer = DraftModelProposer.from_config(config, max_model_len=4096, device=device)
+        proposer = build_proposer(config, max_model_len=4096, device=device)
     else:
         keep_attention_off_cudnn(device)
         proposer = DraftModelProposer(load_causal_lm(model_dir, "bfloat16").to(device), max_model_len=4096)

@@ -1,6 +1,9 @@
-"""What a draft checkpoint's config says: vLLM's method auto-detection (§2.3 D), the
-target-to-MTP config rewrite (§2.6), the speculators format (§2.1) and the aux hidden-state
-layer ids (§3.6) of ``/work/shared/reference/vllm_spec_reference.md``.
+"""What a draft checkpoint's config says, as vLLM at commit c314af1 reads it: the method
+auto-detection and the target-to-MTP rewrite of ``SpeculativeConfig.__post_init__`` and
+``hf_config_override`` (https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/config/speculative.py),
+the speculators format (https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/transformers_utils/configs/speculators/algos.py)
+and the EAGLE-3 aux hidden-state layer ids
+(https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py).
 
 Pure functions over config dicts; :mod:`backends.config.speculative` reads the files and
 calls them in vLLM's order.
@@ -13,7 +16,7 @@ from typing import Any
 
 from backends.config.errors import SpeculativeConfigError, UnsupportedSpeculativeMethodError
 
-# MTPModelTypes at c314af1 except the plain "mtp" (§2.2): legacy method names and the
+# MTPModelTypes at c314af1 except the plain "mtp": legacy method names and the
 # model_types that make auto-detection pick mtp.
 MTP_MODEL_TYPES = (
     "deepseek_mtp",
@@ -38,13 +41,13 @@ MTP_MODEL_TYPES = (
     "inkling_mtp",
 )
 DSPARK_ARCHS = ("Qwen3DSparkModel", "Gemma4DSparkModel")
-# MTP types for which K > 1 does not mean "run the same MTP layer K times" (§2.3 step 8).
+# MTP types for which K > 1 does not mean "run the same MTP layer K times" (auto-detection step 8).
 MULTI_STEP_MTP_TYPES = ("step3p5_mtp", "inkling_mtp")
-# Methods whose explicit value auto-detection never overrides (§2.3 D step 1).
+# Methods whose explicit value auto-detection never overrides (its step 1).
 _STICKY_METHODS = ("eagle", "eagle3", "dflash", "dspark")
 # vLLM's MiMo-V2 MTP constant: only the first MTP layer is supported.
 _MIMO_V2_N_PREDICT = 1
-# speculators_model_type -> method (§2.1); peagle is EAGLE-3 with parallel drafting.
+# speculators_model_type -> method; peagle is EAGLE-3 with parallel drafting.
 _SPECULATORS_METHODS = {
     "eagle": "eagle",
     "eagle3": "eagle3",
@@ -54,11 +57,11 @@ _SPECULATORS_METHODS = {
 }
 
 
-# ---------------------------------------------------------------------- auto-detection (§2.3 D)
+# ---------------------------------------------------------------------- auto-detection (__post_init__)
 
 
 def detect_method(method: str, name: str, archs: list[str], model_type: str | None, how: str) -> tuple[str, str]:
-    """§2.3 D steps 1-10: (method, reason). ``name`` is the lower-cased model path."""
+    """vLLM's auto-detection, steps 1-10: (method, reason). ``name`` is the lower-cased model path."""
     if method in _STICKY_METHODS:
         return method, how
     for needle, detected in (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark")):
@@ -98,7 +101,7 @@ def as_eagle_config(hf: dict[str, Any], method: str) -> dict[str, Any]:
 
 
 def aux_layer_ids(hf: dict[str, Any], target_hf: dict[str, Any]) -> list[int] | None:
-    """§3.6: the target layers whose hidden states feed the drafter (first source wins)."""
+    """The target layers whose hidden states feed the drafter (first source wins)."""
     eagle_config = hf.get("eagle_config") or {}
     if eagle_config.get("use_aux_hidden_state") is False:
         return None  # single-hidden EAGLE-3 variant
@@ -116,11 +119,11 @@ def aux_layer_ids(hf: dict[str, Any], target_hf: dict[str, Any]) -> list[int] | 
     return [2, layers // 2, layers - 3] if layers else None
 
 
-# ---------------------------------------------------------------------- §2.6
+# ---------------------------------------------------------------------- hf_config_override
 
 
 def hf_config_override(config: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite a target-family checkpoint config into its MTP-draft form (§2.6).
+    """Rewrite a target-family checkpoint config into its MTP-draft form (vLLM's hf_config_override).
 
     Configs that match no row are returned unchanged (as a copy).
     """
@@ -198,7 +201,7 @@ def hf_config_override(config: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-# ---------------------------------------------------------------------- speculators (§2.1)
+# ---------------------------------------------------------------------- speculators
 
 
 def speculators_spec(cfg: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
@@ -230,7 +233,7 @@ def speculators_spec(cfg: dict[str, Any], path: str) -> tuple[dict[str, Any], st
 
 
 def speculators_draft_config(cfg: dict[str, Any], path: str) -> dict[str, Any]:
-    """The draft config vLLM builds from a speculators-format directory (§2.1 rewrites)."""
+    """The draft config vLLM builds from a speculators-format directory (its per-algorithm rewrites)."""
     layer = cfg.get("transformer_layer_config") or {}
     hf = {**layer, **{k: v for k, v in cfg.items() if k != "transformer_layer_config"}}
     kind = cfg.get("speculators_model_type")

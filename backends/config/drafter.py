@@ -25,7 +25,7 @@ class DrafterConfig:
     # custom_class it is the target's, for extract_hidden_states the target's plus the ids.
     draft_hf_config: dict[str, Any]
     draft_sample_method: str = "greedy"
-    # (start, end, k) batch-size ranges of vLLM's dynamic schedule (§7); None: always k.
+    # (start, end, k) batch-size ranges of vLLM's dynamic schedule; None: always k.
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     quantization: str | None = None
     draft_tensor_parallel_size: int = 1
@@ -39,7 +39,7 @@ class DrafterConfig:
     # The checkpoint's own config.json as resolution read it (a copy of the SpeculativeConfig's),
     # handed to the head loaders; None: nothing was read, a loader reads the file itself.
     checkpoint_config: dict[str, Any] | None = None
-    max_model_len: int | None = None  # the drafter's context window (§2.5), None if unknown
+    max_model_len: int | None = None  # the drafter's context window, None if unknown
     # Method-specific knobs, passed through unchanged (defaults: SpeculativeConfig's).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None

@@ -1,8 +1,11 @@
 """vLLM-compatible ``--speculative-config``: parsing, method resolution and validation.
 
-The behaviour follows vLLM at c314af1 as paraphrased in
-``/work/shared/reference/vllm_spec_reference.md`` §2 (with §3.1/§3.3 defaults, §3.6 aux
-layer ids and §7 dynamic K). It is written from that description, not from vLLM code.
+The behaviour follows vLLM's ``SpeculativeConfig`` at commit c314af1
+(https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/config/speculative.py):
+its fields and defaults (with the ngram and suffix ones), ``__post_init__``'s method
+resolution, ``_verify_args``, the derived helpers, the EAGLE-3 aux layer ids and the dynamic K
+schedule (``num_speculative_tokens_per_batch_size``). It is written from a description of
+that code, not from the code.
 
 Model paths are local directories (their ``config.json`` is read) or bare names (then the
 name alone decides auto-detection, as if the draft config were empty).
@@ -123,7 +126,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    # Draft trees (not in vLLM at c314af1; the reference §5 and issue 19). A static tree as
+    # Draft trees (not in vLLM at c314af1: removed by vllm-project/vllm#42121; issue 19). A static tree as
     # node paths of child ranks (vLLM's historical field), EAGLE-2's dynamic tree, or
     # arctic-inference's suffix subtree.
     speculative_token_tree: str | list | tuple | None = None
@@ -183,7 +186,7 @@ class SpeculativeConfig:
     ) -> SpeculativeConfig:
         """Parse a ``--speculative-config`` JSON object (string or dict) and resolve it.
 
-        A target directory in speculators format replaces ``spec`` entirely (§2.1).
+        A target directory in speculators format replaces ``spec`` entirely (as vLLM's engine args do).
         """
         data = _parse_spec(spec)
         if _read_model_config(target_model, "target_model").get("speculators_config") is not None:
@@ -222,7 +225,7 @@ class SpeculativeConfig:
         return cfg
 
     def __post_init__(self) -> None:
-        # vLLM order (§2.2): field checks, then __post_init__ resolution, then _verify_args.
+        # vLLM's order: field checks, then __post_init__ resolution, then _verify_args.
         self._validate_fields()
         given = self._non_default_values()  # before resolution sets some of them itself
         self.target_hf_config = _read_model_config(self.target_model, "target_model")
@@ -316,7 +319,7 @@ class SpeculativeConfig:
             backend = self.attention_backend.upper()
             self.attention_backend = None if backend == "AUTO" else backend
 
-    # ------------------------------------------------------------------ step 2: §2.3
+    # ------------------------------------------------------------------ step 2: vLLM's __post_init__
 
     def _resolve_method(self) -> None:
         # A. infer a missing method
@@ -374,7 +377,7 @@ class SpeculativeConfig:
         if lo is None and hi is None:
             lo = hi = 5
         elif lo is None:
-            lo = hi  # vLLM's docstring says 1, its code mirrors the max (reference §2.2)
+            lo = hi  # vLLM's docstring says 1, its code mirrors the max
         elif hi is None:
             hi = lo
         if lo > hi:
@@ -531,7 +534,7 @@ class SpeculativeConfig:
             )
         return self.draft_tensor_parallel_size
 
-    # ------------------------------------------------------------------ step 3: §2.4
+    # ------------------------------------------------------------------ step 3: vLLM's _verify_args
 
     def _verify_args(self) -> None:
         if self.tensor_parallel_size is not None:
@@ -668,10 +671,10 @@ class SpeculativeConfig:
         return request_num_tokens(self.num_speculative_tokens, requested)
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
-        """K for a batch of this size under the §7 dynamic schedule (the configured K without)."""
+        """K for a batch of this size under the dynamic schedule (the configured K without)."""
         return batch_num_tokens(self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, batch_size)
 
-    # ------------------------------------------------------------------ §2.5 helpers
+    # ------------------------------------------------------------------ vLLM's derived helpers
 
     def use_eagle(self) -> bool:
         """Whether the drafter consumes target hidden states."""
@@ -720,7 +723,7 @@ class SpeculativeConfig:
     # ------------------------------------------------------------------ reporting
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field (resolved and derived) plus the §2.5 predicates."""
+        """Every field (resolved and derived) plus vLLM's derived predicates (use_eagle, ...)."""
         out = dataclasses.asdict(self)
         out.update(
             use_eagle=self.use_eagle(),
@@ -807,7 +810,7 @@ def request_num_tokens(k: int, requested: int | None) -> int:
 
 
 def batch_num_tokens(k: int, schedule: list[tuple[int, int, int]] | None, batch_size: int) -> int:
-    """K for a batch of this size under a validated §7 schedule (``k`` without one)."""
+    """K for a batch of this size under a validated dynamic schedule (``k`` without one)."""
     if not _is_int(batch_size) or batch_size < 1:
         raise SpeculativeConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     chosen = k
@@ -863,7 +866,8 @@ def _normalize_keys(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _validate_batch_schedule(schedule: Any) -> list[tuple[int, int, int]]:
-    """§7: non-empty, 3-item (start, end, K) entries, disjoint, the first starting at 1."""
+    """vLLM's checks of num_speculative_tokens_per_batch_size: non-empty, 3-item (start, end,
+    K) entries, disjoint, the first starting at 1."""
     name = _BATCH_SCHEDULE
     if not isinstance(schedule, list):
         raise SpeculativeConfigError(f"{name}: input should be a list, got {schedule!r}")
@@ -920,7 +924,8 @@ def _max_position_embeddings(cfg: dict[str, Any]) -> int | None:
 
 
 def _draft_max_model_len(spec: int | None, draft: int | None, target: int | None) -> int | None:
-    """§2.5: an explicit draft length must fit both models; otherwise the smaller one."""
+    """vLLM's _maybe_override_draft_max_model_len: an explicit draft length must fit both
+    models; otherwise the smaller one."""
     if spec is not None:
         for name, limit in (("draft", draft), ("target", target)):
             if limit is not None and spec > limit:

@@ -1,15 +1,17 @@
 """`custom_class`: a user's proposer, named by its dotted path in `model`
 (`{"model": "my_pkg.my_module.MyProposer", "num_speculative_tokens": 4}`; `method` may be
-given as "custom_class" or left out, as in vLLM, vllm_spec_reference.md §3.13).
+given as "custom_class" or left out, as in vLLM's https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/config/speculative.py).
 
 The class implements the interface every built-in method implements (backends/serving/proposer.py):
 `propose(batch: list[DraftRequest]) -> list[Draft]` (one Draft per request, at most
 `request.num_tokens` target token ids each), `release(seq_id)`, and optionally
 `hidden_layer_ids` (the target layers whose hidden states it wants in
 `DraftRequest.hidden_states`, numbered as backends/serving/target.py numbers them). Subclassing
-`backends.proposer.Proposer` gives the defaults. It is built with
-`cls.from_config(config, max_model_len=..., dtype=..., target_model=..., seed=...)` when it
-has that classmethod, else `cls(config)` (`config` is the resolved SpeculativeConfig).
+`backends.serving.proposer.Proposer` gives the defaults. It is built as every method is, with
+`cls.from_config(config, ctx)` (`config`: the resolved DrafterConfig; `ctx`: a ProposerContext,
+with max_model_len, target_model, dtype, device and seed), else `cls(config)`. A `from_config`
+written for the keyword contract before ProposerContext (`from_config(cls, config, **context)`,
+or named keywords such as `max_model_len=...`) still gets the context's fields as keywords.
 
 The module must be importable by the Python that runs the Triton stub (the venv: install
 your package there, e.g. `pip install -e`; the stub ignores PYTHONPATH). A wrong path, an
@@ -21,14 +23,16 @@ was wrong. client/examples/bigram_proposer.py is a worked example.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from typing import Any
 
 import torch
 
+from backends.config import DrafterConfig
 from backends.runtime.model_store import load_config
-from backends.serving.proposer import Draft, DraftRequest, Proposer
+from backends.serving.proposer import Draft, DraftRequest, Proposer, ProposerContext
 
 
 def load_class(path: str) -> type:
@@ -52,7 +56,7 @@ def load_class(path: str) -> type:
         if not callable(method):
             raise TypeError(
                 f"custom proposer class {path!r} has no callable {name}(); implement the interface "
-                "of backends.proposer.Proposer (subclass it)"
+                "of backends.serving.proposer.Proposer (subclass it)"
             )
         try:
             inspect.signature(method).bind(None, *args)  # self plus the interface's arguments
@@ -64,7 +68,24 @@ def load_class(path: str) -> type:
     return cls
 
 
-class CustomClass(Proposer):
+def takes_context_keywords(factory: Any) -> bool:
+    """Whether a user's `from_config` follows the keyword contract before ProposerContext: no
+    positional parameter after `config`, or one of the context's field names there."""
+    params = list(inspect.signature(factory).parameters.values())[1:]  # after config
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return not positional or positional[0].name in {f.name for f in dataclasses.fields(ProposerContext)}
+
+
+def build_user_proposer(user_class: type, config: DrafterConfig, ctx: ProposerContext) -> Any:
+    factory = getattr(user_class, "from_config", None)
+    if not callable(factory):
+        return user_class(config)
+    if takes_context_keywords(factory):
+        return factory(config, **dataclasses.asdict(ctx))
+    return factory(config, ctx)
+
+
+class CustomClassProposer(Proposer):
     """The registry's entry for `custom_class`: builds the user's proposer and checks what it
     returns before the rest of the server relies on it."""
 
@@ -80,16 +101,15 @@ class CustomClass(Proposer):
         self.proposes_drafts = bool(getattr(inner, "proposes_drafts", True))
 
     @classmethod
-    def from_config(cls, config: Any, **context: Any) -> CustomClass:
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> CustomClassProposer:
         user_class = load_class(config.model)
         try:
-            factory = getattr(user_class, "from_config", None)
-            inner = factory(config, **context) if callable(factory) else user_class(config)
+            inner = build_user_proposer(user_class, config, ctx)
         except Exception as e:
             raise RuntimeError(
                 f"Failed to instantiate custom proposer class {config.model!r}: {type(e).__name__}: {e}"
             ) from e
-        target = context.get("target_model")
+        target = ctx.target_model
         return cls(inner, config.model, load_config(target).vocab_size if target else None)
 
     @classmethod
@@ -112,7 +132,7 @@ class CustomClass(Proposer):
             ):
                 raise TypeError(
                     f"custom proposer {self.path!r} returned {draft!r} for sequence {req.seq_id}; "
-                    "expected a backends.proposer.Draft of int token ids"
+                    "expected a backends.serving.proposer.Draft of int token ids"
                 )
             if len(draft.token_ids) > req.num_tokens:
                 raise ValueError(

@@ -2,8 +2,8 @@
 
 A DFlash drafter is a small stack of Qwen3-style decoder layers that fills a whole block of
 mask tokens in one forward pass. Its queries are the block only; its keys and values are
-the block plus a *context* made from the target's hidden states (see
-/work/shared/reference/checkpoint_formats.md §7, vllm_spec_reference.md §3.10):
+the block plus a *context* made from the target's hidden states (z-lab's dflash/model.py,
+https://github.com/z-lab/dflash; vLLM's https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/model_executor/models/qwen3_dflash.py):
 
     ctx_t  = hidden_norm(fc(concat(target hidden states at position t, layer by layer)))
     block  = [anchor, MASK, ..., MASK]  (block_size tokens at positions p .. p+B-1)
@@ -21,7 +21,7 @@ from the target's states at position t. Hidden states arrive exactly as the EAGL
 get them (the delivery contract in backends/methods/eagle.py's docstring): rows for the positions
 the drafter has not been given yet, ending at n-2.
 
-Layer numbering (§0.2). `dflash_config.target_layer_ids` count decoder layers from 0 and
+Layer numbering (Hugging Face's `output_hidden_states`). `dflash_config.target_layer_ids` count decoder layers from 0 and
 name each layer's *output*: id i is Hugging Face's hidden_states[i+1], which the verifier
 calls layer id i+1 (the residual stream entering layer i+1). The head's `hidden_layer_ids`
 are those verifier ids, in the checkpoint's order (fc was trained on that concatenation).
@@ -29,7 +29,7 @@ are those verifier ids, in the checkpoint's order (fc was trained on that concat
 any ids the DFlash reference's default applies (evenly spaced over 1 .. L-3, L//2 for a
 one-layer drafter); vLLM falls back to EAGLE-3's (2, L//2, L-3) there, which cannot match fc.
 
-Checkpoint (§7.1, §7.2): config.json with `block_size` (top level or in `dflash_config`),
+Checkpoint (z-lab's format): config.json with `block_size` (top level or in `dflash_config`),
 `dflash_config.{mask_token_id, target_layer_ids}`, Qwen3 dimensions; state dict `fc.weight`
 [H, n·H_t], `hidden_norm`, `layers.{i}.*` (Qwen3 layers with q_norm/k_norm; `midlayer.` is
 read as `layers.0.`), `norm`. No embedding or LM head: both are the target's. With
@@ -63,14 +63,15 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from backends.config import aux_layer_ids
-from backends.methods.draft_model import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS
+from backends.methods.drafts import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime.lean_lm import LeanDecoder, Row
 from backends.runtime.model_store import load_config
 from backends.serving.proposer import Draft, DraftRequest
 
-# vLLM's order for the mask token's id (§3.11); dflash_config first, then the top level.
+# vLLM's order for the mask token's id (qwen3_dspark.py, then V1 DFlash's pard_token / ptd_token_id);
+# dflash_config first, then the top level.
 _MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 

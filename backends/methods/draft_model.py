@@ -38,21 +38,25 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from backends.config import DrafterConfig
+from backends.methods.drafts import (
+    DRAFT_KV_MEMORY_GB,
+    GROW_SLACK_TOKENS,
+    check_quantization_device,
+    check_sample_method,
+    gather_drafts,
+    sample_drafts,
+)
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
 from backends.runtime.device import keep_attention_off_cudnn
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import hand_back_freed_memory, load_causal_lm, load_tokenizer, resolve_model
-from backends.serving.proposer import Draft, DraftRequest, SequenceProposer, check_one_device
-from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
+from backends.serving.proposer import Draft, DraftRequest, ProposerContext, SequenceProposer, check_one_device
+from backends.serving.rejection import new_generator
 from backends.serving.tree import DraftTree, best_nodes, path_scores
 
-SAMPLE_METHODS = ("greedy", "probabilistic")
 QUANTIZATIONS = (None, "int8", "int4")
-# The lean runtime's KV pool for the draft model (touched only where sequences write), and the
-# room a sequence's reservation grows by beyond what the current call needs (fewer, longer runs).
-DRAFT_KV_MEMORY_GB = 1.0
-GROW_SLACK_TOKENS = 128
 
 log = logging.getLogger("tritonspec.draft_model")
 
@@ -81,15 +85,6 @@ class _Work:
     num_nodes: int = 0  # how many of them to keep
     # per draft position: (token, draft probability) of the chain's token, then of the others by rank
     candidates: list[list[tuple[int, float]]] = field(default_factory=list)
-
-
-def check_quantization_device(quantization: str, device: str) -> None:
-    """quantization='int8' / 'int4' quantizes for the CPU's kernels; refuse it for other devices."""
-    if torch.device(device).type != "cpu":
-        raise ValueError(
-            f"quantization={quantization!r} (the CPU's {quantization} kernels) runs on the CPU only, but this "
-            f"drafter's device is {device}; drop the quantization or run the drafter on cpu"
-        )
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -122,8 +117,7 @@ class DraftModelProposer(SequenceProposer):
     ) -> None:
         """`model`: the draft model through transformers; `lean`: on the lean runtime, which then
         runs every forward (`model` may then be None: the runtime holds its own weights)."""
-        if sample_method not in SAMPLE_METHODS:
-            raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
+        check_sample_method(sample_method)
         if bridge is not None and sample_method != "greedy":
             raise ValueError("use_heterogeneous_vocab supports greedy draft sampling only")
         self.model = None if lean is not None else model
@@ -142,16 +136,7 @@ class DraftModelProposer(SequenceProposer):
         super().__init__()
 
     @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        max_model_len: int,
-        dtype: str = "bfloat16",
-        target_model: Path | str | None = None,
-        seed: int | None = None,
-        device: str = "cpu",
-        **_: Any,
-    ) -> DraftModelProposer:
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> DraftModelProposer:
         check_one_device(config, "the draft model")
         if config.quantization not in QUANTIZATIONS:
             raise ValueError(
@@ -160,34 +145,34 @@ class DraftModelProposer(SequenceProposer):
             )
         quantized = config.quantization is not None
         if quantized:
-            check_quantization_device(config.quantization, device)
+            check_quantization_device(config.quantization, ctx.device)
         if not config.model:
             raise ValueError("draft_model needs `model`: a named model, an HF directory or a GGUF file")
         path = resolve_model(config.model)
         # The lean runtime quantizes from bf16 weights; torch's dynamic int8 (the fallback, for
         # int4 too) from float32 ones (its matmuls run in float32 anyway).
-        dtype = "bfloat16" if quantized else dtype
+        dtype = "bfloat16" if quantized else ctx.dtype
         # The lean runtime reads the weights itself where it can; transformers loads the rest.
-        checkpoint = read_checkpoint(path, getattr(torch, dtype), device)
-        model = None if checkpoint else load_causal_lm(path, dtype).to(device)
+        checkpoint = read_checkpoint(path, getattr(torch, dtype), ctx.device)
+        model = None if checkpoint else load_causal_lm(path, dtype).to(ctx.device)
         lean = _lean_drafter(checkpoint or model, config.quantization)
         del checkpoint
         if lean is not None:  # it holds its own copy of the weights
             model = None
             hand_back_freed_memory()
         else:
-            model = model or load_causal_lm(path, dtype).to(device)  # the checkpoint was read in vain
-            keep_attention_off_cudnn(device)
+            model = model or load_causal_lm(path, dtype).to(ctx.device)  # the checkpoint was read in vain
+            keep_attention_off_cudnn(ctx.device)
             if quantized:
                 model = quantize_int8(model.float())
         bridge = None
         if config.use_heterogeneous_vocab:
-            if target_model is None:
+            if ctx.target_model is None:
                 raise ValueError(
                     "use_heterogeneous_vocab needs the target model's tokenizer (target_model was not given)"
                 )
-            bridge = TextBridge(load_tokenizer(Path(target_model)), load_tokenizer(path))
-        proposer = cls(model, max_model_len, config.draft_sample_method, bridge, seed, lean)
+            bridge = TextBridge(load_tokenizer(Path(ctx.target_model)), load_tokenizer(path))
+        proposer = cls(model, ctx.max_model_len, config.draft_sample_method, bridge, ctx.seed, lean)
         proposer.token_tree = config.speculative_token_tree
         return proposer
 
@@ -392,53 +377,6 @@ class DraftModelProposer(SequenceProposer):
         )
         for w in work:
             w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
-
-
-def sample_drafts(
-    logits: torch.Tensor,
-    sample_method: str,
-    temperatures: list[float],
-    generators: list[torch.Generator | None],
-    to_target: torch.Tensor | None = None,
-    target_vocab_size: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Drafts from `logits` [B, ..., V_d] (row i belongs to a request at `temperatures[i]`):
-    the argmax for greedy drafting and for greedy requests (temperature < 1e-5); otherwise a
-    sample from softmax(logits / temperature), as vLLM's probabilistic drafting (temperature
-    only, no top-k/top-p), row i drawn with `generators[i]`. Returns the tokens [B, ...] as target ids (`to_target` maps draft
-    vocabulary ids) and, when any row sampled, the probabilities [B, ..., V] in the target
-    vocabulary (`target_vocab_size`; 0 outside the draft vocabulary; greedy rows' go unused)."""
-    logits = logits.float()
-    greedy = [t < GREEDY_TEMPERATURE_EPS for t in temperatures]
-    tokens, probs = logits.argmax(dim=-1), None
-    if sample_method == "probabilistic" and not all(greedy):
-        rows = (-1,) + (1,) * (tokens.dim() - 1)  # broadcasts a per-row value over a row's slots
-        scale = torch.tensor([1.0 if g else t for g, t in zip(greedy, temperatures)], device=logits.device)
-        probs = (logits / scale.view(*rows, 1)).softmax(dim=-1)
-        if all(g is generators[0] for g in generators):  # one shared generator: one draw
-            sampled = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generators[0])
-        else:
-            flat = probs.reshape(len(temperatures), -1, probs.shape[-1])
-            sampled = torch.stack([torch.multinomial(row, 1, generator=g) for row, g in zip(flat, generators)])
-        sampled = sampled.view(tokens.shape)
-        tokens = torch.where(torch.tensor(greedy, device=logits.device).view(rows), tokens, sampled)
-        if to_target is not None:
-            probs = probs.new_zeros(*probs.shape[:-1], target_vocab_size).index_copy_(-1, to_target, probs)
-    return (tokens if to_target is None else to_target[tokens]), probs
-
-
-def gather_drafts(
-    steps: list[tuple[torch.Tensor, torch.Tensor | None]], counts: list[int]
-) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-    """Each row's drafts from the (tokens [B], probs [B, V] or None) of every draft step, cut
-    to the row's count, and its probabilities [count, V] (None for greedy drafts). The ids
-    cross to the host once per propose call; the probabilities stay on the device."""
-    tokens = torch.stack([t for t, _ in steps], dim=1).tolist()
-    probs = None if steps[0][1] is None else torch.stack([p for _, p in steps], dim=1)
-    return (
-        [row[:n] for row, n in zip(tokens, counts)],
-        [None if probs is None else probs[row, :n] for row, n in enumerate(counts)],
-    )
 
 
 def stack_caches(caches: list[DynamicCache], lengths: list[int], config: Any) -> DynamicCache:

@@ -3,8 +3,9 @@
 The backbone is DFlash's (backends/methods/dflash.py: one non-causal forward of the block
 [anchor, MASK, ...] over the context made from the target's hidden states). On top, a cheap
 sequential stage restores the dependency between the block's drafts: a low-rank Markov
-head adds to each slot's logits a bias from the previous token (checkpoint_formats.md §8,
-vllm_spec_reference.md §3.11):
+head adds to each slot's logits a bias from the previous token (DeepSpec's
+deepspec/modeling/dspark/markov_head.py, https://github.com/deepseek-ai/DeepSpec; vLLM's
+https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/model_executor/models/qwen3_dspark.py):
 
     vanilla: logits_i = base_i + markov_w2(markov_w1[prev])
     gated:   logits_i = base_i + markov_w2(sigmoid(gate_proj([h_i; w1[prev]])) * w1[prev])
@@ -26,7 +27,7 @@ without it, only the Qwen3DSparkModel architecture implies the anchor convention
 else (a DFlashDraftModel with projector_type "dspark", whose `shift_label` is not a
 documented switch) is refused, naming the field to set.
 
-Checkpoint (§8.1, §8.2): DeepSpec's config.json has block_size, mask_token_id,
+Checkpoint (DeepSpec's build_draft_config and save_pretrained): DeepSpec's config.json has block_size, mask_token_id,
 target_layer_ids (layer outputs, 0-based: verifier id = id + 1; -1 = the embedding output,
 verifier id 0), markov_rank, markov_head_type, enable_confidence_head,
 confidence_head_with_markov at the top level (the speculators-trained variant has them in

@@ -1,8 +1,9 @@
 """EAGLE-family drafters: `eagle` (EAGLE-1/2 heads) and `eagle3` (EAGLE-3 heads).
 
 An EAGLE head is one decoder layer that drafts from the target's hidden states instead of
-from tokens alone. Both methods load their checkpoints in the published layouts (see
-/work/shared/reference/checkpoint_formats.md §2, §3); the layout is decided from config.json
+from tokens alone (EAGLE, arXiv 2401.15077; EAGLE-2's dynamic tree, arXiv 2406.16858; EAGLE-3,
+arXiv 2503.01840). Both methods load their checkpoints in the published layouts (SafeAILab/EAGLE's
+eagle/model/cnets1.py and cnets.py, https://github.com/SafeAILab/EAGLE); the layout is decided from config.json
 and the state-dict keys, never from the directory name:
 
 - EAGLE-1/2: Llama-style config.json with `num_hidden_layers` (1), state dict `fc.weight`
@@ -84,12 +85,13 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from backends.config import DrafterConfig
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
-from backends.methods.draft_model import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gather_drafts
+from backends.methods.drafts import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gather_drafts
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime.lean_lm import LeanDecoder, Row
-from backends.serving.proposer import Draft, DraftRequest
+from backends.serving.proposer import Draft, DraftRequest, ProposerContext
 from backends.serving.tree import ROOT, DraftTree, best_nodes, subtree_parents
 
 log = logging.getLogger(__name__)
@@ -408,8 +410,8 @@ class EagleProposer(HeadProposer):
         self.pool = self.decoder.new_pool(memory_gb=DRAFT_KV_MEMORY_GB)
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, **context: Any) -> EagleProposer:
-        proposer = super().from_config(config, max_model_len, **context)
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> EagleProposer:
+        proposer = super().from_config(config, ctx)
         proposer.dynamic_tree, proposer.token_tree = config.dynamic_tree, config.speculative_token_tree
         return proposer
 

@@ -1,7 +1,7 @@
 """`extract_hidden_states`: no drafting; every request returns the target's hidden states of
 the configured layers (training data for drafter heads), as vLLM's method of that name.
 
-Config (vLLM's, vllm_spec_reference.md §3.12): `num_speculative_tokens` 1 (or absent) and
+Config (vLLM's, https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/v1/spec_decode/extract_hidden_states.py): `num_speculative_tokens` 1 (or absent) and
 the layer ids in `draft_model_config: {"hf_config": {"eagle_aux_hidden_state_layer_ids":
 [...]}}` (or top-level `eagle_aux_hidden_state_layer_ids`); `model` may be omitted.
 
@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 
+from backends.config import DrafterConfig
 from backends.methods.head_checkpoint import TargetInfo
-from backends.serving.proposer import Draft, DraftRequest, Proposer
+from backends.serving.proposer import Draft, DraftRequest, Proposer, ProposerContext
 
 
-class HiddenStateExtractor(Proposer):
+class ExtractHiddenStatesProposer(Proposer):
     method = "extract_hidden_states"
     proposes_drafts = False
 
@@ -54,16 +55,16 @@ class HiddenStateExtractor(Proposer):
         self.hidden_layer_ids = tuple(layer_ids)
 
     @classmethod
-    def from_config(cls, config: Any, target_model: Path | str | None = None, **_: Any) -> HiddenStateExtractor:
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> ExtractHiddenStatesProposer:
         # The config accepts missing ids, as vLLM's does; like vLLM, building refuses them.
         if not config.eagle_aux_hidden_state_layer_ids:
             raise ValueError(
                 "eagle_aux_hidden_state_layer_ids must be set in the draft model config for "
                 "extract_hidden_states method"
             )
-        if target_model is None:
+        if ctx.target_model is None:
             raise ValueError("extract_hidden_states needs the target model (its number of layers)")
-        return cls(list(config.eagle_aux_hidden_state_layer_ids), TargetInfo.load(target_model).num_layers)
+        return cls(list(config.eagle_aux_hidden_state_layer_ids), TargetInfo.load(ctx.target_model).num_layers)
 
     @classmethod
     def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:

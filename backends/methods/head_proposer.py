@@ -12,11 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.methods.draft_model import SAMPLE_METHODS, check_quantization_device, sample_drafts
+from backends.config import DrafterConfig
+from backends.methods.drafts import check_quantization_device, check_sample_method, sample_drafts
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.runtime.lean_lm import kernel_linears
 from backends.runtime.model_store import resolve_model
-from backends.serving.proposer import SequenceProposer, check_one_device
+from backends.serving.proposer import ProposerContext, SequenceProposer, check_one_device
 from backends.serving.rejection import new_generator
 
 log = logging.getLogger("tritonspec.head_proposer")
@@ -30,8 +31,7 @@ class HeadProposer(SequenceProposer):
     def __init__(
         self, head: nn.Module, max_model_len: int, sample_method: str = "greedy", seed: int | None = None
     ) -> None:
-        if sample_method not in SAMPLE_METHODS:
-            raise ValueError(f"draft_sample_method must be one of {SAMPLE_METHODS}, got {sample_method!r}")
+        check_sample_method(sample_method)
         super().__init__()
         self.head = head
         self.hidden_layer_ids = getattr(head, "hidden_layer_ids", self.hidden_layer_ids)
@@ -44,28 +44,19 @@ class HeadProposer(SequenceProposer):
             log.info("%s head: %d linear layers on the packed bf16 kernel", self.method, turned)
 
     @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        max_model_len: int,
-        dtype: str = "bfloat16",
-        target_model: Path | str | None = None,
-        seed: int | None = None,
-        device: str = "cpu",
-        **_: Any,
-    ) -> HeadProposer:
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> HeadProposer:
         if cls.needs_model and not config.model:
             raise ValueError(f"{cls.method} needs `model`: the {cls.method} checkpoint directory")
-        if target_model is None:
+        if ctx.target_model is None:
             raise ValueError(f"{cls.method} needs the target model (its hidden size, vocabulary, embedding)")
         check_one_device(config, f"the {cls.method} head")
         # Only 'int8' is acted on: mtp and dspark inherit the target's own quant_method (fp8,
         # awq, ...), which says how the target was stored, not what to do with the head.
         int8 = config.quantization == "int8"
         if int8:
-            check_quantization_device("int8", device)
-        head = cls.load_head(config, TargetInfo.load(target_model), "bfloat16" if int8 else dtype)
-        proposer = cls(head.to(device), max_model_len, config.draft_sample_method, seed)
+            check_quantization_device("int8", ctx.device)
+        head = cls.load_head(config, TargetInfo.load(ctx.target_model), "bfloat16" if int8 else ctx.dtype)
+        proposer = cls(head.to(ctx.device), ctx.max_model_len, config.draft_sample_method, ctx.seed)
         if int8:
             turned = kernel_linears(head, int8=True)
             log.info("%s head: %d linear layers quantized to int8", cls.method, turned)

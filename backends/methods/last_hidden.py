@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.methods.draft_model import gather_drafts
+from backends.methods.drafts import gather_drafts
 from backends.methods.head_proposer import HeadProposer
 from backends.serving.proposer import Draft, DraftRequest
 

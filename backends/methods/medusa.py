@@ -3,8 +3,8 @@
 Head h (0-based) reads the target's final normed state f_t (layer id -1, what the target's LM
 head reads; Medusa ignores the token x_{t+1} that f_t produced) and predicts x_{t+2+h}:
 z = f_t, then for each of the head's L blocks z = z + SiLU(W z + b), and logits = W_h z. The
-drafts are the top-1 of heads 0..k-1 (vLLM's chain mode; /work/shared/reference/
-checkpoint_formats.md §4, vllm_spec_reference.md §3.8). With `draft_sample_method:
+drafts are the top-1 of heads 0..k-1 (vLLM's chain mode: https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/v1/spec_decode/medusa.py;
+the heads of FasterDecoding/Medusa's medusa/model/medusa_model.py, arXiv 2401.10774). With `draft_sample_method:
 probabilistic` each head's token is sampled from its softmax and sent with it (a head's
 distribution does not depend on the earlier drafts, which rejection sampling allows).
 
@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.config import DrafterConfig
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 from backends.methods.last_hidden import LastHiddenProposer
-from backends.serving.proposer import Draft, DraftRequest
+from backends.serving.proposer import Draft, DraftRequest, ProposerContext
 from backends.serving.tree import DraftTree, best_nodes, path_scores
 
 LAYOUTS = ("vllm", "medusa")  # vLLM-converted, FasterDecoding
@@ -261,8 +262,8 @@ class MedusaProposer(LastHiddenProposer):
     token_tree: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
-    def from_config(cls, config: Any, **context: Any) -> MedusaProposer:
-        proposer = super().from_config(config, **context)
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> MedusaProposer:
+        proposer = super().from_config(config, ctx)
         proposer.token_tree = config.speculative_token_tree
         return proposer
 

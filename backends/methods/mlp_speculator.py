@@ -1,8 +1,9 @@
 """`mlp_speculator`: IBM's MLP speculator (fms-extras "accelerator" checkpoints), run for real.
 
 vLLM accepts this method in its config but neither of its runners can execute it; this is the
-algorithm of fms-extras / vLLM V0 (/work/shared/reference/checkpoint_formats.md §5,
-vllm_spec_reference.md §3.9). From the target's final normed state f_t (layer id -1) and the
+algorithm of fms-extras / vLLM V0 (fms_extras/models/speculator.py in
+https://github.com/foundation-model-stack/fms-extras; arXiv 2404.19124). From the target's
+final normed state f_t (layer id -1) and the
 token x_{t+1} it produced, stage i (0-based) drafts x_{t+2+i}:
 
     s = f_t;  if scale_input: s = s * rsqrt(mean(s^2) + 1e-6) / sqrt(2)

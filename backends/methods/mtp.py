@@ -1,5 +1,5 @@
 """`mtp`: multi-token-prediction layers (DeepSeek-V3 style, MiMo) drafting from the target's
-hidden states (/work/shared/reference/checkpoint_formats.md §6, vllm_spec_reference.md §3.7).
+hidden states (DeepSeek-V3, arXiv 2412.19437; vLLM's https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/model_executor/models/deepseek_mtp.py).
 
 An MTP layer is structurally an EAGLE head: at position t it reads the pair (x_{t+1}, h_t)
 with h_t the target's final normed hidden state (layer id -1, what vLLM passes; the layer's

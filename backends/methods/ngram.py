@@ -9,11 +9,11 @@ followed it, at most k of them and never past max_model_len. No match: no propos
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from backends.serving.proposer import Draft, DraftRequest, Proposer
+from backends.config import DrafterConfig
+from backends.serving.proposer import Draft, DraftRequest, Proposer, ProposerContext
 
 
 def check_lookup_bounds(prompt_lookup_min: int, prompt_lookup_max: int) -> None:
@@ -54,6 +54,9 @@ class TokenHistory:
 
 
 class NgramProposer:
+    """The n-gram lookup on one sequence, as vLLM's `NgramProposer`: `propose(token_ids)` is
+    the tokens that followed the longest earlier match of the sequence's end ([]: none)."""
+
     def __init__(
         self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int, max_model_len: int
     ) -> None:
@@ -88,9 +91,10 @@ class NgramProposer:
         return tokens[start : start + k].tolist()
 
 
-class NgramDrafter(Proposer):
-    """The `ngram` drafter backend. The only state per sequence is its token array (see
-    `TokenHistory`); the lookup itself is one vectorised pass, ~10-50 us at 32k tokens."""
+class PromptLookupProposer(Proposer):
+    """The `ngram` method's proposer: `NgramProposer`'s lookup over each sequence of a batch.
+    The only state per sequence is its token array (see `TokenHistory`); the lookup itself is
+    one vectorised pass, ~10-50 us at 32k tokens."""
 
     in_orchestrator = True
 
@@ -99,10 +103,10 @@ class NgramDrafter(Proposer):
         self.history = TokenHistory()
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, **_: Any) -> NgramDrafter:
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> PromptLookupProposer:
         return cls(
             NgramProposer(
-                config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens, max_model_len
+                config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens, ctx.max_model_len
             )
         )
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
+from backends.config import DrafterConfig
 from backends.methods.ngram import TokenHistory, check_lookup_bounds
-from backends.serving.proposer import Draft, DraftRequest, Proposer
+from backends.serving.proposer import Draft, DraftRequest, Proposer, ProposerContext
 from kernels.ngram import ngram_match, ngram_match_ref
 
 
-class NgramGPUDrafter(Proposer):
+class NgramGPUProposer(Proposer):
     def __init__(
         self,
         prompt_lookup_min: int,
@@ -36,8 +36,8 @@ class NgramGPUDrafter(Proposer):
         self.history = TokenHistory()
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, device: str | None = None, **_: Any) -> NgramGPUDrafter:
-        return cls(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens, device)
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> NgramGPUProposer:
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens, ctx.device)
 
     def propose_batch(self, sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [batch, K] int32 padded with -1, num_valid_draft_tokens [batch] int32)."""

@@ -1,5 +1,7 @@
 """Suffix decoding (the `suffix` method): drafts from suffix trees over token history, with the
-semantics vLLM gets from arctic-inference (reference §3.3), written here.
+semantics vLLM gets from arctic-inference 0.1.1 (SuffixDecoding, arXiv 2411.04975;
+https://github.com/snowflakedb/ArcticInference/blob/v0.1.1/arctic_inference/suffix_decoding/cache.py
+and csrc/suffix_decoding/suffix_tree.cc), written here.
 
 Every active request has a local tree over its prompt plus its output so far; one global tree
 holds the responses (never prompts) of up to `max_cached_requests` requests, evicted FIFO. Both
@@ -29,9 +31,9 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from backends.serving.proposer import Draft, DraftRequest, Proposer
+from backends.config import DrafterConfig
+from backends.serving.proposer import Draft, DraftRequest, Proposer, ProposerContext
 
 
 @dataclass
@@ -427,7 +429,7 @@ def _best_subtree(scored: dict[tuple[int, ...], float], max_nodes: int) -> Suffi
     return draft
 
 
-class SuffixDrafter(Proposer):
+class SuffixProposer(Proposer):
     """The `suffix` drafter backend: turns DraftService's whole-sequence calls into the cache's
     start / add-response / stop calls. The cache only ever gets the sequence's own tokens
     (prompt + output), never drafts, so nothing rolls back whichever tree branch was accepted.
@@ -442,7 +444,7 @@ class SuffixDrafter(Proposer):
         self._seen: dict[int, int] = {}  # seq_id -> tokens already given to the cache
 
     @classmethod
-    def from_config(cls, config: Any, **_: Any) -> SuffixDrafter:
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> SuffixProposer:
         cache = SuffixDecodingCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests)
         return cls(cache, config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
 

@@ -9,8 +9,8 @@ caches) is keyed by the sequence id and dropped in `release`.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,8 +76,21 @@ class Draft:
         )
 
 
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer is built with besides its config: the serving side's settings and the
+    target it drafts for."""
+
+    max_model_len: int  # the context window: no draft goes past it
+    target_model: str | Path | None = None  # the target's directory (its config, tokenizer, embedding)
+    dtype: str = "bfloat16"  # the drafter's weights
+    device: str = "cpu"  # where the drafter runs ("cpu", "cuda:0", ...)
+    seed: int | None = None  # seeds the proposer's own generator (for requests that bring none)
+
+
 class Proposer:
-    """Base class: `propose` is the only required method."""
+    """Base class: `propose` is the only required method; `from_config` is how the registry
+    builds one."""
 
     # Target layers whose hidden states the proposer needs (empty = token ids are enough).
     hidden_layer_ids: tuple[int, ...] = ()
@@ -94,6 +107,12 @@ class Proposer:
     # stall every sequence's verification, where over BLS it is abandoned (drafter_timeout_s).
     beside_verifier: bool = False
     device = torch.device("cpu")  # where sampled drafts are drawn
+
+    @classmethod
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> Proposer:
+        """The proposer `config` describes, built for the serving side's `ctx`. The default
+        is `cls(config)` (a custom proposer that needs nothing more)."""
+        return cls(config)
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         raise NotImplementedError
@@ -183,9 +202,9 @@ def check_layers(proposer: Proposer, info: DrafterInfo) -> None:
 
 # method name -> "module:Class"; importing lazily keeps model-free methods free of model code.
 _REGISTRY: dict[str, str] = {
-    "ngram": "backends.methods.ngram:NgramDrafter",
-    "ngram_gpu": "backends.methods.ngram_gpu:NgramGPUDrafter",
-    "suffix": "backends.methods.suffix:SuffixDrafter",
+    "ngram": "backends.methods.ngram:PromptLookupProposer",
+    "ngram_gpu": "backends.methods.ngram_gpu:NgramGPUProposer",
+    "suffix": "backends.methods.suffix:SuffixProposer",
     "draft_model": "backends.methods.draft_model:DraftModelProposer",
     "eagle": "backends.methods.eagle:EagleProposer",
     "eagle3": "backends.methods.eagle:Eagle3Proposer",
@@ -194,8 +213,8 @@ _REGISTRY: dict[str, str] = {
     "mtp": "backends.methods.mtp:MTPProposer",
     "dflash": "backends.methods.dflash:DFlashProposer",
     "dspark": "backends.methods.dspark:DSparkProposer",
-    "extract_hidden_states": "backends.methods.extract_hidden_states:HiddenStateExtractor",
-    "custom_class": "backends.methods.custom_class:CustomClass",
+    "extract_hidden_states": "backends.methods.extract_hidden_states:ExtractHiddenStatesProposer",
+    "custom_class": "backends.methods.custom_class:CustomClassProposer",
 }
 
 
@@ -208,7 +227,7 @@ def registered_methods() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def proposer_class(method: str) -> Callable[..., Proposer]:
+def proposer_class(method: str) -> type[Proposer]:
     if method not in _REGISTRY:
         raise ValueError(
             f"speculative method {method!r} has no drafter backend here; available: {', '.join(registered_methods())}"
@@ -219,8 +238,9 @@ def proposer_class(method: str) -> Callable[..., Proposer]:
 
 def build_proposer(config: SpeculativeConfig | DrafterConfig, **context: Any) -> Proposer:
     """Instantiate the proposer that `config.method` names, from the small resolved runtime
-    config (DrafterConfig) rather than the vLLM parsing state."""
-    return proposer_class(config.method).from_config(_runtime_config(config), **context)
+    config (DrafterConfig) rather than the vLLM parsing state; `context`: the fields of its
+    ProposerContext (max_model_len=..., target_model=..., ...)."""
+    return proposer_class(config.method).from_config(_runtime_config(config), ProposerContext(**context))
 
 
 def _runtime_config(config: SpeculativeConfig | DrafterConfig) -> DrafterConfig:

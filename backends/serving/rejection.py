@@ -343,7 +343,8 @@ def _check_inputs(
 
 @dataclass
 class AcceptanceStats:
-    """Per-request speculative-decoding counters, with vLLM's definitions (reference §6)."""
+    """Per-request speculative-decoding counters, with vLLM's definitions
+    (https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/v1/spec_decode/metrics.py)."""
 
     num_drafts: int = 0  # verification steps that had drafts
     num_draft_tokens: int = 0

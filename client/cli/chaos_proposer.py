@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
+from backends.config import DrafterConfig
 from backends.methods.ngram import NgramProposer
-from backends.serving.proposer import Draft, DraftRequest, Proposer
+from backends.serving.proposer import Draft, DraftRequest, Proposer, ProposerContext
 
 FAULTS = ("raise", "garbage", "slow")
 SLOW_S = 3.0
@@ -38,8 +38,8 @@ class ChaosNgram(Proposer):
         self.trigger = Path(trigger) if trigger else None
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int = 4096, **_: Any) -> ChaosNgram:
-        return cls(config.num_speculative_tokens, max_model_len)
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> ChaosNgram:
+        return cls(config.num_speculative_tokens, ctx.max_model_len)
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         fault = self._take_fault()

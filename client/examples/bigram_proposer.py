@@ -11,9 +11,8 @@ venv's Python, which this package is).
 
 from __future__ import annotations
 
-from typing import Any
-
-from backends.serving.proposer import Draft, DraftRequest, Proposer
+from backends.config import DrafterConfig
+from backends.serving.proposer import Draft, DraftRequest, Proposer, ProposerContext
 
 
 class BigramProposer(Proposer):
@@ -22,9 +21,9 @@ class BigramProposer(Proposer):
         self._tables: dict[int, tuple[int, dict[int, int]]] = {}
 
     @classmethod
-    def from_config(cls, config: Any, **context: Any) -> BigramProposer:
-        # config is the resolved SpeculativeConfig; context has max_model_len, dtype,
-        # target_model (a path) and seed. This proposer needs none of them.
+    def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> BigramProposer:
+        # config is the resolved speculative config; ctx has max_model_len, target_model (a
+        # path), dtype, device and seed. This proposer needs none of them.
         return cls()
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:

@@ -1,4 +1,6 @@
-"""backends/config/ against vllm_spec_reference.md §2 (plus §3.1, §3.3, §3.6, §7)."""
+"""backends/config/ against vLLM's SpeculativeConfig at c314af1 (its fields, method resolution,
+_verify_args, derived helpers, per-method defaults, aux layer ids and dynamic K):
+https://github.com/vllm-project/vllm/blob/c314af1abfddff7b6cce9af578be72c496c6a5e4/vllm/config/speculative.py"""
 
 from __future__ import annotations
 
@@ -498,7 +500,7 @@ def test_qwen3_5_reads_mtp_layers_from_text_config(mkmodel):
     assert cfg.method == "mtp" and cfg.num_speculative_tokens == 2
 
 
-# ---------------------------------------------------------------- §2.6 hf_config_override
+# ---------------------------------------------------------------- hf_config_override
 
 
 @pytest.mark.parametrize(
@@ -688,7 +690,7 @@ def test_missing_config_json_in_a_model_dir(tmp_path_factory):
     fails({"model": str(empty), "num_speculative_tokens": 3}, "model: cannot read")
 
 
-# ---------------------------------------------------------------- §2.5 draft TP / max len
+# ---------------------------------------------------------------- draft TP / max len
 
 
 @pytest.mark.parametrize("target_tp,draft_tp,expected", [(1, None, 1), (2, None, 2), (2, 2, 2), (2, 1, 1)])
@@ -871,7 +873,7 @@ def test_heterogeneous_vocab_rules(spec, needle):
     fails({**spec, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True}, needle)
 
 
-# ---------------------------------------------------------------- §3.6 aux layer ids
+# ---------------------------------------------------------------- aux layer ids
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from backends.config import SpeculativeConfig
-from backends.methods.custom_class import CustomClass
+from backends.methods.custom_class import CustomClassProposer
 from backends.serving.proposer import DraftRequest, build_proposer
 
 EXAMPLE = "client.examples.bigram_proposer.BigramProposer"
@@ -46,6 +46,26 @@ class TooMany(Proposer):
     def propose(self, batch):
         return [Draft([1] * (r.num_tokens + 1)) for r in batch]
 
+class Remembers(Proposer):
+    # keeps what from_config gave it, under the contract before ProposerContext and under it
+    def __init__(self, context):
+        self.context = context
+
+class KeywordContext(Remembers):
+    @classmethod
+    def from_config(cls, config, **context):
+        return cls(context)
+
+class NamedKeywords(Remembers):
+    @classmethod
+    def from_config(cls, config, max_model_len=4096, **_):
+        return cls({"max_model_len": max_model_len})
+
+class TakesContext(Remembers):
+    @classmethod
+    def from_config(cls, config, ctx):
+        return cls({"max_model_len": ctx.max_model_len, "target_model": ctx.target_model})
+
 def not_a_class(): ...
 """
 
@@ -58,13 +78,21 @@ def build(model: str, target_dir):
 
 def test_the_example_drafts_by_its_bigram_table(tiny_model_dir):
     proposer = build(EXAMPLE, tiny_model_dir)
-    assert isinstance(proposer, CustomClass) and proposer.hidden_layer_ids == ()
+    assert isinstance(proposer, CustomClassProposer) and proposer.hidden_layer_ids == ()
     assert proposer.propose([DraftRequest(1, [1, 2, 3, 1, 2], 3)])[0].token_ids == [3, 1, 2]
     # Later calls read only the new tokens: 2 is now followed by 4.
     assert proposer.propose([DraftRequest(1, [1, 2, 3, 1, 2, 4, 1], 3)])[0].token_ids == [2, 4, 1]
     assert proposer.propose([DraftRequest(2, [5, 6], 3)])[0].token_ids == []  # nothing seen after 6
     proposer.release(1)
     assert proposer.propose([DraftRequest(1, [7, 1], 2)])[0].token_ids == []
+
+
+@pytest.mark.parametrize("name", ["KeywordContext", "NamedKeywords", "TakesContext"])
+def test_from_config_gets_the_context_under_either_contract(name, user_module, tiny_model_dir):
+    context = build(f"user_proposers_mod.{name}", tiny_model_dir).inner.context
+    assert context["max_model_len"] == 512
+    if name != "NamedKeywords":
+        assert context["target_model"] == tiny_model_dir
 
 
 ERRORS = {
@@ -74,7 +102,7 @@ ERRORS = {
     "user_proposers_mod.NoPropose": (
         TypeError,
         r"has no callable propose\(\); implement the interface of "
-        r"backends\.proposer\.Proposer",
+        r"backends\.serving\.proposer\.Proposer",
     ),
     "user_proposers_mod.WrongSignature": (TypeError, r"propose\(self, batch, k\) does not take \(self, batch\)"),
     "user_proposers_mod.Boom": (
@@ -111,7 +139,9 @@ def test_an_import_error_inside_the_module_is_shown(user_module, tiny_model_dir)
 
 def test_wrong_answers_fail_the_request_clearly(user_module, tiny_model_dir):
     batch = [DraftRequest(1, [1, 2, 3], 2)]
-    with pytest.raises(TypeError, match=r"returned \[1, 2\] for sequence 1; expected a backends\.proposer\.Draft"):
+    with pytest.raises(
+        TypeError, match=r"returned \[1, 2\] for sequence 1; expected a backends\.serving\.proposer\.Draft"
+    ):
         build("user_proposers_mod.ListsLikeVllm", tiny_model_dir).propose(batch)
     with pytest.raises(ValueError, match=r"returned 3 drafts for sequence 1, which asked for at most 2"):
         build("user_proposers_mod.TooMany", tiny_model_dir).propose(batch)

@@ -10,7 +10,8 @@ import torch
 
 from backends.config import SpeculativeConfig
 from backends.config.errors import SpeculativeConfigError
-from backends.methods.draft_model import DraftModelProposer, sample_drafts
+from backends.methods.draft_model import DraftModelProposer
+from backends.methods.drafts import sample_drafts
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
 from backends.runtime.lean_lm import LeanCausalLM, _Int4Linear, _Int8Linear, _PackedLinear

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig
-from backends.methods.extract_hidden_states import HiddenStateExtractor
+from backends.methods.extract_hidden_states import ExtractHiddenStatesProposer
 from backends.runtime.model_store import load_tokenizer
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
@@ -28,7 +28,7 @@ PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The"]
 def test_config_and_proposer(tiny_model_dir):
     config = SpeculativeConfig.from_json(EXTRACT_SPEC, target_model=str(tiny_model_dir))
     proposer = build_proposer(config, max_model_len=512, target_model=tiny_model_dir)
-    assert isinstance(proposer, HiddenStateExtractor) and proposer.hidden_layer_ids == tuple(EXTRACT_LAYERS)
+    assert isinstance(proposer, ExtractHiddenStatesProposer) and proposer.hidden_layer_ids == tuple(EXTRACT_LAYERS)
     assert DraftService(proposer, config).num_speculative_tokens == 0  # it never drafts
     with pytest.raises(
         ValueError,

@@ -184,15 +184,17 @@ class _Answer:
     ],
 )
 def test_a_custom_proposers_answer_is_checked(ids, probs, message):
-    from backends.methods.custom_class import CustomClass
+    from backends.methods.custom_class import CustomClassProposer
     from backends.serving.proposer import Draft, DraftRequest
 
-    proposer = CustomClass(_Answer(Draft(ids, probs)), "my.Proposer", vocab_size=100)
+    proposer = CustomClassProposer(_Answer(Draft(ids, probs)), "my.Proposer", vocab_size=100)
     with pytest.raises(ValueError) as err:
         proposer.propose([DraftRequest(3, [1, 2], 4)])
     assert message in str(err.value) and "'my.Proposer'" in str(err.value) and "sequence 3" in str(err.value)
     good = Draft([5, 6], torch.full((2, 100), 0.01))
-    assert CustomClass(_Answer(good), "my.Proposer", vocab_size=100).propose([DraftRequest(3, [1], 4)]) == [good]
+    assert CustomClassProposer(_Answer(good), "my.Proposer", vocab_size=100).propose([DraftRequest(3, [1], 4)]) == [
+        good
+    ]
 
 
 # -- loading and fetching ------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from backends.methods.ngram import NgramDrafter, NgramProposer
+from backends.methods.ngram import NgramProposer, PromptLookupProposer
 from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 
 
@@ -69,7 +69,7 @@ def test_registry_builds_the_ngram_drafter():
 
     config = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}')
     drafter = build_proposer(config, max_model_len=100)
-    assert isinstance(drafter, NgramDrafter)
+    assert isinstance(drafter, PromptLookupProposer)
     drafts = drafter.propose([DraftRequest(1, [4, 5, 6, 7, 8, 4, 5, 6, 7, 8], 3), DraftRequest(2, [1, 2, 3], 3)])
     assert [d.token_ids for d in drafts] == [[4, 5, 6], []]  # default lookup n is 5..5
     drafts = drafter.propose([DraftRequest(1, [4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8], 3)])
@@ -82,7 +82,7 @@ def test_drafter_follows_a_list_growing_in_place():
     # DraftService hands over the same list every step; the drafter converts only the new tail.
     rng = random.Random(1)
     proposer = NgramProposer(1, 3, 4, 10**6)
-    drafter = NgramDrafter(proposer)
+    drafter = PromptLookupProposer(proposer)
     tokens = []
     for _ in range(300):
         tokens.extend(rng.randrange(6) for _ in range(rng.randint(1, 5)))

@@ -9,7 +9,7 @@ import torch
 
 from backends.config import SpeculativeConfig
 from backends.methods.ngram import NgramProposer
-from backends.methods.ngram_gpu import NgramGPUDrafter
+from backends.methods.ngram_gpu import NgramGPUProposer
 from backends.serving.proposer import DraftRequest, build_proposer
 from kernels import ngram as nk
 
@@ -38,7 +38,7 @@ def test_batched_equals_ngram_on_random_sequences():
         max_n = rng.randint(min_n, 5)
         k = rng.randint(1, 5)
         batch = random_batch(rng, rng.randint(1, 6))
-        drafter = NgramGPUDrafter(min_n, max_n, k, device="cpu")
+        drafter = NgramGPUProposer(min_n, max_n, k, device="cpu")
         expected = [NgramProposer(min_n, max_n, k, UNBOUNDED).propose(seq) for seq in batch]
         no_match += sum(not e for e in expected)
         check_rows(*drafter.propose_batch(batch), expected, k)
@@ -91,7 +91,7 @@ def test_drafter_from_registry_is_not_clamped_by_max_model_len():
         '{"method": "ngram_gpu", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
     )
     drafter = build_proposer(config, max_model_len=6)
-    assert isinstance(drafter, NgramGPUDrafter)
+    assert isinstance(drafter, NgramGPUProposer)
     tokens = [4, 5, 6, 7, 4, 5]  # ngram with max_model_len=6 would give nothing here
     drafts = drafter.propose([DraftRequest(1, tokens, 3), DraftRequest(2, [1, 2], 3), DraftRequest(3, tokens, 1)])
     assert [d.token_ids for d in drafts] == [[6, 7, 4], [], [6]]

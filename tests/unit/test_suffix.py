@@ -1,4 +1,5 @@
-"""Suffix decoding against a brute-force model of the same semantics (reference §3.3)."""
+"""Suffix decoding against a brute-force model of the same semantics (arctic-inference 0.1.1's
+suffix trees, as backends/methods/suffix.py cites them)."""
 
 import random
 from collections import Counter
@@ -6,7 +7,7 @@ from collections import Counter
 import pytest
 
 from backends.config import SpeculativeConfig
-from backends.methods.suffix import SuffixDecodingCache, SuffixDrafter, SuffixTree
+from backends.methods.suffix import SuffixDecodingCache, SuffixProposer, SuffixTree
 from backends.serving.proposer import DraftRequest, build_proposer
 
 
@@ -291,7 +292,7 @@ def test_drafter_feeds_the_cache_from_whole_sequences():
         '{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}'
     )
     drafter = build_proposer(config, max_model_len=1000)
-    assert isinstance(drafter, SuffixDrafter)
+    assert isinstance(drafter, SuffixProposer)
     tokens = [5, 6, 7, 8, 5, 6]
     assert drafter.propose([DraftRequest(1, tokens, 4)])[0].token_ids == [7, 8]
     tokens += [7, 8, 5]  # the caller's list grows in place, as DraftService's does
