@@ -194,22 +194,16 @@ class DSparkProposer(DFlashProposer):
 def default_config(
     target: TargetInfo,
     *,
-    mask_token_id: int,
     block_size: int = 7,
-    num_hidden_layers: int = 1,
-    target_layer_ids: list[int] | None = None,
     markov_rank: int = 64,
     markov_head_type: str = "vanilla",
     confidence_head: bool = True,
+    **backbone: Any,
 ) -> dict[str, Any]:
-    """A DeepSpec Qwen3DSparkModel config.json for a new head on `target`."""
-    cfg = dflash_default_config(
-        target,
-        mask_token_id=mask_token_id,
-        block_size=block_size,
-        num_hidden_layers=num_hidden_layers,
-        target_layer_ids=target_layer_ids,
-    )
+    """A DeepSpec Qwen3DSparkModel config.json for a new head on `target`: DFlash's backbone
+    (`backbone`: dflash.default_config's mask_token_id, num_hidden_layers, target_layer_ids)
+    and the Markov head."""
+    cfg = dflash_default_config(target, block_size=block_size, **backbone)
     dflash = cfg.pop("dflash_config")
     cfg.pop("auto_map", None)
     return {

@@ -305,25 +305,20 @@ def layer_kernels_available(hidden_size: int, intermediate_size: int, head_dim: 
     return _kernels_built()
 
 
+def _ran(kernel: str, *args: int | float) -> bool:
+    """One of the lane-wise kernels (rms_norm, rope_store, silu_mul) on torch's thread count;
+    False where it refused the sizes it was given."""
+    return getattr(_library(), kernel)(*args, torch.get_num_threads()) == 0
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm of each row of ``x`` ``[rows, n]`` (rows may be strided; float32 or
     bfloat16, ``weight`` of the same dtype). Callers check ``layer_kernels_available`` once."""
     rows, n = x.shape
     _check_rows(x, weight)
     out = x.new_empty(rows, n)
-    rc = _library().rms_norm(
-        x.data_ptr(),
-        x.stride(0),
-        weight.data_ptr(),
-        out.data_ptr(),
-        out.stride(0),
-        rows,
-        n,
-        eps,
-        int(x.dtype == torch.bfloat16),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
+    pointers = (x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0))
+    if not _ran("rms_norm", *pointers, rows, n, eps, int(x.dtype == torch.bfloat16)):
         raise KernelUnavailable(f"rms_norm takes rows of a multiple of 16 values up to {MAX_NORM}, got {n}")
     return out
 
@@ -338,21 +333,8 @@ def rope_store(
     _, _, kv_heads, d = kv_layer.shape
     if slots.dtype != torch.int64 or not slots.is_contiguous():
         raise ValueError("rope_store needs contiguous int64 slots")
-    rc = _library().rope_store(
-        qkv.data_ptr(),
-        qkv.stride(0),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        kv_layer.data_ptr(),
-        slots.data_ptr(),
-        qkv.shape[0],
-        num_heads,
-        kv_heads,
-        d,
-        int(qkv.dtype == torch.bfloat16),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
+    pointers = (qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kv_layer.data_ptr(), slots.data_ptr())
+    if not _ran("rope_store", *pointers, qkv.shape[0], num_heads, kv_heads, d, int(qkv.dtype == torch.bfloat16)):
         raise KernelUnavailable(f"rope_store takes a head dim that is a multiple of 16 up to {MAX_HEAD_DIM}, got {d}")
 
 
@@ -361,17 +343,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _check_rows(gate_up)
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, n)
-    rc = _library().silu_mul(
-        gate_up.data_ptr(),
-        gate_up.stride(0),
-        out.data_ptr(),
-        out.stride(0),
-        rows,
-        n,
-        int(gate_up.dtype == torch.bfloat16),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
+    pointers = (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0))
+    if not _ran("silu_mul", *pointers, rows, n, int(gate_up.dtype == torch.bfloat16)):
         raise KernelUnavailable(f"silu_mul takes rows of a multiple of 16 values up to {MAX_NORM}, got {n}")
     return out
 

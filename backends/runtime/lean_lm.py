@@ -203,6 +203,15 @@ class _Linear:
         self.k_chunk = k_chunk
         self.slab = slab
 
+    def _whole(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """The fields of a linear whose kernel takes K whole and any number of rows (no chunks,
+        no slabs); the kernel's own form of the weight is the subclass's."""
+        self.out_features, k = weight.shape
+        self.dtype = dtype
+        self.bounds = [(0, k)]
+        self.bias = bias
+        self.k_chunk = self.slab = None
+
     def tensors(self) -> list[torch.Tensor]:
         """The tensors it holds (its weights in whatever form its kernel takes)."""
         return [t for t in (*self.weights, self.bias) if t is not None]
@@ -276,12 +285,9 @@ class _TritonLinear(_Linear):
     every call and no split-K, so row invariant by construction."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, k = weight.shape
-        self.dtype, self.device = weight.dtype, weight.device
-        self.bounds = [(0, k)]
+        self._whole(weight, bias, weight.dtype)
+        self.device = weight.device
         self.weight = weight.contiguous()
-        self.bias = bias
-        self.k_chunk = self.slab = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.bias) if t is not None]
@@ -306,12 +312,8 @@ class _PackedLinear(_CLinear):
     here up to 40 rows, level with it from 128, and row invariant by construction (no K split)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, k = weight.shape
-        self.dtype = weight.dtype
-        self.bounds = [(0, k)]
+        self._whole(weight, bias, weight.dtype)
         self.packed = cpu_kernels.pack_linear(weight)
-        self.bias = bias
-        self.k_chunk = self.slab = None
 
     @staticmethod
     def runs(weight: torch.Tensor) -> bool:
@@ -380,12 +382,8 @@ class _Int4Linear(_CLinear):
     int8's 11.4 ms for a token's linear layers here)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, k = weight.shape
-        self.dtype = torch.bfloat16
-        self.bounds = [(0, k)]
+        self._whole(weight, bias, torch.bfloat16)
         self.weight = cpu_kernels.pack_linear_int4(weight)
-        self.bias = bias
-        self.k_chunk = self.slab = None
 
     @staticmethod
     def runs(weight: torch.Tensor) -> bool:
@@ -404,12 +402,8 @@ class _Int8Linear(_CLinear):
     target's exact bits: half the bytes of bf16 to stream per step."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, k = weight.shape
-        self.dtype = torch.bfloat16
-        self.bounds = [(0, k)]
+        self._whole(weight, bias, torch.bfloat16)  # bias: bf16, as every weight _Weights hands out for int8
         self.weight = cpu_kernels.pack_linear_int8(weight)
-        self.bias = bias  # bf16, as every weight _Weights hands out for int8
-        self.k_chunk = self.slab = None
 
     @staticmethod
     def runs(weight: torch.Tensor) -> bool:

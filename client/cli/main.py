@@ -58,6 +58,12 @@ IN_PROCESS_HELP = (
 )
 
 
+def _error(e: Exception | str, code: int = 1) -> int:
+    """Say what went wrong on stderr and give the command's exit code (1; 2 for bad input)."""
+    print(f"error: {e}", file=sys.stderr)
+    return code
+
+
 def _add_in_process_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verifier-in-process", nargs="?", const="true", choices=VERIFIER_IN_PROCESS_CHOICES, help=IN_PROCESS_HELP
@@ -177,11 +183,9 @@ def _serve(args: argparse.Namespace) -> int:
             args.speculative_config = _local_speculative_config(args.speculative_config, model)
             SpeculativeConfig.from_json(args.speculative_config, target_model=str(target))
     except ModelNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e, 2)
     except ValueError as e:
-        print(f"error: --speculative-config: {e}", file=sys.stderr)
-        return 2
+        return _error(f"--speculative-config: {e}", 2)
     overrides.common["model"] = model if model in NAMED_MODELS else str(target)
     if args.dtype:
         overrides.common["dtype"] = args.dtype
@@ -204,8 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:  # the check the `speculative` model applies to the parameter
             check(str(value))
         except ValueError as e:
-            print(f"error: --{name.replace('_', '-')}: {e}", file=sys.stderr)
-            return 2
+            return _error(f"--{name.replace('_', '-')}: {e}", 2)
         overrides.per_model.setdefault("speculative", {})[name] = str(value)
     if args.speculative_config:
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
@@ -218,8 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.start(timeout_s=args.startup_timeout, require_all_models=False)
     except ServerStartError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(e)
     print(
         f"\ntritonspec is serving {repository}\n"
         f"  HTTP    http://{server.http_url}   (generate: /v2/models/speculative/generate[_stream])\n"
@@ -256,8 +258,7 @@ def _config(args: argparse.Namespace) -> int:
         target = str(resolve_model(args.target)) if args.target else None
         config = SpeculativeConfig.from_json(args.json, target_model=target)
     except (ValueError, ModelNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(e)
     print(config.explain())
     return 0
 
@@ -284,11 +285,9 @@ def _generate(args: argparse.Namespace) -> int:
             url = args.url or "127.0.0.1:8000"
             result = http_generate(url, args.prompt, args.model, stream=args.stream, on_text=on_text, **inputs)
     except ServerUnavailableError as e:
-        print(f"error: the server cannot be reached at {url} ({args.protocol}); is it running? {e}", file=sys.stderr)
-        return 1
+        return _error(f"the server cannot be reached at {url} ({args.protocol}); is it running? {e}")
     except (GenerationError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(e)
     if not args.stream:
         print(result.text, end="")
     metrics = result.perf_metrics
@@ -322,8 +321,7 @@ def _models(args: argparse.Namespace) -> int:
             for path in fetch_named(name, force=args.force):
                 print(path)
     except (ModelNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(e)
     return 0
 
 
@@ -364,8 +362,7 @@ def _bench(args: argparse.Namespace) -> int:
             args.categories, Path(args.prompt_file) if args.prompt_file else None, args.prompt_set
         )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e, 2)
     target = local_model(args.model)
     draft = None
     if args.draft_model:
@@ -386,15 +383,13 @@ def _bench(args: argparse.Namespace) -> int:
         config = method_config(name, PROFILES[args.profile]["speculative_config"] if args.profile else None)
         if method == "draft_model":
             if draft is None:
-                print("error: the draft_model method needs --draft-model (or --profile)", file=sys.stderr)
-                return 2
+                return _error("the draft_model method needs --draft-model (or --profile)", 2)
             config["model"] = str(draft)
         elif method in TRAINERS:
             try:
                 config["model"] = str(trained_head(args.model, method))
             except ModelNotFoundError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+                return _error(e, 2)
         if args.num_speculative_tokens:
             config["num_speculative_tokens"] = args.num_speculative_tokens
         overrides = RepositoryOverrides(
@@ -512,8 +507,7 @@ def _verify_cost(args: argparse.Namespace) -> int:
             batch_invariant=args.batch_invariant,
         )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e, 2)
     print(
         f"{cost['engine']}, {args.context} cached tokens: one verify step ({args.drafts} drafts each): "
         f"1 sequence {cost['one_ms']:.1f} ms, "
@@ -531,8 +525,7 @@ def _perf(args: argparse.Namespace) -> int:
         try:  # the check the `speculative` model applies to a request's own
             stream_interval(str(args.stream_interval))
         except ValueError as e:
-            print(f"error: --stream-interval: {e}", file=sys.stderr)
-            return 2
+            return _error(f"--stream-interval: {e}", 2)
     out = Path(args.out)
     server = None
     url = args.url
@@ -568,8 +561,7 @@ def _export_onnx(args: argparse.Namespace) -> int:
             args.method, args.checkpoint, local_model(args.target), args.out, check=not args.no_check
         )
     except (ValueError, ModelNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(e)
     print(f"written: {path} and {Path(args.out) / 'config.pbtxt'}")
     if diff is not None:
         print(f"onnxruntime (CPU) vs the torch head: largest difference {diff:.2e}")
@@ -603,8 +595,7 @@ def _train(args: argparse.Namespace) -> int:
             self_prompts=args.self_prompts,
         )
     except (ValueError, ModelNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(e)
     final = report["history"][-1]
     print(f"written: {out} ({args.method} head for {target})")
     print(
@@ -626,8 +617,7 @@ def _openai(args: argparse.Namespace) -> int:
             Path(args.chat_template) if args.chat_template else None,
         )
     except Exception as e:  # unreachable server, unknown model, unreadable template: say which
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(e)
     print(
         f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 (model {backend.served_model_name!r}) "
         f"-> {args.triton_model} at {args.url}",

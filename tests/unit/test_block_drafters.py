@@ -28,7 +28,7 @@ from backends.runtime import lean_lm
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
-from tests.fixtures.synthetic_checkpoints import refusal_test, save_checkpoint, write_eagle1
+from tests.fixtures.synthetic_checkpoints import edit_state, refusal_test, save_checkpoint, write_eagle1
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 MASK, V, H = 383, 384, 64
@@ -272,16 +272,10 @@ def test_layout_comes_from_the_config_not_the_name(tmp_path, tiny_model_dir, tar
     assert isinstance(proposer, DFlashProposer) and proposer.hidden_layer_ids == (1, 2)
 
 
-def _edit(state: dict, drop=(), **replace) -> dict:
-    state = {k: v for k, v in state.items() if k not in drop}
-    state.update({k.replace("__", "."): v for k, v in replace.items()})
-    return state
-
-
 REFUSALS = {
     "missing key": (
         "dflash",
-        lambda s: _edit(s, drop=["layers.1.self_attn.k_norm.weight"]),
+        lambda s: edit_state(s, drop=["layers.1.self_attn.k_norm.weight"]),
         None,
         r"missing key 'layers\.1\.self_attn\.k_norm\.weight' \(expected shape \[16\]\)",
     ),

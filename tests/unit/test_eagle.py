@@ -19,7 +19,7 @@ from backends.runtime import cpu_kernels
 from backends.serving.local import generate_local
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
-from tests.fixtures.synthetic_checkpoints import refusal_test, write_eagle1, write_eagle3
+from tests.fixtures.synthetic_checkpoints import edit_state, refusal_test, write_eagle1, write_eagle3
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 # Checkpoint variants: (writer, options).
@@ -169,21 +169,15 @@ def test_layout_comes_from_the_checkpoint_not_the_name(tmp_path, target_dir, tar
         load_eagle(tmp_path / "EAGLE-llama-misnamed", target, method="eagle")
 
 
-def _edit(state: dict, drop=(), **replace) -> dict:
-    state = {k: v for k, v in state.items() if k not in drop}
-    state.update({k.replace("__", "."): v for k, v in replace.items()})
-    return state
-
-
 H, I, V = 64, 128, 384
 REFUSALS = {
     "missing key": (
         "eagle3-midlayer",
-        lambda s: _edit(s, drop=["midlayer.hidden_norm.weight"]),
+        lambda s: edit_state(s, drop=["midlayer.hidden_norm.weight"]),
         None,
         r"missing key 'layers\.0\.hidden_norm\.weight' \(expected shape \[64\]\)",
     ),
-    "missing fc bias": ("eagle1-bin", lambda s: _edit(s, drop=["fc.bias"]), None, r"missing key 'fc\.bias'"),
+    "missing fc bias": ("eagle1-bin", lambda s: edit_state(s, drop=["fc.bias"]), None, r"missing key 'fc\.bias'"),
     "unexpected key": (
         "eagle3-midlayer",
         lambda s: {**s, "midlayer.self_attn.q_norm.weight": torch.ones(16)},
