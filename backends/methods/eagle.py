@@ -47,7 +47,7 @@ crops them (even for accepted drafts, which are re-fed with the target's h, as E
 and keeps only the entries computed from target states whose tokens still match the
 sequence (the token list is diffed as in draft_model).
 
-Greedy drafts come without probabilities (one-hot, as in draft_model); `probabilistic`
+Greedy drafts come without probabilities (one-hot, backends/methods/drafts.py); `probabilistic`
 drafts are sampled and come with [k, V_target] probabilities (eagle3 scatters its draft
 vocabulary into the target's through d2t; target ids outside it get probability 0).
 

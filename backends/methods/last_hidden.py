@@ -12,7 +12,7 @@ previous token (x_{n-1} for i = 0, then draft i-1). Medusa ignores the tokens (h
 same state); the MLP speculator feeds them through its stages. `num_steps` bounds i and
 `draft_to_target` (or None) maps a draft-vocabulary id to a target id.
 
-Greedy drafts are argmax and come without probabilities (one-hot, as in draft_model);
+Greedy drafts are argmax and come without probabilities (one-hot, backends/methods/drafts.py);
 `probabilistic` drafts are sampled from the softmax of each step's logits at the request's
 temperature and come with those probabilities over the target vocabulary (0 outside a
 truncated draft vocabulary).

@@ -19,9 +19,9 @@ LINK = re.compile(r"\[[^\]]+\]\(([^)\s]+)\)")
 TOP = ("backends", "client", "kernels", "scripts", "tests", "deploy", "docs")
 ROOMS = ("config", "methods", "runtime", "serving", "training", "triton_models")
 REPO_PATH = re.compile(rf"(?<![\w./~-])((?:{'|'.join(TOP + ROOMS)})/[\w./-]*)")
-# Citations a reader cannot follow: a file on the machine the code was written on, or a
-# numbered section of a reference document that is not in the repository.
-UNFOLLOWABLE = re.compile(r"/work/|shared/reference|\w+_reference\.md|checkpoint_formats\.md|\u00a7\s?\d")
+# Citations a reader cannot follow: a file on the machine the code was written on (a work or
+# home directory), or a numbered section of a reference document that is not in the repository.
+UNFOLLOWABLE = re.compile(r"/work/|/home/|/root/|shared/reference|\w+_reference\.md|checkpoint_formats\.md|\u00a7\s?\d")
 SOURCES = ("backends", "client", "kernels", "scripts", "tests", "docs", "deploy")
 
 
@@ -60,8 +60,8 @@ def test_the_readme_indexes_every_page_of_docs():
 
 
 def named_paths(text: str) -> list[str]:
-    """The repository paths `text` names (in backticks or code blocks), globs left out."""
-    return [p.rstrip(".") for p in REPO_PATH.findall(text) if "*" not in p and p.rstrip(".") not in ("config",)]
+    """The repository paths `text` names, globs left out."""
+    return [p.rstrip(".") for p in REPO_PATH.findall(text) if "*" not in p]
 
 
 def resolves(path: str) -> bool:
