@@ -1,8 +1,10 @@
 """Decoding through a real server on a shared or a limited CPU: tokens/s quiet, with a busy
 process pinned to one core, and (`--cgroup`) inside a cgroup granted 1 CPU.
 
-    flock /work/heavy.lock .venv/bin/python scripts/bench_shared_core.py [--repeats 3] [--prompts 2]
+    .venv/bin/python scripts/bench_shared_core.py [--repeats 3] [--prompts 2]
         [--max-tokens 128] [--speculative ngram] [--fixed] [--cgroup]
+
+On a host shared with other jobs, run it under the lock they share (`flock LOCKFILE ...`).
 
 Through a server rather than in process: what a busy core costs depends on every process that
 serves a request (tritonserver, the `speculative` model's, the verifier's), not on the forward
@@ -103,14 +105,7 @@ def _started(args, label: str, port: int, threads: int | None, adapt: bool, grou
         overrides.per_model["drafter"] = {"speculative_config": json.dumps(config)}
     log_path = args.out / f"server-{label}.log"
     log_path.unlink(missing_ok=True)
-    srv = TritonServer(
-        http_port=port,
-        grpc_port=port + 1,
-        metrics_port=port + 2,
-        overrides=overrides,
-        log_path=log_path,
-        threads=threads,
-    )
+    srv = TritonServer.on_port(port, overrides, log_path, threads)
     saved = dict(os.environ)
     os.environ[ADAPT_ENV] = "1" if adapt else "0"  # the launcher hands the server this environment
     try:

@@ -182,6 +182,20 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
 
+    @classmethod
+    def on_port(
+        cls, http_port: int, overrides: RepositoryOverrides, log_path: Path, threads: int | None = None
+    ) -> TritonServer:
+        """A server for a measuring command: HTTP on `http_port`, gRPC and metrics right after."""
+        return cls(
+            http_port=http_port,
+            grpc_port=http_port + 1,
+            metrics_port=http_port + 2,
+            overrides=overrides,
+            log_path=log_path,
+            threads=threads,
+        )
+
     @property
     def http_url(self) -> str:
         return f"{self.host}:{self.http_port}"

@@ -325,20 +325,6 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _own_server(http_port: int, overrides, log_path: Path, threads: int | None = None):
-    """A server for a measuring command: HTTP on `http_port`, gRPC and metrics right after."""
-    from client.cli.launcher import TritonServer
-
-    return TritonServer(
-        http_port=http_port,
-        grpc_port=http_port + 1,
-        metrics_port=http_port + 2,
-        overrides=overrides,
-        log_path=log_path,
-        threads=threads,
-    )
-
-
 def _bench(args: argparse.Namespace) -> int:
     from client.cli.bench import (
         base_method,
@@ -352,7 +338,7 @@ def _bench(args: argparse.Namespace) -> int:
         plot_report,
         verified_in_process_from_log,
     )
-    from client.cli.launcher import RepositoryOverrides
+    from client.cli.launcher import RepositoryOverrides, TritonServer
 
     if args.profile:
         args.model = PROFILES[args.profile]["model"]
@@ -405,7 +391,7 @@ def _bench(args: argparse.Namespace) -> int:
                 "speculative": _in_process(args),
             },
         )
-        with _own_server(args.port, overrides, out / f"server-{name}.log", args.threads) as server:
+        with TritonServer.on_port(args.port, overrides, out / f"server-{name}.log", args.threads) as server:
             report.setdefault("engine", engine_from_log(out / f"server-{name}.log"))
             report.setdefault("verifier_in_process", verified_in_process_from_log(out / f"server-{name}.log"))
             runs = measure(
@@ -436,7 +422,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from client.cli.launcher import RepositoryOverrides
+    from client.cli.launcher import RepositoryOverrides, TritonServer
     from client.cli.soak import run_soak
 
     local_model(args.model)
@@ -445,7 +431,7 @@ def _soak(args: argparse.Namespace) -> int:
     )
     if args.chaos:
         return _chaos_soak(args, overrides)
-    with _own_server(args.port, overrides, Path(args.log)) as server:
+    with TritonServer.on_port(args.port, overrides, Path(args.log)) as server:
         result = run_soak(server, args.seconds, args.concurrency, args.max_tokens)
         time.sleep(1)
         active = server.active_sequences()
@@ -465,13 +451,14 @@ def _chaos_soak(args: argparse.Namespace, overrides) -> int:
     import os
     import tempfile
 
+    from client.cli.launcher import TritonServer
     from client.cli.soak import CHAOS_SPECULATIVE_CONFIG, run_chaos_soak, wait_until_idle
 
     overrides.per_model["drafter"] = {"speculative_config": json.dumps(CHAOS_SPECULATIVE_CONFIG)}
     with tempfile.TemporaryDirectory(prefix="tritonspec-chaos-") as tmp:
         trigger = Path(tmp) / "fault"
         os.environ["TRITONSPEC_CHAOS_TRIGGER"] = str(trigger)  # the server's stubs inherit it
-        with _own_server(args.port, overrides, Path(args.log)) as server:
+        with TritonServer.on_port(args.port, overrides, Path(args.log)) as server:
             r = run_chaos_soak(server, args.seconds, args.concurrency, trigger, args.max_tokens, args.fault_every)
             active = wait_until_idle(server)
             ready = server.is_ready()
@@ -518,7 +505,7 @@ def _verify_cost(args: argparse.Namespace) -> int:
 
 
 def _perf(args: argparse.Namespace) -> int:
-    from client.cli.launcher import RepositoryOverrides
+    from client.cli.launcher import RepositoryOverrides, TritonServer
     from client.cli.perf import format_sweep, plot_sweep, run_sweep, speedup_table
 
     if args.stream_interval is not None:
@@ -536,7 +523,7 @@ def _perf(args: argparse.Namespace) -> int:
             overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
         overrides.per_model["speculative"] = _in_process(args)
         out.mkdir(parents=True, exist_ok=True)
-        server = _own_server(args.port, overrides, out / "server.log", args.threads).start()
+        server = TritonServer.on_port(args.port, overrides, out / "server.log", args.threads).start()
         url = server.grpc_url
     try:
         results = run_sweep(
