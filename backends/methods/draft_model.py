@@ -44,7 +44,8 @@ from backends.runtime.device import keep_attention_off_cudnn
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import hand_back_freed_memory, load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, SequenceProposer, check_one_device
-from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, new_generator
+from backends.serving.rejection import new_generator
+from backends.serving.request import is_greedy
 from backends.serving.tree import DraftTree, best_nodes, path_scores
 
 SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -197,7 +198,7 @@ class DraftModelProposer(SequenceProposer):
         work = []
         for i, req in enumerate(batch):
             context = self.bridge.to_draft(req.token_ids) if self.bridge else req.token_ids
-            num_drafts = min(req.num_tokens, self.max_model_len - len(context))
+            num_drafts = min(req.num_draft_tokens, self.max_model_len - len(context))
             if num_drafts <= 0 or not context:
                 continue
             state = self._seqs.get(req.seq_id)
@@ -229,7 +230,7 @@ class DraftModelProposer(SequenceProposer):
         for w in work:
             req = batch[w.index]
             if self.bridge:
-                drafts[w.index] = Draft(self.bridge.to_target(req.token_ids, w.context, w.drafts, req.num_tokens))
+                drafts[w.index] = Draft(self.bridge.to_target(req.token_ids, w.context, w.drafts, req.num_draft_tokens))
             else:
                 drafts[w.index] = self._tree(w) if w.tree else Draft(w.drafts, w.probs)
         return drafts
@@ -409,7 +410,7 @@ def sample_drafts(
     vocabulary ids) and, when any row sampled, the probabilities [B, ..., V] in the target
     vocabulary (`target_vocab_size`; 0 outside the draft vocabulary; greedy rows' go unused)."""
     logits = logits.float()
-    greedy = [t < GREEDY_TEMPERATURE_EPS for t in temperatures]
+    greedy = [is_greedy(t) for t in temperatures]
     tokens, probs = logits.argmax(dim=-1), None
     if sample_method == "probabilistic" and not all(greedy):
         rows = (-1,) + (1,) * (tokens.dim() - 1)  # broadcasts a per-row value over a row's slots
