@@ -122,9 +122,9 @@ def draft_length(
     start of the request) or the configured k; the batch-size schedule at the current load,
     except for a seeded request, whose output must not depend on who else is served; the
     adaptive policy; the room left in max_tokens and the context window."""
-    k = info.config.num_tokens_for_request(req.num_draft_tokens)
+    k = info.config.num_draft_tokens_for_request(req.num_draft_tokens)
     if not seeded(req):
-        k = min(k, info.config.num_tokens_for_batch_size(max(1, load)))
+        k = min(k, info.config.num_draft_tokens_for_batch_size(max(1, load)))
     room = min(room, k)
     return policy.next_k(room) if policy else room
 
@@ -222,7 +222,7 @@ class Generation:
         sampling, config = self.req.sampling, self.drafter.info.config if self.speculate else None
         if config is not None and self.req.num_draft_tokens is not None:
             try:
-                config.num_tokens_for_request(self.req.num_draft_tokens)
+                config.num_draft_tokens_for_request(self.req.num_draft_tokens)
             except ValueError as e:
                 raise RequestError(str(e)) from e
         if config is not None and config.rejection_sample_method == "synthetic":
