@@ -276,8 +276,7 @@ class Generation:
         nodes = min(self.drafter.info.config.max_tree_nodes(k), window - 1) if k > 0 and self.max_nodes else 0
         # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
         # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
-        keepalive = self.speculate and time.monotonic() - self.last_drafter_call > DRAFTER_KEEPALIVE_S
-        call_drafter = k > 0 or keepalive
+        call_drafter = k > 0 or (self.speculate and time.monotonic() - self.last_drafter_call > DRAFTER_KEEPALIVE_S)
         steady = not self.unseen_by_verifier and (self.drafter_caught_up or not call_drafter)
         return StepPlan(k, nodes, call_drafter, steady)
 
