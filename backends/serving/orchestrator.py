@@ -150,7 +150,7 @@ class ServingContext:
     prefill_chunk: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepPlan:
     """What one step asks of the drafter (the part of vLLM's SpecDecodeMetadata known before
     drafting)."""
@@ -163,7 +163,7 @@ class StepPlan:
     steady: bool
 
 
-@dataclass
+@dataclass(slots=True)
 class Drafted:
     """The drafter's answer to a StepPlan: the drafts to verify and what they cost."""
 
