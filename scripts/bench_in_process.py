@@ -31,7 +31,7 @@ from backends.runtime.threads import forward_thread
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
 from backends.serving.local import LocalDrafter
-from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.orchestrator import Generation, ServingContext, generate
 from backends.serving.proposer import build_proposer
 from backends.serving.request import GenerationRequest
 from backends.serving.target import TargetRunner
@@ -57,6 +57,7 @@ def measure(
 ) -> float:
     """Output tokens per second of `concurrency` streams decoding for `seconds`."""
     stop, lock, emitted, active = threading.Event(), threading.Lock(), [], [0]
+    ctx = ServingContext({tokenizer.eos_token_id}, runner.max_model_len, load=lambda: active[0])
 
     def stream(first: int) -> None:
         for n in itertools.count(first, concurrency):
@@ -70,18 +71,8 @@ def measure(
             with lock:
                 active[0] += 1
             try:
-                for step in generate(
-                    req,
-                    tokenizer(prompt)["input_ids"],
-                    seq_id,
-                    batcher,
-                    drafter,
-                    TextStream(tokenizer, req.stop),
-                    {tokenizer.eos_token_id},
-                    runner.max_model_len,
-                    GenerationStats(),
-                    load=lambda: active[0],
-                ):
+                ids, text = tokenizer(prompt)["input_ids"], TextStream(tokenizer, req.stop)
+                for step in generate(Generation(req, ids, seq_id, batcher, drafter, text, ctx)):
                     emitted.append((time.perf_counter(), len(step.token_ids)))
             finally:
                 with lock:

@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass, fields
 from typing import Any
 
-from backends.config.speculative import SpeculativeConfig, batch_num_tokens, request_num_tokens
+from backends.config.speculative import SpeculativeConfig, batch_num_draft_tokens, request_num_draft_tokens
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ class DrafterConfig:
         )
         return cls(**values)
 
-    def num_tokens_for_request(self, requested: int | None) -> int:
+    def num_draft_tokens_for_request(self, requested: int | None) -> int:
         """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
-        return request_num_tokens(self.num_speculative_tokens, requested)
+        return request_num_draft_tokens(self.num_speculative_tokens, requested)
 
     def max_tree_nodes(self, k: int) -> int:
         """The most nodes a tree of at most `k` levels may have under this config; 0 when the
@@ -85,6 +85,8 @@ class DrafterConfig:
         # Suffix trees: suffix_decoding_max_tree_nodes nodes, however few levels the step allows.
         return self.suffix_decoding_max_tree_nodes if self.suffix_decoding_use_tree_spec else 0
 
-    def num_tokens_for_batch_size(self, batch_size: int) -> int:
+    def num_draft_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the dynamic schedule (k without one)."""
-        return batch_num_tokens(self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, batch_size)
+        return batch_num_draft_tokens(
+            self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, batch_size
+        )

@@ -666,13 +666,15 @@ class SpeculativeConfig:
 
     # ------------------------------------------------------------------ per request / batch
 
-    def num_tokens_for_request(self, requested: int | None) -> int:
+    def num_draft_tokens_for_request(self, requested: int | None) -> int:
         """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
-        return request_num_tokens(self.num_speculative_tokens, requested)
+        return request_num_draft_tokens(self.num_speculative_tokens, requested)
 
-    def num_tokens_for_batch_size(self, batch_size: int) -> int:
+    def num_draft_tokens_for_batch_size(self, batch_size: int) -> int:
         """K for a batch of this size under the dynamic schedule (the configured K without)."""
-        return batch_num_tokens(self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, batch_size)
+        return batch_num_draft_tokens(
+            self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, batch_size
+        )
 
     # ------------------------------------------------------------------ vLLM's derived helpers
 
@@ -796,7 +798,7 @@ class SpeculativeConfig:
 # ---------------------------------------------------------------------- K per request / batch
 
 
-def request_num_tokens(k: int, requested: int | None) -> int:
+def request_num_draft_tokens(k: int, requested: int | None) -> int:
     """K for one request: its ``num_draft_tokens`` if given (0 turns speculation off)."""
     if requested is None:
         return k
@@ -809,7 +811,7 @@ def request_num_tokens(k: int, requested: int | None) -> int:
     return requested
 
 
-def batch_num_tokens(k: int, schedule: list[tuple[int, int, int]] | None, batch_size: int) -> int:
+def batch_num_draft_tokens(k: int, schedule: list[tuple[int, int, int]] | None, batch_size: int) -> int:
     """K for a batch of this size under a validated dynamic schedule (``k`` without one)."""
     if not _is_int(batch_size) or batch_size < 1:
         raise SpeculativeConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")

@@ -4,7 +4,7 @@ given as "custom_class" or left out, as in vLLM's https://github.com/vllm-projec
 
 The class implements the interface every built-in method implements (backends/serving/proposer.py):
 `propose(batch: list[DraftRequest]) -> list[Draft]` (one Draft per request, at most
-`request.num_tokens` target token ids each), `release(seq_id)`, and optionally
+`request.num_draft_tokens` target token ids each), `release(seq_id)`, and optionally
 `hidden_layer_ids` (the target layers whose hidden states it wants in
 `DraftRequest.hidden_states`, numbered as backends/serving/target.py numbers them). Subclassing
 `backends.serving.proposer.Proposer` gives the defaults. It is built as every method is, with
@@ -134,10 +134,10 @@ class CustomClassProposer(Proposer):
                     f"custom proposer {self.path!r} returned {draft!r} for sequence {req.seq_id}; "
                     "expected a backends.serving.proposer.Draft of int token ids"
                 )
-            if len(draft.token_ids) > req.num_tokens:
+            if len(draft.token_ids) > req.num_draft_tokens:
                 raise ValueError(
                     f"custom proposer {self.path!r} returned {len(draft.token_ids)} drafts for "
-                    f"sequence {req.seq_id}, which asked for at most {req.num_tokens}"
+                    f"sequence {req.seq_id}, which asked for at most {req.num_draft_tokens}"
                 )
             self._check_values(req, draft)
         return drafts

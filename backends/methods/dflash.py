@@ -583,7 +583,7 @@ class DFlashProposer(HeadProposer):
         """Crop the sequence's context back to where the delivered hidden states start and
         make room for them and the block; the work."""
         n, hidden = len(req.token_ids), req.hidden_states
-        num_drafts = min(req.num_tokens, len(self.head.draft_slots), self.max_model_len - n)
+        num_drafts = min(req.num_draft_tokens, len(self.head.draft_slots), self.max_model_len - n)
         if hidden is None or num_drafts <= 0:
             return None  # the target has not run yet (first step), or no room
         layers, width = len(self.hidden_layer_ids), self.head.spec.target_hidden_size

@@ -182,7 +182,7 @@ class DraftModelProposer(SequenceProposer):
         work = []
         for i, req in enumerate(batch):
             context = self.bridge.to_draft(req.token_ids) if self.bridge else req.token_ids
-            num_drafts = min(req.num_tokens, self.max_model_len - len(context))
+            num_drafts = min(req.num_draft_tokens, self.max_model_len - len(context))
             if num_drafts <= 0 or not context:
                 continue
             state = self._seqs.get(req.seq_id)
@@ -214,7 +214,7 @@ class DraftModelProposer(SequenceProposer):
         for w in work:
             req = batch[w.index]
             if self.bridge:
-                drafts[w.index] = Draft(self.bridge.to_target(req.token_ids, w.context, w.drafts, req.num_tokens))
+                drafts[w.index] = Draft(self.bridge.to_target(req.token_ids, w.context, w.drafts, req.num_draft_tokens))
             else:
                 drafts[w.index] = self._tree(w) if w.tree else Draft(w.drafts, w.probs)
         return drafts

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from backends.config.speculative import DRAFT_SAMPLE_METHODS
-from backends.serving.rejection import GREEDY_TEMPERATURE_EPS
+from backends.serving.request import is_greedy
 
 # The lean runtime's KV pool for a drafter (touched only where sequences write), and the room a
 # sequence's reservation grows by beyond what the current call needs (fewer, longer runs).
@@ -51,7 +51,7 @@ def sample_drafts(
     vocabulary ids) and, when any row sampled, the probabilities [B, ..., V] in the target
     vocabulary (`target_vocab_size`; 0 outside the draft vocabulary; greedy rows' go unused)."""
     logits = logits.float()
-    greedy = [t < GREEDY_TEMPERATURE_EPS for t in temperatures]
+    greedy = [is_greedy(t) for t in temperatures]
     tokens, probs = logits.argmax(dim=-1), None
     if sample_method == "probabilistic" and not all(greedy):
         rows = (-1,) + (1,) * (tokens.dim() - 1)  # broadcasts a per-row value over a row's slots

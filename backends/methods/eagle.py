@@ -440,7 +440,7 @@ class EagleProposer(HeadProposer):
         """Crop the sequence's pool entries back to where the delivered hidden states start,
         make room for this call's; the work."""
         n, hidden = len(req.token_ids), req.hidden_states
-        num_drafts = min(req.num_tokens, self.max_model_len - n)
+        num_drafts = min(req.num_draft_tokens, self.max_model_len - n)
         if hidden is None or num_drafts <= 0:
             return None  # the target has not run yet (first step), or no room
         width = len(self.hidden_layer_ids) * self.head.target_hidden_size

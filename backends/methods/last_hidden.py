@@ -35,7 +35,7 @@ class LastHiddenProposer(HeadProposer):
         drafts = [Draft() for _ in batch]
         rows, counts, states, tokens, temperatures, generators = [], [], [], [], [], []
         for i, req in enumerate(batch):
-            k = min(req.num_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
+            k = min(req.num_draft_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
             if req.hidden_states is None or k <= 0:
                 continue  # the target has not run yet (first step), or no room
             states.append(self._last_state(req))

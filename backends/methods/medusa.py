@@ -285,7 +285,7 @@ class MedusaProposer(LastHiddenProposer):
         """The static tree's paths within this step's depth; empty: draft a chain."""
         if not req.num_nodes or self.token_tree is None or req.hidden_states is None:
             return []
-        depth = min(req.num_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
+        depth = min(req.num_draft_tokens, self.max_model_len - len(req.token_ids), self.head.num_steps)
         return [path for path in self.token_tree if len(path) <= depth]
 
     def _tree(self, paths: list[tuple[int, ...]], num_nodes: int, probs: torch.Tensor) -> Draft:

@@ -112,7 +112,7 @@ class PromptLookupProposer(Proposer):
 
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         return [
-            Draft(self.proposer.propose(self.history.update(r.seq_id, r.token_ids, r.num_new), r.num_tokens))
+            Draft(self.proposer.propose(self.history.update(r.seq_id, r.token_ids, r.num_new), r.num_draft_tokens))
             for r in batch
         ]
 

@@ -54,7 +54,7 @@ class NgramGPUProposer(Proposer):
     def propose(self, batch: list[DraftRequest]) -> list[Draft]:
         drafts, num_valid = self.propose_batch([self.history.update(r.seq_id, r.token_ids, r.num_new) for r in batch])
         rows, counts = drafts.tolist(), num_valid.tolist()
-        return [Draft(row[: min(count, r.num_tokens)]) for row, count, r in zip(rows, counts, batch)]
+        return [Draft(row[: min(count, r.num_draft_tokens)]) for row, count, r in zip(rows, counts, batch)]
 
     def release(self, seq_id: int) -> None:
         self.history.release(seq_id)

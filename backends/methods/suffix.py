@@ -457,16 +457,16 @@ class SuffixProposer(Proposer):
             elif len(r.token_ids) > seen:
                 self.cache.add_active_response(r.seq_id, r.token_ids[seen:])
             self._seen[r.seq_id] = len(r.token_ids)
-            # num_tokens (and num_nodes) are already clamped to max_tokens and the context
-            # window by the caller; a tree keeps within num_tokens levels.
+            # num_draft_tokens (and num_nodes) are already clamped to max_tokens and the context
+            # window by the caller; a tree keeps within num_draft_tokens levels.
             tree = r.num_nodes > 0
             draft = self.cache.speculate(
                 r.seq_id,
                 r.token_ids[-self.cache.max_tree_depth :],
-                r.num_nodes if tree else r.num_tokens,
+                r.num_nodes if tree else r.num_draft_tokens,
                 self.max_spec_factor,
                 self.min_token_prob,
-                r.num_tokens if tree else None,
+                r.num_draft_tokens if tree else None,
             )
             drafts.append(Draft(draft.token_ids, parents=draft.parents, scores=draft.probs if tree else None))
         return drafts

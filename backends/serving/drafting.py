@@ -19,7 +19,7 @@ import torch
 from backends.config import SpeculativeConfig
 from backends.serving.idle import release_idle
 from backends.serving.proposer import Draft, DraftRequest, Proposer
-from backends.serving.rejection import GREEDY_TEMPERATURE_EPS
+from backends.serving.request import is_greedy
 
 log = logging.getLogger("tritonspec.drafter")
 
@@ -28,7 +28,7 @@ log = logging.getLogger("tritonspec.drafter")
 class DraftCall:
     seq_id: int
     new_token_ids: list[int]  # tokens appended since the last call (the prompt on the first)
-    num_tokens: int  # k for this step, decided by the orchestrator (orchestrator.draft_length)
+    num_draft_tokens: int  # k for this step, decided by the orchestrator (orchestrator.draft_length)
     hidden_states: torch.Tensor | None = None  # target rows since the last call (EAGLE family)
     temperature: float = 1.0  # the request's (DraftRequest.temperature)
     num_accepted: int = 0  # how many drafts of this drafter's last answer the target accepted
@@ -64,13 +64,13 @@ class DraftService:
         batch, index = [], []
         for i, call in enumerate(calls):
             seq = self._take(call)
-            if call.num_tokens > 0 and seq.token_ids:
+            if call.num_draft_tokens > 0 and seq.token_ids:
                 hidden = torch.cat(seq.hidden) if seq.hidden else None
                 batch.append(
                     DraftRequest(
                         call.seq_id,
                         seq.token_ids,
-                        call.num_tokens,
+                        call.num_draft_tokens,
                         hidden,
                         call.temperature,
                         seq.num_new,
@@ -82,7 +82,7 @@ class DraftService:
                 index.append(i)
         drafts = [Draft() for _ in calls]
         for i, draft in zip(index, self.proposer.propose(batch) if batch else []):
-            if calls[i].temperature < GREEDY_TEMPERATURE_EPS:
+            if is_greedy(calls[i].temperature):
                 draft.probs = None  # a greedy request's verification never reads q
             drafts[i] = draft
             seq = self._seqs[calls[i].seq_id]

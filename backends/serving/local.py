@@ -18,7 +18,7 @@ from typing import Any
 from backends.config import DrafterConfig
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall, DraftService
-from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.orchestrator import Generation, GenerationStats, ServingContext, generate
 from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
@@ -97,25 +97,15 @@ def generate_local(
     extract = drafter.info.hidden_layer_ids if drafter and not drafter.info.proposes_drafts else ()
     if eos_token_ids is None:
         eos_token_ids = {tokenizer.eos_token_id} - {None}
-    seq_id, stats, ids = random.getrandbits(63), GenerationStats(), []
+    ctx = ServingContext(eos_token_ids, runner.max_model_len, adaptive, extract, prefill_chunk=prefill_chunk)
+    seq_id, ids = random.getrandbits(63), []
+    text = TextStream(tokenizer, req.stop)
     try:
-        for step in generate(
-            req,
-            tokenizer(prompt)["input_ids"],
-            seq_id,
-            LocalVerifier(runner),
-            drafter,
-            TextStream(tokenizer, req.stop),
-            eos_token_ids,
-            runner.max_model_len,
-            stats,
-            adaptive=adaptive,
-            extract_layer_ids=extract,
-            prefill_chunk=prefill_chunk,
-        ):
+        gen = Generation(req, tokenizer(prompt)["input_ids"], seq_id, LocalVerifier(runner), drafter, text, ctx)
+        for step in generate(gen):
             ids += step.token_ids
     finally:
         runner.release(seq_id)
         if service:
             service.release(seq_id)
-    return ids, stats
+    return ids, gen.stats

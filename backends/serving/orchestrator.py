@@ -1,15 +1,20 @@
-"""The speculative decoding loop: draft -> verify -> accept -> emit, until EOS, a stop
+"""The speculative decoding loop: plan -> draft -> verify -> emit, until EOS, a stop
 string, max_tokens or the end of the context window.
 
-It only sees two small interfaces, so the same loop runs over Triton BLS calls in the
-server and over in-process objects in tests.
+A request's state between steps is a `Generation`; `generate` runs its steps. It only sees two
+small interfaces, Drafter and Verifier, so the same loop runs over Triton BLS calls in the
+server and over in-process objects in tests:
+
+    gen = Generation(req, prompt_ids, seq_id, verifier, drafter, TextStream(tokenizer), ctx)
+    for step in generate(gen):
+        print(step.text, end="")
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -36,7 +41,7 @@ class Drafter(Protocol):
     info: DrafterInfo  # what it is (method, k, layers), known before the first request
 
     def draft(self, call: DraftCall) -> tuple[Draft, float]:
-        """Up to `call.num_tokens` levels of drafts (a chain, or a tree of at most
+        """Up to `call.num_draft_tokens` levels of drafts (a chain, or a tree of at most
         `call.num_nodes` nodes) with their probabilities where sampled, and the seconds
         spent proposing."""
 
@@ -100,65 +105,6 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
-def _whole_tokens(name: str, value: str, least: int, meaning: str) -> int:
-    """A config parameter that counts tokens: a whole number >= `least` (ValueError naming it)."""
-    try:
-        tokens = int(value)
-    except ValueError:
-        tokens = least - 1
-    if tokens < least:
-        raise ValueError(f"{name} must be a whole number of tokens >= {least} ({meaning}), got {value!r}")
-    return tokens
-
-
-def stream_interval(value: str) -> int:
-    """The `stream_interval` parameter: tokens per streamed response, a whole number >= 1."""
-    return _whole_tokens("stream_interval", value, 1, "1: every step")
-
-
-def coalesce(steps: Iterable[StepOutput], interval: int) -> Iterator[StepOutput]:
-    """Steps merged so that each carries at least `interval` tokens (vLLM's and SGLang's
-    `--stream-interval`): the first tokens and the last step go out as soon as they come, the
-    rest waits for company. Each streamed response costs the server process work of its own
-    (gRPC/HTTP encoding, the Python backend's IPC) beside the forward on the same cores, so
-    fewer, fuller responses leave more of them to decoding. 1: every step with tokens as it
-    comes (steps without any, a prompt chunk's, join the next)."""
-    held: list[StepOutput] = []
-    held_tokens, started = 0, False
-    for step in steps:
-        held.append(step)
-        held_tokens += len(step.token_ids)
-        if step.finish_reason is not None or held_tokens >= interval or (held_tokens and not started):
-            yield held[0] if len(held) == 1 else _merge(held)
-            started = started or held_tokens > 0
-            held, held_tokens = [], 0
-
-
-def _merge(steps: list[StepOutput]) -> StepOutput:
-    hidden = [s.hidden_states for s in steps if s.hidden_states is not None]
-    with_logprobs = any(s.logprobs is not None for s in steps)
-    return StepOutput(
-        [token for s in steps for token in s.token_ids],
-        "".join(s.text for s in steps),
-        steps[-1].finish_reason,
-        torch.cat(hidden) if hidden else None,
-        [entry for s in steps for entry in s.logprobs or []] if with_logprobs else None,
-    )
-
-
-# Prompt tokens per verifier step when prefilling a long prompt. Served on SmolLM2-135M bf16
-# here (scripts/bench_prefill_stall.py), a 2450-token prompt stalled a running stream for
-# 9.2-9.6 s in one step, 1.1-1.9 s with 256-token chunks and 0.7-0.8 s with 128, and itself
-# took 9.7-10.1 s, 7.8 s and 7.6-7.9 s: chunks cost nothing (attention over one long pass
-# costs more than the extra weight passes).
-DEFAULT_PREFILL_CHUNK = 128
-
-
-def prefill_chunk_tokens(value: str) -> int:
-    """The `prefill_chunk_tokens` parameter: a positive number of tokens, or 0 (no chunking)."""
-    return _whole_tokens("prefill_chunk_tokens", value, 0, "0: no chunking")
-
-
 def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     if num_prompt_tokens >= max_model_len:
         raise RequestError(
@@ -176,9 +122,9 @@ def draft_length(
     start of the request) or the configured k; the batch-size schedule at the current load,
     except for a seeded request, whose output must not depend on who else is served; the
     adaptive policy; the room left in max_tokens and the context window."""
-    k = info.config.num_tokens_for_request(req.num_draft_tokens)
+    k = info.config.num_draft_tokens_for_request(req.num_draft_tokens)
     if not seeded(req):
-        k = min(k, info.config.num_tokens_for_batch_size(max(1, load)))
+        k = min(k, info.config.num_draft_tokens_for_batch_size(max(1, load)))
     room = min(room, k)
     return policy.next_k(room) if policy else room
 
@@ -187,199 +133,271 @@ def seeded(req: GenerationRequest) -> bool:
     return not req.sampling.greedy and req.sampling.seed is not None
 
 
-def prefill(
-    verifier: Verifier,
-    seq_id: int,
-    chunk: list[int],
-    sampling: SamplingParams | None,
-    max_new_tokens: int | None,
-    layer_ids: tuple[int, ...],
-    stats: GenerationStats,
-) -> torch.Tensor | None:
-    """Send one chunk of a long prompt (not its last) to the verifier; its hidden states.
-    The first chunk starts the sequence (`sampling` and `max_new_tokens`: everything after it,
-    the rest of the prompt included, which its KV reservation must cover)."""
-    result = verifier.verify(
-        VerifyRequest(seq_id, chunk, [], sampling, layer_ids, max_new_tokens=max_new_tokens, prefill_only=True)
-    )
-    stats.verify_s += result.forward_s
-    return result.hidden_states
+@dataclass(frozen=True)
+class ServingContext:
+    """What the loop needs of the server around it, the same for every request it serves."""
+
+    eos_token_ids: Collection[int]
+    max_model_len: int
+    # Each step's draft length follows the sequence's acceptance and measured step times
+    # (backends.serving.adaptive); a client's num_draft_tokens, or a seeded sampled request, fixes it.
+    adaptive: bool = True
+    # extract_hidden_states: each step also returns the target's hidden states of these layers.
+    extract_layer_ids: tuple[int, ...] = ()
+    load: Callable[[], int] = lambda: 1  # requests being served now (the batch-size schedule)
+    # A longer prompt goes to the verifier in chunks of at most this many tokens, one verifier
+    # step each, so other sequences' steps run in between (0: in one step).
+    prefill_chunk: int = 0
 
 
-def generate(
-    req: GenerationRequest,
-    prompt_ids: list[int],
-    seq_id: int,
-    verifier: Verifier,
-    drafter: Drafter | None,
-    text: TextStream,
-    eos_token_ids: set[int],
-    max_model_len: int,
-    stats: GenerationStats,
-    is_cancelled: Callable[[], bool] = lambda: False,
-    adaptive: bool = True,
-    extract_layer_ids: tuple[int, ...] = (),
-    load: Callable[[], int] = lambda: 1,
-    prefill_chunk: int = 0,
-) -> Iterator[StepOutput]:
-    """Yield one StepOutput per speculative step; the last one has a finish_reason.
-    The caller releases the sequence in the drafter and verifier afterwards.
+@dataclass(slots=True)
+class StepPlan:
+    """What one step asks of the drafter (the part of vLLM's SpecDecodeMetadata known before
+    drafting)."""
 
-    With `adaptive`, each step's draft length follows this sequence's acceptance and
-    measured step times (backends.serving.adaptive); a client's explicit num_draft_tokens, and
-    any seeded sampled request, use a fixed length instead. `extract_layer_ids`: each step
-    also yields the target's hidden states of these layers (extract_hidden_states). `load`:
-    the number of requests being served now (the batch-size schedule). `prefill_chunk`: a
-    prompt longer than this goes to the verifier in chunks of at most this many tokens, one
-    verifier step each, so other sequences' steps run in between (0: in one step). A drafter that fails
-    turns speculation off for the rest of the request (`stats.fallback` says why): the
-    output is the target's either way."""
-    check_lengths(len(prompt_ids), req.max_tokens, max_model_len)
-    speculate = drafter is not None and drafter.info.proposes_drafts and req.num_draft_tokens != 0
-    if req.num_draft_tokens == 0:  # plain decoding for this request: nothing extracted either
-        extract_layer_ids = ()
-    if speculate and req.num_draft_tokens is not None:
+    num_draft_tokens: int  # k: levels of drafts (0: none)
+    num_nodes: int  # tree nodes asked for (0: a chain)
+    call_drafter: bool  # k > 0, or a keepalive call
+    # Reads no prompt (neither the verifier's last chunk nor the drafter's first call): only such
+    # steps' times teach the draft-length policies (a prompt step would teach that drafting never pays).
+    steady: bool
+
+
+@dataclass(slots=True)
+class Drafted:
+    """The drafter's answer to a StepPlan: the drafts to verify and what they cost."""
+
+    draft: Draft = field(default_factory=Draft)
+    draft_s: float = 0.0  # inside the proposer
+    wall_s: float = 0.0  # the drafter call as the loop waited for it
+
+
+class Generation:
+    """One request's decoding state between steps (vLLM's CachedRequestState): the tokens the
+    verifier and the drafter have not seen yet, the counts, the draft-length policies, the
+    target's hidden rows waiting for the drafter, the statistics. A step is plan -> draft ->
+    verify -> emit (llama.cpp's common/speculative.h: begin, draft, accept); `generate` runs
+    them. The caller releases the sequence in the drafter and verifier afterwards.
+
+    A drafter that fails turns speculation off for the rest of the request (`stats.fallback`
+    says why): the output is the target's either way."""
+
+    def __init__(
+        self,
+        req: GenerationRequest,
+        prompt_ids: list[int],
+        seq_id: int,
+        verifier: Verifier,
+        drafter: Drafter | None,
+        text: TextStream,
+        ctx: ServingContext,
+        stats: GenerationStats | None = None,
+    ) -> None:
+        check_lengths(len(prompt_ids), req.max_tokens, ctx.max_model_len)
+        self.req, self.seq_id, self.text, self.ctx = req, seq_id, text, ctx
+        self.verifier, self.drafter = verifier, drafter
+        self.stats = GenerationStats() if stats is None else stats
+        self.speculate = drafter is not None and drafter.info.proposes_drafts and req.num_draft_tokens != 0
+        # num_draft_tokens 0 asks for plain decoding: nothing extracted either
+        self.extract_layer_ids = () if req.num_draft_tokens == 0 else ctx.extract_layer_ids
+        self.layer_ids = self.extract_layer_ids or (drafter.info.hidden_layer_ids if self.speculate else ())
+        self.num_seq_tokens = len(prompt_ids)  # prompt + output so far
+        self.num_generated = 0
+        self.unseen_by_verifier = list(prompt_ids)
+        self.unseen_by_drafter = list(prompt_ids)
+        self.num_accepted = 0  # of the drafter's last answer
+        self.hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
+        self.sampling: SamplingParams | None = self._first_sampling()  # goes with the first verify only
+        self.max_nodes, self.policy, self.tree_policy = self._policies()
+        # Wall time runs from step to step, so the caller's streaming of a step's output counts
+        # toward the next step's overhead.
+        self.clock = time.perf_counter()
+        self.last_drafter_call = time.monotonic()
+        self.drafter_caught_up = False  # the drafter's first call reads the whole prompt
+        self.step_cost = StepCost()
+
+    def _first_sampling(self) -> SamplingParams:
+        """The request's sampling, which the verifier keeps from the sequence's first step; a
+        client's num_draft_tokens is checked against the drafter's config here."""
+        sampling, config = self.req.sampling, self.drafter.info.config if self.speculate else None
+        if config is not None and self.req.num_draft_tokens is not None:
+            try:
+                config.num_draft_tokens_for_request(self.req.num_draft_tokens)
+            except ValueError as e:
+                raise RequestError(str(e)) from e
+        if config is not None and config.rejection_sample_method == "synthetic":
+            sampling = replace(sampling, synthetic_acceptance_rates=tuple(config.synthetic_acceptance_rates))
+        return sampling
+
+    def _policies(self) -> tuple[int, AdaptiveDraftLength | None, TreeCut | None]:
+        """A tree-drafting config's node budget, and the draft-length policy: a chain's k, or
+        the part of the tree that pays (a tree keeps its depth). A seeded sampled request keeps
+        a fixed draft length: adaptive k follows timings, and a different k would change which
+        random draws each token uses (no reproducibility)."""
+        if not self.speculate:
+            return 0, None, None
+        info = self.drafter.info
+        max_nodes = info.config.max_tree_nodes(info.num_speculative_tokens)
+        adapt = self.ctx.adaptive and self.req.num_draft_tokens is None and not seeded(self.req)
+        policy = AdaptiveDraftLength(info.num_speculative_tokens) if adapt and not max_nodes else None
+        return max_nodes, policy, TreeCut() if adapt and max_nodes else None
+
+    @property
+    def prefilling(self) -> bool:
+        """A chunk of a long prompt (not its last) is due: it goes to the verifier alone."""
+        return 0 < self.ctx.prefill_chunk < len(self.unseen_by_verifier)
+
+    def prefill(self) -> StepOutput:
+        """Send the next chunk of the prompt to the verifier: a step that emits nothing. The
+        first chunk starts the sequence (the sampling, and a KV reservation for everything
+        after it, the rest of the prompt included)."""
+        chunk = self.unseen_by_verifier[: self.ctx.prefill_chunk]
+        self.unseen_by_verifier = self.unseen_by_verifier[self.ctx.prefill_chunk :]
+        max_new = self.req.max_tokens + len(self.unseen_by_verifier) if self.sampling else None
+        result = self.verifier.verify(
+            VerifyRequest(
+                self.seq_id, chunk, [], self.sampling, self.layer_ids, max_new_tokens=max_new, prefill_only=True
+            )
+        )
+        self.stats.verify_s += result.forward_s
+        if result.hidden_states is not None and self.speculate:
+            self.hidden_rows.append(result.hidden_states)
+        self.sampling = None
+        self._lap()
+        return StepOutput([], "", None, result.hidden_states if self.extract_layer_ids else None)
+
+    def plan(self) -> StepPlan:
+        """This step's k (draft_length) and tree size, and whether the drafter is called."""
+        # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
+        window = self.ctx.max_model_len - self.num_seq_tokens
+        room = min(self.req.max_tokens - self.num_generated, window) - 1
+        k = draft_length(self.req, self.drafter.info, self.ctx.load(), room, self.policy) if self.speculate else 0
+        # the tree must fit the window too
+        nodes = min(self.drafter.info.config.max_tree_nodes(k), window - 1) if k > 0 and self.max_nodes else 0
+        # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
+        # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
+        call_drafter = k > 0 or (self.speculate and time.monotonic() - self.last_drafter_call > DRAFTER_KEEPALIVE_S)
+        steady = not self.unseen_by_verifier and (self.drafter_caught_up or not call_drafter)
+        return StepPlan(k, nodes, call_drafter, steady)
+
+    def draft(self, plan: StepPlan) -> Drafted:
+        """The drafts of this step (none without a drafter call), cut to the part of a scored
+        tree that pays."""
+        drafted = Drafted()
+        if not plan.call_drafter:
+            return drafted
+        self.last_drafter_call = time.monotonic()
+        start = time.perf_counter()
+        # Until the prompt's last chunk is verified, earlier chunks' hidden states wait: the
+        # drafter gets the whole prompt's at once, as when it is prefilled in one step.
+        hidden = torch.cat(self.hidden_rows) if self.hidden_rows and not self.unseen_by_verifier else None
+        sampling = self.req.sampling
+        call = DraftCall(
+            self.seq_id,
+            self.unseen_by_drafter,
+            plan.num_draft_tokens,
+            hidden,
+            sampling.temperature,
+            self.num_accepted,
+            sampling.seed,
+            plan.num_nodes,
+        )
         try:
-            drafter.info.config.num_tokens_for_request(req.num_draft_tokens)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-    num_tokens = len(prompt_ids)
-    num_generated = 0
-    unseen_by_verifier = list(prompt_ids)
-    unseen_by_drafter = list(prompt_ids)
-    num_accepted = 0  # of the drafter's last answer
-    sampling: SamplingParams | None = req.sampling
-    if speculate and drafter.info.config.rejection_sample_method == "synthetic":
-        sampling = replace(sampling, synthetic_acceptance_rates=tuple(drafter.info.config.synthetic_acceptance_rates))
-    # A seeded sampled request keeps a fixed draft length: adaptive k follows timings, and a
-    # different k would change which random draws each token uses (no reproducibility).
-    adapt = speculate and adaptive and req.num_draft_tokens is None and not seeded(req)
-    # A tree-drafting config keeps its depth (k); each step verifies the part of its tree that pays.
-    max_nodes = drafter.info.config.max_tree_nodes(drafter.info.num_speculative_tokens) if speculate else 0
-    policy = AdaptiveDraftLength(drafter.info.num_speculative_tokens) if adapt and not max_nodes else None
-    tree_policy = TreeCut() if adapt and max_nodes else None
-    layer_ids = extract_layer_ids or (drafter.info.hidden_layer_ids if speculate else ())
-    hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
-    # Wall time runs from step to step, so the caller's streaming of a step's output counts
-    # toward the next step's overhead.
-    clock = time.perf_counter()
-    last_drafter_call = time.monotonic()
-    drafter_caught_up = False  # the drafter's first call reads the whole prompt
-    step_cost = StepCost()
+            drafted.draft, drafted.draft_s = self.drafter.draft(call)
+        except Exception as e:  # the target decides every token: carry on without drafts
+            log.warning("sequence %d: drafter failed, decoding plainly from here: %s", self.seq_id, e)
+            self.stats.fallback, self.speculate, self.layer_ids = f"drafter failed: {e}", False, self.extract_layer_ids
+        drafted.wall_s = time.perf_counter() - start
+        self.unseen_by_drafter, self.drafter_caught_up = [], True
+        if hidden is not None:
+            self.hidden_rows = []
+        if self.tree_policy and drafted.draft.scores:  # verify the best-scored nodes that pay
+            drafted.draft = drafted.draft.best(self.tree_policy.cut(drafted.draft.scores, drafted.wall_s))
+        return drafted
+
+    def verify(self, plan: StepPlan, drafted: Drafted) -> VerifyResult:
+        """The verifier's answer to the new tokens and the drafts; the step goes into the
+        statistics and, if steady, the draft-length policies."""
+        draft = drafted.draft
+        start = time.perf_counter()
+        result = self.verifier.verify(
+            VerifyRequest(
+                self.seq_id,
+                self.unseen_by_verifier,
+                draft.token_ids,
+                self.sampling,
+                self.layer_ids,
+                draft.probs,
+                self.req.max_tokens if self.sampling else None,
+                draft.parents if draft.token_ids else None,
+            )
+        )
+        verify_cost = self.step_cost(result.forward_s, time.perf_counter() - start, self.ctx.load())
+        if result.hidden_states is not None and self.speculate:
+            self.hidden_rows.append(result.hidden_states)
+        num_drafts, num_emitted = len(draft.token_ids), len(result.token_ids)
+        if plan.call_drafter:
+            self.num_accepted = num_emitted - 1 if num_drafts else 0
+        self.unseen_by_verifier, self.sampling = [], None
+        self.stats.record(num_drafts, num_emitted, drafted.draft_s, result.forward_s)
+        if self.policy and plan.steady:
+            self.policy.record(plan.num_draft_tokens, num_drafts, num_emitted - 1, verify_cost, drafted.wall_s)
+        if self.tree_policy and plan.steady:
+            self.tree_policy.record(num_drafts, verify_cost)
+        return result
+
+    def emit(self, result: VerifyResult) -> StepOutput:
+        """The verified tokens that go out, up to the first that ends the output, with their text."""
+        finish, taken = None, []
+        for token in result.token_ids:
+            taken.append(token)
+            finish = self._append(token)
+            if finish:
+                break
+        self.unseen_by_drafter += taken
+        self._lap()
+        return StepOutput(
+            taken,
+            self.text.take(final=finish is not None),
+            finish,
+            result.hidden_states if self.extract_layer_ids else None,
+            result.logprobs and result.logprobs[: len(taken)],
+        )
+
+    def _append(self, token: int) -> str | None:
+        """Add one verified token to the output; why the output ends with it, if it does: EOS
+        or a stop token (neither in the text), a stop string, max_tokens, the context window."""
+        req = self.req
+        self.num_generated += 1
+        self.num_seq_tokens += 1
+        if (token in self.ctx.eos_token_ids and not req.ignore_eos) or token in req.stop_token_ids:
+            return "stop"
+        self.text.add(token)
+        if self.text.stopped:
+            return "stop"
+        if self.num_generated >= req.max_tokens or self.num_seq_tokens >= self.ctx.max_model_len:
+            return "length"
+        return None
+
+    def _lap(self) -> None:
+        now = time.perf_counter()
+        self.stats.total_s += now - self.clock
+        self.clock = now
+
+
+def generate(gen: Generation, is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[StepOutput]:
+    """One StepOutput per step, until one has a finish_reason: draft -> verify -> emit, after
+    the prompt's chunks when it is long (ServingContext.prefill_chunk)."""
     while True:
         if is_cancelled():
             yield StepOutput([], "", "cancelled")
             return
-        if 0 < prefill_chunk < len(unseen_by_verifier):
-            chunk, unseen_by_verifier = unseen_by_verifier[:prefill_chunk], unseen_by_verifier[prefill_chunk:]
-            max_new = req.max_tokens + len(unseen_by_verifier) if sampling else None
-            hidden = prefill(verifier, seq_id, chunk, sampling, max_new, layer_ids, stats)
-            if hidden is not None and speculate:
-                hidden_rows.append(hidden)
-            sampling = None
-            now = time.perf_counter()
-            stats.total_s += now - clock
-            clock = now
-            yield StepOutput([], "", None, hidden if extract_layer_ids else None)
+        if gen.prefilling:
+            yield gen.prefill()
             continue
-        # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
-        room = min(req.max_tokens - num_generated, max_model_len - num_tokens) - 1
-        k = draft_length(req, drafter.info, load(), room, policy) if speculate else 0
-        nodes = 0  # tree nodes asked for (0: a chain); the tree must fit the window too
-        if k > 0 and max_nodes:
-            nodes = min(drafter.info.config.max_tree_nodes(k), max_model_len - num_tokens - 1)
-        draft, draft_s, draft_wall = Draft(), 0.0, 0.0
-        # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
-        # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
-        call_drafter = k > 0 or (speculate and time.monotonic() - last_drafter_call > DRAFTER_KEEPALIVE_S)
-        # A step that also reads the prompt (the verifier's last chunk, the drafter's first
-        # call) costs what the prompt costs: its times would teach the draft-length policy
-        # that drafting never pays, so only steady steps are recorded.
-        steady = not unseen_by_verifier and (drafter_caught_up or not call_drafter)
-        if call_drafter:
-            last_drafter_call = time.monotonic()
-            start = time.perf_counter()
-            # Until the prompt's last chunk is verified, earlier chunks' hidden states wait: the
-            # drafter gets the whole prompt's at once, as when it is prefilled in one step.
-            hidden_in = torch.cat(hidden_rows) if hidden_rows and not unseen_by_verifier else None
-            try:
-                draft, draft_s = drafter.draft(
-                    DraftCall(
-                        seq_id,
-                        unseen_by_drafter,
-                        k,
-                        hidden_in,
-                        req.sampling.temperature,
-                        num_accepted,
-                        req.sampling.seed,
-                        nodes,
-                    )
-                )
-            except Exception as e:  # the target decides every token: carry on without drafts
-                log.warning("sequence %d: drafter failed, decoding plainly from here: %s", seq_id, e)
-                stats.fallback, speculate, layer_ids = f"drafter failed: {e}", False, extract_layer_ids
-                draft, draft_s = Draft(), 0.0
-            draft_wall = time.perf_counter() - start
-            unseen_by_drafter = []
-            drafter_caught_up = True
-            if hidden_in is not None:
-                hidden_rows = []
-        if tree_policy and draft.scores:  # verify the best-scored nodes that pay
-            draft = draft.best(tree_policy.cut(draft.scores, draft_wall))
-        start = time.perf_counter()
-        drafts = draft.token_ids
-        result = verifier.verify(
-            VerifyRequest(
-                seq_id,
-                unseen_by_verifier,
-                drafts,
-                sampling,
-                layer_ids,
-                draft.probs,
-                req.max_tokens if sampling else None,
-                draft.parents if drafts else None,
-            )
-        )
-        emitted, verify_s, hidden, logprobs = result.token_ids, result.forward_s, result.hidden_states, result.logprobs
-        verify_wall = time.perf_counter() - start
-        verify_cost = step_cost(verify_s, verify_wall, load())
-        if hidden is not None and speculate:
-            hidden_rows.append(hidden)
-        if call_drafter:
-            num_accepted = len(emitted) - 1 if drafts else 0
-        unseen_by_verifier, sampling = [], None
-        stats.record(len(drafts), len(emitted), draft_s, verify_s)
-        if policy and steady:
-            policy.record(k, len(drafts), len(emitted) - 1, verify_cost, draft_wall)
-        if tree_policy and steady:
-            tree_policy.record(len(drafts), verify_cost)
-
-        finish = None
-        taken: list[int] = []
-        for token in emitted:
-            taken.append(token)
-            num_generated += 1
-            num_tokens += 1
-            if (token in eos_token_ids and not req.ignore_eos) or token in req.stop_token_ids:
-                finish = "stop"
-                break
-            text.add(token)
-            if text.stopped:
-                finish = "stop"
-                break
-            if num_generated >= req.max_tokens or num_tokens >= max_model_len:
-                finish = "length"
-                break
-        unseen_by_drafter += taken
-        now = time.perf_counter()
-        stats.total_s += now - clock
-        clock = now
-        yield StepOutput(
-            taken,
-            text.take(final=finish is not None),
-            finish,
-            hidden if extract_layer_ids else None,
-            logprobs and logprobs[: len(taken)],
-        )
-        if finish:
+        plan = gen.plan()
+        drafted = gen.draft(plan)
+        step = gen.emit(gen.verify(plan, drafted))
+        yield step
+        if step.finish_reason:
             return

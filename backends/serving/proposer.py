@@ -26,7 +26,7 @@ class DraftRequest:
 
     seq_id: int
     token_ids: list[int]  # the whole sequence so far: prompt + accepted output (grows in place)
-    num_tokens: int  # the most drafts wanted this step (already clamped by the caller)
+    num_draft_tokens: int  # k: the most drafts wanted this step (already clamped by the caller)
     # [rows, layers, H]: the target's states since the last call, for methods that draft from them
     hidden_states: torch.Tensor | None = None
     # The request's sampling temperature: probabilistic drafting samples at it; below 1e-5
@@ -38,12 +38,17 @@ class DraftRequest:
     # accepted (as Hugging Face's update_candidate_strategy is told).
     num_accepted: int = 0
     seed: int | None = None  # the request's seed: its draft samples come from its own generator
-    # The most tree nodes wanted (at most num_tokens levels deep); 0: draft a chain.
+    # The most tree nodes wanted (at most num_draft_tokens levels deep); 0: draft a chain.
     num_nodes: int = 0
 
     def __post_init__(self) -> None:
         if self.num_new is None:
             self.num_new = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """num_draft_tokens under its earlier name: custom proposers written against it still run."""
+        return self.num_draft_tokens
 
     @property
     def num_kept(self) -> int:

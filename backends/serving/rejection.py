@@ -6,9 +6,10 @@ its bonus row.
 
 Per request the result is the accepted drafts plus one token: the target's token at the first
 rejection (greedy: the argmax; random: a sample of normalize(max(p - q, 0))), or the bonus token
-when every draft is accepted. Greedy means temperature < 1e-5; a random request samples from the
-target logits after temperature, top-k and top-p, and keeps draft x with probability
-min(1, p(x) / q(x)), q(x) = 1 when the proposer gives no draft probabilities (n-gram style).
+when every draft is accepted. Greedy means temperature < 1e-5 (request.is_greedy); a random
+request samples from the target logits after temperature, top-k and top-p, and keeps draft x with
+probability min(1, p(x) / q(x)), q(x) = 1 when the proposer gives no draft probabilities (n-gram
+style).
 A -1 draft is always rejected.
 
 Randomness: a random request draws, in this order, V uniforms for the exponential noise of its
@@ -31,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.runtime.cpu_kernels import argmax_rows
+from backends.serving.request import is_greedy
 from kernels import rejection as rk
 
-GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS: lower temperatures decode greedily
 MAX_SPEC_LEN = 128  # vLLM V1's limit on drafts per request
 PLACEHOLDER_TOKEN_ID = rk.PLACEHOLDER_TOKEN_ID
 
@@ -77,7 +78,7 @@ def apply_temperature_top_k_top_p(
     Greedy rows (temperature < 1e-5) are divided by 1, as vLLM does; their probabilities go unused.
     """
     temperature = temperature.to(logits.device, torch.float32)
-    temperature = torch.where(temperature < GREEDY_TEMPERATURE_EPS, 1.0, temperature)
+    temperature = torch.where(is_greedy(temperature), 1.0, temperature)
     scaled = logits.float() / temperature.unsqueeze(1)
     return apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
 
@@ -109,7 +110,7 @@ def rejection_sample(
     ``target_logits``: [len(drafts) + 1, V]; ``draft_probs``: [len(drafts), V] or None;
     ``generator`` lives on the logits' device.
     """
-    if temperature < GREEDY_TEMPERATURE_EPS:
+    if is_greedy(temperature):
         return _greedy_accept_one(draft_token_ids, target_logits)
     device = target_logits.device
     return rejection_sample_batch(
@@ -159,7 +160,7 @@ def _target_token(
 ) -> int:
     """The target's token at one row: the argmax when greedy, else a sample (`exclude`: a
     rejected draft that cannot be drawn, the residual of a one-hot draft)."""
-    if temperature < GREEDY_TEMPERATURE_EPS:
+    if is_greedy(temperature):
         return int(logits.float().argmax())
     probs = apply_temperature_top_k_top_p(
         logits[None],
@@ -224,8 +225,8 @@ def rejection_sample_batch(
     # Request i's rows start at cu[i] - n_i + i: its drafts' rows, then its bonus row.
     draft_rows = torch.arange(num_tokens, device=device) + draft_req_ids
     bonus_rows = cu_num_draft_tokens + req_ids
-    greedy = (temperature.cpu() < GREEDY_TEMPERATURE_EPS).tolist()
-    is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
+    greedy = is_greedy(temperature.cpu()).tolist()
+    greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=device)
 
     logits = target_logits.float()
     out = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
@@ -243,22 +244,22 @@ def rejection_sample_batch(
         )
         # Exponential race: argmax(p / E) is a sample of p.
         sampled_bonus = (probs[bonus_rows] * bonus_noise).argmax(dim=-1)
-        bonus = torch.where(is_greedy, bonus, sampled_bonus)
+        bonus = torch.where(greedy_rows, bonus, sampled_bonus)
         target_probs = probs[draft_rows]
         if draft_probs is not None:
             draft_probs = draft_probs.to(device, torch.float32)
         recovered = sample_recovered_tokens(
-            drafts, draft_req_ids, target_probs, draft_probs, recovered_noise, is_greedy
+            drafts, draft_req_ids, target_probs, draft_probs, recovered_noise, greedy_rows
         )
         # p and q at each draft token; a -1 draft reads column 0 but is rejected regardless.
         at_draft = drafts.clamp_min(0).unsqueeze(1)
         p_at_draft = target_probs.gather(1, at_draft).squeeze(1)
         q_at_draft = torch.ones_like(p_at_draft) if draft_probs is None else draft_probs.gather(1, at_draft).squeeze(1)
         random_accept(
-            out, cu_num_draft_tokens, drafts, p_at_draft, q_at_draft, uniform_probs, recovered, bonus, is_greedy
+            out, cu_num_draft_tokens, drafts, p_at_draft, q_at_draft, uniform_probs, recovered, bonus, greedy_rows
         )
     if any(greedy):
-        greedy_accept(out, cu_num_draft_tokens, drafts, logits[draft_rows].argmax(dim=-1), bonus, is_greedy)
+        greedy_accept(out, cu_num_draft_tokens, drafts, logits[draft_rows].argmax(dim=-1), bonus, greedy_rows)
     return parse_output(out)
 
 

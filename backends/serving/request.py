@@ -12,7 +12,10 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestError(ValueError):
@@ -26,11 +29,21 @@ MAX_FLOAT32 = 3.4028234663852886e38
 MAX_DRAFT_TOKENS = 128  # vLLM V1's limit on drafts per request (rejection.MAX_SPEC_LEN)
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
+# Below this temperature a request decodes greedily (vLLM's _SAMPLING_EPS, vllm/sampling_params.py):
+# the verifier takes the argmax and the drafters draft it. Where the tokens are decided this was
+# always the rule, and a temperature that small would overflow softmax(logits / t) anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def is_greedy(temperature: float | torch.Tensor) -> bool | torch.Tensor:
+    """Whether a temperature decodes greedily (elementwise for a tensor of them): the one
+    definition of greedy, in the loop, the verifier, the rejection sampler and the drafters."""
+    return temperature < GREEDY_TEMPERATURE_EPS
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # greedy below GREEDY_TEMPERATURE_EPS (is_greedy)
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -50,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
 
     @property
     def processes_logits(self) -> bool:

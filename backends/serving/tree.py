@@ -31,7 +31,8 @@ from functools import cached_property
 import torch
 
 from backends.runtime.cpu_kernels import argmax_rows
-from backends.serving.rejection import GREEDY_TEMPERATURE_EPS, apply_temperature_top_k_top_p
+from backends.serving.rejection import apply_temperature_top_k_top_p
+from backends.serving.request import is_greedy
 
 ROOT = -1
 
@@ -172,7 +173,7 @@ def accept_tree(
     one-hot). Returns the accepted nodes (a root path) and the token that follows them."""
     if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
         raise TreeError(f"a tree of {len(tree)} nodes is verified by {len(tree) + 1} logit rows, got {logits.shape[0]}")
-    if temperature < GREEDY_TEMPERATURE_EPS:
+    if is_greedy(temperature):
         return _accept_greedy(tree, argmax_rows(logits))
     probs = apply_temperature_top_k_top_p(
         logits,

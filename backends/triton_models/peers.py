@@ -85,7 +85,7 @@ class BlsDrafter(SequencePeer):
         self.info = info
 
     def draft(self, call: DraftCall) -> tuple[Draft, float]:
-        inputs = self._inputs(call.new_token_ids, call.num_tokens)
+        inputs = self._inputs(call.new_token_ids, call.num_draft_tokens)
         inputs["num_accepted_drafts"] = np.array([[call.num_accepted]], dtype=np.int32)
         inputs["temperature"] = np.array([[call.temperature]], dtype=np.float32)
         if call.seed is not None:
@@ -105,10 +105,10 @@ class BlsDrafter(SequencePeer):
         return draft, float(out["propose_ms"].item()) / 1e3
 
     @staticmethod
-    def _inputs(token_ids: list[int], num_tokens: int) -> dict:
+    def _inputs(token_ids: list[int], num_draft_tokens: int) -> dict:
         return {
             "input_ids": np.array([token_ids], dtype=np.int64),
-            "num_draft_tokens": np.array([[num_tokens]], dtype=np.int32),
+            "num_draft_tokens": np.array([[num_draft_tokens]], dtype=np.int32),
         }
 
     def release(self, seq_id: int | None = None) -> None:

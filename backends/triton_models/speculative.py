@@ -1,53 +1,32 @@
-"""`speculative` model: the client-facing, decoupled orchestrator. Each request runs the
-draft -> verify loop of `backends.serving.orchestrator` in its own worker thread, with the
-verifier and drafter handles of `peers.Peers`: the `verifier` and `drafter` models over
-(non-decoupled) BLS, or, where the placement plan says so (topology.py: `verifier_in_process`,
-`drafter_in_process`), the verifier's target and the drafter in this process. It streams text
-back."""
+"""`speculative` model: the client-facing, decoupled orchestrator. Each request is served in
+its own worker thread: its input tensors are read into a GenerationRequest, a
+`backends.serving.session.Session` runs the draft -> verify loop over it with the verifier and
+drafter handles of `peers.Peers` (the `verifier` and `drafter` models over (non-decoupled) BLS,
+or, where the placement plan says so (topology.py: `verifier_in_process`, `drafter_in_process`),
+the verifier's target and the drafter in this process), and its replies go back as Triton
+responses."""
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
-from backends.methods.extract_hidden_states import save_hidden_states
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
 from backends.runtime.threads import serial_elsewhere
 from backends.serving.cancellation import CancellationWatch
-from backends.serving.detokenize import TextStream
-from backends.serving.logits import TokenLogprob, vllm_logprobs
-from backends.serving.orchestrator import (
-    DEFAULT_PREFILL_CHUNK,
-    Drafter,
-    GenerationStats,
-    StepOutput,
-    coalesce,
-    generate,
-    prefill_chunk_tokens,
-    stream_interval,
-)
+from backends.serving.orchestrator import Drafter, GenerationStats, ServingContext, Verifier
 from backends.serving.proposer import DrafterInfo, describe_drafter
-from backends.serving.request import (
-    RETURN_OUTPUTS,
-    GenerationRequest,
-    RequestError,
-    bind_token_ids,
-    check_prompt_size,
-    parse_request,
-)
+from backends.serving.request import RETURN_OUTPUTS, GenerationRequest, RequestError, parse_request
+from backends.serving.session import DEFAULT_PREFILL_CHUNK, ServedModel, Session, prefill_chunk_tokens, stream_interval
 from backends.triton_models.common import (
     ServingMetrics,
     SpecDecodeCounters,
@@ -129,6 +108,7 @@ class TritonPythonModel:
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
         info = self.peers.drafter_info  # None when a drafter standing by cannot draft here either
         self.extract_layer_ids = info.hidden_layer_ids if info and not info.proposes_drafts else ()
+        self.served = self._served()
         self.counters = SpecDecodeCounters(args["model_name"])
         self.metrics = ServingMetrics(args["model_name"], str(args.get("model_version", "1")))
         self.cancellation = CancellationWatch()
@@ -178,6 +158,7 @@ class TritonPythonModel:
         return None
 
     def _serve(self, request, arrived: float) -> None:
+        """One request on a worker thread: its session's replies become Triton responses."""
         self.metrics.started()
         sender = request.get_response_sender()
         # Random 63-bit correlation ids: nobody can guess another request's (they used to be
@@ -186,99 +167,71 @@ class TritonPythonModel:
         with self.lock:
             self.active_requests += 1  # the load the batch-size schedule follows
         verifier, drafter = self.peers.verifier(seq_id), self.peers.drafter(seq_id)
-        stats = None
-        counted = False
-        prompt_ids: list[int] = []
+        session, counted = None, False
         last_token_at = None  # when the latest step's tokens came out (metrics)
         try:
-            req = bind_token_ids(self._parse(request), self.tokenizer, self.eos_token_ids, self.vocab_size)
-            vllm = VllmOutputs(req, self.decode_token)
-            if "cumulative_logprob" in req.returns and req.sampling.logprobs is None:
-                req = replace(req, sampling=replace(req.sampling, logprobs=0))  # the sum needs them
-            check_prompt_size(req.prompt, self.max_model_len)  # before tokenizing megabytes
-            prompt_ids = self.tokenizer(req.prompt)["input_ids"]
-            text = TextStream(self.tokenizer, req.stop, prompt_ids)
-            stats = GenerationStats()
-            steps = generate(
-                req,
-                prompt_ids,
-                seq_id,
-                verifier,
-                drafter,
-                text,
-                self.eos_token_ids,
-                self.max_model_len,
-                stats,
-                self.cancellation.watch(sender),
-                self.adaptive,
-                self.extract_layer_ids,
-                lambda: self.active_requests,
-                self.prefill_chunk,
-            )
-            interval = req.stream_interval or self.stream_interval
-            if req.stream and interval > 1:
-                steps = coalesce(steps, interval)
-            all_ids: list[int] = []
-            all_logprobs: list[TokenLogprob] = []
-            hidden_parts: list[torch.Tensor] = []
-            for step in steps:
-                all_ids += step.token_ids
-                all_logprobs += step.logprobs or []
-                if step.token_ids:
+            session = Session(self.served, self._parse(request), seq_id)
+            for reply in session.replies(verifier, drafter, self.cancellation.watch(sender)):
+                if reply.step.token_ids:
                     now = time.perf_counter()
-                    self.metrics.tokens(len(step.token_ids), now - (last_token_at or arrived), last_token_at is None)
+                    first = last_token_at is None
+                    self.metrics.tokens(len(reply.step.token_ids), now - (last_token_at or arrived), first)
                     last_token_at = now
-                if step.hidden_states is not None:
-                    hidden_parts.append(step.hidden_states)
-                if step.finish_reason == "cancelled":
+                if reply.step.finish_reason == "cancelled":
                     log.info("request %d cancelled by the client", seq_id)
                     self._post(sender, functools.partial(error_response, "request cancelled"), final=True)
                     return
-                extra = {}
-                if step.finish_reason is not None:
-                    extra = self._hidden_outputs(seq_id, hidden_parts, prompt_ids, all_ids)
+                if reply.final:
                     # Counted before the last response goes out, so a client that reads
                     # /metrics right after its request finished sees the request.
-                    self._count(drafter, stats)
+                    self._count(drafter, session.stats)
                     counted = True
-                if req.stream and (step.text or step.token_ids or step.finish_reason):
-                    extra.update(vllm.outputs(step.finish_reason, len(prompt_ids), step.token_ids, step.logprobs))
-                    response = functools.partial(
-                        self._response, step, step.token_ids, step.text, len(prompt_ids), len(all_ids), stats, extra
-                    )
-                    self._post(sender, response, step.finish_reason is not None)
-            if not req.stream:
-                body = text.text if req.exclude_input_in_output else req.prompt + text.text
-                extra.update(vllm.outputs(step.finish_reason, len(prompt_ids), all_ids, all_logprobs))
-                response = functools.partial(
-                    self._response, step, all_ids, body, len(prompt_ids), len(all_ids), stats, extra
-                )
-                self._post(sender, response, final=True)
+                if reply.outputs is not None:
+                    self._post(sender, functools.partial(_response, reply.outputs), reply.final)
         except RequestError as e:
             self._post(sender, functools.partial(error_response, str(e)), final=True)
         except Exception as e:  # never leave a decoupled client waiting
             log.exception("request %d failed", seq_id)
             self._post(sender, functools.partial(error_response, f"generation failed: {e}"), final=True)
         finally:
-            self.metrics.finished(len(prompt_ids), last_token_at and last_token_at - arrived)
+            self.metrics.finished(len(session.prompt_ids) if session else 0, last_token_at and last_token_at - arrived)
             with self.lock:
                 self.active_requests -= 1
-            if not counted:
-                self._count(drafter, stats)
-            for peer in (verifier, drafter):
-                if peer is not None:
-                    try:
-                        peer.release(seq_id)
-                    except Exception:
-                        log.exception("could not release sequence %d in %s", seq_id, peer.model_name)
+            if not counted and session is not None:
+                self._count(drafter, session.stats)
+            self._release(seq_id, verifier, drafter)
 
-    def _count(self, drafter: Drafter | None, stats: GenerationStats | None) -> None:
+    @staticmethod
+    def _release(seq_id: int, *peers: Verifier | Drafter | None) -> None:
+        for peer in peers:
+            if peer is not None:
+                try:
+                    peer.release(seq_id)
+                except Exception:
+                    log.exception("could not release sequence %d in %s", seq_id, peer.model_name)
+
+    def _served(self) -> ServedModel:
+        """What every request to this model shares, as its Session reads it."""
+        context = ServingContext(
+            self.eos_token_ids,
+            self.max_model_len,
+            self.adaptive,
+            self.extract_layer_ids,
+            lambda: self.active_requests,
+            self.prefill_chunk,
+        )
+        return ServedModel(
+            self.tokenizer, self.vocab_size, self.decode_token, context, self.stream_interval, self.hidden_states_dir
+        )
+
+    def _count(self, drafter: Drafter | None, stats: GenerationStats) -> None:
         """Add a request's acceptance (and a drafter fallback) to the server-wide counters."""
-        if drafter is not None and stats is not None:
+        if drafter is not None:
             self.counters.add(drafter.info.method, stats.acceptance, bool(stats.fallback))
 
     @staticmethod
     def _parse(request) -> GenerationRequest:
+        """The request's input tensors and parameters, checked (RequestError names the input)."""
         try:
             tensors = {name: input_scalar(request, name) for name in TENSOR_INPUTS}
             tensors = {k: v for k, v in tensors.items() if v is not None}
@@ -295,93 +248,11 @@ class TritonPythonModel:
             ) from None
         return parse_request(tensors, request.parameters() or "", sampling_json)
 
-    def _hidden_outputs(
-        self, seq_id: int, parts: list[torch.Tensor], prompt_ids: list[int], output_ids: list[int]
-    ) -> dict[str, np.ndarray]:
-        """The extracted hidden states of the whole request (rows for positions 0 .. prompt +
-        output - 2), their layer ids, and the file they were written to when asked."""
-        if not parts:
-            return {}
-        token_ids = prompt_ids + output_ids
-        hidden = torch.cat(parts)[: len(token_ids) - 1]  # never a position past the output
-        outputs = {
-            "hidden_states": hidden.float().numpy(),
-            "hidden_layer_ids": np.array(self.extract_layer_ids, dtype=np.int32),
-        }
-        if self.hidden_states_dir:
-            path = save_hidden_states(
-                Path(self.hidden_states_dir) / f"{seq_id}.safetensors",
-                hidden,
-                token_ids,
-                self.extract_layer_ids,
-                len(prompt_ids),
-            )
-            outputs["hidden_states_file"] = np.array([str(path).encode()], dtype=np.object_)
-        return outputs
-
-    @staticmethod
-    def _response(
-        step: StepOutput,
-        token_ids: list[int],
-        text: str,
-        num_input: int,
-        num_output: int,
-        stats: GenerationStats,
-        extra: dict[str, np.ndarray] | None = None,
-    ) -> object:
-        """A streamed step carries its text and ids (and `extra`: the outputs the return_*
-        flags asked for); the last response also the statistics (and, from an
-        extract_hidden_states drafter, the hidden states)."""
-        outputs = {
-            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-            "output_ids": np.array(token_ids, dtype=np.int64),
-        }
-        if step.finish_reason is not None:
-            acceptance = stats.acceptance
-            outputs.update(
-                {
-                    "finish_reason": np.array([step.finish_reason.encode()], dtype=np.object_),
-                    "num_input_tokens": np.array([num_input], dtype=np.uint32),
-                    "num_output_tokens": np.array([num_output], dtype=np.uint32),
-                    "total_draft_tokens": np.array([acceptance.num_draft_tokens], dtype=np.int64),
-                    "total_accepted_draft_tokens": np.array([acceptance.num_accepted_tokens], dtype=np.int64),
-                    "acceptance_rate": np.array([acceptance.acceptance_rate or 0.0], dtype=np.float32),
-                    "perf_metrics": np.array([json.dumps(stats.to_dict()).encode()], dtype=np.object_),
-                }
-            )
-        outputs.update(extra or {})  # the vLLM backend's flagged outputs go on every response
-        return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
-
     def finalize(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.outbox.close()
         self.metrics.close()
 
 
-class VllmOutputs:
-    """The vLLM backend's additional outputs a request asked for with its return_* flags,
-    with that backend's meaning, on every response: num_output_tokens and logprobs of this
-    response's tokens, num_input_tokens, cumulative_logprob of the output so far, and
-    finish_reason ("None" until the last response)."""
-
-    def __init__(self, req: GenerationRequest, decode) -> None:
-        self.returns = req.returns
-        self.report_logprobs = req.sampling.logprobs is not None  # else the logprobs output is "null"
-        self.decode = decode
-        self.cumulative = 0.0
-
-    def outputs(
-        self, finish_reason: str | None, num_input: int, token_ids: list[int], logprobs: list[TokenLogprob] | None
-    ) -> dict[str, np.ndarray]:
-        self.cumulative += sum(p.logprob for p in logprobs or [])
-        values = {
-            "finish_reason": lambda: np.array([str(finish_reason).encode()], dtype=np.object_),
-            "num_input_tokens": lambda: np.array([num_input], dtype=np.uint32),
-            "num_output_tokens": lambda: np.array([len(token_ids)], dtype=np.uint32),
-            "cumulative_logprob": lambda: np.array([self.cumulative], dtype=np.float32),
-            "logprobs": lambda: np.array(
-                [json.dumps(vllm_logprobs(logprobs or [], self.decode) if self.report_logprobs else None).encode()],
-                dtype=np.object_,
-            ),
-        }
-        return {name: values[name]() for name in self.returns}
+def _response(outputs: Callable[[], dict[str, np.ndarray]]) -> object:
+    return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs().items()])

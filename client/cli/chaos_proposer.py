@@ -48,8 +48,8 @@ class ChaosNgram(Proposer):
         if fault == "slow":
             time.sleep(SLOW_S)
         if fault == "garbage":
-            return [Draft([2**40] * req.num_tokens) for req in batch]
-        return [Draft(self.ngram.propose(req.token_ids, req.num_tokens)) for req in batch]
+            return [Draft([2**40] * req.num_draft_tokens) for req in batch]
+        return [Draft(self.ngram.propose(req.token_ids, req.num_draft_tokens)) for req in batch]
 
     def _take_fault(self) -> str:
         """The fault asked for, once: the trigger file is consumed."""

@@ -22,7 +22,7 @@ from backends.runtime.model_store import (
     local_model,
     resolve_model,
 )
-from backends.serving.orchestrator import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens, stream_interval
+from backends.serving.session import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens, stream_interval
 from backends.training import TRAINERS, data_dir, head_dir
 from backends.triton_models.topology import VERIFIER_IN_PROCESS_CHOICES
 

@@ -40,7 +40,7 @@ class BigramProposer(Proposer):
             table[ids[i]] = ids[i + 1]
         self._tables[req.seq_id] = (len(ids), table)
         drafts, token = [], ids[-1]
-        while len(drafts) < req.num_tokens and token in table:
+        while len(drafts) < req.num_draft_tokens and token in table:
             token = table[token]
             drafts.append(token)
         return drafts

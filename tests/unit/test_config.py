@@ -1050,16 +1050,16 @@ def test_compute_hash_tracks_only_graph_factors(mkmodel):
 
 
 @pytest.mark.parametrize("requested,expected", [(None, 4), (0, 0), (2, 2), (4, 4)])
-def test_num_tokens_for_request(requested, expected):
+def test_num_draft_tokens_for_request(requested, expected):
     cfg = build({"method": "ngram", "num_speculative_tokens": 4})
-    assert cfg.num_tokens_for_request(requested) == expected
+    assert cfg.num_draft_tokens_for_request(requested) == expected
 
 
 @pytest.mark.parametrize("requested", [5, -1, True, 2.0])
-def test_num_tokens_for_request_errors(requested):
+def test_num_draft_tokens_for_request_errors(requested):
     cfg = build({"method": "ngram", "num_speculative_tokens": 4})
     with pytest.raises(SpeculativeConfigError, match="num_draft_tokens"):
-        cfg.num_tokens_for_request(requested)
+        cfg.num_draft_tokens_for_request(requested)
 
 
 SCHEDULE = [[5, 8, 3], [1, 4, 6], [17, 32, 0]]  # unsorted on purpose
@@ -1078,19 +1078,19 @@ SCHEDULE = [[5, 8, 3], [1, 4, 6], [17, 32, 0]]  # unsorted on purpose
         (100, 0),  # tail: carried forward
     ],
 )
-def test_num_tokens_for_batch_size(batch_size, expected):
+def test_num_draft_tokens_for_batch_size(batch_size, expected):
     cfg = build({"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": SCHEDULE})
     assert cfg.uses_dynamic_speculative_decoding()
     assert cfg.num_speculative_tokens_per_batch_size == [(1, 4, 6), (5, 8, 3), (17, 32, 0)]
-    assert cfg.num_tokens_for_batch_size(batch_size) == expected
+    assert cfg.num_draft_tokens_for_batch_size(batch_size) == expected
 
 
-def test_num_tokens_for_batch_size_without_schedule():
+def test_num_draft_tokens_for_batch_size_without_schedule():
     cfg = build({"method": "ngram", "num_speculative_tokens": 4})
     assert not cfg.uses_dynamic_speculative_decoding()
-    assert cfg.num_tokens_for_batch_size(64) == 4
+    assert cfg.num_draft_tokens_for_batch_size(64) == 4
     with pytest.raises(SpeculativeConfigError, match="batch_size"):
-        cfg.num_tokens_for_batch_size(0)
+        cfg.num_draft_tokens_for_batch_size(0)
 
 
 @pytest.mark.parametrize(

@@ -170,8 +170,8 @@ def test_drafter_config_ngram_with_schedule_and_synthetic_rates():
     assert drafter.synthetic_acceptance_rates == (1.0, 0.5, 0.0)
     assert drafter.rejection_sample_method == "synthetic"
     for batch_size in (1, 4, 5, 100):
-        assert drafter.num_tokens_for_batch_size(batch_size) == cfg.num_tokens_for_batch_size(batch_size)
-    assert drafter.num_tokens_for_request(None) == 3 and drafter.num_tokens_for_request(0) == 0
+        assert drafter.num_draft_tokens_for_batch_size(batch_size) == cfg.num_draft_tokens_for_batch_size(batch_size)
+    assert drafter.num_draft_tokens_for_request(None) == 3 and drafter.num_draft_tokens_for_request(0) == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         drafter.num_speculative_tokens = 5
 

@@ -44,7 +44,7 @@ class ListsLikeVllm(Proposer):
 class TooMany(Proposer):
     def __init__(self, config): ...
     def propose(self, batch):
-        return [Draft([1] * (r.num_tokens + 1)) for r in batch]
+        return [Draft([1] * (r.num_draft_tokens + 1)) for r in batch]
 
 class Remembers(Proposer):
     # keeps what from_config gave it, under the contract before ProposerContext and under it

@@ -16,7 +16,7 @@ from backends.runtime.model_store import load_tokenizer
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
 from backends.serving.local import LocalVerifier
-from backends.serving.orchestrator import GenerationStats, generate
+from backends.serving.orchestrator import Generation, ServingContext, generate
 from backends.serving.proposer import build_proposer, describe_drafter
 from backends.serving.request import GenerationRequest
 from backends.serving.target import TargetRunner
@@ -52,23 +52,16 @@ def test_in_process_hidden_states_equal_a_plain_forward(tiny_model_dir):
     assert not info.proposes_drafts and info.hidden_layer_ids == service.proposer.hidden_layer_ids
     for prompt in PROMPTS:
         prompt_ids = tokenizer(prompt)["input_ids"]
-        seq_id, out, parts, stats = random.getrandbits(32), [], [], GenerationStats()
+        seq_id, out, parts = random.getrandbits(32), [], []
         # Extraction is a verifier option: no drafter is called.
-        for step in generate(
-            GenerationRequest(prompt=prompt, max_tokens=12),
-            prompt_ids,
-            seq_id,
-            LocalVerifier(runner),
-            None,
-            TextStream(tokenizer),
-            {0},
-            runner.max_model_len,
-            stats,
-            extract_layer_ids=info.hidden_layer_ids,
-        ):
+        ctx = ServingContext({0}, runner.max_model_len, extract_layer_ids=info.hidden_layer_ids)
+        req = GenerationRequest(prompt=prompt, max_tokens=12)
+        gen = Generation(req, prompt_ids, seq_id, LocalVerifier(runner), None, TextStream(tokenizer), ctx)
+        for step in generate(gen):
             out += step.token_ids
             parts.append(step.hidden_states)
         runner.release(seq_id)
+        stats = gen.stats
         assert tuple(out) == hf_greedy(str(tiny_model_dir), prompt, 12)
         assert stats.acceptance.num_draft_tokens == 0 and stats.num_steps == len(out)
         hidden, tokens = torch.cat(parts), prompt_ids + out

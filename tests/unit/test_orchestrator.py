@@ -13,7 +13,7 @@ from backends.runtime.model_store import load_causal_lm
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
 from backends.serving.local import LocalDrafter, LocalVerifier, generate_local
-from backends.serving.orchestrator import GenerationStats, draft_length, generate
+from backends.serving.orchestrator import Generation, ServingContext, draft_length, generate
 from backends.serving.proposer import Draft, DrafterInfo, Proposer, build_proposer
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
 from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
@@ -30,7 +30,7 @@ class OracleProposer(Proposer):
         out = []
         for r in batch:
             done = len(r.token_ids) - self.prompt_len
-            drafts = list(self.reference[done : done + r.num_tokens])
+            drafts = list(self.reference[done : done + r.num_draft_tokens])
             if self.corrupt_every and drafts and done % self.corrupt_every == 0:
                 drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % 50
             out.append(Draft(drafts))
@@ -89,27 +89,16 @@ def run(
     req = GenerationRequest(
         prompt=prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, sampling=SamplingParams(**sampling)
     )
-    stats = GenerationStats()
     ids = tokenizer(prompt)["input_ids"]
     seq_id = random.getrandbits(32)
     out = []
     # A fixed k unless asked: the adaptive policy follows step timings, which a loaded machine skews.
-    for step in generate(
-        req,
-        ids,
-        seq_id,
-        verifier or LocalVerifier(runner),
-        drafter,
-        TextStream(tokenizer),
-        {0},
-        runner.max_model_len,
-        stats,
-        adaptive=adaptive,
-        prefill_chunk=prefill_chunk,
-    ):
+    ctx = ServingContext({0}, runner.max_model_len, adaptive, prefill_chunk=prefill_chunk)
+    gen = Generation(req, ids, seq_id, verifier or LocalVerifier(runner), drafter, TextStream(tokenizer), ctx)
+    for step in generate(gen):
         out += step.token_ids
     runner.release(seq_id)
-    return out, stats
+    return out, gen.stats
 
 
 PROMPT = "def add(a, b):\n    return a + b\ndef add(a, b):"
@@ -344,7 +333,7 @@ class FailingProposer(Proposer):
         self.calls += 1
         if self.calls == self.fail_on:
             raise RuntimeError("injected drafter fault")
-        return [Draft([1] * r.num_tokens) for r in batch]
+        return [Draft([1] * r.num_draft_tokens) for r in batch]
 
 
 def test_a_failing_drafter_falls_back_to_plain_decoding(runner, tokenizer, tiny_model_dir):
@@ -417,7 +406,9 @@ def test_a_drafter_asked_for_nothing_still_hears_from_its_sequence(runner, token
     service = DraftService(proposer, config)
     seen: list[int] = []
     real_draft = service.draft
-    monkeypatch.setattr(service, "draft", lambda calls: seen.extend(c.num_tokens for c in calls) or real_draft(calls))
+    monkeypatch.setattr(
+        service, "draft", lambda calls: seen.extend(c.num_draft_tokens for c in calls) or real_draft(calls)
+    )
     ids, stats = generate_local(PROMPT, tokenizer, runner, service, eos_token_ids=set(), max_tokens=5)
     assert len(ids) == 5 and stats.acceptance.num_draft_tokens == 0 and proposer.calls == 0
     assert seen and set(seen) == {0}
@@ -524,45 +515,3 @@ def test_a_prefill_chunk_emits_nothing_and_reserves_for_the_whole_prompt(runner,
     last = pooled.verify(VerifyRequest(12, prompt_ids[4:], []))
     assert last.token_ids == list(hf_greedy(str(tiny_model_dir), PROMPT, 1))
     pooled.release(12)
-
-
-def test_prefill_chunk_tokens_is_checked():
-    from backends.serving.orchestrator import prefill_chunk_tokens
-
-    assert prefill_chunk_tokens("256") == 256 and prefill_chunk_tokens("0") == 0
-    for bad in ("-1", "lots", "2.5"):
-        with pytest.raises(ValueError, match="prefill_chunk_tokens must be a whole number of tokens"):
-            prefill_chunk_tokens(bad)
-
-
-def test_stream_interval_is_checked():
-    from backends.serving.orchestrator import stream_interval
-
-    assert stream_interval("1") == 1 and stream_interval("16") == 16
-    for bad in ("0", "-2", "many", "2.5"):
-        with pytest.raises(ValueError, match="stream_interval must be a whole number of tokens >= 1"):
-            stream_interval(bad)
-
-
-def test_coalesced_steps_carry_at_least_the_interval_and_lose_nothing():
-    from backends.serving.logits import TokenLogprob
-    from backends.serving.orchestrator import StepOutput, coalesce
-
-    def step(ids: list[int], finish: str | None = None, hidden: bool = False) -> StepOutput:
-        rows = torch.full((len(ids) or 1, 1, 2), float(ids[0] if ids else -1)) if hidden else None
-        logprobs = [TokenLogprob(t, -0.5, 1) for t in ids]
-        return StepOutput(ids, "".join(f"<{t}>" for t in ids), finish, rows, logprobs)
-
-    # a prefill chunk (hidden rows, no tokens), then steps of 2, 1, 1, 3, 1 and a last one of 1
-    steps = [step([], hidden=True), step([1, 2], hidden=True), step([3]), step([4]), step([5, 6, 7]), step([8])]
-    steps.append(step([9], "stop"))
-    out = list(coalesce(iter(steps), 4))
-    assert [s.token_ids for s in out] == [[1, 2], [3, 4, 5, 6, 7], [8, 9]]
-    assert [s.finish_reason for s in out] == [None, None, "stop"]
-    assert "".join(s.text for s in out) == "".join(s.text for s in steps)
-    assert [lp.token_id for s in out for lp in s.logprobs] == list(range(1, 10))
-    assert out[0].hidden_states[:, 0, 0].tolist() == [-1.0, 1.0, 1.0]  # the chunk's rows, then the step's
-    assert out[1].hidden_states is None and out[2].hidden_states is None
-    # 1: every step with tokens as it came; a finish below the interval still goes out
-    assert [s.token_ids for s in coalesce(iter(steps), 1)] == [s.token_ids for s in steps[1:]]
-    assert [s.token_ids for s in coalesce(iter([step([1]), step([2]), step([], "length")]), 8)] == [[1], [2]]

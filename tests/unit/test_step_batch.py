@@ -297,7 +297,7 @@ class CountingProposer(Proposer):
         if self.fail:
             raise RuntimeError("injected")
         self.batches.append([req.seq_id for req in batch])
-        return [Draft([req.token_ids[-1] + 1] * req.num_tokens) for req in batch]
+        return [Draft([req.token_ids[-1] + 1] * req.num_draft_tokens) for req in batch]
 
     def release(self, seq_id: int) -> None:
         self.released.append(seq_id)
