@@ -3,19 +3,33 @@
  * on packed weights (at the end of the file, where the CPU has AVX-512 BF16 or AVX2 + FMA).
  *
  * Attention: each query token attends over an explicit list of pool slots, in list order, and
- * its result is computed by the same arithmetic whatever else is in the call: no blocking,
- * padding or reduction order depends on the number of queries, the other queries' key lengths
- * or the thread count. So a token verified among k+1 drafts gets bit for bit what a 1-token step
- * would give.
+ * its result is computed by the same arithmetic whatever else is in the call: the queries of a
+ * row share each load of a key (runs of up to MAX_RUN tokens, 16 keys a tile), but no reduction
+ * order depends on the number of queries, the other queries' key lengths or the thread count,
+ * only on the query's own key list. So a token verified among k+1 drafts, or in a prompt chunk,
+ * gets bit for bit what a 1-token step would give.
  *
- * Math in float32 on GCC vectors of 16 floats; bf16 inputs are widened, the bf16 output rounded
- * to nearest even. Each key's score is the head dim's products accumulated in 16 lanes (each
- * product added with one rounding: FMA), summed across the lanes in one pairwise order (hsum;
- * hsum16 does 16 keys at once with the same order); softmax
- * and the weighted sum of values run over the keys in list order (a list longer than KEY_CHUNK
- * in chunks of it, each chunk in order, combined in order). Keys and values are read in
- * tiles of 16 keys so the sums stay in registers. Built without -ffast-math, so no sum is ever
- * reordered.
+ * A list longer than KEY_CHUNK keys is attended in chunks of it (by position in the list), each
+ * chunk's maximum, total and weighted sums combined in order. Within a chunk, two schemes:
+ *
+ * float32 (and bf16 where the CPU lacks AVX-512 BF16): math in float32 on GCC vectors of 16
+ * floats, bf16 inputs widened. Each key's score is the head dim's products accumulated in 16
+ * lanes (each product added with one rounding: FMA), summed across the lanes in one pairwise
+ * order (hsum; hsum16 does 16 keys at once with the same order); softmax and the weighted sum
+ * of values run over the keys in list order.
+ *
+ * bf16 on AVX-512 BF16 (BF16_DOTS): vdpbf16ps, which adds to a float32 lane the products of a
+ * pair of bf16 values (exact in float32). A key's score is one lane's sum over the head dim's
+ * pairs in order (keys transposed so a tile's 16 keys fill the lanes; a dot product's operands
+ * commute, so the query's side of the tile is free), times the scale; its probability
+ * exp(score - max) rounded to bf16 (0 past the query's keys or at hidden ones); the total the
+ * 16 lanes' sums over the tiles in order, then hsum; the weighted values each output dim's
+ * lane summed over the key pairs (2i, 2i + 1) in order, values interleaved by pairs. A key past
+ * a query's own keys in a tile or pair has weight 0: adding it changes no sum (keys and values
+ * are finite), so a query alone gets the bits it gets beside longer ones.
+ *
+ * The bf16 output is rounded to nearest even. Keys and values are read in tiles of 16 keys so
+ * the sums stay in registers. Built without -ffast-math, so no sum is ever reordered.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,6 +40,7 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 #define MAX_RUN 32 /* query tokens sharing one pass over their keys */
+#define ROW_PAD 8  /* scratch rows past a run's query heads (attend_run_bf16 works in blocks) */
 /* A query with more keys attends over them in chunks of this many (by position in its own key
  * list, so the same chunks whatever else is in the call), combined in order. In a step of few
  * rows each chunk is a task of its own, so a few long queries keep every thread busy (one token
@@ -177,6 +192,11 @@ typedef struct {
     float *max;    /* [run][group]: the scores' maxima */
     vec *acc;      /* [run][group][d / LANES]: weighted sums of values */
     float *keys;   /* [LANES][d]: one tile of keys, then of values */
+    /* bf16 on dot products (attend_run_bf16) */
+    uint32_t *qpairs; /* [run][group][d / 2]: queries as bf16 pairs */
+    uint16_t *probs;  /* [run][group][KEY_CHUNK]: bf16 probabilities */
+    uint16_t *vpairs; /* [KEY_CHUNK / 2][d][2]: values of key pairs interleaved */
+    void *tile;       /* [d / 2][LANES] 32-bit pairs: a tile of keys transposed */
 } scratch;
 
 /* The keys a run's queries may not see (a draft tree's other branches): query r of the run sees
@@ -335,6 +355,222 @@ static float row_max(const float *s, int64_t len) {
     return m;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_DOTS
+/* bf16 attention on AVX-512 BF16's dot products (vdpbf16ps: a lane adds the products of two
+ * pairs of bf16 values to its float32 sum), the arithmetic the header comment gives. */
+#define SCORE_ROWS 8 /* query heads scored side by side against a tile of keys */
+#define PV_REGS 24   /* sums of weighted values kept in registers */
+
+/* r[i] lane j -> out[j] lane i, for 16 vectors of 16 32-bit lanes: pairs of rows interleaved,
+ * then pairs of pairs, then the 128-bit quarters moved (64 shuffles, a quarter of the time the
+ * 16 gathers of a tile's transpose took) */
+static inline void transpose16(const __m512i r[LANES], __m512i out[LANES]) {
+    __m512i t[LANES], u[LANES];
+    for (int i = 0; i < LANES; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < LANES; i += 4) { /* u[i + c] quarter L: rows i .. i + 3 of column 4L + c */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
+        out[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        out[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        out[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        out[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
+/* The tile of keys j0 .. j0 + 15 of `slots` (zeros past `len`) transposed for the dot
+ * products: kt[p] lane l = key l's pair p of dims (2p, 2p + 1). */
+static void key_tile_pairs(const char *kv, const int64_t *slots, int64_t j0, int64_t len, int64_t slot_bytes,
+                           int64_t k_off, int64_t v_off, int64_t d, __m512i *kt) {
+    for (int64_t j = j0 + PREFETCH; j < j0 + LANES + PREFETCH && j < len; j++) { /* values: read right after */
+        prefetch_row(kv + slots[j] * slot_bytes + k_off, d * 2);
+        prefetch_row(kv + slots[j] * slot_bytes + v_off, d * 2);
+    }
+    for (int64_t b = 0; b < d / 2; b += LANES) {
+        __mmask16 m = d / 2 - b >= LANES ? 0xffff : (__mmask16)((1u << (d / 2 - b)) - 1);
+        __m512i rows[LANES], cols[LANES];
+        for (int l = 0; l < LANES; l++)
+            rows[l] = j0 + l < len ? _mm512_maskz_loadu_epi32(m, kv + slots[j0 + l] * slot_bytes + k_off + 4 * b)
+                                   : _mm512_setzero_si512();
+        transpose16(rows, cols);
+        for (int64_t p = b; p < b + LANES && p < d / 2; p++) kt[p] = cols[p - b];
+    }
+}
+
+/* Scores of query heads h0 .. h0 + rows - 1 (qp: [heads][d / 2] bf16 pairs) against one
+ * transposed tile: each a sum over the dim pairs in order, times `scale`. */
+static inline __attribute__((always_inline)) void score_rows(const uint32_t *qp, int64_t h0, int rows,
+                                                             const __m512i *kt, int64_t pairs, float scale,
+                                                             float *out, int64_t stride) {
+    __m512 acc[SCORE_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh k = (__m512bh)kt[p];
+        for (int i = 0; i < rows; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], k, (__m512bh)_mm512_set1_epi32((int)qp[(h0 + i) * pairs + p]));
+    }
+    for (int i = 0; i < rows; i++) _mm512_storeu_ps(out + (h0 + i) * stride, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+}
+
+/* Values of keys 2i and 2i + 1 (zeros past `len`) interleaved, for i < n: vp[i][c] = (v_2i[c],
+ * v_2i+1[c]), the pairs the weighted sums' dot products take. */
+static void value_pairs(const char *kv, const int64_t *slots, int64_t len, int64_t n, int64_t slot_bytes,
+                        int64_t v_off, int64_t d, uint16_t *vp) {
+    typedef int16_t words __attribute__((vector_size(64)));
+    const __m512i lo = (__m512i)(words){0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                        8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *a = 2 * i < len ? (const uint16_t *)(kv + slots[2 * i] * slot_bytes + v_off) : NULL;
+        const uint16_t *b = 2 * i + 1 < len ? (const uint16_t *)(kv + slots[2 * i + 1] * slot_bytes + v_off) : NULL;
+        for (int64_t c = 0; c < d; c += 32) {
+            __mmask32 m = d - c >= 32 ? 0xffffffffu : (1u << (d - c)) - 1;
+            __m512i va = a ? _mm512_maskz_loadu_epi16(m, a + c) : _mm512_setzero_si512();
+            __m512i vb = b ? _mm512_maskz_loadu_epi16(m, b + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + i * 2 * d + 2 * c, _mm512_permutex2var_epi16(va, lo, vb));
+            if (d - c > 16) _mm512_storeu_si512(vp + i * 2 * d + 2 * c + 32, _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
+}
+
+/* Weighted values of query heads h0 .. h0 + rows - 1 (probs: their bf16 probabilities, rows
+ * KEY_CHUNK apart) over the first n key pairs, pair after pair: acc[h][0 : d] (nb = d / 16). */
+static inline __attribute__((always_inline)) void weigh_rows(const uint16_t *vp, const uint16_t *probs, int64_t h0,
+                                                             int rows, int nb, int64_t n, float *acc) {
+    __m512 sum[PV_REGS];
+    for (int i = 0; i < rows * nb; i++) sum[i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *v = vp + i * 32 * nb;
+        for (int r = 0; r < rows; r++) {
+            uint32_t pair;
+            memcpy(&pair, probs + (h0 + r) * KEY_CHUNK + 2 * i, sizeof pair);
+            __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int b = 0; b < nb; b++)
+                sum[r * nb + b] = _mm512_dpbf16_ps(sum[r * nb + b], (__m512bh)_mm512_loadu_si512(v + 32 * b), p);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++) _mm512_storeu_ps(acc + (h0 + r) * 16 * nb + 16 * b, sum[r * nb + b]);
+}
+
+/* exp(x - m) as 2^n * 2^f (x log2 e - m log2 e = n + f, |f| <= 1/2, 2^f to 1e-7 by its Taylor
+ * series): half of exp_nonpositive's work, and a probability keeps 8 bits of it. -inf - m
+ * gives NaN (a hidden key, zeroed after), a score far below m an exact 0. */
+static inline __m512 exp_from(__m512 x, __m512 m_log2e) {
+    __m512 t = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), m_log2e);
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n), p = _mm512_set1_ps(1.5403530e-4f);
+    static const float c[] = {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f};
+    for (int i = 0; i < 6; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Query head h's scores s[0 : stride] -> its bf16 probabilities (0 past its len keys and at
+ * hidden keys), their maximum and total (the 16 lanes' sums over the tiles, then hsum). */
+static void softmax_row(float *s, int64_t len, int64_t stride, const key_mask *mask, int64_t r, uint16_t *probs,
+                        float *max, float *total) {
+    if (mask) hide_keys(mask, r, s, len, -INFINITY);
+    float m = len > 0 ? row_max(s, len) : -INFINITY;
+    __m512 m_log2e = _mm512_set1_ps(m * 1.44269504088896341f);
+    for (int64_t j0 = 0; j0 < stride; j0 += LANES) {
+        __mmask16 live = j0 >= len ? 0 : len - j0 >= LANES ? 0xffff : (__mmask16)((1u << (len - j0)) - 1);
+        _mm512_storeu_ps(s + j0, _mm512_maskz_mov_ps(live, exp_from(_mm512_loadu_ps(s + j0), m_log2e)));
+    }
+    if (mask) hide_keys(mask, r, s, len, 0.0f); /* an exact 0, whatever exp makes of -inf */
+    vec sum = {0};
+    for (int64_t j0 = 0; j0 < stride; j0 += LANES) {
+        evec x;
+        memcpy(&x, s + j0, sizeof x);
+        x = round_bf16(x);
+        sum += (vec)x;
+        _mm256_storeu_si256((__m256i *)(probs + j0), (__m256i)_mm512_cvtneps_pbh((__m512)x));
+    }
+    *max = m;
+    *total = hsum(sum);
+}
+
+/* The most keys of query heads h0 .. h0 + rows - 1 (those past `heads`: none) */
+static int64_t block_len(const int64_t *lens, int64_t group, int64_t heads, int64_t h0, int64_t rows) {
+    int64_t most = 0;
+    for (int64_t h = h0; h < h0 + rows && h < heads; h++) most = lens[h / group] > most ? lens[h / group] : most;
+    return most;
+}
+
+/* attend_run for bf16 on the dot products: the same runs, chunks and partial results, each
+ * query head's arithmetic the header comment's. */
+static void attend_run_bf16(const char *q, int64_t q_bytes, const char *kv, const int64_t *slots, const int64_t *lens,
+                            int64_t nq, char *out, int64_t out_bytes, int64_t kvh, int64_t kv_heads, int64_t group,
+                            int64_t d, float scale, const key_mask *mask, scratch w, float *part, int64_t part_row,
+                            int64_t part_g) {
+    int64_t slot_bytes = 4 * kv_heads * d, k_off = kvh * d * 2, v_off = (kv_heads + kvh) * d * 2, max_len = 0;
+    int64_t heads = nq * group, padded = (heads + SCORE_ROWS - 1) / SCORE_ROWS * SCORE_ROWS, pairs = d / 2;
+    for (int64_t r = 0; r < nq; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
+    int64_t stride = (max_len + LANES - 1) / LANES * LANES;
+    /* query head h = r * group + g: token r's head g * kv_heads + kvh, as bf16 pairs */
+    for (int64_t h = 0; h < padded; h++) {
+        if (h < heads)
+            memcpy(w.qpairs + h * pairs, q + (h / group) * q_bytes + ((h % group) * kv_heads + kvh) * d * 2, (size_t)d * 2);
+        else
+            memset(w.qpairs + h * pairs, 0, (size_t)d * 2);
+    }
+    __m512i *kt = (__m512i *)w.tile;
+    for (int64_t j0 = 0; j0 < max_len; j0 += LANES) {
+        key_tile_pairs(kv, slots, j0, max_len, slot_bytes, k_off, v_off, d, kt);
+        for (int64_t h0 = 0; h0 < heads; h0 += SCORE_ROWS) { /* past a block's own keys: not read */
+            if (block_len(lens, group, heads, h0, SCORE_ROWS) <= j0) continue;
+            if (heads - h0 <= SCORE_ROWS / 2) /* a step's last few heads (a 1-token step's all) */
+                score_rows(w.qpairs, h0, SCORE_ROWS / 2, kt, pairs, scale, w.scores + j0, stride);
+            else
+                score_rows(w.qpairs, h0, SCORE_ROWS, kt, pairs, scale, w.scores + j0, stride);
+        }
+    }
+    for (int64_t h = 0; h < heads; h++)
+        softmax_row(w.scores + h * stride, lens[h / group], stride, mask, h / group, w.probs + h * KEY_CHUNK,
+                    w.max + h, w.total + h);
+    value_pairs(kv, slots, max_len, stride / 2, slot_bytes, v_off, d, w.vpairs);
+    float *acc = (float *)w.acc;
+    int rows = d == 64 ? 6 : d == 128 ? 3 : 1, nb = (int)(d / LANES);
+    for (int64_t h0 = 0; h0 < heads; h0 += rows) {
+        int64_t longest = block_len(lens, group, heads, h0, rows); /* past a head's own keys its weights are 0 */
+        if (d == 64 && heads - h0 <= 3)
+            weigh_rows(w.vpairs, w.probs, h0, 3, 4, (longest + 1) / 2, acc);
+        else if (d == 64)
+            weigh_rows(w.vpairs, w.probs, h0, 6, 4, (longest + 1) / 2, acc);
+        else if (d == 128)
+            weigh_rows(w.vpairs, w.probs, h0, 3, 8, (longest + 1) / 2, acc);
+        else
+            weigh_rows(w.vpairs, w.probs, h0, 1, nb, (longest + 1) / 2, acc);
+    }
+    float row[MAX_HEAD_DIM];
+    for (int64_t h = 0; h < heads; h++) {
+        int64_t r = h / group, g = h % group;
+        if (part) {
+            float *entry = part + r * part_row + g * part_g;
+            entry[0] = w.max[h];
+            entry[1] = w.total[h];
+            memcpy(entry + 2, acc + h * d, sizeof(float) * (size_t)d);
+            continue;
+        }
+        for (int64_t b = 0; b < d / LANES; b++) {
+            vec o;
+            memcpy(&o, acc + h * d + b * LANES, sizeof o);
+            o /= w.total[h];
+            memcpy(row + b * LANES, &o, sizeof o);
+        }
+        store_row(row, d, out + r * out_bytes + (g * kv_heads + kvh) * d * 2, 1);
+    }
+}
+#endif
+
 /* One task: the `group` query heads sharing kv head `kvh`, for a run of `nq` consecutive query
  * tokens that read prefixes of one key list (the tokens of a row, causal: each a longer prefix).
  * Each key row is loaded once for the whole run, but what a query computes is the same as alone:
@@ -349,6 +585,13 @@ static void attend_run(const char *q, int64_t q_bytes, const char *kv, const int
     int64_t esz = bf16 ? 2 : 4, blocks = d / LANES, max_len = 0;
     int64_t slot_bytes = 2 * kv_heads * d * esz, k_off = kvh * d * esz, v_off = (kv_heads + kvh) * d * esz;
     float row[MAX_HEAD_DIM];
+#ifdef BF16_DOTS
+    if (bf16) {
+        attend_run_bf16(q, q_bytes, kv, slots, lens, nq, out, out_bytes, kvh, kv_heads, group, d, scale, mask, w, part,
+                        part_row, part_g);
+        return;
+    }
+#endif
     for (int64_t r = 0; r < nq; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
     int64_t stride = (max_len + LANES - 1) / LANES * LANES;
 
@@ -477,6 +720,15 @@ static void combine_chunks(const float *e, int64_t chunks, int64_t d, char *out,
     store_row(acc, d, out, bf16);
 }
 
+/* Whether bf16 attention runs on the dot products here (else as float32 does) */
+int attend_bf16_dots(void) {
+#ifdef BF16_DOTS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Runs: consecutive query tokens of one key list (one sequence), at most `cap` each, which
  * share each pass over their keys. first[r]: run r's first token (first[runs] = tokens);
  * chunks[r]: the KEY_CHUNKs of its longest query. Returns the number of runs. */
@@ -546,13 +798,22 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
     int64_t failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        size_t cells = (size_t)(MAX_RUN * group);
+        size_t cells = (size_t)(MAX_RUN * group + ROW_PAD);
         scratch w = {malloc(sizeof(float) * cells * (size_t)d), malloc(sizeof(float) * cells * KEY_CHUNK),
                      malloc(sizeof(float) * cells), malloc(sizeof(float) * cells),
                      aligned_alloc(sizeof(vec), sizeof(vec) * cells * (size_t)(d / LANES)),
-                     malloc(sizeof(float) * LANES * (size_t)d)};
+                     malloc(sizeof(float) * LANES * (size_t)d), NULL, NULL, NULL, NULL};
         float *local_part = max_chunks > 1 && !spread ? malloc(sizeof(float) * cells * (size_t)part_head) : NULL;
         failed = !w.qf || !w.scores || !w.total || !w.max || !w.acc || !w.keys || (max_chunks > 1 && !spread && !local_part);
+#ifdef BF16_DOTS
+        if (bf16) {
+            w.qpairs = malloc(sizeof(uint32_t) * cells * (size_t)d / 2);
+            w.probs = calloc(cells * KEY_CHUNK, sizeof(uint16_t)); /* rows past a run's heads: read, unused */
+            w.vpairs = malloc(sizeof(uint16_t) * KEY_CHUNK * (size_t)d);
+            w.tile = aligned_alloc(64, 32 * (size_t)d);
+            failed |= !w.qpairs || !w.probs || !w.vpairs || !w.tile;
+        }
+#endif
         /* dynamic: chunks and runs differ in size; what each computes does not depend on who runs it */
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < tasks; i++) {
@@ -597,6 +858,10 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
         free(w.max);
         free(w.acc);
         free(w.keys);
+        free(w.qpairs);
+        free(w.probs);
+        free(w.vpairs);
+        free(w.tile);
         free(local_part);
     }
     free(first);

@@ -111,6 +111,8 @@ def _library() -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.attend.restype = ctypes.c_int
+    lib.attend_bf16_dots.argtypes = []
+    lib.attend_bf16_dots.restype = ctypes.c_int
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.rms_norm.restype = ctypes.c_int
     lib.rope_store.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
@@ -292,6 +294,12 @@ def attend(
     if rc != 0:
         raise KernelUnavailable(unavailable_reason(d, num_heads, kv_heads) or "the kernel refused its arguments")
     return out
+
+
+def bf16_attention_on_dots() -> bool:
+    """Does bf16 attention run on AVX-512 BF16's dot products here (cpu_kernels.c's header),
+    rather than in float32 as float32 attention does?"""
+    return bool(_library().attend_bf16_dots())
 
 
 def layer_kernels_available(hidden_size: int, intermediate_size: int, head_dim: int) -> bool:

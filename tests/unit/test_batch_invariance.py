@@ -157,7 +157,8 @@ def test_the_avx2_attention_gives_the_generic_kernels_bits(tmp_path):
     """Attention's inner loops have 8-wide AVX2 versions of the 16-wide vector code: built
     as this CPU allows (AVX-512 where it has it), without AVX-512 (the AVX2 loops) and without
     AVX2 either (the vector code, its FMAs one lane at a time), the kernel gives the same bits,
-    in float32 and bf16."""
+    in float32 and bf16; except bf16 on AVX-512 BF16's dot products, other arithmetic (its
+    values checked against float64 elsewhere), which only comes close."""
     outputs = []
     for name, flags in (("native", ""), ("avx2", "-mno-avx512f"), ("generic", "-mno-avx512f -mno-avx2")):
         path = tmp_path / f"{name}.pt"
@@ -166,7 +167,11 @@ def test_the_avx2_attention_gives_the_generic_kernels_bits(tmp_path):
         outputs.append(torch.load(path))
     assert [len(o) for o in outputs] == [8, 8, 8]
     for native, avx2, generic in zip(*outputs):
-        assert avx2.isfinite().all() and torch.equal(avx2, generic) and torch.equal(native, avx2)
+        assert avx2.isfinite().all() and torch.equal(avx2, generic)
+        if native.dtype == torch.bfloat16 and cpu_kernels.bf16_attention_on_dots():
+            torch.testing.assert_close(native.float(), avx2.float(), atol=3e-2, rtol=0)
+        else:
+            assert torch.equal(native, avx2)
 
 
 def _float64_attention(q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
@@ -179,7 +184,9 @@ def _float64_attention(q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tenso
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (4, 4, 128), (8, 1, 32)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (4, 4, 128), (8, 1, 32), (6, 2, 48), (2, 1, 256)]
+)
 def test_kernel_matches_float64_attention_and_is_invariant(dtype, heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(0)
     slots = 400
@@ -301,6 +308,20 @@ def test_a_long_list_beside_a_short_one():
     kv = torch.randn(2200, 2, 3, 64, generator=gen).bfloat16()
     q = torch.randn(3, 9 * 64, generator=gen).bfloat16()
     _check_each_list_alone(q, kv, torch.randperm(2200, generator=gen), [0, 0, 2150], [2099, 2100, 40], threads=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefill_tile_gives_each_query_its_bits_alone(dtype):
+    """A prompt chunk of 80 tokens after 230 cached ones (key lists of 231 .. 310 keys: odd and
+    even, across 16-key tiles and the 256-key chunk boundary) in one call, its queries in runs
+    of up to 32 sharing each key, on 1, 2 and 3 threads: each query gets the bits it gets
+    alone (as a 1-token step) and the float64 attention's values."""
+    gen = torch.Generator().manual_seed(7)
+    kv = torch.randn(400, 2, 3, 64, generator=gen).to(dtype)
+    q = torch.randn(80, 9 * 64, generator=gen).to(dtype)
+    order = torch.randperm(400, generator=gen)
+    for threads in (1, 2, 3):
+        _check_each_list_alone(q, kv, order, [0] * 80, list(range(231, 311)), threads)
 
 
 def test_kernel_refuses_what_it_cannot_take():
