@@ -1,6 +1,8 @@
 """Time to first token in process: a prompt of N tokens prefilled through the batch-invariant lean
 runtime in chunks as the orchestrator sends them (`prefill_chunk_tokens`), logits for the last
-token only. Prints the median seconds and tokens/s over --repeats prefills, with the range.
+token only. Prints the median seconds and tokens/s over --repeats prefills, with the range, and
+the longest chunk's step (the last: its attention reads the most keys), which is how long other
+streams sharing the server wait at most between two of their tokens.
 
     .venv/bin/python scripts/bench_prefill.py --tokens 2000 8000 --chunk 128 512
 
@@ -27,17 +29,20 @@ sys.path.insert(0, str(HERE / "scripts"))
 from bench_runtime_ab import runtime  # noqa: E402
 
 
-def prefill_seconds(lean, lm, pool, prompt: torch.Tensor, chunk: int) -> float:
-    """Seconds to prefill `prompt` ([n] token ids) as sequence 0 in chunks of `chunk` tokens (0: one)."""
+def prefill_seconds(lean, lm, pool, prompt: torch.Tensor, chunk: int) -> tuple[float, float]:
+    """Seconds to prefill `prompt` ([n] token ids) as sequence 0 in chunks of `chunk` tokens (0:
+    one), and the longest chunk's."""
     pool.admit(0, prompt.shape[0] + 1)
     step = chunk or prompt.shape[0]
-    start = time.perf_counter()
+    start = last = time.perf_counter()
+    longest = 0.0
     for i in range(0, prompt.shape[0], step):
         part = prompt[i : i + step]
         lm.forward(pool, [lean.Row(0, part)], logits_rows=1 if i + step >= prompt.shape[0] else 0)
-    taken = time.perf_counter() - start
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
     pool.release(0)
-    return taken
+    return last - start, longest
 
 
 def main() -> None:
@@ -66,13 +71,17 @@ def main() -> None:
         for n in args.tokens:
             for chunk in args.chunk:
                 times: dict[str, list[float]] = {name: [] for name in sides}
+                steps: dict[str, list[float]] = {name: [] for name in sides}
                 for round_ in range(args.repeats):
                     for name in sorted(sides, reverse=round_ % 2 == 1):  # who goes first alternates
-                        times[name].append(prefill_seconds(*sides[name], prompt[:n], chunk))
+                        taken, longest = prefill_seconds(*sides[name], prompt[:n], chunk)
+                        times[name].append(taken)
+                        steps[name].append(longest)
                 line = f"{n:6} tokens, chunk {chunk:5}:"
                 for name, taken in times.items():
                     med = statistics.median(taken)
                     line += f"  {name} {med:7.3f} s ({min(taken):.3f}-{max(taken):.3f}) {n / med:6.0f} tok/s"
+                    line += f", longest step {statistics.median(steps[name]):.3f} s"
                 if len(sides) == 2:
                     ratios = [t / b for t, b in zip(times["this"], times["base"])]
                     line += f"  this / base {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
