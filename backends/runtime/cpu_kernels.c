@@ -388,13 +388,11 @@ static inline void transpose16(const __m512i r[LANES], __m512i out[LANES]) {
 }
 
 /* The tile of keys j0 .. j0 + 15 of `slots` (zeros past `len`) transposed for the dot
- * products: kt[p] lane l = key l's pair p of dims (2p, 2p + 1). */
+ * products: kt[p] lane l = key l's pair p of dims (2p, 2p + 1). The next tile's keys are
+ * prefetched (the values too, as the float32 pass does, stalled on the CPU's miss buffers). */
 static void key_tile_pairs(const char *kv, const int64_t *slots, int64_t j0, int64_t len, int64_t slot_bytes,
-                           int64_t k_off, int64_t v_off, int64_t d, __m512i *kt) {
-    for (int64_t j = j0 + PREFETCH; j < j0 + LANES + PREFETCH && j < len; j++) { /* values: read right after */
-        prefetch_row(kv + slots[j] * slot_bytes + k_off, d * 2);
-        prefetch_row(kv + slots[j] * slot_bytes + v_off, d * 2);
-    }
+                           int64_t k_off, int64_t d, __m512i *kt) {
+    for (int64_t j = j0 + LANES; j < j0 + 2 * LANES && j < len; j++) prefetch_row(kv + slots[j] * slot_bytes + k_off, d * 2);
     for (int64_t b = 0; b < d / 2; b += LANES) {
         __mmask16 m = d / 2 - b >= LANES ? 0xffff : (__mmask16)((1u << (d / 2 - b)) - 1);
         __m512i rows[LANES], cols[LANES];
@@ -430,6 +428,8 @@ static void value_pairs(const char *kv, const int64_t *slots, int64_t len, int64
                                         8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int64_t i = 0; i < n; i++) {
+        for (int64_t j = 2 * i + PREFETCH; j < 2 * i + PREFETCH + 2 && j < len; j++)
+            prefetch_row(kv + slots[j] * slot_bytes + v_off, d * 2);
         const uint16_t *a = 2 * i < len ? (const uint16_t *)(kv + slots[2 * i] * slot_bytes + v_off) : NULL;
         const uint16_t *b = 2 * i + 1 < len ? (const uint16_t *)(kv + slots[2 * i + 1] * slot_bytes + v_off) : NULL;
         for (int64_t c = 0; c < d; c += 32) {
@@ -524,7 +524,7 @@ static void attend_run_bf16(const char *q, int64_t q_bytes, const char *kv, cons
     }
     __m512i *kt = (__m512i *)w.tile;
     for (int64_t j0 = 0; j0 < max_len; j0 += LANES) {
-        key_tile_pairs(kv, slots, j0, max_len, slot_bytes, k_off, v_off, d, kt);
+        key_tile_pairs(kv, slots, j0, max_len, slot_bytes, k_off, d, kt);
         for (int64_t h0 = 0; h0 < heads; h0 += SCORE_ROWS) { /* past a block's own keys: not read */
             if (block_len(lens, group, heads, h0, SCORE_ROWS) <= j0) continue;
             if (heads - h0 <= SCORE_ROWS / 2) /* a step's last few heads (a 1-token step's all) */
@@ -533,6 +533,7 @@ static void attend_run_bf16(const char *q, int64_t q_bytes, const char *kv, cons
                 score_rows(w.qpairs, h0, SCORE_ROWS, kt, pairs, scale, w.scores + j0, stride);
         }
     }
+    for (int64_t j = 0; j < PREFETCH && j < max_len; j++) prefetch_row(kv + slots[j] * slot_bytes + v_off, d * 2);
     for (int64_t h = 0; h < heads; h++)
         softmax_row(w.scores + h * stride, lens[h / group], stride, mask, h / group, w.probs + h * KEY_CHUNK,
                     w.max + h, w.total + h);
