@@ -463,8 +463,8 @@ static inline __attribute__((always_inline)) void weigh_rows(const uint16_t *vp,
 }
 
 /* exp(x - m) as 2^n * 2^f (x log2 e - m log2 e = n + f, |f| <= 1/2, 2^f to 1e-7 by its Taylor
- * series): half of exp_nonpositive's work, and a probability keeps 8 bits of it. -inf - m
- * gives NaN (a hidden key, zeroed after), a score far below m an exact 0. */
+ * series): half of exp_nonpositive's work, and a probability keeps 8 bits of it. A score far
+ * below m gives an exact 0. */
 static inline __m512 exp_from(__m512 x, __m512 m_log2e) {
     __m512 t = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), m_log2e);
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -475,24 +475,21 @@ static inline __m512 exp_from(__m512 x, __m512 m_log2e) {
 }
 
 /* Query head h's scores s[0 : stride] -> its bf16 probabilities (0 past its len keys and at
- * hidden keys), their maximum and total (the 16 lanes' sums over the tiles, then hsum). */
+ * hidden ones: a hidden key's score is set to -inf, which no key's own score is), their maximum
+ * and total (the 16 lanes' sums over the tiles, then hsum), in one pass after the maximum. */
 static void softmax_row(float *s, int64_t len, int64_t stride, const key_mask *mask, int64_t r, uint16_t *probs,
                         float *max, float *total) {
     if (mask) hide_keys(mask, r, s, len, -INFINITY);
     float m = len > 0 ? row_max(s, len) : -INFINITY;
     __m512 m_log2e = _mm512_set1_ps(m * 1.44269504088896341f);
-    for (int64_t j0 = 0; j0 < stride; j0 += LANES) {
-        __mmask16 live = j0 >= len ? 0 : len - j0 >= LANES ? 0xffff : (__mmask16)((1u << (len - j0)) - 1);
-        _mm512_storeu_ps(s + j0, _mm512_maskz_mov_ps(live, exp_from(_mm512_loadu_ps(s + j0), m_log2e)));
-    }
-    if (mask) hide_keys(mask, r, s, len, 0.0f); /* an exact 0, whatever exp makes of -inf */
     vec sum = {0};
     for (int64_t j0 = 0; j0 < stride; j0 += LANES) {
-        evec x;
-        memcpy(&x, s + j0, sizeof x);
-        x = round_bf16(x);
-        sum += (vec)x;
-        _mm256_storeu_si256((__m256i *)(probs + j0), (__m256i)_mm512_cvtneps_pbh((__m512)x));
+        __m512 x = _mm512_loadu_ps(s + j0);
+        __mmask16 live = j0 >= len ? 0 : len - j0 >= LANES ? 0xffff : (__mmask16)((1u << (len - j0)) - 1);
+        live &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); /* a NaN stays */
+        evec p = round_bf16((evec)_mm512_maskz_mov_ps(live, exp_from(x, m_log2e)));
+        sum += (vec)p;
+        _mm256_storeu_si256((__m256i *)(probs + j0), (__m256i)_mm512_cvtneps_pbh((__m512)p));
     }
     *max = m;
     *total = hsum(sum);
