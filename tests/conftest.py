@@ -15,6 +15,7 @@ import torch
 # OpenAI Triton kernels' tests; otherwise they fail depending on which test file ran first.
 import kernels  # noqa: F401, I001
 from tests.fixtures import training
+from tests.fixtures.helpers import one_thread
 from tests.fixtures.tiny_model import build_tiny_model
 
 TESTS = Path(__file__).resolve().parent
@@ -127,22 +128,28 @@ def target_weights(target_dir) -> dict:
 
 
 # The trainer tests' heads, trained once per session (tests/fixtures/training.py): in-process
-# checks in tests/unit, the same heads served in tests/e2e.
+# checks in tests/unit, the same heads served in tests/e2e. On one torch thread: tensors this
+# small trained 10-20x slower on two threads whenever the 2-core host had other work
+# (the five heads 11 s against 184 s, the EAGLE heads 13 s against 223 s).
 @pytest.fixture(scope="session")
 def training_target_dir(tmp_path_factory) -> Path:
-    return training.build_training_target(tmp_path_factory.mktemp("train-target"))
+    with one_thread():
+        return training.build_training_target(tmp_path_factory.mktemp("train-target"))
 
 
 @pytest.fixture(scope="session")
 def trained_eagle_heads(training_target_dir, tmp_path_factory) -> dict:
-    return training.train_eagle_heads(training_target_dir, tmp_path_factory)
+    with one_thread():
+        return training.train_eagle_heads(training_target_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def heads_corpus(training_target_dir, tmp_path_factory):
-    return training.heads_corpus(training_target_dir, tmp_path_factory)
+    with one_thread():
+        return training.heads_corpus(training_target_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def trained_heads(heads_corpus, training_target_dir, tmp_path_factory) -> dict:
-    return training.train_heads(heads_corpus, training_target_dir, tmp_path_factory)
+    with one_thread():
+        return training.train_heads(heads_corpus, training_target_dir, tmp_path_factory)

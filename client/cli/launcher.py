@@ -241,6 +241,12 @@ class TritonServer:
     def start(self, timeout_s: float = 300.0, require_all_models: bool = True) -> TritonServer:
         """Start and wait until ready. Models that failed to load raise ServerStartError
         (with Triton's reason for each) unless require_all_models is False."""
+        return self.launch().wait_started(timeout_s, require_all_models)
+
+    def launch(self) -> TritonServer:
+        """Start the process and return at once: several servers launched before any is
+        waited for load their models side by side (each load is mostly one stub's imports,
+        on one core). The calling thread must outlive the server (_terminate_with_parent)."""
         repository = self.source_repository
         if self.overrides:
             self._workdir = tempfile.TemporaryDirectory(prefix="tritonspec-repo-")
@@ -257,6 +263,10 @@ class TritonServer:
         )
         if out:
             out.close()
+        return self
+
+    def wait_started(self, timeout_s: float = 300.0, require_all_models: bool = True) -> TritonServer:
+        """Wait until the launched server is ready; as start() for the models that failed."""
         self._wait_ready(timeout_s)
         failed = {name: reason for name, (state, reason) in self.model_states().items() if state != "READY"}
         for name, reason in failed.items():

@@ -16,7 +16,7 @@ import pytest
 from client.api.triton import grpc_generate
 from client.cli.bench import load_prompts
 from tests.e2e.test_smollm2_server import PROMPTS as E2E_PROMPTS
-from tests.fixtures.servers import start_server
+from tests.fixtures.servers import fixture_servers
 
 MAX_TOKENS = 40
 CONFIGS = {
@@ -30,17 +30,19 @@ def prompts() -> list[str]:
     return [texts[0] for texts in by_category.values()] + E2E_PROMPTS
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def bf16_server(request, smollm2_dir, tmp_path_factory):
-    server = start_server(
-        tmp_path_factory.mktemp(f"bf16-{request.param}"),
-        str(smollm2_dir),
-        CONFIGS[request.param],
-        dtype="bfloat16",
-        batch_invariant="on",
-    )
-    yield server
-    server.stop()
+@pytest.fixture(scope="module")
+def bf16_servers(smollm2_dir, tmp_path_factory):
+    """{config name: SmolLM2 served in bf16, batch-invariant}, launched together."""
+    specs = {
+        f"bf16-{name}": dict(model=str(smollm2_dir), speculative_config=config, dtype="bfloat16", batch_invariant="on")
+        for name, config in CONFIGS.items()
+    }
+    yield from fixture_servers(tmp_path_factory, specs)
+
+
+@pytest.fixture(params=list(CONFIGS))
+def bf16_server(request, bf16_servers):
+    return bf16_servers[f"bf16-{request.param}"]
 
 
 def generate(server, prompt: str, num_draft_tokens: int | None) -> list[int]:

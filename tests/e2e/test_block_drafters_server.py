@@ -9,15 +9,9 @@ import json
 import pytest
 import torch
 
-from tests.fixtures.helpers import (
-    coarse_total_variation,
-    load_hf_model,
-    seeded_results,
-    served_greedy_results,
-    served_greedy_results_once,
-)
+from tests.fixtures.helpers import coarse_total_variation, load_hf_model, seeded_results, served_greedy_results
 from tests.fixtures.sampling import PROMPT, SAMPLES, TEMPERATURE, TOP_K, exact_marginals
-from tests.fixtures.servers import CHUNKED_PREFILL, start_server
+from tests.fixtures.servers import CHUNKED_PREFILL, fixture_servers
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
 from tests.fixtures.synthetic_checkpoints import save_checkpoint
 
@@ -49,24 +43,35 @@ def write_fitted_dspark(out, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def dspark_server(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dspark-server")
-    config = {
+def servers(tiny_model_dir, tmp_path_factory):
+    """A causal sliding-window DFlash head, and the fitted DSpark head drafting
+    probabilistically with prompts prefilled in chunks: launched together."""
+    root = tmp_path_factory.mktemp("block-heads")
+    dflash = root / "dflash-causal-sliding"
+    write_dflash(dflash, tiny_model_dir, causal=True, sliding_window=3, block_size=5)
+    dspark = {
         "method": "dspark",
         "model": str(write_fitted_dspark(root / "fitted", tiny_model_dir)),
         "num_speculative_tokens": 3,
         "draft_sample_method": "probabilistic",
     }
-    server = start_server(root, str(tiny_model_dir), json.dumps(config), per_model=CHUNKED_PREFILL)
-    yield server
-    server.stop()
+    specs = {
+        "dflash": dict(
+            model=str(tiny_model_dir),
+            speculative_config=json.dumps({"method": "dflash", "model": str(dflash), "num_speculative_tokens": 4}),
+        ),
+        "dspark": dict(model=str(tiny_model_dir), speculative_config=json.dumps(dspark), per_model=CHUNKED_PREFILL),
+    }
+    yield from fixture_servers(tmp_path_factory, specs)
 
 
-def test_served_dflash_greedy_equals_target_greedy(tiny_model_dir, tmp_path):
-    head = tmp_path / "dflash-causal-sliding"
-    write_dflash(head, tiny_model_dir, causal=True, sliding_window=3, block_size=5)
-    config = {"method": "dflash", "model": str(head), "num_speculative_tokens": 4}
-    results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 24)
+@pytest.fixture(scope="module")
+def dspark_server(servers):
+    return servers["dspark"]
+
+
+def test_served_dflash_greedy_equals_target_greedy(servers, tiny_model_dir):
+    results = served_greedy_results(servers["dflash"], tiny_model_dir, PROMPTS, 24)
     assert sum(r.total_draft_tokens for r in results) > 0
 
 

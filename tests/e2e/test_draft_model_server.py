@@ -10,31 +10,43 @@ import json
 import pytest
 import torch
 
-from tests.fixtures.helpers import (
-    coarse_total_variation,
-    load_hf_model,
-    seeded_results,
-    served_greedy_results,
-    served_greedy_results_once,
-)
-from tests.fixtures.servers import fixture_server, start_server
+from tests.fixtures.helpers import coarse_total_variation, load_hf_model, seeded_results, served_greedy_results
+from tests.fixtures.servers import fixture_servers
 
 SAMPLED_PROMPT = "The dog"  # the tiny model's next token: one likely, a few plausible
 
+QUANTIZATIONS = ["int8", "int4"]
 PROMPTS = ["def add(a, b):\n    return a + b\ndef add(a, b):", "The quick brown fox", "for i in range(10):"]
 
 
+def draft_model(model, **options) -> str:
+    return json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": 3, **options})
+
+
 @pytest.fixture(scope="module")
-def draft_server(tiny_model_dir, tmp_path_factory):
-    config = {
-        "method": "draft_model",
-        "model": str(tiny_model_dir),
-        "num_speculative_tokens": 3,
-        "draft_sample_method": "probabilistic",
+def servers(tiny_model_dir, tiny_hetero_dir, tmp_path_factory):
+    """The module's servers, launched together: the target drafting for itself
+    (probabilistic drafts, shared by two tests), with another tokenizer's drafter, with a
+    drafter of another vocabulary (which fails to load), and quantized drafters."""
+    target = str(tiny_model_dir)
+    specs = {
+        "draft-server": dict(
+            model=target,
+            speculative_config=draft_model(tiny_model_dir, draft_sample_method="probabilistic"),
+            sequence_idle_timeout_s="5",
+        ),
+        "hetero": dict(model=target, speculative_config=draft_model(tiny_hetero_dir, use_heterogeneous_vocab=True)),
+        "mismatched": dict(model=target, speculative_config=draft_model(tiny_hetero_dir), require_all_models=False),
+        **{
+            q: dict(model=target, speculative_config=draft_model(tiny_model_dir, quantization=q)) for q in QUANTIZATIONS
+        },
     }
-    yield from fixture_server(
-        tmp_path_factory, "draft-server", tiny_model_dir, json.dumps(config), sequence_idle_timeout_s="5"
-    )
+    yield from fixture_servers(tmp_path_factory, specs)
+
+
+@pytest.fixture(scope="module")
+def draft_server(servers):
+    return servers["draft-server"]
 
 
 def test_greedy_equals_target_greedy(draft_server, tiny_model_dir):
@@ -57,41 +69,24 @@ def test_sampled_tokens_follow_the_target_distribution(draft_server, tiny_model_
     assert coarse_total_variation([r.output_ids[0] for r in results], exact) < 0.09
 
 
-def test_heterogeneous_vocab_drafter_through_the_server(tiny_model_dir, tiny_hetero_dir, tmp_path):
+def test_heterogeneous_vocab_drafter_through_the_server(servers, tiny_model_dir):
     """A drafter with another tokenizer drafts through text; output is still the target's."""
-    config = {
-        "method": "draft_model",
-        "model": str(tiny_hetero_dir),
-        "num_speculative_tokens": 3,
-        "use_heterogeneous_vocab": True,
-    }
-    results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 32)
+    results = served_greedy_results(servers["hetero"], tiny_model_dir, PROMPTS, 32)
     assert sum(r.total_draft_tokens for r in results) > 0
 
 
-def test_mismatched_vocabulary_is_refused_at_load(tiny_model_dir, tiny_hetero_dir, tmp_path):
+def test_mismatched_vocabulary_is_refused_at_load(servers, tiny_model_dir, tiny_hetero_dir):
     from backends.config import SpeculativeConfig
 
-    config = json.dumps({"method": "draft_model", "model": str(tiny_hetero_dir), "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="same vocabulary size"):
-        SpeculativeConfig.from_json(config, target_model=str(tiny_model_dir))
-    server = start_server(tmp_path, str(tiny_model_dir), config, require_all_models=False)
-    try:
-        state, reason = server.model_states()["drafter"]
-        assert state == "UNAVAILABLE" and "same vocabulary size" in reason
-    finally:
-        server.stop()
+        SpeculativeConfig.from_json(draft_model(tiny_hetero_dir), target_model=str(tiny_model_dir))
+    state, reason = servers["mismatched"].model_states()["drafter"]
+    assert state == "UNAVAILABLE" and "same vocabulary size" in reason
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_drafter_through_the_server(tiny_model_dir, tmp_path, quantization):
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_quantized_drafter_through_the_server(servers, tiny_model_dir, quantization):
     """An int8 or int4 drafter (the lean runtime's kernel where the CPU has one) drafts what it
     will; the output is the target's greedy output."""
-    config = {
-        "method": "draft_model",
-        "model": str(tiny_model_dir),
-        "num_speculative_tokens": 3,
-        "quantization": quantization,
-    }
-    results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 32)
+    results = served_greedy_results(servers[quantization], tiny_model_dir, PROMPTS, 32)
     assert sum(r.total_accepted_draft_tokens for r in results) > 0

@@ -15,8 +15,8 @@ from backends.methods.head_checkpoint import TargetInfo
 from backends.training.eagle import Eagle1Trainer
 from client.api.triton import grpc_generate
 from tests.fixtures.head_server import ServedHeadTests, fit_and_save, next_token_loss
-from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results_once
-from tests.fixtures.servers import start_server
+from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results
+from tests.fixtures.servers import fixture_servers, start_servers, stop_servers
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
@@ -29,48 +29,67 @@ def target_dir(tiny3_model_dir):
     return tiny3_model_dir
 
 
-@pytest.mark.parametrize("method,quantization", [("eagle", None), ("eagle3", None), ("eagle3", "int8")])
-def test_served_greedy_equals_target_greedy(method, quantization, target_dir, tmp_path):
+GREEDY = [("eagle", None), ("eagle3", None), ("eagle3", "int8")]
+
+
+@pytest.fixture(scope="module")
+def greedy_servers(target_dir, tmp_path_factory):
+    """{(method, quantization): a synthetic head served}, launched together."""
+    specs = {}
+    for method, quantization in GREEDY:
+        head = tmp_path_factory.mktemp(f"{method}-head") / method
+        WRITERS[method](head, target_dir)
+        config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+        if quantization:
+            config["quantization"] = quantization
+        specs[f"{method}-{quantization}"] = dict(model=str(target_dir), speculative_config=json.dumps(config))
+    yield from fixture_servers(tmp_path_factory, specs)
+
+
+@pytest.mark.parametrize("method,quantization", GREEDY)
+def test_served_greedy_equals_target_greedy(method, quantization, greedy_servers, target_dir):
     """int8: the head (in bf16) drafts with its fc and LM head on the int8 kernel."""
-    head = tmp_path / method
-    WRITERS[method](head, target_dir)
-    config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
-    if quantization:
-        config["quantization"] = quantization
-    results = served_greedy_results_once(tmp_path, target_dir, config, PROMPTS, 24)
+    results = served_greedy_results(greedy_servers[f"{method}-{quantization}"], target_dir, PROMPTS, 24)
     assert sum(r.total_draft_tokens for r in results) > 0
 
 
-def test_a_head_drafts_beside_the_in_process_verifier_or_in_the_drafter_model(target_dir, tmp_path):
+def test_a_head_drafts_beside_the_in_process_verifier_or_in_the_drafter_model(target_dir, tmp_path_factory):
     """With the verifier in the `speculative` model's process (the default), the head drafts
     there too, concurrent streams' calls gathered into one propose, and the drafter model gets
     no request; `drafter_in_process: "false"` keeps it in the drafter model. Both give the
     target's own output."""
-    write_eagle3(tmp_path / "head", target_dir)
-    config = json.dumps({"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3})
+    head = tmp_path_factory.mktemp("eagle3-beside") / "head"
+    write_eagle3(head, target_dir)
+    config = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     prompts = PROMPTS * 2
     expected = [hf_greedy(str(target_dir), p, 20) for p in prompts]
-    for beside in (True, False):
-        where = tmp_path / str(beside)
-        where.mkdir()
-        server = start_server(
-            where, str(target_dir), config, per_model={"speculative": {"drafter_in_process": str(beside).lower()}}
+    specs = {
+        str(beside): dict(
+            model=str(target_dir),
+            speculative_config=config,
+            per_model={"speculative": {"drafter_in_process": str(beside).lower()}},
         )
-        try:
+        for beside in (True, False)
+    }
+    servers = start_servers(tmp_path_factory, specs)  # launched together
+    try:
+        for beside in (True, False):
+            server = servers[str(beside)]
             with ThreadPoolExecutor(len(prompts)) as pool:
                 results = list(pool.map(lambda p, url=server.grpc_url: grpc_generate(url, p, max_tokens=20), prompts))
             drafter_requests = sum(
                 v for k, v in metric_values(server, "nv_inference_request_success").items() if 'model="drafter"' in k
             )
-        finally:
-            server.stop()
-        assert [tuple(r.output_ids) for r in results] == expected
-        assert sum(r.total_draft_tokens for r in results) > 0
-        log = (where / "server.log").read_text()
-        assert ("beside the verifier" in log) == beside
-        # the verify thread alone runs parallel work, though request threads handle hidden states
-        assert "spec-verify_0 runs this process's forwards on" in log and "runs the forwards on" not in log
-        assert (drafter_requests == 0) == beside, drafter_requests
+            server.stop()  # its whole log written
+            assert [tuple(r.output_ids) for r in results] == expected
+            assert sum(r.total_draft_tokens for r in results) > 0
+            log = server.log_path.read_text()
+            assert ("beside the verifier" in log) == beside
+            # the verify thread alone runs parallel work, though request threads handle hidden states
+            assert "spec-verify_0 runs this process's forwards on" in log and "runs the forwards on" not in log
+            assert (drafter_requests == 0) == beside, drafter_requests
+    finally:
+        stop_servers(servers)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results, served_greedy_results_once
-from tests.fixtures.servers import start_server
+from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results
+from tests.fixtures.servers import fixture_servers
 
 PROMPTS = [
     "The quick brown fox",
@@ -23,25 +23,21 @@ CONFIGS = {
     "suffix": SUFFIX,
     "suffix-in-drafter-model": SUFFIX,
 }
+# suffix_decoding_use_tree_spec: drafts trees
+SUFFIX_TREE = '{"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": true}'
 PER_MODEL = {"suffix-in-drafter-model": {"speculative": {"drafter_in_process": "false"}}}
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
-    """{method: server}, one real server per method for the whole module."""
-    started = {}
-    try:
-        for method, config in sorted(CONFIGS.items()):
-            started[method] = start_server(
-                tmp_path_factory.mktemp(f"{method}-server"),
-                str(tiny_model_dir),
-                config,
-                per_model=PER_MODEL.get(method),
-            )
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
+    """{method: server}, one real server per method for the whole module, and the suffix
+    tree's ("suffix-tree"), launched together."""
+    specs = {
+        method: dict(model=str(tiny_model_dir), speculative_config=config, per_model=PER_MODEL.get(method))
+        for method, config in sorted(CONFIGS.items())
+    }
+    specs["suffix-tree"] = dict(model=str(tiny_model_dir), speculative_config=SUFFIX_TREE)
+    yield from fixture_servers(tmp_path_factory, specs)
 
 
 @pytest.mark.parametrize("method", sorted(CONFIGS))
@@ -73,11 +69,10 @@ def test_suffix_global_tree_helps_a_repeated_request(servers, tiny_model_dir):
     )
 
 
-def test_suffix_tree_spec_output_equals_target_greedy(tiny_model_dir, tmp_path):
+def test_suffix_tree_spec_output_equals_target_greedy(servers, tiny_model_dir):
     """suffix_decoding_use_tree_spec: the drafter sends trees (draft_parents) through the BLS
     hops and the verifier accepts any branch of them; the output is still the target's."""
-    config = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_use_tree_spec": True}
-    results = served_greedy_results_once(tmp_path, tiny_model_dir, config, PROMPTS, 40)
+    results = served_greedy_results(servers["suffix-tree"], tiny_model_dir, PROMPTS, 40)
     assert sum(r.total_accepted_draft_tokens for r in results) > 0
 
 
