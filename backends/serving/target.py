@@ -156,10 +156,42 @@ def _check_token_controls(sampling: SamplingParams, vocab_size: int) -> None:
         raise SequenceError(f"logprobs={sampling.logprobs} is above the vocabulary size {vocab_size}")
 
 
-def _lean_target(model: PreTrainedModel | SimpleNamespace, runtime: str, batch_invariant: str) -> LeanCausalLM | None:
+def load_target_engine(
+    model_path: Path,
+    dtype: str,
+    device: torch.device,
+    max_model_len: int | None,
+    kv_cache_memory_gb: float | None,
+    runtime: str,
+    batch_invariant: str,
+    prefix_caching: bool,
+) -> Engine:
+    """The target's engine (TargetRunner's arguments): the lean runtime where it runs, else transformers."""
+    # The lean runtime reads the weights itself where it can; transformers loads the rest.
+    checkpoint = None if runtime == "hf" else read_checkpoint(Path(model_path), getattr(torch, dtype), device)
+    model = checkpoint or load_causal_lm(model_path, dtype).to(device)
+    config = model.config
+    lean = _lean_target(model, runtime, batch_invariant, device)
+    if lean is not None:  # it holds its own copy of the weights: the source it was made from goes
+        del model, checkpoint
+        hand_back_freed_memory()
+        window = context_window(config, max_model_len)
+        return LeanEngine(lean, _target_pool(lean, kv_cache_memory_gb, prefix_caching, window))
+    if checkpoint is not None:  # read for a runtime that then did not run
+        model = load_causal_lm(model_path, dtype).to(device)
+    budget = int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(config, dtype)) if kv_cache_memory_gb else None
+    return HFEngine(model, budget)
+
+
+def _lean_target(
+    model: PreTrainedModel | SimpleNamespace, runtime: str, batch_invariant: str, device: torch.device
+) -> LeanCausalLM | None:
     """The target on the lean runtime, when this model and device have it (else None: transformers)."""
     # On a GPU the lean runtime is its batch-invariant Triton path (scripts/gpu_speed.py: on an
     # H200 a 170M-parameter verify step took 2.6-3.1 ms there, 42-60 ms through transformers).
+    if runtime == "hf":
+        log.info("target runs through transformers (runtime=%s, device %s), not batch-invariant", runtime, device)
+        return None
     lean = None
     if batch_invariant != "off":
         try:
@@ -222,10 +254,10 @@ class TargetRunner:
         if batch_invariant == "on" and runtime == "hf":
             raise ValueError("batch_invariant 'on' needs the lean runtime (runtime 'hf' was asked)")
         self.device = torch.device(device)
-        # The lean runtime reads the weights itself where it can; transformers loads the rest.
-        checkpoint = None if runtime == "hf" else read_checkpoint(Path(model_path), getattr(torch, dtype), self.device)
-        model = checkpoint or load_causal_lm(model_path, dtype).to(device)
-        self.config = model.config
+        self.engine = load_target_engine(
+            model_path, dtype, self.device, max_model_len, kv_cache_memory_gb, runtime, batch_invariant, prefix_caching
+        )
+        self.config = self.engine.config
         self.max_model_len = context_window(self.config, max_model_len)
         check_sliding_window(self.config, self.max_model_len)
         self.num_layers = self.config.num_hidden_layers
@@ -234,18 +266,6 @@ class TargetRunner:
         # What idleness is measured on; the Triton verifier counts only the time it waits for
         # work (sequence_model.IdleClock), so a step queued behind others never looks idle.
         self.clock: Callable[[], float] = time.monotonic
-        lean = None if runtime == "hf" else _lean_target(model, runtime, batch_invariant)
-        if lean is not None:  # it holds its own copy of the weights: the source it was made from goes
-            del model, checkpoint
-            hand_back_freed_memory()
-            pool = _target_pool(lean, kv_cache_memory_gb, prefix_caching, self.max_model_len)
-            self.engine: Engine = LeanEngine(lean, pool)
-        else:
-            log.info("target runs through transformers (runtime=%s, device %s), not batch-invariant", runtime, device)
-            if checkpoint is not None:  # read for a runtime that then did not run
-                model = load_causal_lm(model_path, dtype).to(device)
-            per_token = kv_bytes_per_token(self.config, dtype)
-            self.engine = HFEngine(model, int(kv_cache_memory_gb * 2**30 / per_token) if kv_cache_memory_gb else None)
         # What a step may name: ids the embedding has (an id past it is a device assert on
         # CUDA, which poisons the process), probabilities over the logits' vocabulary, and
         # hidden-state layers 0..L (-1: the final normed state).
