@@ -165,37 +165,48 @@ class HFEngine(Engine):
 
     def _forward_batch(self, rows: Sequence[Row], counts: list[int], layers: Sequence[int]) -> StepOutput:
         """The rows as one padded batch, on the stacked cache of the step before when the same
-        rows go on one token each, else on a new stack. A failed forward leaves every
-        sequence's own cache as it was."""
-        stack, self._stack = self._stack, None
-        seq_ids = [row.seq_id for row in rows]
-        if stack is not None and stack.seq_ids == seq_ids and all(len(row.token_ids) == 1 for row in rows):
-            stack.mask = F.pad(stack.mask, (0, 1), value=1)
-            stack.positions = stack.positions.gather(1, stack.last) + 1
-            stack.last = torch.zeros_like(stack.last)
-            stack.steps += 1
-            ids = torch.stack([torch.as_tensor(row.token_ids, device=self.device).view(-1) for row in rows])
-            lengths = [1] * len(rows)
+        rows go on one token each, else on a new stack. A forward that fails leaves each
+        sequence's cache where its last good step left it."""
+        stack = self._stack
+        going_on = stack is not None and stack.seq_ids == [row.seq_id for row in rows]
+        if going_on and all(len(row.token_ids) == 1 for row in rows):
+            ids, lengths = self._advance(stack, rows), [1] * len(rows)
         else:
-            self._stack = stack
+            going_on = False
             self._unstack()
             stack, ids = self._stack_rows(rows)
             lengths = stack.lengths
         # each row's last M positions (clamped at its first), M the most logits a row asks for
         m = max(max(counts), 1)
         keep = (stack.last - torch.arange(m - 1, -1, -1, device=self.device)).clamp(min=0)  # [rows, M]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=stack.mask,
-            position_ids=stack.positions,
-            cache=stack.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-            output_hidden_states=bool(layers),
-        )
+        self._stack = None
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=stack.mask,
+                position_ids=stack.positions,
+                cache=stack.cache,
+                use_cache=True,
+                logits_to_keep=keep,
+                output_hidden_states=bool(layers),
+            )
+        except BaseException:
+            if going_on:  # the steps before this one go back to their sequences, not its partial entries
+                stack.steps -= 1
+                self._stack = stack
+                self._unstack()
+            raise
         self._stack = stack
-        logits = [out.logits[i, m - count :] for i, count in enumerate(counts)]
+        logits = [out.logits[i, m - count :] for i, count in enumerate(counts)]  # each [count, V]
         return StepOutput(logits, [_hidden(out, i, n, layers) for i, n in enumerate(lengths)])
+
+    def _advance(self, stack: _Stack, rows: Sequence[Row]) -> torch.Tensor:
+        """The stack one token further for each row; the rows' tokens [rows, 1]."""
+        stack.mask = F.pad(stack.mask, (0, 1), value=1)
+        stack.positions = stack.positions.gather(1, stack.last) + 1
+        stack.last = torch.zeros_like(stack.last)
+        stack.steps += 1
+        return torch.stack([torch.as_tensor(row.token_ids, device=self.device).view(-1) for row in rows])
 
     def _stack_rows(self, rows: Sequence[Row]) -> tuple[_Stack, torch.Tensor]:
         """A new stack for the rows, and their new tokens right-padded [rows, width]."""
