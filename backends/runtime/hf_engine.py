@@ -245,8 +245,9 @@ def _token_list(token_ids: torch.Tensor | Sequence[int]) -> list[int]:
 
 
 def _hidden(out: Any, row: int, n: int, layers: Sequence[int]) -> dict[int, torch.Tensor]:
-    """{layer id: [n, hidden]} of a row's n new tokens; transformers' hidden_states[i] is the
-    input of layer i, its last the final normed state: vLLM's numbering, -1 included."""
+    """{layer id: [n, hidden]} of a row's n new tokens. Layer id i = the residual stream entering
+    decoder layer i (vLLM's and EAGLE-3's numbering: transformers' hidden_states[i]); id
+    num_layers or -1 = the final hidden state after the final norm (what EAGLE-1, Medusa and MTP read)."""
     return {i: out.hidden_states[i][row, :n] for i in layers}
 
 
