@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.config import SpeculativeConfig  # noqa: E402
 from backends.methods.draft_model import DraftModelProposer  # noqa: E402
-from backends.runtime.device import keep_attention_off_cudnn  # noqa: E402
+from backends.runtime.hf_engine import HFEngine  # noqa: E402
 from backends.serving import rejection  # noqa: E402
 from backends.serving.proposer import DraftRequest, build_proposer  # noqa: E402
 from backends.serving.target import TargetRunner, VerifyRequest  # noqa: E402
@@ -93,8 +93,7 @@ def draft_step(model_dir: Path, device: str, batch: int, repeat: int, runtime: s
         )
         proposer = build_proposer(config, max_model_len=4096, device=device)
     else:
-        keep_attention_off_cudnn(device)
-        proposer = DraftModelProposer(load_causal_lm(model_dir, "bfloat16").to(device), max_model_len=4096)
+        proposer = DraftModelProposer(HFEngine(load_causal_lm(model_dir, "bfloat16").to(device)), max_model_len=4096)
     gen = torch.Generator().manual_seed(2)
     contexts = [torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist() for _ in range(batch)]
 

@@ -5,16 +5,15 @@ whole token list every step; the proposer crops its cache back to the first toke
 differs (the first rejected draft, or the target's correction) and feeds only what is new,
 then k - 1 drafts (the k-th is sampled but never fed: it may be rejected).
 
-Where the lean runtime runs the draft model (Llama, Qwen2/3, Mistral on the CPU; with
-``quantization: int8`` or ``int4`` on its int8 or int4 kernel, where the CPU has AVX-512 VNNI or
-AVX2; int4 takes a layer whose K is a multiple of 64 and leaves others in int8; a layer whose K
-the int8 kernel cannot take leaves the drafter in bf16 on the packed kernel), each sequence's KV
-lives in one paged pool (``backends/runtime``) with prefix caching: a batch is one ragged
-forward per draft position, rollback is a shorter length, no cache is ever copied. Otherwise
-(other architectures, GPUs, int8 on a CPU without either kernel: torch's dynamic int8) it runs through
-transformers: the per-sequence caches are left-padded to the longest and stacked, the new
-tokens right-padded, an attention mask hides both pads and explicit position ids keep each
-sequence's own positions, and the new KV is appended back to each sequence's cache afterwards.
+A batch is one forward per draft position over every sequence, on an engine
+(``backends/runtime/engine.py``). Where the lean runtime runs the draft model (Llama, Qwen2/3,
+Mistral on the CPU; with ``quantization: int8`` or ``int4`` on its int8 or int4 kernel, where the
+CPU has AVX-512 VNNI or AVX2; int4 takes a layer whose K is a multiple of 64 and leaves others in
+int8; a layer whose K the int8 kernel cannot take leaves the drafter in bf16 on the packed
+kernel), each sequence's KV lives in one paged pool with prefix caching: the forward is ragged,
+rollback is a shorter length, no cache is ever copied. Otherwise (other architectures, GPUs, int8
+on a CPU without either kernel: torch's dynamic int8) it runs through transformers
+(``runtime/hf_engine.py``: a cache per sequence, a batch padded and stacked once per call).
 
 Greedy drafts (the default) come without probabilities: an argmax draft was drawn from a
 one-hot distribution, which is what the rejection sampler assumes when it gets none (vLLM's
@@ -32,11 +31,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from backends.config import DrafterConfig
 from backends.methods.drafts import (
@@ -49,7 +46,8 @@ from backends.methods.drafts import (
 )
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
-from backends.runtime.device import keep_attention_off_cudnn
+from backends.runtime.engine import Engine, LeanEngine
+from backends.runtime.hf_engine import HFEngine
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import hand_back_freed_memory, load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, ProposerContext, SequenceProposer, check_one_device
@@ -63,8 +61,7 @@ log = logging.getLogger("tritonspec.draft_model")
 
 @dataclass
 class _SeqState:
-    cache: DynamicCache | None  # transformers' cache; None on the lean runtime (the pool holds it)
-    token_ids: list[int] = field(default_factory=list)  # exactly the tokens the cache holds
+    token_ids: list[int] = field(default_factory=list)  # exactly the tokens its cache holds
 
 
 @dataclass
@@ -108,31 +105,26 @@ class DraftModelProposer(SequenceProposer):
 
     def __init__(
         self,
-        model: torch.nn.Module | None,
+        engine: Engine,
         max_model_len: int,
         sample_method: str = "greedy",
         bridge: TextBridge | None = None,
         seed: int | None = None,
-        lean: LeanCausalLM | None = None,
     ) -> None:
-        """`model`: the draft model through transformers; `lean`: on the lean runtime, which then
-        runs every forward (`model` may then be None: the runtime holds its own weights)."""
+        """`engine`: runs the draft model (draft_engine builds it from a checkpoint)."""
         check_sample_method(sample_method)
         if bridge is not None and sample_method != "greedy":
             raise ValueError("use_heterogeneous_vocab supports greedy draft sampling only")
-        self.model = None if lean is not None else model
-        self.config = lean.config if lean is not None else model.config
-        self.device = lean.device if lean is not None else next(model.parameters()).device
+        if bridge is not None and engine.prefix_caching:  # a retokenized context may change early tokens
+            raise ValueError("use_heterogeneous_vocab needs a draft engine without prefix caching")
+        self.engine = engine
+        self.config = engine.config
+        self.device = engine.device
         limit = getattr(self.config, "max_position_embeddings", None) or max_model_len
         self.max_model_len = min(limit, max_model_len)
         self.sample_method = sample_method
         self.bridge = bridge
         self.generator = new_generator(self.device, seed)
-        self.lean = lean
-        # Prefix caching, except through a text bridge (a retokenized context may change early tokens).
-        self.pool = (
-            lean.new_pool(memory_gb=DRAFT_KV_MEMORY_GB, prefix_caching=bridge is None) if lean is not None else None
-        )
         super().__init__()
 
     @classmethod
@@ -143,28 +135,11 @@ class DraftModelProposer(SequenceProposer):
                 f"quantization={config.quantization!r} is not supported for the draft "
                 "model; use null, 'int8' or 'int4' (the linear layers' weights in 8 or 4 bits)"
             )
-        quantized = config.quantization is not None
-        if quantized:
+        if config.quantization is not None:
             check_quantization_device(config.quantization, ctx.device)
         if not config.model:
             raise ValueError("draft_model needs `model`: a named model, an HF directory or a GGUF file")
         path = resolve_model(config.model)
-        # The lean runtime quantizes from bf16 weights; torch's dynamic int8 (the fallback, for
-        # int4 too) from float32 ones (its matmuls run in float32 anyway).
-        dtype = "bfloat16" if quantized else ctx.dtype
-        # The lean runtime reads the weights itself where it can; transformers loads the rest.
-        checkpoint = read_checkpoint(path, getattr(torch, dtype), ctx.device)
-        model = None if checkpoint else load_causal_lm(path, dtype).to(ctx.device)
-        lean = _lean_drafter(checkpoint or model, config.quantization)
-        del checkpoint
-        if lean is not None:  # it holds its own copy of the weights
-            model = None
-            hand_back_freed_memory()
-        else:
-            model = model or load_causal_lm(path, dtype).to(ctx.device)  # the checkpoint was read in vain
-            keep_attention_off_cudnn(ctx.device)
-            if quantized:
-                model = quantize_int8(model.float())
         bridge = None
         if config.use_heterogeneous_vocab:
             if ctx.target_model is None:
@@ -172,7 +147,9 @@ class DraftModelProposer(SequenceProposer):
                     "use_heterogeneous_vocab needs the target model's tokenizer (target_model was not given)"
                 )
             bridge = TextBridge(load_tokenizer(Path(ctx.target_model)), load_tokenizer(path))
-        proposer = cls(model, ctx.max_model_len, config.draft_sample_method, bridge, ctx.seed, lean)
+        # Prefix caching, except through a text bridge (a retokenized context may change early tokens).
+        engine = draft_engine(path, ctx.dtype, ctx.device, config.quantization, prefix_caching=bridge is None)
+        proposer = cls(engine, ctx.max_model_len, config.draft_sample_method, bridge, ctx.seed)
         proposer.token_tree = config.speculative_token_tree
         return proposer
 
@@ -205,12 +182,8 @@ class DraftModelProposer(SequenceProposer):
                     num_nodes=req.num_nodes,
                 )
             )
-        if self.lean is not None and work:
-            self._run_lean(work)
-        elif len(work) == 1:
-            self._run_one(work[0])
-        elif work:
-            self._run_batch(work)
+        if work:
+            self._draft(work)
         for w in work:
             req = batch[w.index]
             if self.bridge:
@@ -259,48 +232,43 @@ class DraftModelProposer(SequenceProposer):
             base = len(context) - req.num_new
             valid = base + common_prefix_len(state.token_ids[base : req.num_kept], context[base : req.num_kept])
         keep = min(valid, len(state.token_ids), len(context) - 1)
-        if self.pool is not None and keep < self.pool.final_tokens(req.seq_id):
+        if keep < self.engine.final_tokens(req.seq_id):
             # Back into blocks other sequences may share: start over, from the cache where it matches.
-            self.pool.release(req.seq_id)
+            self.engine.release(req.seq_id)
             self._attach(req.seq_id, state, context)
             return context[len(state.token_ids) :]
         if len(state.token_ids) > keep:
-            if self.pool is not None:
-                self.pool.truncate(req.seq_id, keep)
-            else:
-                state.cache.crop(keep - len(state.token_ids))
+            self.engine.truncate(req.seq_id, keep)
             del state.token_ids[keep:]
         return context[keep:]
 
     def _new_state(self, seq_id: int, context: list[int]) -> _SeqState:
-        state = _SeqState(DynamicCache(config=self.config) if self.pool is None else None)
-        if self.pool is not None:
-            self._attach(seq_id, state, context)
+        state = _SeqState()
+        self._attach(seq_id, state, context)
         self._seqs[seq_id] = state
         return state
 
     def _attach(self, seq_id: int, state: _SeqState, context: list[int]) -> None:
-        """Admit the sequence to the pool; the blocks of its context another sequence already
+        """Admit the sequence to the engine; the blocks of its context another sequence already
         computed join it (prefix caching; never the last token: its logits give the first
-        draft). ``_run_lean`` grows the reservation as drafting needs."""
-        self.pool.admit(seq_id, len(context) + GROW_SLACK_TOKENS)
-        state.token_ids = list(context[: self.pool.share_prefix(seq_id, context[:-1])])
+        draft). ``_draft`` grows the reservation as drafting needs."""
+        self.engine.admit(seq_id, len(context) + GROW_SLACK_TOKENS)
+        state.token_ids = list(context[: self.engine.share_prefix(seq_id, context[:-1])])
 
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
-        if self.pool is not None:
-            self.pool.release(seq_id)
+        self.engine.release(seq_id)
 
-    def _run_lean(self, work: list[_Work]) -> None:
-        """One ragged forward per draft position over every sequence, on the pool: the first
-        feeds each sequence's new tokens, the others its last draft."""
+    def _draft(self, work: list[_Work]) -> None:
+        """One forward per draft position over every sequence: the first feeds each sequence's
+        new tokens, the others its last draft (the last draft is sampled, never fed)."""
         steps = max(w.num_drafts for w in work)
         for w in work:
-            if self.pool.room(w.seq_id) < len(w.new_ids) + steps:
-                self.pool.grow(w.seq_id, len(w.context) + steps + GROW_SLACK_TOKENS)
+            if self.engine.room(w.seq_id) < len(w.new_ids) + steps:
+                self.engine.grow(w.seq_id, len(w.context) + steps + GROW_SLACK_TOKENS)
         rows, sampled = [Row(w.seq_id, w.new_ids) for w in work], []
         for step in range(steps):
-            logits = torch.cat(self.lean.forward(self.pool, rows).logits)
+            logits = torch.cat(self.engine.forward(rows).logits)  # [B, V]: each row's last token
             tokens = self._sample(logits, work, sampled)
             if step + 1 == steps:
                 break
@@ -309,8 +277,8 @@ class DraftModelProposer(SequenceProposer):
             w.drafts, w.probs = drafted, probs
             w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
             # a sequence that needed fewer drafts than the batch was fed some past its own
-            self.pool.truncate(w.seq_id, len(w.state.token_ids))
-            self.pool.commit(w.seq_id, w.context)  # the context is final, the drafts are not
+            self.engine.truncate(w.seq_id, len(w.state.token_ids))
+            self.engine.commit(w.seq_id, w.context)  # the context is final, the drafts are not
 
     def _sample(self, logits: torch.Tensor, work: list[_Work], steps: list[tuple]) -> torch.Tensor:
         """One draft per row of `logits` [B, V] (row i: work[i]); the tokens [B] stay on the
@@ -330,87 +298,24 @@ class DraftModelProposer(SequenceProposer):
                 w.candidates.append([(token, p), *others[:ranks]])
         return tokens
 
-    def _run_one(self, w: _Work) -> None:
-        """A lone sequence runs on its own cache: no padding, no copies."""
-        ids, steps = torch.tensor([w.new_ids], device=self.device), []
-        for _ in range(w.num_drafts):
-            logits = self.model(input_ids=ids, cache=w.state.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            ids = self._sample(logits, [w], steps).unsqueeze(1)
-        (w.drafts,), (w.probs,) = gather_drafts(steps, [w.num_drafts])
-        # The last draft was sampled but not fed: the cache holds context + drafts[:-1].
-        w.state.token_ids.extend(w.new_ids + w.drafts[:-1])
 
-    def _run_batch(self, work: list[_Work]) -> None:
-        cached = [len(w.state.token_ids) for w in work]
-        lengths = [len(w.new_ids) for w in work]
-        max_cached, max_len = max(cached), max(lengths)
-        cache = stack_caches([w.state.cache for w in work], cached, self.config)
-        input_ids = [w.new_ids + [0] * (max_len - n) for w, n in zip(work, lengths)]
-        mask = torch.tensor(
-            [[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n) for c, n in zip(cached, lengths)],
-            device=self.device,
-        )
-        positions = torch.tensor([list(range(c, c + max_len)) for c in cached], device=self.device)
-        last = torch.tensor([[n - 1] for n in lengths], device=self.device)  # each row's last real token
-        steps = max(w.num_drafts for w in work)
-        ids, sampled = torch.tensor(input_ids, device=self.device), []
-        for step in range(steps):
-            logits = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=last,
-            ).logits[:, -1]
-            ids = self._sample(logits, work, sampled).unsqueeze(1)
-            if step + 1 == steps:
-                break
-            mask = F.pad(mask, (0, 1), value=1)
-            positions = positions.gather(1, last) + 1
-            last = torch.zeros_like(last)
-        for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
-            w.drafts, w.probs = drafted, probs
-        # Back into each sequence's cache: its new tokens, then the drafts that were fed.
-        append_new_entries(
-            cache, [w.state.cache for w in work], max_cached, lengths, max_len, [w.num_drafts - 1 for w in work]
-        )
-        for w in work:
-            w.state.token_ids.extend(w.new_ids + w.drafts[: w.num_drafts - 1])
-
-
-def stack_caches(caches: list[DynamicCache], lengths: list[int], config: Any) -> DynamicCache:
-    """One batched cache from per-sequence caches of `lengths`, each left-padded to the longest."""
-    batched = DynamicCache(config=config)
-    longest = max(lengths)
-    if longest == 0:
-        return batched
-    shaped = next(c for c, n in zip(caches, lengths) if n)  # gives an empty cache its shape
-    for layer_idx, template in enumerate(shaped.layers):
-        keys, values = [], []
-        for cache, n in zip(caches, lengths):
-            own = cache.layers[layer_idx] if n else template
-            keys.append(F.pad(own.keys[:1, :, :n], (0, 0, longest - n, 0)))
-            values.append(F.pad(own.values[:1, :, :n], (0, 0, longest - n, 0)))
-        batched.update(torch.cat(keys), torch.cat(values), layer_idx)
-    return batched
-
-
-def append_new_entries(
-    batched: DynamicCache, caches: list[DynamicCache], start: int, lengths: list[int], gap: int, fed: list[int]
-) -> None:
-    """The inverse of `stack_caches` for one propose call's new entries: row i's `lengths[i]`
-    new tokens (at `start`) and its `fed[i]` fed drafts (at `start + gap`) onto caches[i]."""
-    for row, own in enumerate(caches):
-        device = batched.layers[0].keys.device
-        keep = torch.cat(
-            [
-                torch.arange(start, start + lengths[row], device=device),
-                torch.arange(start + gap, start + gap + fed[row], device=device),
-            ]
-        )
-        for layer_idx, layer in enumerate(batched.layers):
-            own.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep], layer_idx)
+def draft_engine(path: Path, dtype: str, device: str, quantization: str | None, prefix_caching: bool) -> Engine:
+    """The draft model at `path` on the lean runtime where it runs (its own pool), else through
+    transformers (torch's dynamic int8 for a quantization the lean runtime cannot run)."""
+    # The lean runtime quantizes from bf16 weights; torch's dynamic int8 (the fallback, for
+    # int4 too) from float32 ones (its matmuls run in float32 anyway).
+    dtype = "bfloat16" if quantization else dtype
+    # The lean runtime reads the weights itself where it can; transformers loads the rest.
+    checkpoint = read_checkpoint(path, getattr(torch, dtype), device)
+    model = None if checkpoint else load_causal_lm(path, dtype).to(device)
+    lean = _lean_drafter(checkpoint or model, quantization)
+    del checkpoint
+    if lean is not None:  # it holds its own copy of the weights
+        del model
+        hand_back_freed_memory()
+        return LeanEngine.with_pool(lean, memory_gb=DRAFT_KV_MEMORY_GB, prefix_caching=prefix_caching)
+    model = model or load_causal_lm(path, dtype).to(device)  # the checkpoint was read in vain
+    return HFEngine(quantize_int8(model.float()) if quantization else model)
 
 
 def _lean_drafter(model: torch.nn.Module | SimpleNamespace, quantization: str | None) -> LeanCausalLM | None:

@@ -1,10 +1,11 @@
 """The target model: one forward over a sequence's uncached tokens plus its drafts, then
 accept/reject right here so logits never leave the process.
 
-Two engines run the forward. The lean runtime (backends/runtime: one preallocated paged KV
-pool, a ragged batched forward; Llama, Qwen2, Qwen3, Mistral on the CPU) runs every step of
-a batch, prompts and verifications together, in one call. Other models and devices go
-through transformers with a DynamicCache per sequence (said in the load log).
+The forward runs on an engine (backends/runtime/engine.py). The lean runtime (one preallocated
+paged KV pool, a ragged batched forward; Llama, Qwen2, Qwen3, Mistral) runs every step of a
+batch, prompts and verifications together, in one call, and verifies draft trees. Other models
+and devices go through transformers (runtime/hf_engine.py: a DynamicCache per sequence, running
+sequences batched with padding, a tree cut to its first chain); the load log says which.
 
 After a step the cache covers every token but the last emitted one (that token has not been
 through the model yet); rejected drafts are cut off (the pool: a shorter length, no copy),
@@ -13,9 +14,7 @@ so the cache never holds a token that is not part of the output.
 
 from __future__ import annotations
 
-import bisect
 import logging
-import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
@@ -24,17 +23,18 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
 
 from backends.runtime import BATCH_INVARIANT_MODES
-from backends.runtime.device import keep_attention_off_cudnn
-from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
+from backends.runtime.engine import Engine, LeanEngine
+from backends.runtime.hf_engine import HFEngine
+from backends.runtime.kv_cache import KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import context_window, hand_back_freed_memory, load_causal_lm
 from backends.serving.idle import release_idle
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
 from backends.serving.request import SamplingParams
+from backends.serving.step_cost import StepCostCurve, measure_step_cost, step_shares
 from backends.serving.tree import DraftTree, TreeError, accept_tree
 
 if TYPE_CHECKING:
@@ -70,10 +70,8 @@ class VerifyResult:
 
 @dataclass
 class _Sequence:
-    cache: DynamicCache | None  # the transformers engine's; None on the lean runtime (the pool)
     sampling: SamplingParams
     generator: torch.Generator
-    reserved_tokens: int  # worst-case KV length, held against the budget until release
     token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
     last_used: float = 0.0  # on TargetRunner.clock, when its last step ended
@@ -98,7 +96,7 @@ class _Step:
     accepted: list[int] = field(default_factory=list)  # tree nodes kept, set by acceptance
 
     def row(self) -> Row:
-        """The step as the lean runtime's row: a tree runs with its mask and depth positions."""
+        """The step as the engine's row: a tree runs with its mask and depth positions."""
         if self.tree is None:
             return Row(self.req.seq_id, self.input_ids)
         start, p = self.seq.num_cached, len(self.pending)
@@ -123,84 +121,6 @@ class _Step:
     def num_kept(self, result: VerifyResult) -> int:
         """Input positions whose KV stays: the pending tokens and the accepted drafts."""
         return len(self.pending) + result.num_accepted
-
-
-def step_shares(step_s: float, tokens: list[int], token_cost_s: float) -> list[float]:
-    """Each row's share of a batched step that took `step_s` over rows of `tokens` new tokens:
-    its own tokens at `token_cost_s` each, plus an even part of the rest. The shares sum to
-    `step_s`, and one more token in a row adds `token_cost_s` to that row's share: what it
-    adds to the step. (An even split hides that: under load every sequence then finds a
-    long draft as cheap as a short one and drafts its maximum, slowing every step.)"""
-    total = sum(tokens)
-    per_token = min(token_cost_s, step_s / total) if total else 0.0
-    rest = step_s - per_token * total
-    return [rest / len(tokens) + per_token * n for n in tokens]
-
-
-@dataclass(frozen=True)
-class StepCostCurve:
-    """A lean step's time by its number of new tokens, measured at start-up, interpolated
-    linearly between the sizes measured and extended with the last slope. The curve bends
-    up: a few tokens ride on the weights' one pass through memory (~0.3 ms a token for
-    SmolLM2 bf16 on a 2-core AVX-512 CPU up to 8 tokens), past that each one is arithmetic
-    (~0.6 ms). So what a draft token costs depends on how many tokens the step already has."""
-
-    tokens: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def time(self, n: float) -> float:
-        # the segment that ends at the first size >= n (the first or last segment outside them)
-        i = min(max(bisect.bisect_left(self.tokens, n), 1), len(self.tokens) - 1)
-        (x0, x1), (y0, y1) = self.tokens[i - 1 : i + 1], self.seconds[i - 1 : i + 1]
-        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-
-    def token_cost(self, rows: int, total: int) -> float:
-        """What one draft token adds to a step of `rows` rows and `total` new tokens: the
-        curve's average slope from `rows` tokens (every row's one token, no drafts) to
-        `total`, or its slope at `rows` when nothing more is drafted."""
-        top = max(total, rows + 1)
-        return max(0.0, (self.time(top) - self.time(rows)) / (top - rows))
-
-    def __str__(self) -> str:
-        return ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(self.tokens, self.seconds)) + " ms"
-
-
-# A size's steps are repeated only while they took less than this in all: four steps of every
-# size took 5 of a SmolLM2 server's 13-16 s start on the 2-core Zen 1 host (a 64-token step
-# 0.57 s there), and would take about 4x that for a 1.5B model. A long step needs no repeat
-# for its time to be what it is.
-STEP_COST_BUDGET_S = 0.25
-
-
-def measure_step_cost(
-    lean: LeanCausalLM, pool: KVCachePool, context: int = 64, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-) -> StepCostCurve:
-    """The step cost curve, on a scratch sequence of `context` cached tokens: a step of each
-    size in `sizes` new tokens (median of 3, after one to warm up; fewer where steps are
-    long, see STEP_COST_BUDGET_S). The scratch sequence's blocks go back to the pool."""
-    probe = "token cost probe"  # not an int: no request's sequence id
-    pool.admit(probe, context + max(sizes))
-    try:
-        lean.forward(pool, [Row(probe, [0] * context)], 0)
-
-        def step(n: int) -> float:
-            start = time.perf_counter()
-            lean.forward(pool, [Row(probe, [0] * n)])
-            if pool.kv.is_cuda:  # the forward only queued its kernels
-                torch.cuda.synchronize(pool.kv.device)
-            elapsed = time.perf_counter() - start
-            pool.truncate(probe, context)
-            return elapsed
-
-        seconds = []
-        for n in sizes:
-            times = [step(n)]  # the first warms up
-            while len(times) < 4 and sum(times) < STEP_COST_BUDGET_S:
-                times.append(step(n))
-            seconds.append(statistics.median(times[1:] or times))
-    finally:
-        pool.release(probe)
-    return StepCostCurve(sizes, tuple(seconds))
 
 
 def check_sliding_window(config, max_model_len: int) -> None:
@@ -236,12 +156,77 @@ def _check_token_controls(sampling: SamplingParams, vocab_size: int) -> None:
         raise SequenceError(f"logprobs={sampling.logprobs} is above the vocabulary size {vocab_size}")
 
 
-def select_hidden(hidden_states: tuple, row: int, kept: int, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """Layer id i = the residual stream entering decoder layer i (vLLM's and EAGLE-3's
-    numbering: HF's hidden_states[i]); id num_layers or -1 = the final hidden state after the
-    final norm (what EAGLE-1, Medusa and MTP read)."""
-    layers = [hidden_states[i][row, :kept] for i in layer_ids]
-    return torch.stack(layers, dim=1).float().cpu()
+def load_target_engine(
+    model_path: Path,
+    dtype: str,
+    device: torch.device,
+    max_model_len: int | None,
+    kv_cache_memory_gb: float | None,
+    runtime: str,
+    batch_invariant: str,
+    prefix_caching: bool,
+) -> Engine:
+    """The target's engine (TargetRunner's arguments): the lean runtime where it runs, else transformers."""
+    # The lean runtime reads the weights itself where it can; transformers loads the rest.
+    checkpoint = None if runtime == "hf" else read_checkpoint(Path(model_path), getattr(torch, dtype), device)
+    model = checkpoint or load_causal_lm(model_path, dtype).to(device)
+    config = model.config
+    lean = _lean_target(model, runtime, batch_invariant, device)
+    if lean is not None:  # it holds its own copy of the weights: the source it was made from goes
+        del model, checkpoint
+        hand_back_freed_memory()
+        window = context_window(config, max_model_len)
+        return LeanEngine(lean, _target_pool(lean, kv_cache_memory_gb, prefix_caching, window))
+    if checkpoint is not None:  # read for a runtime that then did not run
+        model = load_causal_lm(model_path, dtype).to(device)
+    budget = int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(config, dtype)) if kv_cache_memory_gb else None
+    return HFEngine(model, budget)
+
+
+def _lean_target(
+    model: PreTrainedModel | SimpleNamespace, runtime: str, batch_invariant: str, device: torch.device
+) -> LeanCausalLM | None:
+    """The target on the lean runtime, when this model and device have it (else None: transformers)."""
+    # On a GPU the lean runtime is its batch-invariant Triton path (scripts/gpu_speed.py: on an
+    # H200 a 170M-parameter verify step took 2.6-3.1 ms there, 42-60 ms through transformers).
+    if runtime == "hf":
+        log.info("target runs through transformers (runtime=%s, device %s), not batch-invariant", runtime, device)
+        return None
+    lean = None
+    if batch_invariant != "off":
+        try:
+            lean = LeanCausalLM.from_hf(model, batch_invariant=True)
+        except UnsupportedArchitecture as e:
+            if batch_invariant == "on" or runtime == "lean":
+                raise
+            log.warning("target is not batch-invariant (bf16 speculative output may differ from plain): %s", e)
+    try:
+        return lean or LeanCausalLM.from_hf(model)
+    except UnsupportedArchitecture as e:
+        if runtime == "lean":
+            raise
+        log.info("target runs through transformers, not batch-invariant: %s", e)
+        return None
+
+
+def _target_pool(lean: LeanCausalLM, memory_gb: float | None, prefix_caching: bool, max_model_len: int) -> KVCachePool:
+    """The target's KV pool: `memory_gb` of it, or without a budget room for 8 sequences at
+    the full context window."""
+    pool = (
+        lean.new_pool(memory_gb=memory_gb, prefix_caching=prefix_caching)
+        if memory_gb
+        else lean.new_pool(capacity_tokens=8 * (max_model_len + MAX_SPEC_LEN), prefix_caching=prefix_caching)
+    )
+    log.info(
+        "target runs on the lean runtime, batch-invariant %s, prefix caching %s: weights %.2f GB, "
+        "KV pool of %d tokens (%.2f GB)",
+        "on" if lean.batch_invariant else "off",
+        "on" if prefix_caching else "off",
+        lean.weight_bytes() / 2**30,
+        pool.capacity_tokens,
+        pool.capacity_tokens * pool.bytes_per_token / 2**30,
+    )
+    return pool
 
 
 class TargetRunner:
@@ -269,10 +254,10 @@ class TargetRunner:
         if batch_invariant == "on" and runtime == "hf":
             raise ValueError("batch_invariant 'on' needs the lean runtime (runtime 'hf' was asked)")
         self.device = torch.device(device)
-        # The lean runtime reads the weights itself where it can; transformers loads the rest.
-        checkpoint = None if runtime == "hf" else read_checkpoint(Path(model_path), getattr(torch, dtype), self.device)
-        model = checkpoint or load_causal_lm(model_path, dtype).to(device)
-        self.config = model.config
+        self.engine = load_target_engine(
+            model_path, dtype, self.device, max_model_len, kv_cache_memory_gb, runtime, batch_invariant, prefix_caching
+        )
+        self.config = self.engine.config
         self.max_model_len = context_window(self.config, max_model_len)
         check_sliding_window(self.config, self.max_model_len)
         self.num_layers = self.config.num_hidden_layers
@@ -281,96 +266,27 @@ class TargetRunner:
         # What idleness is measured on; the Triton verifier counts only the time it waits for
         # work (sequence_model.IdleClock), so a step queued behind others never looks idle.
         self.clock: Callable[[], float] = time.monotonic
-        self.kv_budget_tokens = (
-            int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(self.config, dtype)) if kv_cache_memory_gb else None
-        )
-        self.lean, self.pool = self._lean_runtime(model, runtime, kv_cache_memory_gb, batch_invariant, prefix_caching)
-        if self.lean is None and checkpoint is not None:  # read for a runtime that then did not run
-            model = load_causal_lm(model_path, dtype).to(device)
         # What a step may name: ids the embedding has (an id past it is a device assert on
         # CUDA, which poisons the process), probabilities over the logits' vocabulary, and
         # hidden-state layers 0..L (-1: the final normed state).
-        if self.lean is not None:
-            self.vocab_size, self.logits_size = self.lean.vocab_size, self.lean.lm_head.out_features
-        else:
-            self.vocab_size = model.get_input_embeddings().num_embeddings
-            self.logits_size = model.get_output_embeddings().weight.shape[0]
-        # transformers runs the forward where the lean runtime does not; where it does, the
-        # lean runtime holds its own copy of the weights and the source it was made from goes.
-        self.model: PreTrainedModel | None = model if self.lean is None else None
-        del model, checkpoint
-        if self.lean is None:
-            keep_attention_off_cudnn(device)
-        else:
-            hand_back_freed_memory()
-        self.batch_invariant = self.lean is not None and self.lean.batch_invariant
+        self.vocab_size, self.logits_size = self.engine.vocab_size, self.engine.logits_size
+        self.batch_invariant = self.engine.batch_invariant
+        self.kv_budget_tokens = self.engine.capacity_tokens
         # What a step costs by its new tokens: how a batched step's time is shared among its
-        # rows (step_shares). Not measured for transformers: its batches are split evenly.
+        # rows (step_shares). Measured where a step's time follows its tokens (a ragged
+        # engine); a padded batch's time is split evenly.
         self.step_cost: StepCostCurve | None = None
-        if self.pool is not None:
-            self.kv_budget_tokens = self.pool.capacity_tokens
-            self.step_cost = measure_step_cost(self.lean, self.pool)
+        if self.engine.ragged:
+            self.step_cost = measure_step_cost(self.engine)
             log.info("a step's cost by its new tokens: %s", self.step_cost)
-
-    def _lean_runtime(
-        self,
-        model: PreTrainedModel | SimpleNamespace,
-        runtime: str,
-        memory_gb: float | None,
-        batch_invariant: str,
-        prefix_caching: bool,
-    ) -> tuple[LeanCausalLM | None, KVCachePool | None]:
-        """The lean runtime and its KV pool, when this model and device have it (else transformers)."""
-        # On a GPU the lean runtime is its batch-invariant Triton path (scripts/gpu_speed.py: on an
-        # H200 a 170M-parameter verify step took 2.6-3.1 ms there, 42-60 ms through transformers).
-        if runtime == "hf":
-            log.info(
-                "target runs through transformers (runtime=%s, device %s), not batch-invariant", runtime, self.device
-            )
-            return None, None
-        lean = None
-        if batch_invariant != "off":
-            try:
-                lean = LeanCausalLM.from_hf(model, batch_invariant=True)
-            except UnsupportedArchitecture as e:
-                if batch_invariant == "on" or runtime == "lean":
-                    raise
-                log.warning("target is not batch-invariant (bf16 speculative output may differ from plain): %s", e)
-        try:
-            lean = lean or LeanCausalLM.from_hf(model)
-        except UnsupportedArchitecture as e:
-            if runtime == "lean":
-                raise
-            log.info("target runs through transformers, not batch-invariant: %s", e)
-            return None, None
-        # Without a budget: room for 8 sequences at the full context window.
-        pool = (
-            lean.new_pool(memory_gb=memory_gb, prefix_caching=prefix_caching)
-            if memory_gb
-            else lean.new_pool(capacity_tokens=8 * (self.max_model_len + MAX_SPEC_LEN), prefix_caching=prefix_caching)
-        )
-        log.info(
-            "target runs on the lean runtime, batch-invariant %s, prefix caching %s: weights %.2f GB, "
-            "KV pool of %d tokens (%.2f GB)",
-            "on" if lean.batch_invariant else "off",
-            "on" if prefix_caching else "off",
-            lean.weight_bytes() / 2**30,
-            pool.capacity_tokens,
-            pool.capacity_tokens * pool.bytes_per_token / 2**30,
-        )
-        return lean, pool
 
     @property
     def reserved_tokens(self) -> int:
-        if self.pool is not None:
-            return self.pool.reserved_tokens
-        return sum(seq.reserved_tokens for seq in self.sequences.values())
+        return self.engine.reserved_tokens
 
     def cached_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence held in the KV cache."""
-        if self.pool is not None:
-            return self.pool.length(seq_id)
-        return self.sequences[seq_id].cache.get_seq_length()
+        return self.engine.length(seq_id)
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         result = self.verify_batch([req])[0]
@@ -382,9 +298,9 @@ class TargetRunner:
     def verify_batch(self, batch: list[VerifyRequest]) -> list[VerifyResult | SequenceError]:
         """Verify many sequences' steps; one result (or the request's own error) each.
 
-        Steps of running sequences share one forward pass over ragged lengths; a first step
-        (the prompt) runs alone, since padding 1-token steps to a prompt's length wastes more
-        than a second pass costs.
+        The steps share one forward pass; on an engine that pads its rows (not ragged) a first
+        step (the prompt) runs alone, since padding 1-token steps to a prompt's length wastes
+        more than a second pass costs.
 
         One request never fails another: each step is checked before any forward (its ids,
         draft probabilities and layers), a batched forward that still fails is retried one
@@ -402,13 +318,12 @@ class TargetRunner:
             if not step.input_ids:  # a prompt chunk found whole in the prefix cache: nothing to compute
                 results[i] = self._accept(step, None, 0.0)
         pending = [(i, step) for i, step in steps if results[i] is None]
-        # The lean runtime runs prompts and verifications in one ragged forward; transformers
-        # batches running sequences only.
-        running = pending if self.lean is not None else [(i, s) for i, s in pending if s.seq.num_cached > 0]
+        # A ragged engine runs prompts and verifications in one forward; a padded one batches
+        # running sequences only.
+        running = pending if self.engine.ragged else [(i, s) for i, s in pending if s.seq.num_cached > 0]
         if len(running) > 1:
             try:
-                forward = self._forward_lean if self.lean is not None else self._forward_batch
-                batched = forward([step for _, step in running])
+                batched = self._forward([step for _, step in running])
             except Exception:
                 log.exception(
                     "a batched verification of %d sequences failed; verifying them one at a time", len(running)
@@ -454,14 +369,14 @@ class TargetRunner:
                 raise SequenceError(f"sequence {req.seq_id}: draft_parents: {e}") from None
             if tree.is_chain:
                 tree = None
-            elif self.lean is None:  # no tree attention: its first chain
+            elif not self.engine.tree_attention:
                 req, tree = self._first_chain(req, tree), None
         if seq is None:
             seq = self._start(req)
         if len(seq.token_ids) == seq.num_prompt_tokens:  # nothing emitted yet: all of it is prompt
             seq.num_prompt_tokens += len(req.new_token_ids)
         seq.token_ids.extend(req.new_token_ids)
-        if self.pool is not None and len(seq.token_ids) == seq.num_prompt_tokens and not req.hidden_layer_ids:
+        if len(seq.token_ids) == seq.num_prompt_tokens and not req.hidden_layer_ids:
             self._share_prefix(req, seq)
         return _Step(req, seq, seq.token_ids[seq.num_cached :], tree)
 
@@ -470,12 +385,12 @@ class TargetRunner:
         (prefix caching). Not for a step that asks for hidden states (the drafter needs every
         position's), and a step that emits a token still computes its last one."""
         known = len(seq.token_ids) - (0 if req.prefill_only else 1)
-        seq.num_cached += self.pool.share_prefix(req.seq_id, seq.token_ids[:known])
+        seq.num_cached += self.engine.share_prefix(req.seq_id, seq.token_ids[:known])
 
     def _first_chain(self, req: VerifyRequest, tree: DraftTree) -> VerifyRequest:
-        """The transformers engine verifies chains: a tree is cut to its chain of first children."""
+        """An engine without tree attention verifies chains: a tree is cut to its chain of first children."""
         if not self._warned_trees:
-            log.warning("the transformers engine has no tree attention: draft trees are verified as their first chain")
+            log.warning("the target's engine has no tree attention: draft trees are verified as their first chain")
             self._warned_trees = True
         nodes = tree.first_path()
         probs = None if req.draft_probs is None else req.draft_probs[nodes]
@@ -515,38 +430,20 @@ class TargetRunner:
             raise SequenceError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
 
     def _forward_one(self, step: _Step) -> VerifyResult:
-        if self.lean is not None:
-            result = self._forward_lean([step])[0]
-            if isinstance(result, Exception):
-                raise result
-            return result
-        start = time.perf_counter()
-        out = self.model(
-            input_ids=torch.tensor([step.input_ids], device=self.device),
-            cache=step.seq.cache,
-            use_cache=True,
-            logits_to_keep=max(step.num_rows, 1),  # only the rows that verify drafts (+ bonus); 0 means all
-            output_hidden_states=bool(step.req.hidden_layer_ids),
-        )
-        forward_s = time.perf_counter() - start
-        result = self._accept(step, out.logits[0], forward_s)
-        # The cache grew by every input token: crop the rejected drafts back off.
-        rejected = len(step.req.draft_token_ids) - result.num_accepted
-        if rejected:
-            step.seq.cache.crop(-rejected)
-        if step.req.hidden_layer_ids:
-            result.hidden_states = select_hidden(out.hidden_states, 0, step.num_kept(result), step.req.hidden_layer_ids)
+        result = self._forward([step])[0]
+        if isinstance(result, Exception):
+            raise result
         return result
 
-    def _forward_lean(self, steps: list[_Step]) -> list[VerifyResult | Exception]:
-        """One ragged forward of the lean runtime over every step; each sequence's pool length
-        then drops back to what it keeps (its pending tokens and accepted drafts)."""
+    def _forward(self, steps: list[_Step]) -> list[VerifyResult | Exception]:
+        """One forward over every step; each sequence's cache then drops back to what it keeps
+        (its pending tokens and accepted drafts)."""
         layers = sorted({i for step in steps for i in step.req.hidden_layer_ids})
         rows = [step.row() for step in steps]
         for step in steps:  # a retried step starts from what the sequence keeps
-            self.pool.truncate(step.req.seq_id, step.seq.num_cached)
+            self.engine.truncate(step.req.seq_id, step.seq.num_cached)
         start = time.perf_counter()
-        out = self.lean.forward(self.pool, rows, [step.num_rows for step in steps], layers)
+        out = self.engine.forward(rows, [step.num_rows for step in steps], layers)
         shares = self._shares(time.perf_counter() - start, [len(r.token_ids) for r in rows])
         results: list[VerifyResult | Exception] = []
         for row, (step, forward_s) in enumerate(zip(steps, shares)):
@@ -554,59 +451,13 @@ class TargetRunner:
                 result = self._accept(step, out.logits[row], forward_s)
                 if step.accepted:  # move the accepted path's KV into place behind the pending tokens
                     base = step.seq.num_cached - len(step.accepted)
-                    self.pool.compact(step.req.seq_id, [base + node for node in step.accepted], base)
-                self.pool.truncate(step.req.seq_id, step.seq.num_cached)
-                self.pool.commit(step.req.seq_id, step.seq.token_ids)
+                    self.engine.compact(step.req.seq_id, [base + node for node in step.accepted], base)
+                self.engine.truncate(step.req.seq_id, step.seq.num_cached)
+                self.engine.commit(step.req.seq_id, step.seq.token_ids)
                 if step.req.hidden_layer_ids:
                     kept = step.kept_rows(result)
-                    hidden = [out.hidden[row][i][kept] for i in step.req.hidden_layer_ids]
+                    hidden = [out.hidden[row][i][kept] for i in step.req.hidden_layer_ids]  # each [kept, hidden]
                     result.hidden_states = torch.stack(hidden, dim=1).float().cpu()
-            except Exception as e:
-                result = e
-            results.append(result)
-        return results
-
-    def _forward_batch(self, steps: list[_Step]) -> list[VerifyResult | Exception]:
-        """One forward over several running sequences. Their caches are left-padded to the
-        longest and stacked; inputs are right-padded; the attention mask hides both pads and
-        explicit positions keep each sequence's own RoPE offsets. The kept part of the new
-        KV is then appended to each sequence's own cache (the transformers engine)."""
-        cached = [step.seq.num_cached for step in steps]
-        lengths = [len(step.input_ids) for step in steps]
-        max_cached, max_len = max(cached), max(lengths)
-        batched = DynamicCache(config=self.config)
-        for layer in range(len(steps[0].seq.cache.layers)):
-            keys, values = [], []
-            for step, n in zip(steps, cached):
-                own = step.seq.cache.layers[layer]
-                keys.append(torch.nn.functional.pad(own.keys, (0, 0, max_cached - n, 0)))
-                values.append(torch.nn.functional.pad(own.values, (0, 0, max_cached - n, 0)))
-            batched.update(torch.cat(keys), torch.cat(values), layer)
-        input_ids = [step.input_ids + [0] * (max_len - n) for step, n in zip(steps, lengths)]
-        mask = [[0] * (max_cached - c) + [1] * (c + n) + [0] * (max_len - n) for c, n in zip(cached, lengths)]
-        positions = [list(range(c, c + max_len)) for c in cached]
-        want_hidden = any(step.req.hidden_layer_ids for step in steps)
-        start = time.perf_counter()
-        out = self.model(
-            input_ids=torch.tensor(input_ids, device=self.device),
-            attention_mask=torch.tensor(mask, device=self.device),
-            position_ids=torch.tensor(positions, device=self.device),
-            cache=batched,
-            use_cache=True,
-            output_hidden_states=want_hidden,
-        )
-        shares = self._shares(time.perf_counter() - start, lengths)
-
-        results: list[VerifyResult | Exception] = []
-        for row, (step, n, forward_s) in enumerate(zip(steps, lengths, shares)):
-            try:  # from here on each row is its own sequence's business
-                result = self._accept(step, out.logits[row, n - step.num_rows : n], forward_s)
-                kept = step.num_kept(result)
-                for own, shared in zip(step.seq.cache.layers, batched.layers):
-                    new = slice(max_cached, max_cached + kept)
-                    own.update(shared.keys[row : row + 1, :, new], shared.values[row : row + 1, :, new])
-                if step.req.hidden_layer_ids:
-                    result.hidden_states = select_hidden(out.hidden_states, row, kept, step.req.hidden_layer_ids)
             except Exception as e:
                 result = e
             results.append(result)
@@ -671,28 +522,19 @@ class TargetRunner:
         reserve = min(
             self.max_model_len, len(req.new_token_ids) + (req.max_new_tokens or self.max_model_len) + MAX_SPEC_LEN
         )
-        if self.pool is not None:
-            self.pool.admit(req.seq_id, reserve)
-        elif self.kv_budget_tokens is not None and self.reserved_tokens + reserve > self.kv_budget_tokens:
-            raise KVCacheFullError(
-                f"KV cache budget full: this request may need {reserve} tokens and running sequences "
-                f"hold {self.reserved_tokens} of {self.kv_budget_tokens}; retry later, lower max_tokens, "
-                "or raise kv_cache_memory_gb"
-            )
+        self.engine.admit(req.seq_id, reserve)
         sampling = req.sampling or SamplingParams()
         seq_id = req.seq_id
         generator = new_generator(self.device, sampling.seed)
         _check_token_controls(sampling, self.logits_size)
-        cache = None if self.pool is not None else DynamicCache(config=self.config)
-        seq = _Sequence(cache, sampling, generator, reserve)
+        seq = _Sequence(sampling, generator)
         self.sequences[seq_id] = seq
         log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))
         return seq
 
     def release(self, seq_id: int) -> bool:
         """Drop a sequence's KV cache; True when it existed."""
-        if self.pool is not None:
-            self.pool.release(seq_id)
+        self.engine.release(seq_id)
         return self.sequences.pop(seq_id, None) is not None
 
     def release_idle(self, idle_s: float, keep: Collection[int] = ()) -> list[int]:

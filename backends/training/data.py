@@ -7,7 +7,7 @@ All stages are cached under the data directory and resumable:
 - `generations.jsonl`: one line per prompt (its index, prompt length, prompt + answer ids),
   appended batch by batch; a rerun skips the prompts already answered.
 - `states.safetensors`: for every position of every sequence, the hidden states of the
-  requested layers (bfloat16, numbered as the verifier numbers them, `target.select_hidden`)
+  requested layers (bfloat16, numbered as the verifier numbers them, `hf_engine.select_hidden`)
   and the target's argmax there (the token it would emit next). Recomputed only when a head
   asks for a layer the file lacks.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from backends.runtime.hf_engine import select_hidden
 from backends.runtime.model_store import load_causal_lm, load_tokenizer
-from backends.serving.target import select_hidden
 from backends.training.corpus import CHAT, OPENINGS, check_held_out, overlaps_held_out, training_prompts
 
 

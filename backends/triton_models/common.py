@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from backends.triton_models.pbtxt import ModelSettings, model_settings
 
 if TYPE_CHECKING:
-    from backends.runtime.kv_cache import KVCachePool
+    from backends.runtime.engine import Engine
 
 SEQUENCE_START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -197,9 +197,9 @@ class PrefixCacheCounters:
         self.metrics = [family.Metric(labels=labels) for family in self.families]
         self.reported = [0, 0]
 
-    def update(self, pool: KVCachePool) -> None:
-        """Bring the counters to the KV pool's totals (a round trip to the server only on a change)."""
-        for i, (metric, total) in enumerate(zip(self.metrics, (pool.prefix_queries, pool.prefix_hits))):
+    def update(self, engine: Engine) -> None:
+        """Bring the counters to the engine's totals (a round trip to the server only on a change)."""
+        for i, (metric, total) in enumerate(zip(self.metrics, (engine.prefix_queries, engine.prefix_hits))):
             if total != self.reported[i]:
                 metric.increment(total - self.reported[i])
                 self.reported[i] = total

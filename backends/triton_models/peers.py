@@ -270,7 +270,7 @@ class Peers:
         def update_metrics() -> None:  # what the verifier model reports of its own sequences
             active.set(len(runner.sequences))
             if counters is not None:
-                counters.update(runner.pool)
+                counters.update(runner.engine)
 
         run_rows = in_process(runner, update_metrics)
 

@@ -72,7 +72,7 @@ class VerifierModel(SequenceBatchedModel):
         """Requests from many sequences (the `oldest` sequence batcher) are verified together."""
         results = verify_steps(self.runner, calls)
         if self.prefix_counters is not None:
-            self.prefix_counters.update(self.runner.pool)
+            self.prefix_counters.update(self.runner.engine)
         return results
 
     def respond(self, result: VerifyResult | None) -> object:
@@ -127,5 +127,4 @@ def target_runner(settings: ModelSettings, device: str) -> TargetRunner:
 
 def prefix_counters(runner: TargetRunner, model_name: str, version: str) -> PrefixCacheCounters | None:
     """The prefix cache counters on /metrics, when the target caches prefixes."""
-    pool = runner.pool
-    return PrefixCacheCounters(model_name, version) if pool is not None and pool.prefix_caching else None
+    return PrefixCacheCounters(model_name, version) if runner.engine.prefix_caching else None

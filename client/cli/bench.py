@@ -362,10 +362,7 @@ def verify_batch_cost(
         for i in seq_ids:  # back to `context` tokens: every repeat measures the same shape
             runner.sequences[i].token_ids[context:] = []
             runner.sequences[i].num_cached = context - 1
-            if runner.pool is not None:
-                runner.pool.truncate(i, context - 1)
-            elif runner.cached_tokens(i) > context - 1:
-                runner.sequences[i].cache.crop(context - 1 - runner.cached_tokens(i))
+            runner.engine.truncate(i, context - 1)
         return time.perf_counter() - start
 
     for _ in range(3):  # warm-up of every shape
@@ -374,8 +371,7 @@ def verify_batch_cost(
     many = statistics.median(step(range(batch)) for _ in range(repeats))
     plain = statistics.median(step(range(1), 0) for _ in range(repeats))
     return {
-        "engine": ("lean runtime" if runner.pool is not None else "transformers")
-        + f", batch-invariant {'on' if runner.batch_invariant else 'off'}",
+        "engine": runner.engine.name + f", batch-invariant {'on' if runner.batch_invariant else 'off'}",
         "one_ms": one * 1e3,
         "batch_ms": many * 1e3,
         "ratio": many / one,

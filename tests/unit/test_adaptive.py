@@ -6,7 +6,7 @@ from backends.serving.adaptive import AdaptiveDraftLength, DraftCost, StepCost, 
 from backends.serving.orchestrator import draft_length
 from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest
-from backends.serving.target import StepCostCurve, step_shares
+from backends.serving.step_cost import StepCostCurve, step_shares
 
 
 def test_expected_tokens_formula():

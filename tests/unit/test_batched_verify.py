@@ -10,7 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from backends.serving.request import SamplingParams
-from backends.serving.target import SequenceError, StepCostCurve, TargetRunner, VerifyRequest
+from backends.serving.step_cost import StepCostCurve, measure_step_cost
+from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
 
 PROMPTS = [
     "The quick brown fox",
@@ -98,22 +99,20 @@ def test_a_bad_request_fails_alone(runners, tiny_model_dir):
 def test_long_steps_are_measured_fewer_times(tiny_model_dir, monkeypatch):
     """At start-up each size is stepped 4 times (one to warm up), but a size whose steps are
     long is not repeated past the budget: its one or two steps are its time."""
-    from backends.serving import target
-
     runner = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
-    forward, steps = runner.lean.forward, []
+    forward, steps = runner.engine.forward, []
 
-    def slowed(pool, rows, *args, **kwargs):  # 16 tokens: 0.2 s a step, 64: 0.3 s
+    def slowed(rows, *args, **kwargs):  # 16 tokens: 0.2 s a step, 64: 0.3 s
         n = len(rows[0].token_ids)
         steps.append(n)
         time.sleep({16: 0.2, 64: 0.3}.get(n, 0.0))
-        return forward(pool, rows, *args, **kwargs)
+        return forward(rows, *args, **kwargs)
 
-    monkeypatch.setattr(runner.lean, "forward", slowed)
-    curve = target.measure_step_cost(runner.lean, runner.pool, context=8, sizes=(1, 16, 64))
+    monkeypatch.setattr(runner.engine, "forward", slowed)
+    curve = measure_step_cost(runner.engine, context=8, sizes=(1, 16, 64))
     assert [steps.count(n) for n in (1, 16, 64)] == [4, 2, 1]
     assert curve.seconds[1] == pytest.approx(0.2, abs=0.05) and curve.seconds[2] == pytest.approx(0.3, abs=0.05)
-    assert runner.pool.num_sequences == 0
+    assert runner.engine.pool.num_sequences == 0
 
 
 def test_each_row_is_charged_its_own_tokens(tiny_model_dir):
@@ -123,7 +122,7 @@ def test_each_row_is_charged_its_own_tokens(tiny_model_dir):
     runner = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
     assert runner.step_cost.tokens == (1, 2, 4, 8, 16, 32, 64)
     assert all(s > 0 for s in runner.step_cost.seconds)
-    assert runner.pool.num_sequences == 0 and runner.pool.reserved_tokens == 0
+    assert runner.engine.pool.num_sequences == 0 and runner.engine.reserved_tokens == 0
     # a known curve, so the shares below are checked whatever was measured: 0.01 ms a token
     runner.step_cost = StepCostCurve((1, 2), (0.0, 1e-5))
     for seq_id in (1, 2):

@@ -14,6 +14,7 @@ import torch
 
 from backends.config import SpeculativeConfig
 from backends.runtime.device import DeviceError, keep_attention_off_cudnn, resolve_device
+from backends.runtime.engine import LeanEngine
 from backends.serving import rejection
 from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 from backends.serving.target import TargetRunner, VerifyRequest
@@ -148,9 +149,10 @@ def make_proposer(
 
 
 def tensors_of(proposer) -> list[torch.Tensor]:
-    module = proposer.head if hasattr(proposer, "head") else proposer.model
-    if module is None:  # draft_model on the lean runtime, which holds the only copy of its weights
-        return proposer.lean.tensors()
+    engine = getattr(proposer, "engine", None)  # draft_model's
+    if isinstance(engine, LeanEngine):  # the lean runtime holds the only copy of its weights
+        return engine.lm.tensors()
+    module = proposer.head if engine is None else engine.model
     return list(module.parameters()) + [b for b in module.buffers() if b is not None]
 
 
@@ -216,7 +218,7 @@ def test_from_config_puts_weights_and_generator_on_the_device_given(method, chec
 def test_target_runner_and_ngram_gpu_take_the_device(target_dir):
     # transformers: the lean runtime measures its steps at start-up, which meta (no data) cannot run
     runner = TargetRunner(target_dir, dtype="float32", device="meta", runtime="hf")
-    assert runner.device.type == "meta" and all(p.device.type == "meta" for p in runner.model.parameters())
+    assert runner.device.type == "meta" and all(p.device.type == "meta" for p in runner.engine.model.parameters())
     config = SpeculativeConfig.from_json({"method": "ngram_gpu", "num_speculative_tokens": 3}, target_model=None)
     assert build_proposer(config, max_model_len=256, device="meta").device.type == "meta"
 
@@ -244,7 +246,7 @@ def test_target_runner_on_cuda_equals_cpu(target_dir, runner, prompt_ids):
             first = each.verify(VerifyRequest(3, ids[:-3], [], hidden_layer_ids=layers, max_new_tokens=16))
             second = each.verify(VerifyRequest(3, [], first.token_ids[:1] + wrong[:2], hidden_layer_ids=layers))
             if name == "cuda":  # the lean runtime on the GPU's Triton kernels, its KV pool there
-                assert each.lean.triton_kernels and each.pool.kv.device.type == "cuda"
+                assert each.engine.lm.triton_kernels and each.engine.pool.kv.device.type == "cuda"
                 assert each.sequences[3].generator.device.type == "cuda"
             each.release(3)
             results[name] = (first, second)

@@ -3,6 +3,7 @@ the heterogeneous-vocabulary bridge, and speculative decoding with it in process
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -11,9 +12,12 @@ import torch
 from backends.config import SpeculativeConfig
 from backends.config.errors import SpeculativeConfigError
 from backends.methods.draft_model import DraftModelProposer
-from backends.methods.drafts import sample_drafts
+from backends.methods.drafts import DRAFT_KV_MEMORY_GB, sample_drafts
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
+from backends.runtime.engine import LeanEngine
+from backends.runtime.hf_engine import HFEngine
+from backends.runtime.kv_cache import SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, _Int4Linear, _Int8Linear, _PackedLinear
 from backends.runtime.model_store import load_causal_lm, load_tokenizer
 from backends.serving.drafting import DraftService
@@ -34,15 +38,18 @@ def draft_lm(tiny_draft_dir):
 
 @pytest.fixture(scope="module", params=["transformers", "lean"])
 def make(request, draft_lm):
-    """DraftModelProposer(draft_lm, ...) on either engine: transformers' caches or the lean
-    runtime's pool (what from_config picks on the CPU)."""
-    lean = LeanCausalLM.from_hf(draft_lm) if request.param == "lean" else None
-    return lambda *args, **kw: DraftModelProposer(draft_lm, *args, lean=lean, **kw)
+    """A DraftModelProposer of draft_lm on either engine, each with its own caches:
+    transformers' or the lean runtime's pool (what from_config picks on the CPU)."""
+    if request.param == "lean":
+        lean = LeanCausalLM.from_hf(draft_lm)
+        engine = functools.partial(LeanEngine.with_pool, lean, memory_gb=DRAFT_KV_MEMORY_GB, prefix_caching=True)
+    else:
+        engine = functools.partial(HFEngine, draft_lm)
+    return lambda *args, **kw: DraftModelProposer(engine(), *args, **kw)
 
 
 def cached_length(proposer: DraftModelProposer, seq_id: int) -> int:
-    state = proposer._seqs[seq_id]
-    return proposer.pool.length(seq_id) if proposer.pool is not None else state.cache.get_seq_length()
+    return proposer.engine.length(seq_id)
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +110,14 @@ def test_a_prompt_another_sequence_drafted_over_is_not_computed_again(make, draf
     whole blocks from the first (released or not), drafts the same, and can still roll back
     into them (it starts over from the cache)."""
     proposer = make(512)
-    if proposer.pool is None:
+    if not proposer.engine.prefix_caching:
         pytest.skip("prefix caching is the lean runtime's pool")
     prompt = prompt_ids[0] * 3  # a few whole blocks of 16
     first = proposer.propose([DraftRequest(1, prompt, 4)])[0].token_ids
     proposer.release(1)
-    hits = proposer.pool.prefix_hits
+    hits = proposer.engine.prefix_hits
     assert proposer.propose([DraftRequest(2, prompt, 4)])[0].token_ids == first
-    assert proposer.pool.prefix_hits - hits == (len(prompt) - 1) // 16 * 16
+    assert proposer.engine.prefix_hits - hits == (len(prompt) - 1) // 16 * 16
     assert first == cacheless_greedy(draft_lm, prompt, 4)
     changed = prompt[:5] + prompt_ids[1]  # earlier than the shared blocks end
     again = proposer.propose([DraftRequest(2, changed, 4)])[0].token_ids
@@ -127,7 +134,7 @@ def test_batched_equals_one_at_a_time(make, draft_lm, prompt_ids):
     contexts = check_ragged_batches(
         batched, alone, prompt_ids, lambda seq, ids, k, _: DraftRequest(seq, ids, k), steps=4, first_k=2, vocab_size=300
     )
-    if batched.pool is None:
+    if isinstance(batched.engine, HFEngine):
         assert_same_caches(alone, batched, contexts, atol=1e-5)
     for seq in contexts:
         assert batched._seqs[seq].token_ids == alone._seqs[seq].token_ids
@@ -187,8 +194,9 @@ def test_release_frees_the_sequence(make, draft_lm, prompt_ids):
     proposer.release(1)
     proposer.release(99)  # unknown: nothing to do
     assert set(proposer._seqs) == {2}
-    if proposer.pool is not None:  # its blocks are back in the pool
-        assert not proposer.pool.has(1) and proposer.pool.has(2)
+    assert proposer.engine.length(2) > 0
+    with pytest.raises(SequenceError, match="not in the KV cache"):  # its cache is gone
+        proposer.engine.length(1)
 
 
 def test_no_drafts_past_the_context_window(make, draft_lm, prompt_ids):
@@ -201,18 +209,18 @@ def test_from_config(tiny_draft_dir, tiny_model_dir, prompt_ids):
     proposer = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir), max_model_len=512, dtype="float32")
     assert isinstance(proposer, DraftModelProposer)
     # a Llama on the CPU: the lean runtime, which holds the only copy of the weights
-    assert proposer.lean is not None and proposer.lean.dtype == torch.float32 and proposer.model is None
+    assert isinstance(proposer.engine, LeanEngine) and proposer.engine.lm.dtype == torch.float32
     int8 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int8"), max_model_len=512)
     if cpu_kernels.int8_linear_available():  # the lean runtime's int8 kernel
-        assert isinstance(int8.lean.lm_head, _Int8Linear)
+        assert isinstance(int8.engine.lm.lm_head, _Int8Linear)
     elif cpu_kernels.packed_linear_available():  # bf16 on the packed kernel: faster than dynamic int8
-        assert isinstance(int8.lean.lm_head, _PackedLinear)
+        assert isinstance(int8.engine.lm.lm_head, _PackedLinear)
     else:  # torch's dynamic int8 through transformers
-        assert "DynamicQuantizedLinear" in repr(int8.model) and int8.lean is None
+        assert "DynamicQuantizedLinear" in repr(int8.engine.model)
     assert len(int8.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
     int4 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int4"), max_model_len=512)
     if cpu_kernels.int4_linear_available():  # int4 where K is a multiple of 64 (the tiny hidden size)
-        assert isinstance(int4.lean.lm_head, _Int4Linear)
+        assert isinstance(int4.engine.lm.lm_head, _Int4Linear)
     assert len(int4.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
     with pytest.raises(ValueError, match="quantization='fp8'"):
         build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="fp8"), max_model_len=512)
@@ -248,7 +256,7 @@ def test_sampled_verification_with_the_draft_probs(runner, tiny_model_dir, promp
     ids = prompt_ids[1]
 
     def run(with_probs: bool) -> int:
-        proposer = DraftModelProposer(target, 512, "probabilistic", seed=0)
+        proposer = DraftModelProposer(HFEngine(target), 512, "probabilistic", seed=0)
         emitted, accepted, new = [], 0, list(ids)
         for _ in range(4):
             draft = proposer.propose([DraftRequest(5, ids + emitted, 4)])[0]
@@ -315,7 +323,7 @@ def test_a_seeded_requests_drafts_do_not_depend_on_who_else_is_drafted(draft_lm,
     other sampled sequences, batched in any order."""
 
     def drafts_of_seq_1(batch_ids: list[int]) -> list[int]:
-        proposer = DraftModelProposer(draft_lm, 512, "probabilistic", seed=123)
+        proposer = DraftModelProposer(HFEngine(draft_lm), 512, "probabilistic", seed=123)
         requests = {
             1: DraftRequest(1, prompt_ids[0], 4, temperature=0.9, seed=5),
             2: DraftRequest(2, prompt_ids[1], 4, temperature=1.0),

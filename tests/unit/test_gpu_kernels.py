@@ -166,7 +166,7 @@ def test_target_speculative_output_is_plain_output(target_dir, dtype, monkeypatc
         cheap_probe = functools.partial(target.measure_step_cost, context=4, sizes=(1, 2))
         monkeypatch.setattr(target, "measure_step_cost", cheap_probe)
     runner = TargetRunner(target_dir, dtype=dtype, device=DEVICE, batch_invariant="on")
-    assert runner.lean.triton_kernels and runner.batch_invariant
+    assert runner.engine.lm.triton_kernels and runner.batch_invariant
     prompt = tokens(6, seed=3)
     plain = runner.verify(VerifyRequest(1, prompt, [], max_new_tokens=12)).token_ids
     while len(plain) < 8:

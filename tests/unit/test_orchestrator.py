@@ -271,12 +271,15 @@ def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, t
 
 @pytest.mark.parametrize("engine", ["lean", "hf"])
 def test_kv_budget_refuses_new_sequences_not_running_ones(tiny_model_dir, tokenizer, engine):
-    from backends.serving.target import KVCacheFullError, kv_bytes_per_token
+    from backends.runtime.kv_cache import KVCacheFullError
+    from backends.serving.target import kv_bytes_per_token
 
     probe = TargetRunner(tiny_model_dir, dtype="float32", runtime="hf")
     per_token = kv_bytes_per_token(probe.config, "float32")
     runner = TargetRunner(tiny_model_dir, dtype="float32", kv_cache_memory_gb=400 * per_token / 2**30, runtime=engine)
-    assert runner.kv_budget_tokens == 400 and (runner.pool is not None) == (engine == "lean")
+    assert (
+        runner.kv_budget_tokens == 400 and runner.engine.name == {"lean": "lean runtime", "hf": "transformers"}[engine]
+    )
     ids = tokenizer(PROMPT)["input_ids"]
     runner.verify(VerifyRequest(1, ids, [], max_new_tokens=100))  # reserves prompt + 100 + 128
     with pytest.raises(KVCacheFullError, match="KV cache (budget )?full"):
@@ -314,13 +317,13 @@ def test_the_target_weights_are_held_once(tiny_model_dir, monkeypatch, engine):
     runner = TargetRunner(tiny_model_dir, dtype="float32", runtime=engine)
     if engine == "lean":
         assert list(sources) == ["read_checkpoint"] and handed_back == [True]
-        assert runner.lean is not None and runner.model is None
-        assert runner.lean.weight_bytes() >= sum(
+        assert not hasattr(runner.engine, "model")
+        assert runner.engine.lm.weight_bytes() >= sum(
             p.nbytes for p in load_causal_lm(tiny_model_dir, "float32").parameters()
         )
     else:
-        assert list(sources) == ["load_causal_lm"] and runner.lean is None and not handed_back
-        assert runner.model.model.layers[0].mlp.up_proj.weight is sources["load_causal_lm"]()
+        assert list(sources) == ["load_causal_lm"] and not hasattr(runner.engine, "lm") and not handed_back
+        assert runner.engine.model.model.layers[0].mlp.up_proj.weight is sources["load_causal_lm"]()
 
 
 class FailingProposer(Proposer):
@@ -511,7 +514,7 @@ def test_a_prefill_chunk_emits_nothing_and_reserves_for_the_whole_prompt(runner,
     # the reservation: the chunk, everything after it (max_new_tokens) and a full draft
     pooled = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
     pooled.verify(VerifyRequest(12, prompt_ids[:4], [], SamplingParams(), max_new_tokens=40, prefill_only=True))
-    assert pooled.pool.reserved(12) >= 4 + 40
+    assert pooled.engine.pool.reserved(12) >= 4 + 40
     last = pooled.verify(VerifyRequest(12, prompt_ids[4:], []))
     assert last.token_ids == list(hf_greedy(str(tiny_model_dir), PROMPT, 1))
     pooled.release(12)

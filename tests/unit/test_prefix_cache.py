@@ -158,22 +158,22 @@ def test_a_next_turn_reuses_the_previous_turn_exactly(runners):
     out1 = run(cached, 1, turn1, chunk=16, steps=6)
     assert out1 == run(fresh, 1, turn1, chunk=16, steps=6)
     turn2 = turn1 + out1[0] + [5, 6, 7, 8, 9]
-    hits = cached.pool.prefix_hits
+    hits = cached.engine.prefix_hits
     out2 = run(cached, 2, turn2, chunk=16, steps=6)
-    reused = cached.pool.prefix_hits - hits
+    reused = cached.engine.prefix_hits - hits
     final = len(turn1) + len(out1[0]) - 1  # the last answer token was emitted, never computed
     assert reused == final // 16 * 16 and reused >= 32
     assert out2 == run(fresh, 2, turn2, chunk=16, steps=6)
-    assert fresh.pool.prefix_hits == 0
+    assert fresh.engine.prefix_hits == 0
 
 
 def test_a_whole_cached_prompt_still_computes_its_last_token(runners):
     cached, fresh = runners[True], runners[False]
     prompt = [(i * 11) % 80 + 2 for i in range(32)]
     first = run(cached, 3, prompt, chunk=32, steps=3)
-    hits = cached.pool.prefix_hits
+    hits = cached.engine.prefix_hits
     again = run(cached, 4, prompt, chunk=32, steps=3)
-    assert cached.pool.prefix_hits - hits == 16  # the second block holds the last prompt token
+    assert cached.engine.prefix_hits - hits == 16  # the second block holds the last prompt token
     assert first == again == run(fresh, 3, prompt, chunk=32, steps=3)
 
 
@@ -181,8 +181,8 @@ def test_steps_that_need_hidden_states_compute_every_position(runners):
     cached = runners[True]
     prompt = [(i * 13) % 70 + 4 for i in range(40)]
     run(cached, 5, prompt, chunk=40, steps=1)
-    hits = cached.pool.prefix_hits
+    hits = cached.engine.prefix_hits
     result = cached.verify(VerifyRequest(6, prompt, [], hidden_layer_ids=(1,)))
-    assert cached.pool.prefix_hits == hits
+    assert cached.engine.prefix_hits == hits
     assert result.hidden_states.shape[0] == len(prompt)
     cached.release(6)

@@ -145,8 +145,9 @@ def test_greedy_trees_emit_the_target_greedy_tokens_and_keep_its_kv(runners, tin
         n = runner.cached_tokens(i)
         ref_seq = reference.sequences[i]
         assert runner.sequences[i].token_ids == ref_seq.token_ids[: len(runner.sequences[i].token_ids)]
-        ours = runner.pool.kv[:, runner.pool.slots(i)[:n]]
-        theirs = reference.pool.kv[:, reference.pool.slots(i)[:n]]
+        pool, ref_pool = runner.engine.pool, reference.engine.pool
+        ours = pool.kv[:, pool.slots(i)[:n]]
+        theirs = ref_pool.kv[:, ref_pool.slots(i)[:n]]
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
         runner.release(i)
     for i in prompts:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from backends.runtime.engine import LeanEngine
 from backends.serving.request import SamplingParams
 from backends.serving.target import SequenceError, TargetRunner, VerifyRequest
 
@@ -102,15 +103,14 @@ def test_a_bad_step_fails_alone(runners, tokenizer, case):
 def test_bad_first_steps_are_refused_before_any_state(runners, tokenizer):
     _, together = runners
     prompt = tokenizer("for i in")["input_ids"]
+    held = together.reserved_tokens
     for req, message in (
         (VerifyRequest(CULPRIT, prompt, [], max_new_tokens="10"), "max_new_tokens"),
         (VerifyRequest(CULPRIT, prompt + [10**9], []), "outside the vocabulary"),
     ):
         result = together.verify_batch([req])[0]
         assert isinstance(result, SequenceError) and message in str(result)
-        assert CULPRIT not in together.sequences and together.reserved_tokens == sum(
-            s.reserved_tokens for s in together.sequences.values()
-        )
+        assert CULPRIT not in together.sequences and together.reserved_tokens == held
 
 
 def test_a_failing_batched_forward_is_retried_step_by_step(runners, tokenizer, monkeypatch):
@@ -120,8 +120,8 @@ def test_a_failing_batched_forward_is_retried_step_by_step(runners, tokenizer, m
     start_culprit(together, tokenizer)
     poison = together.logits_size - 1
     calls = []
-    if together.lean is not None:
-        forward = together.lean.forward
+    if isinstance(together.engine, LeanEngine):  # the runtime's forward, under the engine
+        forward = together.engine.lm.forward
 
         def poisoned(pool, rows, *args, **kwargs):
             calls.append(len(rows))
@@ -129,9 +129,9 @@ def test_a_failing_batched_forward_is_retried_step_by_step(runners, tokenizer, m
                 raise RuntimeError("poisoned token in the batch")
             return forward(pool, rows, *args, **kwargs)
 
-        monkeypatch.setattr(together.lean, "forward", poisoned)
-    else:
-        forward = together.model.forward
+        monkeypatch.setattr(together.engine.lm, "forward", poisoned)
+    else:  # transformers' forward, under the engine's padded batch
+        forward = together.engine.model.forward
 
         def poisoned(*args, input_ids=None, **kwargs):
             calls.append(input_ids.shape[0])
@@ -139,7 +139,7 @@ def test_a_failing_batched_forward_is_retried_step_by_step(runners, tokenizer, m
                 raise RuntimeError("poisoned token in the batch")
             return forward(*args, input_ids=input_ids, **kwargs)
 
-        monkeypatch.setattr(together.model, "forward", poisoned)
+        monkeypatch.setattr(together.engine.model, "forward", poisoned)
     check_isolated(
         alone,
         together,
@@ -171,14 +171,13 @@ def test_idle_time_counts_from_the_end_of_a_step(tiny_model_dir, tokenizer, monk
     runner = TargetRunner(tiny_model_dir, dtype="float32")
     now = [0.0]
     runner.clock = lambda: now[0]
-    engine = runner.lean or runner.model
-    forward = engine.forward
+    forward = runner.engine.forward
 
     def slow(*args, **kwargs):
         now[0] += 100.0  # every forward takes 100 s of the clock
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "forward", slow)
+    monkeypatch.setattr(runner.engine, "forward", slow)
     runner.verify(VerifyRequest(1, tokenizer("The quick brown fox")["input_ids"], []))
     assert runner.release_idle(60.0) == []  # idle since its step ended: 0 s
     now[0] += 61.0
