@@ -21,12 +21,12 @@ from tests.fixtures.helpers import wait_for_no_active_sequences
 from tests.fixtures.servers import free_ports
 
 KEY = "sk-front-door-test"
-# Spends ~3 s on a message's first 200 characters (a loop per character): it stands for
+# Spends seconds on a message's first 200 characters (a loop per character): it stands for
 # a conversation that takes long to render; the rest of the content is copied as it is.
 SLOW_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>"
     "{% for c in m['content'][:200] %}{% set ns = namespace(n=0) %}"
-    "{% for _ in range(3500) %}{% set ns.n = ns.n + 1 %}{% endfor %}{% endfor %}"
+    "{% for _ in range(2500) %}{% set ns.n = ns.n + 1 %}{% endfor %}{% endfor %}"
     "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 TEXT = "the quick brown fox jumps over the lazy dog. "
@@ -104,8 +104,8 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(door):
 
 def test_a_message_too_long_for_the_context_is_refused_before_it_is_rendered(door):
     """6 MB of chat (within the body limit) cannot fit 512 tokens whatever it says: refused
-    by its length at once, not after seconds of rendering and tokenizing it (the template
-    alone takes ~3 s) and a peak of ~1 GB of memory."""
+    by its length at once, not after seconds of rendering and tokenizing it and a peak of
+    ~1 GB of memory."""
     peak = door.peak_rss_mb()
     start = time.monotonic()
     status, error, _ = request(door, "/v1/chat/completions", chat_body(TEXT * (6 * 2**20 // len(TEXT))))
@@ -138,7 +138,7 @@ def test_health_stays_fast_while_a_request_is_rendered(door):
             waits.append(time.monotonic() - start)
         time.sleep(0.1)
     worker.join()
-    assert answer["status"] == 200 and answer["seconds"] > 1.5  # the rendering did take long
+    assert answer["status"] == 200 and answer["seconds"] > 1.0  # the rendering did take long
     assert len(waits) >= 2 and max(waits) < 0.5, waits
 
 
