@@ -26,6 +26,8 @@ MAX_NESTING = 32
 API_KEY_ENV = "TRITONSPEC_API_KEY"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 RETRY_AFTER_S = 1
+# Past the limit, this much more of a body is read and dropped so that the client gets the 413.
+DRAIN_BYTES = 64 * 2**20
 
 
 class OpenAIError(Exception):
@@ -76,17 +78,24 @@ async def read_json_body(request: Request, max_bytes: int, offload: Callable[...
     (its Content-Length, or the bytes received so far), and parsed by `offload` (a worker
     thread) so that a large body does not hold up the event loop."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
+    too_large = declared.isdigit() and int(declared) > max_bytes
+    if too_large and request.headers.get("expect", "").lower() == "100-continue":
+        raise _too_large(max_bytes)  # the client waits for our word before it sends the body
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_bytes:  # the rest is discarded by the server once the 413 is sent
-                raise _too_large(max_bytes)
-            chunks.append(chunk)
+            too_large = too_large or size > max_bytes
+            if not too_large:
+                chunks.append(chunk)
+            elif size > max_bytes + DRAIN_BYTES:
+                break  # answered now, the connection is closed
+            # else dropped: most clients send the whole body before they read the answer,
+            # and one closed under them sees a broken pipe, not the 413
     except ClientDisconnect:
         raise ClientGone() from None
+    if too_large:
+        raise _too_large(max_bytes)
     return await offload(parse_json_object, b"".join(chunks))
 
 

@@ -176,9 +176,9 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(door, tiny_server):
         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
     )
     deadline = time.monotonic() + 10
-    while not tiny_server.active_sequences().get("speculative") and time.monotonic() < deadline:
+    while not any(tiny_server.active_sequences().values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert tiny_server.active_sequences().get("speculative"), "the request never started generating"
+    assert any(tiny_server.active_sequences().values()), "the request never started generating"
     conn.close()  # the client leaves while the 4 generations run
     left = time.monotonic()
     assert not any(wait_for_no_active_sequences(tiny_server, timeout_s=5).values())

@@ -298,7 +298,7 @@ def test_bad_requests_get_400_with_a_message(client, stream):
     for param, call in [
         ("max_tokens", completion(max_tokens=2**32 + 3)),
         (
-            "max_tokens",
+            "max_completion_tokens",
             lambda: client.chat.completions.create(
                 model="speculative", messages=MESSAGES, max_completion_tokens=2**31, stream=stream
             ),
