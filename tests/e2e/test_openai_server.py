@@ -312,7 +312,7 @@ def test_bad_requests_get_400_with_a_message(client, stream):
         error = _error(call)
         assert error.status_code == 400 and error.body["param"] == param, (param, error.message)
     error = _error(completion(stop=[""]))
-    assert error.message == "'stop' cannot contain an empty string"
+    assert error.body["message"] == "'stop' cannot contain an empty string"
     error = _error(completion(model="gpt-4"))
     assert error.status_code == 404 and error.body["code"] == "model_not_found"
 
