@@ -7,11 +7,14 @@ directory comes from the Triton model's `model` parameter, or --model). OpenAI's
 defaults apply (temperature 1, top_p 1; completions: max_tokens 16; chat: up to the context
 window). `n` choices per prompt and, for completions, a list of prompts are separate
 generations on the server (the j-th choice of a prompt samples with `seed + j` when a seed
-is given, as vLLM's parallel sampling does), at most MAX_CHOICES per request. Errors come
-back in OpenAI's shape, {"error": {"message", "type", "param",
-"code"}}, with 400 for a bad request (including what the Triton model rejects), 404 for an
-unknown model or route, 503 when Triton is unreachable or its KV cache budget is full, and
-500 for a failure inside generation.
+is given, as vLLM's parallel sampling does), at most 16 per request. Errors come back in
+OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for a bad request
+(including what the Triton model rejects), 401 without the API key, 404 for an unknown model
+or route, 413 for a body over the limit, 429 beyond the requests in flight allowed, 503 when
+Triton is unreachable or its KV cache budget is full, and 500 for a failure inside
+generation. The limits and the key are the front door's (openai_http.py); request bodies are
+parsed, and chat templates rendered, on worker threads, so one large request does not hold
+up the others.
 """
 
 from __future__ import annotations
@@ -22,40 +25,32 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from client.api.openai_http import ClientGone, DoorPolicy, FrontDoor, OpenAIError, read_json_body
+from client.api.openai_params import (
+    chat_messages,
+    chat_prompt,
+    check_type,
+    choices_per_prompt,
+    completion_prompts,
+    requested_logprobs,
+    sampling_inputs,
+    stream_flags,
+)
 from client.api.triton import Generation, ServerUnavailableError, grpc_generate
 
 log = logging.getLogger("tritonspec.openai")
-# Choices in one request (prompts x n): each is a generation of its own on the server.
-MAX_CHOICES = 16
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's JSON shape with an HTTP status."""
-
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "api_error", 503: "service_unavailable_error"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.TYPES.get(self.status, "api_error"),
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+# Runs CPU work of a request (parsing, rendering, tokenizing) off the event loop.
+Offload = Callable[..., Awaitable[Any]]
 
 
 @dataclass
@@ -67,228 +62,16 @@ class Backend:
     tokenizer: Any
     context_window: int
     triton_model: str = "speculative"
+    # The longest token's text: a prompt longer than context_window times this cannot fit,
+    # whatever it says, and is refused before it is rendered or tokenized (0: no check).
+    max_token_chars: int = 0
 
-
-# ---------------------------------------------------------------------------- parameters
-
-
-def _check_type(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise OpenAIError(400, f"'{name}' must be {what}, got {json.dumps(value)}", param=name)
-    return value
-
-
-def _check_unsupported(body: dict, kind: str) -> None:
-    """Parameters that would change the answer but have no equivalent here: refused, not ignored."""
-    best_of = _check_type(body, "best_of", (int,), "an integer")
-    if best_of is not None and best_of != 1:
-        raise OpenAIError(400, f"'best_of' must be 1 here, got {best_of}", param="best_of")
-    if kind == "completion" and body.get("suffix"):
-        raise OpenAIError(400, "'suffix' is not supported", param="suffix")
-    if kind == "chat":
-        if body.get("tools") or body.get("functions"):
-            raise OpenAIError(400, "tool calling is not supported", param="tools")
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise OpenAIError(
-                400, '\'response_format\' other than {"type": "text"} is not supported', param="response_format"
-            )
-
-
-def _number(body: dict, name: str, low: float, high: float) -> float | None:
-    """A number within OpenAI's range for it."""
-    value = _check_type(body, name, (int, float), "a number")
-    if value is not None and not low <= value <= high:
-        raise OpenAIError(400, f"'{name}' must be in [{low}, {high}], got {json.dumps(value)}", param=name)
-    return value
-
-
-def requested_logprobs(body: dict, kind: str) -> int | None:
-    """How many alternatives per token the request wants (0: the chosen token's only), or
-    None without logprobs: chat's `logprobs` + `top_logprobs` (0-20), completions'
-    `logprobs` (0-5)."""
-    if kind == "chat":
-        top = _number(body, "top_logprobs", 0, 20)
-        if not _check_type(body, "logprobs", (bool,), "a boolean"):
-            if top is not None:
-                raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-            return None
-        return int(top or 0)
-    value = _number(body, "logprobs", 0, 5)
-    if isinstance(value, float) and not value.is_integer():
-        raise OpenAIError(400, f"'logprobs' must be an integer, got {value}", param="logprobs")
-    return None if value is None else int(value)
-
-
-def _token_controls(body: dict) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Penalties and token controls: (input tensors, sampling_parameters entries). OpenAI's
-    presence / frequency penalties and logit_bias, and vLLM's extensions repetition_penalty,
-    min_tokens, stop_token_ids and bad_words."""
-    inputs: dict[str, Any] = {}
-    sampling: dict[str, Any] = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(body, name, -2, 2)
-        if value:  # 0 changes nothing
-            inputs[name] = float(value)
-    repetition = _check_type(body, "repetition_penalty", (int, float), "a number")
-    if repetition is not None:
-        inputs["repetition_penalty"] = float(repetition)
-    min_tokens = _check_type(body, "min_tokens", (int,), "an integer")
-    if min_tokens:
-        inputs["min_tokens"] = min_tokens
-    bias = _check_type(body, "logit_bias", (dict,), "an object mapping token ids to biases")
-    if bias:
-        if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100 for b in bias.values()):
-            raise OpenAIError(400, "'logit_bias' values must be numbers in [-100, 100]", param="logit_bias")
-        sampling["logit_bias"] = bias
-    ids = _check_type(body, "stop_token_ids", (list,), "a list of token ids")
-    if ids:
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise OpenAIError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
-        sampling["stop_token_ids"] = ids
-    words = _check_type(body, "bad_words", (list,), "a list of strings")
-    if words:
-        if not all(isinstance(w, str) for w in words):
-            raise OpenAIError(400, "'bad_words' must be a list of strings", param="bad_words")
-        inputs["bad_words"] = words
-    return inputs, sampling
-
-
-def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str, Any]:
-    """The `speculative` model's inputs for an OpenAI request body (types and OpenAI's
-    ranges checked here, the rest by the model itself)."""
-    _check_unsupported(body, kind)
-    names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
-    max_tokens = default_max_tokens
-    for name in names:
-        value = _check_type(body, name, (int,), "an integer")
-        if value is not None:
-            max_tokens = value
-            break
-    inputs: dict[str, Any] = {"max_tokens": max_tokens}
-    temperature = _number(body, "temperature", 0, 2)
-    inputs["temperature"] = 1.0 if temperature is None else float(temperature)
-    top_p = _number(body, "top_p", 0, 1)
-    if top_p is not None:
-        inputs["top_p"] = float(top_p)
-    top_k = _check_type(body, "top_k", (int,), "an integer")  # vLLM's extension
-    if top_k is not None:
-        inputs["top_k"] = top_k
-    seed = _check_type(body, "seed", (int,), "an integer")
-    if seed is not None:
-        if seed < 0:
-            raise OpenAIError(400, f"'seed' must be non-negative here, got {seed}", param="seed")
-        inputs["random_seed"] = seed
-    stop = body.get("stop")
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise OpenAIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-        if stop:
-            inputs["stop_words"] = stop
-    if _check_type(body, "ignore_eos", (bool,), "a boolean"):  # vLLM's extension
-        inputs["ignore_eos"] = True
-    controls, sampling = _token_controls(body)
-    inputs.update(controls)
-    logprobs = requested_logprobs(body, kind)
-    if logprobs is not None:
-        sampling["logprobs"] = logprobs
-        inputs["return_logprobs"] = True
-    if sampling:
-        inputs["sampling_parameters"] = sampling
-    return inputs
-
-
-def _stream_flags(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
-    stream = bool(_check_type(body, "stream", (bool,), "a boolean"))
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not stream:
-        raise OpenAIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-    if not isinstance(options, dict):
-        raise OpenAIError(400, "'stream_options' must be an object", param="stream_options")
-    return stream, bool(_check_type(options, "include_usage", (bool,), "a boolean"))
-
-
-def completion_prompts(body: dict) -> list[str]:
-    """The prompts of a completions request: a string or a list of strings."""
-    prompt = body.get("prompt")
-    prompts = prompt if isinstance(prompt, list) and prompt else [prompt]
-    if not all(isinstance(p, str) for p in prompts):
-        raise OpenAIError(
-            400, "'prompt' must be a string or a list of strings (token ids are not supported)", param="prompt"
-        )
-    if not all(prompts):
-        raise OpenAIError(400, "'prompt' is empty", param="prompt")
-    return prompts
-
-
-def choices_per_prompt(body: dict, num_prompts: int) -> int:
-    n = _check_type(body, "n", (int,), "an integer")
-    n = 1 if n is None else n
-    if n < 1:
-        raise OpenAIError(400, f"'n' must be at least 1, got {n}", param="n")
-    if n * num_prompts > MAX_CHOICES:
-        raise OpenAIError(
-            400, f"{n * num_prompts} choices ({num_prompts} prompt(s) x n={n}); at most {MAX_CHOICES}", param="n"
-        )
-    return n
-
-
-def _message_text(message: Any, index: int) -> dict[str, str]:
-    where = f"messages[{index}]"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise OpenAIError(400, f"{where} must be an object with a 'role'", param="messages")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise OpenAIError(400, f"{where}.content: only text parts are supported", param="messages")
-        content = "".join(p["text"] for p in content)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise OpenAIError(400, f"{where}.content must be a string or a list of text parts", param="messages")
-    return {"role": message["role"], "content": content}
-
-
-def chat_prompt(body: dict, tokenizer: Any) -> str:
-    """The messages rendered with the tokenizer's chat template, ending in the assistant's turn."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
-    messages = [_message_text(m, i) for i, m in enumerate(messages)]
-    if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(
-            400,
-            "the served model's tokenizer has no chat template (start the server with "
-            "--chat-template FILE, or use /v1/completions)",
-            param="messages",
-        )
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # the template itself raises on inputs it does not accept
-        raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    # The model tokenizes the text with its special tokens: a BOS the template wrote would be doubled.
-    bos = tokenizer.bos_token
-    if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
-        text = text[len(bos) :]
-    return text
+    @property
+    def max_prompt_chars(self) -> int | None:
+        return self.context_window * self.max_token_chars or None
 
 
 # ---------------------------------------------------------------------------- responses
-
-
-def _usage(result: Generation) -> dict[str, int]:
-    return {
-        "prompt_tokens": int(result.num_input_tokens),
-        "completion_tokens": int(result.num_output_tokens),
-        "total_tokens": int(result.num_input_tokens + result.num_output_tokens),
-    }
 
 
 def generation_error(e: Exception) -> OpenAIError:
@@ -455,9 +238,40 @@ def _usage(results: list[Generation], per_prompt: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _complete(backend: Backend, kind: str, body: dict) -> Any:
-    """Shared by both endpoints: validate, render, run one generation per choice; a JSON body
-    or an SSE stream."""
+async def _client_left(request: Request, runs: GenerationRuns) -> None:
+    """Once the HTTP client disconnects (its body is read, so the next message is the
+    disconnect), cancel the generations on Triton and wake the handler waiting on them."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    runs.cancel.set()
+    runs.events.put_nowait((None, "gone", None))
+
+
+@dataclass
+class _Plan:
+    """One request, validated: per choice its prompt, the model's inputs and its envelope."""
+
+    kind: str
+    prompts: list[str]
+    inputs: list[dict]
+    choices: list[_Choice]
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    response: _Response
+
+
+def _render_chat(body: dict, backend: Backend, count_room: bool) -> tuple[str, int]:
+    """(the rendered chat prompt, with `count_room` the tokens it leaves in the context
+    window): CPU work on a worker thread, after the length check."""
+    prompt = chat_prompt(chat_messages(body, backend.max_prompt_chars), backend.tokenizer)
+    if not count_room:
+        return prompt, 0
+    return prompt, max(1, backend.context_window - len(backend.tokenizer(prompt)["input_ids"]))
+
+
+async def _plan(backend: Backend, kind: str, body: dict, offload: Offload) -> _Plan:
     model = body.get("model")
     if model is not None and model != backend.served_model_name:
         raise OpenAIError(
@@ -466,16 +280,17 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
             param="model",
             code="model_not_found",
         )
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage = stream_flags(body)
     if kind == "chat":
-        prompts = [chat_prompt(body, backend.tokenizer)]
-        default_max = max(1, backend.context_window - len(backend.tokenizer(prompts[0])["input_ids"]))
+        inputs = sampling_inputs(body, 0, kind)  # max_tokens 0: the room the prompt leaves
+        prompt, room = await offload(_render_chat, body, backend, inputs["max_tokens"] == 0)
+        inputs["max_tokens"] = inputs["max_tokens"] or room
+        prompts = [prompt]
     else:
-        prompts = completion_prompts(body)
-        default_max = 16
+        prompts = completion_prompts(body, backend.max_prompt_chars)
+        inputs = sampling_inputs(body, 16, kind)
     n = choices_per_prompt(body, len(prompts))
-    inputs = sampling_inputs(body, default_max, kind)
-    echo = kind == "completion" and bool(_check_type(body, "echo", (bool,), "a boolean"))
+    echo = kind == "completion" and bool(check_type(body, "echo", (bool,), "a boolean"))
     prompts = [p for p in prompts for _ in range(n)]  # choice i*n + j: prompt i's j-th sample
     seeded = "random_seed" in inputs
     per_choice = [
@@ -484,89 +299,132 @@ async def _complete(backend: Backend, kind: str, body: dict) -> Any:
     num_logprobs = requested_logprobs(body, kind)
     choices = [_Choice(kind, i, num_logprobs, len(p) if echo else 0) for i, p in enumerate(prompts)]
     response = _Response(kind, backend.served_model_name)
-    runs = GenerationRuns(backend, prompts, per_choice, stream)
-    results: list[Generation | None] = [None] * len(prompts)
-    if not stream:
-        try:
-            while None in results:
-                index, event, value = await runs.next()
-                if event == "error":
-                    raise generation_error(value)
-                results[index] = value
-        finally:
-            runs.cancel.set()  # a no-op when all are done; else the others are not wanted
-        bodies = [c.whole((p if echo else "") + r.text, r) for c, p, r in zip(choices, prompts, results)]
-        return JSONResponse(response.envelope(bodies, _usage(results, n)))
+    return _Plan(kind, prompts, per_choice, choices, n, stream, include_usage, echo, response)
 
-    # Wait for every choice's first event before answering, so a rejected request gets its
-    # HTTP status; what came meanwhile is sent first.
+
+async def _complete(backend: Backend, kind: str, body: dict, request: Request, offload: Offload) -> Any:
+    """Shared by both endpoints: validate, render, run one generation per choice; a JSON body
+    or an SSE stream. A client that leaves cancels its generations, streamed or not."""
+    plan = await _plan(backend, kind, body, offload)
+    runs = GenerationRuns(backend, plan.prompts, plan.inputs, plan.stream)
+    watcher = asyncio.ensure_future(_client_left(request, runs))
+    try:
+        if not plan.stream:
+            return JSONResponse(await _whole(plan, runs))
+        early = await _first_events(plan, runs)
+    except BaseException:
+        runs.cancel.set()  # the others are not wanted
+        raise
+    finally:
+        watcher.cancel()  # a stream watches for the client itself (StreamingResponse)
+    return StreamingResponse(_events(plan, runs, early), media_type="text/event-stream")
+
+
+def _raise_for(event: str, value: Any) -> None:
+    if event == "error":
+        raise generation_error(value)
+    if event == "gone":
+        raise ClientGone()
+
+
+async def _whole(plan: _Plan, runs: GenerationRuns) -> dict:
+    """The non-streamed response, once every choice is done."""
+    results: list[Generation | None] = [None] * len(plan.prompts)
+    while None in results:
+        index, event, value = await runs.next()
+        _raise_for(event, value)
+        results[index] = value
+    echoed = [p if plan.echo else "" for p in plan.prompts]
+    bodies = [c.whole(e + r.text, r) for c, e, r in zip(plan.choices, echoed, results)]
+    return plan.response.envelope(bodies, _usage(results, plan.n))
+
+
+async def _first_events(plan: _Plan, runs: GenerationRuns) -> list[tuple]:
+    """Every choice's first event, awaited before the stream starts so that a rejected
+    request gets its HTTP status; what came meanwhile is sent first."""
     early: list[tuple] = []
     started: set[int] = set()
-    while len(started) < len(prompts):
+    while len(started) < len(plan.prompts):
         index, event, value = await runs.next()
-        if event == "error":
-            runs.cancel.set()
-            raise generation_error(value)
+        _raise_for(event, value)
         started.add(index)
         early.append((index, event, value))
+    return early
+
+
+async def _events(plan: _Plan, runs: GenerationRuns, early: list[tuple]) -> AsyncIterator[str]:
+    """The SSE stream: each choice's deltas as they come, its end, the usage, [DONE]."""
 
     def chunk(choice: _Choice, *args: Any, **kwargs: Any) -> str:
-        return _sse(response.envelope([choice.delta(*args, **kwargs)], chunk=True, with_usage=include_usage))
+        envelope = plan.response.envelope([choice.delta(*args, **kwargs)], chunk=True, with_usage=plan.include_usage)
+        return _sse(envelope)
 
-    async def events() -> AsyncIterator[str]:
-        pending: list[list[dict]] = [[] for _ in prompts]  # logprobs of tokens whose text is held back
-        try:
-            for choice, prompt in zip(choices, prompts):
-                if kind == "chat":
-                    yield chunk(choice, None, None, first=True)
-                if echo:
-                    yield chunk(choice, prompt, None)
-            while None in results:
-                index, event, value = early.pop(0) if early else await runs.next()
-                choice = choices[index]
-                if event == "text":
-                    pending[index] += json.loads(value.get("logprobs") or "null") or []
-                    if value.get("text_output"):
-                        yield chunk(choice, value["text_output"], None, entries=pending[index])
-                        pending[index] = []
-                elif event == "done":
-                    yield chunk(choice, None, value.finish_reason or None, entries=pending[index])
-                    results[index] = value
-                else:  # the headers are gone: the error travels in the stream, as vLLM does
-                    yield _sse(generation_error(value).body())
-                    break
-            else:
-                if include_usage:
-                    yield _sse(response.envelope([], _usage(results, n), chunk=True))
-            yield _sse("[DONE]")
-        finally:
-            runs.cancel.set()  # a no-op after the end; stops generation when the client left
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    results: list[Generation | None] = [None] * len(plan.prompts)
+    pending: list[list[dict]] = [[] for _ in plan.prompts]  # logprobs of tokens whose text is held back
+    try:
+        for choice, prompt in zip(plan.choices, plan.prompts):
+            if plan.kind == "chat":
+                yield chunk(choice, None, None, first=True)
+            if plan.echo:
+                yield chunk(choice, prompt, None)
+        while None in results:
+            index, event, value = early.pop(0) if early else await runs.next()
+            if event == "gone":
+                return
+            choice = plan.choices[index]
+            if event == "text":
+                pending[index] += json.loads(value.get("logprobs") or "null") or []
+                if value.get("text_output"):
+                    yield chunk(choice, value["text_output"], None, entries=pending[index])
+                    pending[index] = []
+            elif event == "done":
+                yield chunk(choice, None, value.finish_reason or None, entries=pending[index])
+                results[index] = value
+            else:  # the headers are gone: the error travels in the stream, as vLLM does
+                yield _sse(generation_error(value).body())
+                break
+        else:
+            if plan.include_usage:
+                yield _sse(plan.response.envelope([], _usage(results, plan.n), chunk=True))
+        yield _sse("[DONE]")
+    finally:
+        runs.cancel.set()  # a no-op after the end; stops generation when the client left
 
 
 # ---------------------------------------------------------------------------- the app
 
 
-def create_app(backend: Backend) -> FastAPI:
+def create_app(backend: Backend, policy: DoorPolicy | None = None) -> FastAPI:
+    policy = policy or DoorPolicy()
     app = FastAPI(title="tritonspec OpenAI-compatible API")
+    app.add_middleware(FrontDoor, policy=policy)
+    # Parsing, rendering and tokenizing run here, so that /health, /v1/models and streams
+    # stay responsive while a large request is worked on; two threads: the rest wait.
+    request_work = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-render")
+
+    async def offload(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(request_work, fn, *args)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return e.response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
-        return JSONResponse(OpenAIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return OpenAIError(e.status_code, str(e.detail)).response()
 
-    async def json_body(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the request body must be a JSON object")
-        return body
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone):  # nobody reads it: nginx's "client closed"
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):  # JSON, not Starlette's plain text
+        log.exception("internal error on %s", request.url.path)
+        return OpenAIError(500, f"internal error: {type(e).__name__}: {e}").response()
+
+    async def generate(kind: str, request: Request) -> Any:
+        body = await read_json_body(request, policy.max_body_bytes, offload)
+        return await _complete(backend, kind, body, request, offload)
 
     def model_card() -> dict:
         return {
@@ -589,11 +447,11 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _complete(backend, "completion", await json_body(request))
+        return await generate("completion", request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _complete(backend, "chat", await json_body(request))
+        return await generate("chat", request)
 
     @app.get("/health")
     async def health():
@@ -649,14 +507,27 @@ def build_backend(
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
     return Backend(
-        grpc_url, served_model_name or triton_model, tokenizer, model_context_window(path, cap), triton_model
+        grpc_url,
+        served_model_name or triton_model,
+        tokenizer,
+        model_context_window(path, cap),
+        triton_model,
+        longest_token_chars(tokenizer),
     )
 
 
-def serve(backend: Backend, host: str, port: int) -> None:
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most text one token stands for: a vocabulary entry's length is its bytes for a
+    byte-level BPE, its characters (with '▁' for a space) for SentencePiece, never fewer
+    than the characters it decodes to. (Tokenizers whose normalizer drops characters, as
+    BERT's whitespace split does, are not LLM tokenizers.)"""
+    return max(map(len, tokenizer.get_vocab()), default=0)
+
+
+def serve(backend: Backend, host: str, port: int, policy: DoorPolicy | None = None) -> None:
     import uvicorn
 
     log.info(
         "OpenAI-compatible API on http://%s:%d/v1 -> %s (gRPC %s)", host, port, backend.triton_model, backend.grpc_url
     )
-    uvicorn.run(create_app(backend), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(backend, policy), host=host, port=port, log_level="warning")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,6 +26,7 @@ from backends.runtime.model_store import (
 from backends.serving.session import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens, stream_interval
 from backends.training import TRAINERS, data_dir, head_dir
 from backends.triton_models.topology import VERIFIER_IN_PROCESS_CHOICES
+from client.api.openai_http import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS, DoorPolicy
 
 # Ready-made target + drafter pairs: `tritonspec serve --profile NAME`.
 # The smollm2-* profiles draft with the heads `tritonspec train METHOD` writes (no `model`).
@@ -592,8 +594,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def door_policy(args: argparse.Namespace) -> DoorPolicy:
+    """The OpenAI front end's key (--api-key, else $TRITONSPEC_API_KEY) and limits."""
+    if args.max_body_bytes < 1 or args.max_concurrent_requests < 1:
+        raise ValueError("--max-body-bytes and --max-concurrent-requests must be at least 1")
+    return DoorPolicy(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
 def _openai(args: argparse.Namespace) -> int:
     from client.api.openai_frontend import build_backend, serve
+
+    try:
+        policy = door_policy(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     try:
         backend = build_backend(
@@ -610,7 +629,7 @@ def _openai(args: argparse.Namespace) -> int:
         f"-> {args.triton_model} at {args.url}",
         flush=True,
     )
-    serve(backend, args.host, args.port)
+    serve(backend, args.host, args.port, policy)
     return 0
 
 
@@ -918,6 +937,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     oai.add_argument("--served-model-name", help="the model id clients use (default: the Triton model name)")
     oai.add_argument("--chat-template", help="a Jinja chat template file (default: the tokenizer's)")
+    oai.add_argument(
+        "--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}; unset: no key)"
+    )
+    oai.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help="generation requests in flight; beyond them 429 with Retry-After (default %(default)s)",
+    )
+    oai.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body; a larger one is refused with 413 unread (default %(default)s, 8 MiB)",
+    )
     oai.set_defaults(func=_openai)
 
     paths = sub.add_parser("paths", help="print exports for running tritonserver by hand")

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -32,10 +34,23 @@ PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "def add(a, b):"}]
 
 
+@dataclass
+class FrontEnd:
+    """A running `tritonspec openai`: its base URL and process id."""
+
+    base: str
+    pid: int
+
+    def peak_rss_mb(self) -> float:
+        """The process's peak resident memory so far (VmHWM), in MiB."""
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+
+
 @contextlib.contextmanager
-def openai_api(port: int, triton_url: str, log_path: Path, *options: str) -> Iterator[str]:
+def openai_api(port: int, triton_url: str, log_path: Path, *options: str) -> Iterator[FrontEnd]:
     """`tritonspec openai` on `port` in front of the Triton server at `triton_url`, once it
-    answers: its base URL."""
+    answers (any HTTP status: 401 without its API key is an answer)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "client.cli.main", "openai", "--url", triton_url, "--port", str(port), *options],
@@ -49,11 +64,13 @@ def openai_api(port: int, triton_url: str, log_path: Path, *options: str) -> Ite
             try:
                 urllib.request.urlopen(f"{base}/v1/models", timeout=2).read()
                 break
+            except urllib.error.HTTPError:
+                break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"tritonspec openai did not start: {log_path.read_text()}") from None
                 time.sleep(0.3)
-        yield base
+        yield FrontEnd(base, proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -67,8 +84,8 @@ def api(tiny_server, tmp_path_factory):
     port = free_ports(1)[0]
     with openai_api(
         port, tiny_server.grpc_url, tmp / "openai.log", "--chat-template", str(tmp / "template.jinja")
-    ) as base:
-        yield base
+    ) as front:
+        yield front.base
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +251,8 @@ def test_logprobs_and_penalties_equal_the_speculative_model(client, tiny_server)
 def test_an_unreachable_triton_is_503(tiny_model_dir, tmp_path):
     """Triton down (or restarting) is 503, which OpenAI SDKs retry, streamed or not."""
     port, dead = free_ports(2)
-    with openai_api(port, f"127.0.0.1:{dead}", tmp_path / "openai.log", "--model", str(tiny_model_dir)) as base:
-        unreachable = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    with openai_api(port, f"127.0.0.1:{dead}", tmp_path / "openai.log", "--model", str(tiny_model_dir)) as front:
+        unreachable = openai.OpenAI(base_url=f"{front.base}/v1", api_key="unused", max_retries=0)
         for stream in (False, True):
             error = _error(
                 lambda stream=stream: unreachable.completions.create(model="speculative", prompt=PROMPT, stream=stream)
@@ -262,7 +279,8 @@ def test_bad_requests_get_400_with_a_message(client, stream):
         (completion(frequency_penalty=2.5), "'frequency_penalty' must be in [-2, 2]"),
         (completion(logprobs=6), "'logprobs' must be in [0, 5]"),
         (completion(extra_body={"repetition_penalty": 0}), "repetition_penalty must be in (0, 100]"),  # the model's
-        (completion(max_tokens=0), "max_tokens must be at least 1"),
+        (completion(max_tokens=0), "'max_tokens' must be an integer in [1, 2147483647], got 0"),
+        (completion(max_tokens=2**32 + 3), "'max_tokens' must be an integer in [1, 2147483647], got 4294967299"),
         (completion(prompt="fox " * 2000), "context window"),
         (completion(prompt=[1, 2, 3]), "'prompt' must be a string or a list of strings (token ids"),
         (
@@ -274,6 +292,27 @@ def test_bad_requests_get_400_with_a_message(client, stream):
         error = _error(call)
         assert error.status_code == 400 and message in error.message, (message, error.message)
         assert error.body["type"] == "invalid_request_error"
+    # Integers the model's int32 / uint64 tensors cannot hold are refused by name, not wrapped
+    # (max_tokens 2**32 + 3 generated 3 tokens; top_k 2**32 + 1 acted as 1), and so is an
+    # empty stop string, which would match everywhere.
+    for param, call in [
+        ("max_tokens", completion(max_tokens=2**32 + 3)),
+        (
+            "max_completion_tokens",
+            lambda: client.chat.completions.create(
+                model="speculative", messages=MESSAGES, max_completion_tokens=2**31, stream=stream
+            ),
+        ),
+        ("top_k", completion(extra_body={"top_k": 2**32 + 1})),
+        ("min_tokens", completion(extra_body={"min_tokens": 2**32 + 1})),
+        ("seed", completion(seed=2**64 + 5)),
+        ("stop", completion(stop=[""])),
+        ("stop", completion(stop=["fox", ""])),
+    ]:
+        error = _error(call)
+        assert error.status_code == 400 and error.body["param"] == param, (param, error.message)
+    error = _error(completion(stop=[""]))
+    assert error.body["message"] == "'stop' cannot contain an empty string"
     error = _error(completion(model="gpt-4"))
     assert error.status_code == 404 and error.body["code"] == "model_not_found"
 
@@ -291,6 +330,11 @@ def test_raw_http_errors_have_the_openai_shape(api, client):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = post("/v1/nothing", b"{}")
     assert status == 404 and body["error"]["type"] == "not_found_error"
+    # Nested past what any OpenAI request needs: a JSON 400 saying so, not a plain-text 500
+    # (json's RecursionError at 100 000 levels; 40 levels parse, and are refused after).
+    for depth in (100_000, 40):
+        status, body = post("/v1/chat/completions", b'{"messages": ' + b"[" * depth + b"]" * depth + b"}")
+        assert status == 400 and "nests more than 32 levels" in body["error"]["message"], (depth, body)
     status, body = post(
         "/v1/chat/completions",
         json.dumps(

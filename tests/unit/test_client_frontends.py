@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from client.api.openai_frontend import OpenAIError, generation_error, openai_logprobs, sampling_inputs
+from client.api.openai_http import nesting_depth, parse_json_object
+from client.api.openai_params import chat_messages, completion_prompts
 from client.api.triton import GenerationError, ServerUnavailableError, server_error
 from client.cli.perf import format_sweep, summarize_export
 
@@ -59,6 +61,70 @@ def test_openai_ranges_are_kept(body, kind, message):
     with pytest.raises(OpenAIError) as err:
         sampling_inputs(body, 16, kind)
     assert err.value.status == 400 and message in err.value.message
+
+
+@pytest.mark.parametrize(
+    "body,kind,param",
+    [
+        ({"max_tokens": 2**32 + 3}, "completion", "max_tokens"),  # int32 made it 3
+        ({"max_completion_tokens": 2**31}, "chat", "max_completion_tokens"),
+        ({"max_tokens": 0}, "completion", "max_tokens"),
+        ({"top_k": 2**32 + 1}, "completion", "top_k"),  # int32 made it 1
+        ({"top_k": 2**40}, "chat", "top_k"),  # int32 made it 0: off
+        ({"top_k": -2}, "completion", "top_k"),
+        ({"min_tokens": 2**31}, "completion", "min_tokens"),
+        ({"seed": 2**64}, "completion", "seed"),  # uint64 cannot hold it
+        ({"seed": -1}, "chat", "seed"),
+        ({"stop": [""]}, "completion", "stop"),  # vLLM: "stop cannot contain an empty string"
+        ({"stop": ""}, "chat", "stop"),
+        ({"stop": ["fox", 3]}, "chat", "stop"),
+    ],
+)
+def test_integers_the_tensors_cannot_hold_and_empty_stops_are_refused_by_name(body, kind, param):
+    with pytest.raises(OpenAIError) as err:
+        sampling_inputs(body, 16, kind)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_the_largest_values_the_tensors_hold_pass_as_they_are():
+    inputs = sampling_inputs({"max_tokens": 2**31 - 1, "top_k": -1, "seed": 2**63 - 1, "stop": "x"}, 16, "completion")
+    assert (inputs["max_tokens"], inputs["top_k"], inputs["random_seed"]) == (2**31 - 1, -1, 2**63 - 1)
+    assert inputs["stop_words"] == ["x"]
+
+
+@pytest.mark.parametrize("depth", [33, 100_000])
+def test_a_body_nested_too_deep_is_a_400_naming_it(depth):
+    data = b'{"messages": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+    with pytest.raises(OpenAIError) as err:
+        parse_json_object(data)
+    assert err.value.status == 400 and "nests more than 32 levels" in err.value.message
+    assert nesting_depth(parse_json_object(b'{"a": [[{"b": []}]]}')) == 5
+    assert parse_json_object(b'{"messages": ' + b"[" * 31 + b"]" * 31 + b"}")
+
+
+def test_too_long_prompts_and_messages_are_refused_before_rendering():
+    with pytest.raises(OpenAIError) as err:
+        completion_prompts({"prompt": ["ok", "x" * 101]}, max_chars=100)
+    assert err.value.code == "context_length_exceeded" and err.value.message.startswith("prompt[1] is 101 characters")
+    messages = {"messages": [{"role": "user", "content": "x" * 60}, {"role": "user", "content": "y" * 60}]}
+    assert len(chat_messages(messages, max_chars=120)) == 2
+    with pytest.raises(OpenAIError) as err:
+        chat_messages(messages, max_chars=100)  # each fits, together they do not
+    assert err.value.param == "messages" and err.value.message.startswith("the messages' content is 120 characters")
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    from client.cli.main import build_parser, door_policy
+
+    args = ["openai", "--max-concurrent-requests", "8", "--max-body-bytes", "1000"]
+    monkeypatch.delenv("TRITONSPEC_API_KEY", raising=False)
+    policy = door_policy(build_parser().parse_args(args))
+    assert (policy.api_key, policy.max_concurrent_requests, policy.max_body_bytes) == (None, 8, 1000)
+    monkeypatch.setenv("TRITONSPEC_API_KEY", "from-env")
+    assert door_policy(build_parser().parse_args(args)).api_key == "from-env"
+    assert door_policy(build_parser().parse_args([*args, "--api-key", "flag"])).api_key == "flag"
+    with pytest.raises(ValueError, match="at least 1"):
+        door_policy(build_parser().parse_args(["openai", "--max-concurrent-requests", "0"]))
 
 
 def test_logprobs_in_openai_shapes():
