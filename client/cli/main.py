@@ -251,8 +251,7 @@ def _add_generate_parser(sub: Subcommands) -> None:
 def _add_export_onnx_parser(sub: Subcommands) -> None:
     onnx_p = sub.add_parser(
         "export-onnx",
-        help="export a drafter head to ONNX (a Triton onnxruntime model "
-        "directory), checked against the torch head with onnxruntime",
+        help="export a drafter head to ONNX (a Triton onnxruntime model directory), checked against the torch head with onnxruntime",
     )
     onnx_p.add_argument("checkpoint", help="the head's checkpoint directory")
     onnx_p.add_argument("--method", required=True, help="the head's method: eagle, eagle3, medusa or mlp_speculator")

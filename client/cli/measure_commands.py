@@ -14,23 +14,13 @@ from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.model_store import DEFAULT_MODEL, ModelNotFoundError, local_model
 from backends.serving.session import stream_interval
 from backends.training import TRAINERS
-from client.cli.common import (
-    BATCH_INVARIANT_HELP,
-    PROFILES,
-    RUNTIMES,
-    Subcommands,
-    add_in_process_flag,
-    add_threads_flag,
-    error,
-    in_process,
-    trained_head,
-)
+from client.cli import common
 
 if TYPE_CHECKING:  # the launcher finds tritonserver's wheel on import: only when serving
     from client.cli.launcher import RepositoryOverrides
 
 
-def add_bench_parser(sub: Subcommands) -> None:
+def add_bench_parser(sub: common.Subcommands) -> None:
     bench = sub.add_parser(
         "bench", help="speculative methods vs plain decoding (and Hugging Face) through a real server"
     )
@@ -44,8 +34,7 @@ def add_bench_parser(sub: Subcommands) -> None:
         metavar="C",
         help="also a perf_analyzer concurrency sweep per method at these concurrencies",
     )
-    bench.add_argument("--port", type=int, default=18800, help="HTTP port; gRPC and metrics follow")
-    bench.add_argument("--out", default="bench-results")
+    _add_server_flags(bench, port=18800, out="bench-results")
     bench.set_defaults(func=_bench)
 
 
@@ -63,10 +52,9 @@ def _add_bench_server_flags(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--model", default=DEFAULT_MODEL, help="target (named, HF directory or GGUF)")
     bench.add_argument("--draft-model", help="drafter for draft_model (named, HF directory or GGUF)")
-    bench.add_argument("--profile", choices=sorted(PROFILES), help="target + drafter pair, e.g. qwen-coder")
+    bench.add_argument("--profile", choices=sorted(common.PROFILES), help="target + drafter pair, e.g. qwen-coder")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    bench.add_argument("--runtime", default="auto", choices=RUNTIMES, help="the target's forward engine (see serve)")
-    bench.add_argument("--batch-invariant", default="auto", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
+    _add_engine_flags(bench)
     bench.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -74,8 +62,8 @@ def _add_bench_server_flags(bench: argparse.ArgumentParser) -> None:
         help="prefix caching in the bench's servers (off by default: each prompt runs plain, then "
         "speculative, and the second run would find the first one's prompt cached)",
     )
-    add_in_process_flag(bench)
-    add_threads_flag(bench)
+    common.add_in_process_flag(bench)
+    common.add_threads_flag(bench)
 
 
 def _add_bench_workload_flags(bench: argparse.ArgumentParser) -> None:
@@ -109,18 +97,34 @@ def _add_bench_workload_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--repeats", type=int, default=1)
 
 
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The target's engine and batch invariance, as serve sets them (default auto)."""
+    parser.add_argument(
+        "--runtime", default="auto", choices=common.RUNTIMES, help="the target's forward engine (see serve)"
+    )
+    parser.add_argument(
+        "--batch-invariant", default="auto", choices=BATCH_INVARIANT_MODES, help=common.BATCH_INVARIANT_HELP
+    )
+
+
+def _add_server_flags(parser: argparse.ArgumentParser, port: int, out: str) -> None:
+    """The port of the server the command starts, and where its results go."""
+    parser.add_argument("--port", type=int, default=port, help="HTTP port; gRPC and metrics follow")
+    parser.add_argument("--out", default=out)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from client.cli.bench import compare, format_report, hf_comparison, load_prompts, plot_report
 
     if args.profile:
-        args.model = PROFILES[args.profile]["model"]
-        args.draft_model = args.draft_model or PROFILES[args.profile]["speculative_config"].get("model")
+        args.model = common.PROFILES[args.profile]["model"]
+        args.draft_model = args.draft_model or common.PROFILES[args.profile]["speculative_config"].get("model")
     try:
         version, prompts = load_prompts(
             args.categories, Path(args.prompt_file) if args.prompt_file else None, args.prompt_set
         )
     except ValueError as e:
-        return error(e, 2)
+        return common.error(e, 2)
     target = local_model(args.model)
     draft = None
     if args.draft_model:
@@ -140,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             config = _bench_config(args, name, draft)
         except ModelNotFoundError as e:
-            return error(e, 2)
+            return common.error(e, 2)
         runs = _bench_method(args, name, config, _bench_overrides(args, target, config), prompts, out, report)
         report["methods"][name] = compare(runs)
     if args.hf:
@@ -160,13 +164,13 @@ def _bench_config(args: argparse.Namespace, name: str, draft: Path | None) -> di
     from client.cli.bench import base_method, method_config
 
     method = base_method(name)
-    config = method_config(name, PROFILES[args.profile]["speculative_config"] if args.profile else None)
+    config = method_config(name, common.PROFILES[args.profile]["speculative_config"] if args.profile else None)
     if method == "draft_model":
         if draft is None:
             raise ModelNotFoundError("the draft_model method needs --draft-model (or --profile)")
         config["model"] = str(draft)
     elif method in TRAINERS:
-        config["model"] = str(trained_head(args.model, method))
+        config["model"] = str(common.trained_head(args.model, method))
     if args.num_speculative_tokens:
         config["num_speculative_tokens"] = args.num_speculative_tokens
     return config
@@ -185,7 +189,7 @@ def _bench_overrides(args: argparse.Namespace, target: Path, config: dict) -> Re
         per_model={
             "drafter": {"speculative_config": json.dumps(config)},
             "verifier": {"enable_prefix_caching": str(args.enable_prefix_caching).lower()},
-            "speculative": in_process(args),
+            "speculative": common.in_process(args),
         },
     )
 
@@ -225,7 +229,7 @@ def _bench_method(
     return runs
 
 
-def add_soak_parser(sub: Subcommands) -> None:
+def add_soak_parser(sub: common.Subcommands) -> None:
     soak = sub.add_parser("soak", help="many concurrent greedy streams for a while: correctness, memory, leaks")
     soak.add_argument("--model", default=DEFAULT_MODEL)
     soak.add_argument(
@@ -234,7 +238,7 @@ def add_soak_parser(sub: Subcommands) -> None:
         choices=["bfloat16", "float32"],
         help="float32 (default) makes every response exactly checkable; bfloat16 can flip near-ties",
     )
-    add_in_process_flag(soak)
+    common.add_in_process_flag(soak)
     soak.add_argument("--seconds", type=float, default=180)
     soak.add_argument("--concurrency", type=int, default=16)
     soak.add_argument("--max-tokens", type=int, default=32)
@@ -256,7 +260,7 @@ def _soak(args: argparse.Namespace) -> int:
 
     local_model(args.model)
     overrides = RepositoryOverrides(
-        common={"model": args.model, "dtype": args.dtype}, per_model={"speculative": in_process(args)}
+        common={"model": args.model, "dtype": args.dtype}, per_model={"speculative": common.in_process(args)}
     )
     if args.chaos:
         return _chaos_soak(args, overrides)
@@ -308,12 +312,11 @@ def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int
     return 0 if clean and ready else 1
 
 
-def add_verify_cost_parser(sub: Subcommands) -> None:
+def add_verify_cost_parser(sub: common.Subcommands) -> None:
     cost = sub.add_parser("verify-cost", help="cost of one batched verify step vs a single sequence (in process)")
     cost.add_argument("--model", default=DEFAULT_MODEL)
     cost.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    cost.add_argument("--runtime", default="auto", choices=RUNTIMES, help="the target's forward engine (see serve)")
-    cost.add_argument("--batch-invariant", default="auto", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
+    _add_engine_flags(cost)
     cost.add_argument("--batch", type=int, default=8)
     cost.add_argument("--drafts", type=int, default=4)
     cost.add_argument("--context", type=int, default=200, help="tokens each sequence has cached before the step")
@@ -335,7 +338,7 @@ def _verify_cost(args: argparse.Namespace) -> int:
             batch_invariant=args.batch_invariant,
         )
     except ValueError as e:
-        return error(e, 2)
+        return common.error(e, 2)
     print(
         f"{cost['engine']}, {args.context} cached tokens: one verify step ({args.drafts} drafts each): "
         f"1 sequence {cost['one_ms']:.1f} ms, "
@@ -345,14 +348,14 @@ def _verify_cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_perf_parser(sub: Subcommands) -> None:
+def add_perf_parser(sub: common.Subcommands) -> None:
     perf = sub.add_parser("perf", help="perf_analyzer concurrency sweep, plain vs speculative, with a chart")
     perf.add_argument("--url", help="gRPC url of a running server (default: start one)")
     perf.add_argument("--model", default=DEFAULT_MODEL)
     perf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     perf.add_argument("-sc", "--speculative-config")
-    add_in_process_flag(perf)
-    add_threads_flag(perf)
+    common.add_in_process_flag(perf)
+    common.add_threads_flag(perf)
     perf.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     perf.add_argument("--max-tokens", type=int, default=64)
     perf.add_argument(
@@ -367,8 +370,7 @@ def add_perf_parser(sub: Subcommands) -> None:
         metavar="N",
         help="each request asks for responses of at least N tokens (default: the server's setting)",
     )
-    perf.add_argument("--port", type=int, default=18700, help="HTTP port; gRPC and metrics follow")
-    perf.add_argument("--out", default="perf-results")
+    _add_server_flags(perf, port=18700, out="perf-results")
     perf.set_defaults(func=_perf)
 
 
@@ -380,7 +382,7 @@ def _perf(args: argparse.Namespace) -> int:
         try:  # the check the `speculative` model applies to a request's own
             stream_interval(str(args.stream_interval))
         except ValueError as e:
-            return error(f"--stream-interval: {e}", 2)
+            return common.error(f"--stream-interval: {e}", 2)
     out = Path(args.out)
     server = None
     url = args.url
@@ -389,7 +391,7 @@ def _perf(args: argparse.Namespace) -> int:
         overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
         if args.speculative_config:
             overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
-        overrides.per_model["speculative"] = in_process(args)
+        overrides.per_model["speculative"] = common.in_process(args)
         out.mkdir(parents=True, exist_ok=True)
         server = TritonServer.on_port(args.port, overrides, out / "server.log", args.threads).start()
         url = server.grpc_url

@@ -15,17 +15,7 @@ from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.model_store import DEFAULT_MODEL, NAMED_MODELS, ModelNotFoundError, fetch, local_model
 from backends.serving.session import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens, stream_interval
 from backends.training import TRAINERS, head_dir
-from client.cli.common import (
-    BATCH_INVARIANT_HELP,
-    PROFILES,
-    RUNTIMES,
-    Subcommands,
-    add_in_process_flag,
-    add_threads_flag,
-    error,
-    in_process,
-    trained_head,
-)
+from client.cli import common
 
 if TYPE_CHECKING:  # the launcher finds tritonserver's wheel on import: only when serving
     from client.cli.launcher import RepositoryOverrides, TritonServer
@@ -38,7 +28,7 @@ SPEC_SHORTHANDS = (
 )
 
 
-def add_serve_parser(sub: Subcommands) -> None:
+def add_serve_parser(sub: common.Subcommands) -> None:
     serve = sub.add_parser("serve", help="serve a model repository with tritonserver (foreground)")
     _add_server_flags(serve)
     _add_drafter_flags(serve)
@@ -59,17 +49,17 @@ def _add_server_flags(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--profile",
-        choices=sorted(PROFILES),
+        choices=sorted(common.PROFILES),
         help="a ready target + drafter pair (fetched when needed), e.g. qwen-coder",
     )
     serve.add_argument("--dtype", choices=["bfloat16", "float32"], help="target dtype (default bfloat16)")
     serve.add_argument(
         "--runtime",
-        choices=RUNTIMES,
+        choices=common.RUNTIMES,
         help="the target's forward engine: the lean runtime where "
         "it runs, else transformers (auto, the default), lean, or hf (transformers)",
     )
-    serve.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, help=BATCH_INVARIANT_HELP)
+    serve.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, help=common.BATCH_INVARIANT_HELP)
     serve.add_argument("--max-model-len", type=int, help="cap the context window")
     serve.add_argument(
         "--enable-prefix-caching",
@@ -106,8 +96,8 @@ def _add_drafter_flags(serve: argparse.ArgumentParser) -> None:
         "--spec-tokens", type=int, metavar="K", help="shorthand for the -sc key `num_speculative_tokens` (vLLM's flag)"
     )
     serve.add_argument("--no-speculation", action="store_true", help="serve plain decoding only")
-    add_in_process_flag(serve)
-    add_threads_flag(serve)
+    common.add_in_process_flag(serve)
+    common.add_threads_flag(serve)
     serve.add_argument("--startup-timeout", type=float, default=600)
 
 
@@ -146,7 +136,7 @@ def _local_speculative_config(spec: str, target: str) -> str:
         and not config.get("model")
         and (method != "mtp" or (head_dir(target, method) / "config.json").exists())
     ):
-        config["model"] = str(trained_head(target, method))
+        config["model"] = str(common.trained_head(target, method))
     return json.dumps(config)
 
 
@@ -155,26 +145,26 @@ def _serve(args: argparse.Namespace) -> int:
 
     repository = Path(args.model_repository or DEFAULT_REPOSITORY)
     if args.profile:
-        profile = PROFILES[args.profile]
+        profile = common.PROFILES[args.profile]
         args.model = profile["model"]
         args.speculative_config = args.speculative_config or json.dumps(profile["speculative_config"])
     try:
         target = _local_models(args)
     except ModelNotFoundError as e:
-        return error(e, 2)
+        return common.error(e, 2)
     except ValueError as e:
-        return error(f"--speculative-config: {e}", 2)
+        return common.error(f"--speculative-config: {e}", 2)
     try:
         overrides = _serve_overrides(args, target)
     except ValueError as e:
-        return error(e, 2)
+        return common.error(e, 2)
     server = TritonServer(
         repository, args.http_port, args.grpc_port, args.metrics_port, args.host, overrides, threads=args.threads
     )
     try:
         server.start(timeout_s=args.startup_timeout, require_all_models=False)
     except ServerStartError as e:
-        return error(e)
+        return common.error(e)
     _print_welcome(repository, server, args.host, args.metrics_port)
     return _serve_until_stopped(server)
 
@@ -223,7 +213,7 @@ def _serve_overrides(args: argparse.Namespace, target: Path) -> RepositoryOverri
         overrides.per_model.setdefault("drafter", {})["speculative_config"] = args.speculative_config
     if args.no_speculation:
         overrides.per_model.setdefault("speculative", {})["drafter_model_name"] = ""
-    overrides.per_model.setdefault("speculative", {}).update(in_process(args))
+    overrides.per_model.setdefault("speculative", {}).update(common.in_process(args))
     return overrides
 
 
