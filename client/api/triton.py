@@ -124,6 +124,24 @@ OUTPUTS = ["text_output", "output_ids", *SCALAR_OUTPUTS, "perf_metrics", "cumula
 HIDDEN_OUTPUTS = ["hidden_states", "hidden_layer_ids", "hidden_states_file"]  # gRPC only
 
 
+# The dtype of each numeric / flag input tensor the `speculative` model takes.
+INPUT_DTYPES = {
+    "max_tokens": np.int32,
+    "num_draft_tokens": np.int32,
+    "stream_interval": np.int32,
+    "top_k": np.int32,
+    "min_tokens": np.int32,
+    "temperature": np.float32,
+    "top_p": np.float32,
+    "random_seed": np.uint64,
+    "repetition_penalty": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "exclude_input_in_output": bool,
+    "ignore_eos": bool,
+}
+
+
 def grpc_generate(
     url: str,
     prompt: str,
@@ -145,37 +163,7 @@ def grpc_generate(
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    tensors = {"text_input": np.array([prompt.encode()], dtype=np.object_), "stream": np.array([stream], dtype=bool)}
-    if sampling_parameters is not None:
-        tensors["sampling_parameters"] = np.array([json.dumps(sampling_parameters).encode()], dtype=np.object_)
-    dtypes = {
-        "max_tokens": np.int32,
-        "num_draft_tokens": np.int32,
-        "stream_interval": np.int32,
-        "top_k": np.int32,
-        "min_tokens": np.int32,
-        "temperature": np.float32,
-        "top_p": np.float32,
-        "random_seed": np.uint64,
-        "repetition_penalty": np.float32,
-        "presence_penalty": np.float32,
-        "frequency_penalty": np.float32,
-        "exclude_input_in_output": bool,
-        "ignore_eos": bool,
-    }
-    for name, value in inputs.items():
-        if name.startswith("return_"):  # the vLLM backend's flags: return_logprobs=True, ...
-            tensors[name] = np.array([value], dtype=bool)
-        elif name in ("stop_words", "bad_words"):
-            tensors[name] = np.array([s.encode() for s in value], dtype=np.object_)
-        else:
-            tensors[name] = np.array([value], dtype=dtypes[name])
-    infer_inputs = []
-    for name, value in tensors.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), _triton_dtype(value))
-        tensor.set_data_from_numpy(value)
-        infer_inputs.append(tensor)
-
+    infer_inputs = _grpc_inputs(_input_tensors(prompt, stream, sampling_parameters, inputs))
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -192,30 +180,9 @@ def grpc_generate(
             )
         except InferenceServerException as e:  # the stream died first; its callback has the reason
             raise ServerUnavailableError(_stream_failure(responses, e)) from None
-        while True:
-            response, error = next_response(responses, timeout_s, cancel)
-            if response is None and error is None:  # cancelled by the caller
-                client.stop_stream(cancel_requests=True)
-                break
-            if error is not None:
-                raise server_error(error)
-            params = response.get_response().parameters
-            final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
-            out = _decode_outputs(response, OUTPUTS + HIDDEN_OUTPUTS)
-            if out:
-                result.add(out)
-                if result.first_token_s is None and out.get("output_ids"):
-                    result.first_token_s = time.perf_counter() - start
-                if on_text and out.get("text_output"):
-                    on_text(out["text_output"])
-                if on_response:
-                    on_response(out)
-            if final:
-                finished = True
-                break
-            if cancel_after_responses is not None and result.num_responses >= cancel_after_responses:
-                client.stop_stream(cancel_requests=True)
-                break
+        finished = _receive(
+            client, responses, result, start, timeout_s, cancel, cancel_after_responses, on_response, on_text
+        )
     finally:
         result.seconds = time.perf_counter() - start
         # Without the final response (a timeout, an error raised here) closing the stream
@@ -223,6 +190,73 @@ def grpc_generate(
         client.stop_stream(cancel_requests=not finished)
         client.close()
     return result
+
+
+def _input_tensors(
+    prompt: str, stream: bool, sampling_parameters: dict | None, inputs: dict[str, Any]
+) -> dict[str, np.ndarray]:
+    """The request's input tensors by name: the prompt, `stream`, the vLLM backend's
+    sampling_parameters JSON, and each of `inputs` in its dtype."""
+    tensors = {"text_input": np.array([prompt.encode()], dtype=np.object_), "stream": np.array([stream], dtype=bool)}
+    if sampling_parameters is not None:
+        tensors["sampling_parameters"] = np.array([json.dumps(sampling_parameters).encode()], dtype=np.object_)
+    for name, value in inputs.items():
+        if name.startswith("return_"):  # the vLLM backend's flags: return_logprobs=True, ...
+            tensors[name] = np.array([value], dtype=bool)
+        elif name in ("stop_words", "bad_words"):
+            tensors[name] = np.array([s.encode() for s in value], dtype=np.object_)
+        else:
+            tensors[name] = np.array([value], dtype=INPUT_DTYPES[name])
+    return tensors
+
+
+def _grpc_inputs(tensors: dict[str, np.ndarray]) -> list:
+    import tritonclient.grpc as grpcclient
+
+    infer_inputs = []
+    for name, value in tensors.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), _triton_dtype(value))
+        tensor.set_data_from_numpy(value)
+        infer_inputs.append(tensor)
+    return infer_inputs
+
+
+def _receive(
+    client: Any,
+    responses: queue.Queue,
+    result: Generation,
+    start: float,
+    timeout_s: float | None,
+    cancel: threading.Event | None,
+    cancel_after_responses: int | None,
+    on_response: Callable[[dict], None] | None,
+    on_text: Callable[[str], None] | None,
+) -> bool:
+    """Fold the stream's responses into `result` until the final one (True), or until the
+    caller cancels or `cancel_after_responses` is reached (False: the request is cancelled)."""
+    while True:
+        response, error = next_response(responses, timeout_s, cancel)
+        if response is None and error is None:  # cancelled by the caller
+            client.stop_stream(cancel_requests=True)
+            return False
+        if error is not None:
+            raise server_error(error)
+        params = response.get_response().parameters
+        final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
+        out = _decode_outputs(response, OUTPUTS + HIDDEN_OUTPUTS)
+        if out:
+            result.add(out)
+            if result.first_token_s is None and out.get("output_ids"):
+                result.first_token_s = time.perf_counter() - start
+            if on_text and out.get("text_output"):
+                on_text(out["text_output"])
+            if on_response:
+                on_response(out)
+        if final:
+            return True
+        if cancel_after_responses is not None and result.num_responses >= cancel_after_responses:
+            client.stop_stream(cancel_requests=True)
+            return False
 
 
 def _stream_failure(responses: queue.Queue, e: Exception) -> str:

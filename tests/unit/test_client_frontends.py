@@ -314,7 +314,7 @@ def test_the_long_prompt_set_has_its_four_shapes_at_their_sizes():
 
 def test_bench_runs_a_profiles_drafter_settings_for_its_method_and_tree():
     from client.cli.bench import METHOD_CONFIGS, method_config
-    from client.cli.main import PROFILES
+    from client.cli.common import PROFILES
 
     qwen = PROFILES["qwen-coder"]["speculative_config"]
     assert method_config("draft_model", qwen) == qwen

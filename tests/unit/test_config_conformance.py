@@ -12,7 +12,8 @@ import pytest
 
 from backends.config import NO_EFFECT_FIELDS, DrafterConfig, SpeculativeConfig
 from backends.serving.proposer import build_proposer
-from client.cli.main import build_parser, with_spec_shorthands
+from client.cli.main import build_parser
+from client.cli.serve_command import with_spec_shorthands
 from tests.fixtures.helpers import LLAMA_CONFIG
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}

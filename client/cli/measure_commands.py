@@ -1,0 +1,410 @@
+"""The measuring subcommands: `tritonspec bench` (methods against plain decoding through a real
+server), `soak` (many streams for a while), `verify-cost` (one batched verify step, in process)
+and `perf` (a perf_analyzer concurrency sweep)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from backends.runtime import BATCH_INVARIANT_MODES
+from backends.runtime.model_store import DEFAULT_MODEL, ModelNotFoundError, local_model
+from backends.serving.session import stream_interval
+from backends.training import TRAINERS
+from client.cli import common
+
+if TYPE_CHECKING:  # the launcher finds tritonserver's wheel on import: only when serving
+    from client.cli.launcher import RepositoryOverrides
+
+
+def add_bench_parser(sub: common.Subcommands) -> None:
+    bench = sub.add_parser(
+        "bench", help="speculative methods vs plain decoding (and Hugging Face) through a real server"
+    )
+    _add_bench_server_flags(bench)
+    _add_bench_workload_flags(bench)
+    bench.add_argument("--hf", action="store_true", help="also run Hugging Face greedy / assisted / prompt lookup")
+    bench.add_argument(
+        "--sweep",
+        type=int,
+        nargs="+",
+        metavar="C",
+        help="also a perf_analyzer concurrency sweep per method at these concurrencies",
+    )
+    _add_server_flags(bench, port=18800, out="bench-results")
+    bench.set_defaults(func=_bench)
+
+
+def _add_bench_server_flags(bench: argparse.ArgumentParser) -> None:
+    """The methods, the target and drafter, and how the bench's servers run them."""
+    from client.cli.bench import METHOD_CONFIGS
+
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ngram", "suffix"],
+        choices=list(METHOD_CONFIGS),
+        help="trainable head methods (eagle, eagle3, ...) use the head `tritonspec train METHOD --target MODEL` wrote; "
+        "METHOD+tree drafts trees (compare it with METHOD's chains in one run)",
+    )
+    bench.add_argument("--model", default=DEFAULT_MODEL, help="target (named, HF directory or GGUF)")
+    bench.add_argument("--draft-model", help="drafter for draft_model (named, HF directory or GGUF)")
+    bench.add_argument("--profile", choices=sorted(common.PROFILES), help="target + drafter pair, e.g. qwen-coder")
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    _add_engine_flags(bench)
+    bench.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefix caching in the bench's servers (off by default: each prompt runs plain, then "
+        "speculative, and the second run would find the first one's prompt cached)",
+    )
+    common.add_in_process_flag(bench)
+    common.add_threads_flag(bench)
+
+
+def _add_bench_workload_flags(bench: argparse.ArgumentParser) -> None:
+    """The prompts, how long each run is, and k."""
+    bench.add_argument(
+        "--prompt-set",
+        default="short",
+        choices=("short", "long"),
+        help="the versioned prompts: short (code, chat, rag, multi-turn; 80-340 tokens) or long (rag-2k, "
+        "rag-8k, code-edit, chat-30: 1.9k-7.6k tokens; the servers' context window must cover them)",
+    )
+    bench.add_argument("--categories", nargs="+", help="prompt categories of the set (default: all)")
+    bench.add_argument(
+        "--prompt-file",
+        help="your own prompts: a JSON list or {category: [prompts]} (e.g. a "
+        "trained head's validation_prompts.json), or one per line in a file not named *.json",
+    )
+    bench.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end each run at the model's end of answer (default: always --max-tokens tokens)",
+    )
+    bench.add_argument("--num-speculative-tokens", type=int, help="k for every method")
+    bench.add_argument(
+        "--fixed-k",
+        action="store_true",
+        help="draft k tokens every step (requests ask for "
+        "num_draft_tokens=k; no adaptive draft length): per-position acceptance at every position",
+    )
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=1)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The target's engine and batch invariance, as serve sets them (default auto)."""
+    parser.add_argument(
+        "--runtime", default="auto", choices=common.RUNTIMES, help="the target's forward engine (see serve)"
+    )
+    parser.add_argument(
+        "--batch-invariant", default="auto", choices=BATCH_INVARIANT_MODES, help=common.BATCH_INVARIANT_HELP
+    )
+
+
+def _add_server_flags(parser: argparse.ArgumentParser, port: int, out: str) -> None:
+    """The port of the server the command starts, and where its results go."""
+    parser.add_argument("--port", type=int, default=port, help="HTTP port; gRPC and metrics follow")
+    parser.add_argument("--out", default=out)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from client.cli.bench import compare, format_report, hf_comparison, load_prompts, plot_report
+
+    if args.profile:
+        args.model = common.PROFILES[args.profile]["model"]
+        args.draft_model = args.draft_model or common.PROFILES[args.profile]["speculative_config"].get("model")
+    try:
+        version, prompts = load_prompts(
+            args.categories, Path(args.prompt_file) if args.prompt_file else None, args.prompt_set
+        )
+    except ValueError as e:
+        return common.error(e, 2)
+    target = local_model(args.model)
+    draft = None
+    if args.draft_model:
+        draft = local_model(args.draft_model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "prompt_set": version,
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "fixed_k": args.fixed_k,
+        "methods": {},
+    }
+    for name in args.methods:
+        try:
+            config = _bench_config(args, name, draft)
+        except ModelNotFoundError as e:
+            return common.error(e, 2)
+        runs = _bench_method(args, name, config, _bench_overrides(args, target, config), prompts, out, report)
+        report["methods"][name] = compare(runs)
+    if args.hf:
+        report["huggingface"] = hf_comparison(
+            str(target), str(draft) if draft else None, prompts, args.max_tokens, args.dtype
+        )
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    plot_report(report, out / "bench.png")
+    print(format_report(report))
+    print(f"written: {out / 'bench.json'}, {out / 'bench.png'}")
+    return 0
+
+
+def _bench_config(args: argparse.Namespace, name: str, draft: Path | None) -> dict:
+    """The speculative config the bench serves for `name`: a profile's settings, the draft
+    model or the trained head, --num-speculative-tokens."""
+    from client.cli.bench import base_method, method_config
+
+    method = base_method(name)
+    config = method_config(name, common.PROFILES[args.profile]["speculative_config"] if args.profile else None)
+    if method == "draft_model":
+        if draft is None:
+            raise ModelNotFoundError("the draft_model method needs --draft-model (or --profile)")
+        config["model"] = str(draft)
+    elif method in TRAINERS:
+        config["model"] = str(common.trained_head(args.model, method))
+    if args.num_speculative_tokens:
+        config["num_speculative_tokens"] = args.num_speculative_tokens
+    return config
+
+
+def _bench_overrides(args: argparse.Namespace, target: Path, config: dict) -> RepositoryOverrides:
+    from client.cli.launcher import RepositoryOverrides
+
+    return RepositoryOverrides(
+        common={
+            "model": str(target),
+            "dtype": args.dtype,
+            "runtime": args.runtime,
+            "batch_invariant": args.batch_invariant,
+        },
+        per_model={
+            "drafter": {"speculative_config": json.dumps(config)},
+            "verifier": {"enable_prefix_caching": str(args.enable_prefix_caching).lower()},
+            "speculative": common.in_process(args),
+        },
+    )
+
+
+def _bench_method(
+    args: argparse.Namespace,
+    name: str,
+    config: dict,
+    overrides: RepositoryOverrides,
+    prompts: dict[str, list[str]],
+    out: Path,
+    report: dict,
+) -> dict:
+    """Every prompt plain and speculative through a server of `config` (and with --sweep its
+    concurrency sweep, into `report`); the runs."""
+    from client.cli.bench import engine_from_log, measure, verified_in_process_from_log
+    from client.cli.launcher import TritonServer
+
+    with TritonServer.on_port(args.port, overrides, out / f"server-{name}.log", args.threads) as server:
+        report.setdefault("engine", engine_from_log(out / f"server-{name}.log"))
+        report.setdefault("verifier_in_process", verified_in_process_from_log(out / f"server-{name}.log"))
+        runs = measure(
+            server.grpc_url,
+            prompts,
+            args.max_tokens,
+            args.repeats,
+            name,
+            config["num_speculative_tokens"] if args.fixed_k else None,
+            not args.stop_at_eos,
+        )
+        if args.sweep:
+            from client.cli.perf import plot_sweep, run_sweep
+
+            sweep = run_sweep(server.grpc_url, out / f"sweep-{name}", tuple(args.sweep), args.max_tokens)
+            plot_sweep(sweep, out / f"sweep-{name}.png")
+            report.setdefault("sweeps", {})[name] = sweep
+    return runs
+
+
+def add_soak_parser(sub: common.Subcommands) -> None:
+    soak = sub.add_parser("soak", help="many concurrent greedy streams for a while: correctness, memory, leaks")
+    soak.add_argument("--model", default=DEFAULT_MODEL)
+    soak.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["bfloat16", "float32"],
+        help="float32 (default) makes every response exactly checkable; bfloat16 can flip near-ties",
+    )
+    common.add_in_process_flag(soak)
+    soak.add_argument("--seconds", type=float, default=180)
+    soak.add_argument("--concurrency", type=int, default=16)
+    soak.add_argument("--max-tokens", type=int, default=32)
+    soak.add_argument("--port", type=int, default=18600, help="HTTP port; gRPC and metrics follow")
+    soak.add_argument("--log", default="soak-server.log")
+    soak.add_argument(
+        "--chaos",
+        action="store_true",
+        help="also cancel ~20%% of requests mid-stream, mix in bad requests and make the drafter fail "
+        "every --fault-every seconds (a custom_class proposer, client/cli/chaos_proposer.py)",
+    )
+    soak.add_argument("--fault-every", type=float, default=60.0, help="seconds between drafter faults (--chaos)")
+    soak.set_defaults(func=_soak)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from client.cli.launcher import RepositoryOverrides, TritonServer
+    from client.cli.soak import run_soak
+
+    local_model(args.model)
+    overrides = RepositoryOverrides(
+        common={"model": args.model, "dtype": args.dtype}, per_model={"speculative": common.in_process(args)}
+    )
+    if args.chaos:
+        return _chaos_soak(args, overrides)
+    with TritonServer.on_port(args.port, overrides, Path(args.log)) as server:
+        result = run_soak(server, args.seconds, args.concurrency, args.max_tokens)
+        time.sleep(1)
+        active = server.active_sequences()
+        ready = server.is_ready()
+    memory = result["memory_mb"]
+    print(
+        f"{result['requests']} requests in {result['seconds']:.0f}s from {args.concurrency} streams: "
+        f"{result['wrong']} wrong, {result['errors']} errors; server ready: {ready}; "
+        f"sequence state left: {active}"
+    )
+    print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in memory))
+    return 0 if not result["wrong"] and not result["errors"] and ready and not any(active.values()) else 1
+
+
+def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int:
+    """The soak with cancellations, bad requests and drafter faults (client/cli/soak.py)."""
+    import os
+    import tempfile
+
+    from client.cli.launcher import TritonServer
+    from client.cli.soak import CHAOS_SPECULATIVE_CONFIG, run_chaos_soak, wait_until_idle
+
+    overrides.per_model["drafter"] = {"speculative_config": json.dumps(CHAOS_SPECULATIVE_CONFIG)}
+    with tempfile.TemporaryDirectory(prefix="tritonspec-chaos-") as tmp:
+        trigger = Path(tmp) / "fault"
+        os.environ["TRITONSPEC_CHAOS_TRIGGER"] = str(trigger)  # the server's stubs inherit it
+        with TritonServer.on_port(args.port, overrides, Path(args.log)) as server:
+            r = run_chaos_soak(server, args.seconds, args.concurrency, trigger, args.max_tokens, args.fault_every)
+            active = wait_until_idle(server)
+            ready = server.is_ready()
+    print(f"chaos soak: {r['seconds']:.0f}s, {args.concurrency} streams, a drafter fault every {args.fault_every:.0f}s")
+    print(
+        f"completed {r['completed']} ({r['wrong']} wrong); cancelled mid-stream {r['cancelled']} "
+        f"({r['cancelled_wrong']} not a prefix of their reference); failed {r['errors']}"
+    )
+    print(
+        f"bad requests refused by name {r['bad_refused']}, misjudged {r['bad_misjudged']}; drafter faults "
+        f"injected {r['faults_injected']}, taken {r['faults_taken']}"
+    )
+    print(f"server ready: {ready}; sequence state left: {active}")
+    print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in r["memory_mb"]))
+    for problem in r["problems"]:
+        print(f"  {problem}")
+    clean = not (r["wrong"] or r["cancelled_wrong"] or r["bad_misjudged"] or any(active.values()))
+    return 0 if clean and ready else 1
+
+
+def add_verify_cost_parser(sub: common.Subcommands) -> None:
+    cost = sub.add_parser("verify-cost", help="cost of one batched verify step vs a single sequence (in process)")
+    cost.add_argument("--model", default=DEFAULT_MODEL)
+    cost.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    _add_engine_flags(cost)
+    cost.add_argument("--batch", type=int, default=8)
+    cost.add_argument("--drafts", type=int, default=4)
+    cost.add_argument("--context", type=int, default=200, help="tokens each sequence has cached before the step")
+    cost.set_defaults(func=_verify_cost)
+
+
+def _verify_cost(args: argparse.Namespace) -> int:
+    from client.cli.bench import verify_batch_cost
+
+    model = local_model(args.model)
+    try:
+        cost = verify_batch_cost(
+            model,
+            args.dtype,
+            args.batch,
+            args.drafts,
+            args.context,
+            runtime=args.runtime,
+            batch_invariant=args.batch_invariant,
+        )
+    except ValueError as e:
+        return common.error(e, 2)
+    print(
+        f"{cost['engine']}, {args.context} cached tokens: one verify step ({args.drafts} drafts each): "
+        f"1 sequence {cost['one_ms']:.1f} ms, "
+        f"{args.batch} sequences {cost['batch_ms']:.1f} ms ({cost['ratio']:.2f}x); a plain 1-token step "
+        f"{cost['plain_ms']:.1f} ms (verifying {args.drafts} drafts costs {cost['drafts_ratio']:.2f}x)"
+    )
+    return 0
+
+
+def add_perf_parser(sub: common.Subcommands) -> None:
+    perf = sub.add_parser("perf", help="perf_analyzer concurrency sweep, plain vs speculative, with a chart")
+    perf.add_argument("--url", help="gRPC url of a running server (default: start one)")
+    perf.add_argument("--model", default=DEFAULT_MODEL)
+    perf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    perf.add_argument("-sc", "--speculative-config")
+    common.add_in_process_flag(perf)
+    common.add_threads_flag(perf)
+    perf.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    perf.add_argument("--max-tokens", type=int, default=64)
+    perf.add_argument(
+        "--requests-per-window",
+        type=int,
+        default=16,
+        help="finished requests per measurement window (3 windows per point; at least 2x concurrency)",
+    )
+    perf.add_argument(
+        "--stream-interval",
+        type=int,
+        metavar="N",
+        help="each request asks for responses of at least N tokens (default: the server's setting)",
+    )
+    _add_server_flags(perf, port=18700, out="perf-results")
+    perf.set_defaults(func=_perf)
+
+
+def _perf(args: argparse.Namespace) -> int:
+    from client.cli.launcher import RepositoryOverrides, TritonServer
+    from client.cli.perf import format_sweep, plot_sweep, run_sweep, speedup_table
+
+    if args.stream_interval is not None:
+        try:  # the check the `speculative` model applies to a request's own
+            stream_interval(str(args.stream_interval))
+        except ValueError as e:
+            return common.error(f"--stream-interval: {e}", 2)
+    out = Path(args.out)
+    server = None
+    url = args.url
+    if url is None:
+        local_model(args.model)
+        overrides = RepositoryOverrides(common={"model": args.model, "dtype": args.dtype})
+        if args.speculative_config:
+            overrides.per_model["drafter"] = {"speculative_config": args.speculative_config}
+        overrides.per_model["speculative"] = common.in_process(args)
+        out.mkdir(parents=True, exist_ok=True)
+        server = TritonServer.on_port(args.port, overrides, out / "server.log", args.threads).start()
+        url = server.grpc_url
+    try:
+        results = run_sweep(
+            url, out, tuple(args.concurrency), args.max_tokens, args.requests_per_window, args.stream_interval
+        )
+    finally:
+        if server:
+            server.stop()
+    (out / "perf.json").write_text(json.dumps(results, indent=2))
+    plot_sweep(results, out / "perf.png")
+    print(format_sweep(results))
+    print("speculative / plain throughput:", {c: round(v, 2) for c, v in speedup_table(results).items()})
+    print(f"written: {out / 'perf.json'}, {out / 'perf.png'}")
+    return 0
