@@ -138,7 +138,7 @@ class _EagleStep(nn.Module):
 
 
 def eagle_step(method: str, checkpoint: Path, target: Path) -> OnnxStep:
-    from backends.methods.eagle import load_eagle
+    from backends.methods.eagle_head import load_eagle
     from backends.methods.head_checkpoint import TargetInfo
 
     info = TargetInfo.load(target)

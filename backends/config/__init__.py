@@ -1,5 +1,6 @@
 """The speculative config: vLLM's ``--speculative-config`` parsed, validated and resolved
-(:mod:`.speculative`, with auto-detection in :mod:`.detect`), and the small resolved
+(:mod:`.speculative`, with the fields' checks in :mod:`.fields`, the combinations' in
+:mod:`.verify` and auto-detection in :mod:`.detect`), and the small resolved
 config a proposer takes (:mod:`.drafter`)."""
 
 from backends.config.detect import (
@@ -11,10 +12,10 @@ from backends.config.detect import (
 )
 from backends.config.drafter import DrafterConfig
 from backends.config.errors import SpeculativeConfigError, UnsupportedSpeculativeMethodError
+from backends.config.fields import METHODS
 from backends.config.speculative import (
     BESIDE_VERIFIER_METHODS,
     IN_ORCHESTRATOR_METHODS,
-    METHODS,
     NO_EFFECT_FIELDS,
     SpeculativeConfig,
 )

@@ -125,80 +125,99 @@ def aux_layer_ids(hf: dict[str, Any], target_hf: dict[str, Any]) -> list[int] | 
 def hf_config_override(config: dict[str, Any]) -> dict[str, Any]:
     """Rewrite a target-family checkpoint config into its MTP-draft form (vLLM's hf_config_override).
 
-    Configs that match no row are returned unchanged (as a copy).
+    Configs that match no row are returned unchanged (as a copy). The rows are vLLM's, in its order.
     """
     cfg = dict(config)
+    return _deepseek_to_ernie_override(cfg) or _nemotron_to_mistral_override(cfg) or cfg
+
+
+def _mtp(
+    cfg: dict[str, Any],
+    new_type: str,
+    n_predict: Any,
+    arch: str | None = None,
+    base: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """`base` (default `cfg`) as an MTP draft of `new_type` predicting `n_predict` tokens."""
+    out = {**(cfg if base is None else base), "model_type": new_type, "n_predict": n_predict, **extra}
+    if arch is not None:
+        out["architectures"] = [arch]
+    return out
+
+
+def _deepseek_to_ernie_override(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The rows from DeepSeek to ERNIE; None when none matches."""
     model_type = cfg.get("model_type") or ""
     archs = set(cfg.get("architectures") or [])
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     nextn = hf_lookup(cfg, "num_nextn_predict_layers")
-
-    def mtp(
-        new_type: str, n_predict: Any, arch: str | None = None, base: dict[str, Any] | None = None, **extra: Any
-    ) -> dict[str, Any]:
-        out = {**(cfg if base is None else base), "model_type": new_type, "n_predict": n_predict, **extra}
-        if arch is not None:
-            out["architectures"] = [arch]
-        return out
-
-    nemotron = ("nemotron_h", "nemotron_h_puzzle")
-    step = ("step3p5", "step3p7")
     if model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
-        return mtp("deepseek_mtp", nextn, "DeepSeekMTPModel")
+        return _mtp(cfg, "deepseek_mtp", nextn, "DeepSeekMTPModel")
     if model_type == "deepseek_v4":
-        return mtp("deepseek_mtp", nextn, "DeepSeekV4MTPModel")
+        return _mtp(cfg, "deepseek_mtp", nextn, "DeepSeekV4MTPModel")
     if model_type == "pangu_ultra_moe":
-        return mtp("pangu_ultra_moe_mtp", nextn)
+        return _mtp(cfg, "pangu_ultra_moe_mtp", nextn)
     if "MiMoForCausalLM" in archs:
-        return mtp("mimo_mtp", nextn, num_hidden_layers=0)
+        return _mtp(cfg, "mimo_mtp", nextn, num_hidden_layers=0)
     if archs & {"MiMoV2ForCausalLM", "MiMoV2OmniForCausalLM", "MiMoV2FlashForCausalLM"}:
-        return mtp("mimo_v2_mtp", _MIMO_V2_N_PREDICT)
+        return _mtp(cfg, "mimo_v2_mtp", _MIMO_V2_N_PREDICT)
     for arch, new_type in (
         ("Glm4MoeForCausalLM", "glm4_moe_mtp"),
         ("Glm4MoeLiteForCausalLM", "glm4_moe_lite_mtp"),
         ("GlmOcrForConditionalGeneration", "glm_ocr_mtp"),
     ):
         if arch in archs:
-            return mtp(new_type, nextn)
+            return _mtp(cfg, new_type, nextn)
     if model_type == "ernie4_5_moe":
-        return mtp("ernie_mtp", nextn)
+        return _mtp(cfg, "ernie_mtp", nextn)
+    return None
+
+
+def _nemotron_to_mistral_override(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The rows from Nemotron-H to Mistral Large 3; None when none matches."""
+    model_type = cfg.get("model_type") or ""
+    archs = set(cfg.get("architectures") or [])
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    nextn = hf_lookup(cfg, "num_nextn_predict_layers")
+    nemotron = ("nemotron_h", "nemotron_h_puzzle")
+    step = ("step3p5", "step3p7")
     if model_type in nemotron or text.get("model_type") in nemotron:
         base = cfg if model_type in nemotron else text  # a VL wrapper: promote its text_config
         layers = base.get("num_nextn_predict_layers") or 0
         if layers > 0:
-            return mtp("nemotron_h_mtp", layers, base=base)
+            return _mtp(cfg, "nemotron_h_mtp", layers, base=base)
     if model_type == "qwen3_next":
-        return mtp("qwen3_next_mtp", nextn)
+        return _mtp(cfg, "qwen3_next_mtp", nextn)
     if model_type == "bailing_hybrid" or "BailingMoeV2_5ForCausalLM" in archs:
-        return mtp("bailing_hybrid_mtp", nextn)
+        return _mtp(cfg, "bailing_hybrid_mtp", nextn)
     if model_type == "exaone_moe":
-        return mtp("exaone_moe_mtp", nextn)
+        return _mtp(cfg, "exaone_moe_mtp", nextn)
     if "exaone4_5" in model_type:
-        return mtp("exaone4_5_mtp", nextn)
+        return _mtp(cfg, "exaone4_5_mtp", nextn)
     if model_type in ("qwen3_5", "qwen3_5_moe", "intern_s2_preview"):
-        return mtp("qwen3_5_mtp", hf_lookup(cfg, "mtp_num_hidden_layers"))
+        return _mtp(cfg, "qwen3_5_mtp", hf_lookup(cfg, "mtp_num_hidden_layers"))
     if model_type in ("longcat_flash", "longcat_flash_ngram"):
-        return mtp("longcat_flash_mtp", nextn or 1)
+        return _mtp(cfg, "longcat_flash_mtp", nextn or 1)
     if model_type in step or text.get("model_type") in step:
         base = text or cfg
-        return mtp("step3p5_mtp", base.get("num_nextn_predict_layers") or 1, base=base)
+        return _mtp(cfg, "step3p5_mtp", base.get("num_nextn_predict_layers") or 1, base=base)
     if model_type == "hy_v3":
-        return mtp("hy_v3_mtp", nextn)
+        return _mtp(cfg, "hy_v3_mtp", nextn)
     if model_type in ("inkling_mm_model", "inkling_model"):
         layers = (cfg.get("mtp_config") or {}).get("num_nextn_predict_layers") or 0
         if layers < 1:
             raise SpeculativeConfigError(
                 "The Inkling checkpoint does not contain MTP weights (mtp_config.num_nextn_predict_layers < 1)"
             )
-        return mtp("inkling_mtp", layers)
+        return _mtp(cfg, "inkling_mtp", layers)
     if model_type in ("gemma4_assistant", "gemma4_unified_assistant"):
-        return mtp("gemma4_mtp", 1, num_kv_shared_layers=0)
+        return _mtp(cfg, "gemma4_mtp", 1, num_kv_shared_layers=0)
     if model_type in ("minimax_m3_vl", "minimax_m3_mtp") or any(a.startswith("MiniMaxM3Sparse") for a in archs):
-        return mtp("minimax_m3_mtp", hf_lookup(cfg, "num_mtp_modules"))
+        return _mtp(cfg, "minimax_m3_mtp", hf_lookup(cfg, "num_mtp_modules"))
     if "MistralLarge3ForCausalLM" in archs:
         # model_type is kept, so detection stays name-based.
         return {**cfg, "architectures": ["EagleMistralLarge3ForCausalLM"]}
-    return cfg
+    return None
 
 
 # ---------------------------------------------------------------------- speculators

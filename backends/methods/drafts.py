@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.config.speculative import DRAFT_SAMPLE_METHODS
+from backends.config.fields import DRAFT_SAMPLE_METHODS
 from backends.serving.request import is_greedy
 
 # The lean runtime's KV pool for a drafter (touched only where sequences write), and the room a

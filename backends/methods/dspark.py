@@ -53,15 +53,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.methods.dflash import (
-    BlockCheckpointError,
-    BlockWork,
-    DFlashHead,
-    DFlashProposer,
-    TargetInfo,
-    config_field,
-)
-from backends.methods.dflash import default_config as dflash_default_config
+from backends.methods.block_checkpoint import BlockCheckpointError, config_field
+from backends.methods.block_checkpoint import default_config as dflash_default_config
+from backends.methods.dflash import BlockWork, DFlashHead, DFlashProposer
+from backends.methods.head_checkpoint import TargetInfo
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 

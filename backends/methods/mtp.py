@@ -47,7 +47,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backends.config import MULTI_STEP_MTP_TYPES, hf_config_override
-from backends.methods.eagle import EagleHead, EagleLayer, EagleProposer, llama_config
+from backends.methods.eagle import EagleProposer
+from backends.methods.eagle_head import EagleHead, EagleLayer, llama_config
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 
 FAMILIES = ("deepseek", "mimo")

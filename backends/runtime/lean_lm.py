@@ -647,6 +647,27 @@ def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
+def _check_rows(pool: KVCachePool, rows: Sequence[Row], toks: list[torch.Tensor], counts: list[int]) -> None:
+    """Each sequence once a step, with new tokens, at most that many logits rows, a mask and
+    positions that fit them, and room in its reservation."""
+    seen = set()
+    for r, t, m in zip(rows, toks, counts):
+        n = t.shape[0]
+        if r.seq_id in seen:
+            raise SequenceError(f"sequence {r.seq_id!r} appears twice in one step")
+        seen.add(r.seq_id)
+        if n == 0 or not 0 <= m <= n:
+            raise SequenceError(f"sequence {r.seq_id!r}: {n} new tokens, {m} logits rows asked")
+        _check_mask(r, n, pool.length(r.seq_id))
+        if r.positions is not None and tuple(r.positions.shape) != (n,):
+            raise SequenceError(f"sequence {r.seq_id!r}: positions {tuple(r.positions.shape)} for {n} new tokens")
+        if n > pool.room(r.seq_id):
+            raise SequenceError(
+                f"sequence {r.seq_id!r}: {pool.length(r.seq_id)} cached + {n} new tokens exceed its "
+                f"reservation of {pool.reserved(r.seq_id)}; admit it with a larger reserve_tokens"
+            )
+
+
 def _check_mask(row: Row, n: int, cached: int) -> None:
     if row.mask is not None and tuple(row.mask.shape) not in ((n, n), (n, cached + n)):
         raise SequenceError(
@@ -781,23 +802,7 @@ class LeanDecoder:
         if len(counts) != len(rows):
             raise ValueError(f"logits_rows has {len(counts)} entries for {len(rows)} rows")
         toks = [torch.as_tensor(r.token_ids, dtype=torch.long).reshape(-1) for r in rows]
-        seen = set()
-        for r, t, m in zip(rows, toks, counts):
-            n = t.shape[0]
-            if r.seq_id in seen:
-                raise SequenceError(f"sequence {r.seq_id!r} appears twice in one step")
-            seen.add(r.seq_id)
-            if n == 0 or not 0 <= m <= n:
-                raise SequenceError(f"sequence {r.seq_id!r}: {n} new tokens, {m} logits rows asked")
-            _check_mask(r, n, pool.length(r.seq_id))
-            if r.positions is not None and tuple(r.positions.shape) != (n,):
-                raise SequenceError(f"sequence {r.seq_id!r}: positions {tuple(r.positions.shape)} for {n} new tokens")
-            if n > pool.room(r.seq_id):
-                raise SequenceError(
-                    f"sequence {r.seq_id!r}: {pool.length(r.seq_id)} cached + {n} new tokens exceed its "
-                    f"reservation of {pool.reserved(r.seq_id)}; admit it with a larger reserve_tokens"
-                )
-
+        _check_rows(pool, rows, toks, counts)
         order = sorted(range(len(rows)), key=lambda i: toks[i].shape[0])
         cached = {i: pool.extend(rows[i].seq_id, toks[i].shape[0]) for i in order}
         spans: list[tuple[int, int]] = [(0, 0)] * len(rows)

@@ -211,56 +211,130 @@ def rejection_sample_batch(
     generator on the logits' device, for seeded requests.
     """
     _check_inputs(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, top_k, top_p)
-    batch_size, num_tokens = len(num_draft_tokens), sum(num_draft_tokens)
-    max_spec_len = max(num_draft_tokens, default=0)
-    vocab_size = target_logits.shape[-1]
     device = target_logits.device
     greedy_accept, random_accept, sample_recovered_tokens = accept_functions(device)
-
-    drafts = draft_token_ids.to(device, torch.int64)
-    counts = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)
-    cu_num_draft_tokens = counts.cumsum(0)
-    req_ids = torch.arange(batch_size, device=device)
-    draft_req_ids = req_ids.repeat_interleave(counts)
-    # Request i's rows start at cu[i] - n_i + i: its drafts' rows, then its bonus row.
-    draft_rows = torch.arange(num_tokens, device=device) + draft_req_ids
-    bonus_rows = cu_num_draft_tokens + req_ids
-    greedy = is_greedy(temperature.cpu()).tolist()
-    greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=device)
-
+    rows = _BatchRows.of(draft_token_ids, num_draft_tokens, is_greedy(temperature.cpu()).tolist(), device)
     logits = target_logits.float()
-    out = torch.full((batch_size, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    bonus = logits[bonus_rows].argmax(dim=-1)  # greedy requests' bonus; random ones resample it
-    if not all(greedy):
-        row_req_ids = req_ids.repeat_interleave(counts + 1)
-        probs = apply_temperature_top_k_top_p(
-            logits,
-            temperature.to(device)[row_req_ids],
-            None if top_k is None else top_k.to(device)[row_req_ids],
-            None if top_p is None else top_p.to(device)[row_req_ids],
-        )
-        bonus_noise, uniform_probs, recovered_noise = _draw_random_inputs(
-            num_draft_tokens, greedy, generators or {}, vocab_size, device
-        )
-        # Exponential race: argmax(p / E) is a sample of p.
-        sampled_bonus = (probs[bonus_rows] * bonus_noise).argmax(dim=-1)
-        bonus = torch.where(greedy_rows, bonus, sampled_bonus)
-        target_probs = probs[draft_rows]
-        if draft_probs is not None:
-            draft_probs = draft_probs.to(device, torch.float32)
-        recovered = sample_recovered_tokens(
-            drafts, draft_req_ids, target_probs, draft_probs, recovered_noise, greedy_rows
-        )
-        # p and q at each draft token; a -1 draft reads column 0 but is rejected regardless.
-        at_draft = drafts.clamp_min(0).unsqueeze(1)
-        p_at_draft = target_probs.gather(1, at_draft).squeeze(1)
-        q_at_draft = torch.ones_like(p_at_draft) if draft_probs is None else draft_probs.gather(1, at_draft).squeeze(1)
-        random_accept(
-            out, cu_num_draft_tokens, drafts, p_at_draft, q_at_draft, uniform_probs, recovered, bonus, greedy_rows
-        )
-    if any(greedy):
-        greedy_accept(out, cu_num_draft_tokens, drafts, logits[draft_rows].argmax(dim=-1), bonus, greedy_rows)
+    out = torch.full(
+        (len(num_draft_tokens), max(num_draft_tokens, default=0) + 1),
+        PLACEHOLDER_TOKEN_ID,
+        dtype=torch.int64,
+        device=device,
+    )
+    bonus = logits[rows.bonus_rows].argmax(dim=-1)  # greedy requests' bonus; random ones resample it
+    if not all(rows.greedy):
+        kernels = (random_accept, sample_recovered_tokens)
+        sampling = (temperature, top_k, top_p)
+        bonus = _accept_random(out, rows, logits, bonus, draft_probs, sampling, generators or {}, kernels)
+    if any(rows.greedy):
+        target_argmax = logits[rows.draft_rows].argmax(dim=-1)
+        greedy_accept(out, rows.cu_num_draft_tokens, rows.drafts, target_argmax, bonus, rows.greedy_rows)
     return parse_output(out)
+
+
+@dataclass
+class _BatchRows:
+    """Where each request's drafts and bonus lie in the flattened batch, and which are greedy."""
+
+    drafts: torch.Tensor  # [sum(n_i)] int64
+    cu_num_draft_tokens: torch.Tensor  # [batch]
+    req_ids: torch.Tensor  # [batch]
+    draft_req_ids: torch.Tensor  # [sum(n_i)]: each draft's request
+    draft_rows: torch.Tensor  # [sum(n_i)]: each draft's row of the logits
+    bonus_rows: torch.Tensor  # [batch]: each request's bonus row
+    counts: torch.Tensor  # [batch]: n_i
+    num_draft_tokens: list[int]
+    greedy: list[bool]
+    greedy_rows: torch.Tensor  # [batch] bool
+
+    @classmethod
+    def of(
+        cls, draft_token_ids: torch.Tensor, num_draft_tokens: list[int], greedy: list[bool], device: torch.device
+    ) -> "_BatchRows":
+        counts = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)
+        cu_num_draft_tokens = counts.cumsum(0)
+        req_ids = torch.arange(len(num_draft_tokens), device=device)
+        draft_req_ids = req_ids.repeat_interleave(counts)
+        # Request i's rows start at cu[i] - n_i + i: its drafts' rows, then its bonus row.
+        draft_rows = torch.arange(sum(num_draft_tokens), device=device) + draft_req_ids
+        bonus_rows = cu_num_draft_tokens + req_ids
+        greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=device)
+        drafts = draft_token_ids.to(device, torch.int64)
+        return cls(
+            drafts,
+            cu_num_draft_tokens,
+            req_ids,
+            draft_req_ids,
+            draft_rows,
+            bonus_rows,
+            counts,
+            num_draft_tokens,
+            greedy,
+            greedy_rows,
+        )
+
+
+def _accept_random(
+    out: torch.Tensor,
+    rows: _BatchRows,
+    logits: torch.Tensor,
+    bonus: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    generators: dict[int, torch.Generator],
+    kernels: tuple[Callable, Callable],
+) -> torch.Tensor:
+    """Fill the random requests' rows of `out`: accept draft x while p(x) / q(x) >= u, else a
+    recovered token from the residual; the bonus tokens, the random requests' resampled."""
+    random_accept, sample_recovered_tokens = kernels
+    device = logits.device
+    probs = _target_probs(logits, rows, *sampling)
+    bonus_noise, uniform_probs, recovered_noise = _draw_random_inputs(
+        rows.num_draft_tokens, rows.greedy, generators, logits.shape[-1], device
+    )
+    # Exponential race: argmax(p / E) is a sample of p.
+    sampled_bonus = (probs[rows.bonus_rows] * bonus_noise).argmax(dim=-1)
+    bonus = torch.where(rows.greedy_rows, bonus, sampled_bonus)
+    target_probs = probs[rows.draft_rows]
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(device, torch.float32)
+    recovered = sample_recovered_tokens(
+        rows.drafts, rows.draft_req_ids, target_probs, draft_probs, recovered_noise, rows.greedy_rows
+    )
+    # p and q at each draft token; a -1 draft reads column 0 but is rejected regardless.
+    at_draft = rows.drafts.clamp_min(0).unsqueeze(1)
+    p_at_draft = target_probs.gather(1, at_draft).squeeze(1)
+    q_at_draft = torch.ones_like(p_at_draft) if draft_probs is None else draft_probs.gather(1, at_draft).squeeze(1)
+    random_accept(
+        out,
+        rows.cu_num_draft_tokens,
+        rows.drafts,
+        p_at_draft,
+        q_at_draft,
+        uniform_probs,
+        recovered,
+        bonus,
+        rows.greedy_rows,
+    )
+    return bonus
+
+
+def _target_probs(
+    logits: torch.Tensor,
+    rows: _BatchRows,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """The target's distribution at every row, each under its request's sampling parameters."""
+    device = logits.device
+    row_req_ids = rows.req_ids.repeat_interleave(rows.counts + 1)
+    return apply_temperature_top_k_top_p(
+        logits,
+        temperature.to(device)[row_req_ids],
+        None if top_k is None else top_k.to(device)[row_req_ids],
+        None if top_p is None else top_p.to(device)[row_req_ids],
+    )
 
 
 def parse_output(output_token_ids: torch.Tensor) -> list[list[int]]:

@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.config import aux_layer_ids
-from backends.methods.dflash import DFlashHead, save_head
-from backends.methods.dflash import default_config as dflash_config
+from backends.methods.block_checkpoint import default_config as dflash_config
+from backends.methods.block_checkpoint import save_head
+from backends.methods.dflash import DFlashHead
 from backends.methods.dspark import DSparkHead
 from backends.methods.dspark import default_config as dspark_config
 from backends.methods.head_checkpoint import TargetInfo

@@ -33,7 +33,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from backends.config import aux_layer_ids
-from backends.methods.eagle import Eagle1Head, Eagle3Head, EagleHead, llama_config
+from backends.methods.eagle_head import Eagle1Head, Eagle3Head, EagleHead, llama_config
 from backends.methods.head_checkpoint import TargetInfo
 from backends.runtime.model_store import read_safetensors
 from backends.training.data import TrainingData

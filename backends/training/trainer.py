@@ -134,22 +134,12 @@ def train(
     train_seqs, val_seqs = data.split(held_out)
     torch.manual_seed(seed)
     head = trainer.build(info, data, {"num_steps": num_steps, **(options or {})})
-    params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     per_batch = max(1, batch_tokens // window)
     spans = windows(data, train_seqs, window)
-    steps_per_epoch = math.ceil(len(spans) / per_batch)
-    total = epochs * steps_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
-    )
+    run = _Run(trainer, head, data, layer_ids, spans, val_seqs, window, per_batch, num_steps, seed, epochs)
+    optimization = _Optimization.for_head(head, lr, run.total)
     out.mkdir(parents=True, exist_ok=True)
-    # The validation sequences' prompts (never trained on), for `tritonspec bench --prompt-file`.
-    prompt_list = json.loads((data_dir / "prompts.json").read_text())
-    (out / "validation_prompts.json").write_text(json.dumps([prompt_list[i] for i in val_seqs], indent=0))
-    state_path = out / "train_state.pt"
-    step, history = 0, []
-    # A saved state continues only the run that made it: same data, same schedule.
+    _write_validation_prompts(data_dir, out, val_seqs)
     settings = {
         "method": method,
         "epochs": epochs,
@@ -161,78 +151,172 @@ def train(
         "options": options or {},
         "num_train_tokens": sum(b - a for a, b in spans),
     }
-    if state_path.exists():
-        state = torch.load(state_path, weights_only=True)  # tensors and plain data: a file runs no code
-        if state.get("settings") != settings:
-            changed = sorted(k for k in settings if state.get("settings", {}).get(k) != settings[k])
+    checkpoint = _Checkpoint(out / "train_state.pt", settings, save_every)
+    step, history = 0, []
+    if checkpoint.path.exists():
+        step, history = checkpoint.resume(head, optimization)
+        print(f"resuming {method} training at step {step}/{run.total}")
+    started = time.monotonic()
+    _train_steps(run, optimization, checkpoint, step, history, method)
+    trainer.save(head, out)
+    report = _report(settings, target, run, len(train_seqs), time.monotonic() - started, history)
+    (out / "training_report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+@dataclass
+class _Run:
+    """One training run's fixed parts: the head, its data, the windows and their order."""
+
+    trainer: HeadTrainer
+    head: nn.Module
+    data: TrainingData
+    layer_ids: tuple[int, ...]
+    spans: list[tuple[int, int]]  # the training windows
+    val_seqs: list[int]
+    window: int
+    per_batch: int  # windows per optimizer step
+    num_steps: int  # draft steps trained
+    seed: int
+    epochs: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.spans) / self.per_batch)
+
+    @property
+    def total(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def batch(self, step: int) -> Batch:
+        """Optimizer step `step`'s windows: each epoch's order is a function of the seed, so a
+        resumed run picks up exactly where it stopped."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = list(self.spans)
+        random.Random(self.seed + epoch).shuffle(order)
+        return make_batch(self.data, order[index * self.per_batch : (index + 1) * self.per_batch], self.layer_ids)
+
+    def validate(self) -> dict:
+        return evaluate(
+            self.trainer,
+            self.head,
+            self.data,
+            self.val_seqs,
+            self.layer_ids,
+            self.window,
+            self.per_batch,
+            self.num_steps,
+        )
+
+
+@dataclass
+class _Optimization:
+    """AdamW on the head's trainable parameters, a 20-step warm-up and a cosine decay."""
+
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LambdaLR
+
+    @classmethod
+    def for_head(cls, head: nn.Module, lr: float, total: int) -> _Optimization:
+        params = [p for p in head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+        )
+        return cls(params, optimizer, schedule)
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.params, 0.5)
+        self.optimizer.step()
+        self.schedule.step()
+
+
+@dataclass
+class _Checkpoint:
+    """`OUT/train_state.pt` every `every` steps: the head, the optimizer, the step, the RNG."""
+
+    path: Path
+    settings: dict  # a saved state continues only the run that made it: same data, same schedule
+    every: int
+
+    def resume(self, head: nn.Module, optimization: _Optimization) -> tuple[int, list[dict]]:
+        """Load the saved state into `head` and `optimization`; its step and history."""
+        state = torch.load(self.path, weights_only=True)  # tensors and plain data: a file runs no code
+        if state.get("settings") != self.settings:
+            changed = sorted(k for k in self.settings if state.get("settings", {}).get(k) != self.settings[k])
             raise ValueError(
-                f"{state_path} belongs to a training run with other settings ({', '.join(changed)}); "
+                f"{self.path} belongs to a training run with other settings ({', '.join(changed)}); "
                 "delete it to start over, or choose another --out"
             )
         head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        step, history = state["step"], state["history"]
+        optimization.optimizer.load_state_dict(state["optimizer"])
+        optimization.schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["rng"])  # the same token-loss samples as an uninterrupted run
-        print(f"resuming {method} training at step {step}/{total}")
-    bar = tqdm(total=total, initial=step, desc=f"train {method}", unit="step")
-    started = time.monotonic()
-    while step < total:
-        epoch, index = divmod(step, steps_per_epoch)
-        order = list(spans)
-        random.Random(seed + epoch).shuffle(order)
-        batch = make_batch(data, order[index * per_batch : (index + 1) * per_batch], layer_ids)
-        head.train()
-        metrics = trainer.loss(head, batch, num_steps)
-        optimizer.zero_grad()
-        metrics.loss.backward()
-        nn.utils.clip_grad_norm_(params, 0.5)
-        optimizer.step()
-        schedule.step()
+        return state["step"], state["history"]
+
+    def save(self, head: nn.Module, optimization: _Optimization, step: int, history: list[dict]) -> None:
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "optimizer": optimization.optimizer.state_dict(),
+                "schedule": optimization.schedule.state_dict(),
+                "step": step,
+                "history": history,
+                "rng": torch.get_rng_state(),
+                "settings": self.settings,
+            },
+            self.path,
+        )
+
+
+def _report(settings: dict, target: Path, run: _Run, num_train_sequences: int, seconds: float, history: list) -> dict:
+    return {
+        "method": settings["method"],
+        "target": str(target),
+        "epochs": settings["epochs"],
+        "steps": run.total,
+        "lr": settings["lr"],
+        "num_train_sequences": num_train_sequences,
+        "num_validation_sequences": len(run.val_seqs),
+        "num_train_tokens": settings["num_train_tokens"],
+        "train_seconds_this_run": seconds,
+        "history": history,
+    }
+
+
+def _write_validation_prompts(data_dir: Path, out: Path, val_seqs: list[int]) -> None:
+    """The validation sequences' prompts (never trained on), for `tritonspec bench --prompt-file`."""
+    prompt_list = json.loads((data_dir / "prompts.json").read_text())
+    (out / "validation_prompts.json").write_text(json.dumps([prompt_list[i] for i in val_seqs], indent=0))
+
+
+def _train_steps(
+    run: _Run, optimization: _Optimization, checkpoint: _Checkpoint, step: int, history: list[dict], method: str
+) -> None:
+    """Optimizer steps from `step` to the run's end, validating after each epoch (into
+    `history`) and saving the state every `checkpoint.every` steps and at the end."""
+    bar = tqdm(total=run.total, initial=step, desc=f"train {method}", unit="step")
+    while step < run.total:
+        epoch = step // run.steps_per_epoch
+        batch = run.batch(step)
+        run.head.train()
+        metrics = run.trainer.loss(run.head, batch, run.num_steps)
+        optimization.step(metrics.loss)
         step += 1
         bar.update()
         bar.set_postfix(
             loss=f"{metrics.loss.item():.3f}",
             acc="/".join(f"{c / max(n, 1):.2f}" for c, n in zip(metrics.correct, metrics.counted)),
         )
-        if step % steps_per_epoch == 0 or step == total:
-            history.append(
-                {
-                    "epoch": epoch + 1,
-                    "step": step,
-                    **evaluate(trainer, head, data, val_seqs, layer_ids, window, per_batch, num_steps),
-                }
-            )
+        if step % run.steps_per_epoch == 0 or step == run.total:
+            history.append({"epoch": epoch + 1, "step": step, **run.validate()})
             tqdm.write(f"epoch {epoch + 1}: validation {history[-1]}")
-        if step % save_every == 0 or step == total:
-            torch.save(
-                {
-                    "head": head.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(),
-                    "step": step,
-                    "history": history,
-                    "rng": torch.get_rng_state(),
-                    "settings": settings,
-                },
-                state_path,
-            )
+        if step % checkpoint.every == 0 or step == run.total:
+            checkpoint.save(run.head, optimization, step, history)
     bar.close()
-    trainer.save(head, out)
-    report = {
-        "method": method,
-        "target": str(target),
-        "epochs": epochs,
-        "steps": total,
-        "lr": lr,
-        "num_train_sequences": len(train_seqs),
-        "num_validation_sequences": len(val_seqs),
-        "num_train_tokens": settings["num_train_tokens"],
-        "train_seconds_this_run": time.monotonic() - started,
-        "history": history,
-    }
-    (out / "training_report.json").write_text(json.dumps(report, indent=2))
-    return report
 
 
 @torch.no_grad()

@@ -93,6 +93,20 @@ class SequenceBatchedModel:
 
     def _execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
+        accepted, stepping = self._accept(requests, responses)
+        # A sequence with a step in this batch is not idle, however long the step waited.
+        self.release_idle(self.idle_s, stepping)
+        calls, owners, row_results = self._calls(requests, accepted, responses)
+        if calls:
+            self._run_calls(requests, calls, owners, responses, row_results)
+        for i, results in row_results.items():
+            responses[i] = self.respond_rows(results)
+        self.active.set(self.num_sequences)
+        return responses
+
+    def _accept(self, requests: list, responses: list) -> tuple[list[tuple[int, list | None]], set[int]]:
+        """The requests from our orchestrator with their rows (None: a single step), and the
+        sequences they step; the others get their error response here."""
         accepted: list[tuple[int, list | None]] = []  # (request index, its rows or None)
         stepping: set[int] = set()
         for i, request in enumerate(requests):
@@ -113,8 +127,13 @@ class SequenceBatchedModel:
                 continue
             stepping |= {request.correlation_id()} if rows is None else {row.seq_id for row in rows}
             accepted.append((i, rows))
-        # A sequence with a step in this batch is not idle, however long the step waited.
-        self.release_idle(self.idle_s, stepping)
+        return accepted, stepping
+
+    def _calls(
+        self, requests: list, accepted: list[tuple[int, list | None]], responses: list
+    ) -> tuple[list, list[tuple[int, int | None]], dict[int, list]]:
+        """The calls to run, who owns each (request index, row index or None), and a result slot
+        per carried row; releases and ends are done here."""
         calls: list = []
         owners: list[tuple[int, int | None]] = []  # per call: (request index, row index or None)
         row_results: dict[int, list] = {}
@@ -138,20 +157,26 @@ class SequenceBatchedModel:
                 else:
                     calls.append(row)
                     owners.append((i, j))
-        if calls:
-            for call, (i, j), result in zip(calls, owners, self.run(calls)):
-                if j is None:
-                    seq_id = requests[i].correlation_id()
-                    responses[i] = self.fail(seq_id, result) if isinstance(result, Exception) else self.respond(result)
-                elif isinstance(result, Exception):
-                    self.end_failed(call.seq_id, result)
-                    row_results[i][j] = RuntimeError(f"{self.role}: {result}")
-                else:
-                    row_results[i][j] = result
-        for i, results in row_results.items():
-            responses[i] = self.respond_rows(results)
-        self.active.set(self.num_sequences)
-        return responses
+        return calls, owners, row_results
+
+    def _run_calls(
+        self,
+        requests: list,
+        calls: list,
+        owners: list[tuple[int, int | None]],
+        responses: list,
+        row_results: dict[int, list],
+    ) -> None:
+        """Run the calls in one batch; a failed call fails its request or row alone."""
+        for call, (i, j), result in zip(calls, owners, self.run(calls)):
+            if j is None:
+                seq_id = requests[i].correlation_id()
+                responses[i] = self.fail(seq_id, result) if isinstance(result, Exception) else self.respond(result)
+            elif isinstance(result, Exception):
+                self.end_failed(call.seq_id, result)
+                row_results[i][j] = RuntimeError(f"{self.role}: {result}")
+            else:
+                row_results[i][j] = result
 
     def end_failed(self, seq_id: int, error: Exception) -> None:
         # The step fails; the server and the other sequences don't.

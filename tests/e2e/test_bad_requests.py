@@ -101,34 +101,37 @@ def _t(name: str, expected: str, prompt: str | bytes = "hi", **tensors: np.ndarr
 
 STANDING_BY = "verifier: standing by, the target is verified in the process of `speculative`"
 DRAFTER_STANDING_BY = "drafter: standing by, drafting runs in the process of `speculative`"
+
+
+def _start_over_grpc(model: str, inputs: Callable[[], dict[str, np.ndarray]]) -> Case:
+    """A START sent straight to `model` over gRPC, without the orchestrator's token."""
+    return Case(
+        f"{model} START over gRPC",
+        lambda server: grpc_request(server, model, inputs(), sequence_id=12345, sequence_start=True),
+        f"{model}: this model only serves the `speculative` model of this server",
+    )
+
+
+def _over_http(name: str, model: str, parameters: dict, inputs: Callable[[], dict[str, np.ndarray]]) -> Case:
+    """A request sent straight to `model`'s /infer over HTTP, without the orchestrator's token."""
+    body = lambda: {"parameters": parameters, "inputs": _http_tensors(inputs())}
+    return Case(name, lambda server: _http(server, f"/v2/models/{model}/infer", body()), "lacks its internal token")
+
+
 # Requests addressed to a loaded drafter model (an EAGLE head called over BLS, `bls_server`).
 DRAFTER_CASES = [
-    Case(
-        "drafter START over gRPC",
-        lambda server: grpc_request(server, "drafter", _drafter_inputs(), sequence_id=12345, sequence_start=True),
-        "drafter: this model only serves the `speculative` model of this server",
-    ),
-    Case(
+    _start_over_grpc("drafter", _drafter_inputs),
+    _over_http(
         "drafter END over HTTP",
-        lambda server: _http(
-            server,
-            "/v2/models/drafter/infer",
-            {
-                "parameters": {"sequence_id": 4242, "sequence_start": True, "sequence_end": True},
-                "inputs": _http_tensors(_drafter_inputs()),
-            },
-        ),
-        "lacks its internal token",
+        "drafter",
+        {"sequence_id": 4242, "sequence_start": True, "sequence_end": True},
+        _drafter_inputs,
     ),
 ]
 
 # Requests addressed to a loaded verifier model (verifier_in_process "false", `bls_server`).
 VERIFIER_CASES = [
-    Case(
-        "verifier START over gRPC",
-        lambda server: grpc_request(server, "verifier", _verifier_inputs(), sequence_id=12345, sequence_start=True),
-        "verifier: this model only serves the `speculative` model of this server",
-    ),
+    _start_over_grpc("verifier", _verifier_inputs),
     Case(
         "verifier END over gRPC",
         lambda server: grpc_request(
@@ -148,15 +151,7 @@ VERIFIER_CASES = [
         ),
         "lacks its internal token",
     ),
-    Case(
-        "verifier START over HTTP",
-        lambda server: _http(
-            server,
-            "/v2/models/verifier/infer",
-            {"parameters": {"sequence_id": 4242, "sequence_start": True}, "inputs": _http_tensors(_verifier_inputs())},
-        ),
-        "lacks its internal token",
-    ),
+    _over_http("verifier START over HTTP", "verifier", {"sequence_id": 4242, "sequence_start": True}, _verifier_inputs),
 ]
 
 CASES = [

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from backends.methods.eagle import load_eagle
+from backends.methods.eagle_head import load_eagle
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training.eagle import Eagle1Trainer
 from client.api.triton import grpc_generate

@@ -13,15 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
-from backends.methods.dflash import (
-    BlockCheckpointError,
-    DFlashHead,
-    DFlashProposer,
-    default_config,
-    load_dflash,
-    load_head,
-    save_head,
-)
+from backends.methods.block_checkpoint import BlockCheckpointError, default_config, load_head, save_head
+from backends.methods.dflash import DFlashHead, DFlashProposer, load_dflash
 from backends.methods.dspark import DSparkHead, DSparkProposer
 from backends.methods.dspark import default_config as dspark_default_config
 from backends.runtime import lean_lm

@@ -342,7 +342,7 @@ CHAIN_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1), (0, 0, 0,
 
 
 def test_a_tree_is_the_chain_with_its_next_most_likely_siblings(make, draft_lm, prompt_ids, tiny_draft_dir):
-    from backends.config.speculative import parse_token_tree
+    from backends.config.fields import parse_token_tree
 
     proposer = make(512)
     proposer.token_tree = parse_token_tree(CHAIN_TREE)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from backends.config import SpeculativeConfig
-from backends.methods.eagle import Eagle3Proposer, EagleCheckpointError, EagleProposer, load_eagle
+from backends.methods.eagle import Eagle3Proposer, EagleProposer
+from backends.methods.eagle_head import EagleCheckpointError, load_eagle
 from backends.runtime import cpu_kernels
 from backends.serving.local import generate_local
 from backends.serving.proposer import DraftRequest, build_proposer

@@ -15,7 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from backends.config import SpeculativeConfig
-from backends.methods.eagle import EagleProposer, best_subtree, load_eagle
+from backends.methods.eagle import EagleProposer, best_subtree
+from backends.methods.eagle_head import load_eagle
 from backends.methods.mtp import MTPHead, load_mtp
 from backends.serving.drafting import DraftService
 from backends.serving.local import generate_local

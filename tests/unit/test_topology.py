@@ -91,26 +91,29 @@ def test_methods_that_draft_from_token_ids_alone_draft_in_the_orchestrator(metho
         assert placement.stands_by_for("drafter") == ("speculative",)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "medusa", "mtp", "dflash"])
-def test_heads_draft_beside_an_in_process_verifier_and_their_drafter_model_serves(method):
-    """It stays loaded: the orchestrator calls it if the head cannot be built in its process."""
-    beside = plan(method)
-    assert beside.route("speculative").draft_at is DraftAt.BESIDE_VERIFIER
-    assert beside.stands_by_for("drafter") == ()
-    assert beside.stands_by_for("verifier") == ("speculative",)
+HEADS = ("eagle3", "medusa", "mtp", "dflash")
+MODEL_DRAFTERS = ("draft_model", "custom_class", "ngram_gpu", "extract_hidden_states")
+
+
+@pytest.mark.parametrize(
+    "method,draft_at", [(m, DraftAt.BESIDE_VERIFIER) for m in HEADS] + [(m, DraftAt.BLS) for m in MODEL_DRAFTERS]
+)
+def test_heads_draft_beside_the_verifier_other_methods_in_the_drafter_model_which_serves(method, draft_at):
+    """A head's drafter model stays loaded: the orchestrator calls it if the head cannot be
+    built in its process. A second copy of a draft LM, or user code on the verify thread,
+    would not pay: those draft in the drafter model."""
+    placement = plan(method)
+    assert placement.route("speculative").draft_at is draft_at
+    assert placement.stands_by_for("drafter") == ()
+    assert placement.stands_by_for("verifier") == ("speculative",)
+
+
+@pytest.mark.parametrize("method", HEADS)
+def test_heads_draft_over_bls_when_the_verifier_or_the_drafter_is_out_of_process(method):
     over_bls = plan(method, speculative=orchestrator(verifier_in_process="false"))
     assert over_bls.route("speculative").draft_at is DraftAt.BLS
     off = plan(method, speculative=orchestrator(drafter_in_process="false"))
     assert off.route("speculative").draft_at is DraftAt.BLS
-
-
-@pytest.mark.parametrize("method", ["draft_model", "custom_class", "ngram_gpu", "extract_hidden_states"])
-def test_other_methods_draft_in_the_drafter_model(method):
-    """A second copy of a draft LM, or user code on the verify thread, would not pay."""
-    placement = plan(method)
-    assert placement.route("speculative").draft_at is DraftAt.BLS
-    assert placement.stands_by_for("drafter") == ()
-    assert placement.stands_by_for("verifier") == ("speculative",)
 
 
 def test_the_methods_the_plan_places_are_those_whose_proposers_say_so():

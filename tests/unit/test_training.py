@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from backends.methods.eagle import EagleProposer, load_eagle
+from backends.methods.eagle import EagleProposer
+from backends.methods.eagle_head import load_eagle
 from backends.methods.head_checkpoint import TargetInfo
 from backends.serving.proposer import DraftRequest
 from backends.training.corpus import OPENINGS, check_held_out, overlaps_held_out, training_prompts
