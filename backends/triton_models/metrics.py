@@ -156,7 +156,8 @@ class Families:
 
     def metric(self, name: str, labels: dict[str, str]) -> Any:
         if self.declared[name][0] == HISTOGRAM:
-            return self.families[name].Metric(labels=labels, buckets=histogram_buckets(name, self.max_model_len))
+            buckets = [float(b) for b in histogram_buckets(name, self.max_model_len)]
+            return self.families[name].Metric(labels=labels, buckets=buckets)
         return self.families[name].Metric(labels=labels)
 
 
