@@ -298,8 +298,8 @@ class SpecDecodeCounters:
                 self._vllm(name, position)
         if method is not None:
             for name in SPEC_DECODE_EXTRAS:
-                if not name.endswith("_per_pos"):
-                    self._extra(name, method)
+                for position in range(num_speculative_tokens) if name.endswith("_per_pos") else (None,):
+                    self._extra(name, method, position)
 
     def _vllm(self, name: str, position: int | None = None) -> Any:
         key = (name, position)

@@ -54,8 +54,8 @@ def test_a_fresh_server_exports_every_metric_at_zero(fresh_server):
             values = [v for labels, v in series.items() if f'model="{model}"' in labels and 'version="1"' in labels]
             assert values and set(values) == {0.0}, (name, series)
     for name in SPEC_DECODE_EXTRAS:  # tritonspec's per-method counters: ngram's
-        if not name.endswith("_per_pos"):
-            assert found[name] == {'method="ngram",model="speculative"': 0.0}, name
+        positions = [f',position="{p}"' for p in range(4)] if name.endswith("_per_pos") else [""]
+        assert found[name] == {f'method="ngram",model="speculative"{p}': 0.0 for p in positions}, name
     per_pos = found["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
     assert per_pos == {f'model="speculative",position="{p}",version="1"': 0.0 for p in range(4)}  # the drafter's k
     success = found["vllm:request_success_total"]
