@@ -28,12 +28,13 @@ from backends.serving.orchestrator import Drafter
 from backends.serving.proposer import Draft, DrafterInfo, build_proposer, check_layers
 from backends.serving.target import VerifyRequest, VerifyResult
 from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, ActiveSequencesGauge, bls
+from backends.triton_models.metrics import EngineMetrics
 from backends.triton_models.outbox import Outbox
 from backends.triton_models.pbtxt import ModelSettings, instance_group, model_settings, parameters
 from backends.triton_models.peer_token import server_token, with_token
 from backends.triton_models.step_batch import GatheredDrafter, StepBatcher, batch_correlation_id, in_process, over_bls
 from backends.triton_models.topology import DraftAt, Placement, PlacementError, VerifyAt
-from backends.triton_models.verifier_serving import prefix_counters, target_runner
+from backends.triton_models.verifier_serving import target_runner
 
 log = logging.getLogger("tritonspec.speculative")
 
@@ -265,12 +266,12 @@ class Peers:
         verify_thread = forward_thread("spec-verify")
         runner = verify_thread.submit(target_runner, settings, device).result()
         active = ActiveSequencesGauge(name)
-        counters = prefix_counters(runner, name, "1")
+        engine_metrics = EngineMetrics(name, "1", runner.engine)
 
-        def update_metrics() -> None:  # what the verifier model reports of its own sequences
+        def update_metrics(steps: list) -> None:  # what the verifier model reports of its own sequences
             active.set(len(runner.sequences))
-            if counters is not None:
-                counters.update(runner.engine)
+            engine_metrics.stepped(steps)
+            engine_metrics.update()
 
         run_rows = in_process(runner, update_metrics)
 

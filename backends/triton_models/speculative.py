@@ -27,15 +27,8 @@ from backends.serving.orchestrator import Drafter, GenerationStats, ServingConte
 from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.serving.request import RETURN_OUTPUTS, GenerationRequest, RequestError, parse_request
 from backends.serving.session import DEFAULT_PREFILL_CHUNK, ServedModel, Session, prefill_chunk_tokens, stream_interval
-from backends.triton_models.common import (
-    ServingMetrics,
-    SpecDecodeCounters,
-    error_response,
-    initialize_model,
-    input_scalar,
-    model_repository,
-    parse_flag,
-)
+from backends.triton_models.common import error_response, initialize_model, input_scalar, model_repository, parse_flag
+from backends.triton_models.metrics import ServingMetrics, SpecDecodeCounters
 from backends.triton_models.outbox import Outbox
 from backends.triton_models.pbtxt import get_parameter
 from backends.triton_models.peers import Peers
@@ -109,8 +102,10 @@ class TritonPythonModel:
         info = self.peers.drafter_info  # None when a drafter standing by cannot draft here either
         self.extract_layer_ids = info.hidden_layer_ids if info and not info.proposes_drafts else ()
         self.served = self._served()
-        self.counters = SpecDecodeCounters(args["model_name"])
-        self.metrics = ServingMetrics(args["model_name"], str(args.get("model_version", "1")))
+        version = str(args.get("model_version", "1"))
+        method, k = (info.method, info.num_speculative_tokens) if info else (None, 0)
+        self.counters = SpecDecodeCounters(args["model_name"], version, method, k)
+        self.metrics = ServingMetrics(args["model_name"], version, self.max_model_len)
         self.cancellation = CancellationWatch()
         log.info(
             "speculative ready: verifier=%s drafter=%s context=%d",
@@ -159,7 +154,7 @@ class TritonPythonModel:
 
     def _serve(self, request, arrived: float) -> None:
         """One request on a worker thread: its session's replies become Triton responses."""
-        self.metrics.started()
+        clock = self.metrics.started(arrived)
         sender = request.get_response_sender()
         # Random 63-bit correlation ids: nobody can guess another request's (they used to be
         # pid << 32 + n), and no restart or replica repeats one.
@@ -168,15 +163,12 @@ class TritonPythonModel:
             self.active_requests += 1  # the load the batch-size schedule follows
         verifier, drafter = self.peers.verifier(seq_id), self.peers.drafter(seq_id)
         session, counted = None, False
-        last_token_at = None  # when the latest step's tokens came out (metrics)
         try:
             session = Session(self.served, self._parse(request), seq_id)
             for reply in session.replies(verifier, drafter, self.cancellation.watch(sender)):
                 if reply.step.token_ids:
-                    now = time.perf_counter()
-                    first = last_token_at is None
-                    self.metrics.tokens(len(reply.step.token_ids), now - (last_token_at or arrived), first)
-                    last_token_at = now
+                    clock.tokens(len(reply.step.token_ids))
+                clock.finish_reason = reply.step.finish_reason or clock.finish_reason
                 if reply.step.finish_reason == "cancelled":
                     log.info("request %d cancelled by the client", seq_id)
                     self._post(sender, functools.partial(error_response, "request cancelled"), final=True)
@@ -194,7 +186,7 @@ class TritonPythonModel:
             log.exception("request %d failed", seq_id)
             self._post(sender, functools.partial(error_response, f"generation failed: {e}"), final=True)
         finally:
-            self.metrics.finished(len(session.prompt_ids) if session else 0, last_token_at and last_token_at - arrived)
+            clock.finished(len(session.prompt_ids) if session else 0)
             with self.lock:
                 self.active_requests -= 1
             if not counted and session is not None:

@@ -214,11 +214,11 @@ def verify_steps(runner: TargetRunner, steps: list[VerifyRequest]) -> list[Verif
         return [e] * len(steps)
 
 
-def in_process(runner: TargetRunner, after: Callable[[], None] = lambda: None) -> Callable[[list[Row]], list]:
+def in_process(runner: TargetRunner, after: Callable[[list], None] = lambda steps: None) -> Callable[[list[Row]], list]:
     """A StepBatcher's run_rows that verifies with `runner` in this process (the `speculative`
     model's verifier_in_process): what the verifier model does with a batch request, releases
     first and a failed step ending its sequence, without the round trip. `after` runs after
-    each batch (the metrics the verifier model would update)."""
+    each batch, given its steps (the metrics the verifier model would update)."""
 
     def run_rows(rows: list[Row]) -> list[VerifyResult | Exception | None]:
         for row in rows:
@@ -235,7 +235,7 @@ def in_process(runner: TargetRunner, after: Callable[[], None] = lambda: None) -
                 runner.release(row.seq_id)
                 result = RuntimeError(f"verifier: {result}")
             answers.append(result)
-        after()
+        after(steps)
         return answers
 
     return run_rows

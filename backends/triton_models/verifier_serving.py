@@ -15,7 +15,8 @@ from backends.runtime.threads import own_cores
 from backends.serving.logits import logprobs_to_arrays
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
-from backends.triton_models.common import PrefixCacheCounters, input_array, input_ids, instance_device, parse_flag
+from backends.triton_models.common import input_array, input_ids, instance_device, parse_flag
+from backends.triton_models.metrics import EngineMetrics
 from backends.triton_models.pbtxt import ModelSettings
 from backends.triton_models.sequence_model import SequenceBatchedModel
 from backends.triton_models.step_batch import ROWS, decode_rows, encode_results, verify_steps
@@ -31,7 +32,7 @@ class VerifierModel(SequenceBatchedModel):
         device = instance_device(args, settings.params, log)  # a GPU that cannot be used fails the load here
         self.runner = target_runner(settings, device)
         self.init_sequences(args, settings.params, self.runner)
-        self.prefix_counters = prefix_counters(self.runner, args["model_name"], str(args.get("model_version", "1")))
+        self.engine_metrics = EngineMetrics(args["model_name"], str(args.get("model_version", "1")), self.runner.engine)
 
     def parse(self, request) -> VerifyRequest:
         params = json.loads(request.parameters() or "{}")
@@ -71,9 +72,13 @@ class VerifierModel(SequenceBatchedModel):
     def run(self, calls: list[VerifyRequest]) -> list:
         """Requests from many sequences (the `oldest` sequence batcher) are verified together."""
         results = verify_steps(self.runner, calls)
-        if self.prefix_counters is not None:
-            self.prefix_counters.update(self.runner.engine)
+        self.engine_metrics.stepped(calls)
         return results
+
+    def execute(self, requests: list) -> list:
+        responses = super().execute(requests)
+        self.engine_metrics.update()  # after the steps and the releases, before the responses go out
+        return responses
 
     def respond(self, result: VerifyResult | None) -> object:
         token_ids, forward_s, hidden = (
@@ -123,8 +128,3 @@ def target_runner(settings: ModelSettings, device: str) -> TargetRunner:
         runner.kv_budget_tokens or "unlimited",
     )
     return runner
-
-
-def prefix_counters(runner: TargetRunner, model_name: str, version: str) -> PrefixCacheCounters | None:
-    """The prefix cache counters on /metrics, when the target caches prefixes."""
-    return PrefixCacheCounters(model_name, version) if runner.engine.prefix_caching else None

@@ -1,6 +1,8 @@
 """`tritonspec openai`: an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
-/v1/chat/completions, streamed as server-sent events or not) in front of the `speculative`
-model over gRPC, so OpenAI SDKs and genai-perf's OpenAI mode can drive it.
+/v1/chat/completions, streamed as server-sent events or not; /v1/responses in
+openai_responses.py; vLLM's /tokenize, /detokenize, /version and /metrics in
+openai_utility.py) in front of the `speculative` model over gRPC, so OpenAI SDKs and
+genai-perf's OpenAI mode can drive it.
 
 Chat messages are rendered with the served model's tokenizer chat template (the model
 directory comes from the Triton model's `model` parameter, or --model). OpenAI's sampling
@@ -9,10 +11,10 @@ window). `n` choices per prompt and, for completions, a list of prompts are sepa
 generations on the server (the j-th choice of a prompt samples with `seed + j` when a seed
 is given, as vLLM's parallel sampling does), at most 16 per request. Errors come back in
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for a bad request
-(including what the Triton model rejects), 401 without the API key, 404 for an unknown model
-or route, 413 for a body over the limit, 429 beyond the requests in flight allowed, 503 when
-Triton is unreachable or its KV cache budget is full, and 500 for a failure inside
-generation. The limits and the key are the front door's (openai_http.py); request bodies are
+(including what the Triton model rejects, `param` naming the input it refused), 401
+without the API key, 404 for an unknown model or route, 413 for a body over the limit, 429
+beyond the requests in flight allowed, 503 when Triton is unreachable or its KV cache
+budget is full, and 500 for a failure inside generation. The limits and the key are the front door's (openai_http.py); request bodies are
 parsed, and chat templates rendered, on worker threads, so one large request does not hold
 up the others.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -65,6 +68,7 @@ class Backend:
     # The longest token's text: a prompt longer than context_window times this cannot fit,
     # whatever it says, and is refused before it is rendered or tokenized (0: no check).
     max_token_chars: int = 0
+    metrics_url: str = ""  # Triton's /metrics, merged into ours ("": not merged)
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -90,7 +94,34 @@ def generation_error(e: Exception) -> OpenAIError:
         return OpenAIError(503, message, code="kv_cache_full")
     if message.startswith("generation failed") or "unexpected inference" in message:
         return OpenAIError(500, message)
-    return OpenAIError(400, message)
+    return OpenAIError(400, message, param=server_param(message))
+
+
+# The `speculative` model names the input it refuses first ("repetition_penalty must be in
+# (0, 100], got 0", "logit_bias[5] must be in [-100, 100]"); these are the request's own names.
+_REFUSED_INPUT = re.compile(r"^([a-z_]+)(?:\[[^\]]*\])? (?:must|is only)")
+_SERVER_PARAMS = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "random_seed": "seed",
+    "min_tokens": "min_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "stop_token_ids": "stop_token_ids",
+    "logit_bias": "logit_bias",
+    "num_draft_tokens": "num_draft_tokens",
+}
+
+
+def server_param(message: str) -> str | None:
+    """The request parameter a model's refusal names, if it names one."""
+    match = _REFUSED_INPUT.match(message)
+    return _SERVER_PARAMS.get(match.group(1)) if match else None
 
 
 def _ranked(entry: dict) -> list[tuple[str, float]]:
@@ -395,9 +426,16 @@ async def _events(plan: _Plan, runs: GenerationRuns, early: list[tuple]) -> Asyn
 
 
 def create_app(backend: Backend, policy: DoorPolicy | None = None) -> FastAPI:
+    # Imported here: the Responses route builds on this module's generation.
+    from client.api.openai_responses import add_responses_route
+    from client.api.openai_utility import RouteCounting, RouteCounts, add_utility_routes
+
     policy = policy or DoorPolicy()
     app = FastAPI(title="tritonspec OpenAI-compatible API")
     app.add_middleware(FrontDoor, policy=policy)
+    counts = RouteCounts()
+    app.add_middleware(RouteCounting, counts=counts)  # outside the door: its 401s and 429s count
+    _add_error_handlers(app)
     # Parsing, rendering and tokenizing run here, so that /health, /v1/models and streams
     # stay responsive while a large request is worked on; two threads: the rest wait.
     request_work = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-render")
@@ -405,26 +443,36 @@ def create_app(backend: Backend, policy: DoorPolicy | None = None) -> FastAPI:
     async def offload(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(request_work, fn, *args)
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request: Request, e: OpenAIError):
-        return e.response()
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
-        return OpenAIError(e.status_code, str(e.detail)).response()
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, e: ClientGone):  # nobody reads it: nginx's "client closed"
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):  # JSON, not Starlette's plain text
-        log.exception("internal error on %s", request.url.path)
-        return OpenAIError(500, f"internal error: {type(e).__name__}: {e}").response()
+    async def body_of(request: Request) -> dict:
+        return await read_json_body(request, policy.max_body_bytes, offload)
 
     async def generate(kind: str, request: Request) -> Any:
-        body = await read_json_body(request, policy.max_body_bytes, offload)
-        return await _complete(backend, kind, body, request, offload)
+        return await _complete(backend, kind, await body_of(request), request, offload)
+
+    _add_model_routes(app, backend)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate("chat", request)
+
+    @app.get("/health")
+    async def health():
+        ready = await asyncio.to_thread(_triton_ready, backend)
+        if not ready:
+            raise OpenAIError(503, f"model {backend.triton_model!r} is not ready on {backend.grpc_url}")
+        return {"status": "ok"}
+
+    add_responses_route(app, backend, body_of, offload)
+    add_utility_routes(app, backend, body_of, offload, counts)
+    return app
+
+
+def _add_model_routes(app: FastAPI, backend: Backend) -> None:
+    """/v1/models and /v1/models/{id}: the one model served."""
 
     def model_card() -> dict:
         return {
@@ -445,22 +493,26 @@ def create_app(backend: Backend, policy: DoorPolicy | None = None) -> FastAPI:
             raise OpenAIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
         return model_card()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate("completion", request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate("chat", request)
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's JSON shape (a client that left gets nginx's 499)."""
 
-    @app.get("/health")
-    async def health():
-        ready = await asyncio.to_thread(_triton_ready, backend)
-        if not ready:
-            raise OpenAIError(503, f"model {backend.triton_model!r} is not ready on {backend.grpc_url}")
-        return {"status": "ok"}
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError):
+        return e.response()
 
-    return app
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
+        return OpenAIError(e.status_code, str(e.detail)).response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone):  # nobody reads it: nginx's "client closed"
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):  # JSON, not Starlette's plain text
+        log.exception("internal error on %s", request.url.path)
+        return OpenAIError(500, f"internal error: {type(e).__name__}: {e}").response()
 
 
 def _triton_ready(backend: Backend) -> bool:
@@ -494,6 +546,7 @@ def build_backend(
     model: str | None = None,
     served_model_name: str | None = None,
     chat_template: Path | None = None,
+    metrics_url: str = "",
 ) -> Backend:
     """Everything the app needs: the tokenizer (and chat template) and context window of the
     model Triton serves (from its config, or `model`)."""
@@ -513,6 +566,7 @@ def build_backend(
         model_context_window(path, cap),
         triton_model,
         longest_token_chars(tokenizer),
+        metrics_url,
     )
 
 

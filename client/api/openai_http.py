@@ -24,7 +24,7 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 128
 # An OpenAI request nests 5 levels (messages[].content[].image_url.url); past this, refused.
 MAX_NESTING = 32
 API_KEY_ENV = "TRITONSPEC_API_KEY"
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 RETRY_AFTER_S = 1
 # Past the limit, this much more of a body is read and dropped so that the client gets the 413.
 DRAIN_BYTES = 64 * 2**20

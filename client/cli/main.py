@@ -177,6 +177,7 @@ def _openai(args: argparse.Namespace) -> int:
             args.model,
             args.served_model_name,
             Path(args.chat_template) if args.chat_template else None,
+            args.metrics_url if args.metrics_url is not None else f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics",
         )
     except Exception as e:  # unreachable server, unknown model, unreadable template: say which
         return error(e)
@@ -314,7 +315,9 @@ def _add_train_parser(sub: Subcommands) -> None:
 
 def _add_openai_parser(sub: Subcommands) -> None:
     oai = sub.add_parser(
-        "openai", help="OpenAI-compatible API (/v1/completions, /v1/chat/completions) in front of the speculative model"
+        "openai",
+        help="OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses, /tokenize, "
+        "/detokenize, /version, /metrics) in front of the speculative model",
     )
     oai.add_argument("--url", default="127.0.0.1:8001", help="Triton's gRPC address")
     oai.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -327,6 +330,11 @@ def _add_openai_parser(sub: Subcommands) -> None:
     )
     oai.add_argument("--served-model-name", help="the model id clients use (default: the Triton model name)")
     oai.add_argument("--chat-template", help="a Jinja chat template file (default: the tokenizer's)")
+    oai.add_argument(
+        "--metrics-url",
+        help="Triton's /metrics, served again after the front end's own on /metrics "
+        "(default: port 8002 of --url's host; '' for the front end's only)",
+    )
     oai.add_argument(
         "--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}; unset: no key)"
     )

@@ -360,14 +360,14 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(tiny_server):
         return metric_values(tiny_server, name).get(labels, 0.0)
 
     prompt = "Prefix caching keeps the blocks of a prompt it has seen: " + "one two three four five six. " * 6
-    hits = value("vllm:prefix_cache_hits")
+    hits = value("vllm:prefix_cache_hits_total")
     first = grpc_generate(tiny_server.grpc_url, prompt, max_tokens=12, ignore_eos=True, num_draft_tokens=0)
-    assert value("vllm:prefix_cache_hits") == hits  # never seen: nothing to reuse
-    queries = value("vllm:prefix_cache_queries")
+    assert value("vllm:prefix_cache_hits_total") == hits  # never seen: nothing to reuse
+    queries = value("vllm:prefix_cache_queries_total")
     second = grpc_generate(tiny_server.grpc_url, prompt, max_tokens=12, ignore_eos=True)
     assert second.output_ids == first.output_ids
-    assert value("vllm:prefix_cache_queries") - queries >= first.num_input_tokens - 1
-    assert value("vllm:prefix_cache_hits") - hits == (first.num_input_tokens - 1) // 16 * 16 > 0
+    assert value("vllm:prefix_cache_queries_total") - queries >= first.num_input_tokens - 1
+    assert value("vllm:prefix_cache_hits_total") - hits == (first.num_input_tokens - 1) // 16 * 16 > 0
 
 
 def test_http_generate_with_stream_true_answers_with_the_route_to_use(tiny_server):
