@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.runtime import cpu_kernels
+from backends.runtime import cpu_kernels, kernel_library
 from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.lean_lm import K_CHUNKS, KernelLinear, LeanCausalLM, LeanDecoder, Row, _Linear, kernel_linears
 from backends.serving.tree import DraftTree
@@ -65,7 +65,7 @@ def test_tree_node_equals_its_root_path(model, cached):
 
 
 needs_avx2 = pytest.mark.skipif(
-    not {"avx2", "fma"} <= set(cpu_kernels._cpu_flags().split()), reason="this CPU has no AVX2 + FMA"
+    not {"avx2", "fma"} <= set(kernel_library._cpu_flags().split()), reason="this CPU has no AVX2 + FMA"
 )
 
 
@@ -73,7 +73,7 @@ def _with_kernel_flags(flags: str, *args: str) -> subprocess.CompletedProcess:
     """Python run with `args` in the repository, its CPU kernels built with extra `flags`."""
     return subprocess.run(
         [sys.executable, *args],
-        env={**os.environ, cpu_kernels.FLAGS_ENV: flags},
+        env={**os.environ, kernel_library.FLAGS_ENV: flags},
         cwd=Path(__file__).parents[2],
         capture_output=True,
         text=True,
@@ -431,7 +431,7 @@ def test_argmax_kernel_is_torch_argmax(dtype):
     def kernel(x: torch.Tensor) -> list[int]:  # the C function itself, no torch fallback
         out = torch.empty(x.shape[0], dtype=torch.int64)
         bf16 = int(x.dtype == torch.bfloat16)
-        cpu_kernels._library().argmax_rows(x.data_ptr(), x.stride(0), *x.shape, bf16, out.data_ptr())
+        kernel_library.library().argmax_rows(x.data_ptr(), x.stride(0), *x.shape, bf16, out.data_ptr())
         return out.tolist()
 
     for x in (rows, strided, rows[:, :16], rows[:, :5], ties, ties[:, :64], ties[:, :65], ties[:, :63], ties[:, :1]):

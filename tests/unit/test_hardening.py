@@ -286,7 +286,7 @@ def test_a_cached_kernel_library_others_could_write_is_refused(tmp_path, monkeyp
     import os
     import shutil
 
-    from backends.runtime import cpu_kernels
+    from backends.runtime import kernel_library as cpu_kernels
 
     built = cpu_kernels._built(cpu_kernels.SOURCE)  # this user's own build, trusted
     monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
