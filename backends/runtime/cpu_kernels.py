@@ -18,187 +18,29 @@ got ~19 GB/s of this machine's ~33 on SmolLM2's small matrices. The packed kerne
 ``cpu_kernels.c``) took 0.63-0.77x oneDNN's time for 1 to 17 rows, and it is batch invariant by
 construction, so the K-split probing of oneDNN's weights is not needed where it runs.
 
-The shared object is compiled at first use (about a second) into
-``~/.cache/tritonspec/kernels/`` under a name that hashes the source and the flags, written to a
-temporary name and renamed, so concurrent model instances never load a half-written file.
+Building, trusting and loading the shared object: ``kernel_library.py``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from .model_store import cache_dir
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# Extra compiler flags, e.g. "-mno-avx512f" to build (and test) the AVX2 kernels on an AVX-512 CPU
-FLAGS_ENV = "TRITONSPEC_KERNEL_FLAGS"
-
-
-class KernelUnavailable(RuntimeError):
-    """The lean runtime's CPU kernels cannot be built or loaded on this machine."""
-
-
-def _cpu_flags() -> str:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in cpuinfo.splitlines() if line.startswith("flags")), platform.processor())
-
-
-def row_invariant_shapes() -> set[str]:
-    """The weight shapes whose row invariance on this build of the kernels was probed and
-    held (``lean_lm._PackedLinear.row_invariant``), kept beside the build: the probe is
-    deterministic for one build on one CPU, and took 9 s for Qwen2.5-1.5B's LM head alone on
-    the 2-core Zen 1 host, at every start."""
-    try:
-        return set(_record().read_text().splitlines())
-    except OSError:
-        return set()
-
-
-def remember_row_invariant(shape: str) -> None:
-    try:
-        with open(_record(), "a") as record:  # one short appended line: concurrent loads do not mix
-            record.write(shape + "\n")
-    except OSError as e:  # a read-only cache: the next start probes again
-        log.info("row invariance of %s not remembered: %s", shape, e)
-
-
-def _record() -> Path:
-    return _built(SOURCE).with_suffix(".row-invariant")
-
-
-@cache
-def _library() -> ctypes.CDLL:
-    """The kernels, built once per source, compiler, flags and CPU into the cache, loaded with
-    their signatures."""
-    lib = ctypes.CDLL(str(_built(SOURCE)))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.attend.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    lib.attend.restype = ctypes.c_int
-    lib.attend_bf16_dots.argtypes = []
-    lib.attend_bf16_dots.restype = ctypes.c_int
-    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.rms_norm.restype = ctypes.c_int
-    lib.rope_store.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    lib.rope_store.restype = ctypes.c_int
-    lib.silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    lib.silu_mul.restype = ctypes.c_int
-    lib.packed_linear_available.argtypes = []
-    lib.packed_linear_available.restype = ctypes.c_int
-    lib.pack_linear.argtypes = [ptr, i64, i64, ptr]
-    lib.pack_linear.restype = None
-    lib.packed_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
-    lib.packed_linear.restype = ctypes.c_int
-    lib.int8_linear_available.argtypes = []
-    lib.int8_linear_available.restype = ctypes.c_int
-    lib.int8_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
-    lib.int8_linear.restype = ctypes.c_int
-    lib.int4_linear_available.argtypes = []
-    lib.int4_linear_available.restype = ctypes.c_int
-    lib.int4_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
-    lib.int4_linear.restype = ctypes.c_int
-    f32 = ctypes.c_float
-    lib.run_layers.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]
-    lib.run_layers.argtypes += [ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.run_layers.restype = ctypes.c_int
-    lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
-    lib.argmax_rows.restype = None
-    return lib
-
+# re-exported: the runtime's callers know the kernels by this module
+from .kernel_library import KernelUnavailable as KernelUnavailable
+from .kernel_library import library as _library
+from .kernel_library import remember_row_invariant as remember_row_invariant
+from .kernel_library import row_invariant_shapes as row_invariant_shapes
 
 # cpu_kernels.c's limits: whole vectors of 16 floats per head or row, its stack buffers
 MAX_HEAD_DIM = 256
 MAX_GROUP = 32
 MAX_NORM = 16384
 KEY_CHUNK = 256  # a longer key list is attended in chunks of this many keys
-
-
-@cache
-def _built(path: Path) -> Path:
-    """The shared library of the C source at `path`, built into the cache if not there yet."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise KernelUnavailable("no C compiler (gcc) on PATH to build the lean runtime's CPU kernels")
-    if not path.is_file():
-        raise KernelUnavailable(
-            f"the CPU kernels' C source {path} is missing from this installation "
-            "(a package built without its package data): reinstall tritonspec from a complete wheel or checkout"
-        )
-    source = path.read_bytes()
-    flags = (*FLAGS, *os.environ.get(FLAGS_ENV, "").split())
-    # -march=native: a cache shared by machines of other CPUs must not hand them this build
-    digest = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"cpu_kernels-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        log.info("building the lean runtime's CPU kernels: %s", target)
-        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
-        try:
-            # Bytes, decoded here: gcc quotes names in UTF-8 (and warns on AVX2-only CPUs),
-            # and the Triton stub's locale decodes text as ASCII, which failed the model's load.
-            done = subprocess.run([compiler, *flags, str(path), "-o", str(partial), "-lm"], capture_output=True)
-            if done.returncode != 0:
-                errors = done.stderr.decode("utf-8", errors="replace").strip()
-                raise KernelUnavailable(f"building {path.name} failed:\n{errors}")
-            partial.chmod(0o755)  # whatever the umask: no other user may write what is loaded
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
-    _check_trusted(target)
-    return target
-
-
-def _check_trusted(library: Path) -> None:
-    """Refuse a cached library that someone else could have put there: its name is computable
-    from public inputs, so only a file (and folder) owned by this user and writable by no other
-    user may be loaded into the serving process."""
-    for path in (library, library.parent):
-        st = path.stat()
-        # Group-writable only for this process's own group (a umask of 002 with a group per user).
-        others_write = st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getgid())
-        if st.st_uid != os.getuid() or others_write:
-            raise KernelUnavailable(
-                f"refusing to load {library}: {path} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o} "
-                f"(this process runs as uid {os.getuid()}; only its own files, writable by no other user, are loaded). "
-                "Remove the file, or fix its owner and mode"
-            )
 
 
 def unavailable_reason(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
@@ -213,6 +55,40 @@ def unavailable_reason(head_dim: int, num_heads: int, num_kv_heads: int) -> str 
     except (KernelUnavailable, OSError) as e:
         return str(e)
     return None
+
+
+class KernelArgumentError(ValueError):
+    """An argument the C kernels would read or write out of bounds (a slot past the pool, a
+    query with no key, a row count past a tensor): refused before any C runs, since the kernels
+    trust their extents and a slip there is a crash of the serving process, not an exception."""
+
+
+def _check_slots(name: str, slots: torch.Tensor, pool_slots: int) -> None:
+    """Every entry of ``slots`` (int64) indexes a pool of ``pool_slots`` slots."""
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise KernelArgumentError(f"{name} must be contiguous int64, got {slots.dtype}")
+    if slots.numel():
+        low, high = (int(v) for v in torch.aminmax(slots))
+        if low < 0 or high >= pool_slots:
+            bad = low if low < 0 else high
+            raise KernelArgumentError(f"{name}: slot {bad} is outside the KV pool's {pool_slots} slots")
+
+
+def _check_table(name: str, table: torch.Tensor, rows: int, width: int) -> None:
+    """``table`` holds at least ``rows`` rows of ``width`` values each."""
+    if table.dim() < 1 or table.shape[0] < rows or table.numel() < rows * width:
+        raise KernelArgumentError(f"{name} of shape {list(table.shape)} has no {rows} rows of {width} values")
+
+
+def _check_tokens(
+    kernel: str, tokens: int, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_slots: int, d: int
+) -> None:
+    """A step's ``tokens`` new tokens: one pool slot each to write, one RoPE row each."""
+    if slots.shape != (tokens,):
+        raise KernelArgumentError(f"{kernel}: {list(slots.shape)} slots for {tokens} tokens")
+    _check_slots("slots", slots, pool_slots)
+    _check_table("cos", cos, tokens, d)
+    _check_table("sin", sin, tokens, d)
 
 
 def _check_rows(x: torch.Tensor, *others: torch.Tensor) -> None:
@@ -248,6 +124,31 @@ class KeyLists:
         self.mask = None if mask is None else mask.to(torch.uint8).contiguous()
         if self.mask is not None and (self.mask.dim() != 2 or self.mask.shape[0] != self.tokens):
             raise ValueError(f"a key mask of shape {tuple(self.mask.shape)} for {self.tokens} tokens")
+        self._checked: tuple[int, int] | None = None  # (tokens, pool slots) check() passed for
+
+    def check(self, tokens: int, pool_slots: int) -> None:
+        """Refuse lists the kernels would read out of bounds, for a call of ``tokens`` queries on a
+        pool of ``pool_slots`` slots: every query has at least one key (itself), each list lies
+        within ``slots``, every slot within the pool, and a mask covers what it may hide. Done
+        once per list and pool, not per layer: a step's lists serve all its layers."""
+        if self._checked == (tokens, pool_slots):
+            return
+        if self.tokens != tokens or self.length.shape != (tokens,):
+            raise KernelArgumentError(f"key lists for {self.tokens} queries in a call of {tokens}")
+        if tokens:
+            shortest = int(self.length.min())
+            if shortest < 1:
+                raise KernelArgumentError(f"key_len {shortest}: every query attends to at least one key (itself)")
+            if int(self.start.min()) < 0 or int((self.start + self.length).max()) > self.slots.shape[0]:
+                raise KernelArgumentError(f"key_start + key_len past the {self.slots.shape[0]} key slots")
+        _check_slots("key slots", self.slots, pool_slots)
+        if self.mask is not None:
+            from_, width = self.mask_from, self.mask.shape[1]
+            if from_ is None or from_.shape != (tokens,) or (tokens and int(from_.min()) < 0):
+                raise KernelArgumentError("mask_from must give each query a key index >= 0")
+            if tokens and int((self.length - from_).max()) > width:
+                raise KernelArgumentError(f"a key mask of {width} columns hides fewer keys than mask_from leaves")
+        self._checked = (tokens, pool_slots)
 
     def to(self, device: torch.device) -> KeyLists:
         if self.slots.device == torch.device(device):
@@ -270,8 +171,13 @@ def attend(
     group-major) over ``kv_layer`` ``[slots, 2, kv_heads, head_dim]`` -> ``[tokens, heads * head_dim]``."""
     _, _, kv_heads, d = kv_layer.shape
     _check_rows(q, kv_layer)
+    keys.check(q.shape[0], kv_layer.shape[0])
+    if q.shape[1] < num_heads * d:
+        raise KernelArgumentError(f"q rows of {q.shape[1]} values hold no {num_heads} heads of {d}")
     if out is None:
         out = q.new_empty(keys.tokens, num_heads * d)
+    elif not out.is_contiguous() or out.shape != (keys.tokens, num_heads * d):
+        raise KernelArgumentError(f"out must be a contiguous [{keys.tokens}, {num_heads * d}], got {list(out.shape)}")
     rc = _library().attend(
         q.data_ptr(),
         q.stride(0),
@@ -324,6 +230,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     bfloat16, ``weight`` of the same dtype). Callers check ``layer_kernels_available`` once."""
     rows, n = x.shape
     _check_rows(x, weight)
+    _check_table("weight", weight.view(1, -1), 1, n)
     out = x.new_empty(rows, n)
     pointers = (x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0))
     if not _ran("rms_norm", *pointers, rows, n, eps, int(x.dtype == torch.bfloat16)):
@@ -339,8 +246,9 @@ def rope_store(
     each token's k and v heads into ``kv_layer[slots[t]]`` (``[slots, 2, kv_heads, head_dim]``)."""
     _check_rows(qkv, cos, sin, kv_layer)
     _, _, kv_heads, d = kv_layer.shape
-    if slots.dtype != torch.int64 or not slots.is_contiguous():
-        raise ValueError("rope_store needs contiguous int64 slots")
+    tokens = qkv.shape[0]
+    _check_table("qkv", qkv.view(tokens, -1) if tokens else qkv, tokens, (num_heads + 2 * kv_heads) * d)
+    _check_tokens("rope_store", tokens, slots, cos, sin, kv_layer.shape[0], d)
     pointers = (qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kv_layer.data_ptr(), slots.data_ptr())
     if not _ran("rope_store", *pointers, qkv.shape[0], num_heads, kv_heads, d, int(qkv.dtype == torch.bfloat16)):
         raise KernelUnavailable(f"rope_store takes a head dim that is a multiple of 16 up to {MAX_HEAD_DIM}, got {d}")
@@ -415,12 +323,22 @@ def run_layers(
     """Decoder layers ``first`` to ``end`` - 1 on the residual stream ``h`` ``[tokens, hidden]``
     bf16 (contiguous), in place, in one call. ``sizes``: (hidden, intermediate, heads,
     kv_heads, head_dim); ``kv``: the pool's ``[layers, slots, ...]`` KV; ``scratch``: at least
-    ``layer_scratch(tokens, sizes)`` bf16 values. Arguments are the caller's to get right
-    (lean_lm builds them once per step); the kernels' own checks still refuse sizes they
-    cannot take."""
+    ``layer_scratch(tokens, sizes)`` bf16 values. Every extent is checked here, once per call
+    (a few integer comparisons; the key lists' slots once per step), before any C runs."""
     hidden, inter, heads, kv_heads, d = sizes
     if not 0 <= first < end <= len(layers) or kv.shape[0] < end:
-        raise ValueError(f"layers {first} to {end} of {len(layers)} (KV of {kv.shape[0]})")
+        raise KernelArgumentError(f"layers {first} to {end} of {len(layers)} (KV of {kv.shape[0]})")
+    tokens = h.shape[0]
+    if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.shape != (tokens, hidden):
+        raise KernelArgumentError(f"h must be a contiguous bf16 [tokens, {hidden}], got {h.dtype} {list(h.shape)}")
+    if kv.dtype != torch.bfloat16 or kv.dim() != 5 or kv.shape[2:] != (2, kv_heads, d) or not kv.is_contiguous():
+        raise KernelArgumentError(f"kv must be a contiguous bf16 [layers, slots, 2, {kv_heads}, {d}]")
+    _check_tokens("run_layers", tokens, slots, cos, sin, kv.shape[1], d)
+    keys.check(tokens, kv.shape[1])
+    if scratch.numel() < layer_scratch(tokens, sizes):
+        raise KernelArgumentError(
+            f"scratch of {scratch.numel()} values, {tokens} tokens need {layer_scratch(tokens, sizes)}"
+        )
     layer_bytes = kv.stride(0) * kv.element_size()
     rc = _library().run_layers(
         h.data_ptr(),
@@ -513,11 +431,24 @@ def packed_linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided) and W
     as ``pack_linear`` left it -> ``[m, n]``."""
+    _check_weight("packed linear", x, packed, 1, n, bias)
     out, rc = _linear(_library().packed_linear, "packed linear", x, (packed.data_ptr(),), n, bias, residual)
     if rc != 0:
         reasons = {-2: "it is not built for this CPU", -3: "out of memory for its widened rows"}
         raise KernelUnavailable(f"packed linear kernel: {reasons.get(rc, f'odd K {x.shape[1]}')}")
     return out
+
+
+def _check_weight(
+    name: str, x: torch.Tensor, packed: torch.Tensor, per_k: float, n: int, bias: torch.Tensor | None
+) -> None:
+    """``packed`` (``per_k`` values per output and position of K) was packed for ``x``'s K and
+    ``n`` outputs, and ``bias`` has one value per output."""
+    k, padded = x.shape[-1], -(-n // GROUP) * GROUP
+    if packed.numel() != padded * k * per_k:
+        raise KernelArgumentError(f"{name}: a packed weight of {packed.numel()} values is not {n} outputs x K {k}")
+    if bias is not None and (bias.numel() < n or not bias.is_contiguous()):
+        raise KernelArgumentError(f"{name}: bias of {bias.numel()} values for {n} outputs")
 
 
 def _linear(
@@ -589,6 +520,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided), each
     row quantized to int8 on the fly, W as ``pack_linear_int8`` left it -> ``[m, n]`` bf16."""
+    _check_weight("int8 linear", x, weight.packed, 1, weight.out_features, bias)
     pointers = (weight.packed.data_ptr(), weight.scale.data_ptr(), weight.wsum.data_ptr())
     out, rc = _linear(_library().int8_linear, "int8 linear", x, pointers, weight.out_features, bias, residual)
     if rc != 0:
@@ -645,6 +577,7 @@ def int4_linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias) (+ residual)`` for ``x`` ``[m, k]`` bf16 (rows may be strided), each
     row quantized to int8 on the fly, W as ``pack_linear_int4`` left it -> ``[m, n]`` bf16."""
+    _check_weight("int4 linear", x, weight.packed, 0.5, weight.out_features, bias)
     pointers = (weight.packed.data_ptr(), weight.scale.data_ptr())
     out, rc = _linear(_library().int4_linear, "int4 linear", x, pointers, weight.out_features, bias, residual)
     if rc != 0:

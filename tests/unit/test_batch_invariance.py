@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.runtime import cpu_kernels
+from backends.runtime import cpu_kernels, kernel_library
 from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.lean_lm import K_CHUNKS, KernelLinear, LeanCausalLM, LeanDecoder, Row, _Linear, kernel_linears
 from backends.serving.tree import DraftTree
@@ -65,7 +65,7 @@ def test_tree_node_equals_its_root_path(model, cached):
 
 
 needs_avx2 = pytest.mark.skipif(
-    not {"avx2", "fma"} <= set(cpu_kernels._cpu_flags().split()), reason="this CPU has no AVX2 + FMA"
+    not {"avx2", "fma"} <= set(kernel_library._cpu_flags().split()), reason="this CPU has no AVX2 + FMA"
 )
 
 
@@ -73,7 +73,7 @@ def _with_kernel_flags(flags: str, *args: str) -> subprocess.CompletedProcess:
     """Python run with `args` in the repository, its CPU kernels built with extra `flags`."""
     return subprocess.run(
         [sys.executable, *args],
-        env={**os.environ, cpu_kernels.FLAGS_ENV: flags},
+        env={**os.environ, kernel_library.FLAGS_ENV: flags},
         cwd=Path(__file__).parents[2],
         capture_output=True,
         text=True,
@@ -90,10 +90,11 @@ def test_the_avx2_packed_linear_kernel_passes_the_packed_tests():
         for name in (
             "test_packed_linear_is_the_matmul_and_row_invariant",
             "test_packed_linear_refuses_what_it_cannot_take",
+            "test_a_prefill_batch_gives_each_row_of_the_packed_linear_its_bits_alone",
         )
     ]
     done = _with_kernel_flags("-mno-avx512f", "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests)
-    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:]
+    assert done.returncode == 0 and "6 passed" in done.stdout, done.stdout[-3000:]
     # the flags reach the build: without AVX2 either, no packed kernel is built
     ask = "from backends.runtime import cpu_kernels; print(cpu_kernels.packed_linear_available())"
     off = _with_kernel_flags("-mno-avx512f -mno-avx2", "-c", ask)
@@ -431,7 +432,7 @@ def test_argmax_kernel_is_torch_argmax(dtype):
     def kernel(x: torch.Tensor) -> list[int]:  # the C function itself, no torch fallback
         out = torch.empty(x.shape[0], dtype=torch.int64)
         bf16 = int(x.dtype == torch.bfloat16)
-        cpu_kernels._library().argmax_rows(x.data_ptr(), x.stride(0), *x.shape, bf16, out.data_ptr())
+        kernel_library.library().argmax_rows(x.data_ptr(), x.stride(0), *x.shape, bf16, out.data_ptr())
         return out.tolist()
 
     for x in (rows, strided, rows[:, :16], rows[:, :5], ties, ties[:, :64], ties[:, :65], ties[:, :63], ties[:, :1]):
@@ -478,6 +479,34 @@ def test_packed_linear_is_the_matmul_and_row_invariant(n):
         torch.set_num_threads(before)
     for m in (1, 6, 7, 13, 48, 49):  # one tile, tiles split evenly (4 + 3, 5 + 4 + 4), one and two blocks
         assert torch.equal(cpu_kernels.packed_linear(x[:m], packed, n, bias, residual[:m]), out[:m])
+
+
+@needs_packed
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prefill_batch_gives_each_row_of_the_packed_linear_its_bits_alone(threads):
+    """A 2048-row prefill (blocks of row tiles, shared with the groups of outputs among the
+    threads) gives every row the bits it gets alone in a decode step, wherever it sits."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 200, 1536  # a partial last group; K in 12 chunks
+    weight = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(2048, k, generator=gen).bfloat16()
+    residual = torch.randn(2048, n, generator=gen).bfloat16()
+    packed = cpu_kernels.pack_linear(weight)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        batch = cpu_kernels.packed_linear(x, packed, n, bias, residual)
+        for i in (0, 1, 5, 6, 47, 48, 1000, 2046, 2047):
+            alone = cpu_kernels.packed_linear(x[i : i + 1], packed, n, bias, residual[i : i + 1])
+            assert torch.equal(alone[0], batch[i]), f"row {i}"
+        for m0, m1 in ((0, 129), (1, 2048), (700, 755)):  # other batches the row sits in
+            part = cpu_kernels.packed_linear(x[m0:m1], packed, n, bias, residual[m0:m1])
+            assert torch.equal(part, batch[m0:m1])
+    finally:
+        torch.set_num_threads(before)
+    reference = x.double() @ weight.double().T + bias.double() + residual.double()
+    torch.testing.assert_close(batch.double(), reference, rtol=1e-2, atol=3e-2)
 
 
 @needs_packed
@@ -613,7 +642,7 @@ def test_the_packed_probe_runs_once_per_build_and_shape(monkeypatch, tmp_path):
     or the same at another thread count, is probed."""
     from backends.runtime.lean_lm import _PackedLinear
 
-    monkeypatch.setattr(cpu_kernels, "_record", lambda: tmp_path / "kernels.row-invariant")
+    monkeypatch.setattr(kernel_library, "_record", lambda: tmp_path / "kernels.row-invariant")
     calls = []
     run = _PackedLinear._run
     monkeypatch.setattr(_PackedLinear, "_run", lambda self, *args: calls.append(1) or run(self, *args))
@@ -637,7 +666,7 @@ def test_the_packed_probe_runs_once_per_build_and_shape(monkeypatch, tmp_path):
     assert not _PackedLinear(weight[:16]).row_invariant(adds=True, max_rows=8)
     assert len(cpu_kernels.row_invariant_shapes()) == 3
     monkeypatch.undo()  # the real probe again, and a record that cannot be written: still loads
-    monkeypatch.setattr(cpu_kernels, "_record", lambda: tmp_path / "no such directory" / "kernels.row-invariant")
+    monkeypatch.setattr(kernel_library, "_record", lambda: tmp_path / "no such directory" / "kernels.row-invariant")
     assert _PackedLinear(weight).row_invariant(adds=True, max_rows=8)
 
 

@@ -286,25 +286,25 @@ def test_a_cached_kernel_library_others_could_write_is_refused(tmp_path, monkeyp
     import os
     import shutil
 
-    from backends.runtime import cpu_kernels
+    from backends.runtime import kernel_library
 
-    built = cpu_kernels._built(cpu_kernels.SOURCE)  # this user's own build, trusted
-    monkeypatch.setattr(cpu_kernels, "cache_dir", lambda: tmp_path)
+    built = kernel_library._built(kernel_library.SOURCE)  # this user's own build, trusted
+    monkeypatch.setattr(kernel_library, "cache_dir", lambda: tmp_path)
     planted = tmp_path / "kernels" / built.name
     planted.parent.mkdir(mode=0o755)
     shutil.copy(built, planted)
     planted.chmod(0o644)
-    assert cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE) == planted  # own file, not writable by others
+    assert kernel_library._built.__wrapped__(kernel_library.SOURCE) == planted  # own file, not writable by others
     planted.chmod(0o666)
-    with pytest.raises(cpu_kernels.KernelUnavailable, match="refusing to load .* mode 666"):
-        cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
+    with pytest.raises(kernel_library.KernelUnavailable, match="refusing to load .* mode 666"):
+        kernel_library._built.__wrapped__(kernel_library.SOURCE)
     planted.chmod(0o664)  # this process's own group may write (a umask of 002)
-    assert cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE) == planted
+    assert kernel_library._built.__wrapped__(kernel_library.SOURCE) == planted
     if os.getuid() == 0:  # only root may hand a file to another group
         os.chown(planted, -1, os.getgid() + 1)
-        with pytest.raises(cpu_kernels.KernelUnavailable, match="mode 664"):
-            cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
+        with pytest.raises(kernel_library.KernelUnavailable, match="mode 664"):
+            kernel_library._built.__wrapped__(kernel_library.SOURCE)
     planted.chmod(0o644)
     planted.parent.chmod(0o777)  # a folder anyone may write: the file could be swapped
-    with pytest.raises(cpu_kernels.KernelUnavailable, match="mode 777"):
-        cpu_kernels._built.__wrapped__(cpu_kernels.SOURCE)
+    with pytest.raises(kernel_library.KernelUnavailable, match="mode 777"):
+        kernel_library._built.__wrapped__(kernel_library.SOURCE)
