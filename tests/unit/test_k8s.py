@@ -246,7 +246,7 @@ def test_triton_is_reached_only_through_the_gateway():
             else:
                 public_ports |= {p["port"] for p in service["spec"]["ports"]}
         assert public_ports == published
-    # The network policy lets only the gateway's pods to Triton's API ports.
+    # The network policy lets only the gateway's pods reach Triton's API ports.
     docs = render()
     (policy,) = objects(docs, "NetworkPolicy").values()
     assert selects(policy["spec"]["podSelector"]["matchLabels"], deployment(docs, "triton"))
