@@ -221,7 +221,9 @@ def chaos_trigger(tmp_path, monkeypatch) -> Path:
 
 def _stoppable(tmp_path, model_dir, grace_s: float) -> TritonServer:
     drafter = {"speculative_config": json.dumps(CHAOS_SPECULATIVE_CONFIG)}
-    server = _server(tmp_path, model_dir, {}, grace_s=grace_s, graceful=True, drafter=drafter)
+    # Every step drafts (an adaptive length may stop drafting): the stall comes at the next step.
+    speculative = {"adaptive_draft_length": "false"}
+    server = _server(tmp_path, model_dir, speculative, grace_s=grace_s, graceful=True, drafter=drafter)
     return server.start()
 
 
@@ -232,6 +234,7 @@ def test_a_graceful_stop_lets_requests_in_flight_finish(tiny_model_dir, tmp_path
     events, ready, new_request = _stop_during(server, chaos_trigger)
     assert ready is not True
     assert isinstance(new_request, ServerUnavailableError) or str(new_request).startswith("unavailable:"), new_request
+    assert "in-flight inferences" in server.log_tail(400) and "Found 1 model versions" in server.log_tail(400)
     assert not any("error" in e for e in events) and _tokens(events) == 480, events[-2:]
     assert events[-1].get("finish_reason") == "length"
     assert server.process.returncode == 0, server.log_tail(40)
