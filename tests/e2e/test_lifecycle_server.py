@@ -167,7 +167,7 @@ def _sse_stream(server: TritonServer, max_tokens: int) -> tuple[list[dict], thre
     came and one set at its end."""
     events: list[dict] = []
     first, done = threading.Event(), threading.Event()
-    body = json.dumps({"text_input": PROMPT, "max_tokens": max_tokens, "ignore_eos": True})
+    body = json.dumps({"text_input": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True})
     request = urllib.request.Request(
         f"http://{server.http_url}/v2/models/speculative/generate_stream", data=body.encode()
     )
