@@ -11,10 +11,17 @@ What the launcher does that a bare `tritonserver` call does not:
   --dtype, --speculative-config) the way `vllm serve -sc` configures vLLM, and instance
   kinds (KIND_GPU for the verifier and drafter on a GPU host);
 - stops it gracefully (`drain`): new requests are refused as retryable at once, those in flight
-  may finish within a grace period and are then cut with an error, and only then do the
-  models unload. tritonserver's own stop (SIGINT) waits --exit-timeout-secs for requests in
-  flight and then unloads the models under them: with streams open, it crashed on exit
-  (SIGSEGV) in 3 of 4 stops. Triton's readiness turns false at once.
+  may finish within a grace period and are then cut with an error, and Triton's readiness
+  turns false at once. tritonserver's own stop (SIGINT) alone crashed with streams open: a
+  decoupled model's request stops counting as in flight once execute() has handed it to a
+  worker thread, so Triton found "0 model versions that have in-flight inferences" and began
+  unloading `speculative` under its streams; its finalize waited for them, the exit timeout
+  ran out ("Exit timeout expired. Exiting immediately.") and the process died of SIGSEGV, or
+  hung (SmolLM2, 3 streams of 1500 tokens: one SIGSEGV, one hang over 60 s; drained: exit 0
+  after 2.8 s). Drained, the streams end by the grace period's end, before Triton's exit
+  timeout (the grace period + EXIT_MARGIN_S). The verifier and drafter models unload at once
+  all the same: a request that still calls them over BLS then fails (a drafter's call falls
+  back to plain decoding).
 """
 
 from __future__ import annotations
