@@ -109,7 +109,8 @@ def input_scalar(request: Any, name: str) -> Any:
 
 
 def error_response(message: str, retryable: bool = False) -> Any:
-    """A response with the error `message`; `retryable`: Triton's UNAVAILABLE (HTTP 503)."""
+    """A response with the error `message`; `retryable`: Triton's UNAVAILABLE (say so in the message
+    too: Triton's HTTP /generate answers every error of a response with 400)."""
     if retryable:
         error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
     else:
