@@ -108,20 +108,36 @@ def input_scalar(request: Any, name: str) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-def error_response(message: str) -> Any:
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+def error_response(message: str, retryable: bool = False) -> Any:
+    """A response with the error `message`; `retryable`: Triton's UNAVAILABLE (say so in the message
+    too: Triton's HTTP /generate answers every error of a response with 400)."""
+    if retryable:
+        error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+    else:
+        error = pb_utils.TritonError(message)  # Triton's default code, as every other error here
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
 
 class ServingOrStandingBy:
     """The `verifier` and `drafter` models: `initialize` loads the model that serves
     (`serving`), or leaves it None while the orchestrators do that model's work in their own
-    process; it then stands by, answering every request with `standby_message`."""
+    process (`stand_by`); it then answers every request with `standby_message`, and ends its
+    sequence (sequence_end.py: a refused sequence holds no slot)."""
 
     serving: Any = None
     standby_message = ""
+    ender: Any = None
+
+    def stand_by(self, args: dict, message: str) -> None:
+        from backends.triton_models.sequence_end import SequenceEnder
+
+        self.standby_message = message
+        self.ender = SequenceEnder(args, token=None)
 
     def execute(self, requests: list) -> list:
         if self.serving is None:
+            for request in requests:
+                self.ender.refused(request)
             return [error_response(self.standby_message) for _ in requests]
         return self.serving.execute(requests)
 

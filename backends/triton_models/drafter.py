@@ -27,9 +27,10 @@ class TritonPythonModel(ServingOrStandingBy):
         if callers:
             where = ", ".join(f"`{caller}`" for caller in callers)
             log.info("drafter standing by: %s drafts in the process of %s (drafter_in_process)", config.method, where)
-            self.standby_message = (
+            self.stand_by(
+                args,
                 f"drafter: standing by, drafting runs in the process of {where} "
-                "(drafter_in_process); send generation requests to `speculative`"
+                "(drafter_in_process); send generation requests to `speculative`",
             )
             return
         from backends.triton_models.drafter_serving import DrafterModel

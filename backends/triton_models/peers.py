@@ -43,7 +43,9 @@ class PeerTimeoutError(TimeoutError):
     """A peer model did not answer a call in time (the orchestrator then decodes plainly)."""
 
 
-_BOUNDED_CALLS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="bls-bounded")
+# Bounded BLS calls (drafter calls, and verify steps under step_timeout_s) run here: room for
+# each of the `speculative` model's 64 workers to have one of each in flight (threads start lazily).
+_BOUNDED_CALLS = ThreadPoolExecutor(max_workers=128, thread_name_prefix="bls-bounded")
 
 
 class SequencePeer:
@@ -72,12 +74,37 @@ class SequencePeer:
 
     def _exec(self, inputs: dict, outputs: list[str], flags: int, parameters: dict | None) -> dict:
         args = (self.model_name, inputs, outputs, self.seq_id, flags, with_token(parameters, self.token))
-        if self.timeout_s is None:
-            return bls(*args)
+        return bounded_bls(args, self.timeout_s)
+
+
+def bounded_bls(args: tuple, timeout_s: float | None) -> dict:
+    """common.bls(*args), abandoned after `timeout_s` (None: no bound) with PeerTimeoutError:
+    a BLS call cannot be cancelled in this Triton, so a bounded one runs on a helper thread
+    that is left to finish on its own."""
+    if timeout_s is None:
+        return bls(*args)
+    try:
+        return _BOUNDED_CALLS.submit(bls, *args).result(timeout=timeout_s)
+    except FutureTimeout:
+        raise PeerTimeoutError(f"{args[0]} did not answer within {timeout_s:g} s") from None
+
+
+def watchdog(run_rows: Callable[[list], list], on_hang: Callable[[str], None]) -> Callable[[list], list]:
+    """`run_rows` that reports a verify step past its timeout to `on_hang` (the server is then
+    not ready: every later step would wait behind the hung one) before its rows fail."""
+
+    def run(rows: list) -> list:
         try:
-            return _BOUNDED_CALLS.submit(bls, *args).result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise PeerTimeoutError(f"{self.model_name} did not answer within {self.timeout_s:g} s") from None
+            return run_rows(rows)
+        except PeerTimeoutError as e:
+            on_hang(hung(e))
+            raise
+
+    return run
+
+
+def hung(e: PeerTimeoutError) -> str:
+    return f"a verify step hung: {e} (parameter step_timeout_s)"
 
 
 class BlsDrafter(SequencePeer):
@@ -121,8 +148,17 @@ class BlsVerifier(SequencePeer):
     with other sequences', to the verifier model or to the target in this process. A sequence
     that asks for logprobs makes one request a step, unless the batcher carries them."""
 
-    def __init__(self, model_name: str, seq_id: int, token: str, batcher: StepBatcher | None) -> None:
-        super().__init__(model_name, seq_id, token)
+    def __init__(
+        self,
+        model_name: str,
+        seq_id: int,
+        token: str,
+        batcher: StepBatcher | None,
+        timeout_s: float | None = None,
+        on_hang: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        super().__init__(model_name, seq_id, token, timeout_s)
+        self.on_hang = on_hang
         self.batcher = batcher
         self.batched: bool | None = None  # this sequence's steps go through the batcher (set by its first)
         self.logprobs = False  # the sequence asked for logprobs (its first step's sampling parameters)
@@ -151,7 +187,11 @@ class BlsVerifier(SequencePeer):
             outputs.append("hidden_states")
         if self.logprobs:
             outputs += LOGPROB_OUTPUTS
-        out = self.call(inputs, outputs, params or None)
+        try:
+            out = self.call(inputs, outputs, params or None)
+        except PeerTimeoutError as e:
+            self.on_hang(hung(e))
+            raise
         hidden = out.get("hidden_states")
         token_ids = out["output_ids"].reshape(-1).tolist()
         return VerifyResult(
@@ -188,8 +228,13 @@ class Peers:
         max_model_len: int,
         outbox: Outbox,
         drafter_timeout_s: float | None,
+        step_timeout_s: float | None = None,
+        on_hang: Callable[[str], None] = lambda reason: None,
     ) -> None:
+        """A drafter call past `drafter_timeout_s` is abandoned (its request decodes plainly);
+        a verify step past `step_timeout_s` fails its requests and is reported to `on_hang`."""
         self.model_name, self.plan, self.route = model_name, plan, plan.route(model_name)
+        self.step_timeout_s, self.on_hang = step_timeout_s, on_hang
         self.drafter_config, self.drafter_info = drafter_config, drafter_info
         self.max_model_len = max_model_len
         self.outbox = outbox
@@ -202,7 +247,7 @@ class Peers:
         self.batcher = self._step_batcher()
 
     def verifier(self, seq_id: int) -> BlsVerifier:
-        return BlsVerifier(self.route.verifier, seq_id, self.token, self.batcher)
+        return BlsVerifier(self.route.verifier, seq_id, self.token, self.batcher, self.step_timeout_s, self.on_hang)
 
     def drafter(self, seq_id: int) -> Drafter | None:
         """The request's drafter; None when there is none, or it drafts nothing (extract_hidden_states)."""
@@ -243,12 +288,11 @@ class Peers:
         def send(inputs: dict, outputs: list[str], parameters: dict) -> dict:
             flags = SEQUENCE_START | SEQUENCE_END  # a batch is a sequence of one request
             self.outbox.step_started()
-            return bls(
-                route.verifier, inputs, outputs, batch_correlation_id(), flags, with_token(parameters, self.token)
-            )
+            args = (route.verifier, inputs, outputs, batch_correlation_id(), flags, with_token(parameters, self.token))
+            return bounded_bls(args, self.step_timeout_s)
 
         log.info("verify steps of concurrent sequences go to %r in batches", route.verifier)
-        return StepBatcher(over_bls(send))
+        return StepBatcher(watchdog(over_bls(send), self.on_hang))
 
     def _verifying_here(self) -> StepBatcher:
         """The verifier's target, as its config.pbtxt describes it, loaded in this process: steps
@@ -285,7 +329,14 @@ class Peers:
 
         if self.drafter_info and self.route.draft_at is DraftAt.BESIDE_VERIFIER:
             self.local_drafter = self._drafting_beside(lambda work: verify_thread.submit(draft_here, work).result())
-        return StepBatcher(lambda rows: verify_thread.submit(verify_here, rows).result(), carries_logprobs=True)
+
+        def verify(rows: list) -> list:
+            try:
+                return verify_thread.submit(verify_here, rows).result(timeout=self.step_timeout_s)
+            except FutureTimeout:
+                raise PeerTimeoutError(f"the forward of {name!r}'s target ran past {self.step_timeout_s:g} s") from None
+
+        return StepBatcher(watchdog(verify, self.on_hang), carries_logprobs=True)
 
     def _drafting_beside(self, run: Callable[[Callable[[], Any]], Any]) -> GatheredDrafter | None:
         """The drafter's head loaded in this process, as its config.pbtxt describes it, drafting

@@ -9,7 +9,8 @@ batch and its response answers each row with its own result or error. Sequences 
 `sequence_idle_timeout_s` are released first (a client that vanished without END).
 
 Only the `speculative` model of the same server may call these models: a request without
-its token (backends/triton_models/peer_token.py) is refused and touches no state.
+its token (backends/triton_models/peer_token.py) is refused and touches no state, and its
+sequence is ended (sequence_end.py), so that it holds no sequence slot of Triton's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 from backends.serving.idle import IdleClock
 from backends.triton_models.common import SEQUENCE_END, ActiveSequencesGauge, error_response
 from backends.triton_models.peer_token import has_token, server_token
+from backends.triton_models.sequence_end import SequenceEnder
 from backends.triton_models.step_batch import Release
 
 
@@ -49,6 +51,7 @@ class SequenceBatchedModel:
         state.clock = self.clock
         self.active = ActiveSequencesGauge(args["model_name"])
         self.token = server_token()
+        self.ender = SequenceEnder(args, self.token)
 
     def release(self, seq_id: int) -> None:
         self.state.release(seq_id)
@@ -119,6 +122,7 @@ class SequenceBatchedModel:
                     f"{self.role}: this model only serves the `speculative` model of this server (the request "
                     "lacks its internal token); send generation requests to `speculative`"
                 )
+                self.ender.refused(request)
                 continue
             try:
                 rows = self.carried(request)

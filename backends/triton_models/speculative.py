@@ -27,6 +27,7 @@ from backends.serving.orchestrator import Drafter, GenerationStats, ServingConte
 from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.serving.request import RETURN_OUTPUTS, GenerationRequest, RequestError, parse_request
 from backends.serving.session import DEFAULT_PREFILL_CHUNK, ServedModel, Session, prefill_chunk_tokens, stream_interval
+from backends.triton_models.admission import UNAVAILABLE, Admission, drain_file
 from backends.triton_models.common import error_response, initialize_model, input_scalar, model_repository, parse_flag
 from backends.triton_models.metrics import ServingMetrics, SpecDecodeCounters
 from backends.triton_models.outbox import Outbox
@@ -87,6 +88,9 @@ class TritonPythonModel:
         self.stream_interval = stream_interval(params.get("stream_interval", "1"))
         workers = int(params.get("max_concurrent_requests", "64"))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
+        # Requests beyond the workers wait, up to max_queued_requests; more are refused as
+        # retryable, as are new requests while the server shuts down (admission.py).
+        self.admission = Admission(workers, int(params.get("max_queued_requests", "256")), drain_file())
         self.lock = threading.Lock()
         # Responses are built and sent from one thread, in order, once the next step is under
         # way: that work overlaps the forward pass instead of delaying it (outbox.py).
@@ -95,8 +99,19 @@ class TritonPythonModel:
         # drafter call that takes longer than drafter_timeout_s is abandoned: that request
         # decodes plainly from there.
         timeout_s = float(params.get("drafter_timeout_s", "30")) or None
+        # A verify step (its forward, here or in the verifier model) past step_timeout_s fails its
+        # requests and leaves the server refusing new ones: it is not ready any more.
+        step_timeout_s = float(params.get("step_timeout_s", "300")) or None
         self.peers = Peers(
-            args["model_name"], plan, drafter_config, drafter_info, self.max_model_len, self.outbox, timeout_s
+            args["model_name"],
+            plan,
+            drafter_config,
+            drafter_info,
+            self.max_model_len,
+            self.outbox,
+            timeout_s,
+            step_timeout_s,
+            self.admission.fail,
         )
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
         info = self.peers.drafter_info  # None when a drafter standing by cannot draft here either
@@ -148,6 +163,11 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
+            refusal = self.admission.admit()
+            if refusal is not None:
+                error = functools.partial(error_response, refusal, retryable=True)
+                self._post(request.get_response_sender(), error, final=True)
+                continue
             self.metrics.arrived()
             self.pool.submit(self._serve, request, time.perf_counter())
         return None
@@ -163,15 +183,16 @@ class TritonPythonModel:
             self.active_requests += 1  # the load the batch-size schedule follows
         verifier, drafter = self.peers.verifier(seq_id), self.peers.drafter(seq_id)
         session, counted = None, False
+        client_left = self.cancellation.watch(sender)
         try:
             session = Session(self.served, self._parse(request), seq_id)
-            for reply in session.replies(verifier, drafter, self.cancellation.watch(sender)):
+            # A shutdown's grace period that runs out ends the request as its client leaving would.
+            for reply in session.replies(verifier, drafter, lambda: client_left() or self.admission.past_grace()):
                 if reply.step.token_ids:
                     clock.tokens(len(reply.step.token_ids))
                 clock.finish_reason = reply.step.finish_reason or clock.finish_reason
                 if reply.step.finish_reason == "cancelled":
-                    log.info("request %d cancelled by the client", seq_id)
-                    self._post(sender, functools.partial(error_response, "request cancelled"), final=True)
+                    self._post(sender, self._cancelled(seq_id, client_left()), final=True)
                     return
                 if reply.final:
                     # Counted before the last response goes out, so a client that reads
@@ -186,12 +207,22 @@ class TritonPythonModel:
             log.exception("request %d failed", seq_id)
             self._post(sender, functools.partial(error_response, f"generation failed: {e}"), final=True)
         finally:
+            self.admission.finished()
             clock.finished(len(session.prompt_ids) if session else 0)
             with self.lock:
                 self.active_requests -= 1
             if not counted and session is not None:
                 self._count(drafter, session.stats)
             self._release(seq_id, verifier, drafter)
+
+    def _cancelled(self, seq_id: int, by_client: bool) -> Callable[[], object]:
+        """The last response of a request ended early: by its client, or by the shutdown."""
+        if by_client:
+            log.info("request %d cancelled by the client", seq_id)
+            return functools.partial(error_response, "request cancelled")
+        log.warning("request %d cut: the shutdown's grace period ran out", seq_id)
+        message = f"{UNAVAILABLE}the server shut down before this request finished (its grace period ran out); retry"
+        return functools.partial(error_response, message, retryable=True)
 
     @staticmethod
     def _release(seq_id: int, *peers: Verifier | Drafter | None) -> None:

@@ -21,9 +21,10 @@ class TritonPythonModel(ServingOrStandingBy):
         if callers:
             where = ", ".join(f"`{name}`" for name in callers)
             log.info("verifier standing by: the target is verified in the process of %s (verifier_in_process)", where)
-            self.standby_message = (
+            self.stand_by(
+                args,
                 f"verifier: standing by, the target is verified in the process of {where} "
-                "(verifier_in_process); send generation requests to `speculative`"
+                "(verifier_in_process); send generation requests to `speculative`",
             )
             return
         from backends.triton_models.verifier_serving import VerifierModel

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from backends.triton_models.admission import UNAVAILABLE
 from client.api.openai_http import ClientGone, DoorPolicy, FrontDoor, OpenAIError, read_json_body
 from client.api.openai_params import (
     chat_messages,
@@ -92,6 +93,8 @@ def generation_error(e: Exception) -> OpenAIError:
         return OpenAIError(503, f"the Triton server is unavailable: {message}")
     if "KV cache budget full" in message:
         return OpenAIError(503, message, code="kv_cache_full")
+    if message.startswith(UNAVAILABLE):  # the model's retryable refusals: busy, shutting down, not ready
+        return OpenAIError(503, message.removeprefix(UNAVAILABLE), code="server_unavailable")
     if message.startswith("generation failed") or "unexpected inference" in message:
         return OpenAIError(500, message)
     return OpenAIError(400, message, param=server_param(message))
@@ -520,7 +523,8 @@ def _triton_ready(backend: Backend) -> bool:
 
     try:
         with grpcclient.InferenceServerClient(backend.grpc_url) as client:
-            return client.is_model_ready(backend.triton_model)
+            # A server shutting down is not ready, while its models still are (they finish requests).
+            return client.is_server_ready() and client.is_model_ready(backend.triton_model)
     except Exception:  # noqa: BLE001 - unreachable is not ready
         return False
 

@@ -29,8 +29,15 @@ class ServerUnavailableError(GenerationError):
 
 
 # How gRPC and Triton word a server that is down, starting or shutting down (a model's BLS
-# call during shutdown fails with "Server not ready").
-_UNAVAILABLE = ("StatusCode.UNAVAILABLE", "Server not ready", "Server is stopping", "no longer in valid state")
+# call during shutdown fails with "Server not ready"; a request for a model that is unloading,
+# as every model is once the server stops, "Request for unknown model: ... has no available versions").
+_UNAVAILABLE = (
+    "StatusCode.UNAVAILABLE",
+    "Server not ready",
+    "Server is stopping",
+    "no longer in valid state",
+    "has no available versions",
+)
 
 
 def server_error(error: object) -> GenerationError:

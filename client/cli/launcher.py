@@ -9,7 +9,19 @@ What the launcher does that a bare `tritonserver` call does not:
   leftover stubs and delete their /dev/shm files without touching anyone else's;
 - optionally copies the repository with config.pbtxt parameters overridden (--model,
   --dtype, --speculative-config) the way `vllm serve -sc` configures vLLM, and instance
-  kinds (KIND_GPU for the verifier and drafter on a GPU host).
+  kinds (KIND_GPU for the verifier and drafter on a GPU host);
+- stops it gracefully (`drain`): new requests are refused as retryable at once, those in flight
+  may finish within a grace period and are then cut with an error, and Triton's readiness
+  turns false at once. tritonserver's own stop (SIGINT) alone crashed with streams open: a
+  decoupled model's request stops counting as in flight once execute() has handed it to a
+  worker thread, so Triton found "0 model versions that have in-flight inferences" and began
+  unloading `speculative` under its streams; its finalize waited for them, the exit timeout
+  ran out ("Exit timeout expired. Exiting immediately.") and the process died of SIGSEGV, or
+  hung (SmolLM2, 3 streams of 1500 tokens: one SIGSEGV, one hang over 60 s; drained: exit 0
+  after 2.8 s). Drained, the streams end by the grace period's end, before Triton's exit
+  timeout (the grace period + EXIT_MARGIN_S). The verifier and drafter models unload at once
+  all the same: a request that still calls them over BLS then fails (a drafter's call falls
+  back to plain decoding).
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from pathlib import Path
 
 from backends.runtime import THREADS_ENV
 from backends.runtime.model_store import cache_dir
+from backends.triton_models.admission import DRAIN_ENV, start_drain
 from backends.triton_models.pbtxt import get_parameter, set_parameter
 
 log = logging.getLogger("tritonspec.server")
@@ -47,6 +60,11 @@ DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 # after the last one its threads kept one core busy for milliseconds: the next forward of the
 # other process (the draft_model drafter, or the target after it) then ran on one core.
 OPENMP_SPIN_COUNT = "10000"
+# How long requests in flight may go on after a graceful stop begins (`--shutdown-grace-s`).
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+# Triton waits this much longer than the grace period before it unloads models under requests
+# still in flight: the models cut theirs at the grace period's end.
+EXIT_MARGIN_S = 10
 
 
 def pids_with_cmdline(*fragments: str | bytes) -> list[int]:
@@ -162,12 +180,17 @@ class TritonServer:
         log_verbose: int = 0,
         graceful_stop: bool = True,
         threads: int | None = None,
+        shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     ) -> None:
         """`threads`: how many threads each model's forwards use (`--threads`), else what the CPUs
-        the server may use allow (its affinity and cgroup quota: backends/runtime/threads.py)."""
+        the server may use allow (its affinity and cgroup quota: backends/runtime/threads.py).
+        `shutdown_grace_s`: how long requests in flight may go on once a graceful stop begins."""
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
+        if shutdown_grace_s < 0:
+            raise ValueError(f"the shutdown grace period must be at least 0 s, got {shutdown_grace_s}")
         self.threads = threads
+        self.shutdown_grace_s = shutdown_grace_s
         self.source_repository = Path(model_repository).resolve()
         # False for a throwaway server (the tests'): stop() kills it at once. A graceful stop
         # takes ~3 s however small the models: Triton unloads each model's stub and checks
@@ -181,6 +204,9 @@ class TritonServer:
         self.shm_prefix = f"tritonspec_{os.getpid()}_{http_port}_"
         self.process: subprocess.Popen | None = None
         self._workdir: tempfile.TemporaryDirectory | None = None
+        # Where drain() writes the end of the grace period for the models to read.
+        self._control = tempfile.TemporaryDirectory(prefix="tritonspec-control-")
+        self.drain_file = Path(self._control.name) / "drain"
 
     @classmethod
     def on_port(
@@ -214,7 +240,7 @@ class TritonServer:
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
-            "--exit-timeout-secs=5",
+            f"--exit-timeout-secs={int(self.shutdown_grace_s) + EXIT_MARGIN_S}",
             *([] if needs_auto_complete(repository) else ["--disable-auto-complete-config"]),
             # A model that fails to load (say, a bad speculative_config) is reported, and
             # the other models keep serving; start() checks each model's state itself.
@@ -255,7 +281,7 @@ class TritonServer:
         log.info("starting tritonserver on %s (HTTP), %s (gRPC)", self.http_url, self.grpc_url)
         self.process = subprocess.Popen(
             self.command(repository),
-            env=self.environment(self.threads),
+            env={**self.environment(self.threads), DRAIN_ENV: str(self.drain_file)},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # our own process group: stop() can reach every stub
@@ -318,15 +344,26 @@ class TritonServer:
             return ""
         return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
 
+    def drain(self) -> None:
+        """Begin a graceful stop: the models refuse new requests from now on and cut those in
+        flight when the grace period ends (backends/triton_models/admission.py); tritonserver
+        reports not ready and exits once no request is left."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        start_drain(self.drain_file, self.shutdown_grace_s)
+        self.process.send_signal(signal.SIGINT)
+
     def stop(self) -> None:
-        """SIGINT (unless not graceful_stop), then SIGKILL for whatever is left; then stray
-        stubs and shm regions."""
+        """drain() and wait (unless not graceful_stop), then SIGKILL for whatever is left; then
+        stray stubs and shm regions."""
         if self.graceful_stop and self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+            self.drain()
+            # Unloading the models takes a few seconds once the last request has ended.
+            limit = self.shutdown_grace_s + EXIT_MARGIN_S + 20
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=limit)
             except subprocess.TimeoutExpired:
-                log.warning("tritonserver did not stop in 20s; killing it")
+                log.warning("tritonserver did not stop in %.0fs; killing it", limit)
                 self._kill_group()
                 self.process.wait(timeout=10)
         self._kill_group()
@@ -336,6 +373,7 @@ class TritonServer:
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+        self._control.cleanup()
 
     def _kill_group(self) -> None:
         if self.process is None:

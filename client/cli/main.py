@@ -208,6 +208,17 @@ def _paths(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tritonserver(args: argparse.Namespace) -> int:
+    from client.cli.tritonserver import run_draining
+
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not command:
+        return error("give the tritonserver command after --", 2)
+    if args.shutdown_grace_s < 0:
+        return error("--shutdown-grace-s must be at least 0", 2)
+    return run_draining(command, args.shutdown_grace_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritonspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,9 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_openai_parser(sub)
     paths = sub.add_parser("paths", help="print exports for running tritonserver by hand")
     paths.set_defaults(func=_paths)
+    _add_tritonserver_parser(sub)
     _add_config_parser(sub)
     _add_models_parser(sub)
     return parser
+
+
+def _add_tritonserver_parser(sub: Subcommands) -> None:
+    triton = sub.add_parser(
+        "tritonserver",
+        help="run a tritonserver command that stops gracefully at SIGTERM (for containers: docker-compose.yml)",
+    )
+    triton.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="at SIGTERM / SIGINT: new requests are refused at once; requests in flight may finish for "
+        "this long, then end with an error (default %(default)s)",
+    )
+    triton.add_argument("command_line", nargs=argparse.REMAINDER, help="-- tritonserver ARGS...")
+    triton.set_defaults(func=_tritonserver)
 
 
 def _add_generate_parser(sub: Subcommands) -> None:

@@ -5,8 +5,10 @@ and `perf` (a perf_analyzer concurrency sweep)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -247,8 +249,9 @@ def add_soak_parser(sub: common.Subcommands) -> None:
     soak.add_argument(
         "--chaos",
         action="store_true",
-        help="also cancel ~20%% of requests mid-stream, mix in bad requests and make the drafter fail "
-        "every --fault-every seconds (a custom_class proposer, client/cli/chaos_proposer.py)",
+        help="also cancel ~20%% of requests mid-stream, mix in bad requests, make the drafter fail "
+        "every --fault-every seconds (a custom_class proposer, client/cli/chaos_proposer.py) and, through an "
+        "OpenAI front end on --port + 3, send oversized bodies and non-streamed requests whose client leaves",
     )
     soak.add_argument("--fault-every", type=float, default=60.0, help="seconds between drafter faults (--chaos)")
     soak.set_defaults(func=_soak)
@@ -280,21 +283,33 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int:
-    """The soak with cancellations, bad requests and drafter faults (client/cli/soak.py)."""
+    """The soak with cancellations, bad requests, drafter faults and, through an OpenAI front
+    end of its own, oversized bodies and non-streamed clients that leave (client/cli/soak.py)."""
     import os
     import tempfile
 
     from client.cli.launcher import TritonServer
-    from client.cli.soak import CHAOS_SPECULATIVE_CONFIG, run_chaos_soak, wait_until_idle
+    from client.cli.soak import CHAOS_SPECULATIVE_CONFIG, ChaosMix, run_chaos_soak, wait_until_idle
 
     overrides.per_model["drafter"] = {"speculative_config": json.dumps(CHAOS_SPECULATIVE_CONFIG)}
     with tempfile.TemporaryDirectory(prefix="tritonspec-chaos-") as tmp:
         trigger = Path(tmp) / "fault"
         os.environ["TRITONSPEC_CHAOS_TRIGGER"] = str(trigger)  # the server's stubs inherit it
         with TritonServer.on_port(args.port, overrides, Path(args.log)) as server:
-            r = run_chaos_soak(server, args.seconds, args.concurrency, trigger, args.max_tokens, args.fault_every)
-            active = wait_until_idle(server)
+            mix = ChaosMix(openai_url=f"127.0.0.1:{args.port + 3}", body_limit=65536)
+            with _front_end(server.grpc_url, args.port + 3, mix.body_limit, args.model, Path(tmp) / "openai.log"):
+                r = run_chaos_soak(
+                    server, args.seconds, args.concurrency, trigger, args.max_tokens, args.fault_every, mix
+                )
+                active = wait_until_idle(server)
             ready = server.is_ready()
+    _print_chaos(args, r, ready, active)
+    misjudged = r["bad_misjudged"] or r["oversized_misjudged"]
+    clean = not (r["wrong"] or r["cancelled_wrong"] or misjudged or any(active.values()))
+    return 0 if clean and ready else 1
+
+
+def _print_chaos(args: argparse.Namespace, r: dict, ready: bool, active: dict) -> None:
     print(f"chaos soak: {r['seconds']:.0f}s, {args.concurrency} streams, a drafter fault every {args.fault_every:.0f}s")
     print(
         f"completed {r['completed']} ({r['wrong']} wrong); cancelled mid-stream {r['cancelled']} "
@@ -304,12 +319,41 @@ def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int
         f"bad requests refused by name {r['bad_refused']}, misjudged {r['bad_misjudged']}; drafter faults "
         f"injected {r['faults_injected']}, taken {r['faults_taken']}"
     )
+    print(
+        f"oversized bodies refused with 413 {r['oversized_refused']}, misjudged {r['oversized_misjudged']}; "
+        f"non-streamed clients that left {r['left_early']}; front end /health at most {r['health_ms_max']:.0f} ms"
+    )
     print(f"server ready: {ready}; sequence state left: {active}")
     print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in r["memory_mb"]))
     for problem in r["problems"]:
         print(f"  {problem}")
-    clean = not (r["wrong"] or r["cancelled_wrong"] or r["bad_misjudged"] or any(active.values()))
-    return 0 if clean and ready else 1
+
+
+@contextlib.contextmanager
+def _front_end(grpc_url: str, port: int, max_body_bytes: int, model: str, log: Path) -> Iterator[None]:
+    """`tritonspec openai` in front of the server on `port`, until the block ends."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    command = [sys.executable, "-m", "client.cli.main", "openai", "--url", grpc_url, "--port", str(port)]
+    command += ["--model", model, "--max-body-bytes", str(max_body_bytes)]
+    with open(log, "ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the OpenAI front end did not start (its log: {log})") from None
+                time.sleep(0.5)
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def add_verify_cost_parser(sub: common.Subcommands) -> None:

@@ -99,6 +99,13 @@ def _add_drafter_flags(serve: argparse.ArgumentParser) -> None:
     common.add_in_process_flag(serve)
     common.add_threads_flag(serve)
     serve.add_argument("--startup-timeout", type=float, default=600)
+    serve.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="at SIGTERM / Ctrl-C: new requests are refused and readiness turns false at once; requests "
+        "in flight may finish for this long, then end with an error (default %(default)s)",
+    )
 
 
 def with_spec_shorthands(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
@@ -158,8 +165,17 @@ def _serve(args: argparse.Namespace) -> int:
         overrides = _serve_overrides(args, target)
     except ValueError as e:
         return common.error(e, 2)
+    if args.shutdown_grace_s < 0:
+        return common.error("--shutdown-grace-s must be at least 0", 2)
     server = TritonServer(
-        repository, args.http_port, args.grpc_port, args.metrics_port, args.host, overrides, threads=args.threads
+        repository,
+        args.http_port,
+        args.grpc_port,
+        args.metrics_port,
+        args.host,
+        overrides,
+        threads=args.threads,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
     try:
         server.start(timeout_s=args.startup_timeout, require_all_models=False)
@@ -233,7 +249,8 @@ def _print_welcome(repository: Path, server: TritonServer, host: str, metrics_po
 
 
 def _serve_until_stopped(server: TritonServer) -> int:
-    """Wait for tritonserver; its exit code, or 0 when Ctrl-C or SIGTERM stopped it."""
+    """Wait for tritonserver; its exit code, or once Ctrl-C or SIGTERM stopped it gracefully
+    (launcher.TritonServer.stop), 0 unless tritonserver's exit failed."""
 
     # Ctrl-C and SIGTERM (process managers, `docker stop`) both stop cleanly, even where the
     # shell started us with SIGINT ignored (a background job).
@@ -247,7 +264,15 @@ def _serve_until_stopped(server: TritonServer) -> int:
         print(f"tritonserver exited with code {server.process.returncode}", file=sys.stderr)
         return server.process.returncode or 1
     except KeyboardInterrupt:
-        print("\nstopping tritonserver...", file=sys.stderr)
-        return 0
+        print(
+            f"\nstopping tritonserver: new requests are refused, requests in flight have "
+            f"{server.shutdown_grace_s:g} s to finish...",
+            file=sys.stderr,
+        )
+        server.stop()
+        code = server.process.returncode
+        if code:
+            print(f"tritonserver exited with code {code}", file=sys.stderr)
+        return 1 if code else 0
     finally:
         server.stop()

@@ -4,8 +4,11 @@ the server's processes' memory is sampled, and at the end no sequence state may 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from client.api.triton import grpc_generate
@@ -123,6 +126,146 @@ def _expected_errors(name: str) -> tuple[str, ...]:
     return (next(message for n, _, message in BAD_REQUESTS if n == name),)
 
 
+@dataclass
+class ChaosMix:
+    """What share of a chaos client's draws is which kind of request. The front end's kinds
+    need `openai_url`: bodies over its --max-body-bytes (`body_limit`) must get 413 unread, and
+    non-streamed clients that leave must cancel their generation (no sequence left at the end)."""
+
+    cancel: float = 0.2  # streams cancelled mid-way (what they got must begin their reference)
+    bad: float = 0.1  # bad requests (each refused by name)
+    oversized: float = 0.05
+    leaving: float = 0.05
+    openai_url: str = ""  # host:port of `tritonspec openai` in front of the server ("" = none)
+    body_limit: int = 0
+
+
+class ChaosTally:
+    """The counts of a chaos soak and its first problems, shared by its threads."""
+
+    KEYS = (
+        "completed wrong cancelled cancelled_wrong errors bad_refused bad_misjudged oversized_refused "
+        "oversized_misjudged left_early faults_injected faults_taken"
+    ).split()
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(self.KEYS, 0)
+        self.problems: list[str] = []
+        self.lock = threading.Lock()
+
+    def count(self, key: str, problem: str = "") -> None:
+        with self.lock:
+            self.counts[key] += 1
+            if problem and len(self.problems) < 20:
+                self.problems.append(problem)
+
+
+def _stream(server, tally: ChaosTally, prompt: str, want: list[int], max_tokens: int, cancel_after: int | None) -> None:
+    """One stream, checked whole against its reference, or, cancelled, as a prefix of it."""
+    try:
+        result = grpc_generate(server.grpc_url, prompt, max_tokens=max_tokens, cancel_after_responses=cancel_after)
+    except Exception as e:  # noqa: BLE001 - counted and reported
+        tally.count("errors", f"{prompt[:30]!r}: {e}")
+        return
+    ids = result.output_ids
+    if result.finish_reason:
+        tally.count("completed")
+        if ids != want:
+            tally.count("wrong", f"{prompt[:30]!r}: {ids} != {want}")
+    else:
+        tally.count("cancelled")
+        if ids != want[: len(ids)]:
+            tally.count("cancelled_wrong", f"cancelled {prompt[:30]!r}: {ids} does not begin {want}")
+
+
+def _oversized(mix: ChaosMix, tally: ChaosTally) -> None:
+    """A completions body one byte over the front end's limit: 413, before the body is parsed."""
+    import http.client
+
+    padding = "x" * (mix.body_limit + 1 - len('{"prompt": ""}'))
+    connection = http.client.HTTPConnection(mix.openai_url, timeout=30)
+    try:
+        connection.request(
+            "POST", "/v1/completions", f'{{"prompt": "{padding}"}}', {"Content-Type": "application/json"}
+        )
+        status = connection.getresponse().status
+    except OSError as e:
+        status = f"{type(e).__name__}: {e}"
+    finally:
+        connection.close()
+    ok = status == 413
+    tally.count("oversized_refused" if ok else "oversized_misjudged", "" if ok else f"oversized body: {status}")
+
+
+def _leave_early(mix: ChaosMix, prompt: str, rng) -> None:
+    """A non-streamed completion whose client hangs up before the answer (the generation
+    must be cancelled: the soak's end finds no sequence left)."""
+    import socket
+
+    body = json.dumps({"prompt": prompt, "max_tokens": 256, "ignore_eos": True, "temperature": 0}).encode()
+    host, port = mix.openai_url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(rng.uniform(0.05, 0.5))
+
+
+def _chaos_client(
+    server, tally: ChaosTally, mix: ChaosMix, references: dict, max_tokens: int, deadline: float, index: int, seed: int
+) -> None:
+    """One client's requests until `deadline`, each drawn from `mix`."""
+    import random
+
+    rng = random.Random(seed * 1000 + index)
+    prompts = list(references)
+    n = index
+    while time.monotonic() < deadline:
+        draw = rng.random()
+        prompt = prompts[n % len(prompts)]
+        if draw < mix.bad:
+            name, error = _bad_request(server, rng)
+            ok = bool(error) and any(message in error for message in _expected_errors(name))
+            tally.count("bad_refused" if ok else "bad_misjudged", "" if ok else f"bad request {name}: {error!r}")
+            continue
+        draw -= mix.bad
+        if mix.openai_url and draw < mix.oversized:
+            _oversized(mix, tally)
+            continue
+        draw -= mix.oversized if mix.openai_url else 0
+        if mix.openai_url and draw < mix.leaving:
+            _leave_early(mix, prompt, rng)
+            tally.count("left_early")
+            continue
+        n += 1
+        cancel_after = rng.randint(1, 4) if rng.random() < mix.cancel else None
+        _stream(server, tally, prompt, references[prompt], max_tokens, cancel_after)
+
+
+def _inject_faults(trigger: Path, tally: ChaosTally, deadline: float, every_s: float) -> None:
+    """Every `every_s` make the drafter fail once (client/cli/chaos_proposer.py's faults, in turn)."""
+    from client.cli.chaos_proposer import FAULTS
+
+    kind = 0
+    while time.monotonic() + every_s < deadline:
+        time.sleep(every_s)
+        if trigger.exists():  # the last fault was never taken (no drafting happened)
+            continue
+        trigger.write_text(FAULTS[kind % len(FAULTS)])
+        kind += 1
+        tally.count("faults_injected")
+
+
+def _health_ms(openai_url: str) -> float:
+    """How long the front end's /health took to answer (ms)."""
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(f"http://{openai_url}/health", timeout=10) as r:
+            r.read()
+    except OSError:
+        pass
+    return (time.perf_counter() - start) * 1e3
+
+
 def run_chaos_soak(
     server,
     seconds: float,
@@ -130,97 +273,48 @@ def run_chaos_soak(
     trigger: Path,
     max_tokens: int = 32,
     fault_every_s: float = 60.0,
-    cancel_share: float = 0.2,
-    bad_share: float = 0.1,
+    mix: ChaosMix | None = None,
     seed: int = 0,
 ) -> dict:
-    """`concurrency` streams for `seconds`: a `cancel_share` of requests cancelled mid-stream
-    (what they got so far must begin their reference), a `bad_share` of bad requests (each
-    must be refused by name), the rest checked whole against their reference; every
-    `fault_every_s` the drafter fails once (client/cli/chaos_proposer.py's faults, in turn,
-    through the `trigger` file). Memory is sampled every 10 s."""
-    import random
-
-    from client.cli.chaos_proposer import FAULTS
-
+    """`concurrency` clients for `seconds`, each drawing its requests from `mix` (streams,
+    cancelled streams, bad requests; with a front end, oversized bodies and non-streamed
+    clients that leave); a drafter fault every `fault_every_s`. Memory (and the front end's
+    /health latency) sampled every 10 s (every second)."""
+    mix = mix or ChaosMix()
     _, prompts = load_prompts()
-    flat = [p for ps in prompts.values() for p in ps]
-    reference = {p: grpc_generate(server.grpc_url, p, max_tokens=max_tokens).output_ids for p in flat}
-    pids = server_pids(server)
-    memory = [(0.0, _rss_mb(pids))]
-    counts = {
-        "completed": 0,
-        "wrong": 0,
-        "cancelled": 0,
-        "cancelled_wrong": 0,
-        "errors": 0,
-        "bad_refused": 0,
-        "bad_misjudged": 0,
-        "faults_injected": 0,
-        "faults_taken": 0,
+    references = {
+        p: grpc_generate(server.grpc_url, p, max_tokens=max_tokens).output_ids for ps in prompts.values() for p in ps
     }
-    problems: list[str] = []
-    lock = threading.Lock()
+    pids = server_pids(server)
+    tally = ChaosTally()
     start = time.monotonic()
     deadline = start + seconds
-
-    def count(key: str, problem: str = "") -> None:
-        with lock:
-            counts[key] += 1
-            if problem and len(problems) < 20:
-                problems.append(problem)
-
-    def client(index: int) -> None:
-        rng = random.Random(seed * 1000 + index)
-        n = index
-        while time.monotonic() < deadline:
-            draw = rng.random()
-            if draw < bad_share:
-                name, error = _bad_request(server, rng)
-                ok = bool(error) and any(message in error for message in _expected_errors(name))
-                count("bad_refused" if ok else "bad_misjudged", "" if ok else f"bad request {name}: {error!r}")
-                continue
-            prompt = flat[n % len(flat)]
-            n += concurrency
-            cancel_after = rng.randint(1, 4) if draw < bad_share + cancel_share else None
-            try:
-                result = grpc_generate(
-                    server.grpc_url, prompt, max_tokens=max_tokens, cancel_after_responses=cancel_after
-                )
-            except Exception as e:  # noqa: BLE001 - counted and reported
-                count("errors", f"{prompt[:30]!r}: {e}")
-                continue
-            ids, want = result.output_ids, reference[prompt]
-            if result.finish_reason:
-                count("completed")
-                if ids != want:
-                    count("wrong", f"{prompt[:30]!r}: {ids} != {want}")
-            else:
-                count("cancelled")
-                if ids != want[: len(ids)]:
-                    count("cancelled_wrong", f"cancelled {prompt[:30]!r}: {ids} does not begin {want}")
-
-    def faults() -> None:
-        kind = 0
-        while time.monotonic() + fault_every_s < deadline:
-            time.sleep(fault_every_s)
-            if trigger.exists():  # the last fault was never taken (no drafting happened)
-                continue
-            trigger.write_text(FAULTS[kind % len(FAULTS)])
-            kind += 1
-            count("faults_injected")
-
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
-    threads.append(threading.Thread(target=faults, daemon=True))
+    threads = [
+        threading.Thread(
+            target=_chaos_client, args=(server, tally, mix, references, max_tokens, deadline, i, seed), daemon=True
+        )
+        for i in range(concurrency)
+    ]
+    threads.append(threading.Thread(target=_inject_faults, args=(trigger, tally, deadline, fault_every_s), daemon=True))
     for t in threads:
         t.start()
+    memory, health = [(0.0, _rss_mb(pids))], []
     while any(t.is_alive() for t in threads[:-1]):
-        time.sleep(10)
+        for _ in range(10):
+            time.sleep(1)
+            if mix.openai_url:
+                health.append(_health_ms(mix.openai_url))
         memory.append((time.monotonic() - start, _rss_mb(pids)))
     for t in threads:
         t.join(timeout=fault_every_s)
-    counts["faults_taken"] = counts["faults_injected"] - trigger.exists()
-    return {**counts, "seconds": time.monotonic() - start, "memory_mb": memory, "problems": problems}
+    tally.counts["faults_taken"] = tally.counts["faults_injected"] - trigger.exists()
+    return {
+        **tally.counts,
+        "seconds": time.monotonic() - start,
+        "memory_mb": memory,
+        "health_ms_max": max(health, default=0.0),
+        "problems": tally.problems,
+    }
 
 
 def wait_until_idle(server, timeout_s: float = 30.0) -> dict[str, float]:

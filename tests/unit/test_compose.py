@@ -47,9 +47,20 @@ def mounts(service: dict) -> dict[str, str]:
 
 
 def triton_flags(compose: dict) -> dict[str, str]:
-    """{flag: value} of the triton service's command ("" for a flag without one)."""
-    flags = (arg.removeprefix("--").partition("=") for arg in compose["services"]["triton"]["command"][1:])
+    """{flag: value} of the triton service's tritonserver command ("" for a flag without one)."""
+    command = compose["services"]["triton"]["command"]
+    flags = (arg.removeprefix("--").partition("=") for arg in command[command.index("--") + 2 :])
     return {name: value for name, _, value in flags}
+
+
+def command_flags(command: list[str]) -> dict[str, str]:
+    """{flag: value} of a command's "--flag=value" and "--flag value" arguments."""
+    flags, words = {}, iter(command)
+    for word in words:
+        if word.startswith("--"):
+            name, eq, value = word.partition("=")
+            flags[name] = value if eq else next(words, "")
+    return flags
 
 
 def dockerfile() -> tuple[str, str]:
@@ -58,6 +69,10 @@ def dockerfile() -> tuple[str, str]:
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
     base = re.search(r"^FROM (\S+)", text, re.M).group(1)
     return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base), text
+
+
+# nginx's gRPC listener inside the compose network (unpublished): the `openai` front end and the load test.
+INTERNAL_GRPC_PORT = 8011
 
 
 def release(image: str) -> tuple[int, int]:
@@ -116,6 +131,19 @@ def test_gpus_are_reserved_and_the_model_cache_is_a_volume(compose):
     assert triton["depends_on"]["models"]["condition"] == "service_completed_successfully"
 
 
+def test_triton_stops_gracefully_within_the_containers_stop_grace_period(compose):
+    """`docker stop` signals `tritonspec tritonserver`, which drains the server: the grace
+    period ends before tritonserver's exit timeout, and both before Docker's SIGKILL."""
+    from client.cli.main import build_parser
+
+    triton = compose["services"]["triton"]
+    command = triton["command"]
+    assert command[:2] == ["tritonspec", "tritonserver"] and command[command.index("--") + 1] == "tritonserver"
+    grace = build_parser().parse_args(command[1:]).shutdown_grace_s
+    exit_timeout = int(triton_flags(compose)["exit-timeout-secs"])
+    assert 0 < grace < exit_timeout < int(triton["stop_grace_period"].removesuffix("s"))
+
+
 def test_health_check_is_tritons_readiness(compose):
     triton = compose["services"]["triton"]
     check = " ".join(triton["healthcheck"]["test"])
@@ -155,7 +183,9 @@ def test_replicas_sit_behind_nginx(compose):
     assert f"server triton:{flags['http-port']}" in conf["upstream triton_http"]
     assert f"server triton:{flags['grpc-port']}" in conf["upstream triton_grpc"]
     listens = {int(d.split()[1]): d for server in conf["server"] for d in server if d.startswith("listen")}
-    assert set(listens) == set(container_ports(lb)) == {int(flags["http-port"]), int(flags["grpc-port"])}
+    # Published: HTTP and gRPC for clients; the internal gRPC listener only on the compose network.
+    assert set(container_ports(lb)) == {int(flags["http-port"]), int(flags["grpc-port"])}
+    assert set(listens) == {*container_ports(lb), INTERNAL_GRPC_PORT}
     http, grpc = (
         next(s for s in conf["server"] if f"listen {p}" in s) for p in (flags["http-port"], flags["grpc-port"])
     )
@@ -206,7 +236,8 @@ def test_loadtest_runs_perf_analyzer_from_the_sdk_image_through_the_balancer(com
     assert loadtest["image"] == f"{base}-sdk" and loadtest["profiles"] == ["loadtest"]
     args = loadtest_args(compose)
     value = dict(zip(args, args[1:]))
-    assert value["-u"] == f"lb:{triton_flags(compose)['grpc-port']}" and value["-i"] == "grpc" and "--streaming" in args
+    # perf_analyzer reads model configs and statistics: the internal listener passes them.
+    assert value["-u"] == f"lb:{INTERNAL_GRPC_PORT}" and value["-i"] == "grpc" and "--streaming" in args
     assert value["-m"] == "speculative"
     assert mounts(loadtest)[value["--input-data"]] == "./deploy/perf_input.json"
     assert Path(value["--profile-export-file"]).parent.as_posix() in mounts(loadtest)
@@ -217,13 +248,79 @@ def test_loadtest_runs_perf_analyzer_from_the_sdk_image_through_the_balancer(com
 def test_openai_service_talks_grpc_through_the_balancer(compose):
     openai = compose["services"]["openai"]
     args = openai["command"]
-    value = dict(zip(args, args[1:]))
-    assert args[:2] == ["tritonspec", "openai"] and value["--url"] == f"lb:{triton_flags(compose)['grpc-port']}"
+    value = command_flags(args)
+    assert args[:2] == ["tritonspec", "openai"] and value["--url"] == f"lb:{INTERNAL_GRPC_PORT}"
     assert value["--host"] == "0.0.0.0" and int(value["--port"]) in container_ports(openai)
     assert f":{value['--port']}/health" in " ".join(openai["healthcheck"]["test"])
     # The internet-facing front end reads the model cache only: the replicas load kernel
     # libraries from it.
     assert openai["volumes"] == ["model-cache:/models:ro"]
+
+
+def test_openai_service_passes_the_front_doors_limits_and_key(compose, monkeypatch):
+    """The command parses as `tritonspec openai` parses it, into the limits given; the API key
+    comes from TRITONSPEC_API_KEY, which the service passes through (unset: no key)."""
+    from client.api.openai_http import API_KEY_ENV
+    from client.cli.main import build_parser, door_policy
+
+    openai = compose["services"]["openai"]
+    args = build_parser().parse_args(openai["command"][1:])
+    assert f"${{{API_KEY_ENV}:-}}" in (ROOT / "docker-compose.yml").read_text()
+    assert set(openai["environment"]) == {API_KEY_ENV}
+    monkeypatch.setenv(API_KEY_ENV, "sk-deploy")
+    policy = door_policy(args)
+    assert (policy.max_body_bytes, policy.max_concurrent_requests, policy.api_key) == (8 * 2**20, 128, "sk-deploy")
+    assert {"--max-body-bytes", "--max-concurrent-requests"} <= set(command_flags(openai["command"]))
+
+
+# ---------------------------------------------------------------------------- what is published
+
+
+def test_monitoring_binds_apart_from_the_api(compose):
+    """The API may face the internet (TRITONSPEC_BIND) while Prometheus, which has no
+    authentication, and Grafana stay on their own bind (TRITONSPEC_MONITORING_BIND, loopback
+    by default); Grafana signs users in (no anonymous access)."""
+    raw = yaml.load((ROOT / "docker-compose.yml").read_text(), Loader=yaml.SafeLoader)["services"]
+    for name in ("lb", "openai"):
+        assert all(p.startswith("${TRITONSPEC_BIND:-127.0.0.1}:") for p in raw[name]["ports"]), name
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("${TRITONSPEC_MONITORING_BIND:-127.0.0.1}:") for p in raw[name]["ports"]), name
+    published = {name for name, service in raw.items() if service.get("ports")}
+    assert published == {"lb", "openai", "prometheus", "grafana"}
+    grafana = compose["services"]["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in grafana
+    assert raw["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "${GRAFANA_ADMIN_PASSWORD:-admin}"
+
+
+def grpc_methods(port: int) -> re.Pattern:
+    """The gRPC paths nginx's server on `port` passes to Triton, as one pattern."""
+    text = (DEPLOY / "nginx.conf").read_text()
+    server = re.search(rf"listen {port};(.*?)\n    \}}", text, re.S).group(1)
+    (passed,) = re.findall(r"location ~ (\S+) \{\s*grpc_pass", server)
+    return re.compile(passed)
+
+
+# Every method of Triton 2.51's GRPCInferenceService (grpc_service.proto).
+GRPC_METHODS = (
+    "ServerLive ServerReady ModelReady ServerMetadata ModelMetadata ModelInfer ModelStreamInfer ModelConfig "
+    "ModelStatistics RepositoryIndex RepositoryModelLoad RepositoryModelUnload SystemSharedMemoryStatus "
+    "SystemSharedMemoryRegister SystemSharedMemoryUnregister CudaSharedMemoryStatus CudaSharedMemoryRegister "
+    "CudaSharedMemoryUnregister TraceSetting LogSettings"
+).split()
+
+
+def test_public_grpc_passes_only_health_metadata_and_streams():
+    """What docs/deployment.md says clients get over gRPC: health, metadata and streamed
+    inference; not model configs or statistics, nor unary ModelInfer (the `speculative` model
+    answers only streams: unary inference reaches nothing but the internal models)."""
+    public = {m for m in GRPC_METHODS if grpc_methods(8001).fullmatch(f"/inference.GRPCInferenceService/{m}")}
+    assert public == {"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelStreamInfer"}
+    internal = {
+        m for m in GRPC_METHODS if grpc_methods(INTERNAL_GRPC_PORT).fullmatch(f"/inference.GRPCInferenceService/{m}")
+    }
+    assert internal == public | {"ModelConfig", "ModelStatistics"}
+    docs = " ".join((ROOT / "docs" / "deployment.md").read_text().split())
+    assert "on gRPC only health, metadata and streamed inference" in docs
 
 
 def test_the_deployment_page_documents_images_ports_and_volumes(compose):

@@ -1,0 +1,90 @@
+"""Whether the `speculative` model takes a new request, and when one in flight must end.
+
+A request is refused at once, as retryable (Triton's UNAVAILABLE over gRPC; Triton's HTTP
+/generate answers every error a model sends with 400; the message starts with `unavailable:`,
+which the OpenAI front end answers with 503 and Retry-After), when
+
+- `max_queued_requests` requests already wait for one of the `max_concurrent_requests` worker
+  threads (the queue used to grow without bound);
+- the server is shutting down: the launcher (client/cli/launcher.py) writes the deadline of
+  its grace period to the file named by $TRITONSPEC_DRAIN_FILE; requests in flight go on until
+  that deadline and are then cut with an error (`past_grace`);
+- a forward hung past its timeout (the watchdog, `fail`): the server is not ready for more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("tritonspec.speculative")
+DRAIN_ENV = "TRITONSPEC_DRAIN_FILE"
+UNAVAILABLE = "unavailable: "  # how a retryable refusal's message starts
+
+
+def drain_file() -> Path | None:
+    path = os.environ.get(DRAIN_ENV, "")
+    return Path(path) if path else None
+
+
+def start_drain(path: Path, grace_s: float) -> None:
+    """Tell the models of the server whose $TRITONSPEC_DRAIN_FILE is `path` that it is shutting
+    down, with `grace_s` left for the requests in flight."""
+    written = path.with_suffix(".tmp")
+    written.write_text(repr(time.time() + grace_s))
+    written.replace(path)  # atomic: a model never reads half a deadline
+
+
+class Admission:
+    def __init__(self, workers: int, max_waiting: int, drain: Path | None = None) -> None:
+        if max_waiting < 0:
+            raise ValueError(f"parameter max_queued_requests must be at least 0, got {max_waiting}")
+        self.workers, self.max_waiting = workers, max_waiting
+        self.drain = drain
+        self.in_flight = 0  # admitted and not finished: running on a worker, or waiting for one
+        self.deadline: float | None = None  # the end of the shutdown grace period (time.time())
+        self.broken = ""  # why the server is not ready (the watchdog)
+        self.lock = threading.Lock()
+
+    def admit(self) -> str | None:
+        """None, and the request counts until `finished`, or why it is refused."""
+        if self.broken:
+            return f"{UNAVAILABLE}the server is not ready: {self.broken}"
+        if self.draining():
+            return f"{UNAVAILABLE}the server is shutting down and takes no new requests; retry later"
+        with self.lock:
+            if self.in_flight >= self.workers + self.max_waiting:
+                return (
+                    f"{UNAVAILABLE}the server is at its limit of {self.workers} requests running and "
+                    f"{self.max_waiting} waiting (parameters max_concurrent_requests, max_queued_requests); "
+                    "retry later"
+                )
+            self.in_flight += 1
+        return None
+
+    def finished(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+
+    def draining(self) -> bool:
+        """Whether the launcher has started a shutdown (a stat of the drain file until it has)."""
+        if self.deadline is None and self.drain is not None:
+            try:
+                self.deadline = float(self.drain.read_text())
+                log.info("shutting down: new requests are refused, those in flight end by %.0f", self.deadline)
+            except (OSError, ValueError):  # not there (yet), or caught half-written
+                return False
+        return self.deadline is not None
+
+    def past_grace(self) -> bool:
+        """Whether a request still in flight must end now: the shutdown's grace period is over."""
+        return self.draining() and time.time() >= self.deadline
+
+    def fail(self, reason: str) -> None:
+        """The server can no longer serve (a forward hung): refuse every new request."""
+        if not self.broken:
+            log.error("not ready from now on: %s", reason)
+        self.broken = reason

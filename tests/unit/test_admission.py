@@ -1,0 +1,67 @@
+"""The `speculative` model's admission (backends/triton_models/admission.py): a bounded queue,
+the shutdown's drain file and grace period, and the watchdog's verdict, each refusal retryable
+and worded for the client. Through a real server: tests/e2e/test_lifecycle_server.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backends.triton_models.admission import UNAVAILABLE, Admission
+
+
+def test_requests_beyond_the_workers_and_the_queue_are_refused_until_one_finishes():
+    admission = Admission(workers=2, max_waiting=1)
+    assert all(admission.admit() is None for _ in range(3))
+    refusal = admission.admit()
+    assert refusal.startswith(UNAVAILABLE)
+    assert "at its limit of 2 requests running and 1 waiting" in refusal and "max_queued_requests" in refusal
+    admission.finished()
+    assert admission.admit() is None
+
+
+def test_without_a_queue_only_the_workers_run():
+    admission = Admission(workers=1, max_waiting=0)
+    assert admission.admit() is None and admission.admit() is not None
+
+
+def test_a_negative_queue_is_refused_by_name():
+    with pytest.raises(ValueError, match="max_queued_requests must be at least 0, got -1"):
+        Admission(workers=1, max_waiting=-1)
+
+
+def test_the_drain_file_stops_admission_and_ends_the_grace_period(tmp_path):
+    drain = tmp_path / "drain"
+    admission = Admission(workers=1, max_waiting=8, drain=drain)
+    assert admission.admit() is None and not admission.past_grace()
+    drain.write_text("")  # caught half-written: not yet a shutdown
+    assert admission.admit() is None
+    drain.write_text(repr(time.time() + 0.2))
+    refusal = admission.admit()
+    assert refusal == f"{UNAVAILABLE}the server is shutting down and takes no new requests; retry later"
+    assert not admission.past_grace()
+    time.sleep(0.25)
+    assert admission.past_grace()
+
+
+def test_a_hung_forward_leaves_the_server_refusing_everything():
+    admission = Admission(workers=1, max_waiting=8)
+    admission.fail("a verify step hung: verifier did not answer within 1 s (parameter step_timeout_s)")
+    assert admission.admit() == (
+        f"{UNAVAILABLE}the server is not ready: a verify step hung: verifier did not answer within 1 s "
+        "(parameter step_timeout_s)"
+    )
+
+
+def test_the_openai_front_end_answers_a_refusal_with_503_and_retry_after():
+    from client.api.openai_frontend import generation_error
+    from client.api.triton import GenerationError
+
+    admission = Admission(workers=2, max_waiting=0)
+    admission.admit(), admission.admit()
+    refusal = admission.admit()
+    error = generation_error(GenerationError(refusal))
+    response = error.response()
+    assert (error.status, error.code, response.headers["Retry-After"]) == (503, "server_unavailable", "1")
+    assert error.message.startswith("the server is at its limit of 2 requests running and 0 waiting")
