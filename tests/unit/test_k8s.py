@@ -243,6 +243,10 @@ def test_triton_is_reached_only_through_the_gateway():
             if selects(service["spec"]["selector"], triton):
                 assert service["spec"]["type"] == "ClusterIP"
                 assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http", "grpc"}
+            elif service["metadata"]["name"].endswith("-gateway-internal"):
+                # nginx's internal listener, which compose leaves unpublished: in-cluster only.
+                assert service["spec"]["type"] == "ClusterIP"
+                assert [p["port"] for p in service["spec"]["ports"]] == [8011]
             else:
                 public_ports |= {p["port"] for p in service["spec"]["ports"]}
         assert public_ports == published
@@ -278,9 +282,12 @@ def test_the_openai_front_end_talks_grpc_through_the_gateway(docs):
     (container,) = pod(deployment(docs, "openai"))["containers"]
     assert container["command"][:2] == ["tritonspec", "openai"]
     url = next(a.removeprefix("--url=") for a in container["command"] if a.startswith("--url="))
-    gateway = objects(docs, "Service")[f"{RELEASE}-tritonspec-gateway"]
-    grpc = next(p["port"] for p in gateway["spec"]["ports"] if p["name"] == "grpc")
+    # nginx's internal gRPC listener, as compose's openai service uses (it reads model configs).
+    gateway = objects(docs, "Service")[f"{RELEASE}-tritonspec-gateway-internal"]
+    (grpc,) = [p["port"] for p in gateway["spec"]["ports"]]
     assert url == f"{gateway['metadata']['name']}:{grpc}"
+    compose_url = load_compose("docker-compose.yml")["services"]["openai"]["command"]
+    assert f"--url=lb:{grpc}" in compose_url
     port = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
     assert ["--host=0.0.0.0", f"--port={port}"] == [
         a for a in container["command"] if a.startswith(("--host", "--port"))
