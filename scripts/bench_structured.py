@@ -6,7 +6,7 @@ tokens it forces buy as free drafts. Modes, interleaved over the repeats:
   forced       constrained plain decoding, forced tokens as drafts (no drafter)
   ngram/suffix constrained speculative decoding with forced tokens after the drafter's
 
-    flock /work/heavy.lock .venv/bin/python scripts/bench_structured.py --repeats 3
+    .venv/bin/python scripts/bench_structured.py --repeats 3
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def prompt(tokenizer) -> str:
 
 
 def run(mode: str, text: str, tokenizer, runner, grammars: dict, max_tokens: int) -> dict:
-    spec = StructuredOutputs("json", json.dumps(SCHEMA, sort_keys=True, separators=(",", ":")))
+    spec = StructuredOutputs("json", json.dumps(SCHEMA))  # properties in the order given
     service = None
     if mode in SPECS:
         config = SpeculativeConfig.from_json(SPECS[mode])
