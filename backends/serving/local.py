@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.config import DrafterConfig
 from backends.serving.detokenize import TextStream
@@ -22,6 +22,9 @@ from backends.serving.orchestrator import Generation, GenerationStats, ServingCo
 from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
+
+if TYPE_CHECKING:
+    from backends.structured.grammar import GrammarCompiler
 
 
 class LocalVerifier:
@@ -86,18 +89,22 @@ def generate_local(
     eos_token_ids: set[int] | None = None,
     adaptive: bool = False,
     prefill_chunk: int = 0,
+    grammars: GrammarCompiler | None = None,
     **request: Any,
 ) -> tuple[list[int], GenerationStats]:
     """One request through the draft -> verify loop: its output ids and statistics.
     `request`: GenerationRequest fields (max_tokens, num_draft_tokens, sampling, stop, ...);
     `service` None decodes plainly. A fixed k by default (adaptive k follows timings).
-    `prefill_chunk`: the prompt goes to the target in chunks of this many tokens (0: at once)."""
+    `prefill_chunk`: the prompt goes to the target in chunks of this many tokens (0: at once).
+    `grammars`: compiles a `structured` request's constraint (none: such a request is refused)."""
     req = GenerationRequest(prompt=prompt, **request)
     drafter = LocalDrafter(service) if service else None
     extract = drafter.info.hidden_layer_ids if drafter and not drafter.info.proposes_drafts else ()
     if eos_token_ids is None:
         eos_token_ids = {tokenizer.eos_token_id} - {None}
-    ctx = ServingContext(eos_token_ids, runner.max_model_len, adaptive, extract, prefill_chunk=prefill_chunk)
+    ctx = ServingContext(
+        eos_token_ids, runner.max_model_len, adaptive, extract, prefill_chunk=prefill_chunk, grammars=grammars
+    )
     seq_id, ids = random.getrandbits(63), []
     text = TextStream(tokenizer, req.stop)
     try:

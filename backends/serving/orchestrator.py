@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,9 +25,13 @@ from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
 from backends.serving.proposer import Draft, DrafterInfo
-from backends.serving.rejection import AcceptanceStats
+from backends.serving.rejection import MAX_SPEC_LEN, AcceptanceStats
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
 from backends.serving.target import VerifyRequest, VerifyResult
+
+if TYPE_CHECKING:
+    from backends.structured.grammar import GrammarCompiler
+    from backends.structured.matcher import GrammarMatcher
 
 log = logging.getLogger("tritonspec.orchestrator")
 DRAFTER_KEEPALIVE_S = 30.0  # a quarter of the peers' max_sequence_idle_microseconds (120 s)
@@ -67,6 +71,7 @@ class GenerationStats:
     num_output_tokens: int = 0
     draft_s: float = 0.0  # inside the proposer
     verify_s: float = 0.0  # inside the target's forward pass
+    grammar_s: float = 0.0  # structured outputs: checking drafts and building masks (part of the overhead)
     total_s: float = 0.0  # wall time of all steps, streaming included
     fallback: str = ""  # why this request stopped speculating and decoded plainly (drafter failure)
 
@@ -89,6 +94,7 @@ class GenerationStats:
             "draft_ms": self.draft_s * 1e3,
             "verify_ms": self.verify_s * 1e3,
             "overhead_ms": self.overhead_s * 1e3,
+            "grammar_ms": self.grammar_s * 1e3,
             "total_ms": self.total_s * 1e3,
             **({"fallback": self.fallback} if self.fallback else {}),
         }
@@ -148,6 +154,9 @@ class ServingContext:
     # A longer prompt goes to the verifier in chunks of at most this many tokens, one verifier
     # step each, so other sequences' steps run in between (0: in one step).
     prefill_chunk: int = 0
+    # Structured outputs' compiled grammars over the target's tokenizer; None: a constrained
+    # request is refused (the verifier runs in a model of its own, and masks do not travel).
+    grammars: GrammarCompiler | None = None
 
 
 @dataclass(slots=True)
@@ -156,6 +165,7 @@ class StepPlan:
     drafting)."""
 
     num_draft_tokens: int  # k: levels of drafts (0: none)
+    room: int  # the most drafts the step may carry (max_tokens and the context window)
     num_nodes: int  # tree nodes asked for (0: a chain)
     call_drafter: bool  # k > 0, or a keepalive call
     # Reads no prompt (neither the verifier's last chunk nor the drafter's first call): only such
@@ -215,6 +225,7 @@ class Generation:
         self.last_drafter_call = time.monotonic()
         self.drafter_caught_up = False  # the drafter's first call reads the whole prompt
         self.step_cost = StepCost()
+        self.grammar = self._grammar()
 
     def _first_sampling(self) -> SamplingParams:
         """The request's sampling, which the verifier keeps from the sequence's first step; a
@@ -228,6 +239,19 @@ class Generation:
         if config is not None and config.rejection_sample_method == "synthetic":
             sampling = replace(sampling, synthetic_acceptance_rates=tuple(config.synthetic_acceptance_rates))
         return sampling
+
+    def _grammar(self) -> GrammarMatcher | None:
+        """The request's grammar at the start of its output (compiled once per constraint, off
+        this thread; a constraint that cannot be compiled is this request's GrammarError)."""
+        spec = self.req.structured
+        if spec is None:
+            return None
+        if self.ctx.grammars is None:
+            raise RequestError(
+                f"structured outputs ({spec.kind}) need the target verified in the `speculative` model's "
+                "process (its verifier_in_process parameter); this server verifies in a model of its own"
+            )
+        return self.ctx.grammars.matcher(spec)
 
     def _policies(self) -> tuple[int, AdaptiveDraftLength | None, TreeCut | None]:
         """A tree-drafting config's node budget, and the draft-length policy: a chain's k, or
@@ -278,7 +302,7 @@ class Generation:
         # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
         call_drafter = k > 0 or (self.speculate and time.monotonic() - self.last_drafter_call > DRAFTER_KEEPALIVE_S)
         steady = not self.unseen_by_verifier and (self.drafter_caught_up or not call_drafter)
-        return StepPlan(k, nodes, call_drafter, steady)
+        return StepPlan(k, min(max(room, 0), MAX_SPEC_LEN), nodes, call_drafter, steady)
 
     def draft(self, plan: StepPlan) -> Drafted:
         """The drafts of this step (none without a drafter call), cut to the part of a scored
@@ -318,7 +342,7 @@ class Generation:
     def verify(self, plan: StepPlan, drafted: Drafted) -> VerifyResult:
         """The verifier's answer to the new tokens and the drafts; the step goes into the
         statistics and, if steady, the draft-length policies."""
-        draft = drafted.draft
+        draft, mask, from_drafter = self._constrain(plan, drafted.draft)
         start = time.perf_counter()
         result = self.verifier.verify(
             VerifyRequest(
@@ -330,21 +354,34 @@ class Generation:
                 draft.probs,
                 self.req.max_tokens if self.sampling else None,
                 draft.parents if draft.token_ids else None,
+                token_mask=mask,
             )
         )
         verify_cost = self.step_cost(result.forward_s, time.perf_counter() - start, self.ctx.load())
         if result.hidden_states is not None and self.speculate:
             self.hidden_rows.append(result.hidden_states)
         num_drafts, num_emitted = len(draft.token_ids), len(result.token_ids)
+        accepted_from_drafter = min(num_emitted - 1, from_drafter)  # forced tokens follow the drafter's
         if plan.call_drafter:
-            self.num_accepted = num_emitted - 1 if num_drafts else 0
+            self.num_accepted = accepted_from_drafter
         self.unseen_by_verifier, self.sampling = [], None
         self.stats.record(num_drafts, num_emitted, drafted.draft_s, result.forward_s)
         if self.policy and plan.steady:
-            self.policy.record(plan.num_draft_tokens, num_drafts, num_emitted - 1, verify_cost, drafted.wall_s)
+            self.policy.record(plan.num_draft_tokens, from_drafter, accepted_from_drafter, verify_cost, drafted.wall_s)
         if self.tree_policy and plan.steady:
-            self.tree_policy.record(num_drafts, verify_cost)
+            self.tree_policy.record(from_drafter, verify_cost)
         return result
+
+    def _constrain(self, plan: StepPlan, draft: Draft) -> tuple[Draft, torch.Tensor | None, int]:
+        """Under a grammar: the drafts it allows, then the tokens it forces (free drafts), and
+        the mask of every row the verifier samples. Also how many drafts are the drafter's."""
+        if self.grammar is None:
+            return draft, None, len(draft.token_ids)
+        start = time.perf_counter()
+        draft, from_drafter = self.grammar.constrain(draft, plan.room)
+        mask = self.grammar.masks(draft)
+        self.stats.grammar_s += time.perf_counter() - start
+        return draft, mask, from_drafter
 
     def emit(self, result: VerifyResult) -> StepOutput:
         """The verified tokens that go out, up to the first that ends the output, with their text."""
@@ -355,6 +392,8 @@ class Generation:
             if finish:
                 break
         self.unseen_by_drafter += taken
+        if self.grammar is not None:
+            self.grammar.advance(taken)
         self._lap()
         return StepOutput(
             taken,

@@ -72,12 +72,15 @@ class Draft:
     def best(self, size: int) -> Draft:
         """This tree cut to its `size` nodes of the highest score (closed under parents, as a
         node never scores above its parent), parents first."""
-        kept = best_nodes(self.scores, DraftTree(tuple(self.token_ids), tuple(self.parents)).depths, size)
+        return self.nodes(best_nodes(self.scores, DraftTree(tuple(self.token_ids), tuple(self.parents)).depths, size))
+
+    def nodes(self, kept: list[int]) -> Draft:
+        """The subtree of these nodes (each after its parent), renumbered."""
         return Draft(
             [self.token_ids[i] for i in kept],
             None if self.probs is None else self.probs[kept],
             subtree_parents(self.parents, kept),
-            [self.scores[i] for i in kept],
+            None if self.scores is None else [self.scores[i] for i in kept],
         )
 
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from backends.structured.spec import StructuredOutputs
+
 if TYPE_CHECKING:
     import torch
 
@@ -125,6 +127,8 @@ class GenerationRequest:
     # The vLLM backend's return_* flags that are set (without the prefix): these outputs go
     # on every response, with that backend's meaning.
     returns: frozenset[str] = frozenset()
+    # What the output must follow (a JSON schema, regex, choice, grammar); None: free text.
+    structured: StructuredOutputs | None = None
 
 
 def _to_bool(name: str, v: Any) -> bool:

@@ -36,6 +36,7 @@ from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sa
 from backends.serving.request import SamplingParams
 from backends.serving.step_cost import StepCostCurve, measure_step_cost, step_shares
 from backends.serving.tree import DraftTree, TreeError, accept_tree
+from backends.structured.mask import apply_token_mask
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -57,6 +58,10 @@ class VerifyRequest:
     # A chunk of a long prompt: its tokens go into the cache and nothing is emitted (chunked
     # prefill; the orchestrator sends the prompt's last chunk as an ordinary step).
     prefill_only: bool = False
+    # Structured outputs: what the grammar allows at each row ([len(drafts) + 1, words] int32
+    # bitmask, backends/structured/mask.py; a tree's rows: the root's, then each node's); the
+    # row is sampled from the target's distribution under it. None: unconstrained.
+    token_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -394,7 +399,14 @@ class TargetRunner:
             self._warned_trees = True
         nodes = tree.first_path()
         probs = None if req.draft_probs is None else req.draft_probs[nodes]
-        return replace(req, draft_token_ids=[tree.token_ids[i] for i in nodes], draft_probs=probs, draft_parents=None)
+        mask = None if req.token_mask is None else req.token_mask[[0] + [i + 1 for i in nodes]]
+        return replace(
+            req,
+            draft_token_ids=[tree.token_ids[i] for i in nodes],
+            draft_probs=probs,
+            draft_parents=None,
+            token_mask=mask,
+        )
 
     def _check(self, req: VerifyRequest) -> None:
         """What the step names must exist: SequenceError (this request's alone) otherwise."""
@@ -417,6 +429,12 @@ class TargetRunner:
                 )
             if not probs.dtype.is_floating_point or not torch.isfinite(probs).all() or (probs < 0).any():
                 raise SequenceError(f"{where}: draft_probs must be finite, non-negative probabilities")
+        mask, rows = req.token_mask, 0 if req.prefill_only else len(req.draft_token_ids) + 1
+        if mask is not None and (mask.dim() != 2 or mask.shape[0] != rows or mask.dtype != torch.int32):
+            raise SequenceError(
+                f"{where}: token_mask must be an int32 bitmask of {rows} rows (one per verified "
+                f"position), got {mask.dtype} {list(mask.shape)}"
+            )
         bad_layers = [i for i in req.hidden_layer_ids if not -1 <= i <= self.num_layers]
         if bad_layers:
             raise SequenceError(f"{where}: hidden layer id {bad_layers[0]} is not in [-1, {self.num_layers}]")
@@ -475,6 +493,8 @@ class TargetRunner:
             seq.num_cached = len(seq.token_ids)
             return VerifyResult([], 0, forward_s)
         raw = logits
+        if step.req.token_mask is not None:  # the grammar's tokens only, at every row (first, as vLLM)
+            logits = apply_token_mask(logits, step.req.token_mask)
         if seq.sampling.processes_logits:  # each row with the history before its position
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             prefixes = step.tree.row_prefixes() if step.tree else [drafts[:j] for j in range(len(drafts) + 1)]

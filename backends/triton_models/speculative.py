@@ -27,13 +27,14 @@ from backends.serving.orchestrator import Drafter, GenerationStats, ServingConte
 from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.serving.request import RETURN_OUTPUTS, GenerationRequest, RequestError, parse_request
 from backends.serving.session import DEFAULT_PREFILL_CHUNK, ServedModel, Session, prefill_chunk_tokens, stream_interval
+from backends.structured.grammar import GrammarCompiler
 from backends.triton_models.admission import UNAVAILABLE, Admission, drain_file
 from backends.triton_models.common import error_response, initialize_model, input_scalar, model_repository, parse_flag
 from backends.triton_models.metrics import ServingMetrics, SpecDecodeCounters
 from backends.triton_models.outbox import Outbox
 from backends.triton_models.pbtxt import get_parameter
 from backends.triton_models.peers import Peers
-from backends.triton_models.topology import Placement
+from backends.triton_models.topology import Placement, VerifyAt
 
 log = logging.getLogger("tritonspec.speculative")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -242,10 +243,21 @@ class TritonPythonModel:
             self.extract_layer_ids,
             lambda: self.active_requests,
             self.prefill_chunk,
+            self._grammars(),
         )
         return ServedModel(
             self.tokenizer, self.vocab_size, self.decode_token, context, self.stream_interval, self.hidden_states_dir
         )
+
+    def _grammars(self) -> GrammarCompiler | None:
+        """Structured outputs' grammars, where the target verifies in this process: the masks
+        go to it as tensors (over BLS they would not travel, so constrained requests are refused)."""
+        if self.peers.route.verify_at is not VerifyAt.IN_PROCESS:
+            log.info(
+                "structured outputs are refused: the target verifies in %r, not in this process", self.verifier_name
+            )
+            return None
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def _count(self, drafter: Drafter | None, stats: GenerationStats) -> None:
         """Add a request's acceptance (and a drafter fallback) to the server-wide counters."""

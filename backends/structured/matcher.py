@@ -1,0 +1,157 @@
+"""One request's grammar state during speculative decoding (vLLM's StructuredOutputManager
+and GuidanceGrammar, vllm/v1/structured_output/, for one request; plus forced tokens as drafts):
+
+    draft = matcher.constrain(draft, room)   # the drafts the grammar allows, then forced tokens
+    masks = matcher.masks(draft)             # [rows, words]: what the grammar allows at each row
+    ... the verifier samples every row under its mask ...
+    matcher.advance(emitted)                 # the accepted drafts and the bonus token
+
+`constrain` and `masks` walk the grammar through the drafts and roll back, so the matcher only
+ever stands where the output ends. Each verification row is sampled under the mask of exactly
+the state a plain decoding step there would be in, so constrained speculative output is
+constrained plain output (greedy: token for token; sampled: in distribution).
+
+EOS: every EOS id is allowed where the grammar may end (llguidance allows only its tokenizer's
+one), and nothing else once the grammar is complete, so an output ends by EOS right after its
+last grammar token. A draft is cut after its first EOS, which ends the output anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import llguidance
+import torch
+
+from backends.serving.proposer import Draft
+from backends.serving.tree import DraftTree
+from backends.structured.mask import mask_words
+
+
+class GrammarMatcher:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: Collection[int], forced_drafts: bool = True
+    ) -> None:
+        self.matcher = matcher
+        self.forced_drafts = forced_drafts
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token = min(self.eos_token_ids)  # the forced token of a complete output
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete: only EOS may follow."""
+        return self.matcher.is_stopped()
+
+    def advance(self, token_ids: list[int]) -> None:
+        """Move past verified tokens (all allowed by their masks); EOS ends the output instead."""
+        for token in token_ids:
+            if token in self.eos_token_ids:
+                return
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"the grammar rejected verified token {token}: {self.matcher.get_error()}")
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of the drafts the grammar allows in a row from here (an EOS counts where the
+        grammar may end there, and ends the count)."""
+        n = 0
+        while n < len(token_ids) and 0 <= token_ids[n] < self.vocab_size and token_ids[n] not in self.eos_token_ids:
+            n += 1
+        n = self.matcher.validate_tokens(token_ids[:n]) if n and not self.terminated else 0
+        if n < len(token_ids) and token_ids[n] in self.eos_token_ids and self._accepting_after(token_ids[:n]):
+            n += 1
+        return n
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (llguidance's fast-forward tokens:
+        the forced bytes, tokenized canonically); EOS when the grammar is complete."""
+        if limit <= 0:
+            return []
+        if self.terminated:
+            return [self.eos_token]
+        return self.matcher.compute_ff_tokens()[:limit]
+
+    def constrain(self, draft: Draft, room: int) -> tuple[Draft, int]:
+        """The drafts to verify: a chain cut to its longest allowed prefix, then the tokens the
+        grammar forces after it; a tree without the branches the grammar rejects (forced tokens
+        only when none is left). At most `room` tokens; also how many came from the drafter."""
+        if draft.parents is not None and draft.token_ids:
+            pruned = self._prune(draft)
+            if pruned.token_ids:
+                return pruned, len(pruned.token_ids)
+            draft = Draft()
+        n = min(self.valid_prefix(draft.token_ids), room)
+        ids = draft.token_ids[:n]
+        ended = not self.forced_drafts or (ids and ids[-1] in self.eos_token_ids)
+        forced = [] if ended else self._forced_after(ids, room - n)
+        probs = None if draft.probs is None else draft.probs[:n]
+        if probs is not None and forced:  # a forced token is a one-hot draft
+            probs = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor(forced), probs.shape[1]).to(probs)])
+        return Draft(ids + forced, probs), n
+
+    def masks(self, draft: Draft) -> torch.Tensor:
+        """[len(drafts) + 1, words] int32: row 0 what the grammar allows now, row i + 1 after
+        draft node i (a chain: drafts[:i + 1]; a tree: node i's root path). Drafts must be allowed
+        (constrain)."""
+        rows = torch.zeros(len(draft.token_ids) + 1, mask_words(self.vocab_size), dtype=torch.int32)
+        self._fill(rows[0])
+        if draft.parents is None:  # walk down the chain once
+            paths = [[token] for token in draft.token_ids]
+        else:  # each node from the root
+            tree = DraftTree(tuple(draft.token_ids), tuple(draft.parents))
+            paths = [[draft.token_ids[j] for j in tree.path(i)] for i in range(len(tree))]
+        walked = 0
+        for row, path in zip(rows[1:], paths):
+            if path[-1] in self.eos_token_ids:  # only EOS after EOS (a row never used)
+                _allow(row, [self.eos_token])
+                continue
+            self._consume(path)
+            self._fill(row)
+            if draft.parents is None:
+                walked += 1
+            else:
+                self.matcher.rollback(len(path))
+        self.matcher.rollback(walked)
+        return rows
+
+    def _fill(self, row: torch.Tensor) -> None:
+        """One row of the mask from the current state, every EOS id allowed where the grammar may end."""
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self.matcher.is_accepting():
+            _allow(row, self.eos_token_ids)
+
+    def _forced_after(self, token_ids: list[int], limit: int) -> list[int]:
+        self._consume(token_ids)
+        forced = self.forced(limit)
+        self.matcher.rollback(len(token_ids))
+        return forced
+
+    def _accepting_after(self, token_ids: list[int]) -> bool:
+        self._consume(token_ids)
+        accepting = self.matcher.is_accepting()
+        self.matcher.rollback(len(token_ids))
+        return accepting
+
+    def _consume(self, token_ids: list[int]) -> None:
+        if token_ids and not self.matcher.consume_tokens(token_ids):
+            raise RuntimeError(f"the grammar rejected tokens it had allowed: {self.matcher.get_error()}")
+
+    def _prune(self, draft: Draft) -> Draft:
+        """The tree without nodes the grammar rejects on their root path (and their subtrees)."""
+        tree = DraftTree(tuple(draft.token_ids), tuple(draft.parents))
+        kept: list[int] = []
+        ok: dict[int, bool] = {-1: True}
+        for i, parent in enumerate(tree.parents):
+            path = [tree.token_ids[j] for j in tree.path(i)]
+            ok[i] = ok[parent] and (parent == -1 or path[-2] not in self.eos_token_ids)
+            ok[i] = ok[i] and self.valid_prefix(path) == len(path)
+            if ok[i]:
+                kept.append(i)
+        return draft.nodes(kept)
+
+
+def _allow(row: torch.Tensor, token_ids: Collection[int]) -> None:
+    """Set the bits of `token_ids` in one int32 mask row."""
+    for token in token_ids:
+        bit = 1 << (token % 32)
+        row[token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # as a signed int32

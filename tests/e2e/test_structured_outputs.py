@@ -1,0 +1,104 @@
+"""Structured outputs through the real server (the tiny model, ngram drafting, the target
+verified in the orchestrator's process): each kind of constraint holds, streamed and not,
+alone and batched beside an unconstrained request that stays unchanged; greedy constrained
+speculative output is constrained plain output; a bad schema fails only its own request; a
+server that verifies over BLS refuses constrained requests by name."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from client.api.triton import GenerationError, grpc_generate, http_generate
+from tests.fixtures.helpers import hf_greedy
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "animal": {"type": "string", "enum": ["fox", "dog", "quick brown fox"]},
+        "jumps": {"type": "boolean"},
+    },
+    "required": ["animal", "jumps"],
+    "additionalProperties": False,
+}
+REGEX = r"(the|a) (fox|dog) (jumps|sleeps)\."
+CHOICES = ["def add", "for i in range", "The quick brown fox"]
+GRAMMAR = 'start: "print(" NUM ")"\nNUM: /[0-9]/'
+CONSTRAINTS = {
+    "json": {"json": SCHEMA},
+    "regex": {"regex": REGEX},
+    "choice": {"choice": CHOICES},
+    "grammar": {"grammar": GRAMMAR},
+    "json_object": {"json_object": True},
+}
+
+
+def holds(kind: str, text: str) -> bool:
+    if kind == "json":
+        value = json.loads(text)
+        return value["animal"] in SCHEMA["properties"]["animal"]["enum"] and isinstance(value["jumps"], bool)
+    if kind == "json_object":
+        return isinstance(json.loads(text), dict)
+    if kind == "choice":
+        return text in CHOICES
+    return re.fullmatch(REGEX if kind == "regex" else r"print\([0-9]\)", text) is not None
+
+
+def constrained(server, kind: str, stream: bool = True, **inputs):
+    sampling = {"structured_outputs": CONSTRAINTS[kind]}
+    return grpc_generate(server.grpc_url, PROMPT, stream=stream, sampling_parameters=sampling, **inputs)
+
+
+@pytest.mark.parametrize("kind", CONSTRAINTS)
+def test_each_kind_holds_streamed_and_not(tiny_server, kind):
+    streamed = constrained(tiny_server, kind, max_tokens=64)
+    whole = constrained(tiny_server, kind, stream=False, max_tokens=64, exclude_input_in_output=True)
+    assert streamed.output_ids == whole.output_ids and streamed.text == whole.text
+    if kind != "json_object":  # a tiny random model may write an object longer than max_tokens
+        assert streamed.finish_reason == "stop", streamed.text
+    if streamed.finish_reason == "stop":
+        assert holds(kind, streamed.text), streamed.text
+    sampling = json.dumps({"structured_outputs": CONSTRAINTS[kind]})  # HTTP parameters hold scalars only
+    sse = http_generate(tiny_server.http_url, PROMPT, stream=True, max_tokens=64, sampling_parameters=sampling)
+    assert sse.output_ids == streamed.output_ids
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "grammar"])
+def test_greedy_constrained_speculative_is_constrained_plain(tiny_server, kind):
+    speculative = constrained(tiny_server, kind, max_tokens=64)
+    plain = constrained(tiny_server, kind, max_tokens=64, num_draft_tokens=0)
+    assert speculative.output_ids == plain.output_ids
+    assert speculative.total_accepted_draft_tokens > 0  # forced tokens and ngram drafts
+
+
+def test_batched_beside_an_unconstrained_request(tiny_server, tiny_model_dir):
+    expected = hf_greedy(str(tiny_model_dir), PROMPT, 48)
+    alone = {kind: constrained(tiny_server, kind, max_tokens=64).output_ids for kind in ("json", "regex", "choice")}
+    with ThreadPoolExecutor(8) as pool:
+        free = [pool.submit(grpc_generate, tiny_server.grpc_url, PROMPT, max_tokens=48) for _ in range(2)]
+        bound = {kind: pool.submit(constrained, tiny_server, kind, max_tokens=64) for kind in alone}
+        for f in free:
+            assert tuple(f.result().output_ids) == expected
+        for kind, f in bound.items():
+            assert f.result().output_ids == alone[kind], kind
+
+
+def test_a_bad_schema_fails_only_its_own_request(tiny_server, tiny_model_dir):
+    bad = {"structured_outputs": {"json": {"type": "object", "properties": 5}}}
+    with ThreadPoolExecutor(3) as pool:
+        failing = pool.submit(grpc_generate, tiny_server.grpc_url, PROMPT, sampling_parameters=bad, max_tokens=16)
+        good = pool.submit(constrained, tiny_server, "json", max_tokens=64)
+        free = pool.submit(grpc_generate, tiny_server.grpc_url, PROMPT, max_tokens=24)
+        with pytest.raises(GenerationError, match="structured_outputs.json.*cannot be compiled"):
+            failing.result()
+        assert holds("json", good.result().text)
+        assert tuple(free.result().output_ids) == hf_greedy(str(tiny_model_dir), PROMPT, 24)
+
+
+def test_refused_by_name_when_verified_over_bls(bls_server):
+    with pytest.raises(GenerationError, match="verifier_in_process"):
+        constrained(bls_server, "regex", max_tokens=16)
