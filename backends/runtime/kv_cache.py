@@ -35,13 +35,14 @@ Its own reserved block at that place goes back to the pool, so a shared prefix i
 released block that holds a registered prefix stays cached until its room is needed: admission
 counts it as free, and ``_take`` evicts the least recently released first. A new sequence looks
 its prefix up before it takes any block (``admit`` reserves nothing, ``share_prefix`` holds the
-cached blocks, then ``grow``), so its own cached prefix is never evicted to make room for it.
+cached blocks, then ``grow``), so its own cached prefix is never evicted to make room for it. On
+the batch-invariant runtime a token's K/V has the same bits however its prompt was cut into
+steps, so a reused prefix gives exactly the logits of a recomputed one.
 
 Whose blocks may be shared: a key starts from a root that names the deployment's namespace and
-the request's ``cache_salt`` (vLLM's: the salt goes into the first block's hash), so sequences
-with different salts or namespaces share nothing; a client cannot time another tenant's prompts. On the batch-invariant
-runtime a token's K/V has the same bits however its prompt was cut into steps, so a reused prefix
-gives exactly the logits of a recomputed one.
+the request's ``cache_salt`` (vLLM's: the salt goes into the first block's hash,
+vllm/v1/core/kv_cache_utils.py ``generate_block_hash_extra_keys``), so sequences with different
+salts or namespaces share nothing: a client cannot time another tenant's prompts.
 
 Block size: 16 by default (vLLM's). Blocks are taken as one run when possible and gathers index
 token slots, not blocks, so the block size does not change step time (``scripts/bench_runtime.py

@@ -338,7 +338,8 @@ class TargetRunner:
         One request never fails another: each step is checked before any forward (its ids,
         draft probabilities and layers), a batched forward that still fails is retried one
         step at a time so only the culprit fails, and accept/reject runs per step. A failed
-        step ends its sequence (its cache may hold part of the step).
+        step ends its sequence (its cache may hold part of the step). A step the KV pool has
+        no room for now is answered `waiting` (`_schedule`).
         """
         results: list[VerifyResult | SequenceError | None] = [None] * len(batch)
         steps: list[tuple[int, _Step]] = []
@@ -424,7 +425,9 @@ class TargetRunner:
         known = len(seq.token_ids) - (0 if req.prefill_only else 1)
         return seq.token_ids[: min(known, seq.resume_at) if req.hidden_layer_ids else known]
 
-    def _schedule(self, steps: list[tuple[int, _Step]]) -> tuple[list[tuple[int, _Step]], dict[int, VerifyResult]]:
+    def _schedule(
+        self, steps: list[tuple[int, _Step]]
+    ) -> tuple[list[tuple[int, _Step]], dict[int, VerifyResult | SequenceError]]:
         """The steps that run now, each with room for its tokens (admission.py: running
         sequences oldest first, preempting the newest when the pool is short; then waiting
         ones in arrival order while they fit), and the answers of the others: waiting, or the
