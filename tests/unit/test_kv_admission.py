@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool
+from backends.runtime.model_store import load_config
 from backends.serving.detokenize import TextStream
 from backends.serving.local import LocalVerifier, generate_local
 from backends.serving.orchestrator import AdmissionTimeoutError, Generation, ServingContext, generate
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams, parse_request
-from backends.serving.target import TargetRunner, VerifyRequest, kv_bytes_per_token
+from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult, kv_bytes_per_token
 
 BS = 4
 
@@ -97,8 +98,7 @@ def test_a_salt_or_a_namespace_keys_the_same_tokens_apart():
 
 def small_runner(model_dir, blocks: int, **options) -> TargetRunner:
     """The tiny model on the lean runtime (batch-invariant) with a pool of `blocks` blocks of 16."""
-    probe = TargetRunner(model_dir, dtype="bfloat16", runtime="hf")
-    per_token = kv_bytes_per_token(probe.config, "bfloat16")
+    per_token = kv_bytes_per_token(load_config(model_dir), "bfloat16")
     runner = TargetRunner(
         model_dir,
         dtype="bfloat16",
@@ -139,9 +139,9 @@ def test_a_sequence_that_does_not_fit_waits_and_none_overtakes_it(tiny_model_dir
 
 
 def test_a_step_that_can_never_fit_fails_with_the_reason(tiny_model_dir):
-    runner = small_runner(tiny_model_dir, blocks=4)
+    runner = small_runner(tiny_model_dir, blocks=8)
     with pytest.raises(KVCacheFullError, match="more than the whole pool"):
-        runner.verify(VerifyRequest(1, prompt(1, 70), []))
+        runner.verify(VerifyRequest(1, prompt(1, 140), []))
     assert not runner.sequences and runner.kv_stats().num_waiting == 0
 
 
@@ -186,6 +186,26 @@ def test_preempted_sequences_resume_by_recompute_with_the_same_output(tiny_model
     for seq_id, ids in speculative.items():
         assert ids == reference[seq_id][: len(ids)] and len(ids) > 12, seq_id
     assert runner.reserved_tokens == 0
+
+
+def test_a_resumed_sequence_returns_hidden_states_of_its_new_positions_only(tiny_model_dir, roomy):
+    """A drafter that reads the target's hidden states has had those of the positions computed
+    before a preemption: the recomputing step returns the rows it would have returned anyway."""
+    runner = small_runner(tiny_model_dir, blocks=8)
+    layers = (1, -1)
+    steps = [VerifyRequest(30, prompt(30, 60), []), VerifyRequest(31, prompt(31, 60), [], hidden_layer_ids=layers)]
+    steps += [VerifyRequest(30, [], [5, 6, 7, 8, 9])]  # 30 grows past the pool: 31, the newest, is preempted
+    for req in steps:
+        assert not runner.verify(req).waiting
+    assert runner.kv_stats().num_preemptions == 1 and runner.kv_stats().num_waiting == 1
+    runner.release(30)
+    roomy.verify(VerifyRequest(31, prompt(31, 60), [], hidden_layer_ids=layers))
+    resumed = runner.verify(VerifyRequest(31, [], [8, 9], hidden_layer_ids=layers))
+    expected = roomy.verify(VerifyRequest(31, [], [8, 9], hidden_layer_ids=layers))
+    roomy.release(31)
+    assert resumed.token_ids == expected.token_ids
+    assert resumed.hidden_states.shape[0] == 1 + resumed.num_accepted  # the last token and the accepted drafts
+    assert torch.equal(resumed.hidden_states, expected.hidden_states)
 
 
 def test_a_nearly_full_pool_finds_a_prompt_s_cached_blocks_before_evicting(tiny_model_dir):
@@ -261,3 +281,49 @@ def test_a_request_that_waits_past_the_queue_timeout_fails_retryably(tiny_model_
     assert 0.3 <= time.monotonic() - start < 10
     answer = generation_error(RuntimeError(f"generation failed: {err.value}"))  # as the model words it
     assert answer.status == 503 and answer.response().headers["retry-after"]
+
+
+def test_a_waiting_row_crosses_the_wire_and_its_release_still_goes():
+    """Over BLS a waiting step is the `waiting` output; the step batcher stops holding batches
+    for a waiting sequence, yet still tells the verifier when it ends."""
+    from backends.triton_models.step_batch import Release, StepBatcher, decode_results, encode_results
+
+    results = [VerifyResult([5], 0, 0.01), VerifyResult([], 0, 0.0, waiting=True)]
+    decoded = decode_results(encode_results(results), 2)
+    assert [r.waiting for r in decoded] == [False, True] and decoded[0].token_ids == [5]
+    assert "waiting" not in encode_results(results[:1])
+    sent = []
+
+    def run_rows(rows):
+        sent.extend(rows)
+        return [None if isinstance(row, Release) else VerifyResult([], 0, 0.0, waiting=True) for row in rows]
+
+    batcher = StepBatcher(run_rows)
+    assert batcher.verify(VerifyRequest(1, [1, 2], [])).waiting
+    assert 1 not in batcher.running  # the next batches do not wait for its step
+    batcher.release(1)
+    assert sent[-1] == Release(1)
+
+
+def test_the_openai_body_s_cache_salt_goes_into_sampling_parameters():
+    from client.api.openai_http import OpenAIError
+    from client.api.openai_params import sampling_inputs
+
+    inputs = sampling_inputs({"cache_salt": "tenant-7"}, 16, "chat")
+    assert inputs["sampling_parameters"] == {"cache_salt": "tenant-7"}
+    assert "sampling_parameters" not in sampling_inputs({}, 16, "chat")
+    for bad in ("", 5):
+        with pytest.raises(OpenAIError, match="cache_salt") as err:
+            sampling_inputs({"cache_salt": bad}, 16, "completion")
+        assert err.value.status == 400
+
+
+def test_serve_max_queue_time_s_sets_the_orchestrator_parameter(tiny_model_dir):
+    from client.cli.main import build_parser
+    from client.cli.serve_command import _serve_overrides
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--max-queue-time-s", "7.5"])
+    assert _serve_overrides(args, tiny_model_dir).per_model["speculative"]["max_queue_time_s"] == "7.5"
+    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--max-queue-time-s", "0"])
+    with pytest.raises(ValueError, match="--max-queue-time-s: max_queue_time_s must be a number of seconds > 0"):
+        _serve_overrides(args, tiny_model_dir)

@@ -273,7 +273,7 @@ def test_drafts_drawn_from_the_target_distribution_are_always_accepted(runner, t
 def test_a_full_kv_budget_makes_new_sequences_wait_not_running_ones(tiny_model_dir, engine):
     """A sequence holds the tokens it has written: a second one that does not fit now waits
     (its step answered `waiting`, nothing kept) while the first goes on, and runs once the
-    first is released (the queue and preemption: test_admission.py)."""
+    first is released (the queue and preemption: test_kv_admission.py)."""
     from backends.serving.target import kv_bytes_per_token
 
     probe = TargetRunner(tiny_model_dir, dtype="float32", runtime="hf")
