@@ -1,8 +1,8 @@
 """The engine: a causal LM with a KV cache per sequence, as the verifier (serving/target.py)
 and the draft_model drafter (methods/draft_model.py) use it, whichever runtime runs it.
 
-A sequence's life: ``admit`` (reserve its worst case) -> ``share_prefix`` (blocks of a prompt
-another sequence computed) -> ``forward`` (its new tokens enter its cache; logits of the last
+A sequence's life: ``admit`` (when ``admissible``) -> ``share_prefix`` (blocks of a prompt
+another sequence computed) -> ``grow`` (room for the step's tokens) -> ``forward`` (its new tokens enter its cache; logits of the last
 few, hidden states of the layers asked for) -> ``truncate`` (rejected drafts out) or
 ``compact`` (a draft tree's accepted path into place) -> ``commit`` (its cached tokens are
 final: later sequences may share them) -> ... -> ``release``. vLLM splits the same way: a
@@ -59,13 +59,18 @@ class Engine(ABC):
         """Tokens held by admitted sequences' reservations."""
 
     @abstractmethod
-    def admit(self, seq_id: Hashable, reserve_tokens: int) -> None:
-        """Reserve room for a new sequence's ``reserve_tokens`` tokens, or raise KVCacheFullError."""
+    def admit(self, seq_id: Hashable, reserve_tokens: int = 0, cache_salt: str = "") -> None:
+        """Start a sequence with room for ``reserve_tokens`` tokens (0: ``grow`` takes it as
+        needed), or raise KVCacheFullError; it shares cached prefixes only within its ``cache_salt``."""
+
+    @abstractmethod
+    def admissible(self, num_tokens: int, token_ids: Sequence[int] = (), cache_salt: str = "") -> bool:
+        """Whether a new sequence of ``num_tokens`` tokens, starting with ``token_ids``, fits now."""
 
     @abstractmethod
     def grow(self, seq_id: Hashable, reserve_tokens: int) -> None:
-        """Extend a sequence's reservation to at least ``reserve_tokens`` (a drafter's, which
-        cannot know its worst case at admission)."""
+        """Extend a sequence's reservation to at least ``reserve_tokens`` (before a step writes
+        them), or raise KVCacheFullError."""
 
     @abstractmethod
     def room(self, seq_id: Hashable) -> int:
@@ -144,8 +149,11 @@ class LeanEngine(Engine):
     def prefix_hits(self) -> int:
         return self.pool.prefix_hits
 
-    def admit(self, seq_id: Hashable, reserve_tokens: int) -> None:
-        self.pool.admit(seq_id, reserve_tokens)
+    def admit(self, seq_id: Hashable, reserve_tokens: int = 0, cache_salt: str = "") -> None:
+        self.pool.admit(seq_id, reserve_tokens, cache_salt)
+
+    def admissible(self, num_tokens: int, token_ids: Sequence[int] = (), cache_salt: str = "") -> bool:
+        return self.pool.admissible(num_tokens, token_ids, cache_salt)
 
     def grow(self, seq_id: Hashable, reserve_tokens: int) -> None:
         self.pool.grow(seq_id, reserve_tokens)

@@ -83,7 +83,7 @@ class HFEngine(Engine):
         except KeyError:
             raise SequenceError(f"sequence {seq_id!r} is not in the KV cache (never admitted or released)") from None
 
-    def admit(self, seq_id: Hashable, reserve_tokens: int) -> None:
+    def admit(self, seq_id: Hashable, reserve_tokens: int = 0, cache_salt: str = "") -> None:
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} is already admitted")
         held = self.reserved_tokens
@@ -93,6 +93,9 @@ class HFEngine(Engine):
                 f"hold {held} of {self.capacity_tokens}; retry later, lower max_tokens, or raise kv_cache_memory_gb"
             )
         self._seqs[seq_id] = _Sequence(DynamicCache(config=self.config), reserve_tokens)
+
+    def admissible(self, num_tokens: int, token_ids: Sequence[int] = (), cache_salt: str = "") -> bool:
+        return self.capacity_tokens is None or self.reserved_tokens + num_tokens <= self.capacity_tokens
 
     def grow(self, seq_id: Hashable, reserve_tokens: int) -> None:
         seq = self._get(seq_id)

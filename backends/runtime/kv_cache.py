@@ -8,17 +8,20 @@ rows (adjacent in the fused QKV output) then go in with one ``index_copy_``, and
 batch's keys is a row ``index_select`` (20 us per layer for 8 rows x 200 tokens of SmolLM2 vs 25
 us head-major); SDPA reads the strided per-head view of a run of slots as fast as a contiguous one.
 
-Admission is exact and up front: ``admit`` takes the blocks for the sequence's worst case
-(prompt + max new tokens + draft slack, the caller's number) right away, so a running sequence can
-never run out, and a sequence that cannot fit is refused before it starts. Taking them up front
-(instead of lazily) costs no capacity, since the reservation is held either way, and lets the
-allocator hand out ONE contiguous run of blocks (best fit) whenever one exists: the row's keys are
-then a view of the pool and a batch-1 step attends without any gather. When free space is
-fragmented the sequence gets scattered blocks and the forward gathers its keys (exact, a little
-slower). Nothing is ever copied to persist: the pool is the only KV memory, allocated once. Its
-pages are left untouched until a step writes them (zeroing 4 GB took 6-9 s on a 2-core VM), so
-resident memory grows with use up to the pool's size, and no further: a soak's RSS climbs while
-new blocks (and cached prefixes) fill in, then stays flat.
+Blocks are taken as tokens are written: ``admit`` may reserve nothing, and ``grow`` takes the
+blocks a step's new tokens need just before it runs (vLLM's ``KVCacheManager.allocate_slots``),
+so a request holds what it has written, not its worst case (a chat without max_tokens used to
+hold its whole context window from the start). Who runs when the pool is short (a queue for new
+sequences, preemption of running ones) is the caller's business (serving/admission.py); here
+``grow`` raises KVCacheFullError and ``admissible`` says whether a new sequence fits now. A grown
+sequence's next block is the one right after its last when that one is free, so a sequence that
+grows alone stays one contiguous run: the row's keys are then a view of the pool and a batch-1
+step attends without any gather. Blocks of sequences growing side by side interleave and the
+forward gathers their keys (exact, a little slower). Nothing is ever copied to persist: the pool
+is the only KV memory, allocated once. Its pages are left untouched until a step writes them
+(zeroing 4 GB took 6-9 s on a 2-core VM), so resident memory grows with use up to the pool's
+size, and no further: a soak's RSS climbs while new blocks (and cached prefixes) fill in, then
+stays flat.
 
 Rollback after rejected drafts is ``truncate`` (shorten the length; the stale slots are simply
 overwritten by the next step). ``release`` returns the blocks.
@@ -30,9 +33,16 @@ computing them again (``share_prefix``): the block is shared, counted by referen
 written, since a sequence only writes past its own length and a shared block lies wholly below it.
 Its own reserved block at that place goes back to the pool, so a shared prefix is held once. A
 released block that holds a registered prefix stays cached until its room is needed: admission
-counts it as free, and ``_take`` evicts the least recently released first. On the batch-invariant
-runtime a token's K/V has the same bits however its prompt was cut into steps, so a reused prefix
-gives exactly the logits of a recomputed one.
+counts it as free, and ``_take`` evicts the least recently released first. A new sequence looks
+its prefix up before it takes any block (``admit`` reserves nothing, ``share_prefix`` holds the
+cached blocks, then ``grow``), so its own cached prefix is never evicted to make room for it. On
+the batch-invariant runtime a token's K/V has the same bits however its prompt was cut into
+steps, so a reused prefix gives exactly the logits of a recomputed one.
+
+Whose blocks may be shared: a key starts from a root that names the deployment's namespace and
+the request's ``cache_salt`` (vLLM's: the salt goes into the first block's hash,
+vllm/v1/core/kv_cache_utils.py ``generate_block_hash_extra_keys``), so sequences with different
+salts or namespaces share nothing: a client cannot time another tenant's prompts.
 
 Block size: 16 by default (vLLM's). Blocks are taken as one run when possible and gathers index
 token slots, not blocks, so the block size does not change step time (``scripts/bench_runtime.py
@@ -66,10 +76,13 @@ class _Sequence:
     start: int | None  # first slot when the blocks are one contiguous run, else None
     length: int = 0
     keys: list[bytes] = field(default_factory=list)  # prefix key of each whole final block (prefix caching)
+    root: bytes = b""  # what its first block's key starts from: the namespace and the request's cache_salt
 
 
 def _slots(blocks: list[int], block_size: int) -> tuple[torch.Tensor, int | None]:
     """Every token slot of ``blocks`` in order, and the first slot when they are one run."""
+    if not blocks:
+        return torch.zeros(0, dtype=torch.long), None
     if all(b == blocks[0] + i for i, b in enumerate(blocks)):
         start = blocks[0] * block_size
         return torch.arange(start, start + len(blocks) * block_size), start
@@ -79,6 +92,14 @@ def _slots(blocks: list[int], block_size: int) -> tuple[torch.Tensor, int | None
 def _block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The key of a block of ``token_ids`` after the prefix keyed ``parent``."""
     return hashlib.sha256(parent + b"".join(t.to_bytes(8, "little") for t in token_ids)).digest()
+
+
+def _key_root(namespace: str, cache_salt: str) -> bytes:
+    """The parent of a sequence's first block key: none without a namespace or salt (keys as
+    before), else a digest of both, so blocks are shared only within the same pair."""
+    if not namespace and not cache_salt:
+        return b""
+    return hashlib.sha256(b"tritonspec-prefix\0" + namespace.encode() + b"\0" + cache_salt.encode()).digest()
 
 
 class _FreeBlocks:
@@ -120,6 +141,11 @@ class _FreeBlocks:
                 break
         return taken
 
+    def take_at(self, first: int, most: int) -> list[int]:
+        """Up to ``most`` blocks from ``first`` on, when a free run starts there (else none)."""
+        length = self._runs.get(first)
+        return self._cut(first, min(most, length)) if length else []
+
     def _cut(self, first: int, n: int) -> list[int]:
         """Take the first ``n`` blocks of the run starting at ``first``."""
         length = self._runs.pop(first)
@@ -137,6 +163,8 @@ class KVCachePool:
     """Preallocated paged KV memory for one model instance.
 
     Size it by ``capacity_tokens`` or by ``memory_gb`` (converted with ``bytes_per_token``).
+    ``namespace``: mixed into every prefix key (a deployment's own, e.g. per tenant group), as a
+    request's ``cache_salt`` is into its own.
     """
 
     def __init__(
@@ -151,6 +179,7 @@ class KVCachePool:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         prefix_caching: bool = False,
+        namespace: str = "",
     ) -> None:
         if (capacity_tokens is None) == (memory_gb is None):
             raise ValueError("give exactly one of capacity_tokens and memory_gb")
@@ -169,6 +198,7 @@ class KVCachePool:
         self._free = _FreeBlocks(self.num_blocks)
         self._seqs: dict[Hashable, _Sequence] = {}
         self.prefix_caching = prefix_caching
+        self.namespace = namespace
         self._refs = [0] * self.num_blocks  # sequences holding each block
         self._key_block: dict[bytes, int] = {}  # registered prefix -> the block holding it
         self._block_key: dict[int, bytes] = {}
@@ -198,6 +228,12 @@ class KVCachePool:
         return len(self._evictable) * self.block_size
 
     @property
+    def usage(self) -> float:
+        """The fraction of the pool's blocks that sequences hold (vLLM's kv_cache_usage_perc:
+        cached prefixes nobody holds count as free)."""
+        return self.reserved_tokens / self.capacity_tokens
+
+    @property
     def num_sequences(self) -> int:
         return len(self._seqs)
 
@@ -222,37 +258,50 @@ class KVCachePool:
         seq = self._get(seq_id)
         return len(seq.blocks) * self.block_size - seq.length
 
-    def admit(self, seq_id: Hashable, reserve_tokens: int) -> None:
-        """Reserve room for ``reserve_tokens`` tokens of a new sequence, or raise KVCacheFullError."""
+    def admit(self, seq_id: Hashable, reserve_tokens: int = 0, cache_salt: str = "") -> None:
+        """Start a sequence holding room for ``reserve_tokens`` tokens (0: none yet, ``grow``
+        takes blocks as they are needed), or raise KVCacheFullError. ``cache_salt``: it shares
+        prefix blocks only with sequences of the same salt."""
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} is already admitted")
-        if reserve_tokens < 1:
-            raise SequenceError(f"sequence {seq_id!r}: reserve_tokens must be >= 1, got {reserve_tokens}")
+        if reserve_tokens < 0:
+            raise SequenceError(f"sequence {seq_id!r}: reserve_tokens must be >= 0, got {reserve_tokens}")
         need = -(-reserve_tokens // self.block_size)
         if need * self.block_size > self.free_tokens:
             raise KVCacheFullError(
-                f"KV cache full: sequence {seq_id!r} asks for {reserve_tokens} tokens "
+                f"KV cache budget full: sequence {seq_id!r} asks for {reserve_tokens} tokens "
                 f"({need} blocks of {self.block_size}) but {self.reserved_tokens} of "
                 f"{self.capacity_tokens} token slots are held by {self.num_sequences} sequences "
-                f"({self.free_tokens} free); lower max_tokens (or the prompt) or raise "
+                f"({self.free_tokens} free); retry later, lower max_tokens (or the prompt) or raise "
                 f"kv_cache_memory_gb ({self.bytes_per_token} bytes per token)"
             )
         blocks = self._take(need)
-        self._seqs[seq_id] = _Sequence(blocks, *_slots(blocks, self.block_size))
+        self._seqs[seq_id] = _Sequence(
+            blocks, *_slots(blocks, self.block_size), root=_key_root(self.namespace, cache_salt)
+        )
+
+    def admissible(self, num_tokens: int, token_ids: Sequence[int] = (), cache_salt: str = "") -> bool:
+        """Whether a new sequence of ``num_tokens`` tokens fits now, its first tokens being
+        ``token_ids``: the cached blocks of their prefix that it would share are not counted
+        as room (they are not evicted for it) nor as need."""
+        need = -(-num_tokens // self.block_size)
+        shared = self._cached_prefix(token_ids, _key_root(self.namespace, cache_salt))[:need]
+        cached_free = sum(1 for block in shared if block in self._evictable)
+        return need - len(shared) <= len(self._free) + len(self._evictable) - cached_free
 
     def grow(self, seq_id: Hashable, reserve_tokens: int) -> None:
-        """Extend a sequence's reservation to at least ``reserve_tokens`` (a drafter's cache,
-        which cannot know its worst case at admission), or raise KVCacheFullError."""
+        """Extend a sequence's reservation to at least ``reserve_tokens`` (before a step writes
+        them), or raise KVCacheFullError. Its next blocks follow its last one where free."""
         seq = self._get(seq_id)
         need = -(-reserve_tokens // self.block_size) - len(seq.blocks)
         if need <= 0:
             return
         if need * self.block_size > self.free_tokens:
             raise KVCacheFullError(
-                f"KV cache full: sequence {seq_id!r} needs {need} more blocks of {self.block_size} "
+                f"KV cache budget full: sequence {seq_id!r} needs {need} more blocks of {self.block_size} "
                 f"but {self.free_tokens} token slots are free"
             )
-        seq.blocks += self._take(need)
+        seq.blocks += self._take(need, after=seq.blocks[-1] if seq.blocks else None)
         seq.slots, seq.start = _slots(seq.blocks, self.block_size)
 
     def truncate(self, seq_id: Hashable, new_length: int) -> None:
@@ -301,16 +350,19 @@ class KVCachePool:
         seq = self._get(seq_id)
         bs = self.block_size
         index = seq.length // bs
-        if not self.prefix_caching or seq.length % bs or len(seq.keys) != index:
+        if not self.prefix_caching or len(token_ids) <= seq.length or seq.length % bs or len(seq.keys) != index:
             return 0
         self.prefix_queries += len(token_ids) - seq.length
         attached = 0
-        while (index + 1) * bs <= len(token_ids) and index < len(seq.blocks):
+        while (index + 1) * bs <= len(token_ids):
             key = self._next_key(seq, token_ids)
             shared = self._key_block.get(key)
             if shared is None:
                 break
-            if seq.blocks[index] != shared:
+            if index == len(seq.blocks):  # past its reservation: the block joins it
+                self._hold(shared)
+                seq.blocks.append(shared)
+            elif seq.blocks[index] != shared:  # its own block there goes back: the prefix is held once
                 self._hold(shared)
                 self._drop(seq.blocks[index])
                 seq.blocks[index] = shared
@@ -373,7 +425,20 @@ class KVCachePool:
     def _next_key(self, seq: _Sequence, token_ids: Sequence[int]) -> bytes:
         """The prefix key of the sequence's first block without one, holding those of ``token_ids``."""
         index, bs = len(seq.keys), self.block_size
-        return _block_key(seq.keys[-1] if seq.keys else b"", token_ids[index * bs : (index + 1) * bs])
+        return _block_key(seq.keys[-1] if seq.keys else seq.root, token_ids[index * bs : (index + 1) * bs])
+
+    def _cached_prefix(self, token_ids: Sequence[int], root: bytes) -> list[int]:
+        """The registered blocks holding the whole blocks ``token_ids`` starts with, in order."""
+        if not self.prefix_caching:
+            return []
+        blocks, key, bs = [], root, self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            key = _block_key(key, token_ids[start : start + bs])
+            block = self._key_block.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
 
     def _hold(self, block: int) -> None:
         self._refs[block] += 1
@@ -388,15 +453,17 @@ class KVCachePool:
             else:
                 self._free.add(block)
 
-    def _take(self, need: int) -> list[int]:
-        """Best fit: the smallest run of free blocks that holds ``need``; else the lowest free
-        blocks. Cached prefixes are evicted, least recently released first, when free blocks
-        alone are too few."""
+    def _take(self, need: int, after: int | None = None) -> list[int]:
+        """The blocks right after block ``after`` where free; then best fit: the smallest run of
+        free blocks that holds the rest, else the lowest free blocks. Cached prefixes are
+        evicted, least recently released first, when free blocks alone are too few."""
         while len(self._free) < need:
             block, _ = self._evictable.popitem(last=False)
             del self._key_block[self._block_key.pop(block)]
             self._free.add(block)
-        taken = self._free.take(need)
+        taken = [] if after is None else self._free.take_at(after + 1, need)
+        if len(taken) < need:
+            taken += self._free.take(need - len(taken))
         for block in taken:
             self._refs[block] = 1
         return taken

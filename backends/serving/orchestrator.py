@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from backends.runtime.kv_cache import KVCacheFullError
 from backends.serving.adaptive import AdaptiveDraftLength, StepCost, TreeCut
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
@@ -35,6 +36,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tritonspec.orchestrator")
 DRAFTER_KEEPALIVE_S = 30.0  # a quarter of the peers' max_sequence_idle_microseconds (120 s)
+# A step the verifier has no KV room for now is sent again after this long (a waiting step
+# costs the verifier a lookup, no forward), for at most the queue timeout in all.
+ADMISSION_POLL_S = 0.02
+DEFAULT_MAX_QUEUE_TIME_S = 60.0
+
+
+def max_queue_time_s(value: str) -> float:
+    """The `max_queue_time_s` parameter: seconds > 0 ("": the default)."""
+    try:
+        seconds = float(value) if value.strip() else DEFAULT_MAX_QUEUE_TIME_S
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"max_queue_time_s must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+class AdmissionTimeoutError(KVCacheFullError):
+    """A request waited the queue timeout for room in the target's KV pool. Retryable: the
+    OpenAI front end answers 503 with Retry-After (it maps "KV cache budget full")."""
 
 
 class Drafter(Protocol):
@@ -157,6 +178,9 @@ class ServingContext:
     # Structured outputs' compiled grammars over the target's tokenizer; None: a constrained
     # request is refused (the verifier runs in a model of its own, and masks do not travel).
     grammars: GrammarCompiler | None = None
+    # How long a request may wait, in all, for room in the target's KV pool (admission queue,
+    # or resuming after a preemption) before it fails with AdmissionTimeoutError.
+    max_queue_time_s: float = DEFAULT_MAX_QUEUE_TIME_S
 
 
 @dataclass(slots=True)
@@ -226,6 +250,7 @@ class Generation:
         self.drafter_caught_up = False  # the drafter's first call reads the whole prompt
         self.step_cost = StepCost()
         self.grammar = self._grammar()
+        self.waiting_since: float | None = None  # when the verifier first had no room for the current step
 
     def _first_sampling(self) -> SamplingParams:
         """The request's sampling, which the verifier keeps from the sequence's first step; a
@@ -271,18 +296,21 @@ class Generation:
         """A chunk of a long prompt (not its last) is due: it goes to the verifier alone."""
         return 0 < self.ctx.prefill_chunk < len(self.unseen_by_verifier)
 
-    def prefill(self) -> StepOutput:
+    def prefill(self) -> StepOutput | None:
         """Send the next chunk of the prompt to the verifier: a step that emits nothing. The
-        first chunk starts the sequence (the sampling, and a KV reservation for everything
-        after it, the rest of the prompt included)."""
+        first chunk starts the sequence (the sampling, and the most it may emit after it, the
+        rest of the prompt included). None: the verifier has no room for it now (`wait`)."""
         chunk = self.unseen_by_verifier[: self.ctx.prefill_chunk]
-        self.unseen_by_verifier = self.unseen_by_verifier[self.ctx.prefill_chunk :]
-        max_new = self.req.max_tokens + len(self.unseen_by_verifier) if self.sampling else None
+        max_new = self.req.max_tokens + len(self.unseen_by_verifier) - len(chunk) if self.sampling else None
         result = self.verifier.verify(
             VerifyRequest(
                 self.seq_id, chunk, [], self.sampling, self.layer_ids, max_new_tokens=max_new, prefill_only=True
             )
         )
+        if result.waiting:
+            return None
+        self.waiting_since = None
+        self.unseen_by_verifier = self.unseen_by_verifier[self.ctx.prefill_chunk :]
         self.stats.verify_s += result.forward_s
         if result.hidden_states is not None and self.speculate:
             self.hidden_rows.append(result.hidden_states)
@@ -341,7 +369,8 @@ class Generation:
 
     def verify(self, plan: StepPlan, drafted: Drafted) -> VerifyResult:
         """The verifier's answer to the new tokens and the drafts; the step goes into the
-        statistics and, if steady, the draft-length policies."""
+        statistics and, if steady, the draft-length policies. A `waiting` answer changes
+        nothing: `wait`, then send the same step again."""
         draft, mask, from_drafter = self._constrain(plan, drafted.draft)
         start = time.perf_counter()
         result = self.verifier.verify(
@@ -357,6 +386,9 @@ class Generation:
                 token_mask=mask,
             )
         )
+        if result.waiting:
+            return result
+        self.waiting_since = None
         verify_cost = self.step_cost(result.forward_s, time.perf_counter() - start, self.ctx.load())
         if result.hidden_states is not None and self.speculate:
             self.hidden_rows.append(result.hidden_states)
@@ -418,6 +450,21 @@ class Generation:
             return "length"
         return None
 
+    def wait(self) -> None:
+        """The verifier has no room in its KV pool for this sequence's step now (it waits in
+        the admission queue, or to resume after a preemption): pause before sending it again;
+        AdmissionTimeoutError once it has waited max_queue_time_s."""
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        elif now - self.waiting_since >= self.ctx.max_queue_time_s:
+            raise AdmissionTimeoutError(
+                f"KV cache budget full: the request waited {now - self.waiting_since:.1f} s (max_queue_time_s) "
+                "for room in the target's KV pool, busy with other requests; retry later, or raise "
+                "kv_cache_memory_gb / max_queue_time_s"
+            )
+        time.sleep(ADMISSION_POLL_S)
+
     def _lap(self) -> None:
         now = time.perf_counter()
         self.stats.total_s += now - self.clock
@@ -432,11 +479,20 @@ def generate(gen: Generation, is_cancelled: Callable[[], bool] = lambda: False) 
             yield StepOutput([], "", "cancelled")
             return
         if gen.prefilling:
-            yield gen.prefill()
+            chunk = gen.prefill()
+            if chunk is None:
+                gen.wait()
+            else:
+                yield chunk
             continue
         plan = gen.plan()
         drafted = gen.draft(plan)
-        step = gen.emit(gen.verify(plan, drafted))
+        while (result := gen.verify(plan, drafted)).waiting:  # the same step again, once there is room
+            if is_cancelled():
+                yield StepOutput([], "", "cancelled")
+                return
+            gen.wait()
+        step = gen.emit(result)
         yield step
         if step.finish_reason:
             return

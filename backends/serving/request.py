@@ -62,6 +62,9 @@ class SamplingParams:
     # Set by the orchestrator from a `rejection_sample_method: "synthetic"` drafter config (never
     # by a client): drafts are accepted at these rates, for benchmarking (not lossless).
     synthetic_acceptance_rates: tuple[float, ...] = ()
+    # vLLM's cache_salt: the request shares prefix-cache blocks only with requests of the same
+    # salt (it goes into the first block's key), so other tenants cannot time its prompt.
+    cache_salt: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +111,8 @@ class SamplingParams:
                     f"in [{low}, {high}], got {_shown(value)}"
                 )
         _check_token_controls(params)
+        if not isinstance(params.cache_salt, str):
+            raise RequestError(f"sampling parameter cache_salt must be a string, got {_shown(params.cache_salt)}")
         return params
 
 
@@ -229,6 +234,12 @@ def _to_logprobs(name: str, v: Any) -> int | None:
     return n
 
 
+def _to_salt(name: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:  # vLLM's rule
+        raise RequestError(f"{name} must be a non-empty string, got {_shown(v)}")
+    return v
+
+
 def _only(neutral: Any, convert: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
     """A vLLM sampling key accepted at the value that changes nothing, refused otherwise."""
 
@@ -286,6 +297,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "bad_words": ("bad_words", _to_str_list),
     "logit_bias": ("logit_bias", _to_logit_bias),
     "logprobs": ("logprobs", _to_logprobs),
+    "cache_salt": ("cache_salt", _to_salt),  # vLLM's: prefix-cache isolation between tenants
     # The vLLM backend's additional outputs (r24.12+).
     **{f"return_{name}": (f"return_{name}", _to_bool) for name in RETURN_OUTPUTS},
     # vLLM sampling keys that clients (Triton's OpenAI frontend among them) send at values
@@ -384,6 +396,7 @@ def parse_request(tensors: dict[str, Any], parameters_json: str = "", sampling_j
             min_tokens=values.get("min_tokens", 0),
             logit_bias=values.get("logit_bias", ()),
             logprobs=values.get("logprobs"),
+            cache_salt=values.get("cache_salt", ""),
         ),
         stop=values.get("stop", []),
         stream=stream,

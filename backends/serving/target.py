@@ -10,6 +10,10 @@ sequences batched with padding, a tree cut to its first chain); the load log say
 After a step the cache covers every token but the last emitted one (that token has not been
 through the model yet); rejected drafts are cut off (the pool: a shorter length, no copy),
 so the cache never holds a token that is not part of the output.
+
+A sequence's KV blocks are taken as its steps write them; which sequences hold blocks, which
+wait, and which are preempted when the pool runs short is the scheduler's (serving/admission.py).
+A step that cannot run now is answered `waiting`.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import torch
 from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.engine import Engine, LeanEngine
 from backends.runtime.hf_engine import HFEngine
-from backends.runtime.kv_cache import KVCachePool, SequenceError
+from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import context_window, hand_back_freed_memory, load_causal_lm
+from backends.serving.admission import KVStats, Scheduler
 from backends.serving.idle import release_idle
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
@@ -52,7 +57,7 @@ class VerifyRequest:
     sampling: SamplingParams | None = None  # given on the first step, kept for the sequence
     hidden_layer_ids: tuple[int, ...] = ()
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] from drafters that have them
-    max_new_tokens: int | None = None  # on the first step: sizes the KV reservation
+    max_new_tokens: int | None = None  # on the first step: the most it may emit (checked; blocks are taken as written)
     # The drafts as a tree: each one's parent (-1: the last emitted token); None: a chain.
     draft_parents: list[int] | None = None
     # A chunk of a long prompt: its tokens go into the cache and nothing is emitted (chunked
@@ -71,6 +76,7 @@ class VerifyResult:
     forward_s: float  # this sequence's share of the forward's time (step_shares)
     hidden_states: torch.Tensor | None = None  # [kept positions, layers, hidden]
     logprobs: list[TokenLogprob] | None = None  # per emitted token, when the sequence asked for them
+    waiting: bool = False  # no room in the KV pool now: the step did not run; send it again
 
 
 @dataclass
@@ -81,6 +87,9 @@ class _Sequence:
     num_cached: int = 0
     last_used: float = 0.0  # on TargetRunner.clock, when its last step ended
     num_prompt_tokens: int = 0  # token_ids after these are output (penalties count only those)
+    # Tokens cached before its latest preemption: recomputed for the cache alone (their hidden
+    # states went out already).
+    resume_at: int = 0
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
@@ -99,6 +108,7 @@ class _Step:
     pending: list[int]  # tokens not yet through the model: the prompt, or the last emitted one
     tree: DraftTree | None = None  # the drafts when they form a tree (not a chain)
     accepted: list[int] = field(default_factory=list)  # tree nodes kept, set by acceptance
+    recomputed: int = 0  # leading pending tokens computed again after a preemption
 
     def row(self) -> Row:
         """The step as the engine's row: a tree runs with its mask and depth positions."""
@@ -109,10 +119,10 @@ class _Step:
 
     def kept_rows(self, result: VerifyResult) -> torch.Tensor | slice:
         """Input rows whose KV (and hidden states) stay: the pending tokens, then the accepted drafts."""
-        p = len(self.pending)
+        p, r = len(self.pending), self.recomputed
         if self.tree is None:
-            return slice(0, p + result.num_accepted)
-        return torch.tensor(list(range(p)) + [p + node for node in self.accepted])
+            return slice(r, p + result.num_accepted)
+        return torch.tensor(list(range(r, p)) + [p + node for node in self.accepted])
 
     @property
     def input_ids(self) -> list[int]:
@@ -170,6 +180,7 @@ def load_target_engine(
     runtime: str,
     batch_invariant: str,
     prefix_caching: bool,
+    prefix_cache_namespace: str = "",
 ) -> Engine:
     """The target's engine (TargetRunner's arguments): the lean runtime where it runs, else transformers."""
     # The lean runtime reads the weights itself where it can; transformers loads the rest.
@@ -181,7 +192,9 @@ def load_target_engine(
         del model, checkpoint
         hand_back_freed_memory()
         window = context_window(config, max_model_len)
-        return LeanEngine(lean, _target_pool(lean, kv_cache_memory_gb, prefix_caching, window))
+        pool = _target_pool(lean, kv_cache_memory_gb, prefix_caching, window)
+        pool.namespace = prefix_cache_namespace
+        return LeanEngine(lean, pool)
     if checkpoint is not None:  # read for a runtime that then did not run
         model = load_causal_lm(model_path, dtype).to(device)
     budget = int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(config, dtype)) if kv_cache_memory_gb else None
@@ -245,13 +258,15 @@ class TargetRunner:
         runtime: str = "auto",
         batch_invariant: str = "auto",
         prefix_caching: bool = True,
+        prefix_cache_namespace: str = "",
     ) -> None:
         """`runtime`: "auto" (the lean runtime where it runs, else transformers), "lean" (fail
         where it does not), "hf" (transformers). `batch_invariant`: "auto" (on where the lean
         runtime runs: a token's logits do not depend on what shares its step, so speculative
         output is exactly plain output in bf16 too), "on" (fail where it cannot be), "off".
         `prefix_caching`: on the lean runtime, a prompt that starts like an earlier one reuses
-        the K/V blocks computed for it (runtime/kv_cache.py)."""
+        the K/V blocks computed for it (runtime/kv_cache.py), only within the same
+        `prefix_cache_namespace` (this deployment's) and request cache_salt."""
         if batch_invariant not in BATCH_INVARIANT_MODES:
             raise ValueError(
                 f"batch_invariant must be one of {', '.join(BATCH_INVARIANT_MODES)}, got {batch_invariant!r}"
@@ -260,13 +275,22 @@ class TargetRunner:
             raise ValueError("batch_invariant 'on' needs the lean runtime (runtime 'hf' was asked)")
         self.device = torch.device(device)
         self.engine = load_target_engine(
-            model_path, dtype, self.device, max_model_len, kv_cache_memory_gb, runtime, batch_invariant, prefix_caching
+            model_path,
+            dtype,
+            self.device,
+            max_model_len,
+            kv_cache_memory_gb,
+            runtime,
+            batch_invariant,
+            prefix_caching,
+            prefix_cache_namespace,
         )
         self.config = self.engine.config
         self.max_model_len = context_window(self.config, max_model_len)
         check_sliding_window(self.config, self.max_model_len)
         self.num_layers = self.config.num_hidden_layers
         self.sequences: dict[int, _Sequence] = {}
+        self.scheduler = Scheduler(self.engine, self._preempted)
         self._warned_trees = False
         # What idleness is measured on; the Triton verifier counts only the time it waits for
         # work (sequence_model.IdleClock), so a step queued behind others never looks idle.
@@ -289,6 +313,10 @@ class TargetRunner:
     def reserved_tokens(self) -> int:
         return self.engine.reserved_tokens
 
+    def kv_stats(self) -> KVStats:
+        """KV usage, running and waiting sequences, preemptions so far (the metrics read these)."""
+        return self.scheduler.stats()
+
     def cached_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence held in the KV cache."""
         return self.engine.length(seq_id)
@@ -310,7 +338,8 @@ class TargetRunner:
         One request never fails another: each step is checked before any forward (its ids,
         draft probabilities and layers), a batched forward that still fails is retried one
         step at a time so only the culprit fails, and accept/reject runs per step. A failed
-        step ends its sequence (its cache may hold part of the step).
+        step ends its sequence (its cache may hold part of the step). A step the KV pool has
+        no room for now is answered `waiting` (`_schedule`).
         """
         results: list[VerifyResult | SequenceError | None] = [None] * len(batch)
         steps: list[tuple[int, _Step]] = []
@@ -319,6 +348,9 @@ class TargetRunner:
                 steps.append((i, self._prepare(req)))
             except Exception as e:
                 results[i] = self._fail(req.seq_id, e)
+        steps, answers = self._schedule(steps)
+        for i, answer in answers.items():
+            results[i] = answer
         for i, step in steps:
             if not step.input_ids:  # a prompt chunk found whole in the prefix cache: nothing to compute
                 results[i] = self._accept(step, None, 0.0)
@@ -343,8 +375,9 @@ class TargetRunner:
                 except Exception as e:
                     results[i] = self._fail(step.req.seq_id, e)
         now = self.clock()
-        for _, step in steps:
-            step.seq.last_used = now  # idleness counts from the end of a step
+        for req in batch:  # idleness counts from the end of a step (or of a wait)
+            if (seq := self.sequences.get(req.seq_id)) is not None:
+                seq.last_used = now
         return results
 
     def _fail(self, seq_id: int, error: Exception) -> SequenceError:
@@ -381,16 +414,79 @@ class TargetRunner:
         if len(seq.token_ids) == seq.num_prompt_tokens:  # nothing emitted yet: all of it is prompt
             seq.num_prompt_tokens += len(req.new_token_ids)
         seq.token_ids.extend(req.new_token_ids)
-        if len(seq.token_ids) == seq.num_prompt_tokens and not req.hidden_layer_ids:
-            self._share_prefix(req, seq)
+        if len(seq.token_ids) == seq.num_prompt_tokens and self.scheduler.is_running(req.seq_id):
+            seq.num_cached += self.engine.share_prefix(req.seq_id, self._shareable(req, seq))
         return _Step(req, seq, seq.token_ids[seq.num_cached :], tree)
 
-    def _share_prefix(self, req: VerifyRequest, seq: _Sequence) -> None:
-        """Prompt blocks that an earlier sequence with the same prefix computed join this one
-        (prefix caching). Not for a step that asks for hidden states (the drafter needs every
-        position's), and a step that emits a token still computes its last one."""
+    def _shareable(self, req: VerifyRequest, seq: _Sequence) -> list[int]:
+        """The sequence's tokens whose K/V may come from the prefix cache (blocks an earlier
+        sequence with the same prefix computed): a step that emits a token still computes its
+        last one, and one that asks for hidden states computes those the drafter has not had."""
         known = len(seq.token_ids) - (0 if req.prefill_only else 1)
-        seq.num_cached += self.engine.share_prefix(req.seq_id, seq.token_ids[:known])
+        return seq.token_ids[: min(known, seq.resume_at) if req.hidden_layer_ids else known]
+
+    def _schedule(
+        self, steps: list[tuple[int, _Step]]
+    ) -> tuple[list[tuple[int, _Step]], dict[int, VerifyResult | SequenceError]]:
+        """The steps that run now, each with room for its tokens (admission.py: running
+        sequences oldest first, preempting the newest when the pool is short; then waiting
+        ones in arrival order while they fit), and the answers of the others: waiting, or the
+        error of one that can never fit."""
+        by_seq = {step.req.seq_id: (i, step) for i, step in steps}
+        run: set[int] = set()
+        answers: dict[int, VerifyResult | SequenceError] = {}
+        scheduler = self.scheduler
+        for seq_id in list(scheduler.running):
+            if seq_id in by_seq and scheduler.is_running(seq_id):  # not preempted meanwhile
+                i, step = by_seq[seq_id]
+                try:
+                    if scheduler.make_room(seq_id, step.seq.num_cached + len(step.input_ids)):
+                        run.add(i)
+                except KVCacheFullError as e:
+                    answers[i] = self._fail(seq_id, e)
+        for seq_id in list(scheduler.waiting):
+            if seq_id not in by_seq:
+                break  # the head of the queue is not stepping now: nobody overtakes it
+            i, step = by_seq[seq_id]
+            try:
+                if not self._admit(step):
+                    break
+                run.add(i)
+            except KVCacheFullError as e:
+                answers[i] = self._fail(seq_id, e)
+        for i, step in steps:
+            if i not in run and i not in answers:
+                answers[i] = self._wait(step)
+        return [(i, step) for i, step in steps if i in run], answers
+
+    def _admit(self, step: _Step) -> bool:
+        """Admit a waiting sequence for this step when it may (Scheduler.admit): its cached
+        prefix is looked up before any block is taken, then blocks for the rest."""
+        req, seq = step.req, step.seq
+        need = len(seq.token_ids) + len(req.draft_token_ids)  # its cache starts over
+        shareable = self._shareable(req, seq)
+        if not self.scheduler.admit(req.seq_id, need, shareable, seq.sampling.cache_salt):
+            return False
+        seq.num_cached = self.engine.share_prefix(req.seq_id, shareable)
+        self.engine.grow(req.seq_id, need)
+        step.pending = seq.token_ids[seq.num_cached :]
+        step.recomputed = max(0, seq.resume_at - seq.num_cached)
+        return True
+
+    def _wait(self, step: _Step) -> VerifyResult:
+        """A step that cannot run now: its tokens are taken back, to come again with it."""
+        seq, n = step.seq, len(step.req.new_token_ids)
+        if n:
+            del seq.token_ids[-n:]
+            seq.num_prompt_tokens = min(seq.num_prompt_tokens, len(seq.token_ids))
+        return VerifyResult([], 0, 0.0, waiting=True)
+
+    def _preempted(self, seq_id: int) -> None:
+        """The scheduler freed the sequence's blocks: its cache starts over."""
+        seq = self.sequences[seq_id]
+        seq.resume_at = max(seq.resume_at, seq.num_cached)
+        seq.num_cached = 0
+        log.info("sequence %d preempted (KV pool short): it resumes by recomputing %d tokens", seq_id, seq.resume_at)
 
     def _first_chain(self, req: VerifyRequest, tree: DraftTree) -> VerifyRequest:
         """An engine without tree attention verifies chains: a tree is cut to its chain of first children."""
@@ -537,23 +633,18 @@ class TargetRunner:
         return VerifyResult(emitted, len(emitted) - 1, forward_s, logprobs=logprobs)
 
     def _start(self, req: VerifyRequest) -> _Sequence:
-        # Reserve the worst case up front (prompt + every new token + a full draft), so a
-        # running sequence never runs out of room: new sequences are refused instead.
-        reserve = min(
-            self.max_model_len, len(req.new_token_ids) + (req.max_new_tokens or self.max_model_len) + MAX_SPEC_LEN
-        )
-        self.engine.admit(req.seq_id, reserve)
+        """A new sequence, waiting for room for its first step (the scheduler admits it)."""
         sampling = req.sampling or SamplingParams()
-        seq_id = req.seq_id
-        generator = new_generator(self.device, sampling.seed)
         _check_token_controls(sampling, self.logits_size)
-        seq = _Sequence(sampling, generator)
-        self.sequences[seq_id] = seq
-        log.debug("sequence %d started (%d active)", seq_id, len(self.sequences))
+        seq = _Sequence(sampling, new_generator(self.device, sampling.seed))
+        self.sequences[req.seq_id] = seq
+        self.scheduler.enqueue(req.seq_id)
+        log.debug("sequence %d started (%d known)", req.seq_id, len(self.sequences))
         return seq
 
     def release(self, seq_id: int) -> bool:
-        """Drop a sequence's KV cache; True when it existed."""
+        """Drop a sequence's KV cache (or its place in the queue); True when it existed."""
+        self.scheduler.forget(seq_id)
         self.engine.release(seq_id)
         return self.sequences.pop(seq_id, None) is not None
 

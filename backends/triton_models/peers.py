@@ -188,10 +188,12 @@ class BlsVerifier(SequencePeer):
         if self.logprobs:
             outputs += LOGPROB_OUTPUTS
         try:
-            out = self.call(inputs, outputs, params or None)
+            out = self.call(inputs, outputs + ["waiting"], params or None)
         except PeerTimeoutError as e:
             self.on_hang(hung(e))
             raise
+        if "waiting" in out and out["waiting"].any():  # no KV room now: send the step again later
+            return VerifyResult([], 0, 0.0, waiting=True)
         hidden = out.get("hidden_states")
         token_ids = out["output_ids"].reshape(-1).tolist()
         return VerifyResult(

@@ -23,7 +23,7 @@ from backends.config import SpeculativeConfig
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
 from backends.runtime.threads import serial_elsewhere
 from backends.serving.cancellation import CancellationWatch
-from backends.serving.orchestrator import Drafter, GenerationStats, ServingContext, Verifier
+from backends.serving.orchestrator import Drafter, GenerationStats, ServingContext, Verifier, max_queue_time_s
 from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.serving.request import RETURN_OUTPUTS, GenerationRequest, RequestError, parse_request
 from backends.serving.session import DEFAULT_PREFILL_CHUNK, ServedModel, Session, prefill_chunk_tokens, stream_interval
@@ -87,6 +87,8 @@ class TritonPythonModel:
         self.prefill_chunk = prefill_chunk_tokens(params.get("prefill_chunk_tokens", str(DEFAULT_PREFILL_CHUNK)))
         # Streamed responses carry at least this many tokens (a request may set its own).
         self.stream_interval = stream_interval(params.get("stream_interval", "1"))
+        # How long a request may wait for room in the target's KV pool (then 503-like error).
+        self.max_queue_time_s = max_queue_time_s(params.get("max_queue_time_s", ""))
         workers = int(params.get("max_concurrent_requests", "64"))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
         # Requests beyond the workers wait, up to max_queued_requests; more are refused as
@@ -244,6 +246,7 @@ class TritonPythonModel:
             lambda: self.active_requests,
             self.prefill_chunk,
             self._grammars(),
+            self.max_queue_time_s,
         )
         return ServedModel(
             self.tokenizer, self.vocab_size, self.decode_token, context, self.stream_interval, self.hidden_states_dir

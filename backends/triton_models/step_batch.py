@@ -10,8 +10,8 @@ On the wire a batch is one single-request sequence (START | END under a fresh co
 the `rows` parameter (JSON) says, row by row, which sequence a step belongs to and how many of
 the concatenated `input_ids`, `draft_ids`, `draft_probs` and `draft_parents` are its own; the
 response concatenates the rows' `output_ids` (with `output_lengths`) and per-row `forward_ms`;
-only when some row has them, `hidden_states` (with `hidden_lengths`) and `row_errors` ("" = no
-error). A row may instead end its sequence (`release`). Sequences that ask for logprobs keep one request per step.
+only when some row has them, `hidden_states` (with `hidden_lengths`), `row_errors` ("" = no
+error) and `waiting` (the row's step did not run: no KV room now, send it again). A row may instead end its sequence (`release`). Sequences that ask for logprobs keep one request per step.
 
 With the `speculative` model's `verifier_in_process`, the batcher hands its rows to the target
 in that process instead (`in_process`): no wire and no round trip, logprobs included. A head
@@ -42,7 +42,15 @@ from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 
 log = logging.getLogger("tritonspec.verifier")
 ROWS = "rows"  # the request parameter that makes a verifier request a batch of steps
-BATCH_OUTPUTS = ["output_ids", "output_lengths", "hidden_states", "hidden_lengths", "forward_ms", "row_errors"]
+BATCH_OUTPUTS = [
+    "output_ids",
+    "output_lengths",
+    "hidden_states",
+    "hidden_lengths",
+    "forward_ms",
+    "row_errors",
+    "waiting",
+]
 
 
 @dataclass
@@ -142,9 +150,10 @@ def decode_rows(
 
 def encode_results(results: list[VerifyResult | Exception | None]) -> dict[str, np.ndarray]:
     """The outputs answering a batch request: one result, error, or None (a release) per row."""
-    ids, lengths, hidden, hidden_lengths, forward_ms, errors = [], [], [], [], [], []
+    ids, lengths, hidden, hidden_lengths, forward_ms, errors, waiting = [], [], [], [], [], [], []
     for result in results:
         ok = isinstance(result, VerifyResult)
+        waiting.append(ok and result.waiting)
         tokens = result.token_ids if ok else []
         ids += tokens
         lengths.append(len(tokens))
@@ -162,6 +171,8 @@ def encode_results(results: list[VerifyResult | Exception | None]) -> dict[str, 
     # Only what some row has: every output tensor costs its share of the round trip.
     if any(errors):
         outputs["row_errors"] = np.array([errors], dtype=np.object_)
+    if any(waiting):
+        outputs["waiting"] = np.array([waiting], dtype=bool)
     if hidden:
         outputs["hidden_states"] = np.concatenate(hidden)[None]
         outputs["hidden_lengths"] = np.array([hidden_lengths], dtype=np.int64)
@@ -174,6 +185,7 @@ def decode_results(out: dict[str, np.ndarray], num_rows: int) -> list[VerifyResu
     lengths = out["output_lengths"].reshape(-1).tolist()
     forward_ms = out["forward_ms"].reshape(-1).tolist()
     errors = out["row_errors"].reshape(-1).tolist() if "row_errors" in out else [""] * len(lengths)
+    waiting = out["waiting"].reshape(-1).tolist() if "waiting" in out else [False] * len(lengths)
     hidden = out.get("hidden_states")
     hidden_lengths = out["hidden_lengths"].reshape(-1).tolist() if hidden is not None else [0] * len(lengths)
     if hidden is not None:
@@ -182,10 +194,12 @@ def decode_results(out: dict[str, np.ndarray], num_rows: int) -> list[VerifyResu
         raise RuntimeError(f"verifier answered {len(lengths)} rows of {num_rows}")
     results: list[VerifyResult | Exception] = []
     at = hidden_at = 0
-    for n, h, ms, error in zip(lengths, hidden_lengths, forward_ms, errors):
+    for n, h, ms, error, wait in zip(lengths, hidden_lengths, forward_ms, errors, waiting):
         message = error.decode() if isinstance(error, bytes) else str(error)
         if message:
             results.append(RuntimeError(message))
+        elif wait:
+            results.append(VerifyResult([], 0, 0.0, waiting=True))
         else:
             tokens = ids[at : at + n]
             rows = hidden[hidden_at : hidden_at + h] if hidden is not None and h else None
@@ -268,6 +282,8 @@ class StepBatcher:
         self.wait_fraction = wait_fraction
         self.cond = threading.Condition()
         self.running: set[int] = set()  # sequences with state in the verifier
+        # Of those, the ones whose step waits for KV room: batches do not wait for their next row.
+        self.waiting: set[int] = set()
         self.pending: list[tuple[Row, Future]] = []
         self.in_flight = False
         self.last_round_trip_s = 0.0
@@ -284,13 +300,14 @@ class StepBatcher:
 
     def release(self, seq_id: int) -> None:
         with self.cond:
-            if seq_id not in self.running:
+            if seq_id not in self.running | self.waiting:
                 return
         self._submit(Release(seq_id), start=False)
 
     def _submit(self, row: Row | DraftCall, start: bool) -> Any:
         future: Future = Future()
         with self.cond:
+            self.waiting.discard(row.seq_id)
             if start:
                 self.running.add(row.seq_id)
             else:
@@ -337,6 +354,9 @@ class StepBatcher:
             for row, result in zip(rows, results):
                 if isinstance(result, Exception):
                     self.running.discard(row.seq_id)  # the verifier ended a sequence whose step failed
+                elif isinstance(result, VerifyResult) and result.waiting:  # it sends its step again later
+                    self.running.discard(row.seq_id)
+                    self.waiting.add(row.seq_id)
             self.in_flight = False
             if self.pending:  # the next batch can go (a lone sequence's step wakes nobody)
                 self.cond.notify()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from backends.triton_models.sequence_model import SequenceBatchedModel
 from backends.triton_models.step_batch import ROWS, decode_rows, encode_results, verify_steps
 
 log = logging.getLogger("tritonspec.verifier")
+PREFIX_CACHE_NAMESPACE_ENV = "TRITONSPEC_PREFIX_CACHE_NAMESPACE"
 
 
 class VerifierModel(SequenceBatchedModel):
@@ -90,6 +92,8 @@ class VerifierModel(SequenceBatchedModel):
         ]
         if hidden is not None:
             outputs.append(pb_utils.Tensor("hidden_states", hidden.numpy()[None]))
+        if result is not None and result.waiting:  # no KV room now: the step did not run
+            outputs.append(pb_utils.Tensor("waiting", np.array([[True]])))
         if result is not None and result.logprobs is not None:  # top arrays only with alternatives
             outputs += [
                 pb_utils.Tensor(name, array[None])
@@ -118,6 +122,9 @@ def target_runner(settings: ModelSettings, device: str) -> TargetRunner:
         runtime=settings.params.get("runtime", "auto"),
         batch_invariant=settings.params.get("batch_invariant", "auto"),
         prefix_caching=parse_flag(settings.params, "enable_prefix_caching", True),
+        # Mixed into every prefix-cache key (with each request's cache_salt): this deployment's own.
+        prefix_cache_namespace=settings.params.get("prefix_cache_namespace")
+        or os.environ.get(PREFIX_CACHE_NAMESPACE_ENV, ""),
     )
     log.info(
         "verifier ready: %s (%s on %s, context %d, KV budget %s tokens)",

@@ -150,6 +150,11 @@ def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str,
     if logprobs is not None:
         sampling["logprobs"] = logprobs
         inputs["return_logprobs"] = True
+    salt = check_type(body, "cache_salt", (str,), "a non-empty string")  # vLLM's extension
+    if salt is not None:
+        if not salt:
+            raise OpenAIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+        sampling["cache_salt"] = salt
     if sampling:
         inputs["sampling_parameters"] = sampling
     return inputs

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from backends.config import SpeculativeConfig
 from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.model_store import DEFAULT_MODEL, NAMED_MODELS, ModelNotFoundError, fetch, local_model
+from backends.serving.orchestrator import max_queue_time_s
 from backends.serving.session import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens, stream_interval
 from backends.training import TRAINERS, head_dir
 from client.cli import common
@@ -79,6 +80,13 @@ def _add_server_flags(serve: argparse.ArgumentParser) -> None:
         metavar="N",
         help="streamed responses carry at least N tokens (the first and the last go out at once): fewer "
         "responses, less server work beside decoding (vLLM's flag; default 1, every step)",
+    )
+    serve.add_argument(
+        "--max-queue-time-s",
+        type=float,
+        metavar="S",
+        help="how long a request may wait for room in the KV pool before it fails with 'KV cache budget full' "
+        "(the OpenAI front end: 503 with Retry-After; default 60)",
     )
     serve.add_argument(
         "--device",
@@ -216,7 +224,11 @@ def _serve_overrides(args: argparse.Namespace, target: Path) -> RepositoryOverri
         ).lower()
     if args.device:
         overrides.common["device"] = args.device
-    for name, check in (("prefill_chunk_tokens", prefill_chunk_tokens), ("stream_interval", stream_interval)):
+    for name, check in (
+        ("prefill_chunk_tokens", prefill_chunk_tokens),
+        ("stream_interval", stream_interval),
+        ("max_queue_time_s", max_queue_time_s),
+    ):
         value = getattr(args, name)
         if value is None:
             continue

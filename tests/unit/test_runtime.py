@@ -299,7 +299,8 @@ def test_pool_truncate_and_errors():
 
 
 def test_blocks_that_span_a_run_out_of_order_are_not_taken_for_one():
-    """Blocks [0, 2] then grown by [1, 3] cover slots 0..15, but not in token order."""
+    """Blocks [0, 2] then grown by [3, 1] (the block after its last first) cover slots 0..15,
+    but not in token order."""
     pool = KVCachePool(1, 1, 4, capacity_tokens=16, block_size=4, dtype=torch.float32)
     for seq_id in "wxyz":
         pool.admit(seq_id, 4)
@@ -310,8 +311,8 @@ def test_blocks_that_span_a_run_out_of_order_are_not_taken_for_one():
     pool.release("x")
     pool.release("z")
     pool.grow("a", 16)
-    assert pool.blocks("a") == [0, 2, 1, 3] and pool.contiguous_start("a") is None
-    assert pool.slots("a").tolist() == [*range(0, 4), *range(8, 12), *range(4, 8), *range(12, 16)]
+    assert pool.blocks("a") == [0, 2, 3, 1] and pool.contiguous_start("a") is None
+    assert pool.slots("a").tolist() == [*range(0, 4), *range(8, 12), *range(12, 16), *range(4, 8)]
 
 
 def test_pool_grow_keeps_the_cached_tokens_and_refuses_past_capacity():
@@ -486,7 +487,9 @@ def _walk_free_list(free: list[int], need: int) -> list[int]:
 def test_pool_allocation_follows_the_free_list_rule_under_churn():
     """The pool keeps its free blocks as runs (time per admission in runs, not blocks): over
     random admissions, growths and releases it hands out what the rule over a plain sorted list
-    of free blocks would, block for block."""
+    of free blocks would, block for block (a growth first takes the free blocks right after the
+    sequence's last)."""
+    import itertools
     import random
 
     rng = random.Random(0)
@@ -499,12 +502,16 @@ def test_pool_allocation_follows_the_free_list_rule_under_churn():
             free = sorted(free + held.pop(seq_id))
             continue
         need = rng.randint(1, 12)
-        expected = _walk_free_list(free, need)
         if held and rng.random() < 0.2:  # grow a running sequence instead
             seq_id = rng.choice(sorted(held))
+            after = range(held[seq_id][-1] + 1, held[seq_id][-1] + 1 + need)
+            follow = list(itertools.takewhile(set(free).__contains__, after))
+            rest = [b for b in free if b not in follow]
+            expected = follow + (_walk_free_list(rest, need - len(follow)) if need > len(follow) else [])
             pool.grow(seq_id, (len(held[seq_id]) + need) * 4)
             held[seq_id] += expected
         else:
+            expected = _walk_free_list(free, need)
             pool.admit(step, need * 4)
             held[step] = expected
             seq_id = step
