@@ -12,7 +12,7 @@ Blocks are taken as tokens are written: ``admit`` may reserve nothing, and ``gro
 blocks a step's new tokens need just before it runs (vLLM's ``KVCacheManager.allocate_slots``),
 so a request holds what it has written, not its worst case (a chat without max_tokens used to
 hold its whole context window from the start). Who runs when the pool is short (a queue for new
-sequences, preemption of running ones) is the caller's business (serving/admission.py); here
+sequences, preemption of running ones) is the caller's business (serving/kv_scheduler.py); here
 ``grow`` raises KVCacheFullError and ``admissible`` says whether a new sequence fits now. A grown
 sequence's next block is the one right after its last when that one is free, so a sequence that
 grows alone stays one contiguous run: the row's keys are then a view of the pool and a batch-1

@@ -12,7 +12,7 @@ through the model yet); rejected drafts are cut off (the pool: a shorter length,
 so the cache never holds a token that is not part of the output.
 
 A sequence's KV blocks are taken as its steps write them; which sequences hold blocks, which
-wait, and which are preempted when the pool runs short is the scheduler's (serving/admission.py).
+wait, and which are preempted when the pool runs short is the scheduler's (serving/kv_scheduler.py).
 A step that cannot run now is answered `waiting`.
 """
 
@@ -34,7 +34,7 @@ from backends.runtime.hf_engine import HFEngine
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import context_window, hand_back_freed_memory, load_causal_lm
-from backends.serving.admission import KVStats, Scheduler
+from backends.serving.kv_scheduler import KVStats, Scheduler
 from backends.serving.idle import release_idle
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample

@@ -1,4 +1,4 @@
-"""Admission that queues and preemption by recompute (backends/serving/admission.py), blocks
+"""Admission that queues and preemption by recompute (backends/serving/kv_scheduler.py), blocks
 taken as tokens are written (runtime/kv_cache.py), and prefix-cache isolation: a request's
 cache_salt and the deployment's namespace go into the first block's key.
 
