@@ -34,8 +34,8 @@ from backends.runtime.hf_engine import HFEngine
 from backends.runtime.kv_cache import KVCacheFullError, KVCachePool, SequenceError
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import context_window, hand_back_freed_memory, load_causal_lm
-from backends.serving.kv_scheduler import KVStats, Scheduler
 from backends.serving.idle import release_idle
+from backends.serving.kv_scheduler import KVStats, Scheduler
 from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
 from backends.serving.request import SamplingParams
@@ -428,7 +428,7 @@ class TargetRunner:
     def _schedule(
         self, steps: list[tuple[int, _Step]]
     ) -> tuple[list[tuple[int, _Step]], dict[int, VerifyResult | SequenceError]]:
-        """The steps that run now, each with room for its tokens (admission.py: running
+        """The steps that run now, each with room for its tokens (kv_scheduler.py: running
         sequences oldest first, preempting the newest when the pool is short; then waiting
         ones in arrival order while they fit), and the answers of the others: waiting, or the
         error of one that can never fit."""
