@@ -33,8 +33,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backends.serving.kv_scheduler import KVStats
 
 log = logging.getLogger("tritonspec.metrics")
 
@@ -188,9 +191,9 @@ class MetricWriter:
 
 class ServingMetrics:
     """The `speculative` model's request metrics. `vllm:num_requests_waiting` counts requests
-    waiting for one of its `max_concurrent_requests` workers, and `vllm:num_preemptions_total`
-    stays 0: both are where an admission queue's counts go (`admission_waiting`,
-    `preempted`)."""
+    waiting for one of its `max_concurrent_requests` workers and, with the verifier in this
+    process, those waiting for KV room (`admission_waiting`); `vllm:num_preemptions_total` the
+    KV scheduler's preemptions (`preempted`; both reported by `EngineMetrics`)."""
 
     def __init__(self, model_name: str, version: str, max_model_len: int) -> None:
         self.labels = {"model": model_name, "version": version}
@@ -343,12 +346,22 @@ class EngineMetrics:
     (0 without prefix caching). `stepped` after each forward, `update` after each batch of
     steps and releases."""
 
-    def __init__(self, model_name: str, version: str, engine: Any) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        model_name: str,
+        version: str,
+        engine: Any,
+        kv_stats: Callable[[], KVStats] | None = None,
+        serving: ServingMetrics | None = None,
+    ) -> None:
+        """With `kv_stats` (the runner's scheduler) and the orchestrator's `serving` metrics in
+        the same process, requests waiting for KV room count in `vllm:num_requests_waiting` and
+        preemptions in `vllm:num_preemptions_total`, as vLLM's scheduler reports them."""
+        self.engine, self.kv_stats, self.serving = engine, kv_stats, serving
         self.families = Families(ENGINE_METRICS)
         labels = {"model": model_name, "version": version}
         self.m = {name: self.families.metric(name, labels) for name in ENGINE_METRICS}
-        self.reported = {"usage": 0.0, "queries": 0, "hits": 0}
+        self.reported = {"usage": 0.0, "queries": 0, "hits": 0, "waiting": 0, "preemptions": 0}
         self.writer = MetricWriter("engine-metrics")
 
     def kv_cache_usage(self) -> float:
@@ -368,8 +381,19 @@ class EngineMetrics:
         if usage != self.reported["usage"]:
             self.writer.put(self.m["vllm:kv_cache_usage_perc"], "set", usage)
             self.reported["usage"] = usage
+        if self.kv_stats and self.serving:
+            self._report_queue(self.kv_stats())
         # The prefix counters synchronously: a client that reads /metrics after its request sees them.
         for key, total in (("queries", self.engine.prefix_queries), ("hits", self.engine.prefix_hits)):
             if total != self.reported[key]:
                 self.m[f"vllm:prefix_cache_{key}_total"].increment(total - self.reported[key])
                 self.reported[key] = total
+
+    def _report_queue(self, stats: KVStats) -> None:
+        waiting = stats.num_waiting - self.reported["waiting"]
+        if waiting:
+            self.serving.admission_waiting(waiting)
+        preempted = stats.num_preemptions - self.reported["preemptions"]
+        if preempted:
+            self.serving.preempted(preempted)
+        self.reported["waiting"], self.reported["preemptions"] = stats.num_waiting, stats.num_preemptions

@@ -28,7 +28,7 @@ from backends.serving.orchestrator import Drafter
 from backends.serving.proposer import Draft, DrafterInfo, build_proposer, check_layers
 from backends.serving.target import VerifyRequest, VerifyResult
 from backends.triton_models.common import SEQUENCE_END, SEQUENCE_START, ActiveSequencesGauge, bls
-from backends.triton_models.metrics import EngineMetrics
+from backends.triton_models.metrics import EngineMetrics, ServingMetrics
 from backends.triton_models.outbox import Outbox
 from backends.triton_models.pbtxt import ModelSettings, instance_group, model_settings, parameters
 from backends.triton_models.peer_token import server_token, with_token
@@ -232,9 +232,12 @@ class Peers:
         drafter_timeout_s: float | None,
         step_timeout_s: float | None = None,
         on_hang: Callable[[str], None] = lambda reason: None,
+        serving_metrics: ServingMetrics | None = None,
     ) -> None:
         """A drafter call past `drafter_timeout_s` is abandoned (its request decodes plainly);
-        a verify step past `step_timeout_s` fails its requests and is reported to `on_hang`."""
+        a verify step past `step_timeout_s` fails its requests and is reported to `on_hang`;
+        a verifier here reports its KV queue and preemptions to `serving_metrics`."""
+        self.serving_metrics = serving_metrics
         self.model_name, self.plan, self.route = model_name, plan, plan.route(model_name)
         self.step_timeout_s, self.on_hang = step_timeout_s, on_hang
         self.drafter_config, self.drafter_info = drafter_config, drafter_info
@@ -312,7 +315,7 @@ class Peers:
         verify_thread = forward_thread("spec-verify")
         runner = verify_thread.submit(target_runner, settings, device).result()
         active = ActiveSequencesGauge(name)
-        engine_metrics = EngineMetrics(name, "1", runner.engine)
+        engine_metrics = EngineMetrics(name, "1", runner.engine, runner.kv_stats, self.serving_metrics)
 
         def update_metrics(steps: list) -> None:  # what the verifier model reports of its own sequences
             active.set(len(runner.sequences))

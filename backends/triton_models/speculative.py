@@ -105,6 +105,8 @@ class TritonPythonModel:
         # A verify step (its forward, here or in the verifier model) past step_timeout_s fails its
         # requests and leaves the server refusing new ones: it is not ready any more.
         step_timeout_s = float(params.get("step_timeout_s", "300")) or None
+        version = str(args.get("model_version", "1"))
+        self.metrics = ServingMetrics(args["model_name"], version, self.max_model_len)
         self.peers = Peers(
             args["model_name"],
             plan,
@@ -115,15 +117,14 @@ class TritonPythonModel:
             timeout_s,
             step_timeout_s,
             self.admission.fail,
+            self.metrics,
         )
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
         info = self.peers.drafter_info  # None when a drafter standing by cannot draft here either
         self.extract_layer_ids = info.hidden_layer_ids if info and not info.proposes_drafts else ()
         self.served = self._served()
-        version = str(args.get("model_version", "1"))
         method, k = (info.method, info.num_speculative_tokens) if info else (None, 0)
         self.counters = SpecDecodeCounters(args["model_name"], version, method, k)
-        self.metrics = ServingMetrics(args["model_name"], version, self.max_model_len)
         self.cancellation = CancellationWatch()
         log.info(
             "speculative ready: verifier=%s drafter=%s context=%d",

@@ -12,7 +12,7 @@ import pytest
 from backends.runtime.model_store import load_config
 from backends.serving.target import kv_bytes_per_token
 from client.api.triton import grpc_generate
-from tests.fixtures.helpers import hf_greedy, wait_for_no_active_sequences
+from tests.fixtures.helpers import hf_greedy, metric_values, wait_for_no_active_sequences
 from tests.fixtures.servers import fixture_servers
 
 PROMPTS = [
@@ -57,3 +57,10 @@ def test_requests_beyond_the_pool_queue_and_resume_with_the_target_s_output(smal
     log = server.log_path.read_text(errors="replace")
     assert "preempted (KV pool short)" in log  # they did not all fit: some were preempted and resumed
     wait_for_no_active_sequences(server)
+    # Verified in process, the orchestrator's metrics count the scheduler's preemptions, and
+    # nothing waits once every request is answered (the BLS verifier's are its own process's).
+    if name == "small-pool":
+        (preemptions,) = metric_values(server, "vllm:num_preemptions_total").values()
+        assert preemptions == log.count("preempted (KV pool short)")
+        (waiting,) = metric_values(server, "vllm:num_requests_waiting").values()
+        assert waiting == 0
