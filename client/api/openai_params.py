@@ -6,7 +6,6 @@ rendering, and messages rendered with the served model's chat template."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from backends.serving.structured_params import STRUCTURED_KEYS
@@ -38,6 +37,7 @@ _READ = {
     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     "logit_bias", "allowed_token_ids", "stop_token_ids", "bad_words", "logprobs", "top_logprobs",
     "tools", "functions", "response_format", *STRUCTURED_EXTRAS,
+    "cache_salt",  # read by the admission change (prefix-cache isolation, issue 57)
 }  # fmt: skip
 _COMPLETION = {"echo", "suffix"}  # completions' own (in chat, vLLM's echo repeats the last message)
 # What changes nothing about the tokens generated here, at any value: bookkeeping OpenAI keeps.
@@ -90,18 +90,6 @@ def check_parameters(body: dict, kind: str) -> None:
         if not any(value == v and type(value) is type(v) for v in neutral):
             shown = json.dumps(value)[:80]
             raise OpenAIError(400, f"'{name}' is not supported here (got {shown}): {hint}", param=name)
-
-
-# The model's names for what reaches it under another name here.
-_MODEL_NAMES = {"stop_words": "stop", "random_seed": "seed", "min_length": "min_tokens"}
-
-
-def rejected_param(message: str) -> str | None:
-    """The parameter a message of the model names first ("top_p must be in (0, 1], got 1.5",
-    "logit_bias: token id ...", "structured_outputs.json is not valid JSON"), when it is one."""
-    match = re.match(r"([a-z_]+)[\s.:\[=]", message)
-    name = _MODEL_NAMES.get(match.group(1), match.group(1)) if match else None
-    return name if name in _READ or name in _NEUTRAL else None
 
 
 def structured_outputs(body: dict) -> dict[str, Any]:

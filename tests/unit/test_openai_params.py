@@ -11,10 +11,8 @@ import pytest
 
 from backends.serving.request import parse_request
 from backends.structured.spec import StructuredOutputs
-from client.api.openai_frontend import generation_error
 from client.api.openai_http import OpenAIError
 from client.api.openai_params import sampling_inputs
-from client.api.triton import server_error
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -124,20 +122,3 @@ def test_neutral_values_and_bookkeeping_change_nothing():
 def test_min_p_and_allowed_token_ids_reach_the_model():
     req = model_request({"min_p": 0.2, "temperature": 0.9, "allowed_token_ids": [4, 2]})
     assert req.sampling.min_p == pytest.approx(0.2) and req.sampling.allowed_token_ids == (2, 4)
-
-
-@pytest.mark.parametrize(
-    "message,param",
-    [
-        ("repetition_penalty must be in (0, 100] (1: off), got 0.0", "repetition_penalty"),
-        ("logit_bias: token id 99999 is outside the vocabulary [0, 100)", "logit_bias"),
-        ("stop_words: at most 32 stop strings, got 40", "stop"),
-        ("structured_outputs.json is not valid JSON: Expecting value", "structured_outputs"),
-        ("guided_regex must be a non-empty string, got ''", "guided_regex"),
-        ("text_input has 99 characters, more than fit the context window", None),
-        ("unknown key 'x' in sampling_parameters", None),
-    ],
-)
-def test_the_models_range_errors_name_their_param(message, param):
-    error = generation_error(server_error(message))
-    assert error.status == 400 and error.param == param
