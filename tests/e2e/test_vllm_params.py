@@ -99,12 +99,18 @@ def test_unsupported_openai_parameters_are_refused_by_name(client):
 def test_served_vllm_extras_and_neutral_values_pass(client, tiny_server):
     neutral = {"use_beam_search": False, "prompt_logprobs": None, "skip_special_tokens": True, "min_p": 0.0}
     got = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=8, temperature=0, extra_body=neutral)
-    assert got.choices[0].text == grpc_generate(tiny_server.grpc_url, PROMPT, max_tokens=8, stream=False).text
+    plain = grpc_generate(tiny_server.grpc_url, PROMPT, max_tokens=8, stream=False, exclude_input_in_output=True)
+    assert got.choices[0].text == plain.text
     allowed = list(range(60))
     masked = client.completions.create(
         model="speculative", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"allowed_token_ids": allowed}
     )
     ref = grpc_generate(
-        tiny_server.grpc_url, PROMPT, max_tokens=8, stream=False, sampling_parameters={"allowed_token_ids": allowed}
+        tiny_server.grpc_url,
+        PROMPT,
+        max_tokens=8,
+        stream=False,
+        exclude_input_in_output=True,
+        sampling_parameters={"allowed_token_ids": allowed},
     )
     assert masked.choices[0].text == ref.text and set(ref.output_ids) <= set(allowed)
