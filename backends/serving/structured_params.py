@@ -19,9 +19,10 @@ from backends.structured.spec import StructuredKind, StructuredOutputs
 
 # Longest schema / pattern / grammar text accepted: a bound on what is compiled and cached.
 MAX_SPEC_CHARS = 2**20
-# The grammar backend is the server's choice; a request may only name "auto" (vLLM V1 also
-# refuses a per-request backend other than the engine's).
-NEUTRAL_BACKENDS = frozenset({"auto"})
+# The grammar backend is the server's choice; a request may name "auto" or the one it runs,
+# llguidance, by vLLM's name for it (vLLM V1 also refuses a per-request backend other than the
+# engine's).
+NEUTRAL_BACKENDS = frozenset({"auto", "guidance"})
 # Where a constraint can come from: the objects (their fields are read below) and the top-level
 # names, each with the kind it sets.
 OBJECT_KEYS = ("structured_outputs", "guided_decoding")

@@ -80,7 +80,7 @@ def test_the_older_top_level_names(key, value, expected):
 def test_guided_whitespace_pattern_and_a_neutral_backend_go_with_guided_json():
     got = structured({"guided_json": SCHEMA, "guided_whitespace_pattern": r"\s?", "guided_decoding_backend": "auto"})
     assert got == StructuredOutputs("json", CANONICAL, r"\s?")
-    got = structured({"guided_decoding": {"json": SCHEMA, "backend": "auto", "disable_fallback": True}})
+    got = structured({"guided_decoding": {"json": SCHEMA, "backend": "guidance", "disable_fallback": True}})
     assert got == StructuredOutputs("json", CANONICAL)
 
 
