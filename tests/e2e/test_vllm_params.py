@@ -90,6 +90,7 @@ def test_unsupported_openai_parameters_are_refused_by_name(client):
         ({"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
         ({"no_such_parameter": 1}, "no_such_parameter"),
         ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),  # the model's range, named in `param`
     ]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="speculative", prompt=PROMPT, max_tokens=4, extra_body=extra)
