@@ -559,11 +559,6 @@ def bind_token_ids(
     """What needs the served model: token ids checked against its vocabulary, bad words
     tokenized (vLLM's way), and the tokens min_tokens holds back (EOS unless ignore_eos,
     and stop_token_ids), all in the sampling parameters the verifier receives."""
-    if req.structured is not None:  # until the grammar engine (backends/structured/) serves them
-        raise RequestError(
-            f"structured outputs ({req.structured.kind}) are not served by this server yet; send the request without"
-            " a structured_outputs / guided_* / response_format constraint"
-        )
     for where, ids in (
         ("stop_token_ids", req.stop_token_ids),
         ("logit_bias", [t for t, _ in req.sampling.logit_bias]),

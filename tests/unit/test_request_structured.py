@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from backends.serving.request import RequestError, bind_token_ids, parse_request
+from backends.serving.request import RequestError, parse_request
 from backends.structured.spec import StructuredOutputs
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
@@ -157,9 +157,3 @@ def test_a_dict_dumped_from_vllms_dataclasses_is_read():
 )
 def test_refused_by_name(sampling, message):
     assert message in refused(sampling)
-
-
-def test_until_the_grammar_engine_serves_them_a_constraint_is_refused_not_ignored(tokenizer):
-    req = parse_request({"text_input": "hi"}, "", json.dumps({"guided_regex": "[0-9]+"}))
-    with pytest.raises(RequestError, match=r"structured outputs \(regex\) are not served by this server yet"):
-        bind_token_ids(req, tokenizer, {0}, vocab_size=len(tokenizer))
