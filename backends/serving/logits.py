@@ -1,9 +1,11 @@
 """A request's token controls applied to the target's logits inside verification, and the
 logprobs reported for the tokens it emits.
 
-Order and formulas are vLLM V1's (Sampler.apply_logits_processors): bad words, min_tokens,
-logit_bias, then the repetition, frequency and presence penalties; temperature, top-k and
-top-p follow in rejection sampling. Row j of a verify step is the position after the
+Order and formulas are vLLM V1's (Sampler.apply_logits_processors): allowed_token_ids, bad
+words, min_tokens, logit_bias, then the repetition, frequency and presence penalties, and min_p
+(which vLLM applies after temperature: here on the same temperature-scaled probabilities);
+temperature, top-k and top-p follow in rejection sampling, so every draft is verified against
+the distribution these controls leave. Row j of a verify step is the position after the
 sequence so far plus drafts d_1..d_j, and it is processed with exactly that history, so
 each position sees what a plain decoding step there would see: the output stays the one
 plain decoding gives with the same settings (vLLM treats its drafts the same way).
@@ -44,6 +46,10 @@ def process_logits(
     drafts[:j], a tree node's root path). Placeholder drafts (-1) are never accepted, so rows
     past one are never used; they are skipped in the history."""
     rows = logits.float().clone()
+    if sampling.allowed_token_ids:
+        allowed = torch.zeros(rows.shape[-1], dtype=torch.bool, device=rows.device)
+        allowed[list(sampling.allowed_token_ids)] = True
+        rows.masked_fill_(~allowed, -math.inf)
     histories = [output_ids + [d for d in prefix if d >= 0] for prefix in row_prefixes]
     for row, history in zip(rows, histories):
         _ban_bad_words(row, sampling.bad_words_ids, history)
@@ -54,7 +60,16 @@ def process_logits(
         rows[:, list(ids)] += torch.tensor(biases, device=rows.device)
     if sampling.repetition_penalty != 1.0 or sampling.frequency_penalty or sampling.presence_penalty:
         _apply_penalties(rows, sampling, histories, prompt_ids)
+    if sampling.min_p > 0 and not sampling.greedy:
+        _apply_min_p(rows, sampling.min_p, sampling.temperature)
     return rows
+
+
+def _apply_min_p(rows: torch.Tensor, min_p: float, temperature: float) -> None:
+    """vLLM's MinPLogitsProcessor (vllm/v1/sample/logits_processor/builtin.py): tokens whose
+    probability at this temperature is below min_p x the most likely token's are dropped."""
+    probs = torch.softmax(rows / temperature, dim=-1)  # [rows, V]
+    rows.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
 
 
 def _ban_bad_words(row: torch.Tensor, bad_words: tuple[tuple[int, ...], ...], history: list[int]) -> None:

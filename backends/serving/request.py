@@ -14,14 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from backends.serving.request_errors import RequestError
+from backends.serving.request_errors import shown as _shown
+from backends.serving.structured_params import STRUCTURED_KEYS, parse_structured
 from backends.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:
     import torch
-
-
-class RequestError(ValueError):
-    """A client mistake; the message names the input at fault."""
 
 
 # Every number is bounded here, before it reaches a tensor: the verifier and drafter get
@@ -31,6 +30,7 @@ MAX_FLOAT32 = 3.4028234663852886e38
 MAX_DRAFT_TOKENS = 128  # vLLM V1's limit on drafts per request (rejection.MAX_SPEC_LEN)
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
+MAX_ALLOWED_TOKEN_IDS = 2**18  # allowed_token_ids: up to a whole vocabulary (the largest are ~256k)
 # Below this temperature a request decodes greedily (vLLM's _SAMPLING_EPS, vllm/sampling_params.py):
 # the verifier takes the argmax and the drafters draft it. Where the tokens are decided this was
 # always the rule, and a temperature that small would overflow softmax(logits / t) anyway.
@@ -48,6 +48,7 @@ class SamplingParams:
     temperature: float = 0.0  # greedy below GREEDY_TEMPERATURE_EPS (is_greedy)
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float = 0.0  # vLLM's: tokens below min_p x the most likely one's probability are dropped
     seed: int | None = None
     # Token controls, applied by the verifier to the target's logits at every position
     # (backends/serving/logits.py); the defaults change nothing.
@@ -56,6 +57,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be emitted; () = any
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # from GenerationRequest.bad_words (bind_token_ids)
     min_tokens_stop_ids: tuple[int, ...] = ()  # masked until min_tokens are out: EOS, stop_token_ids
     logprobs: int | None = None  # alternatives reported per emitted token; None: no logprobs
@@ -79,6 +81,8 @@ class SamplingParams:
             or self.min_tokens > 0
             or bool(self.logit_bias)
             or bool(self.bad_words_ids)
+            or bool(self.allowed_token_ids)
+            or (self.min_p > 0 and not self.greedy)
         )
 
     def to_json(self) -> str:
@@ -96,10 +100,11 @@ class SamplingParams:
             ("temperature", params.temperature, 0, MAX_FLOAT32),
             ("top_k", params.top_k, 1, MAX_INT32),
             ("top_p", params.top_p, 0, 1),
+            ("min_p", params.min_p, 0, 1),
             ("seed", params.seed, 0, 2**63 - 1),
         ):
             integral = name in ("top_k", "seed")
-            if value is None and name != "temperature":
+            if value is None and name not in ("temperature", "min_p"):
                 continue
             if (
                 isinstance(value, bool)
@@ -195,10 +200,20 @@ def _to_str_list(name: str, v: Any) -> list[str]:
     return stops
 
 
-def _shown(v: Any, limit: int = 80) -> str:
-    """A value for an error message, cut short: a client's megabyte string is not echoed."""
-    text = repr(v)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+def _to_stop(name: str, v: Any) -> list[str]:
+    """vLLM's `stop`: an empty string would match everywhere (TRT-LLM's `stop_words` keeps
+    reading "" as none, as its examples send it)."""
+    if v == "" or isinstance(v, (list, tuple)) and "" in v:
+        raise RequestError(f"{name} cannot contain an empty string")  # vLLM's words
+    return _to_str_list(name, v)
+
+
+def _to_allowed_ids(name: str, v: Any) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or not v:
+        raise RequestError(f"{name} must be a non-empty list of token ids, got {_shown(v)}")
+    if len(v) > MAX_ALLOWED_TOKEN_IDS:
+        raise RequestError(f"{name}: at most {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(v)}")
+    return tuple(sorted({_to_int(name, t) for t in v}))
 
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's top_logprobs limit too)
@@ -206,8 +221,12 @@ MAX_TOKEN_IDS = 1024  # entries in stop_token_ids / logit_bias
 RETURN_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
 
 
+def _to_list(v: Any) -> list | tuple:
+    return v if isinstance(v, (list, tuple)) else [v]
+
+
 def _to_int_list(name: str, v: Any) -> list[int]:
-    ids = [_to_int(name, x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+    ids = [_to_int(name, x) for x in _to_list(v)]
     if len(ids) > MAX_TOKEN_IDS:
         raise RequestError(f"{name}: at most {MAX_TOKEN_IDS} token ids, got {len(ids)}")
     return ids
@@ -240,14 +259,45 @@ def _to_salt(name: str, v: Any) -> str:
     return v
 
 
-def _only(neutral: Any, convert: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
-    """A vLLM sampling key accepted at the value that changes nothing, refused otherwise."""
+def _only(convert: Callable[[str, Any], Any], neutral: Any, hint: str) -> Callable[[str, Any], None]:
+    """A vLLM sampling key accepted at the value that changes nothing, refused otherwise with
+    what to do instead."""
 
     def check(name: str, v: Any) -> None:
-        if v is not None and convert(name, v) != neutral:
-            raise RequestError(f"{name} is only supported at its default {json.dumps(neutral)}, got {_shown(v)}")
+        if convert(name, v) != neutral:
+            raise RequestError(
+                f"{name} is only supported at its default {json.dumps(neutral)}, got {_shown(v)}: {hint}"
+            )
 
     return check
+
+
+def _refused(hint: str) -> Callable[[str, Any], None]:
+    """A vLLM key whose only neutral value is null (skipped before this runs)."""
+
+    def check(name: str, v: Any) -> None:
+        raise RequestError(f"{name} is not supported, got {_shown(v)}: {hint}")
+
+    return check
+
+
+def _accepted(convert: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
+    """A key vLLM derives itself or that changes nothing here, at any well-typed value."""
+
+    def check(name: str, v: Any) -> None:
+        convert(name, v)
+
+    return check
+
+
+def _to_output_kind(name: str, v: Any) -> int:
+    """vLLM's RequestOutputKind, by value or name; here `stream` decides what each response
+    carries (the vLLM backend sets output_kind from it too), so all three are neutral."""
+    kinds = {"CUMULATIVE": 0, "DELTA": 1, "FINAL_ONLY": 2}
+    kind = kinds.get(v.rpartition(".")[2].upper()) if isinstance(v, str) else v
+    if kind not in kinds.values() or isinstance(kind, bool):
+        raise RequestError(f"{name} must be one of {', '.join(kinds)} (or 0, 1, 2), got {_shown(v)}")
+    return kind
 
 
 def _check_token_controls(params: SamplingParams) -> None:
@@ -257,6 +307,7 @@ def _check_token_controls(params: SamplingParams) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise RequestError(f"sampling parameter {name} must be a finite number, got {_shown(value)}")
     ids = [t for t, _ in params.logit_bias] + [t for word in params.bad_words_ids for t in word]
+    ids += list(params.allowed_token_ids)
     ids += list(params.min_tokens_stop_ids) + [params.min_tokens] + [params.logprobs or 0]
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in ids):
         raise RequestError("malformed sampling parameters: token ids and counts must be non-negative integers")
@@ -272,15 +323,56 @@ def _tuples(values: Any) -> Any:
     return values
 
 
-# key -> (field it sets, converter); `seed`/`stop` are vLLM's names, the others TRT-LLM's.
+_SEPARATE = "send separate requests (the OpenAI front end's `n` does so)"
+# The rest of vLLM's SamplingParams, so that its complete default dict is accepted: the
+# fields of vllm/sampling_params.py at vLLM commits db573835 (the v0.6 line) and 00388f65
+# (2026), and the vLLM backend's lora_name. Each is accepted at the values that change nothing
+# here ("" = no field to set) and refused by name otherwise, saying what to do instead.
+VLLM_NEUTRAL_KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "n": ("", _only(_to_int, 1, _SEPARATE)),
+    "best_of": ("", _only(_to_int, 1, _SEPARATE + " and pick the best")),
+    "use_beam_search": ("", _only(_to_bool, False, "beam search is not served; decode greedily (temperature 0)")),
+    "length_penalty": ("", _only(_to_float, 1.0, "it weighs beam search, which is not served")),
+    "early_stopping": ("", _only(_to_bool, False, "it stops beam search, which is not served")),
+    "prompt_logprobs": ("", _refused("logprobs of the prompt are not returned; ask `logprobs` for the output")),
+    "prompt_logprob_token_ids": ("", _refused("logprobs of the prompt are not returned")),
+    "prompt_logprob_start": ("", _refused("logprobs of the prompt are not returned")),
+    "logprob_token_ids": ("", _refused("ask `logprobs: N` for the N most likely tokens")),
+    "flat_logprobs": ("", _only(_to_bool, False, "logprobs come in the vLLM backend's shape")),
+    "truncate_prompt_tokens": ("", _refused("shorten the prompt before sending it")),
+    "logits_processors": ("", _only(lambda name, v: v, [], "custom logits processors do not travel in a request")),
+    "extra_args": ("", _only(lambda name, v: v, {}, "no sampling plugin reads them here")),
+    "thinking_token_budget": ("", _only(_to_int, -1, "no reasoning budget is enforced here")),
+    "repetition_detection": ("", _refused("no repetition detection runs here; use stop strings or max_tokens")),
+    "trace_decode_token_ids": ("", _refused("forced decoding is not served")),
+    "routed_experts_prompt_start": ("", _only(_to_int, 0, "routed-expert traces are not returned")),
+    "lora_name": ("", _refused("LoRA adapters are not served; serve the merged model")),
+    "skip_special_tokens": ("", _only(_to_bool, True, "special tokens are always left out of the text")),
+    "spaces_between_special_tokens": ("", _only(_to_bool, True, "special tokens are left out of the text")),
+    "include_stop_str_in_output": ("", _only(_to_bool, False, "the text ends before the stop string")),
+    "detokenize": ("", _only(_to_bool, True, "the output is always text (with output_ids)")),
+    "output_kind": ("", _to_output_kind),
+    "skip_clone": ("", _accepted(_to_bool)),
+    "skip_reading_prefix_cache": ("", _accepted(_to_bool)),
+    # Derived by vLLM itself (from stop, stop_token_ids, bad_words and the model) and set again there.
+    "output_text_buffer_length": ("", _accepted(_to_int)),
+    "_all_stop_token_ids": ("", _accepted(_to_int_list)),
+    "_eos_token_id": ("", _accepted(_to_int)),
+    "_bad_words_token_ids": ("", _accepted(lambda name, v: [_to_int_list(name, w) for w in _to_list(v)])),
+}
+
+
+# key -> (field it sets, converter); `seed`/`stop` are vLLM's names, the others TRT-LLM's. A
+# key sent as null is left out, as the vLLM backend leaves it (its defaults apply).
 _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "max_tokens": ("max_tokens", _to_int),
     "temperature": ("temperature", _to_float),
     "top_k": ("top_k", _to_int),
     "top_p": ("top_p", _to_float),
+    "min_p": ("min_p", _to_float),
     "seed": ("seed", _to_int),
     "random_seed": ("seed", _to_int),
-    "stop": ("stop", _to_str_list),
+    "stop": ("stop", _to_stop),
     "stop_words": ("stop", _to_str_list),
     "num_draft_tokens": ("num_draft_tokens", _to_int),
     "ignore_eos": ("ignore_eos", _to_bool),
@@ -296,20 +388,14 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "stop_token_ids": ("stop_token_ids", _to_int_list),
     "bad_words": ("bad_words", _to_str_list),
     "logit_bias": ("logit_bias", _to_logit_bias),
+    "allowed_token_ids": ("allowed_token_ids", _to_allowed_ids),
     "logprobs": ("logprobs", _to_logprobs),
     "cache_salt": ("cache_salt", _to_salt),  # vLLM's: prefix-cache isolation between tenants
     # The vLLM backend's additional outputs (r24.12+).
     **{f"return_{name}": (f"return_{name}", _to_bool) for name in RETURN_OUTPUTS},
-    # vLLM sampling keys that clients (Triton's OpenAI frontend among them) send at values
-    # that change nothing: accepted there, refused otherwise ("" = nothing to set).
-    "n": ("", _only(1, _to_int)),
-    "best_of": ("", _only(1, _to_int)),
-    "min_p": ("", _only(0.0, _to_float)),
-    "use_beam_search": ("", _only(False, _to_bool)),
-    "skip_special_tokens": ("", _only(True, _to_bool)),
-    "spaces_between_special_tokens": ("", _only(True, _to_bool)),
-    "include_stop_str_in_output": ("", _only(False, _to_bool)),
-    "detokenize": ("", _only(True, _to_bool)),
+    # Structured outputs, read as a whole by structured_params.parse_structured.
+    **{key: (key, lambda name, v: v) for key in STRUCTURED_KEYS},
+    **VLLM_NEUTRAL_KEYS,
 }
 
 
@@ -317,6 +403,8 @@ def _collect(source: str, values: dict[str, Any], into: dict[str, Any]) -> None:
     for key, value in values.items():
         if key not in _KEYS:
             raise RequestError(f"unknown key {_shown(key)} in {source}; supported: {', '.join(sorted(_KEYS))}")
+        if value is None:
+            continue
         name, convert = _KEYS[key]
         converted = convert(key, value)
         if name:
@@ -338,24 +426,70 @@ def _parse_json_object(source: str, text: str) -> dict[str, Any]:
 def parse_request(tensors: dict[str, Any], parameters_json: str = "", sampling_json: str = "") -> GenerationRequest:
     """Build a GenerationRequest from decoded input tensors (python scalars/lists),
     the request's parameters JSON and the `sampling_parameters` JSON."""
+    prompt = _prompt(tensors)
+    values = _gather(tensors, parameters_json, sampling_json)
+    max_tokens = _check_lengths(values)
+    _check_sampling(values)
+    _check_controls(values, max_tokens)
+    stream, exclude = _stream_flags(values)
+    return GenerationRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=_sampling(values),
+        stop=values.get("stop", []),
+        stream=stream,
+        exclude_input_in_output=exclude,
+        num_draft_tokens=values.get("num_draft_tokens"),
+        ignore_eos=values.get("ignore_eos", False),
+        stop_token_ids=values.get("stop_token_ids", []),
+        bad_words=values.get("bad_words", []),
+        stream_interval=values.get("stream_interval"),
+        returns=frozenset(name for name in RETURN_OUTPUTS if values.get(f"return_{name}")),
+        structured=parse_structured(values),
+    )
+
+
+def _prompt(tensors: dict[str, Any]) -> str:
     prompt = tensors.get("text_input")
     if prompt is None:
         raise RequestError("text_input is required")
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("text_input is empty")
+    return prompt
 
+
+def _gather(tensors: dict[str, Any], parameters_json: str, sampling_json: str) -> dict[str, Any]:
+    """Every key's value, converted: input tensors win over `sampling_parameters`, which wins
+    over request parameters."""
     values: dict[str, Any] = {}
     # HTTP /generate also sends the input tensors' own names as parameters: skip those.
     params = _parse_json_object("request parameters", parameters_json)
     _collect("request parameters", {k: v for k, v in params.items() if k not in tensors}, values)
     _collect("sampling_parameters", _parse_json_object("sampling_parameters", sampling_json), values)
     _collect("inputs", {k: v for k, v in tensors.items() if k in _KEYS}, values)
+    return values
 
+
+def _check_lengths(values: dict[str, Any]) -> int:
+    """max_tokens (returned), num_draft_tokens and stream_interval within their ranges."""
     max_tokens = values.get("max_tokens", 16)
     if max_tokens <= 0:
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
     if max_tokens > MAX_INT32:
         raise RequestError(f"max_tokens must be at most {MAX_INT32}, got {max_tokens}")
+    num_draft = values.get("num_draft_tokens")
+    if num_draft is not None and num_draft < 0:
+        raise RequestError(f"num_draft_tokens must be >= 0, got {num_draft}")
+    if num_draft is not None and num_draft > MAX_DRAFT_TOKENS:
+        raise RequestError(f"num_draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {num_draft}")
+    interval = values.get("stream_interval")
+    if interval is not None and not 1 <= interval <= MAX_INT32:
+        raise RequestError(f"stream_interval must be a whole number of tokens in [1, {MAX_INT32}], got {interval}")
+    return max_tokens
+
+
+def _check_sampling(values: dict[str, Any]) -> None:
+    """vLLM's ranges for temperature, top-k, top-p, min-p and the seed."""
     temperature = values.get("temperature", 0.0)
     if temperature < 0:
         raise RequestError(f"temperature must be >= 0, got {temperature}")
@@ -365,48 +499,42 @@ def parse_request(tensors: dict[str, Any], parameters_json: str = "", sampling_j
     top_p = values.get("top_p")
     if top_p is not None and not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    min_p = values.get("min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1] (0: off), got {min_p}")
     seed = values.get("seed")
     if seed is not None and not 0 <= seed < 2**63:
         raise RequestError(f"seed must be a non-negative 63-bit integer, got {seed}")
-    num_draft = values.get("num_draft_tokens")
-    if num_draft is not None and num_draft < 0:
-        raise RequestError(f"num_draft_tokens must be >= 0, got {num_draft}")
-    if num_draft is not None and num_draft > MAX_DRAFT_TOKENS:
-        raise RequestError(f"num_draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {num_draft}")
-    _check_controls(values, max_tokens)
-    interval = values.get("stream_interval")
-    if interval is not None and not 1 <= interval <= MAX_INT32:
-        raise RequestError(f"stream_interval must be a whole number of tokens in [1, {MAX_INT32}], got {interval}")
+
+
+def _stream_flags(values: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, exclude_input_in_output): a stream carries the new text only."""
     stream = values.get("stream", False)
     exclude = values.get("exclude_input_in_output", stream)
     if stream and not exclude:
         raise RequestError("exclude_input_in_output=false is not supported with stream=true")
+    return stream, exclude
 
-    return GenerationRequest(
-        prompt=prompt,
-        max_tokens=max_tokens,
-        sampling=SamplingParams(
-            temperature=temperature,
-            top_k=top_k if top_k and top_k > 0 else None,
-            top_p=top_p if top_p is not None and top_p < 1 else None,
-            seed=seed,
-            repetition_penalty=values.get("repetition_penalty", 1.0),
-            presence_penalty=values.get("presence_penalty", 0.0),
-            frequency_penalty=values.get("frequency_penalty", 0.0),
-            min_tokens=values.get("min_tokens", 0),
-            logit_bias=values.get("logit_bias", ()),
-            logprobs=values.get("logprobs"),
-            cache_salt=values.get("cache_salt", ""),
-        ),
-        stop=values.get("stop", []),
-        stream=stream,
-        exclude_input_in_output=exclude,
-        num_draft_tokens=num_draft,
-        ignore_eos=values.get("ignore_eos", False),
-        stop_token_ids=values.get("stop_token_ids", []),
-        bad_words=values.get("bad_words", []),
-        stream_interval=interval,
-        returns=frozenset(name for name in RETURN_OUTPUTS if values.get(f"return_{name}")),
+
+def _sampling(values: dict[str, Any]) -> SamplingParams:
+    """The parameters the verifier samples with (disabled filters as None, as vLLM drops
+    them; min_p off for greedy requests, as vLLM sets it)."""
+    temperature = values.get("temperature", 0.0)
+    top_k, top_p = values.get("top_k"), values.get("top_p")
+    return SamplingParams(
+        temperature=temperature,
+        top_k=top_k if top_k and top_k > 0 else None,
+        top_p=top_p if top_p is not None and top_p < 1 else None,
+        min_p=0.0 if is_greedy(temperature) else values.get("min_p", 0.0),
+        seed=values.get("seed"),
+        repetition_penalty=values.get("repetition_penalty", 1.0),
+        presence_penalty=values.get("presence_penalty", 0.0),
+        frequency_penalty=values.get("frequency_penalty", 0.0),
+        min_tokens=values.get("min_tokens", 0),
+        logit_bias=values.get("logit_bias", ()),
+        allowed_token_ids=values.get("allowed_token_ids", ()),
+        logprobs=values.get("logprobs"),
+        cache_salt=values.get("cache_salt", ""),
     )
 
 
@@ -431,7 +559,11 @@ def bind_token_ids(
     """What needs the served model: token ids checked against its vocabulary, bad words
     tokenized (vLLM's way), and the tokens min_tokens holds back (EOS unless ignore_eos,
     and stop_token_ids), all in the sampling parameters the verifier receives."""
-    for where, ids in (("stop_token_ids", req.stop_token_ids), ("logit_bias", [t for t, _ in req.sampling.logit_bias])):
+    for where, ids in (
+        ("stop_token_ids", req.stop_token_ids),
+        ("logit_bias", [t for t, _ in req.sampling.logit_bias]),
+        ("allowed_token_ids", req.sampling.allowed_token_ids),
+    ):
         outside = [t for t in ids if not 0 <= t < vocab_size]
         if outside:
             raise RequestError(f"{where}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")

@@ -161,6 +161,7 @@ def _check_token_controls(sampling: SamplingParams, vocab_size: int) -> None:
         [t for t, _ in sampling.logit_bias]
         + [t for word in sampling.bad_words_ids for t in word]
         + list(sampling.min_tokens_stop_ids)
+        + list(sampling.allowed_token_ids)
     )
     outside = [t for t in ids if not 0 <= t < vocab_size]
     if outside:

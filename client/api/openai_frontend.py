@@ -117,6 +117,7 @@ _SERVER_PARAMS = {
     "frequency_penalty": "frequency_penalty",
     "stop_token_ids": "stop_token_ids",
     "logit_bias": "logit_bias",
+    "allowed_token_ids": "allowed_token_ids",
     "num_draft_tokens": "num_draft_tokens",
 }
 

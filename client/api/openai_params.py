@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from backends.serving.structured_params import STRUCTURED_KEYS
 from client.api.openai_http import OpenAIError
 
 # Choices in one request (prompts x n): each is a generation of its own on the server.
 MAX_CHOICES = 16
 MAX_INT32 = 2**31 - 1  # max_tokens, top_k, min_tokens travel as int32 tensors
 MAX_SEED = 2**63 - 1  # the model's (vLLM's) seed range: int64
+# vLLM's extra parameters for structured outputs, passed on in sampling_parameters.
+STRUCTURED_EXTRAS = tuple(key for key in STRUCTURED_KEYS if key != "guided_decoding")
 
 
 def check_type(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -25,6 +28,116 @@ def check_type(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any
     return value
 
 
+# Every body key a completions or chat request may carry: OpenAI's, and the extra ones vLLM's
+# OpenAI server takes (vllm/entrypoints/openai/protocol.py). What is not listed is refused by
+# name: a parameter that is silently ignored gives an answer the client did not ask for.
+_READ = {
+    "model", "prompt", "messages", "stream", "stream_options", "n", "echo", "suffix", "best_of",
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    "logit_bias", "allowed_token_ids", "stop_token_ids", "bad_words", "logprobs", "top_logprobs",
+    "tools", "functions", "response_format", *STRUCTURED_EXTRAS,
+    "cache_salt",  # read by the admission change (prefix-cache isolation, issue 57)
+}  # fmt: skip
+_COMPLETION = {"echo", "suffix"}  # completions' own (in chat, vLLM's echo repeats the last message)
+# What changes nothing about the tokens generated here, at any value: bookkeeping OpenAI keeps.
+_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
+# The rest, each at the values that change nothing here, with what to do instead.
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not served; decode greedily (temperature 0)"),
+    "length_penalty": ((1, 1.0), "it weighs beam search, which is not served"),
+    "early_stopping": ((False,), "it stops beam search, which is not served"),
+    "prompt_logprobs": ((), "logprobs of the prompt are not returned; ask 'logprobs' for the output"),
+    "truncate_prompt_tokens": ((), "shorten the prompt before sending it"),
+    "include_stop_str_in_output": ((False,), "the text ends before the stop string"),
+    "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": ((True,), "special tokens are left out of the text"),
+    "return_tokens_as_token_ids": ((False,), "tokens are returned as text"),
+    "add_generation_prompt": ((True,), "the chat template always ends in the assistant's turn"),
+    "continue_final_message": ((False,), "the chat template always starts a new assistant turn"),
+    "add_special_tokens": ((False, True), ""),  # the model's tokenizer adds what it adds either way
+    "chat_template": ((), "start the server with --chat-template FILE"),
+    "chat_template_kwargs": (({},), "the chat template is rendered with the messages only"),
+    "documents": ((), "put the documents in the messages"),
+    "mm_processor_kwargs": ((), "only text is served"),
+    "logits_processors": ((), "custom logits processors are not served"),
+    "vllm_xargs": (({},), "no sampling plugin reads them here"),
+    "priority": ((0,), "requests are served first come, first served"),
+    "tool_choice": (("none", "auto"), "tool calling is not supported"),
+    "function_call": (("none", "auto"), "tool calling is not supported"),
+    "parallel_tool_calls": ((False, True), ""),  # without tools nothing is called either way
+    "modalities": ((["text"],), "only text is served"),
+    "reasoning_effort": ((), "the served model's reasoning is not configurable per request"),
+    "audio": ((), "only text is served"),
+    "prediction": ((), "predicted outputs are not served; speculative decoding needs no prediction"),
+    "web_search_options": ((), "web search is not served"),
+}
+
+
+def check_parameters(body: dict, kind: str) -> None:
+    """Each key of a completions or chat body is read, changes nothing, or is refused by name
+    (a null value is the default, as OpenAI reads it)."""
+    for name, value in body.items():
+        if value is None or name in _IGNORED or name in _READ and (kind == "completion" or name not in _COMPLETION):
+            continue
+        if name in _COMPLETION:
+            if value in (False, ""):
+                continue
+            raise OpenAIError(400, f"'{name}' is not supported in chat completions", param=name)
+        if name not in _NEUTRAL:
+            raise OpenAIError(400, f"unsupported parameter '{name}'", param=name)
+        neutral, hint = _NEUTRAL[name]
+        if not any(value == v and type(value) is type(v) for v in neutral):
+            shown = json.dumps(value)[:80]
+            raise OpenAIError(400, f"'{name}' is not supported here (got {shown}): {hint}", param=name)
+
+
+def structured_outputs(body: dict) -> dict[str, Any]:
+    """The sampling_parameters entries of the body's output constraint: `response_format` read
+    as vLLM reads it, vLLM's extra parameters (structured_outputs, guided_*) passed on as
+    sent (the model checks them and names what is wrong)."""
+    extras = {name: body[name] for name in STRUCTURED_EXTRAS if body.get(name) is not None}
+    constraint = _response_format(body.get("response_format"))
+    if constraint is None:
+        return extras
+    if "structured_outputs" in extras:
+        raise OpenAIError(
+            400,
+            "one kind of structured output per request: send response_format or structured_outputs, not both",
+            param="response_format",
+        )
+    return {**extras, "structured_outputs": constraint}
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """{"type": "text"}: nothing; json_object: any JSON object; json_schema: its schema
+    (`strict` or not, the schema is enforced); structural_tag: the tag, as vLLM passes it."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise OpenAIError(
+                400,
+                "'response_format' json_schema needs 'json_schema': {\"name\", \"schema\": {...}}",
+                param="response_format",
+            )
+        check_type(spec, "strict", (bool,), "a boolean")
+        return {"json": spec["schema"]}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(fmt)}
+    raise OpenAIError(
+        400,
+        "'response_format' must have type text, json_object, json_schema or structural_tag",
+        param="response_format",
+    )
+
+
 def _check_unsupported(body: dict, kind: str) -> None:
     """Parameters that would change the answer but have no equivalent here: refused, not ignored."""
     best_of = check_type(body, "best_of", (int,), "an integer")
@@ -32,14 +145,8 @@ def _check_unsupported(body: dict, kind: str) -> None:
         raise OpenAIError(400, f"'best_of' must be 1 here, got {best_of}", param="best_of")
     if kind == "completion" and body.get("suffix"):
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
-    if kind == "chat":
-        if body.get("tools") or body.get("functions"):
-            raise OpenAIError(400, "tool calling is not supported", param="tools")
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise OpenAIError(
-                400, '\'response_format\' other than {"type": "text"} is not supported', param="response_format"
-            )
+    if body.get("tools") or body.get("functions"):
+        raise OpenAIError(400, "tool calling is not supported", param="tools")
 
 
 def _integer(body: dict, name: str, low: int, high: int) -> int | None:
@@ -79,7 +186,7 @@ def requested_logprobs(body: dict, kind: str) -> int | None:
 def _token_controls(body: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """Penalties and token controls: (input tensors, sampling_parameters entries). OpenAI's
     presence / frequency penalties and logit_bias, and vLLM's extensions repetition_penalty,
-    min_tokens, stop_token_ids and bad_words."""
+    min_tokens, min_p, allowed_token_ids, stop_token_ids and bad_words."""
     inputs: dict[str, Any] = {}
     sampling: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
@@ -102,6 +209,16 @@ def _token_controls(body: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise OpenAIError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
         sampling["stop_token_ids"] = ids
+    min_p = _number(body, "min_p", 0, 1)  # vLLM's extension
+    if min_p:  # 0 changes nothing
+        sampling["min_p"] = float(min_p)
+    allowed = check_type(body, "allowed_token_ids", (list,), "a list of token ids")
+    if allowed is not None:
+        if not allowed or not all(isinstance(t, int) and not isinstance(t, bool) for t in allowed):
+            raise OpenAIError(
+                400, "'allowed_token_ids' must be a non-empty list of token ids", param="allowed_token_ids"
+            )
+        sampling["allowed_token_ids"] = allowed
     words = check_type(body, "bad_words", (list,), "a list of strings")
     if words:
         if not all(isinstance(w, str) for w in words):
@@ -113,6 +230,7 @@ def _token_controls(body: dict) -> tuple[dict[str, Any], dict[str, Any]]:
 def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str, Any]:
     """The `speculative` model's inputs for an OpenAI request body (types and OpenAI's
     ranges checked here, the rest by the model itself)."""
+    check_parameters(body, kind)
     _check_unsupported(body, kind)
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     max_tokens = default_max_tokens
@@ -146,6 +264,7 @@ def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str,
         inputs["ignore_eos"] = True
     controls, sampling = _token_controls(body)
     inputs.update(controls)
+    sampling.update(structured_outputs(body))
     logprobs = requested_logprobs(body, kind)
     if logprobs is not None:
         sampling["logprobs"] = logprobs

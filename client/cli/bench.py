@@ -22,12 +22,14 @@ from tqdm import tqdm
 
 from client.api.triton import Generation, grpc_generate
 
-# The versioned prompt sets: short prompts of four families, and long contexts (a 2k and an
+# The versioned prompt sets: short prompts of four families, long contexts (a 2k and an
 # 8k-token document with a question, a source file to edit, a 30-turn chat; built by
-# scripts/make_long_prompts.py).
+# scripts/make_long_prompts.py), and schema-constrained extraction and tool calls (`json`,
+# each prompt with its JSON schema, which --structured makes the output follow).
 PROMPT_SETS = {
     "short": Path(__file__).parents[1] / "data" / "bench_prompts.json",
     "long": Path(__file__).parents[1] / "data" / "long_prompts.json",
+    "json": Path(__file__).parents[1] / "data" / "json_prompts.json",
 }
 
 # Method name -> speculative config (draft_model's `model` is filled from --draft-model).
@@ -134,6 +136,18 @@ def load_prompts(
     return version, prompts
 
 
+def load_constraints(prompts: dict[str, list[str]], prompt_set: str) -> dict[str, list[dict]]:
+    """For `--structured`: each prompt's output constraint (vLLM's `structured_outputs`), from
+    the prompt set's schemas ({category: [schema per prompt]})."""
+    schemas = json.loads(PROMPT_SETS[prompt_set].read_text()).get("schemas", {})
+    missing = sorted(set(prompts) - set(schemas))
+    if missing:
+        raise ValueError(
+            f"--structured needs a schema for every prompt; categories {missing} have none (use --prompt-set json)"
+        )
+    return {c: [{"json": schema} for schema in schemas[c]] for c in prompts}
+
+
 def measure(
     grpc_url: str,
     prompts: dict[str, list[str]],
@@ -142,26 +156,30 @@ def measure(
     label: str,
     draft_tokens: int | None = None,
     ignore_eos: bool = True,
+    constraints: dict[str, list[dict]] | None = None,
 ) -> dict[str, dict[str, list[Generation]]]:
     """{category: {"plain": [...], "speculative": [...]}}, runs interleaved. `draft_tokens`:
     the speculative requests ask for exactly that many drafts per step (no adaptive length).
     `ignore_eos` (the default) makes every run `max_tokens` long; without it a run ends where
-    the model ends its answer, so drafts are judged on the text the model means to write."""
+    the model ends its answer, so drafts are judged on the text the model means to write.
+    `constraints`: each prompt's structured_outputs, sent with both its plain and speculative runs."""
     grpc_generate(grpc_url, "warm up", max_tokens=8)
     runs: dict[str, dict[str, list[Generation]]] = {c: {"plain": [], "speculative": []} for c in prompts}
     jobs = [
-        (c, p, mode)
+        (c, i, mode)
         for _ in range(repeats)
         for c, ps in prompts.items()
-        for p in ps
+        for i in range(len(ps))
         for mode in ("plain", "speculative")
     ]
-    for category, prompt, mode in tqdm(jobs, desc=f"bench {label}", unit="request"):
-        extra = (
+    for category, i, mode in tqdm(jobs, desc=f"bench {label}", unit="request"):
+        extra: dict[str, Any] = (
             {"num_draft_tokens": 0} if mode == "plain" else ({"num_draft_tokens": draft_tokens} if draft_tokens else {})
         )
+        if constraints:
+            extra["sampling_parameters"] = {"structured_outputs": constraints[category][i]}
         runs[category][mode].append(
-            grpc_generate(grpc_url, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos, **extra)
+            grpc_generate(grpc_url, prompts[category][i], max_tokens=max_tokens, ignore_eos=ignore_eos, **extra)
         )
     return runs
 

@@ -49,6 +49,13 @@ def _generate(args: argparse.Namespace) -> int:
         inputs["stop_words"] = args.stop
     if args.ignore_eos:
         inputs["ignore_eos"] = True
+    try:
+        constraint = _structured_outputs(args)
+    except ValueError as e:
+        return error(e, 2)
+    if constraint:  # a dict over gRPC, its JSON text as the input over HTTP
+        sampling = {"structured_outputs": constraint}
+        inputs["sampling_parameters"] = sampling if args.protocol == "grpc" else json.dumps(sampling)
     on_text = (lambda t: print(t, end="", flush=True)) if args.stream else None
     try:
         if args.protocol == "grpc":
@@ -75,6 +82,20 @@ def _generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.__dict__, indent=2))
     return 0
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict | None:
+    """--json-schema / --regex / --choice as vLLM's `structured_outputs` (None: free text)."""
+    if args.json_schema:
+        try:
+            return {"json": json.loads(Path(args.json_schema).read_text())}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"--json-schema: cannot read a JSON schema from {args.json_schema}: {e}") from None
+    if args.regex:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    return None
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -274,6 +295,10 @@ def _add_generate_parser(sub: Subcommands) -> None:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="also print the whole result as JSON")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema")
+    constraint.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    constraint.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
     gen.set_defaults(func=_generate)
 
 

@@ -72,10 +72,16 @@ def _add_bench_workload_flags(bench: argparse.ArgumentParser) -> None:
     """The prompts, how long each run is, and k."""
     bench.add_argument(
         "--prompt-set",
-        default="short",
-        choices=("short", "long"),
-        help="the versioned prompts: short (code, chat, rag, multi-turn; 80-340 tokens) or long (rag-2k, "
-        "rag-8k, code-edit, chat-30: 1.9k-7.6k tokens; the servers' context window must cover them)",
+        choices=("short", "long", "json"),
+        help="the versioned prompts: short (code, chat, rag, multi-turn; 80-340 tokens; the default), long "
+        "(rag-2k, rag-8k, code-edit, chat-30: 1.9k-7.6k tokens; the servers' context window must cover them) "
+        "or json (schema-constrained extraction and tool calls; the default with --structured)",
+    )
+    bench.add_argument(
+        "--structured",
+        action="store_true",
+        help="constrain each output to its prompt's JSON schema (structured outputs; the json prompt set), "
+        "plain and speculative runs alike; runs end where the output does",
     )
     bench.add_argument("--categories", nargs="+", help="prompt categories of the set (default: all)")
     bench.add_argument(
@@ -116,15 +122,19 @@ def _add_server_flags(parser: argparse.ArgumentParser, port: int, out: str) -> N
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from client.cli.bench import compare, format_report, hf_comparison, load_prompts, plot_report
+    from client.cli.bench import compare, format_report, hf_comparison, load_constraints, load_prompts, plot_report
 
     if args.profile:
         args.model = common.PROFILES[args.profile]["model"]
         args.draft_model = args.draft_model or common.PROFILES[args.profile]["speculative_config"].get("model")
+    prompt_set = args.prompt_set or ("json" if args.structured else "short")
     try:
+        if args.structured and args.prompt_file:
+            raise ValueError("--structured runs a prompt set's schemas (--prompt-set json), not --prompt-file")
         version, prompts = load_prompts(
-            args.categories, Path(args.prompt_file) if args.prompt_file else None, args.prompt_set
+            args.categories, Path(args.prompt_file) if args.prompt_file else None, prompt_set
         )
+        constraints = load_constraints(prompts, prompt_set) if args.structured else None
     except ValueError as e:
         return common.error(e, 2)
     target = local_model(args.model)
@@ -140,6 +150,7 @@ def _bench(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "fixed_k": args.fixed_k,
+        "structured": args.structured,
         "methods": {},
     }
     for name in args.methods:
@@ -147,7 +158,8 @@ def _bench(args: argparse.Namespace) -> int:
             config = _bench_config(args, name, draft)
         except ModelNotFoundError as e:
             return common.error(e, 2)
-        runs = _bench_method(args, name, config, _bench_overrides(args, target, config), prompts, out, report)
+        overrides = _bench_overrides(args, target, config)
+        runs = _bench_method(args, name, config, overrides, (prompts, constraints), out, report)
         report["methods"][name] = compare(runs)
     if args.hf:
         report["huggingface"] = hf_comparison(
@@ -201,12 +213,14 @@ def _bench_method(
     name: str,
     config: dict,
     overrides: RepositoryOverrides,
-    prompts: dict[str, list[str]],
+    workload: tuple[dict[str, list[str]], dict[str, list[dict]] | None],
     out: Path,
     report: dict,
 ) -> dict:
-    """Every prompt plain and speculative through a server of `config` (and with --sweep its
-    concurrency sweep, into `report`); the runs."""
+    """Every prompt plain and speculative through a server of `config`, with its output
+    constraint where the workload has them (--structured), and with --sweep its concurrency
+    sweep, into `report`; the runs."""
+    prompts, constraints = workload
     from client.cli.bench import engine_from_log, measure, verified_in_process_from_log
     from client.cli.launcher import TritonServer
 
@@ -220,7 +234,8 @@ def _bench_method(
             args.repeats,
             name,
             config["num_speculative_tokens"] if args.fixed_k else None,
-            not args.stop_at_eos,
+            not (args.stop_at_eos or args.structured),  # a constrained output ends where its grammar does
+            constraints,
         )
         if args.sweep:
             from client.cli.perf import plot_sweep, run_sweep

@@ -51,7 +51,12 @@ def test_http_generate_echoes_input_names_as_parameters():
         ({"text_input": "x"}, "", "{bad", "sampling_parameters is not valid JSON"),
         ({"text_input": "x"}, '{"beam_width": 2}', "", "unknown key 'beam_width' in request parameters"),
         ({"text_input": "x"}, "", '{"n": 2}', "n is only supported at its default 1, got 2"),
-        ({"text_input": "x"}, "", '{"prompt_logprobs": 2}', "unknown key 'prompt_logprobs' in sampling_parameters"),
+        (
+            {"text_input": "x"},
+            "",
+            '{"prompt_logprobs": 2}',
+            "prompt_logprobs is not supported, got 2: logprobs of the prompt",
+        ),
         ({"text_input": "x", "temperature": -1.0}, "", "", "temperature must be >= 0"),
         ({"text_input": "x"}, "", '{"temperature": NaN}', "temperature must be a finite number, got nan"),
         ({"text_input": "x", "top_p": float("inf")}, "", "", "top_p must be a finite number"),

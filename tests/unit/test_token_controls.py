@@ -79,7 +79,7 @@ def test_values_that_change_nothing_are_accepted(neutral):
     [
         ({"n": 2}, "n is only supported at its default 1"),
         ({"best_of": 3}, "best_of is only supported at its default 1"),
-        ({"min_p": 0.1}, "min_p is only supported at its default 0.0"),
+        ({"min_p": 1.1}, "min_p must be in [0, 1]"),
         ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 100]"),
         ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
         ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),

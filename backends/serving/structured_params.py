@@ -1,0 +1,171 @@
+"""A request's structured-output constraint, read from whichever of vLLM's names carried it.
+
+vLLM's `structured_outputs` (StructuredOutputsParams: `json`, `regex`, `choice`, `grammar`,
+`json_object`, `structural_tag`, `whitespace_pattern` and its options), its older
+`guided_decoding` (GuidedDecodingParams, the same fields plus `backend`) and the top-level
+`guided_*` names its OpenAI server still takes; the Triton vLLM backend sends the first two
+as JSON text inside `sampling_parameters`. Exactly one kind per request, as vLLM requires
+(vllm/sampling_params.py, `StructuredOutputsParams.__post_init__`, at vLLM commit 00388f65).
+Options with a neutral value are accepted at it; the rest are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from backends.serving.request_errors import RequestError, shown
+from backends.structured.spec import StructuredKind, StructuredOutputs
+
+# Longest schema / pattern / grammar text accepted: a bound on what is compiled and cached.
+MAX_SPEC_CHARS = 2**20
+# The grammar backend is the server's choice; a request may name "auto" or the one it runs,
+# llguidance, by vLLM's name for it (vLLM V1 also refuses a per-request backend other than the
+# engine's).
+NEUTRAL_BACKENDS = frozenset({"auto", "guidance"})
+# Where a constraint can come from: the objects (their fields are read below) and the top-level
+# names, each with the kind it sets.
+OBJECT_KEYS = ("structured_outputs", "guided_decoding")
+GUIDED_KEYS: dict[str, StructuredKind] = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+STRUCTURED_KEYS = (*OBJECT_KEYS, *GUIDED_KEYS, "guided_whitespace_pattern", "guided_decoding_backend")
+KINDS: tuple[StructuredKind, ...] = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+JSON_KINDS = ("json", "json_object")
+# The objects' other fields: each accepted only at the values that change nothing here.
+# (disable_fallback: there is no other backend to fall back to; backend_was_auto and the
+# underscored ones are vLLM's own bookkeeping, in a dict dumped from its dataclass.)
+_NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "disable_any_whitespace": (False,),
+    "disable_additional_properties": (False,),
+    "disable_fallback": (False, True),
+    "backend_was_auto": (False, True),
+    "_backend_was_auto": (False, True),
+}
+_OPTION_HINTS = {
+    "disable_any_whitespace": "set whitespace_pattern to the whitespace the JSON may hold",
+    "disable_additional_properties": 'add "additionalProperties": false to the schema\'s objects',
+}
+
+
+def parse_structured(values: dict[str, Any]) -> StructuredOutputs | None:
+    """The one constraint among `values` (the request's keys as sent, None where absent)."""
+    found: list[tuple[str, StructuredKind, str]] = []  # (where it came from, kind, spec)
+    whitespace: list[tuple[str, str]] = []  # (where, pattern)
+    for key in OBJECT_KEYS:
+        if values.get(key) is not None:
+            fields = _as_object(key, values[key])
+            found += _object_constraints(key, fields)
+            if fields.get("whitespace_pattern") is not None:
+                whitespace.append((f"{key}.whitespace_pattern", _text(f"{key}.whitespace_pattern", fields)))
+    for key, kind in GUIDED_KEYS.items():
+        if values.get(key) is not None:
+            found.append((key, kind, _spec(key, kind, values[key])))
+    if values.get("guided_whitespace_pattern") is not None:
+        whitespace.append(("guided_whitespace_pattern", _text("guided_whitespace_pattern", values)))
+    _check_backend("guided_decoding_backend", values.get("guided_decoding_backend"))
+    return _one(found, whitespace)
+
+
+def _one(found: list[tuple[str, StructuredKind, str]], whitespace: list[tuple[str, str]]) -> StructuredOutputs | None:
+    if len(found) > 1:
+        raise RequestError(
+            f"one kind of structured output per request, got {found[0][0]} and {found[1][0]} (send only one)"
+        )
+    if len({pattern for _, pattern in whitespace}) > 1:
+        raise RequestError(f"{whitespace[0][0]} and {whitespace[1][0]} differ: send one whitespace pattern")
+    pattern = whitespace[0] if whitespace else None
+    if not found:
+        if pattern:
+            raise RequestError(f"{pattern[0]} needs a json or json_object constraint beside it")
+        return None
+    where, kind, spec = found[0]
+    if pattern and kind not in JSON_KINDS:
+        raise RequestError(f"{pattern[0]} applies to json and json_object constraints, not to {where}")
+    return StructuredOutputs(kind, spec, pattern[1] if pattern else None)
+
+
+def _as_object(key: str, value: Any) -> dict[str, Any]:
+    """The object's fields: a JSON object, or its JSON text (as the Triton vLLM backend takes it)."""
+    if isinstance(value, str):
+        value = _loads(key, value)
+    if not isinstance(value, dict):
+        raise RequestError(f"{key} must be an object (or its JSON text), got {shown(value)}")
+    known = (*KINDS, "whitespace_pattern", "backend", "_backend", *_NEUTRAL_OPTIONS)
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise RequestError(f"unknown key {shown(unknown[0])} in {key}; supported: {', '.join(sorted(known))}")
+    return value
+
+
+def _object_constraints(key: str, fields: dict[str, Any]) -> list[tuple[str, StructuredKind, str]]:
+    """The constraints an object sets (vLLM counts every kind that is not None), its options checked."""
+    for option, neutral in _NEUTRAL_OPTIONS.items():
+        value = fields.get(option)
+        if value is not None and (not isinstance(value, bool) or value not in neutral):
+            hint = _OPTION_HINTS.get(option, "leave it out")
+            raise RequestError(f"{key}.{option}={shown(value)} is not supported: {hint}")
+    for option in ("backend", "_backend"):
+        _check_backend(f"{key}.{option}", fields.get(option))
+    found = []
+    for kind in KINDS:
+        value = fields.get(kind)
+        if kind == "json_object" and value is not None and _flag(f"{key}.json_object", value) is False:
+            continue  # false asks for nothing (vLLM's backends read it as a truth value)
+        if value is not None:
+            found.append((f"{key}.{kind}", kind, _spec(f"{key}.{kind}", kind, value)))
+    return found
+
+
+def _spec(where: str, kind: StructuredKind, value: Any) -> str:
+    """The constraint's text as StructuredOutputs holds it (the grammar cache's key)."""
+    if kind in ("json", "structural_tag"):
+        if isinstance(value, str):
+            value = _loads(where, value)
+        if not isinstance(value, dict):
+            raise RequestError(f"{where} must be a JSON object (or its JSON text), got {shown(value)}")
+        spec = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise RequestError(f"{where} must be a non-empty list of strings, got {shown(value)}")
+        spec = json.dumps(value, separators=(",", ":"))
+    elif kind == "json_object":
+        spec = ""
+    else:  # regex, grammar
+        if not isinstance(value, str) or not value:
+            raise RequestError(f"{where} must be a non-empty string, got {shown(value)}")
+        spec = value
+    if len(spec) > MAX_SPEC_CHARS:
+        raise RequestError(f"{where} is {len(spec)} characters; at most {MAX_SPEC_CHARS} are accepted")
+    return spec
+
+
+def _text(where: str, fields: dict[str, Any]) -> str:
+    value = fields[where.rpartition(".")[2]]
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string (a regular expression), got {shown(value)}")
+    return value
+
+
+def _flag(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(f"{where} must be true or false, got {shown(value)}")
+    return value
+
+
+def _check_backend(where: str, value: Any) -> None:
+    if value is not None and value != "" and value not in NEUTRAL_BACKENDS:
+        raise RequestError(
+            f"{where}={shown(value)}: the grammar backend is the server's choice, not the request's "
+            '(leave it out or send "auto")'
+        )
+
+
+def _loads(where: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"{where} is not valid JSON: {str(e)[:200]}") from None
