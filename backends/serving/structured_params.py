@@ -127,7 +127,7 @@ def _spec(where: str, kind: StructuredKind, value: Any) -> str:
             value = _loads(where, value)
         if not isinstance(value, dict):
             raise RequestError(f"{where} must be a JSON object (or its JSON text), got {shown(value)}")
-        spec = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        spec = json.dumps(value, separators=(",", ":"))  # keys in order: the output follows it
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise RequestError(f"{where} must be a non-empty list of strings, got {shown(value)}")

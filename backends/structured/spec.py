@@ -13,7 +13,8 @@ StructuredKind = Literal["json", "regex", "choice", "grammar", "json_object", "s
 class StructuredOutputs:
     """One constraint, as text the grammar backend compiles (and the cache keys on).
 
-    kind "json": `spec` is the JSON schema's canonical text (sorted keys, no spaces);
+    kind "json": `spec` is the JSON schema's text without spaces, keys in the schema's order
+    (the output's properties follow it);
     "regex": the pattern; "choice": a JSON list of the allowed strings; "grammar": EBNF / GBNF
     text; "json_object": any JSON object (`spec` is ""); "structural_tag": the tag's JSON text.
     """
