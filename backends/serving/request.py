@@ -16,6 +16,21 @@ from typing import TYPE_CHECKING, Any
 
 from backends.serving.request_errors import RequestError
 from backends.serving.request_errors import shown as _shown
+from backends.serving.request_values import (
+    MAX_FLOAT32,
+    MAX_INT32,
+    VLLM_NEUTRAL_KEYS,
+    to_allowed_ids,
+    to_bool,
+    to_float,
+    to_int,
+    to_int_list,
+    to_logit_bias,
+    to_logprobs,
+    to_salt,
+    to_stop,
+    to_str_list,
+)
 from backends.serving.structured_params import STRUCTURED_KEYS, parse_structured
 from backends.structured.spec import StructuredOutputs
 
@@ -23,14 +38,8 @@ if TYPE_CHECKING:
     import torch
 
 
-# Every number is bounded here, before it reaches a tensor: the verifier and drafter get
-# them as INT32 / FP32 (top_k = 1e19 used to overflow in the sampler and fail the batch).
-MAX_INT32 = 2**31 - 1
-MAX_FLOAT32 = 3.4028234663852886e38
+RETURN_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
 MAX_DRAFT_TOKENS = 128  # vLLM V1's limit on drafts per request (rejection.MAX_SPEC_LEN)
-MAX_STOP_STRINGS = 32
-MAX_STOP_CHARS = 1024
-MAX_ALLOWED_TOKEN_IDS = 2**18  # allowed_token_ids: up to a whole vocabulary (the largest are ~256k)
 # Below this temperature a request decodes greedily (vLLM's _SAMPLING_EPS, vllm/sampling_params.py):
 # the verifier takes the argmax and the drafters draft it. Where the tokens are decided this was
 # always the rule, and a temperature that small would overflow softmax(logits / t) anyway.
@@ -141,165 +150,6 @@ class GenerationRequest:
     structured: StructuredOutputs | None = None
 
 
-def _to_bool(name: str, v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
-        return v.lower() in ("true", "1")
-    if isinstance(v, (int, float)) and v in (0, 1):
-        return bool(v)
-    raise RequestError(f"{name} must be a boolean, got {_shown(v)}")
-
-
-def _to_int(name: str, v: Any) -> int:
-    if isinstance(v, bool):
-        raise RequestError(f"{name} must be an integer, got {_shown(v)}")
-    if isinstance(v, int):  # exact: a float round trip would turn 2**63 - 1 into 2**63
-        return v
-    if isinstance(v, str):
-        try:
-            return int(v.strip())
-        except ValueError:
-            pass
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise RequestError(f"{name} must be an integer, got {_shown(v)}") from None
-    if not f.is_integer():
-        raise RequestError(f"{name} must be an integer, got {_shown(v)}")
-    return int(f)
-
-
-def _to_float(name: str, v: Any) -> float:
-    if isinstance(v, bool):
-        raise RequestError(f"{name} must be a number, got {_shown(v)}")
-    try:
-        value = float(v)
-    except (TypeError, ValueError):
-        raise RequestError(f"{name} must be a number, got {_shown(v)}") from None
-    # NaN would pass every range check below; beyond float32 it turns into inf on its way
-    # to the verifier (which receives it as FP32).
-    if not math.isfinite(value) or abs(value) > MAX_FLOAT32:
-        raise RequestError(f"{name} must be a finite number, got {_shown(v)}")
-    return value
-
-
-def _to_str_list(name: str, v: Any) -> list[str]:
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
-        raise RequestError(f"{name} must be a string or a list of strings, got {_shown(v)}")
-    stops = [s for s in v if s]
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"{name}: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-    longest = max(stops, key=len, default="")
-    if len(longest) > MAX_STOP_CHARS:
-        raise RequestError(
-            f"{name}: a stop string may have at most {MAX_STOP_CHARS} characters, got one of {len(longest)}"
-        )
-    return stops
-
-
-def _to_stop(name: str, v: Any) -> list[str]:
-    """vLLM's `stop`: an empty string would match everywhere (TRT-LLM's `stop_words` keeps
-    reading "" as none, as its examples send it)."""
-    if v == "" or isinstance(v, (list, tuple)) and "" in v:
-        raise RequestError(f"{name} cannot contain an empty string")  # vLLM's words
-    return _to_str_list(name, v)
-
-
-def _to_allowed_ids(name: str, v: Any) -> tuple[int, ...]:
-    if not isinstance(v, (list, tuple)) or not v:
-        raise RequestError(f"{name} must be a non-empty list of token ids, got {_shown(v)}")
-    if len(v) > MAX_ALLOWED_TOKEN_IDS:
-        raise RequestError(f"{name}: at most {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(v)}")
-    return tuple(sorted({_to_int(name, t) for t in v}))
-
-
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's top_logprobs limit too)
-MAX_TOKEN_IDS = 1024  # entries in stop_token_ids / logit_bias
-RETURN_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
-
-
-def _to_list(v: Any) -> list | tuple:
-    return v if isinstance(v, (list, tuple)) else [v]
-
-
-def _to_int_list(name: str, v: Any) -> list[int]:
-    ids = [_to_int(name, x) for x in _to_list(v)]
-    if len(ids) > MAX_TOKEN_IDS:
-        raise RequestError(f"{name}: at most {MAX_TOKEN_IDS} token ids, got {len(ids)}")
-    return ids
-
-
-def _to_logit_bias(name: str, v: Any) -> tuple[tuple[int, float], ...]:
-    if not isinstance(v, dict):
-        raise RequestError(f"{name} must be an object mapping token ids to biases, got {_shown(v)}")
-    if len(v) > MAX_TOKEN_IDS:
-        raise RequestError(f"{name}: at most {MAX_TOKEN_IDS} token ids, got {len(v)}")
-    pairs = tuple((_to_int(f"{name} key", k), _to_float(f"{name}[{k}]", bias)) for k, bias in v.items())
-    for token, bias in pairs:
-        if not -100 <= bias <= 100:  # OpenAI's range
-            raise RequestError(f"{name}[{token}] must be in [-100, 100], got {bias}")
-    return pairs
-
-
-def _to_logprobs(name: str, v: Any) -> int | None:
-    if v is None:
-        return None
-    n = _to_int(name, v)
-    if not 0 <= n <= MAX_LOGPROBS:
-        raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {n}")
-    return n
-
-
-def _to_salt(name: str, v: Any) -> str:
-    if not isinstance(v, str) or not v:  # vLLM's rule
-        raise RequestError(f"{name} must be a non-empty string, got {_shown(v)}")
-    return v
-
-
-def _only(convert: Callable[[str, Any], Any], neutral: Any, hint: str) -> Callable[[str, Any], None]:
-    """A vLLM sampling key accepted at the value that changes nothing, refused otherwise with
-    what to do instead."""
-
-    def check(name: str, v: Any) -> None:
-        if convert(name, v) != neutral:
-            raise RequestError(
-                f"{name} is only supported at its default {json.dumps(neutral)}, got {_shown(v)}: {hint}"
-            )
-
-    return check
-
-
-def _refused(hint: str) -> Callable[[str, Any], None]:
-    """A vLLM key whose only neutral value is null (skipped before this runs)."""
-
-    def check(name: str, v: Any) -> None:
-        raise RequestError(f"{name} is not supported, got {_shown(v)}: {hint}")
-
-    return check
-
-
-def _accepted(convert: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
-    """A key vLLM derives itself or that changes nothing here, at any well-typed value."""
-
-    def check(name: str, v: Any) -> None:
-        convert(name, v)
-
-    return check
-
-
-def _to_output_kind(name: str, v: Any) -> int:
-    """vLLM's RequestOutputKind, by value or name; here `stream` decides what each response
-    carries (the vLLM backend sets output_kind from it too), so all three are neutral."""
-    kinds = {"CUMULATIVE": 0, "DELTA": 1, "FINAL_ONLY": 2}
-    kind = kinds.get(v.rpartition(".")[2].upper()) if isinstance(v, str) else v
-    if kind not in kinds.values() or isinstance(kind, bool):
-        raise RequestError(f"{name} must be one of {', '.join(kinds)} (or 0, 1, 2), got {_shown(v)}")
-    return kind
-
-
 def _check_token_controls(params: SamplingParams) -> None:
     """The verifier's check of the token controls it received (see parse_request)."""
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -323,76 +173,37 @@ def _tuples(values: Any) -> Any:
     return values
 
 
-_SEPARATE = "send separate requests (the OpenAI front end's `n` does so)"
-# The rest of vLLM's SamplingParams, so that its complete default dict is accepted: the
-# fields of vllm/sampling_params.py at vLLM commits db573835 (the v0.6 line) and 00388f65
-# (2026), and the vLLM backend's lora_name. Each is accepted at the values that change nothing
-# here ("" = no field to set) and refused by name otherwise, saying what to do instead.
-VLLM_NEUTRAL_KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
-    "n": ("", _only(_to_int, 1, _SEPARATE)),
-    "best_of": ("", _only(_to_int, 1, _SEPARATE + " and pick the best")),
-    "use_beam_search": ("", _only(_to_bool, False, "beam search is not served; decode greedily (temperature 0)")),
-    "length_penalty": ("", _only(_to_float, 1.0, "it weighs beam search, which is not served")),
-    "early_stopping": ("", _only(_to_bool, False, "it stops beam search, which is not served")),
-    "prompt_logprobs": ("", _refused("logprobs of the prompt are not returned; ask `logprobs` for the output")),
-    "prompt_logprob_token_ids": ("", _refused("logprobs of the prompt are not returned")),
-    "prompt_logprob_start": ("", _refused("logprobs of the prompt are not returned")),
-    "logprob_token_ids": ("", _refused("ask `logprobs: N` for the N most likely tokens")),
-    "flat_logprobs": ("", _only(_to_bool, False, "logprobs come in the vLLM backend's shape")),
-    "truncate_prompt_tokens": ("", _refused("shorten the prompt before sending it")),
-    "logits_processors": ("", _only(lambda name, v: v, [], "custom logits processors do not travel in a request")),
-    "extra_args": ("", _only(lambda name, v: v, {}, "no sampling plugin reads them here")),
-    "thinking_token_budget": ("", _only(_to_int, -1, "no reasoning budget is enforced here")),
-    "repetition_detection": ("", _refused("no repetition detection runs here; use stop strings or max_tokens")),
-    "trace_decode_token_ids": ("", _refused("forced decoding is not served")),
-    "routed_experts_prompt_start": ("", _only(_to_int, 0, "routed-expert traces are not returned")),
-    "lora_name": ("", _refused("LoRA adapters are not served; serve the merged model")),
-    "skip_special_tokens": ("", _only(_to_bool, True, "special tokens are always left out of the text")),
-    "spaces_between_special_tokens": ("", _only(_to_bool, True, "special tokens are left out of the text")),
-    "include_stop_str_in_output": ("", _only(_to_bool, False, "the text ends before the stop string")),
-    "detokenize": ("", _only(_to_bool, True, "the output is always text (with output_ids)")),
-    "output_kind": ("", _to_output_kind),
-    "skip_clone": ("", _accepted(_to_bool)),
-    "skip_reading_prefix_cache": ("", _accepted(_to_bool)),
-    # Derived by vLLM itself (from stop, stop_token_ids, bad_words and the model) and set again there.
-    "output_text_buffer_length": ("", _accepted(_to_int)),
-    "_all_stop_token_ids": ("", _accepted(_to_int_list)),
-    "_eos_token_id": ("", _accepted(_to_int)),
-    "_bad_words_token_ids": ("", _accepted(lambda name, v: [_to_int_list(name, w) for w in _to_list(v)])),
-}
-
-
 # key -> (field it sets, converter); `seed`/`stop` are vLLM's names, the others TRT-LLM's. A
 # key sent as null is left out, as the vLLM backend leaves it (its defaults apply).
 _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
-    "max_tokens": ("max_tokens", _to_int),
-    "temperature": ("temperature", _to_float),
-    "top_k": ("top_k", _to_int),
-    "top_p": ("top_p", _to_float),
-    "min_p": ("min_p", _to_float),
-    "seed": ("seed", _to_int),
-    "random_seed": ("seed", _to_int),
-    "stop": ("stop", _to_stop),
-    "stop_words": ("stop", _to_str_list),
-    "num_draft_tokens": ("num_draft_tokens", _to_int),
-    "ignore_eos": ("ignore_eos", _to_bool),
-    "stream": ("stream", _to_bool),
-    "stream_interval": ("stream_interval", _to_int),
-    "exclude_input_in_output": ("exclude_input_in_output", _to_bool),
+    "max_tokens": ("max_tokens", to_int),
+    "temperature": ("temperature", to_float),
+    "top_k": ("top_k", to_int),
+    "top_p": ("top_p", to_float),
+    "min_p": ("min_p", to_float),
+    "seed": ("seed", to_int),
+    "random_seed": ("seed", to_int),
+    "stop": ("stop", to_stop),
+    "stop_words": ("stop", to_str_list),
+    "num_draft_tokens": ("num_draft_tokens", to_int),
+    "ignore_eos": ("ignore_eos", to_bool),
+    "stream": ("stream", to_bool),
+    "stream_interval": ("stream_interval", to_int),
+    "exclude_input_in_output": ("exclude_input_in_output", to_bool),
     # Token controls (vLLM's names; min_length and bad_words are TRT-LLM's too).
-    "repetition_penalty": ("repetition_penalty", _to_float),
-    "presence_penalty": ("presence_penalty", _to_float),
-    "frequency_penalty": ("frequency_penalty", _to_float),
-    "min_tokens": ("min_tokens", _to_int),
-    "min_length": ("min_tokens", _to_int),
-    "stop_token_ids": ("stop_token_ids", _to_int_list),
-    "bad_words": ("bad_words", _to_str_list),
-    "logit_bias": ("logit_bias", _to_logit_bias),
-    "allowed_token_ids": ("allowed_token_ids", _to_allowed_ids),
-    "logprobs": ("logprobs", _to_logprobs),
-    "cache_salt": ("cache_salt", _to_salt),  # vLLM's: prefix-cache isolation between tenants
+    "repetition_penalty": ("repetition_penalty", to_float),
+    "presence_penalty": ("presence_penalty", to_float),
+    "frequency_penalty": ("frequency_penalty", to_float),
+    "min_tokens": ("min_tokens", to_int),
+    "min_length": ("min_tokens", to_int),
+    "stop_token_ids": ("stop_token_ids", to_int_list),
+    "bad_words": ("bad_words", to_str_list),
+    "logit_bias": ("logit_bias", to_logit_bias),
+    "allowed_token_ids": ("allowed_token_ids", to_allowed_ids),
+    "logprobs": ("logprobs", to_logprobs),
+    "cache_salt": ("cache_salt", to_salt),  # vLLM's: prefix-cache isolation between tenants
     # The vLLM backend's additional outputs (r24.12+).
-    **{f"return_{name}": (f"return_{name}", _to_bool) for name in RETURN_OUTPUTS},
+    **{f"return_{name}": (f"return_{name}", to_bool) for name in RETURN_OUTPUTS},
     # Structured outputs, read as a whole by structured_params.parse_structured.
     **{key: (key, lambda name, v: v) for key in STRUCTURED_KEYS},
     **VLLM_NEUTRAL_KEYS,

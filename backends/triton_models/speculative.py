@@ -67,58 +67,16 @@ class TritonPythonModel:
         # on this process's other threads must not start OpenMP teams of its own (threads.py).
         serial_elsewhere()
         params, self.target = settings.params, settings.target
-        self.tokenizer = load_tokenizer(self.target)
-        config = load_config(self.target)
-        self.max_model_len = context_window(config, settings.max_model_len)
-        eos = getattr(config, "eos_token_id", None)
-        eos = self.tokenizer.eos_token_id if eos is None else eos
-        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.vocab_size = config.vocab_size  # what token ids in a request may name
-        self.decode_token = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
+        self._load_tokenizer(settings.max_model_len)
+        self._read_request_settings(params)
+        self._start_workers(params)
         # Who verifies and who drafts, where: the plan the verifier and drafter models read too.
         plan = Placement.read(model_repository(args))
         route = plan.route(args["model_name"])  # a placement parameter none of its values fails the load
         self.verifier_name, self.drafter_name = route.verifier, route.drafter
-        drafter_config, drafter_info = self._describe_drafter(plan) if self.drafter_name else (None, None)
-        self.active_requests = 0
-        self.adaptive = parse_flag(params, "adaptive_draft_length", True)
-        # With an extract_hidden_states drafter: also write each request's hidden states here.
-        self.hidden_states_dir = params.get("hidden_states_dir", "")
-        self.prefill_chunk = prefill_chunk_tokens(params.get("prefill_chunk_tokens", str(DEFAULT_PREFILL_CHUNK)))
-        # Streamed responses carry at least this many tokens (a request may set its own).
-        self.stream_interval = stream_interval(params.get("stream_interval", "1"))
-        # How long a request may wait for room in the target's KV pool (then 503-like error).
-        self.max_queue_time_s = max_queue_time_s(params.get("max_queue_time_s", ""))
-        workers = int(params.get("max_concurrent_requests", "64"))
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
-        # Requests beyond the workers wait, up to max_queued_requests; more are refused as
-        # retryable, as are new requests while the server shuts down (admission.py).
-        self.admission = Admission(workers, int(params.get("max_queued_requests", "256")), drain_file())
-        self.lock = threading.Lock()
-        # Responses are built and sent from one thread, in order, once the next step is under
-        # way: that work overlaps the forward pass instead of delaying it (outbox.py).
-        self.outbox = Outbox(lambda e: error_response(f"generation failed: could not build the response: {e}"))
-        # The verifier and drafter handles each request gets: over BLS, or in this process. A
-        # drafter call that takes longer than drafter_timeout_s is abandoned: that request
-        # decodes plainly from there.
-        timeout_s = float(params.get("drafter_timeout_s", "30")) or None
-        # A verify step (its forward, here or in the verifier model) past step_timeout_s fails its
-        # requests and leaves the server refusing new ones: it is not ready any more.
-        step_timeout_s = float(params.get("step_timeout_s", "300")) or None
         version = str(args.get("model_version", "1"))
         self.metrics = ServingMetrics(args["model_name"], version, self.max_model_len)
-        self.peers = Peers(
-            args["model_name"],
-            plan,
-            drafter_config,
-            drafter_info,
-            self.max_model_len,
-            self.outbox,
-            timeout_s,
-            step_timeout_s,
-            self.admission.fail,
-            self.metrics,
-        )
+        self.peers = self._peers(args["model_name"], plan, params)
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
         info = self.peers.drafter_info  # None when a drafter standing by cannot draft here either
         self.extract_layer_ids = info.hidden_layer_ids if info and not info.proposes_drafts else ()
@@ -131,6 +89,60 @@ class TritonPythonModel:
             self.verifier_name,
             self.drafter_name or "(none: plain decoding)",
             self.max_model_len,
+        )
+
+    def _load_tokenizer(self, max_model_len: int | None) -> None:
+        """The target's tokenizer, context window, EOS ids and vocabulary size."""
+        self.tokenizer = load_tokenizer(self.target)
+        config = load_config(self.target)
+        self.max_model_len = context_window(config, max_model_len)
+        eos = getattr(config, "eos_token_id", None)
+        eos = self.tokenizer.eos_token_id if eos is None else eos
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.vocab_size = config.vocab_size  # what token ids in a request may name
+        self.decode_token = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tokenizer.decode([t]))
+
+    def _read_request_settings(self, params: dict[str, str]) -> None:
+        """The config.pbtxt parameters every request is served with."""
+        self.adaptive = parse_flag(params, "adaptive_draft_length", True)
+        # With an extract_hidden_states drafter: also write each request's hidden states here.
+        self.hidden_states_dir = params.get("hidden_states_dir", "")
+        self.prefill_chunk = prefill_chunk_tokens(params.get("prefill_chunk_tokens", str(DEFAULT_PREFILL_CHUNK)))
+        # Streamed responses carry at least this many tokens (a request may set its own).
+        self.stream_interval = stream_interval(params.get("stream_interval", "1"))
+        # How long a request may wait for room in the target's KV pool (then 503-like error).
+        self.max_queue_time_s = max_queue_time_s(params.get("max_queue_time_s", ""))
+
+    def _start_workers(self, params: dict[str, str]) -> None:
+        """The request workers, the admission in front of them and the response outbox."""
+        self.active_requests = 0
+        workers = int(params.get("max_concurrent_requests", "64"))
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
+        # Requests beyond the workers wait, up to max_queued_requests; more are refused as
+        # retryable, as are new requests while the server shuts down (admission.py).
+        self.admission = Admission(workers, int(params.get("max_queued_requests", "256")), drain_file())
+        self.lock = threading.Lock()
+        # Responses are built and sent from one thread, in order, once the next step is under
+        # way: that work overlaps the forward pass instead of delaying it (outbox.py).
+        self.outbox = Outbox(lambda e: error_response(f"generation failed: could not build the response: {e}"))
+
+    def _peers(self, model_name: str, plan: Placement, params: dict[str, str]) -> Peers:
+        """The verifier and drafter handles each request gets: over BLS, or in this process. A
+        drafter call past drafter_timeout_s is abandoned (that request decodes plainly from
+        there); a verify step past step_timeout_s fails its requests and leaves the server
+        refusing new ones: it is not ready any more."""
+        drafter_config, drafter_info = self._describe_drafter(plan) if self.drafter_name else (None, None)
+        return Peers(
+            model_name,
+            plan,
+            drafter_config,
+            drafter_info,
+            self.max_model_len,
+            self.outbox,
+            float(params.get("drafter_timeout_s", "30")) or None,
+            float(params.get("step_timeout_s", "300")) or None,
+            self.admission.fail,
+            self.metrics,
         )
 
     def _describe_drafter(self, plan: Placement) -> tuple[SpeculativeConfig | None, DrafterInfo | None]:

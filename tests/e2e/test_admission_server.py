@@ -10,19 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from backends.runtime.model_store import load_config
-from backends.serving.target import kv_bytes_per_token
+from backends.serving.target_engine import kv_bytes_per_token
 from client.api.triton import grpc_generate
 from tests.fixtures.helpers import hf_greedy, metric_values, wait_for_no_active_sequences
+from tests.fixtures.prompts import TINY_PROMPTS
 from tests.fixtures.servers import fixture_servers
 
-PROMPTS = [
-    "The quick brown fox",
-    "def add(a, b):\n    return a + b\ndef add(a, b):",
-    "for i in range(10):\n    print(i, i * i)\nfor i in",
-    "Speculative decoding drafts tokens cheaply and",
-    "café naïve 東京",
-    "one two three four five six seven",
-]
+PROMPTS = [*TINY_PROMPTS, "one two three four five six seven"]
 MAX_TOKENS = 48
 POOL_BLOCKS = 8  # of 16 tokens: two or three of these requests at a time
 

@@ -10,15 +10,10 @@ import tritonclient.http as httpclient
 
 from client.api.triton import GenerationError, grpc_generate, http_generate
 from tests.fixtures.helpers import active_sequences, hf_greedy, metric_values, wait_for_no_active_sequences
+from tests.fixtures.prompts import TINY_PROMPTS
 from tests.fixtures.servers import NON_ASCII_NOTE
 
-PROMPTS = [
-    "The quick brown fox",
-    "def add(a, b):\n    return a + b\ndef add(a, b):",
-    "for i in range(10):\n    print(i, i * i)\nfor i in",
-    "Speculative decoding drafts tokens cheaply and",
-    "café naïve 東京",
-]
+PROMPTS = TINY_PROMPTS
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -14,17 +14,10 @@ import pytest
 
 from client.api.triton import GenerationError, grpc_generate, http_generate
 from tests.fixtures.helpers import hf_greedy
+from tests.fixtures.prompts import ANIMAL_SCHEMA
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "animal": {"type": "string", "enum": ["fox", "dog", "quick brown fox"]},
-        "jumps": {"type": "boolean"},
-    },
-    "required": ["animal", "jumps"],
-    "additionalProperties": False,
-}
+SCHEMA = ANIMAL_SCHEMA
 REGEX = r"(the|a) (fox|dog) (jumps|sleeps)\."
 CHOICES = ["def add", "for i in range", "The quick brown fox"]
 GRAMMAR = 'start: "print(" NUM ")"\nNUM: /[0-9]/'

@@ -15,14 +15,8 @@ import time
 import pytest
 import torch
 
-from backends.serving.request import (
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    RequestError,
-    SamplingParams,
-    check_prompt_size,
-    parse_request,
-)
+from backends.serving.request import RequestError, SamplingParams, check_prompt_size, parse_request
+from backends.serving.request_values import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # -- numbers and strings are bounded where the request is parsed -------------------------------------------------
 
@@ -203,7 +197,7 @@ def test_a_custom_proposers_answer_is_checked(ids, probs, message):
 def test_a_sliding_window_below_the_context_is_refused_at_load():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    from backends.serving.target import check_sliding_window
+    from backends.serving.target_engine import check_sliding_window
 
     with pytest.raises(ValueError, match="sliding-window attention over 4096 tokens, below its context of 32768"):
         check_sliding_window(MistralConfig(sliding_window=4096), 32768)

@@ -21,7 +21,8 @@ from backends.serving.detokenize import TextStream
 from backends.serving.local import LocalVerifier, generate_local
 from backends.serving.orchestrator import AdmissionTimeoutError, Generation, ServingContext, generate
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams, parse_request
-from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult, kv_bytes_per_token
+from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
+from backends.serving.target_engine import kv_bytes_per_token
 
 BS = 4
 

@@ -274,7 +274,7 @@ def test_a_full_kv_budget_makes_new_sequences_wait_not_running_ones(tiny_model_d
     """A sequence holds the tokens it has written: a second one that does not fit now waits
     (its step answered `waiting`, nothing kept) while the first goes on, and runs once the
     first is released (the queue and preemption: test_kv_admission.py)."""
-    from backends.serving.target import kv_bytes_per_token
+    from backends.serving.target_engine import kv_bytes_per_token
 
     probe = TargetRunner(tiny_model_dir, dtype="float32", runtime="hf")
     per_token = kv_bytes_per_token(probe.config, "float32")
@@ -300,7 +300,7 @@ def test_the_target_weights_are_held_once(tiny_model_dir, monkeypatch, engine):
     transformers the model is the engine and stays."""
     import weakref
 
-    import backends.serving.target as target
+    import backends.serving.target_engine as target
 
     sources = {}
 

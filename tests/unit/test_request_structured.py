@@ -44,7 +44,7 @@ def test_no_constraint_and_null_ones_leave_the_output_free():
         ({"json_object": True}, StructuredOutputs("json_object", "")),
         (
             {"structural_tag": json.dumps({"type": "structural_tag", "format": {"type": "any_text"}})},
-            StructuredOutputs("structural_tag", '{"format":{"type":"any_text"},"type":"structural_tag"}'),
+            StructuredOutputs("structural_tag", '{"type":"structural_tag","format":{"type":"any_text"}}'),
         ),
         ({"json": SCHEMA, "whitespace_pattern": r"[ ]?"}, StructuredOutputs("json", CANONICAL, r"[ ]?")),
         ({"json_object": True, "whitespace_pattern": ""}, StructuredOutputs("json_object", "", "")),

@@ -22,18 +22,11 @@ from backends.structured.grammar import GrammarCompiler, GrammarError
 from backends.structured.mask import allowed_tokens, apply_token_mask
 from backends.structured.spec import StructuredOutputs
 from tests.fixtures.helpers import coarse_total_variation, load_hf_model, one_thread
+from tests.fixtures.prompts import ANIMAL_SCHEMA
 from tests.fixtures.synthetic_heads import write_medusa
 
 EOS = 0  # the tiny model's <|endoftext|>
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "animal": {"type": "string", "enum": ["fox", "dog", "quick brown fox"]},
-        "jumps": {"type": "boolean"},
-    },
-    "required": ["animal", "jumps"],
-    "additionalProperties": False,
-}
+SCHEMA = ANIMAL_SCHEMA
 CONSTRAINTS = {
     "json": StructuredOutputs("json", json.dumps(SCHEMA)),
     "regex": StructuredOutputs("regex", r"(the|a) (fox|dog) (jumps|sleeps)\."),
