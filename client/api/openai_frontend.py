@@ -273,7 +273,7 @@ def _usage(results: list[Generation], per_prompt: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _client_left(request: Request, runs: GenerationRuns) -> None:
+async def client_left(request: Request, runs: GenerationRuns) -> None:
     """Once the HTTP client disconnects (its body is read, so the next message is the
     disconnect), cancel the generations on Triton and wake the handler waiting on them."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -306,7 +306,7 @@ def _render_chat(body: dict, backend: Backend, count_room: bool) -> tuple[str, i
     return prompt, max(1, backend.context_window - len(backend.tokenizer(prompt)["input_ids"]))
 
 
-async def _plan(backend: Backend, kind: str, body: dict, offload: Offload) -> _Plan:
+async def plan_request(backend: Backend, kind: str, body: dict, offload: Offload) -> _Plan:
     model = body.get("model")
     if model is not None and model != backend.served_model_name:
         raise OpenAIError(
@@ -340,13 +340,13 @@ async def _plan(backend: Backend, kind: str, body: dict, offload: Offload) -> _P
 async def _complete(backend: Backend, kind: str, body: dict, request: Request, offload: Offload) -> Any:
     """Shared by both endpoints: validate, render, run one generation per choice; a JSON body
     or an SSE stream. A client that leaves cancels its generations, streamed or not."""
-    plan = await _plan(backend, kind, body, offload)
+    plan = await plan_request(backend, kind, body, offload)
     runs = GenerationRuns(backend, plan.prompts, plan.inputs, plan.stream)
-    watcher = asyncio.ensure_future(_client_left(request, runs))
+    watcher = asyncio.ensure_future(client_left(request, runs))
     try:
         if not plan.stream:
             return JSONResponse(await _whole(plan, runs))
-        early = await _first_events(plan, runs)
+        early = await first_events(plan, runs)
     except BaseException:
         runs.cancel.set()  # the others are not wanted
         raise
@@ -355,7 +355,7 @@ async def _complete(backend: Backend, kind: str, body: dict, request: Request, o
     return StreamingResponse(_events(plan, runs, early), media_type="text/event-stream")
 
 
-def _raise_for(event: str, value: Any) -> None:
+def raise_for_event(event: str, value: Any) -> None:
     if event == "error":
         raise generation_error(value)
     if event == "gone":
@@ -367,21 +367,21 @@ async def _whole(plan: _Plan, runs: GenerationRuns) -> dict:
     results: list[Generation | None] = [None] * len(plan.prompts)
     while None in results:
         index, event, value = await runs.next()
-        _raise_for(event, value)
+        raise_for_event(event, value)
         results[index] = value
     echoed = [p if plan.echo else "" for p in plan.prompts]
     bodies = [c.whole(e + r.text, r) for c, e, r in zip(plan.choices, echoed, results)]
     return plan.response.envelope(bodies, _usage(results, plan.n))
 
 
-async def _first_events(plan: _Plan, runs: GenerationRuns) -> list[tuple]:
+async def first_events(plan: _Plan, runs: GenerationRuns) -> list[tuple]:
     """Every choice's first event, awaited before the stream starts so that a rejected
     request gets its HTTP status; what came meanwhile is sent first."""
     early: list[tuple] = []
     started: set[int] = set()
     while len(started) < len(plan.prompts):
         index, event, value = await runs.next()
-        _raise_for(event, value)
+        raise_for_event(event, value)
         started.add(index)
         early.append((index, event, value))
     return early

@@ -30,11 +30,11 @@ from client.api.openai_frontend import (
     Backend,
     GenerationRuns,
     Offload,
-    _client_left,
-    _first_events,
-    _plan,
-    _raise_for,
+    client_left,
+    first_events,
     generation_error,
+    plan_request,
+    raise_for_event,
 )
 from client.api.openai_http import OpenAIError
 from client.api.openai_params import MAX_INT32
@@ -175,19 +175,19 @@ async def respond(backend: Backend, body: dict, request: Request, offload: Offlo
     """One Responses request: validated, then a JSON body or an SSE stream. A client that
     leaves cancels its generation."""
     try:
-        plan = await _plan(backend, "chat", chat_body(body), offload)
+        plan = await plan_request(backend, "chat", chat_body(body), offload)
     except OpenAIError as e:  # chat's names for what the Responses request calls otherwise
         e.param = {"messages": "input", "max_completion_tokens": "max_output_tokens"}.get(e.param, e.param)
         raise
     response = ResponseObject(body, backend.served_model_name)
     runs = GenerationRuns(backend, plan.prompts, plan.inputs, plan.stream)
-    watcher = asyncio.ensure_future(_client_left(request, runs))
+    watcher = asyncio.ensure_future(client_left(request, runs))
     try:
         if not plan.stream:
             _, event, value = await runs.next()
-            _raise_for(event, value)
+            raise_for_event(event, value)
             return JSONResponse(response.body(_final_status(value), value))
-        early = await _first_events(plan, runs)
+        early = await first_events(plan, runs)
     except BaseException:
         runs.cancel.set()
         raise
