@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -346,27 +346,17 @@ class EngineMetrics:
     (0 without prefix caching). `stepped` after each forward, `update` after each batch of
     steps and releases."""
 
-    def __init__(
-        self,
-        model_name: str,
-        version: str,
-        engine: Any,
-        kv_stats: Callable[[], KVStats] | None = None,
-        serving: ServingMetrics | None = None,
-    ) -> None:
-        """With `kv_stats` (the runner's scheduler) and the orchestrator's `serving` metrics in
-        the same process, requests waiting for KV room count in `vllm:num_requests_waiting` and
-        preemptions in `vllm:num_preemptions_total`, as vLLM's scheduler reports them."""
-        self.engine, self.kv_stats, self.serving = engine, kv_stats, serving
+    def __init__(self, model_name: str, version: str, runner: Any, serving: ServingMetrics | None = None) -> None:
+        """`runner`: the TargetRunner (its engine's prefix counters, its scheduler's `kv_stats`).
+        With the orchestrator's `serving` metrics in the same process, requests waiting for KV
+        room count in `vllm:num_requests_waiting` and preemptions in
+        `vllm:num_preemptions_total`, as vLLM's scheduler reports them."""
+        self.engine, self.kv_stats, self.serving = runner.engine, runner.kv_stats, serving
         self.families = Families(ENGINE_METRICS)
         labels = {"model": model_name, "version": version}
         self.m = {name: self.families.metric(name, labels) for name in ENGINE_METRICS}
         self.reported = {"usage": 0.0, "queries": 0, "hits": 0, "waiting": 0, "preemptions": 0}
         self.writer = MetricWriter("engine-metrics")
-
-    def kv_cache_usage(self) -> float:
-        capacity = self.engine.capacity_tokens
-        return self.engine.reserved_tokens / capacity if capacity else 0.0
 
     def stepped(self, steps: Sequence[Any]) -> None:
         """A forward ran over `steps` (VerifyRequests)."""
@@ -377,12 +367,13 @@ class EngineMetrics:
     def update(self) -> None:
         """Bring usage and the prefix counters to the engine's (after steps and releases): only
         what changed is written."""
-        usage = self.kv_cache_usage()
+        stats = self.kv_stats()
+        usage = stats.kv_usage
         if usage != self.reported["usage"]:
             self.writer.put(self.m["vllm:kv_cache_usage_perc"], "set", usage)
             self.reported["usage"] = usage
-        if self.kv_stats and self.serving:
-            self._report_queue(self.kv_stats())
+        if self.serving:
+            self._report_queue(stats)
         # The prefix counters synchronously: a client that reads /metrics after its request sees them.
         for key, total in (("queries", self.engine.prefix_queries), ("hits", self.engine.prefix_hits)):
             if total != self.reported[key]:

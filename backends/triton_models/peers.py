@@ -315,7 +315,7 @@ class Peers:
         verify_thread = forward_thread("spec-verify")
         runner = verify_thread.submit(target_runner, settings, device).result()
         active = ActiveSequencesGauge(name)
-        engine_metrics = EngineMetrics(name, "1", runner.engine, runner.kv_stats, self.serving_metrics)
+        engine_metrics = EngineMetrics(name, "1", runner, self.serving_metrics)
 
         def update_metrics(steps: list) -> None:  # what the verifier model reports of its own sequences
             active.set(len(runner.sequences))

@@ -34,7 +34,7 @@ class VerifierModel(SequenceBatchedModel):
         device = instance_device(args, settings.params, log)  # a GPU that cannot be used fails the load here
         self.runner = target_runner(settings, device)
         self.init_sequences(args, settings.params, self.runner)
-        self.engine_metrics = EngineMetrics(args["model_name"], str(args.get("model_version", "1")), self.runner.engine)
+        self.engine_metrics = EngineMetrics(args["model_name"], str(args.get("model_version", "1")), self.runner)
 
     def parse(self, request) -> VerifyRequest:
         params = json.loads(request.parameters() or "{}")
