@@ -12,7 +12,8 @@ server, where each request's thread brings its sequence's steps one at a time.
   found cached). On the batch-invariant runtime the recomputed keys and values are the same bits,
   so the output is exactly what it would have been.
 - New sequences wait in arrival order and are admitted while they fit; none overtakes the head
-  of the queue, and a running sequence is never preempted to admit a waiting one.
+  of the queue (unless its client stopped asking: serving/target.py's ABSENT_HEAD_S), and a
+  running sequence is never preempted to admit a waiting one.
 
 A step that cannot run now is answered ``waiting`` (serving/target.py) with nothing changed; the
 orchestrator sends it again shortly, for at most its queue timeout (serving/orchestrator.py).
@@ -21,7 +22,7 @@ orchestrator sends it again shortly, for at most its queue timeout (serving/orch
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from backends.runtime.engine import Engine
@@ -61,11 +62,14 @@ class Scheduler:
         self.running.pop(seq_id, None)
         self.waiting.pop(seq_id, None)
 
-    def admit(self, seq_id: int, num_tokens: int, token_ids: Sequence[int], cache_salt: str) -> bool:
+    def admit(
+        self, seq_id: int, num_tokens: int, token_ids: Sequence[int], cache_salt: str, absent: Collection[int] = ()
+    ) -> bool:
         """Admit a waiting sequence whose step needs `num_tokens` in its cache (its first
-        `token_ids` may be found cached) when it heads the queue and fits; the engine then
-        holds it with no blocks yet. KVCacheFullError when it can never fit."""
-        if next(iter(self.waiting), None) != seq_id:
+        `token_ids` may be found cached) when it heads the queue (`absent`: those ahead of it
+        whose clients stopped asking, passed over) and fits; the engine then holds it with no
+        blocks yet. KVCacheFullError when it can never fit."""
+        if next((s for s in self.waiting if s not in absent), None) != seq_id:
             return False
         self._check_fits(seq_id, num_tokens)
         if not self.engine.admissible(num_tokens, token_ids, cache_salt):

@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     pass
 
 log = logging.getLogger("tritonspec.target")
+# A waiting sequence asks again every ADMISSION_POLL_S (serving/orchestrator.py); one that has not
+# asked for this long (its client vanished without END, or is slow over BLS) no longer holds the
+# head of the queue until the idle timeout frees it: others are admitted past it meanwhile.
+ABSENT_HEAD_S = 1.0
 
 
 @dataclass
@@ -343,12 +347,16 @@ class TargetRunner:
                         run.add(i)
                 except KVCacheFullError as e:
                     answers[i] = self._fail(seq_id, e)
+        now, absent = self.clock(), set()
         for seq_id in list(scheduler.waiting):
             if seq_id not in by_seq:
+                if now - self.sequences[seq_id].last_used > ABSENT_HEAD_S:
+                    absent.add(seq_id)  # its client stopped asking (vanished, or away): it keeps its place
+                    continue
                 break  # the head of the queue is not stepping now: nobody overtakes it
             i, step = by_seq[seq_id]
             try:
-                if not self._admit(step):
+                if not self._admit(step, absent):
                     break
                 run.add(i)
             except KVCacheFullError as e:
@@ -358,13 +366,13 @@ class TargetRunner:
                 answers[i] = self._wait(step)
         return [(i, step) for i, step in steps if i in run], answers
 
-    def _admit(self, step: _Step) -> bool:
-        """Admit a waiting sequence for this step when it may (Scheduler.admit): its cached
-        prefix is looked up before any block is taken, then blocks for the rest."""
+    def _admit(self, step: _Step, absent: set[int]) -> bool:
+        """Admit a waiting sequence for this step when it may (Scheduler.admit, passing over the
+        `absent`): its cached prefix is looked up before any block is taken, then blocks for the rest."""
         req, seq = step.req, step.seq
         need = len(seq.token_ids) + len(req.draft_token_ids)  # its cache starts over
         shareable = self._shareable(req, seq)
-        if not self.scheduler.admit(req.seq_id, need, shareable, seq.sampling.cache_salt):
+        if not self.scheduler.admit(req.seq_id, need, shareable, seq.sampling.cache_salt, absent):
             return False
         seq.num_cached = self.engine.share_prefix(req.seq_id, shareable)
         self.engine.grow(req.seq_id, need)

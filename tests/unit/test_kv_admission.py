@@ -328,3 +328,16 @@ def test_serve_max_queue_time_s_sets_the_orchestrator_parameter(tiny_model_dir):
     args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--max-queue-time-s", "0"])
     with pytest.raises(ValueError, match="--max-queue-time-s: max_queue_time_s must be a number of seconds > 0"):
         _serve_overrides(args, tiny_model_dir)
+
+
+def test_a_waiting_head_that_stops_asking_does_not_hold_the_queue(tiny_model_dir):
+    runner = small_runner(tiny_model_dir, blocks=8)
+    now = [100.0]
+    runner.clock = lambda: now[0]
+    assert runner.verify(VerifyRequest(1, prompt(1, 100), [])).token_ids  # 7 of the 8 blocks
+    assert runner.verify(VerifyRequest(2, prompt(2, 40), [])).waiting  # 2 heads the queue
+    now[0] += 0.5  # 2 asked half a second ago: still holds its place
+    assert runner.verify(VerifyRequest(3, prompt(3, 5), [])).waiting
+    now[0] += 1.0  # 2 has not asked for 1.5 s (its client vanished); 3 asked 1 s ago
+    assert runner.verify(VerifyRequest(3, prompt(3, 5), [])).token_ids  # admitted past it
+    assert list(runner.scheduler.waiting) == [2]  # 2 keeps its place for when it comes back
