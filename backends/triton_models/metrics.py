@@ -165,8 +165,14 @@ class Families:
 
 
 class MetricWriter:
-    """Metric updates applied by a thread of their own: each is a round trip to the server
-    process, kept off the requests' (and the forward's) path."""
+    """Metric updates applied by a thread of their own, in batches: each update is a round trip
+    to the server process (20-50 us measured in a Triton Python model on a 2-core Zen 4), several
+    a decoding step, so the thread gathers what arrives within `FLUSH_S` and writes each
+    counter's increments as one and each gauge's last value only (histogram observations stay
+    one each). Counters and gauges are written before the batch's observations, so a reader that
+    sees a request's last observation sees everything queued before it."""
+
+    FLUSH_S = 0.05
 
     def __init__(self, name: str) -> None:
         self.updates: queue.Queue = queue.Queue()
@@ -174,8 +180,32 @@ class MetricWriter:
         self.thread.start()
 
     def _apply(self) -> None:
-        while (update := self.updates.get()) is not None:
-            metric, method, value = update
+        while (first := self.updates.get()) is not None:
+            time.sleep(self.FLUSH_S)  # let a few steps' updates gather
+            batch, closed = [first], False
+            while not self.updates.empty():
+                if (update := self.updates.get()) is None:
+                    closed = True
+                    break
+                batch.append(update)
+            self._write(batch)
+            if closed:
+                return
+
+    @staticmethod
+    def _write(batch: list[tuple[Any, str, float]]) -> None:
+        totals: dict[int, list] = {}  # id(metric) -> [metric, method, value]: increments summed, last set
+        observed = []
+        for metric, method, value in batch:
+            if method == "observe":
+                observed.append((metric, method, value))
+            elif method == "increment" and id(metric) in totals:
+                totals[id(metric)][2] += value
+            else:
+                totals[id(metric)] = [metric, method, value]
+        for metric, method, value in [*totals.values(), *observed]:
+            if method == "increment" and value == 0:
+                continue  # a gauge's ups and downs that cancel out
             try:
                 getattr(metric, method)(value)
             except Exception:  # a metric that cannot be written must not stop the others

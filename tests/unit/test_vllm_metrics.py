@@ -15,6 +15,7 @@ from backends.triton_models.metrics import (
     HISTOGRAM,
     SERVING_METRICS,
     SPEC_DECODE_EXTRAS,
+    MetricWriter,
     build_1_2_5_buckets,
     histogram_buckets,
 )
@@ -169,3 +170,38 @@ def test_route_counts_are_prometheus_text():
     assert 'tritonspec_openai_requests_total{route="other",status="404"} 1' in text
     assert 'tritonspec_openai_requests_in_flight{route="/v1/responses"} 0' in text
     assert counts.route("/v1/models/x") == "/v1/models/{model}"
+
+
+class Recorded:
+    """A metric that records the calls it gets (the writer's batching, not Triton, is tested)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def increment(self, value: float) -> None:
+        self.calls.append((self, "increment", value))
+
+    def set(self, value: float) -> None:
+        self.calls.append((self, "set", value))
+
+    def observe(self, value: float) -> None:
+        self.calls.append((self, "observe", value))
+
+
+def test_the_metric_writer_writes_a_batch_s_counters_once_and_its_observations_after():
+    calls: list = []
+    counter, gauge, running, histogram = (Recorded(calls) for _ in range(4))
+    writer = MetricWriter("test-metrics")
+    writer.FLUSH_S = 1.0  # everything below arrives within one flush period, however busy the host
+    for step in range(5):  # five decoding steps within one flush period
+        writer.put(counter, "increment", 2)
+        writer.put(histogram, "observe", 0.01 * step)
+        writer.put(gauge, "set", step / 10)
+    writer.put(running, "increment", 1)
+    writer.put(running, "increment", -1)  # cancels out: not written
+    writer.close()
+    assert calls == [
+        (counter, "increment", 10),
+        (gauge, "set", 0.4),
+        *[(histogram, "observe", 0.01 * step) for step in range(5)],
+    ]
