@@ -115,22 +115,30 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> 
 
 
 LOGPROB_OUTPUTS = ("logprobs", "logprob_ranks", "top_logprob_ids", "top_logprobs")  # the verifier's
+# prompt_logprobs go as the same arrays under this prefix, with the prompt tokens they score.
+PROMPT = "prompt_"
+PROMPT_LOGPROB_OUTPUTS = (*(PROMPT + name for name in LOGPROB_OUTPUTS), "prompt_token_ids")
 
 
-def logprobs_to_arrays(logprobs: list[TokenLogprob]) -> dict[str, np.ndarray]:
-    """The verifier's outputs for a step's logprobs ([n] and [n, top] arrays)."""
+def logprobs_to_arrays(logprobs: list[TokenLogprob], prefix: str = "") -> dict[str, np.ndarray]:
+    """The verifier's outputs for a step's logprobs ([n] and [n, top] arrays); with the
+    PROMPT prefix, its prompt logprobs and their tokens."""
     shape = (len(logprobs), len(logprobs[0].top) if logprobs else 0)
-    return {
+    arrays = {
         "logprobs": np.array([p.logprob for p in logprobs], dtype=np.float32),
         "logprob_ranks": np.array([p.rank for p in logprobs], dtype=np.int64),
         "top_logprob_ids": np.array([[t for t, _ in p.top] for p in logprobs], dtype=np.int64).reshape(shape),
         "top_logprobs": np.array([[v for _, v in p.top] for p in logprobs], dtype=np.float32).reshape(shape),
     }
+    if prefix == PROMPT:
+        arrays["token_ids"] = np.array([p.token_id for p in logprobs], dtype=np.int64)
+    return {prefix + name: array for name, array in arrays.items()}
 
 
-def logprobs_from_arrays(token_ids: list[int], arrays: dict[str, np.ndarray]) -> list[TokenLogprob]:
+def logprobs_from_arrays(token_ids: list[int], arrays: dict[str, np.ndarray], prefix: str = "") -> list[TokenLogprob]:
     """Back from the verifier's outputs (each with a leading batch dimension of 1; the top
     arrays are left out when no alternatives were asked for)."""
+    arrays = {name.removeprefix(prefix): array for name, array in arrays.items() if name.startswith(prefix)}
     values, ranks = arrays["logprobs"].reshape(-1).tolist(), arrays["logprob_ranks"].reshape(-1).tolist()
     empty = np.zeros((len(token_ids), 0))
     top_ids = arrays.get("top_logprob_ids", empty).reshape(len(token_ids), -1).tolist()

@@ -130,6 +130,7 @@ class StepOutput:
     # hidden], in order; see backends/methods/extract_hidden_states.py).
     hidden_states: torch.Tensor | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens the step scored (prompt_logprobs)
 
 
 def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -316,7 +317,8 @@ class Generation:
             self.hidden_rows.append(result.hidden_states)
         self.sampling = None
         self._lap()
-        return StepOutput([], "", None, result.hidden_states if self.extract_layer_ids else None)
+        hidden = result.hidden_states if self.extract_layer_ids else None
+        return StepOutput([], "", None, hidden, prompt_logprobs=result.prompt_logprobs)
 
     def plan(self) -> StepPlan:
         """This step's k (draft_length) and tree size, and whether the drafter is called."""
@@ -433,6 +435,7 @@ class Generation:
             finish,
             result.hidden_states if self.extract_layer_ids else None,
             result.logprobs and result.logprobs[: len(taken)],
+            result.prompt_logprobs,
         )
 
     def _append(self, token: int) -> str | None:

@@ -19,6 +19,7 @@ from backends.serving.request_errors import shown as _shown
 from backends.serving.request_values import (
     MAX_FLOAT32,
     MAX_INT32,
+    MAX_LOGPROBS,
     VLLM_NEUTRAL_KEYS,
     to_allowed_ids,
     to_bool,
@@ -27,6 +28,7 @@ from backends.serving.request_values import (
     to_int_list,
     to_logit_bias,
     to_logprobs,
+    to_prompt_logprobs,
     to_salt,
     to_stop,
     to_str_list,
@@ -70,6 +72,9 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # from GenerationRequest.bad_words (bind_token_ids)
     min_tokens_stop_ids: tuple[int, ...] = ()  # masked until min_tokens are out: EOS, stop_token_ids
     logprobs: int | None = None  # alternatives reported per emitted token; None: no logprobs
+    # Alternatives reported per prompt token (from the prompt's second: vLLM's prompt_logprobs);
+    # None: none. The target computes them in its prefill; such a prompt skips the prefix cache.
+    prompt_logprobs: int | None = None
     # Set by the orchestrator from a `rejection_sample_method: "synthetic"` drafter config (never
     # by a client): drafts are accepted at these rates, for benchmarking (not lossless).
     synthetic_acceptance_rates: tuple[float, ...] = ()
@@ -148,6 +153,10 @@ class GenerationRequest:
     returns: frozenset[str] = frozenset()
     # What the output must follow (a JSON schema, regex, choice, grammar); None: free text.
     structured: StructuredOutputs | None = None
+    # The `n` of the client request this generation is a choice of, for vllm:request_params_n:
+    # the OpenAI front end sends n with a prompt's first choice and 0 with the others (observed
+    # once per prompt, as vLLM observes a parent request once).
+    params_n: int = 1
 
 
 def _check_token_controls(params: SamplingParams) -> None:
@@ -158,7 +167,7 @@ def _check_token_controls(params: SamplingParams) -> None:
             raise RequestError(f"sampling parameter {name} must be a finite number, got {_shown(value)}")
     ids = [t for t, _ in params.logit_bias] + [t for word in params.bad_words_ids for t in word]
     ids += list(params.allowed_token_ids)
-    ids += list(params.min_tokens_stop_ids) + [params.min_tokens] + [params.logprobs or 0]
+    ids += list(params.min_tokens_stop_ids) + [params.min_tokens, params.logprobs or 0, params.prompt_logprobs or 0]
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in ids):
         raise RequestError("malformed sampling parameters: token ids and counts must be non-negative integers")
 
@@ -201,7 +210,9 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "logit_bias": ("logit_bias", to_logit_bias),
     "allowed_token_ids": ("allowed_token_ids", to_allowed_ids),
     "logprobs": ("logprobs", to_logprobs),
+    "prompt_logprobs": ("prompt_logprobs", to_prompt_logprobs),
     "cache_salt": ("cache_salt", to_salt),  # vLLM's: prefix-cache isolation between tenants
+    "params_n": ("params_n", to_int),
     # The vLLM backend's additional outputs (r24.12+).
     **{f"return_{name}": (f"return_{name}", to_bool) for name in RETURN_OUTPUTS},
     # Structured outputs, read as a whole by structured_params.parse_structured.
@@ -257,6 +268,7 @@ def parse_request(tensors: dict[str, Any], parameters_json: str = "", sampling_j
         stream_interval=values.get("stream_interval"),
         returns=frozenset(name for name in RETURN_OUTPUTS if values.get(f"return_{name}")),
         structured=parse_structured(values),
+        params_n=values.get("params_n", 1),
     )
 
 
@@ -293,6 +305,10 @@ def _check_lengths(values: dict[str, Any]) -> int:
         raise RequestError(f"num_draft_tokens must be >= 0, got {num_draft}")
     if num_draft is not None and num_draft > MAX_DRAFT_TOKENS:
         raise RequestError(f"num_draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {num_draft}")
+    if not 0 <= values.get("params_n", 1) <= MAX_INT32:
+        raise RequestError(
+            f"params_n must be in [0, {MAX_INT32}] (0: a choice counted with its first), got {values['params_n']}"
+        )
     interval = values.get("stream_interval")
     if interval is not None and not 1 <= interval <= MAX_INT32:
         raise RequestError(f"stream_interval must be a whole number of tokens in [1, {MAX_INT32}], got {interval}")
@@ -345,6 +361,7 @@ def _sampling(values: dict[str, Any]) -> SamplingParams:
         logit_bias=values.get("logit_bias", ()),
         allowed_token_ids=values.get("allowed_token_ids", ()),
         logprobs=values.get("logprobs"),
+        prompt_logprobs=values.get("prompt_logprobs"),
         cache_salt=values.get("cache_salt", ""),
     )
 
@@ -381,10 +398,23 @@ def bind_token_ids(
     held = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
     sampling = replace(
         req.sampling,
+        prompt_logprobs=_num_prompt_logprobs(req.sampling.prompt_logprobs, vocab_size),
         bad_words_ids=bad_words_token_ids(req.bad_words, tokenizer),
         min_tokens_stop_ids=tuple(sorted(held)) if req.sampling.min_tokens else (),
     )
     return replace(req, sampling=sampling)
+
+
+def _num_prompt_logprobs(n: int | None, vocab_size: int) -> int | None:
+    """prompt_logprobs with -1 read as the whole vocabulary, which counts against the same
+    limit (vLLM's default max_logprobs; vllm/v1/engine/processor.py, _validate_logprobs, at
+    vLLM commit 3eb3ac3e)."""
+    if n == -1 and vocab_size > MAX_LOGPROBS:
+        raise RequestError(
+            f"prompt_logprobs must be at most {MAX_LOGPROBS} (max allowed), got -1: the whole "
+            f"vocabulary of {vocab_size} tokens"
+        )
+    return vocab_size if n == -1 else n
 
 
 def bad_words_token_ids(words: list[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:

@@ -132,6 +132,17 @@ def to_logprobs(name: str, v: Any) -> int | None:
     return n
 
 
+def to_prompt_logprobs(name: str, v: Any) -> int:
+    """vLLM's prompt_logprobs: alternatives per prompt token, -1 for the whole vocabulary
+    (which counts against MAX_LOGPROBS once the vocabulary is known: bind_token_ids)."""
+    n = to_int(name, v)
+    if n != -1 and not 0 <= n <= MAX_LOGPROBS:
+        raise RequestError(
+            f"{name} must be -1 (the whole vocabulary) or in [0, {MAX_LOGPROBS}] (alternatives per prompt token), got {n}"
+        )
+    return n
+
+
 def to_salt(name: str, v: Any) -> str:
     if not isinstance(v, str) or not v:  # vLLM's rule
         raise RequestError(f"{name} must be a non-empty string, got {_shown(v)}")
@@ -190,9 +201,8 @@ VLLM_NEUTRAL_KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "use_beam_search": ("", only(to_bool, False, "beam search is not served; decode greedily (temperature 0)")),
     "length_penalty": ("", only(to_float, 1.0, "it weighs beam search, which is not served")),
     "early_stopping": ("", only(to_bool, False, "it stops beam search, which is not served")),
-    "prompt_logprobs": ("", refused("logprobs of the prompt are not returned; ask `logprobs` for the output")),
-    "prompt_logprob_token_ids": ("", refused("logprobs of the prompt are not returned")),
-    "prompt_logprob_start": ("", refused("logprobs of the prompt are not returned")),
+    "prompt_logprob_token_ids": ("", refused("ask `prompt_logprobs: N` for the N most likely tokens")),
+    "prompt_logprob_start": ("", refused("prompt logprobs start at the prompt's second token")),
     "logprob_token_ids": ("", refused("ask `logprobs: N` for the N most likely tokens")),
     "flat_logprobs": ("", only(to_bool, False, "logprobs come in the vLLM backend's shape")),
     "truncate_prompt_tokens": ("", refused("shorten the prompt before sending it")),

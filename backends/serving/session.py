@@ -126,10 +126,12 @@ class Session:
         if self.req.stream and interval > 1:
             steps = coalesce(steps, interval)
         logprobs: list[TokenLogprob] = []
+        prompt = PromptLogprobs(self.req, self.served.decode_token)
         hidden: list[torch.Tensor] = []
         for step in steps:
             self.output_ids += step.token_ids
             logprobs += step.logprobs or []
+            prompt.scored += step.prompt_logprobs or []
             if step.hidden_states is not None:
                 hidden.append(step.hidden_states)
             if step.finish_reason == "cancelled":
@@ -138,10 +140,12 @@ class Session:
             extra = self._hidden_outputs(hidden) if step.finish_reason is not None else {}
             if self.req.stream and (step.text or step.token_ids or step.finish_reason):
                 extra.update(self.vllm.outputs(step.finish_reason, len(self.prompt_ids), step.token_ids, step.logprobs))
+                extra.update(prompt.outputs())
                 yield Reply(step, self._outputs(step, step.token_ids, step.text, extra))
             elif not self.req.stream and step.finish_reason is not None:
                 body = self.text.text if self.req.exclude_input_in_output else self.req.prompt + self.text.text
                 extra.update(self.vllm.outputs(step.finish_reason, len(self.prompt_ids), self.output_ids, logprobs))
+                extra.update(prompt.outputs())
                 yield Reply(step, self._outputs(step, list(self.output_ids), body, extra))
             else:
                 yield Reply(step)
@@ -191,12 +195,14 @@ def coalesce(steps: Iterable[StepOutput], interval: int) -> Iterator[StepOutput]
 def _merge(steps: list[StepOutput]) -> StepOutput:
     hidden = [s.hidden_states for s in steps if s.hidden_states is not None]
     with_logprobs = any(s.logprobs is not None for s in steps)
+    with_prompt = any(s.prompt_logprobs is not None for s in steps)
     return StepOutput(
         [token for s in steps for token in s.token_ids],
         "".join(s.text for s in steps),
         steps[-1].finish_reason,
         torch.cat(hidden) if hidden else None,
         [entry for s in steps for entry in s.logprobs or []] if with_logprobs else None,
+        [entry for s in steps for entry in s.prompt_logprobs or []] if with_prompt else None,
     )
 
 
@@ -260,3 +266,22 @@ class VllmOutputs:
             ),
         }
         return {name: values[name]() for name in self.returns}
+
+
+class PromptLogprobs:
+    """The `prompt_logprobs` output of a request that asked for them (vLLM's): null for the
+    first prompt token, then per token {token id: {"logprob", "rank", "decoded_token"}} as
+    in the `logprobs` output, all on the first response (vLLM returns them at once when the
+    prefill ends; vllm/v1/engine/logprobs.py, pop_prompt_logprobs, at vLLM commit dfafe710)."""
+
+    def __init__(self, req: GenerationRequest, decode: Callable[[int], str]) -> None:
+        self.due = req.sampling.prompt_logprobs is not None
+        self.decode = decode
+        self.scored: list[TokenLogprob] = []
+
+    def outputs(self) -> Outputs:
+        if not self.due:
+            return {}
+        self.due = False
+        entries = [None, *vllm_logprobs(self.scored, self.decode)]
+        return {"prompt_logprobs": np.array([json.dumps(entries).encode()], dtype=np.object_)}

@@ -78,6 +78,8 @@ class VerifyResult:
     forward_s: float  # this sequence's share of the forward's time (step_shares)
     hidden_states: torch.Tensor | None = None  # [kept positions, layers, hidden]
     logprobs: list[TokenLogprob] | None = None  # per emitted token, when the sequence asked for them
+    # prompt_logprobs: one per prompt token this step scored (a prompt step's; None on others)
+    prompt_logprobs: list[TokenLogprob] | None = None
     waiting: bool = False  # no room in the KV pool now: the step did not run; send it again
 
 
@@ -92,6 +94,10 @@ class _Sequence:
     # Tokens cached before its latest preemption: recomputed for the cache alone (their hidden
     # states went out already).
     resume_at: int = 0
+    # prompt_logprobs: prompt tokens scored so far (the first has no logprob), and the raw logits
+    # of a prefill chunk's last position, whose token comes with the next chunk.
+    prompt_scored: int = 1
+    held_row: torch.Tensor | None = None  # [V]
 
 
 @dataclass
@@ -128,6 +134,24 @@ class _Step:
         """Logit rows that matter: one per draft plus the bonus row (none for a prefill chunk)."""
         return 0 if self.req.prefill_only else len(self.req.draft_token_ids) + 1
 
+    @property
+    def prompt_span(self) -> tuple[int, int] | None:
+        """prompt_logprobs: the prompt positions [first, end) whose logit rows this step scores
+        with (row t - 1 scores token t: from the first token not yet scored on); None when it
+        reaches no prompt token."""
+        seq = self.seq
+        end = min(seq.num_cached + len(self.pending), seq.num_prompt_tokens)
+        if seq.sampling.prompt_logprobs is None or seq.num_cached >= end:
+            return None
+        return max(seq.num_cached, seq.prompt_scored - 1), end
+
+    @property
+    def num_prompt_rows(self) -> int:
+        """Logit rows of prompt positions ahead of num_rows (on the prompt's last step its last
+        position is num_rows' first; a prefill chunk's last row is kept for the next chunk)."""
+        span = self.prompt_span
+        return 0 if span is None else max(0, span[1] - span[0] - (0 if self.req.prefill_only else 1))
+
     def num_kept(self, result: VerifyResult) -> int:
         """Input positions whose KV stays: the pending tokens and the accepted drafts."""
         return len(self.pending) + result.num_accepted
@@ -146,8 +170,9 @@ def _check_token_controls(sampling: SamplingParams, vocab_size: int) -> None:
         raise SequenceError(
             f"token id {outside[0]} in the sampling parameters is outside the vocabulary [0, {vocab_size})"
         )
-    if sampling.logprobs is not None and sampling.logprobs > vocab_size:
-        raise SequenceError(f"logprobs={sampling.logprobs} is above the vocabulary size {vocab_size}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (value := getattr(sampling, name)) is not None and value > vocab_size:
+            raise SequenceError(f"{name}={value} is above the vocabulary size {vocab_size}")
 
 
 class TargetRunner:
@@ -325,6 +350,8 @@ class TargetRunner:
         """The sequence's tokens whose K/V may come from the prefix cache (blocks an earlier
         sequence with the same prefix computed): a step that emits a token still computes its
         last one, and one that asks for hidden states computes those the drafter has not had."""
+        if seq.sampling.prompt_logprobs is not None:  # every prompt row is computed (vLLM's rule too)
+            return []
         known = len(seq.token_ids) - (0 if req.prefill_only else 1)
         return seq.token_ids[: min(known, seq.resume_at) if req.hidden_layer_ids else known]
 
@@ -464,12 +491,15 @@ class TargetRunner:
         for step in steps:  # a retried step starts from what the sequence keeps
             self.engine.truncate(step.req.seq_id, step.seq.num_cached)
         start = time.perf_counter()
-        out = self.engine.forward(rows, [step.num_rows for step in steps], layers)
+        out = self.engine.forward(rows, [step.num_prompt_rows + step.num_rows for step in steps], layers)
         shares = self._shares(time.perf_counter() - start, [len(r.token_ids) for r in rows])
         results: list[VerifyResult | Exception] = []
         for row, (step, forward_s) in enumerate(zip(steps, shares)):
             try:  # from here on each row is its own sequence's business
-                result = self._accept(step, out.logits[row], forward_s)
+                prompt_rows, logits = out.logits[row].split([step.num_prompt_rows, step.num_rows])
+                scored = self._score_prompt(step, prompt_rows)
+                result = self._accept(step, logits, forward_s)
+                result.prompt_logprobs = scored
                 if step.accepted:  # move the accepted path's KV into place behind the pending tokens
                     base = step.seq.num_cached - len(step.accepted)
                     self.engine.compact(step.req.seq_id, [base + node for node in step.accepted], base)
@@ -483,6 +513,22 @@ class TargetRunner:
                 result = e
             results.append(result)
         return results
+
+    def _score_prompt(self, step: _Step, rows: torch.Tensor) -> list[TokenLogprob] | None:
+        """prompt_logprobs of the prompt tokens this step reached (`rows`: the raw logits of
+        positions prompt_span[0] on; each token's from the position before it, which for the
+        step's first token may be the previous chunk's last). None: not a prompt step."""
+        span, seq = step.prompt_span, step.seq
+        if span is None:
+            return None
+        first, end = span
+        if seq.prompt_scored == seq.num_cached > 0:  # this step goes on right after a chunk
+            rows, first = torch.cat([seq.held_row[None], rows]), first - 1
+        targets = seq.token_ids[seq.prompt_scored : end]  # token t from row t - 1 - first (0 on)
+        scored = token_logprobs(rows, targets, seq.sampling.prompt_logprobs) if targets else []
+        seq.held_row = rows[end - 1 - first].clone() if step.req.prefill_only else None
+        seq.prompt_scored = max(seq.prompt_scored, end)
+        return scored
 
     def _shares(self, step_s: float, tokens: list[int]) -> list[float]:
         """Each row's share of the step (step_shares), a token priced at this step's size."""

@@ -289,7 +289,9 @@ class RequestClock:
             put("vllm:time_per_output_token_seconds", "observe", per_token)
         self.last_at, self.num_tokens = now, self.num_tokens + count
 
-    def finished(self, num_prompt_tokens: int) -> None:
+    def finished(self, num_prompt_tokens: int, params_n: int = 1) -> None:
+        """`params_n`: the client request's n (the OpenAI front end's choices per prompt), 0 for
+        a choice counted with its prompt's first."""
         put = self.metrics.put
         put("vllm:num_requests_running", "increment", -1)
         if num_prompt_tokens:
@@ -299,6 +301,8 @@ class RequestClock:
             self.metrics.writer.put(self.metrics.success[reason], "increment", 1)
         if self.first_at is None or self.last_at is None:
             return
+        if params_n:
+            put("vllm:request_params_n", "observe", params_n)
         for name, value in (
             ("vllm:e2e_request_latency_seconds", self.last_at - self.arrived),
             ("vllm:request_inference_time_seconds", self.last_at - self.started),
@@ -306,7 +310,6 @@ class RequestClock:
             ("vllm:request_decode_time_seconds", self.last_at - self.first_at),
             ("vllm:request_prompt_tokens", num_prompt_tokens),
             ("vllm:request_generation_tokens", self.num_tokens),
-            ("vllm:request_params_n", 1),  # one sequence per request (the OpenAI front end's n: n requests)
         ):
             put(name, "observe", value)
 

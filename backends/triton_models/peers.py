@@ -23,7 +23,7 @@ from backends.runtime.device import resolve_device
 from backends.runtime.threads import forward_thread
 from backends.serving.drafting import DraftCall, DraftService
 from backends.serving.local import LocalDrafter
-from backends.serving.logits import LOGPROB_OUTPUTS, logprobs_from_arrays
+from backends.serving.logits import LOGPROB_OUTPUTS, PROMPT, PROMPT_LOGPROB_OUTPUTS, logprobs_from_arrays
 from backends.serving.orchestrator import Drafter
 from backends.serving.proposer import Draft, DrafterInfo, build_proposer, check_layers
 from backends.serving.target import VerifyRequest, VerifyResult
@@ -146,7 +146,8 @@ class BlsDrafter(SequencePeer):
 class BlsVerifier(SequencePeer):
     """The verifier model over BLS, one request a step, or `batcher` (step_batch.py): its steps
     with other sequences', to the verifier model or to the target in this process. A sequence
-    that asks for logprobs makes one request a step, unless the batcher carries them."""
+    that asks for logprobs (of its output or its prompt) makes one request a step, unless the
+    batcher carries them."""
 
     def __init__(
         self,
@@ -162,10 +163,12 @@ class BlsVerifier(SequencePeer):
         self.batcher = batcher
         self.batched: bool | None = None  # this sequence's steps go through the batcher (set by its first)
         self.logprobs = False  # the sequence asked for logprobs (its first step's sampling parameters)
+        self.prompt_logprobs = False  # ... and for prompt logprobs
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         if self.batched is None:
-            logprobs = req.sampling is not None and req.sampling.logprobs is not None
+            sampling = req.sampling
+            logprobs = sampling is not None and (sampling.logprobs is not None or sampling.prompt_logprobs is not None)
             self.batched = self.batcher is not None and (self.batcher.carries_logprobs or not logprobs)
         if self.batched:
             return self.batcher.verify(req)
@@ -176,6 +179,7 @@ class BlsVerifier(SequencePeer):
             params["prefill_only"] = True
         if sampling:
             self.logprobs = sampling.logprobs is not None
+            self.prompt_logprobs = sampling.prompt_logprobs is not None
         inputs = self._inputs(req.new_token_ids, req.draft_token_ids)
         if req.draft_probs is not None:
             inputs["draft_probs"] = req.draft_probs.numpy()[None]
@@ -187,6 +191,8 @@ class BlsVerifier(SequencePeer):
             outputs.append("hidden_states")
         if self.logprobs:
             outputs += LOGPROB_OUTPUTS
+        if self.prompt_logprobs:
+            outputs += PROMPT_LOGPROB_OUTPUTS
         try:
             out = self.call(inputs, outputs + ["waiting"], params or None)
         except PeerTimeoutError as e:
@@ -196,12 +202,14 @@ class BlsVerifier(SequencePeer):
             return VerifyResult([], 0, 0.0, waiting=True)
         hidden = out.get("hidden_states")
         token_ids = out["output_ids"].reshape(-1).tolist()
+        scored = out.get("prompt_token_ids")  # only from a prompt step that scored tokens
         return VerifyResult(
             token_ids,
             max(len(token_ids) - 1, 0),  # a prefill chunk emits nothing
             float(out["forward_ms"].item()) / 1e3,
             None if hidden is None else torch.from_numpy(hidden.reshape(hidden.shape[-3:])),
             logprobs_from_arrays(token_ids, out) if self.logprobs else None,
+            None if scored is None else logprobs_from_arrays(scored.reshape(-1).tolist(), out, PROMPT),
         )
 
     @staticmethod

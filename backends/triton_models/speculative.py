@@ -224,7 +224,7 @@ class TritonPythonModel:
             self._post(sender, functools.partial(error_response, f"generation failed: {e}"), final=True)
         finally:
             self.admission.finished()
-            clock.finished(len(session.prompt_ids) if session else 0)
+            clock.finished(len(session.prompt_ids) if session else 0, session.req.params_n if session else 1)
             with self.lock:
                 self.active_requests -= 1
             if not counted and session is not None:

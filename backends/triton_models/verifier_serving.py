@@ -13,7 +13,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from backends.runtime.threads import own_cores
-from backends.serving.logits import logprobs_to_arrays
+from backends.serving.logits import PROMPT, logprobs_to_arrays
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 from backends.triton_models.common import input_array, input_ids, instance_device, parse_flag
@@ -94,12 +94,13 @@ class VerifierModel(SequenceBatchedModel):
             outputs.append(pb_utils.Tensor("hidden_states", hidden.numpy()[None]))
         if result is not None and result.waiting:  # no KV room now: the step did not run
             outputs.append(pb_utils.Tensor("waiting", np.array([[True]])))
-        if result is not None and result.logprobs is not None:  # top arrays only with alternatives
-            outputs += [
-                pb_utils.Tensor(name, array[None])
-                for name, array in logprobs_to_arrays(result.logprobs).items()
-                if array.size
-            ]
+        for logprobs, prefix in ((result and result.logprobs, ""), (result and result.prompt_logprobs, PROMPT)):
+            if logprobs is not None:  # top arrays only with alternatives
+                outputs += [
+                    pb_utils.Tensor(name, array[None])
+                    for name, array in logprobs_to_arrays(logprobs, prefix).items()
+                    if array.size
+                ]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     @property

@@ -119,6 +119,7 @@ _SERVER_PARAMS = {
     "logit_bias": "logit_bias",
     "allowed_token_ids": "allowed_token_ids",
     "num_draft_tokens": "num_draft_tokens",
+    "prompt_logprobs": "prompt_logprobs",
 }
 
 
@@ -201,7 +202,10 @@ class _Choice:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {**choice, "logprobs": self.logprobs(result.logprobs), "finish_reason": result.finish_reason or None}
+        choice.update(logprobs=self.logprobs(result.logprobs), finish_reason=result.finish_reason or None)
+        if self.kind == "completion" and result.prompt_logprobs is not None:  # chat: on the response (vLLM's)
+            choice["prompt_logprobs"] = result.prompt_logprobs
+        return choice
 
     def delta(
         self, text: str | None, finish_reason: str | None, first: bool = False, entries: list[dict] | None = None
@@ -306,6 +310,17 @@ def _render_chat(body: dict, backend: Backend, count_room: bool) -> tuple[str, i
     return prompt, max(1, backend.context_window - len(backend.tokenizer(prompt)["input_ids"]))
 
 
+def _choice_inputs(inputs: dict, j: int, n: int) -> dict:
+    """The model's inputs for a prompt's j-th of n choices: seed + j when seeded, and with n > 1
+    the request's n on its first choice (params_n: vllm:request_params_n observes each prompt
+    once, as vLLM observes a parent request) and 0 on the others."""
+    if "random_seed" in inputs:
+        inputs = {**inputs, "random_seed": inputs["random_seed"] + j}
+    if n > 1:
+        inputs = {**inputs, "sampling_parameters": {**inputs.get("sampling_parameters", {}), "params_n": 0 if j else n}}
+    return inputs
+
+
 async def plan_request(backend: Backend, kind: str, body: dict, offload: Offload) -> _Plan:
     model = body.get("model")
     if model is not None and model != backend.served_model_name:
@@ -327,10 +342,7 @@ async def plan_request(backend: Backend, kind: str, body: dict, offload: Offload
     n = choices_per_prompt(body, len(prompts))
     echo = kind == "completion" and bool(check_type(body, "echo", (bool,), "a boolean"))
     prompts = [p for p in prompts for _ in range(n)]  # choice i*n + j: prompt i's j-th sample
-    seeded = "random_seed" in inputs
-    per_choice = [
-        {**inputs, "random_seed": inputs["random_seed"] + i % n} if seeded else inputs for i in range(len(prompts))
-    ]
+    per_choice = [_choice_inputs(inputs, i % n, n) for i in range(len(prompts))]
     num_logprobs = requested_logprobs(body, kind)
     choices = [_Choice(kind, i, num_logprobs, len(p) if echo else 0) for i, p in enumerate(prompts)]
     response = _Response(kind, backend.served_model_name)
@@ -371,7 +383,10 @@ async def _whole(plan: _Plan, runs: GenerationRuns) -> dict:
         results[index] = value
     echoed = [p if plan.echo else "" for p in plan.prompts]
     bodies = [c.whole(e + r.text, r) for c, e, r in zip(plan.choices, echoed, results)]
-    return plan.response.envelope(bodies, _usage(results, plan.n))
+    response = plan.response.envelope(bodies, _usage(results, plan.n))
+    if plan.kind == "chat" and results[0].prompt_logprobs is not None:
+        response["prompt_logprobs"] = results[0].prompt_logprobs
+    return response
 
 
 async def first_events(plan: _Plan, runs: GenerationRuns) -> list[tuple]:

@@ -36,6 +36,7 @@ _READ = {
     "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     "logit_bias", "allowed_token_ids", "stop_token_ids", "bad_words", "logprobs", "top_logprobs",
+    "prompt_logprobs",
     "tools", "functions", "response_format", *STRUCTURED_EXTRAS,
     "cache_salt",  # read by the admission change (prefix-cache isolation, issue 57)
 }  # fmt: skip
@@ -47,7 +48,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not served; decode greedily (temperature 0)"),
     "length_penalty": ((1, 1.0), "it weighs beam search, which is not served"),
     "early_stopping": ((False,), "it stops beam search, which is not served"),
-    "prompt_logprobs": ((), "logprobs of the prompt are not returned; ask 'logprobs' for the output"),
     "truncate_prompt_tokens": ((), "shorten the prompt before sending it"),
     "include_stop_str_in_output": ((False,), "the text ends before the stop string"),
     "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
@@ -183,6 +183,16 @@ def requested_logprobs(body: dict, kind: str) -> int | None:
     return None if value is None else int(value)
 
 
+def requested_prompt_logprobs(body: dict) -> int | None:
+    """vLLM's prompt_logprobs: alternatives per prompt token (-1: the whole vocabulary; the
+    model refuses more than its limit, 20), not with a stream, as vLLM's OpenAI server checks
+    it (vllm/entrypoints/openai/protocol.py, check_logprobs, at vLLM commit ec3b890c)."""
+    value = _integer(body, "prompt_logprobs", -1, MAX_INT32)
+    if value is not None and (value > 0 or value == -1) and body.get("stream"):
+        raise OpenAIError(400, "'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+    return value
+
+
 def _token_controls(body: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """Penalties and token controls: (input tensors, sampling_parameters entries). OpenAI's
     presence / frequency penalties and logit_bias, and vLLM's extensions repetition_penalty,
@@ -269,6 +279,9 @@ def sampling_inputs(body: dict, default_max_tokens: int, kind: str) -> dict[str,
     if logprobs is not None:
         sampling["logprobs"] = logprobs
         inputs["return_logprobs"] = True
+    prompt_logprobs = requested_prompt_logprobs(body)
+    if prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = prompt_logprobs
     salt = check_type(body, "cache_salt", (str,), "a non-empty string")  # vLLM's extension
     if salt is not None:
         if not salt:

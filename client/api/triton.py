@@ -81,6 +81,8 @@ class Generation:
     # {token id (str): {"logprob", "rank", "decoded_token"}}, and their sum.
     logprobs: list[dict] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # With prompt_logprobs: null for the first prompt token, then entries as in `logprobs`.
+    prompt_logprobs: list[dict | None] | None = None
 
     def add(self, out: dict[str, Any]) -> None:
         """Fold one response (streamed delta or whole) into the result."""
@@ -94,6 +96,8 @@ class Generation:
             self.perf_metrics = json.loads(out["perf_metrics"])
         if out.get("logprobs"):
             self.logprobs += json.loads(out["logprobs"]) or []
+        if out.get("prompt_logprobs"):
+            self.prompt_logprobs = json.loads(out["prompt_logprobs"])
         if "cumulative_logprob" in out:
             self.cumulative_logprob = float(out["cumulative_logprob"])
         for key in HIDDEN_OUTPUTS:
@@ -127,7 +131,15 @@ def _decode_outputs(result: Any, names: list[str]) -> dict[str, Any]:
     return out
 
 
-OUTPUTS = ["text_output", "output_ids", *SCALAR_OUTPUTS, "perf_metrics", "cumulative_logprob", "logprobs"]
+OUTPUTS = [
+    "text_output",
+    "output_ids",
+    *SCALAR_OUTPUTS,
+    "perf_metrics",
+    "cumulative_logprob",
+    "logprobs",
+    "prompt_logprobs",
+]
 HIDDEN_OUTPUTS = ["hidden_states", "hidden_layer_ids", "hidden_states_file"]  # gRPC only
 
 
