@@ -235,10 +235,10 @@ class GenerationRuns:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
-        for index, (prompt, choice_inputs) in enumerate(zip(prompts, inputs)):
+        for index, (prompt, request_inputs) in enumerate(zip(prompts, inputs)):
             threading.Thread(
                 target=self._work,
-                args=(backend, index, prompt, choice_inputs, stream),
+                args=(backend, index, prompt, request_inputs, stream),
                 name="openai-request",
                 daemon=True,
             ).start()
@@ -310,7 +310,7 @@ def _render_chat(body: dict, backend: Backend, count_room: bool) -> tuple[str, i
     return prompt, max(1, backend.context_window - len(backend.tokenizer(prompt)["input_ids"]))
 
 
-def _choice_inputs(inputs: dict, j: int, n: int) -> dict:
+def choice_inputs(inputs: dict, j: int, n: int) -> dict:
     """The model's inputs for a prompt's j-th of n choices: seed + j when seeded, and with n > 1
     the request's n on its first choice (params_n: vllm:request_params_n observes each prompt
     once, as vLLM observes a parent request) and 0 on the others."""
@@ -342,7 +342,7 @@ async def plan_request(backend: Backend, kind: str, body: dict, offload: Offload
     n = choices_per_prompt(body, len(prompts))
     echo = kind == "completion" and bool(check_type(body, "echo", (bool,), "a boolean"))
     prompts = [p for p in prompts for _ in range(n)]  # choice i*n + j: prompt i's j-th sample
-    per_choice = [_choice_inputs(inputs, i % n, n) for i in range(len(prompts))]
+    per_choice = [choice_inputs(inputs, i % n, n) for i in range(len(prompts))]
     num_logprobs = requested_logprobs(body, kind)
     choices = [_Choice(kind, i, num_logprobs, len(p) if echo else 0) for i, p in enumerate(prompts)]
     response = _Response(kind, backend.served_model_name)

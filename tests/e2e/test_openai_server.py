@@ -139,6 +139,22 @@ def test_completions_equal_the_speculative_model(client, tiny_server):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_chat_prompt_logprobs_are_on_the_response_as_vllm_puts_them(client, tiny_server, tiny_model_dir):
+    """vLLM's ChatCompletionResponse carries prompt_logprobs beside the choices: those of the
+    rendered prompt, as the `speculative` model returns them."""
+    ref = reference(tiny_server, chat_text(tiny_model_dir), max_tokens=4, sampling_parameters={"prompt_logprobs": 2})
+    out = client.chat.completions.create(
+        model="speculative",
+        messages=MESSAGES,
+        max_completion_tokens=4,
+        temperature=0,
+        extra_body={"prompt_logprobs": 2},
+    )
+    assert out.model_extra["prompt_logprobs"] == ref.prompt_logprobs
+    assert ref.prompt_logprobs[0] is None and len(ref.prompt_logprobs) == ref.num_input_tokens
+    assert "prompt_logprobs" not in out.choices[0].model_extra
+
+
 def test_chat_equals_the_speculative_model_on_the_rendered_template(client, tiny_server, tiny_model_dir):
     ref = reference(tiny_server, chat_text(tiny_model_dir), max_tokens=10, temperature=0.0)
     assert ref.output_ids

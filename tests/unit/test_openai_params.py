@@ -11,6 +11,7 @@ import pytest
 
 from backends.serving.request import parse_request
 from backends.structured.spec import StructuredOutputs
+from client.api.openai_frontend import choice_inputs
 from client.api.openai_http import OpenAIError
 from client.api.openai_params import sampling_inputs
 
@@ -79,7 +80,9 @@ def test_a_structural_tag_response_format_is_passed_on_whole():
             "send response_format or structured_outputs, not both",
         ),
         ({"use_beam_search": True}, "use_beam_search", "beam search is not served"),
-        ({"prompt_logprobs": 0}, "prompt_logprobs", "logprobs of the prompt are not returned"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs", "'prompt_logprobs' must be an integer in [-1, "),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available when 'stream' is true"),
+        ({"prompt_logprobs": -1, "stream": True}, "prompt_logprobs", "not available when 'stream' is true"),
         ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens", "shorten the prompt"),
         ({"length_penalty": 2.0}, "length_penalty", "beam search"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "ends before the stop string"),
@@ -122,3 +125,21 @@ def test_neutral_values_and_bookkeeping_change_nothing():
 def test_min_p_and_allowed_token_ids_reach_the_model():
     req = model_request({"min_p": 0.2, "temperature": 0.9, "allowed_token_ids": [4, 2]})
     assert req.sampling.min_p == pytest.approx(0.2) and req.sampling.allowed_token_ids == (2, 4)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_prompt_logprobs_reach_the_model(kind):
+    assert model_request({"prompt_logprobs": 3}, kind).sampling.prompt_logprobs == 3
+    assert model_request({"prompt_logprobs": 0, "stream": True}, kind).sampling.prompt_logprobs == 0  # as vLLM
+    assert model_request({}, kind).sampling.prompt_logprobs is None
+
+
+def test_n_choices_carry_the_requests_n_once_per_prompt():
+    """vllm:request_params_n observes n once per prompt: its first choice says n, the others 0."""
+    inputs = {"max_tokens": 4, "random_seed": 7, "sampling_parameters": {"min_p": 0.1}}
+    choices = [choice_inputs(inputs, j, 3) for j in range(3)]
+    assert [c["sampling_parameters"]["params_n"] for c in choices] == [3, 0, 0]
+    assert [c["random_seed"] for c in choices] == [7, 8, 9] and all(c["sampling_parameters"]["min_p"] for c in choices)
+    assert choice_inputs(inputs, 0, 1) == inputs  # n = 1: the inputs as they are (the model's default is 1)
+    requests = [parse_request({"text_input": "hi"}, "", json.dumps(c["sampling_parameters"])) for c in choices]
+    assert [r.params_n for r in requests] == [3, 0, 0] and parse_request({"text_input": "hi"}).params_n == 1

@@ -54,8 +54,8 @@ def test_http_generate_echoes_input_names_as_parameters():
         (
             {"text_input": "x"},
             "",
-            '{"prompt_logprobs": 2}',
-            "prompt_logprobs is not supported, got 2: logprobs of the prompt",
+            '{"prompt_logprobs": 25}',
+            "prompt_logprobs must be -1 (the whole vocabulary) or in [0, 20] (alternatives per prompt token), got 25",
         ),
         ({"text_input": "x", "temperature": -1.0}, "", "", "temperature must be >= 0"),
         ({"text_input": "x"}, "", '{"temperature": NaN}', "temperature must be a finite number, got nan"),
