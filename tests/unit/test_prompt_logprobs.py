@@ -36,7 +36,15 @@ def reference(target_dir, prompt) -> torch.Tensor:
         return torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
 
 
-def scored(runner: TargetRunner, seq_id: int, prompt: list[int], sampling: SamplingParams, chunk: int = 0, drafts=()):
+def scored(
+    runner: TargetRunner,
+    seq_id: int,
+    prompt: list[int],
+    sampling: SamplingParams,
+    chunk: int = 0,
+    drafts=(),
+    parents: list[int] | None = None,
+):
     """The prompt logprobs of a sequence prefilled whole (chunk 0) or in chunks, and its first tokens."""
     chunk = chunk or len(prompt)
     out, emitted = [], []
@@ -50,6 +58,7 @@ def scored(runner: TargetRunner, seq_id: int, prompt: list[int], sampling: Sampl
                 sampling if start == 0 else None,
                 max_new_tokens=8,
                 prefill_only=not last,
+                draft_parents=parents if last else None,
             )
         )
         out += result.prompt_logprobs or []
@@ -83,17 +92,19 @@ def test_chunked_prefill_gives_the_same_numbers(engine_runner, prompt, chunk):
     assert first_chunked == first
 
 
+@pytest.mark.parametrize("parents", [None, [-1, -1, 0]], ids=["chain", "tree"])
 def test_the_output_and_drafts_are_unchanged_and_the_whole_vocabulary_can_be_asked(
-    engine_runner, prompt, reference, tokenizer
+    engine_runner, prompt, reference, parents
 ):
-    """Prompt logprobs come from rows ahead of the verified ones: the tokens emitted (drafts
-    accepted or not) are those of a request without them. N = the vocabulary (what -1 asks
-    for) ranks every token."""
-    drafts = [prompt[1], prompt[2]]
-    plain, tokens = scored(engine_runner, 4, prompt, SamplingParams(), drafts=drafts)
+    """Prompt logprobs come from rows ahead of the verified ones: the tokens emitted (drafts,
+    a chain or a tree, accepted or not) are those of a request without them. N = the
+    vocabulary (what -1 asks for) ranks every token."""
+    drafts = [prompt[1], prompt[2], prompt[3]]
+    plain, tokens = scored(engine_runner, 4, prompt, SamplingParams(), drafts=drafts, parents=parents)
     assert plain == []
     vocab = engine_runner.vocab_size
-    entries, with_logprobs = scored(engine_runner, 5, prompt, SamplingParams(prompt_logprobs=vocab), drafts=drafts)
+    sampling = SamplingParams(prompt_logprobs=vocab)
+    entries, with_logprobs = scored(engine_runner, 5, prompt, sampling, drafts=drafts, parents=parents)
     assert with_logprobs == tokens
     assert len(entries) == len(prompt) - 1 and all(len(p.top) == vocab for p in entries)
     full = torch.tensor([v for _, v in entries[0].top])
