@@ -12,6 +12,7 @@ import copy
 import re
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -37,6 +38,66 @@ OTHER_VALUES = {
     "autoscaling": {"enabled": False, "minReplicas": 2},
     "networkPolicy": {"enabled": False},
     "prometheusScrape": False,
+    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+}
+# kubernetes-validate ships the Kubernetes API's schemas, no CRD's: the ServiceMonitor is checked
+# against the fields of monitoring.coreos.com/v1 it uses, as the Prometheus Operator's CRD
+# declares them (example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml at
+# prometheus-operator commit 01b1a0ea, v0.84.1): spec requires selector and endpoints; their
+# types, the duration pattern and the scheme enum are the CRD's. Stricter than the CRD in one
+# way: a field outside this subset is an error (as kubernetes-validate's strict mode).
+DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "required": ["endpoints", "selector"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "endpoints": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+                            "interval": {"type": "string", "pattern": DURATION},
+                            "scrapeTimeout": {"type": "string", "pattern": DURATION},
+                        },
+                    },
+                },
+            },
+        },
+    },
 }
 
 
@@ -82,6 +143,12 @@ def adapter_rule() -> dict:
 def schema_errors(docs: list[dict], version: str) -> list[str]:
     errors = []
     for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            errors += [
+                f"ServiceMonitor: {e.message}"
+                for e in jsonschema.Draft7Validator(SERVICE_MONITOR_SCHEMA).iter_errors(doc)
+            ]
+            continue
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except (kubernetes_validate.ValidationError, kubernetes_validate.SchemaNotFoundError) as e:
@@ -109,6 +176,13 @@ def test_the_validator_refuses_a_misspelt_field_and_a_wrong_type(docs):
     wrong_type = copy.deepcopy(triton)
     wrong_type["spec"]["replicas"] = "two"
     for broken in (misspelt, wrong_type):
+        assert len(schema_errors([broken], K8S_VERSIONS[0])) == 1
+    (monitor,) = objects(render(OTHER_VALUES), "ServiceMonitor").values()
+    misspelt, wrong_type, missing = (copy.deepcopy(monitor) for _ in range(3))
+    misspelt["spec"]["endpoints"][0]["intervall"] = "15s"
+    wrong_type["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    del missing["spec"]["selector"]
+    for broken in (misspelt, wrong_type, missing):
         assert len(schema_errors([broken], K8S_VERSIONS[0])) == 1
 
 
@@ -189,6 +263,33 @@ def test_prometheus_scrapes_each_triton_pod_on_its_metrics_port(docs):
     }
 
 
+def test_the_service_monitor_scrapes_each_triton_pods_metrics_port(docs):
+    """Off by default; on, the ServiceMonitor selects the headless metrics Service (by its
+    labels, in the release's namespace), whose port of the endpoint's name reaches the Triton
+    container's metrics port, on the path Prometheus scrapes in compose."""
+    assert not objects(docs, "ServiceMonitor") and f"{RELEASE}-tritonspec-triton-metrics" not in objects(
+        docs, "Service"
+    )
+    docs = render(OTHER_VALUES)
+    (monitor,) = objects(docs, "ServiceMonitor").values()
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}
+    matching = [
+        s
+        for s in objects(docs, "Service").values()
+        if all(s["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+    ]
+    (service,) = matching
+    triton = deployment(docs, "triton")
+    assert selects(service["spec"]["selector"], triton)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    (container,) = pod(triton)["containers"]
+    assert port["targetPort"] in {p["name"] for p in container["ports"] if p["containerPort"] == 8002}
+    scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"][0]
+    assert endpoint["path"] == scrape["metrics_path"]
+
+
 # ---------------------------------------------------------------------------- scaling
 
 
@@ -239,6 +340,12 @@ def test_triton_is_reached_only_through_the_gateway():
         services = objects(docs, "Service").values()
         public_ports = set()
         for service in services:
+            if service["metadata"]["name"].endswith("-triton-metrics"):  # the ServiceMonitor's: headless, in-cluster
+                assert (
+                    service["spec"]["clusterIP"] == "None" and service["spec"].get("type", "ClusterIP") == "ClusterIP"
+                )
+                assert [p["targetPort"] for p in service["spec"]["ports"]] == ["metrics"]
+                continue
             assert all(p["targetPort"] != "metrics" and p["port"] != 8002 for p in service["spec"]["ports"])
             if selects(service["spec"]["selector"], triton):
                 assert service["spec"]["type"] == "ClusterIP"
