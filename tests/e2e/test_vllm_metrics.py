@@ -1,27 +1,30 @@
 """vLLM's metric set on a real tritonserver's /metrics: a fresh server exports every metric
 metrics.py declares, at 0 (so the Grafana dashboard shows 0, not "no data", and every query
-it makes names an exported metric), and they move as vLLM's do under a few concurrent
-requests; KV cache usage rises while a request holds part of the pool."""
+it makes names an exported metric), and under perf_analyzer's load the counters add up to
+what was sent; an OpenAI request's `n` is observed as vLLM observes it; KV cache usage rises
+while a request holds part of the pool."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from backends.triton_models.metrics import ENGINE_METRICS, HISTOGRAM, SERVING_METRICS, SPEC_DECODE_EXTRAS
 from client.api.triton import grpc_generate
+from client.cli.perf_analyzer import run
 from tests.fixtures.deploy import dashboard_queries, exposed, query_names
 from tests.fixtures.helpers import metrics_text
 from tests.fixtures.servers import fixture_server
 
 SPEC = 'model="speculative",version="1"'
 ENGINE = 'model="verifier",version="1"'
-# Repetitive prompts: the ngram drafter (4 tokens a step) has drafts to propose.
-PROMPTS = [f"one two three four one two three four one two three {word}" for word in ("four", "one", "two")]
+# A repetitive prompt: the ngram drafter (4 tokens a step) has drafts to propose.
+PROMPT = "one two three four one two three four one two three four"
+REQUESTS, MAX_TOKENS = 96, 16
 GPU_ONLY = {"nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"}
 
 
@@ -41,6 +44,16 @@ def samples(text: str) -> dict[str, dict[str, float]]:
 
 def value(text: str, name: str, labels: str) -> float:
     return samples(text).get(name, {}).get(labels, 0.0)
+
+
+def wait_for_metrics(server, requests: float) -> str:
+    """/metrics once `requests` requests are in it (request metrics are written from a thread
+    of their own)."""
+    deadline = time.monotonic() + 10
+    while value(text := metrics_text(server), "vllm:request_params_n_count", SPEC) < requests:
+        assert time.monotonic() < deadline, "the requests never reached /metrics"
+        time.sleep(0.1)
+    return text
 
 
 def test_a_fresh_server_exports_every_metric_at_zero(fresh_server):
@@ -70,26 +83,35 @@ def test_every_dashboard_query_names_a_metric_of_a_fresh_server(fresh_server):
     assert names - served <= GPU_ONLY, names - served - GPU_ONLY
 
 
-def test_the_metrics_move_under_requests(fresh_server):
+def perf_analyzer_load(server, tmp_path) -> None:
+    """perf_analyzer as the compose load test runs it: REQUESTS gRPC streams of PROMPT, 8 at a
+    time, each MAX_TOKENS tokens long (ignore_eos)."""
+    data = tmp_path / "input.json"
+    entry = {"text_input": [PROMPT], "max_tokens": [MAX_TOKENS], "ignore_eos": [True], "stream": [True]}
+    data.write_text(json.dumps({"data": [entry]}))
+    args = ["-m", "speculative", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--input-data", str(data)]
+    args += ["--concurrency-range", "8", "--request-count", str(REQUESTS)]
+    result = run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_counters_add_up_under_perf_analyzer_load(fresh_server, tmp_path):
+    """Every request, prompt token, generated token and draft is counted once, whatever ran
+    beside it: the vLLM counters against what was sent, vLLM's spec-decode counters against
+    tritonspec's per-method ones and against each other."""
+    prompt_tokens = grpc_generate(fresh_server.grpc_url, PROMPT, max_tokens=1).num_input_tokens
+    wait_for_metrics(fresh_server, 1)
     before = metrics_text(fresh_server)
-    with ThreadPoolExecutor(3) as pool:
-        results = list(
-            pool.map(lambda p: grpc_generate(fresh_server.grpc_url, p, max_tokens=16, ignore_eos=True), PROMPTS)
-        )
-    deadline = time.monotonic() + 10  # request metrics are written from a thread of their own
-    while value(after := metrics_text(fresh_server), "vllm:request_params_n_count", SPEC) < 3:
-        assert time.monotonic() < deadline, "the requests never reached /metrics"
-        time.sleep(0.1)
+    perf_analyzer_load(fresh_server, tmp_path)
+    after = wait_for_metrics(fresh_server, value(before, "vllm:request_params_n_count", SPEC) + REQUESTS)
 
     def delta(name: str, labels: str = SPEC) -> float:
         return value(after, name, labels) - value(before, name, labels)
 
-    prompt_tokens = sum(r.num_input_tokens for r in results)
-    output_tokens = sum(r.num_output_tokens for r in results)
-    assert output_tokens == 3 * 16
-    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    output_tokens = REQUESTS * MAX_TOKENS
+    assert delta("vllm:prompt_tokens_total") == REQUESTS * prompt_tokens
     assert delta("vllm:generation_tokens_total") == output_tokens
-    assert delta("vllm:request_success_total", f'finished_reason="length",{SPEC}') == 3
+    assert delta("vllm:request_success_total", f'finished_reason="length",{SPEC}') == REQUESTS
     assert delta("vllm:request_success_total", f'finished_reason="stop",{SPEC}') == 0
     for name in (
         "vllm:time_to_first_token_seconds",
@@ -102,17 +124,17 @@ def test_the_metrics_move_under_requests(fresh_server):
         "vllm:request_generation_tokens",
         "vllm:request_params_n",
     ):
-        assert delta(f"{name}_count") == 3, name
-    assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+        assert delta(f"{name}_count") == REQUESTS, name
+    assert delta("vllm:request_prompt_tokens_sum") == REQUESTS * prompt_tokens
     assert delta("vllm:request_generation_tokens_sum") == output_tokens
-    assert delta("vllm:request_params_n_sum") == 3
+    assert delta("vllm:request_params_n_sum") == REQUESTS
     # Phases add up: inference = prefill + decode (per request, so in sum too).
     inference, prefill, decode = (
         delta(f"vllm:request_{phase}_time_seconds_sum") for phase in ("inference", "prefill", "decode")
     )
     assert inference == pytest.approx(prefill + decode, rel=1e-6) and decode > 0
     steps = delta("vllm:time_per_output_token_seconds_count")
-    assert 0 < steps == delta("vllm:inter_token_latency_seconds_count") <= output_tokens - 3
+    assert 0 < steps == delta("vllm:inter_token_latency_seconds_count") <= output_tokens - REQUESTS
     # Speculation: ngram drafted and verified; vLLM's counters agree with tritonspec's per method.
     drafts, drafted, accepted = (
         delta(f"vllm:spec_decode_num_{n}_total") for n in ("drafts", "draft_tokens", "accepted_tokens")
@@ -127,9 +149,32 @@ def test_the_metrics_move_under_requests(fresh_server):
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     # The engine: every step's tokens, the prompts among them.
     assert delta("vllm:iteration_tokens_total_count", ENGINE) > 0
-    assert delta("vllm:iteration_tokens_total_sum", ENGINE) >= prompt_tokens + drafted
+    assert delta("vllm:iteration_tokens_total_sum", ENGINE) >= REQUESTS * prompt_tokens + drafted
     assert delta("vllm:num_preemptions_total") == 0
     assert value(after, "vllm:num_requests_running", SPEC) == 0 == value(after, "vllm:num_requests_waiting", SPEC)
+
+
+def test_request_params_n_observes_an_openai_requests_n_once_per_prompt(fresh_server, tmp_path):
+    """The front end runs each of n choices as a request of its own; vLLM observes n once per
+    prompt (a parent request), and so does this server."""
+    import openai
+
+    from tests.e2e.test_openai_server import openai_api
+    from tests.fixtures.servers import free_ports
+
+    before = metrics_text(fresh_server)
+    with openai_api(free_ports(1)[0], fresh_server.grpc_url, tmp_path / "openai.log") as front:
+        client = openai.OpenAI(base_url=f"{front.base}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="speculative", prompt=[PROMPT, "The quick"], n=3, max_tokens=4)
+    assert len(out.choices) == 6
+    after = wait_for_metrics(fresh_server, value(before, "vllm:request_params_n_count", SPEC) + 2)
+
+    def delta(name: str, labels: str = SPEC) -> float:
+        return value(after, name, labels) - value(before, name, labels)
+
+    assert (delta("vllm:request_params_n_count"), delta("vllm:request_params_n_sum")) == (2, 6)  # two prompts, n = 3
+    finished = [delta("vllm:request_success_total", f'finished_reason="{r}",{SPEC}') for r in ("stop", "length")]
+    assert sum(finished) == 6  # a request per choice
 
 
 def test_kv_cache_usage_rises_while_a_request_holds_the_pool(fresh_server):
