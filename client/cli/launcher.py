@@ -26,6 +26,7 @@ What the launcher does that a bare `tritonserver` call does not:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -39,7 +40,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -396,3 +399,34 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def openai_front_end(
+    grpc_url: str, port: int, log_path: Path, *options: str, start_timeout_s: float = 120.0
+) -> Iterator[subprocess.Popen]:
+    """`tritonspec openai` (with its flags `options`) on `port` in front of the Triton server at
+    `grpc_url`, logging to `log_path`: its process once /health answers (any status: 503 while
+    Triton is unreachable is an answer), stopped when the block ends."""
+    command = [sys.executable, "-m", "client.cli.main", "openai", "--url", grpc_url, "--port", str(port), *options]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                break
+            except urllib.error.HTTPError:
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-2000:]
+                    raise ServerStartError(
+                        f"the OpenAI front end did not start; its log ({log_path}):\n{tail}"
+                    ) from None
+                time.sleep(0.3)
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -5,10 +5,8 @@ and `perf` (a perf_analyzer concurrency sweep)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -303,7 +301,7 @@ def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int
     import os
     import tempfile
 
-    from client.cli.launcher import TritonServer
+    from client.cli.launcher import TritonServer, openai_front_end
     from client.cli.soak import CHAOS_SPECULATIVE_CONFIG, ChaosMix, run_chaos_soak, wait_until_idle
 
     overrides.per_model["drafter"] = {"speculative_config": json.dumps(CHAOS_SPECULATIVE_CONFIG)}
@@ -312,7 +310,8 @@ def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int
         os.environ["TRITONSPEC_CHAOS_TRIGGER"] = str(trigger)  # the server's stubs inherit it
         with TritonServer.on_port(args.port, overrides, Path(args.log)) as server:
             mix = ChaosMix(openai_url=f"127.0.0.1:{args.port + 3}", body_limit=65536)
-            with _front_end(server.grpc_url, args.port + 3, mix.body_limit, args.model, Path(tmp) / "openai.log"):
+            limits = ("--model", args.model, "--max-body-bytes", str(mix.body_limit))
+            with openai_front_end(server.grpc_url, args.port + 3, Path(tmp) / "openai.log", *limits):
                 r = run_chaos_soak(
                     server, args.seconds, args.concurrency, trigger, args.max_tokens, args.fault_every, mix
                 )
@@ -342,33 +341,6 @@ def _print_chaos(args: argparse.Namespace, r: dict, ready: bool, active: dict) -
     print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in r["memory_mb"]))
     for problem in r["problems"]:
         print(f"  {problem}")
-
-
-@contextlib.contextmanager
-def _front_end(grpc_url: str, port: int, max_body_bytes: int, model: str, log: Path) -> Iterator[None]:
-    """`tritonspec openai` in front of the server on `port`, until the block ends."""
-    import subprocess
-    import sys
-    import urllib.request
-
-    command = [sys.executable, "-m", "client.cli.main", "openai", "--url", grpc_url, "--port", str(port)]
-    command += ["--model", model, "--max-body-bytes", str(max_body_bytes)]
-    with open(log, "ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the OpenAI front end did not start (its log: {log})") from None
-                time.sleep(0.5)
-        yield
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def add_verify_cost_parser(sub: common.Subcommands) -> None:

@@ -8,26 +8,51 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
+
+import pytest
 
 from client.api.triton import grpc_generate
 from client.cli.chaos_proposer import SLOW_S
 from client.cli.launcher import pids_with_cmdline
 from client.cli.soak import CHAOS_SPECULATIVE_CONFIG
 from tests.fixtures.helpers import hf_greedy, metric_values, wait_for_no_active_sequences
-from tests.fixtures.servers import start_server
+from tests.fixtures.servers import start_servers, stop_servers
 
 PROMPT = "def add(a, b):\n    return a + b\ndef add(a, b):"
 
 
-def test_a_hung_or_failing_drafter_falls_back_to_plain_decoding(tiny_model_dir, tmp_path, monkeypatch):
-    trigger = tmp_path / "chaos-trigger"
-    monkeypatch.setenv("TRITONSPEC_CHAOS_TRIGGER", str(trigger))
-    server = start_server(
-        tmp_path,
-        str(tiny_model_dir),
-        json.dumps(CHAOS_SPECULATIVE_CONFIG),
-        per_model={"speculative": {"drafter_timeout_s": "1"}},
-    )
+@pytest.fixture(scope="module")
+def chaos_trigger(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("chaos") / "trigger"
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, chaos_trigger, tmp_path_factory):
+    """The chaos drafter's server (its stubs read the fault trigger file named in their
+    environment) and one drafting ngram in the drafter model, launched together; each test
+    stops its own."""
+    specs = {
+        "chaos": dict(
+            model=str(tiny_model_dir),
+            speculative_config=json.dumps(CHAOS_SPECULATIVE_CONFIG),
+            per_model={"speculative": {"drafter_timeout_s": "1"}},
+        ),
+        # ngram drafting in the drafter model (not in the orchestrator's process), so steps call it
+        "drafter-model": dict(
+            model=str(tiny_model_dir),
+            per_model={"speculative": {"drafter_timeout_s": "5", "drafter_in_process": "false"}},
+        ),
+    }
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRITONSPEC_CHAOS_TRIGGER", str(chaos_trigger))  # read at launch: the stubs inherit it
+        servers = start_servers(tmp_path_factory, specs)
+    yield servers
+    stop_servers(servers)
+
+
+def test_a_hung_or_failing_drafter_falls_back_to_plain_decoding(servers, chaos_trigger, tiny_model_dir):
+    server, trigger = servers["chaos"], chaos_trigger
     try:
         expected = hf_greedy(str(tiny_model_dir), PROMPT, 24)
         for fault, reason in (("slow", "did not answer within 1 s"), ("raise", "an injected drafter fault")):
@@ -46,16 +71,11 @@ def test_a_hung_or_failing_drafter_falls_back_to_plain_decoding(tiny_model_dir, 
         server.stop()
 
 
-def test_a_drafter_stub_killed_mid_stream_costs_no_output(tiny_model_dir, tmp_path):
+def test_a_drafter_stub_killed_mid_stream_costs_no_output(servers, tiny_model_dir):
     """SIGKILL the drafter's stub process while a stream runs: that stream (and later
     requests) finish with exactly the target's output, the server stays up, no verifier
     state is left behind."""
-    # ngram drafting in the drafter model (not in the orchestrator's process), so steps call it
-    server = start_server(
-        tmp_path,
-        str(tiny_model_dir),
-        per_model={"speculative": {"drafter_timeout_s": "5", "drafter_in_process": "false"}},
-    )
+    server = servers["drafter-model"]
     try:
         expected = hf_greedy(str(tiny_model_dir), PROMPT, 160)
         results, killed = [], []

@@ -5,20 +5,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from client.api.triton import grpc_generate
 from client.cli.launcher import pids_with_cmdline
 from tests.fixtures.helpers import hf_greedy
-from tests.fixtures.servers import start_server
+from tests.fixtures.servers import fixture_servers
 
 
-def test_bad_speculative_config_fails_only_the_drafter(tiny_model_dir, tmp_path):
-    server = start_server(
-        tmp_path,
-        str(tiny_model_dir),
-        '{"method": "ngram", "num_speculative_tokens": 0}',
-        require_all_models=False,
-        graceful_stop=True,
-    )
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory):
+    """A server whose drafter config is bad and one on `--threads 1`, launched together; each
+    test stops its own."""
+    specs = {
+        "bad-drafter": dict(
+            model=str(tiny_model_dir),
+            speculative_config='{"method": "ngram", "num_speculative_tokens": 0}',
+            require_all_models=False,
+            graceful_stop=True,
+        ),
+        "one-thread": dict(model=str(tiny_model_dir), threads=1, dtype="bfloat16"),
+    }
+    yield from fixture_servers(tmp_path_factory, specs)
+
+
+def test_bad_speculative_config_fails_only_the_drafter(servers, tiny_model_dir):
+    server = servers["bad-drafter"]
     try:
         states = server.model_states()
         assert states["verifier"][0] == "READY" and states["speculative"][0] == "READY"
@@ -44,10 +56,10 @@ def test_bad_speculative_config_fails_only_the_drafter(tiny_model_dir, tmp_path)
     assert not list(Path("/dev/shm").glob(f"{prefix}*")), "shared-memory regions left behind"
 
 
-def test_every_model_computes_on_the_threads_asked(tiny_model_dir, tmp_path):
+def test_every_model_computes_on_the_threads_asked(servers):
     """`--threads 1` (TRITONSPEC_THREADS in the server's environment): every model process logs
     the choice and why, and its forwards run on one thread."""
-    server = start_server(tmp_path, str(tiny_model_dir), threads=1, dtype="bfloat16")
+    server = servers["one-thread"]
     try:
         generated = grpc_generate(server.grpc_url, "The quick", max_tokens=4, num_draft_tokens=0)
         assert len(generated.output_ids) == 4

@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +20,7 @@ import pytest
 
 from backends.runtime.model_store import load_tokenizer
 from client.api.triton import grpc_generate
+from client.cli.launcher import openai_front_end
 from tests.fixtures.helpers import genai_perf_report, wait_for_no_active_sequences
 from tests.fixtures.servers import free_ports
 
@@ -49,31 +48,9 @@ class FrontEnd:
 
 @contextlib.contextmanager
 def openai_api(port: int, triton_url: str, log_path: Path, *options: str) -> Iterator[FrontEnd]:
-    """`tritonspec openai` on `port` in front of the Triton server at `triton_url`, once it
-    answers (any HTTP status: 401 without its API key is an answer)."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "client.cli.main", "openai", "--url", triton_url, "--port", str(port), *options],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/v1/models", timeout=2).read()
-                break
-            except urllib.error.HTTPError:
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"tritonspec openai did not start: {log_path.read_text()}") from None
-                time.sleep(0.3)
-        yield FrontEnd(base, proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    """`tritonspec openai` on `port` in front of the Triton server at `triton_url`."""
+    with openai_front_end(triton_url, port, log_path, *options) as process:
+        yield FrontEnd(f"http://127.0.0.1:{port}", process.pid)
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,34 @@
 """The C kernels trust their extents: a slot past the KV pool, a query with no key or a weight
 packed for another K reads or writes out of bounds (a SIGSEGV of the serving process) or
-gives NaN. cpu_kernels.py must refuse each such call by name before any C runs. Each call
-runs in a subprocess, so a crash shows as this test's failure rather than pytest's."""
+gives NaN. cpu_kernels.py must refuse each such call by name before any C runs. The calls run
+in a subprocess, one after another (one torch import for all: 14 processes took 56 s on 2
+cores), so a crash or a hang shows as its own case's failure rather than pytest's; the cases
+after it run in a fresh process."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-_SETUP = """
-import dataclasses, torch
+ROOT = Path(__file__).parents[2]
+
+# Reads [(case, call)] on stdin and runs each call on fresh inputs, each case's output after
+# a line "### case: <case>".
+_WORKER = """
+import dataclasses, json, sys, torch
 from backends.runtime import cpu_kernels as ck
 from backends.runtime.lean_lm import LeanCausalLM, Row
 from tests.fixtures.lean_models import build
-gen = torch.Generator().manual_seed(0)
-kv = torch.randn(64, 2, 2, 16, generator=gen).bfloat16()  # one layer: 64 slots, 2 kv heads of 16
-q = torch.randn(3, 4 * 16, generator=gen).bfloat16()  # 3 queries, 4 heads
+def inputs():
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(64, 2, 2, 16, generator=gen).bfloat16()  # one layer: 64 slots, 2 kv heads of 16
+    q = torch.randn(3, 4 * 16, generator=gen).bfloat16()  # 3 queries, 4 heads
+    return {"kv": kv, "q": q, "out": None}
 def keys(slots, start, length):
     return ck.KeyLists(torch.tensor(slots), torch.tensor(start), torch.tensor(length))
 def step_of_tiny_model():
@@ -28,14 +36,18 @@ def step_of_tiny_model():
     pool = lm.new_pool(capacity_tokens=64)
     pool.admit("s", 3)
     return lm, pool, lm.plan(pool, [Row("s", [1, 2, 3])])
-try:
-    out = None
-{call}
-except ck.KernelArgumentError as e:
-    print("refused:", e)
-else:
-    print("ran; NaN in the output:", out is not None and bool(out.isnan().any()))
+for case, call in json.load(sys.stdin):
+    print("### case:", case, flush=True)
+    scope = {**globals(), **inputs()}
+    try:
+        exec(call, scope)
+    except ck.KernelArgumentError as e:
+        print("refused:", e, flush=True)
+    else:
+        out = scope["out"]
+        print("ran; NaN in the output:", out is not None and bool(out.isnan().any()), flush=True)
 """
+
 
 BAD_CALLS = {
     "a key slot past the pool": (
@@ -95,17 +107,37 @@ BAD_CALLS = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_CALLS))
-def test_a_call_the_kernels_would_run_out_of_bounds_is_refused_by_name(case):
-    call, named = BAD_CALLS[case]
-    code = _SETUP.format(call=textwrap.indent(call, "    "))
+def _run_cases(cases: list[str]) -> dict[str, tuple[str, str]]:
+    """{case: (how the worker fared, the case's stdout)} for the cases one worker started; a
+    case that crashed or hung the worker is the last it started."""
+    stdin = json.dumps([(case, BAD_CALLS[case][0]) for case in cases])
     try:  # a call past its extents may also hang (a thread waiting on memory it never gets)
         done = subprocess.run(
-            [sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", _WORKER], input=stdin, cwd=ROOT, capture_output=True, text=True, timeout=120
         )
-    except subprocess.TimeoutExpired:
-        pytest.fail("the bad call hung the process for 120 s")
-    stdout, stderr = done.stdout, done.stderr
-    assert done.returncode == 0, f"the bad call crashed the process (exit {done.returncode}): {stderr[-2000:]}"
+        stdout, failed = done.stdout, done.returncode != 0
+        ending = f"exit {done.returncode}: {done.stderr[-2000:]}"
+    except subprocess.TimeoutExpired as hung:
+        stdout, failed, ending = (hung.stdout or b"").decode(), True, "hung for 120 s"
+    runs = re.split(r"^### case: (.*)\n", stdout, flags=re.M)[1:]  # case, stdout, case, ...
+    outcomes = {case: ("ok", out) for case, out in zip(runs[::2], runs[1::2])}
+    if failed or not runs:
+        outcomes[runs[-2] if runs else cases[0]] = (ending, runs[-1] if runs else "")
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, tuple[str, str]]:
+    """Every case's outcome: the cases after one that crashed or hung run in a fresh worker."""
+    results: dict[str, tuple[str, str]] = {}
+    while todo := [case for case in BAD_CALLS if case not in results]:
+        results |= _run_cases(todo)
+    return results
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_a_call_the_kernels_would_run_out_of_bounds_is_refused_by_name(case, outcomes):
+    ending, stdout = outcomes[case]
+    assert ending == "ok", f"the bad call crashed or hung the process ({ending})"
     assert stdout.startswith("refused:"), f"the bad call ran: {stdout}"
-    assert re.search(named, stdout), stdout
+    assert re.search(BAD_CALLS[case][1], stdout), stdout
