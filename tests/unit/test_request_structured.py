@@ -130,7 +130,9 @@ def test_disable_additional_properties_closes_every_object_that_lists_properties
     tag = {"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f>"]}
     got = structured({"structured_outputs": {"structural_tag": tag, "disable_additional_properties": True}})
     assert json.loads(got.spec)["structures"][0]["schema"] == closed
-    assert structured({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": False}}).spec == CANONICAL
+    assert (
+        structured({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": False}}).spec == CANONICAL
+    )
 
 
 @pytest.mark.parametrize(
