@@ -24,7 +24,7 @@ from backends.structured.mask import allowed_tokens, apply_token_mask
 from backends.structured.spec import StructuredOutputs
 from tests.fixtures.helpers import coarse_total_variation, load_hf_model
 from tests.fixtures.prompts import ANIMAL_SCHEMA
-from tests.fixtures.structured import PROMPT, constrained_greedy_reference
+from tests.fixtures.structured import PROMPT, TAG, constrained_greedy_reference
 from tests.fixtures.synthetic_heads import write_medusa
 
 EOS = 0  # the tiny model's <|endoftext|>
@@ -178,6 +178,15 @@ def test_disable_additional_properties_refuses_a_property_the_schema_does_not_li
         matcher = grammars.matcher(spec)
         allowed = matcher.valid_prefix(text)
         assert (tokenizer.decode(text[:allowed]) == '{"a":1,"b":2}') != closed, tokenizer.decode(text[:allowed])
+
+
+def test_a_structural_tag_holds_its_schema_inside_the_tags(grammars, tokenizer):
+    """The tag's schema, not any JSON value, between begin and end (llguidance's StructTag
+    reads its grammar as a JSON schema)."""
+    matcher = grammars.matcher(StructuredOutputs("structural_tag", json.dumps(TAG)))
+    for inside, holds_schema in (('{"animal":"dog","jumps":true}', True), ("1", False), ('{"a":1}', False)):
+        text = tokenizer(f"free text\n<animal>{inside}</animal> more", add_special_tokens=False)["input_ids"]
+        assert (matcher.valid_prefix(text) == len(text)) == holds_schema, inside
 
 
 def test_a_bad_constraint_fails_only_its_own_request(runner, tokenizer, grammars):
