@@ -74,7 +74,9 @@ def test_bf16_constrained_speculative_equals_bf16_constrained_plain(greedy_serve
     server = greedy_servers["eagle3-bf16"]
     for fields in SERVED.values():
         sampling = {"structured_outputs": fields}
-        speculative = grpc_generate(server.grpc_url, PROMPT, max_tokens=24, sampling_parameters=sampling)
+        speculative = grpc_generate(
+            server.grpc_url, PROMPT, max_tokens=24, sampling_parameters=sampling, num_draft_tokens=3
+        )
         plain = grpc_generate(server.grpc_url, PROMPT, max_tokens=24, sampling_parameters=sampling, num_draft_tokens=0)
         assert speculative.output_ids == plain.output_ids, fields
     assert speculative.total_draft_tokens > 0  # free text: the head's drafts (nothing is forced)

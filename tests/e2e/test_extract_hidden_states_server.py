@@ -45,7 +45,7 @@ def test_served_hidden_states_and_files(tiny_model_dir, tmp_path):
                 torch.testing.assert_close(f.get_tensor("hidden_states"), expected, rtol=1e-4, atol=1e-5)
         # Under a grammar (it drafts nothing; forced tokens are verified several a step): the
         # target's constrained output, and each position's states
-        for result in check_served_constrained(server, tiny_model_dir, drafts=False):
+        for result in check_served_constrained(server, tiny_model_dir, num_draft_tokens=None):
             tokens = tokenizer(CONSTRAINED_PROMPT)["input_ids"] + result.output_ids
             expected = hf_hidden_states(tiny_model_dir, tokens[:-1], EXTRACT_LAYERS)
             torch.testing.assert_close(torch.tensor(result.hidden_states), expected, rtol=1e-4, atol=1e-5)
