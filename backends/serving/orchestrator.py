@@ -29,6 +29,7 @@ from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.rejection import MAX_SPEC_LEN, AcceptanceStats
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
 from backends.serving.target import VerifyRequest, VerifyResult
+from backends.serving.tree import DraftTree
 
 if TYPE_CHECKING:
     from backends.structured.grammar import GrammarCompiler
@@ -395,7 +396,7 @@ class Generation:
         if result.hidden_states is not None and self.speculate:
             self.hidden_rows.append(result.hidden_states)
         num_drafts, num_emitted = len(draft.token_ids), len(result.token_ids)
-        accepted_from_drafter = min(num_emitted - 1, from_drafter)  # forced tokens follow the drafter's
+        accepted_from_drafter = self._accepted_from_drafter(draft, result.token_ids, from_drafter)
         if plan.call_drafter:
             self.num_accepted = accepted_from_drafter
         self.unseen_by_verifier, self.sampling = [], None
@@ -405,6 +406,15 @@ class Generation:
         if self.tree_policy and plan.steady:
             self.tree_policy.record(from_drafter, verify_cost)
         return result
+
+    @staticmethod
+    def _accepted_from_drafter(draft: Draft, emitted: list[int], from_drafter: int) -> int:
+        """How many accepted drafts the drafter made: forced tokens come after its drafts (a
+        chain's last, a tree's last nodes), so the accepted ones among its first nodes."""
+        if draft.parents is None or from_drafter == len(draft.token_ids):
+            return min(len(emitted) - 1, from_drafter)
+        path = DraftTree(tuple(draft.token_ids), tuple(draft.parents)).walk(emitted[:-1])
+        return sum(node < from_drafter for node in path)
 
     def _constrain(self, plan: StepPlan, draft: Draft) -> tuple[Draft, torch.Tensor | None, int]:
         """Under a grammar: the drafts it allows, then the tokens it forces (free drafts), and

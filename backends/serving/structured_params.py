@@ -6,7 +6,8 @@ vLLM's `structured_outputs` (StructuredOutputsParams: `json`, `regex`, `choice`,
 `guided_*` names its OpenAI server still takes; the Triton vLLM backend sends the first two
 as JSON text inside `sampling_parameters`. Exactly one kind per request, as vLLM requires
 (vllm/sampling_params.py, `StructuredOutputsParams.__post_init__`, at vLLM commit 00388f65).
-Options with a neutral value are accepted at it; the rest are refused by name.
+Its options are honoured (disable_any_whitespace: this server's default;
+disable_additional_properties) or change nothing here (disable_fallback).
 """
 
 from __future__ import annotations
@@ -35,38 +36,61 @@ GUIDED_KEYS: dict[str, StructuredKind] = {
 STRUCTURED_KEYS = (*OBJECT_KEYS, *GUIDED_KEYS, "guided_whitespace_pattern", "guided_decoding_backend")
 KINDS: tuple[StructuredKind, ...] = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 JSON_KINDS = ("json", "json_object")
-# The objects' other fields: each accepted only at the values that change nothing here.
-# (disable_fallback: there is no other backend to fall back to; backend_was_auto and the
-# underscored ones are vLLM's own bookkeeping, in a dict dumped from its dataclass.)
-_NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "disable_any_whitespace": (False,),
-    "disable_additional_properties": (False,),
-    "disable_fallback": (False, True),
-    "backend_was_auto": (False, True),
-    "_backend_was_auto": (False, True),
-}
-_OPTION_HINTS = {
-    "disable_any_whitespace": "set whitespace_pattern to the whitespace the JSON may hold",
-    "disable_additional_properties": 'add "additionalProperties": false to the schema\'s objects',
-}
+# The objects' other fields, all true or false. disable_any_whitespace: JSON without whitespace
+# between tokens, this server's default (unless a whitespace_pattern says otherwise);
+# disable_additional_properties: a schema's objects hold only the properties they list
+# (`_closed`); disable_fallback: there is no other backend to fall back to; backend_was_auto
+# and the underscored one are vLLM's own bookkeeping, in a dict dumped from its dataclass.
+_FLAGS = (
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "disable_fallback",
+    "backend_was_auto",
+    "_backend_was_auto",
+)
+# JSON Schema keywords (2020-12 and draft-07's `definitions`) holding subschemas, walked by
+# `_closed`: a map of names to subschemas, or a subschema or a list of them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "propertyNames",
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "if",
+    "then",
+    "else",
+)
 
 
 def parse_structured(values: dict[str, Any]) -> StructuredOutputs | None:
     """The one constraint among `values` (the request's keys as sent, None where absent)."""
     found: list[tuple[str, StructuredKind, str]] = []  # (where it came from, kind, spec)
     whitespace: list[tuple[str, str]] = []  # (where, pattern)
+    compact: list[str] = []  # where disable_any_whitespace is true
     for key in OBJECT_KEYS:
         if values.get(key) is not None:
             fields = _as_object(key, values[key])
             found += _object_constraints(key, fields)
             if fields.get("whitespace_pattern") is not None:
                 whitespace.append((f"{key}.whitespace_pattern", _text(f"{key}.whitespace_pattern", fields)))
+            if fields.get("disable_any_whitespace"):
+                compact.append(f"{key}.disable_any_whitespace")
     for key, kind in GUIDED_KEYS.items():
         if values.get(key) is not None:
             found.append((key, kind, _spec(key, kind, values[key])))
     if values.get("guided_whitespace_pattern") is not None:
         whitespace.append(("guided_whitespace_pattern", _text("guided_whitespace_pattern", values)))
     _check_backend("guided_decoding_backend", values.get("guided_decoding_backend"))
+    if compact and whitespace:
+        raise RequestError(f"{compact[0]}=true and {whitespace[0][0]} contradict: send one of them")
     return _one(found, whitespace)
 
 
@@ -94,7 +118,7 @@ def _as_object(key: str, value: Any) -> dict[str, Any]:
         value = _loads(key, value)
     if not isinstance(value, dict):
         raise RequestError(f"{key} must be an object (or its JSON text), got {shown(value)}")
-    known = (*KINDS, "whitespace_pattern", "backend", "_backend", *_NEUTRAL_OPTIONS)
+    known = (*KINDS, "whitespace_pattern", "backend", "_backend", *_FLAGS)
     unknown = sorted(set(value) - set(known))
     if unknown:
         raise RequestError(f"unknown key {shown(unknown[0])} in {key}; supported: {', '.join(sorted(known))}")
@@ -103,30 +127,34 @@ def _as_object(key: str, value: Any) -> dict[str, Any]:
 
 def _object_constraints(key: str, fields: dict[str, Any]) -> list[tuple[str, StructuredKind, str]]:
     """The constraints an object sets (vLLM counts every kind that is not None), its options checked."""
-    for option, neutral in _NEUTRAL_OPTIONS.items():
-        value = fields.get(option)
-        if value is not None and (not isinstance(value, bool) or value not in neutral):
-            hint = _OPTION_HINTS.get(option, "leave it out")
-            raise RequestError(f"{key}.{option}={shown(value)} is not supported: {hint}")
+    for option in _FLAGS:
+        if fields.get(option) is not None:
+            _flag(f"{key}.{option}", fields[option])
     for option in ("backend", "_backend"):
         _check_backend(f"{key}.{option}", fields.get(option))
+    closed = bool(fields.get("disable_additional_properties"))
     found = []
     for kind in KINDS:
         value = fields.get(kind)
         if kind == "json_object" and value is not None and _flag(f"{key}.json_object", value) is False:
             continue  # false asks for nothing (vLLM's backends read it as a truth value)
         if value is not None:
-            found.append((f"{key}.{kind}", kind, _spec(f"{key}.{kind}", kind, value)))
+            found.append((f"{key}.{kind}", kind, _spec(f"{key}.{kind}", kind, value, closed)))
     return found
 
 
-def _spec(where: str, kind: StructuredKind, value: Any) -> str:
-    """The constraint's text as StructuredOutputs holds it (the grammar cache's key)."""
+def _spec(where: str, kind: StructuredKind, value: Any, closed: bool = False) -> str:
+    """The constraint's text as StructuredOutputs holds it (the grammar cache's key). `closed`:
+    a schema's objects (a structural tag's schemas') take no properties beyond those listed."""
     if kind in ("json", "structural_tag"):
         if isinstance(value, str):
             value = _loads(where, value)
         if not isinstance(value, dict):
             raise RequestError(f"{where} must be a JSON object (or its JSON text), got {shown(value)}")
+        if closed and kind == "json":
+            value = _closed(value)
+        elif closed:
+            value = {**value, "structures": [_closed_structure(s) for s in value.get("structures") or []]}
         spec = json.dumps(value, separators=(",", ":"))  # keys in order: the output follows it
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
@@ -141,6 +169,36 @@ def _spec(where: str, kind: StructuredKind, value: Any) -> str:
     if len(spec) > MAX_SPEC_CHARS:
         raise RequestError(f"{where} is {len(spec)} characters; at most {MAX_SPEC_CHARS} are accepted")
     return spec
+
+
+def _closed(schema: Any) -> Any:
+    """`schema` with "additionalProperties": false on each object schema that lists properties
+    and says nothing of others, at every depth (vLLM's disable_additional_properties for its
+    llguidance backend, vllm/v1/structured_output/backend_guidance.py
+    `process_for_additional_properties`: llguidance otherwise allows extra properties, as
+    JSON Schema does)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for keyword, value in schema.items():
+        if keyword in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _closed(sub) for name, sub in value.items()}
+        elif keyword in _SUBSCHEMAS:
+            value = _closed(value)
+        out[keyword] = value
+    lists = isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"), dict)
+    if lists and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed_structure(structure: Any) -> Any:
+    """A structural tag's structure with its schema `_closed` (a malformed one is left to the compiler)."""
+    if isinstance(structure, dict) and "schema" in structure:
+        return {**structure, "schema": _closed(structure["schema"])}
+    return structure
 
 
 def _text(where: str, fields: dict[str, Any]) -> str:

@@ -90,6 +90,17 @@ class DraftTree:
         """Levels below the root (the longest accepted run it allows)."""
         return max(self.depths, default=-1) + 1
 
+    def walk(self, token_ids: Sequence[int]) -> list[int]:
+        """The nodes `token_ids` lead down to from the root, each the first child holding the
+        next token (as acceptance tries them): a step's accepted path from its emitted tokens."""
+        node, path = ROOT, []
+        for token in token_ids:
+            node = next((c for c in self.children.get(node, []) if self.token_ids[c] == token), None)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     @cached_property
     def children(self) -> dict[int, list[int]]:
         """Node (ROOT included) -> its children in node order."""

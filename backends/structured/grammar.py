@@ -67,7 +67,9 @@ def _structural_tag(tag: dict, options: dict[str, Any]) -> str:
         trigger = next((t for t in tag.get("triggers", []) if s["begin"].startswith(t)), None)
         if trigger is None:
             raise GrammarError(f"structural_tag: the tag {s['begin']!r} starts with none of the triggers")
-        schema = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(s["schema"]), defaults=options)
+        # The schema itself with its options: StructTag embeds a grammar as `%json`, which reads
+        # a JSON schema (a compiled grammar there would be read as a schema allowing any value).
+        schema = {**s["schema"], "x-guidance": {**options, **s["schema"].get("x-guidance", {})}}
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     if not tags:
         raise GrammarError("structural_tag: no structures given")

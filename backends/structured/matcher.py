@@ -13,7 +13,10 @@ constrained plain output (greedy: token for token; sampled: in distribution).
 
 EOS: every EOS id is allowed where the grammar may end (llguidance allows only its tokenizer's
 one), and nothing else once the grammar is complete, so an output ends by EOS right after its
-last grammar token. A draft is cut after its first EOS, which ends the output anyway.
+last grammar token. A draft is cut after its first EOS, which ends the output anyway. With
+`ignore_eos` the output goes on past that EOS as free text, unconstrained (vLLM's: its
+StructuredOutputManager fills a full mask once the grammar has taken an EOS,
+vllm/v1/structured_output/__init__.py `_fill_bitmasks`, and backend_guidance.py `accept_tokens`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.eos_token = min(self.eos_token_ids)  # the forced token of a complete output
+        self.ended = False  # an EOS went out (ignore_eos): the rest of the output is free text
 
     @property
     def terminated(self) -> bool:
@@ -44,9 +48,10 @@ class GrammarMatcher:
         return self.matcher.is_stopped()
 
     def advance(self, token_ids: list[int]) -> None:
-        """Move past verified tokens (all allowed by their masks); EOS ends the output instead."""
+        """Move past verified tokens (all allowed by their masks); EOS ends the grammar's part."""
         for token in token_ids:
-            if token in self.eos_token_ids:
+            if self.ended or token in self.eos_token_ids:
+                self.ended = True
                 return
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"the grammar rejected verified token {token}: {self.matcher.get_error()}")
@@ -73,26 +78,31 @@ class GrammarMatcher:
 
     def constrain(self, draft: Draft, room: int) -> tuple[Draft, int]:
         """The drafts to verify: a chain cut to its longest allowed prefix, then the tokens the
-        grammar forces after it; a tree without the branches the grammar rejects (forced tokens
-        only when none is left). At most `room` tokens; also how many came from the drafter."""
+        grammar forces after it; a tree without the branches the grammar rejects, each leaf
+        followed by the tokens forced after its path (within the nodes pruned away; the forced
+        chain alone when nothing is left). At most `room` levels; also how many tokens came from
+        the drafter (a tree's: its first nodes, the forced ones follow them)."""
+        if self.ended:
+            return draft, len(draft.token_ids)
         if draft.parents is not None and draft.token_ids:
             pruned = self._prune(draft)
             if pruned.token_ids:
-                return pruned, len(pruned.token_ids)
+                budget = len(draft.token_ids) - len(pruned.token_ids)
+                return self._forced_after_leaves(pruned, room, budget), len(pruned.token_ids)
             draft = Draft()
         n = min(self.valid_prefix(draft.token_ids), room)
         ids = draft.token_ids[:n]
         ended = not self.forced_drafts or (ids and ids[-1] in self.eos_token_ids)
         forced = [] if ended else self._forced_after(ids, room - n)
-        probs = None if draft.probs is None else draft.probs[:n]
-        if probs is not None and forced:  # a forced token is a one-hot draft
-            probs = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor(forced), probs.shape[1]).to(probs)])
-        return Draft(ids + forced, probs), n
+        return Draft(ids + forced, _with_one_hot(draft.probs, n, forced)), n
 
-    def masks(self, draft: Draft) -> torch.Tensor:
+    def masks(self, draft: Draft) -> torch.Tensor | None:
         """[len(drafts) + 1, words] int32: row 0 what the grammar allows now, row i + 1 after
-        draft node i (a chain: drafts[:i + 1]; a tree: node i's root path). Drafts must be allowed
-        (constrain)."""
+        draft node i (a chain: drafts[:i + 1]; a tree: node i's root path); after an EOS
+        anything (only read with ignore_eos). Drafts must be allowed (constrain). None once the
+        output is past an EOS: no constraint."""
+        if self.ended:
+            return None
         rows = torch.zeros(len(draft.token_ids) + 1, mask_words(self.vocab_size), dtype=torch.int32)
         self._fill(rows[0])
         if draft.parents is None:  # walk down the chain once
@@ -102,8 +112,8 @@ class GrammarMatcher:
             paths = [[draft.token_ids[j] for j in tree.path(i)] for i in range(len(tree))]
         walked = 0
         for row, path in zip(rows[1:], paths):
-            if path[-1] in self.eos_token_ids:  # only EOS after EOS (a row never used)
-                _allow(row, [self.eos_token])
+            if path[-1] in self.eos_token_ids:  # free text past an EOS (ignore_eos)
+                row.fill_(-1)
                 continue
             self._consume(path)
             self._fill(row)
@@ -125,6 +135,28 @@ class GrammarMatcher:
         forced = self.forced(limit)
         self.matcher.rollback(len(token_ids))
         return forced
+
+    def _forced_after_leaves(self, tree: Draft, room: int, budget: int) -> Draft:
+        """`tree` with the tokens the grammar forces after each leaf's path (leaves in node
+        order, the drafter's best first) as a chain below it, `budget` nodes in all."""
+        if not self.forced_drafts:
+            return tree
+        shape = DraftTree(tuple(tree.token_ids), tuple(tree.parents))
+        token_ids, parents, forced_rows = list(tree.token_ids), list(tree.parents), []
+        for leaf in range(len(shape)):
+            path = [shape.token_ids[j] for j in shape.path(leaf)]
+            if budget <= 0 or shape.children.get(leaf) or path[-1] in self.eos_token_ids:
+                continue
+            forced = self._forced_after(path, min(budget, room - len(path)))
+            for i, token in enumerate(forced):
+                parents.append(leaf if i == 0 else len(token_ids) - 1)
+                token_ids.append(token)
+            forced_rows += forced
+            budget -= len(forced)
+        scores = None  # a forced node scores as the least of the drafter's (never above its parent)
+        if tree.scores is not None:
+            scores = tree.scores + [min(tree.scores)] * len(forced_rows)
+        return Draft(token_ids, _with_one_hot(tree.probs, len(tree.token_ids), forced_rows), parents, scores)
 
     def _accepting_after(self, token_ids: list[int]) -> bool:
         self._consume(token_ids)
@@ -148,6 +180,16 @@ class GrammarMatcher:
             if ok[i]:
                 kept.append(i)
         return draft.nodes(kept)
+
+
+def _with_one_hot(probs: torch.Tensor | None, n: int, forced: list[int]) -> torch.Tensor | None:
+    """The drafter's first `n` probability rows, then a one-hot row per forced token (where it
+    has rows at all)."""
+    if probs is None:
+        return None
+    if not forced:
+        return probs[:n]
+    return torch.cat([probs[:n], torch.nn.functional.one_hot(torch.tensor(forced), probs.shape[1]).to(probs)])
 
 
 def _allow(row: torch.Tensor, token_ids: Collection[int]) -> None:

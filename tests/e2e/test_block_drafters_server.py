@@ -1,5 +1,5 @@
-"""DFlash and DSpark block drafters through the real server: greedy output is the target's own,
-and a DSpark head fitted to the target drafts probabilistically with the target's distribution
+"""DFlash and DSpark block drafters through the real server: greedy output is the target's own
+(also under a grammar), and a DSpark head fitted to the target drafts probabilistically with the target's distribution
 coming back out."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from tests.fixtures.helpers import coarse_total_variation, load_hf_model, seeded_results, served_greedy_results
 from tests.fixtures.sampling import PROMPT, SAMPLES, TEMPERATURE, TOP_K, exact_marginals
 from tests.fixtures.servers import CHUNKED_PREFILL, fixture_servers
+from tests.fixtures.structured import check_served_constrained
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
 from tests.fixtures.synthetic_checkpoints import save_checkpoint
 
@@ -79,6 +80,11 @@ def test_served_dspark_greedy_equals_target_greedy(dspark_server, tiny_model_dir
     """Greedy requests verify greedily whatever the drafter sampled: still the target's output."""
     results = served_greedy_results(dspark_server, tiny_model_dir, PROMPTS, 24)
     assert sum(r.total_draft_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_served_constrained_greedy_equals_target_constrained_greedy(name, servers, tiny_model_dir):
+    check_served_constrained(servers[name], tiny_model_dir)
 
 
 def test_served_dspark_sampling_follows_the_target_distribution(dspark_server, tiny_model_dir):

@@ -1,5 +1,5 @@
 """custom_class through the real server: the worked example (client/examples/bigram_proposer.py)
-gives the target's greedy output with drafts accepted, and a class that cannot be loaded
+gives the target's greedy output with drafts accepted (also under a grammar), and a class that cannot be loaded
 fails the drafter's load only."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 from client.api.triton import grpc_generate
 from tests.fixtures.helpers import hf_greedy, served_greedy_results
 from tests.fixtures.servers import fixture_servers
+from tests.fixtures.structured import check_served_constrained
 
 EXAMPLE = "client.examples.bigram_proposer.BigramProposer"
 PROMPTS = [
@@ -38,6 +39,10 @@ def servers(tiny_model_dir, tmp_path_factory):
 def test_served_example_equals_target_greedy(servers, tiny_model_dir):
     results = served_greedy_results(servers["example"], tiny_model_dir, PROMPTS, 32)
     assert sum(r.total_accepted_draft_tokens for r in results) > 0
+
+
+def test_served_example_under_a_grammar_equals_target_constrained_greedy(servers, tiny_model_dir):
+    check_served_constrained(servers["example"], tiny_model_dir)
 
 
 def test_a_bad_class_fails_the_drafter_load_only(servers, tiny_model_dir):

@@ -1,7 +1,8 @@
 """EAGLE-1 and EAGLE-3 heads through the real server: the verifier returns the hidden states the
 head names, the orchestrator carries them to the drafter, and the output is the target's own
-(tiny synthetic checkpoints); and a fitted EAGLE-1 head drafting EAGLE-2's dynamic trees
-(tests/fixtures/head_server.py's ServedHeadTests)."""
+(tiny synthetic checkpoints), also under a grammar (eagle3 also drafting trees, and in bf16);
+and a fitted EAGLE-1 head drafting EAGLE-2's dynamic trees (tests/fixtures/head_server.py's
+ServedHeadTests)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from client.api.triton import grpc_generate
 from tests.fixtures.head_server import ServedHeadTests, fit_and_save, next_token_loss
 from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results
 from tests.fixtures.servers import fixture_servers, start_servers, stop_servers
+from tests.fixtures.structured import PROMPT, SERVED, check_served_constrained
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
@@ -30,19 +32,27 @@ def target_dir(tiny3_model_dir):
 
 
 GREEDY = [("eagle", None), ("eagle3", None), ("eagle3", "int8")]
+# The structured-output tests' servers besides: eagle3 drafting EAGLE-2's dynamic trees, and
+# eagle3 on the target in bf16 (batch-invariant, the served default).
+TREE = {"dynamic_tree": {"top_k": 3, "total_token": 8}}
+BF16 = {"dtype": "bfloat16", "batch_invariant": "on"}
 
 
 @pytest.fixture(scope="module")
 def greedy_servers(target_dir, tmp_path_factory):
-    """{(method, quantization): a synthetic head served}, launched together."""
-    specs = {}
+    """{"method-quantization": a synthetic head served} for GREEDY, and "eagle3-tree",
+    "eagle3-bf16": launched together."""
+    specs, heads = {}, {}
     for method, quantization in GREEDY:
-        head = tmp_path_factory.mktemp(f"{method}-head") / method
+        head = heads[method] = tmp_path_factory.mktemp(f"{method}-head") / method
         WRITERS[method](head, target_dir)
         config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
         if quantization:
             config["quantization"] = quantization
         specs[f"{method}-{quantization}"] = dict(model=str(target_dir), speculative_config=json.dumps(config))
+    eagle3 = {"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 3}
+    specs["eagle3-tree"] = dict(model=str(target_dir), speculative_config=json.dumps({**eagle3, **TREE}))
+    specs["eagle3-bf16"] = dict(model=str(target_dir), speculative_config=json.dumps(eagle3), **BF16)
     yield from fixture_servers(tmp_path_factory, specs)
 
 
@@ -51,6 +61,25 @@ def test_served_greedy_equals_target_greedy(method, quantization, greedy_servers
     """int8: the head (in bf16) drafts with its fc and LM head on the int8 kernel."""
     results = served_greedy_results(greedy_servers[f"{method}-{quantization}"], target_dir, PROMPTS, 24)
     assert sum(r.total_draft_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("name", ["eagle-None", "eagle3-None", "eagle3-tree"])
+def test_served_constrained_greedy_equals_target_constrained_greedy(name, greedy_servers, target_dir):
+    check_served_constrained(greedy_servers[name], target_dir)
+
+
+def test_bf16_constrained_speculative_equals_bf16_constrained_plain(greedy_servers):
+    """In bf16 the reference is the server's own plain decoding (batch invariance makes a
+    verified row the row decoded alone)."""
+    server = greedy_servers["eagle3-bf16"]
+    for fields in SERVED.values():
+        sampling = {"structured_outputs": fields}
+        speculative = grpc_generate(
+            server.grpc_url, PROMPT, max_tokens=24, sampling_parameters=sampling, num_draft_tokens=3
+        )
+        plain = grpc_generate(server.grpc_url, PROMPT, max_tokens=24, sampling_parameters=sampling, num_draft_tokens=0)
+        assert speculative.output_ids == plain.output_ids, fields
+    assert speculative.total_draft_tokens > 0  # free text: the head's drafts (nothing is forced)
 
 
 def test_a_head_drafts_beside_the_in_process_verifier_or_in_the_drafter_model(target_dir, tmp_path_factory):

@@ -1,5 +1,5 @@
 """The model-free drafters (`ngram_gpu`, `suffix`) through a real tritonserver on the tiny model:
-greedy output is the target's own, and drafts get accepted. `suffix` drafts in the
+greedy output is the target's own (also under a grammar), and drafts get accepted. `suffix` drafts in the
 orchestrator's process (drafter_in_process), and also in the drafter model when that is off."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 from client.api.triton import grpc_generate
 from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results
 from tests.fixtures.servers import fixture_servers
+from tests.fixtures.structured import check_served_constrained
 
 PROMPTS = [
     "The quick brown fox",
@@ -49,6 +50,11 @@ def test_greedy_output_equals_target_greedy(servers, tiny_model_dir, method):
 def test_drafts_are_accepted_on_a_repetitive_prompt(servers, method):
     result = grpc_generate(servers[method].grpc_url, REPETITIVE, max_tokens=40)
     assert 0 < result.total_accepted_draft_tokens <= result.total_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram_gpu", "suffix", "suffix-tree"])
+def test_constrained_greedy_equals_target_constrained_greedy(servers, tiny_model_dir, method):
+    check_served_constrained(servers[method], tiny_model_dir)
 
 
 def test_suffix_global_tree_helps_a_repeated_request(servers, tiny_model_dir):

@@ -23,6 +23,7 @@ from client.api.triton import grpc_generate
 from client.cli.launcher import openai_front_end
 from tests.fixtures.helpers import genai_perf_report, wait_for_no_active_sequences
 from tests.fixtures.servers import free_ports
+from tests.fixtures.structured import TAG, tagged_animals
 
 # A plain template for the tiny model, whose tokenizer has none.
 TEMPLATE = (
@@ -88,6 +89,21 @@ def streamed(chunks, chat: bool) -> tuple[str, list]:
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list()] == ["speculative"]
+
+
+def test_response_format_structural_tag_holds_inside_its_tags(client, tiny_server, tiny_model_dir):
+    """vLLM's response_format {"type": "structural_tag", "structures", "triggers"}: the same
+    output as the constraint sent in sampling_parameters to the `speculative` model."""
+    fmt = {"type": "structural_tag", **TAG}
+    out = client.chat.completions.create(
+        model="speculative", messages=MESSAGES, max_tokens=64, temperature=0, response_format=fmt
+    )
+    sampling = {"structured_outputs": {"structural_tag": TAG}}
+    ref = reference(
+        tiny_server, chat_text(tiny_model_dir), max_tokens=64, temperature=0.0, sampling_parameters=sampling
+    )
+    text = out.choices[0].message.content
+    assert text == ref.text and tagged_animals(text) and "\n" not in text.replace("\n<animal>", ""), text
 
 
 def test_completions_equal_the_speculative_model(client, tiny_server):

@@ -1,8 +1,9 @@
 """Structured outputs through the real server (the tiny model, ngram drafting, the target
 verified in the orchestrator's process): each kind of constraint holds, streamed and not,
 alone and batched beside an unconstrained request that stays unchanged; greedy constrained
-speculative output is constrained plain output; a bad schema fails only its own request; a
-server that verifies over BLS refuses constrained requests by name."""
+speculative output is constrained plain output; a structural tag holds inside its tags; with
+ignore_eos the output goes on as free text past the grammar's EOS; a bad schema fails only its
+own request; a server that verifies over BLS refuses constrained requests by name."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 from client.api.triton import GenerationError, grpc_generate, http_generate
 from tests.fixtures.helpers import hf_greedy
 from tests.fixtures.prompts import ANIMAL_SCHEMA
+from tests.fixtures.structured import PROMPT, TAG, served_reference, tagged_animals
 
-PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 SCHEMA = ANIMAL_SCHEMA
 REGEX = r"(the|a) (fox|dog) (jumps|sleeps)\."
 CHOICES = ["def add", "for i in range", "The quick brown fox"]
@@ -66,6 +67,27 @@ def test_greedy_constrained_speculative_is_constrained_plain(tiny_server, kind):
     plain = constrained(tiny_server, kind, max_tokens=64, num_draft_tokens=0)
     assert speculative.output_ids == plain.output_ids
     assert speculative.total_accepted_draft_tokens > 0  # forced tokens and ngram drafts
+
+
+def test_a_structural_tag_holds_inside_its_tags(tiny_server, tiny_model_dir):
+    """Free text in which each trigger (a new line) starts a tagged object of the schema."""
+    sampling = {"structured_outputs": {"structural_tag": TAG}}
+    result = grpc_generate(tiny_server.grpc_url, PROMPT, max_tokens=64, sampling_parameters=sampling)
+    assert tuple(result.output_ids) == served_reference(tiny_model_dir, {"structural_tag": TAG}, 64)
+    animals = tagged_animals(result.text)
+    assert animals and all(a["animal"] in SCHEMA["properties"]["animal"]["enum"] for a in animals), result.text
+    assert result.text.count("\n") == result.text.count("\n<animal>"), result.text
+
+
+def test_ignore_eos_goes_on_unconstrained_past_the_grammar_s_end(tiny_server, tiny_model_dir):
+    """vLLM's behaviour: the grammar ends with an EOS in the output; after it, free text."""
+    eos = 0  # the tiny model's <|endoftext|>
+    expected = served_reference(tiny_model_dir, {"regex": REGEX}, 32, ignore_eos=True)
+    assert eos in expected and len(expected) == 32 and set(expected[expected.index(eos) + 1 :]) != {eos}
+    for draft in (None, 0):  # ngram (and forced tokens), then plain
+        fixed = {} if draft is None else {"num_draft_tokens": draft}
+        result = constrained(tiny_server, "regex", max_tokens=32, ignore_eos=True, **fixed)
+        assert tuple(result.output_ids) == expected and result.finish_reason == "length"
 
 
 def test_batched_beside_an_unconstrained_request(tiny_server, tiny_model_dir):

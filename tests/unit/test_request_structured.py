@@ -1,7 +1,7 @@
 """Structured-output constraints as requests carry them: vLLM's `structured_outputs` (an object
 or, as the Triton vLLM backend takes it, its JSON text), its older `guided_decoding` and the
 top-level `guided_*` names, read into one StructuredOutputs; two kinds in one request, and
-options that would change the constraint in ways not served, are refused by name."""
+options that contradict each other, are refused by name."""
 
 from __future__ import annotations
 
@@ -106,6 +106,35 @@ def test_a_dict_dumped_from_vllms_dataclasses_is_read():
     assert structured({"structured_outputs": dumped}) == StructuredOutputs("regex", "[0-9]+")
 
 
+def test_disable_any_whitespace_is_the_default():
+    """JSON here has no whitespace between tokens unless a whitespace_pattern allows some."""
+    fields = {"json": SCHEMA, "disable_any_whitespace": True}
+    assert structured({"structured_outputs": fields}) == StructuredOutputs("json", CANONICAL)
+
+
+def test_disable_additional_properties_closes_every_object_that_lists_properties():
+    nested = {
+        "type": "object",
+        "properties": {"user": SCHEMA, "tags": {"type": "array", "items": SCHEMA}},
+        "$defs": {"open": {"type": "object", "properties": {"x": {}}, "additionalProperties": True}},
+        "anyOf": [SCHEMA, {"type": "string"}],
+    }
+    got = structured({"structured_outputs": {"json": nested, "disable_additional_properties": True}})
+    closed = {**SCHEMA, "additionalProperties": False}
+    assert json.loads(got.spec) == {
+        **nested,
+        "properties": {"user": closed, "tags": {"type": "array", "items": closed}},
+        "anyOf": [closed, {"type": "string"}],
+        "additionalProperties": False,
+    }  # $defs' object says additionalProperties itself: kept
+    tag = {"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f>"]}
+    got = structured({"structured_outputs": {"structural_tag": tag, "disable_additional_properties": True}})
+    assert json.loads(got.spec)["structures"][0]["schema"] == closed
+    assert (
+        structured({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": False}}).spec == CANONICAL
+    )
+
+
 @pytest.mark.parametrize(
     "sampling,message",
     [
@@ -132,12 +161,16 @@ def test_a_dict_dumped_from_vllms_dataclasses_is_read():
         ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object must be true or false"),
         ({"structured_outputs": {"jsonschema": SCHEMA}}, "unknown key 'jsonschema' in structured_outputs"),
         (
-            {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
-            "structured_outputs.disable_any_whitespace=True is not supported: set whitespace_pattern",
+            {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True, "whitespace_pattern": " "}},
+            "structured_outputs.disable_any_whitespace=true and structured_outputs.whitespace_pattern contradict",
         ),
         (
-            {"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
-            "structured_outputs.disable_additional_properties=True is not supported",
+            {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}, "guided_whitespace_pattern": " "},
+            "structured_outputs.disable_any_whitespace=true and guided_whitespace_pattern contradict",
+        ),
+        (
+            {"structured_outputs": {"json": SCHEMA, "disable_additional_properties": "yes"}},
+            "structured_outputs.disable_additional_properties must be true or false",
         ),
         (
             {"guided_json": SCHEMA, "guided_decoding_backend": "outlines"},

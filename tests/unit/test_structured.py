@@ -18,11 +18,13 @@ from backends.serving.local import generate_local
 from backends.serving.proposer import Draft, build_proposer
 from backends.serving.request import RequestError, SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest
+from backends.serving.tree import DraftTree
 from backends.structured.grammar import GrammarCompiler, GrammarError
 from backends.structured.mask import allowed_tokens, apply_token_mask
 from backends.structured.spec import StructuredOutputs
-from tests.fixtures.helpers import coarse_total_variation, load_hf_model, one_thread
+from tests.fixtures.helpers import coarse_total_variation, load_hf_model
 from tests.fixtures.prompts import ANIMAL_SCHEMA
+from tests.fixtures.structured import PROMPT, TAG, constrained_greedy_reference
 from tests.fixtures.synthetic_heads import write_medusa
 
 EOS = 0  # the tiny model's <|endoftext|>
@@ -34,7 +36,6 @@ CONSTRAINTS = {
     "grammar": StructuredOutputs("grammar", 'start: "print(" NUM ")"\nNUM: /[0-9]/'),
     "gbnf": StructuredOutputs("grammar", 'root ::= "dog" | "fox" " jumps"'),
 }
-PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 
 
 def holds(kind: str, text: str) -> bool:
@@ -79,22 +80,6 @@ def method_service(method: str, tiny_model_dir, tiny_draft_dir, medusa_dir) -> D
     return DraftService(build_proposer(config, max_model_len=512, dtype="float32", target_model=tiny_model_dir), config)
 
 
-def constrained_greedy_reference(model_dir, tokenizer, grammars, spec, prompt: str, max_tokens: int) -> list[int]:
-    """Hugging Face forward passes (float32), each last row masked by the grammar, argmax: one
-    token a step, no drafts and no forced tokens."""
-    model, _ = load_hf_model(str(model_dir))
-    matcher, ids, out = grammars.matcher(spec), tokenizer(prompt)["input_ids"], []
-    with torch.inference_mode(), one_thread():
-        while len(out) < max_tokens:
-            logits = model(input_ids=torch.tensor([ids + out])).logits[0, -1:]
-            token = int(apply_token_mask(logits, matcher.masks(Draft())).argmax())
-            out.append(token)
-            if token == EOS:
-                break
-            matcher.advance([token])
-    return out
-
-
 # ----------------------------------------------------------------------------- the grammar
 
 
@@ -103,7 +88,7 @@ def test_each_kind_holds_and_ends_by_eos(runner, tokenizer, grammars, tiny_model
         ids, stats = generate_local(PROMPT, tokenizer, runner, max_tokens=40, grammars=grammars, structured=spec)
         assert ids[-1] == EOS, (kind, ids)
         assert holds(kind, tokenizer.decode(ids[:-1])), (kind, tokenizer.decode(ids))
-        assert ids == constrained_greedy_reference(tiny_model_dir, tokenizer, grammars, spec, PROMPT, 40), kind
+        assert ids == constrained_greedy_reference(tiny_model_dir, grammars, spec, PROMPT, 40), kind
 
 
 def test_forced_tokens_are_free_drafts(runner, tokenizer, grammars):
@@ -127,7 +112,7 @@ def test_constrain_and_masks_leave_the_matcher_where_it_was(grammars, tokenizer)
     assert masks.shape == (len(cut.token_ids) + 1, (grammars.vocab_size + 31) // 32)
     allowed = allowed_tokens(masks, grammars.vocab_size)
     assert all(allowed[i, t] for i, t in enumerate(cut.token_ids))
-    assert allowed[-2, EOS] and allowed[-1].sum() == 1  # EOS where it may end; only EOS after it
+    assert allowed[-2, EOS] and allowed[-1].all()  # EOS where it may end; after it free text (ignore_eos)
     assert torch.equal(matcher.masks(Draft()), before)
     bad = Draft(tokenizer("the cat", add_special_tokens=False)["input_ids"])
     cut, from_drafter = matcher.constrain(bad, room=32)  # "the" is allowed, " cat" is not
@@ -140,12 +125,68 @@ def test_tree_branches_the_grammar_rejects_are_pruned(grammars, tokenizer):
     d, o, f, x = (tokenizer.convert_tokens_to_ids(c) for c in "dofx")
     # root -> d -> o, root -> o (rejected) -> d, root -> f -> x (rejected: "fx")
     draft = Draft([d, o, o, d, f, x], torch.rand(6, grammars.vocab_size), [-1, 0, -1, 2, -1, 4])
-    pruned, from_drafter = matcher.constrain(draft, room=8)
-    assert pruned.token_ids == [d, o, f] and pruned.parents == [-1, 0, -1] and from_drafter == 3
-    assert torch.equal(pruned.probs, draft.probs[[0, 1, 4]])
+    pruned, from_drafter = matcher.constrain(draft, room=8)  # forced tokens follow (the next test)
+    assert pruned.token_ids[:3] == [d, o, f] and pruned.parents[:3] == [-1, 0, -1] and from_drafter == 3
+    assert torch.equal(pruned.probs[:3], draft.probs[[0, 1, 4]])
     masks = allowed_tokens(matcher.masks(pruned), grammars.vocab_size)
     g, o2 = tokenizer.convert_tokens_to_ids("g"), tokenizer.convert_tokens_to_ids("o")
     assert masks[2, g] and not masks[2, o2] and masks[3, o2]  # after "do": g; after "f": o
+
+
+def test_forced_tokens_follow_a_tree_s_leaves_in_the_nodes_pruned_away(grammars, tokenizer):
+    matcher = grammars.matcher(StructuredOutputs("choice", json.dumps(["dog jumps", "fox sleeps"])))
+    d, o, f, x, z = (tokenizer.convert_tokens_to_ids(c) for c in "dofxz")
+    # root -> d -> o, root -> z (rejected) -> d, root -> f -> x (rejected: "fx")
+    draft = Draft(
+        [d, o, z, d, f, x], torch.rand(6, grammars.vocab_size), [-1, 0, -1, 2, -1, 4], [0.9, 0.5, 0.3, 0.2, 0.4, 0.1]
+    )
+    tree, from_drafter = matcher.constrain(draft, room=6)
+    assert tree.token_ids[:3] == [d, o, f] and tree.parents[:3] == [-1, 0, -1] and from_drafter == 3
+    forced = tree.token_ids[3:]  # 3 nodes were pruned: 3 forced ones, after "do" first
+    assert len(forced) == 3 and tokenizer.decode([d, o, *forced]).startswith("dog j")
+    assert tree.parents[3:] == [1, 3, 4] and tree.scores[3:] == [0.4] * 3
+    assert torch.equal(tree.probs[3:], torch.nn.functional.one_hot(torch.tensor(forced), grammars.vocab_size).float())
+    masks = allowed_tokens(matcher.masks(tree), grammars.vocab_size)
+    assert all(masks[tree.parents[i] + 1, tree.token_ids[i]] for i in range(3, 6))  # each forced node's row allows it
+    shallow, _ = matcher.constrain(draft, room=3)  # 3 levels: "do" + "g", then "f" + "ox"
+    assert shallow.token_ids[3:] == [forced[0], o, x] and shallow.parents[3:] == [1, 2, 4]
+    # the accepted path's drafter nodes, from the emitted tokens (forced nodes come last)
+    tree_shape = DraftTree(tuple(tree.token_ids), tuple(tree.parents))
+    assert tree_shape.walk([d, o, *forced[:2], 7]) == [0, 1, 3, 4] and tree_shape.walk([f, o]) == [2]
+
+
+def test_with_ignore_eos_the_output_goes_on_unconstrained_past_its_eos(runner, tokenizer, grammars, tiny_model_dir):
+    """vLLM's way: once the grammar has taken an EOS, the mask is full (free text)."""
+    spec = CONSTRAINTS["regex"]
+    expected = constrained_greedy_reference(tiny_model_dir, grammars, spec, PROMPT, 30, ignore_eos=True)
+    end = expected.index(EOS)
+    assert holds("regex", tokenizer.decode(expected[:end])) and expected[end + 1 :].count(EOS) < len(expected) - end - 1
+    for service in (None, method_service("ngram", tiny_model_dir, None, None)):
+        ids, _ = generate_local(
+            PROMPT, tokenizer, runner, service, max_tokens=30, grammars=grammars, structured=spec, ignore_eos=True
+        )
+        assert ids == expected
+
+
+def test_disable_additional_properties_refuses_a_property_the_schema_does_not_list(grammars, tokenizer):
+    from backends.serving.structured_params import parse_structured
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    text = tokenizer('{"a":1,"b":2}', add_special_tokens=False)["input_ids"]
+    for closed in (False, True):
+        spec = parse_structured({"structured_outputs": {"json": schema, "disable_additional_properties": closed}})
+        matcher = grammars.matcher(spec)
+        allowed = matcher.valid_prefix(text)
+        assert (tokenizer.decode(text[:allowed]) == '{"a":1,"b":2}') != closed, tokenizer.decode(text[:allowed])
+
+
+def test_a_structural_tag_holds_its_schema_inside_the_tags(grammars, tokenizer):
+    """The tag's schema, not any JSON value, between begin and end (llguidance's StructTag
+    reads its grammar as a JSON schema)."""
+    matcher = grammars.matcher(StructuredOutputs("structural_tag", json.dumps(TAG)))
+    for inside, holds_schema in (('{"animal":"dog","jumps":true}', True), ("1", False), ('{"a":1}', False)):
+        text = tokenizer(f"free text\n<animal>{inside}</animal> more", add_special_tokens=False)["input_ids"]
+        assert (matcher.valid_prefix(text) == len(text)) == holds_schema, inside
 
 
 def test_a_bad_constraint_fails_only_its_own_request(runner, tokenizer, grammars):
@@ -193,7 +234,7 @@ def test_greedy_constrained_speculative_is_constrained_plain(
 ):
     service = method_service(method, tiny_model_dir, tiny_draft_dir, medusa_dir)
     spec = CONSTRAINTS[kind]
-    reference = constrained_greedy_reference(tiny_model_dir, tokenizer, grammars, spec, PROMPT, 40)
+    reference = constrained_greedy_reference(tiny_model_dir, grammars, spec, PROMPT, 40)
     ids, stats = generate_local(PROMPT, tokenizer, runner, service, max_tokens=40, grammars=grammars, structured=spec)
     assert ids == reference, (method, kind)
     assert stats.acceptance.num_accepted_tokens > 0
