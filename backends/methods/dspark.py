@@ -56,6 +56,7 @@ from torch import nn
 from backends.methods.block_checkpoint import BlockCheckpointError, config_field
 from backends.methods.block_checkpoint import default_config as dflash_default_config
 from backends.methods.dflash import BlockWork, DFlashHead, DFlashProposer
+from backends.methods.drafts import gather_drafts
 from backends.methods.head_checkpoint import TargetInfo
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
@@ -167,23 +168,20 @@ class DSparkProposer(DFlashProposer):
     head_class = DSparkHead
 
     def _draft(self, hidden: torch.Tensor, work: list[BlockWork]) -> None:
-        """The block's base logits at once, then the Markov chain slot by slot."""
+        """The block's base logits at once, then the Markov chain slot by slot; the drafts
+        cross to the host once, after the chain."""
         steps = max(w.num_drafts for w in work)
         slots = list(self.head.draft_slots)[:steps]
         base = self.head.logits(hidden[:, slots]).float()
+        temperatures, generators = [w.temperature for w in work], [w.generator for w in work]
         prev = torch.tensor([w.anchor for w in work], device=self.device)
-        state, probs = None, []
+        state, sampled = None, []
         for i, slot in enumerate(slots):
             logits, state = self.head.step_logits(base[:, i], prev, hidden[:, slot], state)
-            prev, p = self._sample(logits, work)
-            for w, token in zip(work, prev.tolist()):
-                if i < w.num_drafts:
-                    w.drafts.append(token)
-            probs.append(p)
-        if probs[0] is not None:  # sampled (probabilistic drafting, a sampled request)
-            stacked = torch.stack(probs, dim=1)
-            for row, w in enumerate(work):
-                w.probs = stacked[row, : w.num_drafts]
+            prev, probs = self.sample(logits, temperatures, generators)
+            sampled.append((prev, probs))
+        for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
+            w.drafts, w.probs = drafted, probs
 
 
 def default_config(
