@@ -8,7 +8,7 @@ a full-vocabulary LM head per head (FasterDecoding's layout). bf16, 2 threads, b
 cached tokens; a draft call hands over 3 new target positions and asks for k drafts, greedy.
 
 The plain step is the verifier's: the batch-invariant lean runtime, one new token, its logits
-and their argmax. Each draft call follows a plain step, as in serving (the target's weights
+and their argmax; a verify step of 4 tokens (k = 3) is timed beside it. Each draft call follows a plain step, as in serving (the target's weights
 evict the head's from the caches). Heads take turns, `--repeats` rounds of `--calls` calls
 each; the table gives the median of the round medians and their range.
 
@@ -32,6 +32,7 @@ import torch
 
 TARGET = Path.home() / ".cache/tritonspec/models/smollm2-135m"
 CONTEXT, NEW_TOKENS = 200, 3
+VERIFY_TOKENS = 4  # a chain of 3 drafts and the pending token: the bench's `verify` column
 DRAFT_VOCAB = 8192  # the trainers' default draft vocabulary (Eagle3Trainer.draft_vocab_size)
 
 
@@ -81,8 +82,9 @@ def write_heads(root: Path, target_dir: Path, names: list[str]) -> dict[str, tup
     return specs
 
 
-def plain_step(target_dir: Path) -> Callable[[], None]:
-    """One verifier step of one new token after CONTEXT cached ones, its logits' argmax included."""
+def plain_step(target_dir: Path, tokens: int = 1) -> Callable[[], None]:
+    """One verifier step of `tokens` new tokens after CONTEXT cached ones, the argmax of their
+    logits included."""
     from transformers import AutoModelForCausalLM
 
     from backends.runtime.cpu_kernels import argmax_rows
@@ -92,11 +94,11 @@ def plain_step(target_dir: Path) -> Callable[[], None]:
     lm = LeanCausalLM.from_hf(hf, batch_invariant=True)
     pool = lm.new_pool(capacity_tokens=1024)
     pool.admit(0, CONTEXT + 16)
-    ids = torch.randint(0, lm.vocab_size, (CONTEXT + 1,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, lm.vocab_size, (CONTEXT + tokens,), generator=torch.Generator().manual_seed(0))
     lm.forward(pool, [Row(0, ids[:CONTEXT])])
 
     def step() -> None:
-        argmax_rows(lm.forward(pool, [Row(0, ids[CONTEXT:])]).logits[0])
+        argmax_rows(lm.forward(pool, [Row(0, ids[CONTEXT:])], logits_rows=tokens).logits[0])
         pool.truncate(0, CONTEXT)
 
     return step
@@ -138,15 +140,22 @@ def main() -> None:
     from backends.serving.proposer import build_proposer
 
     target = TargetInfo.load(args.target)
-    plain = plain_step(args.target)
+    plain, verify = plain_step(args.target), plain_step(args.target, VERIFY_TOKENS)
     calls = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (spec, k) in write_heads(Path(tmp), args.target, args.heads).items():
             config = SpeculativeConfig.from_json({**spec, "model": str(Path(tmp) / name)})
             proposer = build_proposer(config, max_model_len=4096, dtype="bfloat16", target_model=args.target)
             calls[name] = draft_call(proposer, k, target.vocab_size, target.hidden_size)
-    medians = {name: [] for name in ["plain 1-token step", *calls]}
+    verify_name = f"verify step ({VERIFY_TOKENS} tokens)"
+    medians = {name: [] for name in ["plain 1-token step", verify_name, *calls]}
     for _ in range(args.repeats):
+        times = []
+        for _ in range(args.calls + 1):
+            start = time.perf_counter()
+            verify()
+            times.append(time.perf_counter() - start)
+        medians[verify_name].append(statistics.median(times[1:]) * 1e3)
         for name, call in calls.items():
             plain_times, times = [], []
             for _ in range(args.calls + 1):  # the first pair warms up
