@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from backends.config.fields import DRAFT_SAMPLE_METHODS
+from backends.runtime.cpu_kernels import argmax_rows
 from backends.serving.request import is_greedy
 
 # The lean runtime's KV pool for a drafter (touched only where sequences write), and the room a
@@ -50,10 +51,10 @@ def sample_drafts(
     only, no top-k/top-p), row i drawn with `generators[i]`. Returns the tokens [B, ...] as target ids (`to_target` maps draft
     vocabulary ids) and, when any row sampled, the probabilities [B, ..., V] in the target
     vocabulary (`target_vocab_size`; 0 outside the draft vocabulary; greedy rows' go unused)."""
-    logits = logits.float()
     greedy = [is_greedy(t) for t in temperatures]
-    tokens, probs = logits.argmax(dim=-1), None
+    tokens, probs = argmax_ids(logits), None
     if sample_method == "probabilistic" and not all(greedy):
+        logits = logits.float()
         rows = (-1,) + (1,) * (tokens.dim() - 1)  # broadcasts a per-row value over a row's slots
         scale = torch.tensor([1.0 if g else t for g, t in zip(greedy, temperatures)], device=logits.device)
         probs = (logits / scale.view(*rows, 1)).softmax(dim=-1)
@@ -67,6 +68,15 @@ def sample_drafts(
         if to_target is not None:
             probs = probs.new_zeros(*probs.shape[:-1], target_vocab_size).index_copy_(-1, to_target, probs)
     return (tokens if to_target is None else to_target[tokens]), probs
+
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first of equal maxima): on the CPU in the kernel that reads
+    bf16 in place, where torch widens a copy first (a row of 49152 bf16 logits here: 12 against
+    56 us; of 8192: 6 against 11)."""
+    if logits.device.type != "cpu" or not logits.numel():
+        return logits.argmax(dim=-1)
+    return torch.tensor(argmax_rows(logits.reshape(-1, logits.shape[-1]))).view(logits.shape[:-1])
 
 
 def gather_drafts(

@@ -48,6 +48,7 @@ decoding stays lossless).
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -56,7 +57,11 @@ from torch import nn
 from backends.methods.block_checkpoint import BlockCheckpointError, config_field
 from backends.methods.block_checkpoint import default_config as dflash_default_config
 from backends.methods.dflash import BlockWork, DFlashHead, DFlashProposer
+from backends.methods.drafts import gather_drafts
 from backends.methods.head_checkpoint import TargetInfo
+from backends.runtime import cpu_kernels
+from backends.runtime.lean_lm import KernelLinear
+from backends.serving.request import is_greedy
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
@@ -167,23 +172,49 @@ class DSparkProposer(DFlashProposer):
     head_class = DSparkHead
 
     def _draft(self, hidden: torch.Tensor, work: list[BlockWork]) -> None:
-        """The block's base logits at once, then the Markov chain slot by slot."""
+        """The block's base logits at once, then the Markov chain slot by slot (greedy with a
+        vanilla head: the whole chain in one C call); the drafts cross to the host once."""
         steps = max(w.num_drafts for w in work)
         slots = list(self.head.draft_slots)[:steps]
         base = self.head.logits(hidden[:, slots]).float()
-        prev = torch.tensor([w.anchor for w in work], device=self.device)
-        state, probs = None, []
-        for i, slot in enumerate(slots):
-            logits, state = self.head.step_logits(base[:, i], prev, hidden[:, slot], state)
-            prev, p = self._sample(logits, work)
-            for w, token in zip(work, prev.tolist()):
-                if i < w.num_drafts:
-                    w.drafts.append(token)
-            probs.append(p)
-        if probs[0] is not None:  # sampled (probabilistic drafting, a sampled request)
-            stacked = torch.stack(probs, dim=1)
-            for row, w in enumerate(work):
-                w.probs = stacked[row, : w.num_drafts]
+        temperatures, generators = [w.temperature for w in work], [w.generator for w in work]
+        anchors = torch.tensor([w.anchor for w in work], device=self.device)
+        sampled = self._greedy_chain(base, anchors, temperatures)
+        if sampled is None:
+            prev, state, sampled = anchors, None, []
+            for i, slot in enumerate(slots):
+                logits, state = self.head.step_logits(base[:, i], prev, hidden[:, slot], state)
+                prev, probs = self.sample(logits, temperatures, generators)
+                sampled.append((prev, probs))
+        for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):
+            w.drafts, w.probs = drafted, probs
+
+    def _greedy_chain(
+        self, base: torch.Tensor, anchors: torch.Tensor, temperatures: list[float]
+    ) -> list[tuple[torch.Tensor, None]] | None:
+        """Every step's greedy drafts of a vanilla Markov head from `base` [B, steps, V_d] in one
+        call (`cpu_kernels.markov_greedy`: a draft of ~0.1 ms of small torch calls per step, cold,
+        is one pass over the 64 x V_d weight), the bits of the step-by-step chain; None where it
+        does not apply (sampled drafts, another head, not the packed kernel, a NaN)."""
+        if self._markov_weights is None or not (
+            self.sample_method == "greedy" or all(is_greedy(t) for t in temperatures)
+        ):
+            return None
+        w1, w2 = self._markov_weights
+        ids = cpu_kernels.markov_greedy(base, w1, w2, self.head.draft_to_target, anchors)
+        return None if ids is None else [(ids[:, i], None) for i in range(ids.shape[1])]
+
+    @cached_property
+    def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A vanilla Markov head's w1 and packed w2, where its w2 runs on the packed bf16 kernel
+        (looked at on first use: `from_config` may turn it int8 after construction)."""
+        markov = self.head.markov_head
+        if markov is None or markov.kind != "vanilla":
+            return None
+        w2 = markov.markov_w2
+        if type(w2) is not KernelLinear or w2.int8 or w2.weight.dtype != torch.bfloat16:
+            return None
+        return markov.markov_w1.weight.detach().contiguous(), cpu_kernels.pack_linear(w2.weight.detach())
 
 
 def default_config(

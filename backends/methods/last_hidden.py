@@ -46,15 +46,30 @@ class LastHiddenProposer(HeadProposer):
             generators.append(self.generator_for(req))
         if not rows:
             return drafts
-        state = self.head.begin(torch.stack(states).to(self.device, self.dtype))
-        ids, steps = torch.tensor(tokens, device=self.device), []
-        for step in range(max(counts)):
-            logits, state = self.head.step(step, state, ids)
-            ids, step_probs = self.sample(logits, temperatures, generators)
-            steps.append((ids, step_probs))
+        hidden = torch.stack(states).to(self.device, self.dtype)
+        ids = torch.tensor(tokens, device=self.device)
+        steps = self.draft_steps(hidden, ids, max(counts), temperatures, generators)
         for i, drafted, probs in zip(rows, *gather_drafts(steps, counts)):
             drafts[i] = Draft(drafted, probs)
         return drafts
+
+    def draft_steps(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        num_steps: int,
+        temperatures: list[float],
+        generators: list[torch.Generator | None],
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each draft step's (target ids [B], probabilities [B, V] or None) from the final states
+        `hidden` [B, H_t] and the last tokens [B]: the head step by step, each step fed the
+        drafts of the one before."""
+        state, steps = self.head.begin(hidden), []
+        for step in range(num_steps):
+            logits, state = self.head.step(step, state, tokens)
+            tokens, probs = self.sample(logits, temperatures, generators)
+            steps.append((tokens, probs))
+        return steps
 
     def _last_state(self, req: DraftRequest) -> torch.Tensor:
         hidden, width = req.hidden_states, self.head.target_hidden_size

@@ -1815,3 +1815,34 @@ int run_layers(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64
                         sin, key_slots, key_start, key_len, mask_from, mask, mask_width, scratch, threads);
     return rc;
 }
+
+/* DSpark's vanilla Markov chain drafted greedily (backends/methods/dspark.py), every step of
+ * every row in one call: step i of row r drafts the argmax of base[r][i] + w2 . w1[prev] (the
+ * bias as packed_linear gives it, bf16, widened and added in float32 as torch adds it) and
+ * feeds its target id (to_target[draft], or the draft) on as prev, the row's anchor first.
+ * out[r][i] = that id. Returns -1 where a step's logits hold a NaN (the caller drafts in
+ * torch then), -2 out of memory, or packed_linear's error. */
+int markov_greedy(const float *base, int64_t rows, int64_t steps, int64_t vocab, const uint16_t *w1, int64_t rank,
+                  const uint16_t *w2, const int64_t *to_target, const int64_t *anchors, int64_t *out, int threads) {
+    float *logits = malloc(vocab * sizeof(float));
+    uint16_t *bias = malloc(vocab * sizeof(uint16_t));
+    int rc = logits && bias ? 0 : -2;
+    for (int64_t r = 0; r < rows && !rc; r++) {
+        int64_t prev = anchors[r];
+        for (int64_t i = 0; i < steps && !rc; i++) {
+            const float *b = base + (r * steps + i) * vocab;
+            rc = packed_linear(w1 + prev * rank, rank, w2, NULL, NULL, 0, bias, vocab, 1, vocab, rank, threads);
+            if (rc) break;
+            for (int64_t j = 0; j < vocab; j++) logits[j] = b[j] + row_value((const char *)bias, j, 1);
+            int64_t draft = argmax_row((const char *)logits, vocab, 0);
+            if (draft < 0) {
+                rc = -1;
+                break;
+            }
+            out[r * steps + i] = prev = to_target ? to_target[draft] : draft;
+        }
+    }
+    free(logits);
+    free(bias);
+    return rc;
+}

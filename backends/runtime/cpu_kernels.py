@@ -406,6 +406,44 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.float().argmax(dim=-1).tolist()
 
 
+def markov_greedy(
+    base: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, to_target: torch.Tensor | None, anchors: torch.Tensor
+) -> torch.Tensor | None:
+    """DSpark's vanilla Markov chain, greedy, in one call: draft i of row r is the argmax of
+    ``base[r, i] + w2 @ w1[prev]`` (``base`` ``[rows, steps, V_d]`` float32 slot logits, ``w1``
+    ``[V, rank]`` bf16, ``w2`` its ``[V_d, rank]`` weight as ``pack_linear`` left it), mapped by
+    ``to_target`` ``[V_d]``; prev is the row's anchor (``anchors`` ``[rows]``), then its last
+    draft. The drafts ``[rows, steps]`` as target ids, the bits of the step-by-step chain on
+    the packed kernel; None where a step's logits hold a NaN (torch's argmax then decides)."""
+    rows, steps, vocab = base.shape
+    rank = w1.shape[1]
+    if base.dtype != torch.float32 or not base.is_contiguous() or w1.dtype != torch.bfloat16 or not w1.is_contiguous():
+        raise KernelArgumentError("markov_greedy takes contiguous float32 logits and a contiguous bf16 w1")
+    _check_weight("markov_greedy", w1, w2, 1, vocab, None)
+    for name, t, n in (("anchors", anchors, rows), ("to_target", to_target, vocab)):
+        if t is not None and (t.dtype != torch.int64 or not t.is_contiguous() or t.numel() != n):
+            raise KernelArgumentError(f"markov_greedy: {name} must be {n} contiguous int64 ids")
+    out = torch.empty(rows, steps, dtype=torch.int64)
+    rc = _library().markov_greedy(
+        base.data_ptr(),
+        rows,
+        steps,
+        vocab,
+        w1.data_ptr(),
+        rank,
+        w2.data_ptr(),
+        None if to_target is None else to_target.data_ptr(),
+        anchors.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == -1:
+        return None
+    if rc != 0:
+        raise KernelUnavailable(f"markov_greedy: packed linear kernel failed ({rc})")
+    return out
+
+
 def packed_linear_available() -> bool:
     """Does this CPU run the packed bf16 linear kernel (AVX-512 BF16, or AVX2 + FMA)?"""
     return _available("packed_linear")

@@ -119,6 +119,8 @@ def library() -> ctypes.CDLL:
     lib.run_layers.restype = ctypes.c_int
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
     lib.argmax_rows.restype = None
+    lib.markov_greedy.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.markov_greedy.restype = ctypes.c_int
     return lib
 
 

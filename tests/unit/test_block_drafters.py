@@ -17,7 +17,7 @@ from backends.methods.block_checkpoint import BlockCheckpointError, default_conf
 from backends.methods.dflash import DFlashHead, DFlashProposer, load_dflash
 from backends.methods.dspark import DSparkHead, DSparkProposer
 from backends.methods.dspark import default_config as dspark_default_config
-from backends.runtime import lean_lm
+from backends.runtime import cpu_kernels, lean_lm
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
@@ -515,6 +515,33 @@ def test_batched_equals_one_at_a_time(name, heads, runner, prompt_ids):
     for seq in contexts:
         batched.release(seq)
     assert batched.num_sequences == 0
+
+
+@pytest.mark.skipif(not cpu_kernels.packed_linear_available(), reason="the packed bf16 kernel does not run here")
+@pytest.mark.parametrize("draft_vocab", [None, 200])
+def test_the_greedy_markov_chain_in_one_call_drafts_the_step_by_step_bits(
+    draft_vocab, checkpoints, target, runner, prompt_ids, tmp_path
+):
+    """A bf16 vanilla Markov head drafts greedily in one C call (cpu_kernels.markov_greedy):
+    batched, those drafts are what the step-by-step chain drafts alone, over a draft vocabulary
+    mapped to target ids too; a NaN in the logits hands the step back to torch."""
+    path = checkpoints["dspark-vanilla"][0]
+    if draft_vocab:
+        cfg = dspark_default_config(target, mask_token_id=5, block_size=4, target_layer_ids=[0, 1], markov_rank=8)
+        head = DSparkHead({**cfg, "draft_vocab_size": draft_vocab}, target)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            head.d2t.copy_(torch.randperm(V, generator=gen)[:draft_vocab].sort().values - torch.arange(draft_vocab))
+            head.markov_head.markov_w2.weight.normal_(0, 2, generator=gen)  # a bias that moves drafts
+        path = save_head(head, tmp_path / "dspark-draft-vocab")
+    head = load_head(DSparkHead, path, target, "bfloat16")
+    fast, stepwise = DSparkProposer(head, 512), DSparkProposer(head, 512)
+    stepwise._markov_weights = None  # the step-by-step chain
+    assert fast._markov_weights is not None and (head.draft_to_target is not None) == bool(draft_vocab)
+    check_ragged_batches(fast, stepwise, prompt_ids, partial(request, runner, head), steps=3, first_k=1, vocab_size=V)
+    base = torch.zeros(1, 2, head.spec.draft_vocab_size)
+    base[0, 1, 3] = float("nan")
+    assert cpu_kernels.markov_greedy(base, *fast._markov_weights, head.draft_to_target, torch.tensor([7])) is None
 
 
 @pytest.mark.parametrize("name", ["dflash-draft-vocab", "dspark-gated"])

@@ -12,7 +12,7 @@ import torch
 from backends.config import SpeculativeConfig
 from backends.config.errors import SpeculativeConfigError
 from backends.methods.draft_model import DraftModelProposer
-from backends.methods.drafts import DRAFT_KV_MEMORY_GB, sample_drafts
+from backends.methods.drafts import DRAFT_KV_MEMORY_GB, argmax_ids, sample_drafts
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import cpu_kernels
 from backends.runtime.engine import LeanEngine
@@ -185,6 +185,20 @@ def test_sampled_drafts_follow_the_tempered_distribution():
     frequencies = torch.stack([(tokens[1:] == t).float().mean() for t in to_target])
     assert (frequencies - expected).abs().sum() / 2 < 0.015, (frequencies, expected)
     assert sample_drafts(logits[:2], "greedy", [1.0, 1.0], [gen, gen])[1] is None  # greedy drafting: one-hot
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_draft_ids_are_torchs_argmax(dtype):
+    """argmax_ids (the C kernel on the CPU) is torch's argmax: the first of equal maxima, a NaN
+    row's NaN, any leading shape, strided rows."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 1001, generator=gen).to(dtype)
+    logits[0, 1, [7, 500, 900]] = 50.0  # ties: the first
+    views = [logits, logits[:, 2], logits[:, 1:3, :999], logits[0]]
+    for view in views:
+        assert torch.equal(argmax_ids(view), view.float().argmax(-1))
+    logits[2, 3, 40] = float("nan")
+    assert torch.equal(argmax_ids(logits), logits.float().argmax(-1)) and argmax_ids(logits)[2, 3] == 40
 
 
 def test_release_frees_the_sequence(make, draft_lm, prompt_ids):

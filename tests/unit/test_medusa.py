@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
 from backends.methods.medusa import MedusaCheckpointError, MedusaProposer, load_medusa, save_medusa
+from backends.runtime.cpu_kernels import packed_linear_available
+from backends.runtime.lean_lm import kernel_linears
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.head_server import CONTEXTS, assert_batched_equals_one_at_a_time
 from tests.fixtures.helpers import target_hidden
@@ -207,6 +209,31 @@ def test_batched_equals_one_at_a_time(checkpoints, target, hidden):
     # No drafts past the context window.
     near_end = MedusaProposer(proposer.head, max_model_len=len(CONTEXTS[0]) + 2)
     assert near_end.propose([DraftRequest(0, CONTEXTS[0], 4, hidden[0])])[0].token_ids == together[0].token_ids[:2]
+
+
+@pytest.mark.skipif(not packed_linear_available(), reason="the packed bf16 kernel does not run on this CPU")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_stacked_heads_give_each_heads_own_bits(name, checkpoints, target, hidden):
+    """bf16 heads on the packed kernel draft through StackedHeads (every head at once: the
+    first blocks in one call, later blocks and LM heads in one pass at few rows, head by head
+    at more; a 200-id draft vocabulary pads each head's part): the bits of each head's own
+    forward at every batch size, and drafts that are its argmax, batched as alone."""
+    head = load_medusa(checkpoints[name][0], target, "bfloat16", num_heads=3)
+    proposer = MedusaProposer(head, 512)
+    assert proposer.stacked is not None
+    gen = torch.Generator().manual_seed(1)
+    states = torch.cat([torch.stack([rows[-1, 0] for rows in hidden]), torch.randn(2, H, generator=gen)]).bfloat16()
+    for rows in (1, 2, 3, 5):  # 3 heads: 3 and 6 rows in one pass, 9 and 15 head by head
+        assert torch.equal(proposer.heads_logits(states[:rows]), head(states[:rows]))
+    expected = head(states[:3]).float().argmax(-1)
+    if head.token_map is not None:
+        expected = head.token_map[expected]
+    bf16_hidden = [rows.bfloat16() for rows in hidden]
+    together = assert_batched_equals_one_at_a_time(proposer, bf16_hidden, (3, 1, 3))
+    assert [d.token_ids for d in together[:3]] == [expected[0].tolist(), expected[1, :1].tolist(), expected[2].tolist()]
+    int8 = MedusaProposer(head, 512)
+    kernel_linears(head, int8=True)  # as from_config quantizes: after construction
+    assert int8.stacked is None  # int8 heads keep their own layers
 
 
 @pytest.mark.parametrize("name", ["vllm", "vllm-shared-truncated-nobias"])
