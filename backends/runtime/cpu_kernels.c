@@ -32,6 +32,7 @@
  * the sums stay in registers. Built without -ffast-math, so no sum is ever reordered.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +40,11 @@
 #define LANES 16
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
-#define MAX_RUN 32 /* query tokens sharing one pass over their keys */
+#define MAX_RUN 64 /* query tokens sharing one pass over their keys, at most */
+/* A step's runs: at most STEP_RUN tokens (a prompt chunk's through split_layers: MAX_RUN, half
+ * the key transposes and value interleaves of 32-token runs: 128 queries over 8000 keys in
+ * 0.95x the time; a decode step's scratch stays the smaller one, which its calls allocate) */
+#define STEP_RUN 32
 #define ROW_PAD 8  /* scratch rows past a run's query heads (attend_run_bf16 works in blocks) */
 /* A query with more keys attends over them in chunks of this many (by position in its own key
  * list, so the same chunks whatever else is in the call), combined in order. In a step of few
@@ -742,130 +747,177 @@ static int64_t form_runs(const int64_t *key_start, const int64_t *key_len, int64
     return runs;
 }
 
-/* q: [tokens, q_stride elements] with head h at h*d (query heads group-major: head
- * g*kv_heads + kvh uses kv head kvh); kv: one layer of the pool, [slots, 2, kv_heads, d];
- * query t attends over key_slots[key_start[t] : key_start[t] + key_len[t]] (key_len >= 1),
- * less the keys j >= mask_from[t] of that list where mask[t * mask_width + j - mask_from[t]]
- * is 0 (mask_from NULL: none hidden; see key_mask); out: [tokens, heads*d]. Consecutive
- * tokens with the same key_start form runs (of at most MAX_RUN) that share key loads. Returns
- * 0, -1 for a head dim or group it does not take, -2 when out of memory. */
-int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_slots,
-           const int64_t *key_start, const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask,
-           int64_t mask_width, void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-           int bf16, int threads) {
-    int64_t group = heads / kv_heads, esz = bf16 ? 2 : 4, runs = 0, tasks = 0, max_chunks = 1;
-    if (d % LANES != 0 || d > MAX_HEAD_DIM || group > MAX_GROUP || heads % kv_heads != 0) return -1;
-    if (tokens == 0) return 0;
-    /* per run: its first token and its longest query's chunks */
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(tokens + 1)), *chunks = malloc(sizeof(int64_t) * (size_t)tokens);
-    if (!first || !chunks) {
-        free(first), free(chunks);
-        return -2;
-    }
-    runs = form_runs(key_start, key_len, tokens, MAX_RUN, first, chunks);
-    for (int64_t r = 0; r < runs; r++) max_chunks = chunks[r] > max_chunks ? chunks[r] : max_chunks;
-    if (runs * kv_heads < 2 * threads && runs < tokens && max_chunks == 1) {
+/* One attention call's arguments (see attend). */
+typedef struct {
+    const void *q, *kv;
+    const int64_t *key_slots, *key_start, *key_len, *mask_from;
+    const uint8_t *mask;
+    void *out;
+    int64_t q_stride, mask_width, tokens, heads, kv_heads, d;
+    float scale;
+    int bf16;
+} attend_call;
+
+/* How a call's work is cut into tasks; it depends on the key lists and the thread count only, so
+ * a step's layers share one. first[r]: run r's first token; chunks[r]: its longest query's
+ * KEY_CHUNKs; task[3i ..]: (run, kv head, chunk) of task i; part: the spread chunks' partial
+ * results, [tokens][heads][max_chunks] (spread only). */
+typedef struct {
+    int64_t cap, runs, tasks, max_chunks, part_head; /* cap: a run's most tokens */
+    int spread;
+    int64_t *first, *chunks, *task;
+    float *part;
+} attend_plan;
+
+static void free_plan(attend_plan *p) {
+    free(p->first), free(p->chunks), free(p->task), free(p->part);
+}
+
+/* The runs (of at most cap <= MAX_RUN tokens) and tasks of call c on `threads` threads; 0, or
+ * -2 when out of memory. */
+static int plan_attend(const attend_call *c, int64_t cap, int threads, attend_plan *p) {
+    int64_t tokens = c->tokens, kv_heads = c->kv_heads;
+    *p = (attend_plan){cap, 0, 0, 1, 0, 0, NULL, NULL, NULL, NULL};
+    p->first = malloc(sizeof(int64_t) * (size_t)(tokens + 1)), p->chunks = malloc(sizeof(int64_t) * (size_t)tokens);
+    if (!p->first || !p->chunks) return free_plan(p), -2;
+    int64_t runs = form_runs(c->key_start, c->key_len, tokens, cap, p->first, p->chunks);
+    for (int64_t r = 0; r < runs; r++) p->max_chunks = p->chunks[r] > p->max_chunks ? p->chunks[r] : p->max_chunks;
+    if (runs * kv_heads < 2 * threads && runs < tokens && p->max_chunks == 1) {
         /* Too few tasks to share (a 5-token verification's 3 kv heads on 2 threads: one
          * thread did two, the other waited), and no chunks of keys to spread instead: runs of
          * half the length. A query's result does not depend on the run it is in; only the
          * keys' widening is done once more. */
-        int64_t longest = 0;
+        int64_t longest = 0, *first = p->first;
         for (int64_t r = 0; r < runs; r++) longest = first[r + 1] - first[r] > longest ? first[r + 1] - first[r] : longest;
-        runs = form_runs(key_start, key_len, tokens, (longest + 1) / 2, first, chunks);
+        runs = form_runs(c->key_start, c->key_len, tokens, (longest + 1) / 2, p->first, p->chunks);
     }
     /* Few tasks (a step of a row or two): each chunk of a run is a task of its own, its partial
      * results [tokens][heads][max_chunks] kept in `part` for all; otherwise (or where those
      * would take too much memory) a task attends its run's chunks one after the other in its
      * own scratch. The arithmetic is the same: only who computes a chunk differs. */
-    int64_t part_head = max_chunks * PART(d);
-    int spread = max_chunks > 1 && runs * kv_heads < 4 * threads && tokens * heads * part_head <= MAX_SPREAD_FLOATS;
-    for (int64_t r = 0; r < runs; r++) tasks += kv_heads * (spread ? chunks[r] : 1);
-    int64_t *task = malloc(sizeof(int64_t) * 3 * (size_t)tasks); /* run, kvh, chunk */
-    float *part = spread ? malloc(sizeof(float) * (size_t)(tokens * heads * part_head)) : NULL;
-    if (!task || (spread && !part)) {
-        free(first), free(chunks), free(task), free(part);
-        return -2;
-    }
+    p->runs = runs, p->part_head = p->max_chunks * PART(c->d);
+    p->spread = p->max_chunks > 1 && runs * kv_heads < 4 * threads &&
+                tokens * c->heads * p->part_head <= MAX_SPREAD_FLOATS;
+    for (int64_t r = 0; r < runs; r++) p->tasks += kv_heads * (p->spread ? p->chunks[r] : 1);
+    p->task = malloc(sizeof(int64_t) * 3 * (size_t)p->tasks);
+    p->part = p->spread ? malloc(sizeof(float) * (size_t)(tokens * c->heads * p->part_head)) : NULL;
+    if (!p->task || (p->spread && !p->part)) return free_plan(p), -2;
     /* chunk-major: the kv heads of one chunk run at about the same time (on 2 threads, 2 of
      * them at once), while the pool rows they share, all heads' keys and values side by side,
      * are in cache */
     for (int64_t r = 0, i = 0; r < runs; r++)
-        for (int64_t c = 0; c < (spread ? chunks[r] : 1); c++)
+        for (int64_t ch = 0; ch < (p->spread ? p->chunks[r] : 1); ch++)
             for (int64_t kvh = 0; kvh < kv_heads; kvh++, i++)
-                task[3 * i] = r, task[3 * i + 1] = kvh, task[3 * i + 2] = c;
-    int64_t failed = 0;
+                p->task[3 * i] = r, p->task[3 * i + 1] = kvh, p->task[3 * i + 2] = ch;
+    return 0;
+}
+
+/* A thread's scratch for the tasks of plan p (and where a task combines its own chunks:
+ * local_part); returns whether an allocation failed (free_scratch frees what was had). */
+static int new_scratch(const attend_call *c, const attend_plan *p, scratch *w, float **local_part) {
+    size_t cells = (size_t)(p->cap * (c->heads / c->kv_heads) + ROW_PAD), d = (size_t)c->d;
+    *w = (scratch){malloc(sizeof(float) * cells * d), malloc(sizeof(float) * cells * KEY_CHUNK),
+                   malloc(sizeof(float) * cells), malloc(sizeof(float) * cells),
+                   aligned_alloc(sizeof(vec), sizeof(vec) * cells * (d / LANES)), malloc(sizeof(float) * LANES * d),
+                   NULL, NULL, NULL, NULL};
+    int local = p->max_chunks > 1 && !p->spread;
+    *local_part = local ? malloc(sizeof(float) * cells * (size_t)p->part_head) : NULL;
+    int failed = !w->qf || !w->scores || !w->total || !w->max || !w->acc || !w->keys || (local && !*local_part);
+#ifdef BF16_DOTS
+    if (c->bf16) {
+        w->qpairs = malloc(sizeof(uint32_t) * cells * d / 2);
+        w->probs = calloc(cells * KEY_CHUNK, sizeof(uint16_t)); /* rows past a run's heads: read, unused */
+        w->vpairs = malloc(sizeof(uint16_t) * KEY_CHUNK * d);
+        w->tile = aligned_alloc(64, 32 * d);
+        failed |= !w->qpairs || !w->probs || !w->vpairs || !w->tile;
+    }
+#endif
+    return failed;
+}
+
+static void free_scratch(scratch *w, float *local_part) {
+    free(w->qf), free(w->scores), free(w->total), free(w->max), free(w->acc), free(w->keys);
+    free(w->qpairs), free(w->probs), free(w->vpairs), free(w->tile), free(local_part);
+}
+
+/* Task i of plan p: a run's kv head, all its chunks or (spread) one. */
+static void attend_task(const attend_call *c, const attend_plan *p, int64_t i, scratch w, float *local_part) {
+    int64_t group = c->heads / c->kv_heads, kv_heads = c->kv_heads, d = c->d, heads = c->heads, esz = c->bf16 ? 2 : 4;
+    int64_t run = p->task[3 * i], kvh = p->task[3 * i + 1], ch = p->task[3 * i + 2], t = p->first[run];
+    int64_t nq = p->first[run + 1] - t, q_bytes = c->q_stride * esz, part_head = p->part_head;
+    const char *qt = (const char *)c->q + t * q_bytes, *kv = c->kv;
+    const int64_t *slots = c->key_slots + c->key_start[t], *key_len = c->key_len;
+    key_mask run_mask = {0};
+    if (c->mask_from) run_mask = (key_mask){c->mask_from + t, c->mask + t * c->mask_width, c->mask_width, 0};
+    const key_mask *hides = c->mask_from ? &run_mask : NULL;
+    if (p->chunks[run] == 1)
+        attend_run(qt, q_bytes, kv, slots, key_len + t, nq, (char *)c->out + t * heads * d * esz, heads * d * esz, kvh,
+                   kv_heads, group, d, c->scale, c->bf16, hides, w, NULL, 0, 0);
+    else if (p->spread)
+        attend_chunk(qt, q_bytes, kv, slots, key_len + t, nq, ch, kvh, kv_heads, group, d, c->scale, c->bf16, hides, w,
+                     p->part + (t * heads + kvh) * part_head + ch * PART(d), heads * part_head, kv_heads * part_head);
+    else {
+        for (ch = 0; ch < p->chunks[run]; ch++)
+            attend_chunk(qt, q_bytes, kv, slots, key_len + t, nq, ch, kvh, kv_heads, group, d, c->scale, c->bf16, hides,
+                         w, local_part + ch * PART(d), group * part_head, part_head);
+        for (int64_t r = 0; r < nq; r++)
+            for (int64_t g = 0; g < group; g++)
+                combine_chunks(local_part + (r * group + g) * part_head, (key_len[t + r] + KEY_CHUNK - 1) / KEY_CHUNK,
+                               d, (char *)c->out + ((t + r) * heads + g * kv_heads + kvh) * d * esz, c->bf16);
+    }
+}
+
+/* Plan p's tasks shared by the threads of the enclosing parallel region (every thread calls
+ * this; `failed`: this thread's scratch is missing, so it takes no task), each output written
+ * when the last worksharing loop's barrier is passed. */
+static void attend_tasks(const attend_call *c, const attend_plan *p, scratch w, float *local_part, int failed) {
+    /* dynamic: chunks and runs differ in size; what each computes does not depend on who runs it */
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < p->tasks; i++)
+        if (!failed) attend_task(c, p, i, w, local_part);
+    if (!p->spread) return;
+    int64_t heads = c->heads, d = c->d, esz = c->bf16 ? 2 : 4;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < c->tokens * heads; i++) {
+        int64_t t = i / heads, run = 0;
+        while (p->first[run + 1] <= t) run++;
+        if (!failed && p->chunks[run] > 1)
+            combine_chunks(p->part + i * p->part_head, (c->key_len[t] + KEY_CHUNK - 1) / KEY_CHUNK, d,
+                           (char *)c->out + i * d * esz, c->bf16);
+    }
+}
+
+static int attend_sizes_ok(int64_t heads, int64_t kv_heads, int64_t d) {
+    return d % LANES == 0 && d <= MAX_HEAD_DIM && heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP;
+}
+
+/* q: [tokens, q_stride elements] with head h at h*d (query heads group-major: head
+ * g*kv_heads + kvh uses kv head kvh); kv: one layer of the pool, [slots, 2, kv_heads, d];
+ * query t attends over key_slots[key_start[t] : key_start[t] + key_len[t]] (key_len >= 1),
+ * less the keys j >= mask_from[t] of that list where mask[t * mask_width + j - mask_from[t]]
+ * is 0 (mask_from NULL: none hidden; see key_mask); out: [tokens, heads*d]. Consecutive
+ * tokens with the same key_start form runs (of at most STEP_RUN) that share key loads. Returns
+ * 0, -1 for a head dim or group it does not take, -2 when out of memory. */
+int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_slots,
+           const int64_t *key_start, const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask,
+           int64_t mask_width, void *out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d, float scale,
+           int bf16, int threads) {
+    if (!attend_sizes_ok(heads, kv_heads, d)) return -1;
+    if (tokens == 0) return 0;
+    attend_call c = {q,       kv,   key_slots,  key_start, key_len, mask_from, mask, out, q_stride,
+                     mask_width, tokens, heads, kv_heads,  d,       scale,     bf16};
+    attend_plan p;
+    if (plan_attend(&c, STEP_RUN, threads, &p)) return -2;
+    int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        size_t cells = (size_t)(MAX_RUN * group + ROW_PAD);
-        scratch w = {malloc(sizeof(float) * cells * (size_t)d), malloc(sizeof(float) * cells * KEY_CHUNK),
-                     malloc(sizeof(float) * cells), malloc(sizeof(float) * cells),
-                     aligned_alloc(sizeof(vec), sizeof(vec) * cells * (size_t)(d / LANES)),
-                     malloc(sizeof(float) * LANES * (size_t)d), NULL, NULL, NULL, NULL};
-        float *local_part = max_chunks > 1 && !spread ? malloc(sizeof(float) * cells * (size_t)part_head) : NULL;
-        failed = !w.qf || !w.scores || !w.total || !w.max || !w.acc || !w.keys || (max_chunks > 1 && !spread && !local_part);
-#ifdef BF16_DOTS
-        if (bf16) {
-            w.qpairs = malloc(sizeof(uint32_t) * cells * (size_t)d / 2);
-            w.probs = calloc(cells * KEY_CHUNK, sizeof(uint16_t)); /* rows past a run's heads: read, unused */
-            w.vpairs = malloc(sizeof(uint16_t) * KEY_CHUNK * (size_t)d);
-            w.tile = aligned_alloc(64, 32 * (size_t)d);
-            failed |= !w.qpairs || !w.probs || !w.vpairs || !w.tile;
-        }
-#endif
-        /* dynamic: chunks and runs differ in size; what each computes does not depend on who runs it */
-#pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < tasks; i++) {
-            int64_t run = task[3 * i], kvh = task[3 * i + 1], c = task[3 * i + 2], t = first[run];
-            int64_t nq = first[run + 1] - t, q_bytes = q_stride * esz;
-            const char *qt = (const char *)q + t * q_bytes;
-            const int64_t *slots = key_slots + key_start[t];
-            key_mask run_mask = {0};
-            if (mask_from) run_mask = (key_mask){mask_from + t, mask + t * mask_width, mask_width, 0};
-            const key_mask *hides = mask_from ? &run_mask : NULL;
-            if (failed) continue;
-            if (chunks[run] == 1)
-                attend_run(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, (char *)out + t * heads * d * esz,
-                           heads * d * esz, kvh, kv_heads, group, d, scale, bf16, hides, w, NULL, 0, 0);
-            else if (spread)
-                attend_chunk(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, c, kvh, kv_heads, group, d, scale,
-                             bf16, hides, w, part + (t * heads + kvh) * part_head + c * PART(d), heads * part_head,
-                             kv_heads * part_head);
-            else {
-                for (c = 0; c < chunks[run]; c++)
-                    attend_chunk(qt, q_bytes, (const char *)kv, slots, key_len + t, nq, c, kvh, kv_heads, group, d,
-                                 scale, bf16, hides, w, local_part + c * PART(d), group * part_head, part_head);
-                for (int64_t r = 0; r < nq; r++)
-                    for (int64_t g = 0; g < group; g++)
-                        combine_chunks(local_part + (r * group + g) * part_head, (key_len[t + r] + KEY_CHUNK - 1) / KEY_CHUNK,
-                                       d, (char *)out + ((t + r) * heads + g * kv_heads + kvh) * d * esz, bf16);
-            }
-        }
-        if (spread) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < tokens * heads; i++) {
-                int64_t t = i / heads, run = 0;
-                while (first[run + 1] <= t) run++;
-                if (!failed && chunks[run] > 1)
-                    combine_chunks(part + i * part_head, (key_len[t] + KEY_CHUNK - 1) / KEY_CHUNK, d,
-                                   (char *)out + i * d * esz, bf16);
-            }
-        }
-        free(w.qf);
-        free(w.scores);
-        free(w.total);
-        free(w.max);
-        free(w.acc);
-        free(w.keys);
-        free(w.qpairs);
-        free(w.probs);
-        free(w.vpairs);
-        free(w.tile);
-        free(local_part);
+        scratch w;
+        float *local_part;
+        failed = new_scratch(&c, &p, &w, &local_part);
+        attend_tasks(&c, &p, w, local_part, failed);
+        free_scratch(&w, local_part);
     }
-    free(first);
-    free(chunks);
-    free(task);
-    free(part);
+    free_plan(&p);
     return failed ? -2 : 0;
 }
 
@@ -875,34 +927,38 @@ int attend(const void *q, int64_t q_stride, const void *kv, const int64_t *key_s
  * on the other rows, so this is batch invariant too; it is here for speed: one call instead of
  * the ~8 tensor ops (each a few microseconds) of F.rms_norm, twice per layer per step. */
 #define MAX_NORM 16384
+static void norm_row(const char *x, const void *weight, char *out, int64_t n, float eps, int bf16) {
+    int64_t esz = bf16 ? 2 : 4;
+    float row[MAX_NORM], w[ELEMS];
+    load_row(x, n, row, bf16);
+    vec squares = {0};
+    for (int64_t i = 0; i < n; i += LANES) {
+        vec v;
+        memcpy(&v, row + i, sizeof v);
+        squares += v * v;
+    }
+    float inv = 1.0f / sqrtf(hsum(squares) / (float)n + eps);
+    for (int64_t i = 0; i < n; i += ELEMS) {
+        evec v;
+        memcpy(&v, row + i, sizeof v);
+        v *= inv;
+        if (bf16) v = round_bf16(v);
+        load_row((const char *)weight + i * esz, ELEMS, w, bf16);
+        evec wv;
+        memcpy(&wv, w, sizeof wv);
+        v *= wv;
+        memcpy(row + i, &v, sizeof v);
+    }
+    store_row(row, n, out, bf16);
+}
+
 int rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int64_t out_stride, int64_t rows,
              int64_t n, float eps, int bf16, int threads) {
     if (n % LANES != 0 || n > MAX_NORM) return -1;
     int64_t esz = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4 * threads)
-    for (int64_t r = 0; r < rows; r++) {
-        float row[MAX_NORM], w[ELEMS];
-        load_row((const char *)x + r * x_stride * esz, n, row, bf16);
-        vec squares = {0};
-        for (int64_t i = 0; i < n; i += LANES) {
-            vec v;
-            memcpy(&v, row + i, sizeof v);
-            squares += v * v;
-        }
-        float inv = 1.0f / sqrtf(hsum(squares) / (float)n + eps);
-        for (int64_t i = 0; i < n; i += ELEMS) {
-            evec v;
-            memcpy(&v, row + i, sizeof v);
-            v *= inv;
-            if (bf16) v = round_bf16(v);
-            load_row((const char *)weight + i * esz, ELEMS, w, bf16);
-            evec wv;
-            memcpy(&wv, w, sizeof wv);
-            v *= wv;
-            memcpy(row + i, &v, sizeof v);
-        }
-        store_row(row, n, (char *)out + r * out_stride * esz, bf16);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        norm_row((const char *)x + r * x_stride * esz, weight, (char *)out + r * out_stride * esz, n, eps, bf16);
     return 0;
 }
 
@@ -910,63 +966,70 @@ int rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int
  * key and value heads into its pool slot (kv: [slots][2][kv_heads][d]). x' = x * cos +
  * swap_halves(x) * sin, sin with its first half negated (rotate_half folded into it), rounded
  * as the bf16 tensor ops round: the product x * cos, then the sum. */
+static void rope_row(char *row, const void *cos, const void *sin, char *slot, int64_t t, int64_t heads,
+                     int64_t kv_heads, int64_t d, int bf16) {
+    int64_t esz = bf16 ? 2 : 4, half = d / 2;
+    float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM];
+    load_row((const char *)cos + t * d * esz, d, c, bf16);
+    load_row((const char *)sin + t * d * esz, d, s, bf16);
+    for (int64_t h = 0; h < heads + kv_heads; h++) {
+        float y[MAX_HEAD_DIM], swapped[MAX_HEAD_DIM];
+        load_row(row + h * d * esz, d, x, bf16);
+        memcpy(swapped, x + half, sizeof(float) * (size_t)half);
+        memcpy(swapped + half, x, sizeof(float) * (size_t)half);
+        for (int64_t i = 0; i < d; i += ELEMS) {
+            evec xv, sw, cv, sv;
+            memcpy(&xv, x + i, sizeof xv);
+            memcpy(&sw, swapped + i, sizeof sw);
+            memcpy(&cv, c + i, sizeof cv);
+            memcpy(&sv, s + i, sizeof sv);
+            evec a = xv * cv;
+            if (bf16) a = round_bf16(a);
+            evec out = a + sw * sv;
+            memcpy(y + i, &out, sizeof out);
+        }
+        store_row(y, d, row + h * d * esz, bf16);
+    }
+    memcpy(slot, row + heads * d * esz, (size_t)(2 * kv_heads * d * esz)); /* k heads, then v heads */
+}
+
 int rope_store(void *qkv, int64_t qkv_stride, const void *cos, const void *sin, void *kv, const int64_t *slots,
                int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d, int bf16, int threads) {
     if (d > MAX_HEAD_DIM || d % LANES != 0) return -1;
-    int64_t esz = bf16 ? 2 : 4, half = d / 2;
+    int64_t esz = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens >= 4 * threads)
-    for (int64_t t = 0; t < tokens; t++) {
-        char *row = (char *)qkv + t * qkv_stride * esz;
-        float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM];
-        load_row((const char *)cos + t * d * esz, d, c, bf16);
-        load_row((const char *)sin + t * d * esz, d, s, bf16);
-        for (int64_t h = 0; h < heads + kv_heads; h++) {
-            float y[MAX_HEAD_DIM], swapped[MAX_HEAD_DIM];
-            load_row(row + h * d * esz, d, x, bf16);
-            memcpy(swapped, x + half, sizeof(float) * (size_t)half);
-            memcpy(swapped + half, x, sizeof(float) * (size_t)half);
-            for (int64_t i = 0; i < d; i += ELEMS) {
-                evec xv, sw, cv, sv;
-                memcpy(&xv, x + i, sizeof xv);
-                memcpy(&sw, swapped + i, sizeof sw);
-                memcpy(&cv, c + i, sizeof cv);
-                memcpy(&sv, s + i, sizeof sv);
-                evec a = xv * cv;
-                if (bf16) a = round_bf16(a);
-                evec out = a + sw * sv;
-                memcpy(y + i, &out, sizeof out);
-            }
-            store_row(y, d, row + h * d * esz, bf16);
-        }
-        int64_t kv_bytes = kv_heads * d * esz;
-        char *slot = (char *)kv + slots[t] * 2 * kv_bytes;
-        memcpy(slot, row + heads * d * esz, (size_t)(2 * kv_bytes)); /* k heads, then v heads */
-    }
+    for (int64_t t = 0; t < tokens; t++)
+        rope_row((char *)qkv + t * qkv_stride * esz, cos, sin, (char *)kv + slots[t] * 2 * kv_heads * d * esz, t, heads,
+                 kv_heads, d, bf16);
     return 0;
 }
 
 /* out = silu(gate) * up per row of gate|up (each n values, n a multiple of LANES), rounded as
  * the bf16 tensor ops round: silu, then the product. silu(x) = x * sigmoid(x), the sigmoid
  * from exp(-|x|) so every lane takes the same vector code. */
+static void silu_row(const char *gate, char *out, int64_t n, int bf16) {
+    int64_t esz = bf16 ? 2 : 4;
+    const char *up_row = gate + n * esz;
+    for (int64_t i = 0; i < n; i += ELEMS) {
+        evec x, up;
+        load_row(gate + i * esz, ELEMS, (float *)&x, bf16);
+        load_row(up_row + i * esz, ELEMS, (float *)&up, bf16);
+        evec e = exp_nonpositive(select(x < 0, x, -x));
+        evec sig = select(x < 0, e, (evec){0} + 1.0f) / (1.0f + e); /* e / (1 + e) or 1 / (1 + e) */
+        evec act = x * sig;
+        if (bf16) act = round_bf16(act);
+        act *= up;
+        store_row((const float *)&act, ELEMS, out + i * esz, bf16);
+    }
+}
+
 int silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int64_t rows, int64_t n, int bf16,
              int threads) {
     if (n % LANES != 0 || n > MAX_NORM) return -1;
     int64_t esz = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4 * threads)
-    for (int64_t r = 0; r < rows; r++) {
-        const char *gate = (const char *)gate_up + r * in_stride * esz, *up_row = gate + n * esz;
-        for (int64_t i = 0; i < n; i += ELEMS) {
-            evec x, up;
-            load_row(gate + i * esz, ELEMS, (float *)&x, bf16);
-            load_row(up_row + i * esz, ELEMS, (float *)&up, bf16);
-            evec e = exp_nonpositive(select(x < 0, x, -x));
-            evec sig = select(x < 0, e, (evec){0} + 1.0f) / (1.0f + e); /* e / (1 + e) or 1 / (1 + e) */
-            evec act = x * sig;
-            if (bf16) act = round_bf16(act);
-            act *= up;
-            store_row((const float *)&act, ELEMS, (char *)out + (r * out_stride + i) * esz, bf16);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        silu_row((const char *)gate_up + r * in_stride * esz, (char *)out + r * out_stride * esz, n, bf16);
     return 0;
 }
 
@@ -1802,13 +1865,103 @@ static int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter
     return rc;
 }
 
+/* A prompt chunk's layers (SPLIT_ROWS or more rows a thread) in one parallel region. Each
+ * thread takes a fixed share of the rows through everything a row does alone (RMSNorm, the
+ * linears, RoPE and the KV write, SiLU * up), and the threads meet only where rows need each
+ * other: before a layer's attention (its keys are every row's) and after it (its tasks are
+ * (run, kv head), shared dynamically). Two barriers a layer, where the kernels called one by one
+ * had nine parallel regions, and at each a thread waits as long as the other is descheduled: a
+ * 2k-token prefill on 2 threads beside a busy process took 0.70x the time (the same on a quiet
+ * host). Every row goes through the same kernels as in layer_step (each row's linears sum K in
+ * the same order whatever the tile or thread count), so the same bits. */
+#define SPLIT_ROWS 32
+
+typedef struct {
+    uint16_t *h, *x, *qkv, *att, *gu, *act; /* the residual stream and the scratch, [tokens][..] */
+    int64_t hidden, inter, heads, kv_heads, d;
+    float eps;
+    const int64_t *slots;
+    const uint16_t *cos, *sin;
+} layer_rows;
+
+/* Rows [r0, r1) of layer w up to its attention, on this thread: RMSNorm, q|k|v, RoPE and the
+ * rows' keys and values into kv. */
+static int before_attention(const layer_rows *s, const layer_weights *w, char *kv, int64_t r0, int64_t r1) {
+    int64_t hidden = s->hidden, qkv_n = (s->heads + 2 * s->kv_heads) * s->d, slot_bytes = 4 * s->kv_heads * s->d;
+    for (int64_t r = r0; r < r1; r++)
+        norm_row((const char *)(s->h + r * hidden), w->attn_norm, (char *)(s->x + r * hidden), hidden, s->eps, 1);
+    int rc = linear(&w->qkv, s->x + r0 * hidden, hidden, NULL, 0, s->qkv + r0 * qkv_n, qkv_n, r1 - r0, qkv_n, hidden, 1);
+    for (int64_t r = r0; r < r1 && !rc; r++)
+        rope_row((char *)(s->qkv + r * qkv_n), s->cos, s->sin, kv + s->slots[r] * slot_bytes, r, s->heads, s->kv_heads,
+                 s->d, 1);
+    return rc;
+}
+
+/* Rows [r0, r1) of layer w after its attention, on this thread: o_proj into the residual,
+ * RMSNorm, gate|up, SiLU * up, down_proj into the residual. */
+static int after_attention(const layer_rows *s, const layer_weights *w, int64_t r0, int64_t r1) {
+    int64_t hidden = s->hidden, inter = s->inter, att_n = s->heads * s->d, m = r1 - r0;
+    uint16_t *h = s->h + r0 * hidden;
+    int rc = linear(&w->o, s->att + r0 * att_n, att_n, h, hidden, h, hidden, m, hidden, att_n, 1);
+    for (int64_t r = r0; r < r1; r++)
+        norm_row((const char *)(s->h + r * hidden), w->mlp_norm, (char *)(s->x + r * hidden), hidden, s->eps, 1);
+    if (!rc)
+        rc = linear(&w->gate_up, s->x + r0 * hidden, hidden, NULL, 0, s->gu + r0 * 2 * inter, 2 * inter, m, 2 * inter,
+                    hidden, 1);
+    for (int64_t r = r0; r < r1; r++)
+        silu_row((const char *)(s->gu + r * 2 * inter), (char *)(s->act + r * inter), inter, 1);
+    if (!rc) rc = linear(&w->down, s->act + r0 * inter, inter, h, hidden, h, hidden, m, hidden, inter, 1);
+    return rc;
+}
+
+/* run_layers for SPLIT_ROWS or more rows a thread (see there); c: the attention call of layer
+ * 0 (each layer's differs in its KV only). */
+static int split_layers(const layer_rows *s, const layer_weights *w, int64_t layers, char *kv, int64_t kv_stride,
+                        attend_call c, int64_t tokens, int threads) {
+    attend_plan p;
+    if (plan_attend(&c, MAX_RUN, threads, &p)) return -2;
+    int rc = 0;
+#pragma omp parallel num_threads(threads) reduction(| : rc)
+    {
+        int64_t n = omp_get_num_threads(), i = omp_get_thread_num(), r0 = tokens * i / n, r1 = tokens * (i + 1) / n;
+        scratch sw;
+        float *local_part;
+        rc = new_scratch(&c, &p, &sw, &local_part) ? -2 : 0;
+        for (int64_t l = 0; l < layers; l++) { /* every thread meets every barrier, failed or not */
+            attend_call layer = c;
+            layer.kv = kv + l * kv_stride;
+            if (!rc) rc = before_attention(s, w + l, kv + l * kv_stride, r0, r1);
+#pragma omp barrier
+            attend_tasks(&layer, &p, sw, local_part, rc != 0); /* ends in a barrier */
+            if (!rc) rc = after_attention(s, w + l, r0, r1);
+        }
+        free_scratch(&sw, local_part);
+    }
+    free_plan(&p);
+    return rc;
+}
+
 /* `layers` consecutive decoder layers (w[0..layers), layer l's KV at kv + l * kv_stride bytes)
- * in one call: a step's whole stack, where ~30 calls from Python cost ~10 us each. */
+ * in one call: a step's whole stack, where ~30 calls from Python cost ~10 us each. A step of
+ * few rows runs layer_step's kernels one by one, each shared by the threads over outputs (a
+ * decode step's rows are too few to share out); a prompt chunk runs split_layers. */
 int run_layers(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads, int64_t d,
                float eps, float scale, const layer_weights *w, int64_t layers, char *kv, int64_t kv_stride,
                const int64_t *slots, const uint16_t *cos, const uint16_t *sin, const int64_t *key_slots,
                const int64_t *key_start, const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask,
                int64_t mask_width, uint16_t *scratch, int threads) {
+    if (tokens >= SPLIT_ROWS * threads) {
+        if (!attend_sizes_ok(heads, kv_heads, d) || d > MAX_HEAD_DIM || hidden % LANES || hidden > MAX_NORM ||
+            inter % LANES || inter > MAX_NORM)
+            return -1;
+        int64_t qkv_n = (heads + 2 * kv_heads) * d;
+        uint16_t *qkv = scratch + tokens * hidden, *att = qkv + tokens * qkv_n, *gu = att + tokens * heads * d;
+        layer_rows s = {h, scratch, qkv, att, gu, gu + tokens * 2 * inter, hidden, inter, heads, kv_heads, d, eps,
+                        slots, cos, sin};
+        attend_call c = {qkv,        kv,     key_slots, key_start, key_len, mask_from, mask, att, qkv_n,
+                         mask_width, tokens, heads,     kv_heads,  d,       scale,     1};
+        return split_layers(&s, w, layers, kv, kv_stride, c, tokens, threads);
+    }
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
         rc = layer_step(h, tokens, hidden, inter, heads, kv_heads, d, eps, scale, w + l, kv + l * kv_stride, slots, cos,
