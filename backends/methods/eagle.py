@@ -88,7 +88,8 @@ from backends.methods.drafts import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gathe
 from backends.methods.eagle_head import EagleCheckpointError, EagleHead, load_eagle
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.methods.head_proposer import HeadProposer
-from backends.runtime.lean_lm import LeanDecoder, Row
+from backends.runtime import cpu_kernels
+from backends.runtime.lean_lm import LeanDecoder, Row, kernel_norms
 from backends.serving.proposer import Draft, DraftRequest, ProposerContext
 from backends.serving.tree import ROOT, DraftTree, best_nodes, subtree_parents
 
@@ -143,14 +144,23 @@ class EagleProposer(HeadProposer):
         *,
         dynamic_tree: dict[str, int] | None = None,
         token_tree: tuple[tuple[int, ...], ...] | None = None,
+        kernels: bool = True,
     ) -> None:
         """`dynamic_tree` ({"top_k", "total_token"}) or `token_tree` (a static tree's paths):
-        how requests that ask for tree nodes are drafted; neither: always chains."""
+        how requests that ask for tree nodes are drafted; neither: always chains. `kernels`
+        (bf16 on a CPU whose kernels build): each decoder layer in one C call, the head's
+        RMSNorms and the greedy argmax in C; False: the reference they are tested against, bit
+        for bit (the layer op by op, transformers' norms, torch's argmax)."""
         super().__init__(head, max_model_len, sample_method, seed)
         self.dynamic_tree = dynamic_tree
         self.token_tree = token_tree
         self.decoder = LeanDecoder.from_layers(head.config, list(head.layers), self.dtype)
         self.pool = self.decoder.new_pool(memory_gb=DRAFT_KV_MEMORY_GB)
+        self.kernels = kernels and self.decoder.layer_steps is not None
+        if not self.kernels:
+            self.decoder.layer_steps = None  # plan() then makes no scratch: layer() runs op by op
+        elif turned := kernel_norms(head):
+            log.info("%s head: its layers in one C call each, %d RMSNorms on the C kernel", self.method, turned)
 
     @classmethod
     def from_config(cls, config: DrafterConfig, ctx: ProposerContext) -> EagleProposer:
@@ -238,7 +248,8 @@ class EagleProposer(HeadProposer):
         features = torch.cat([features[i] for i in order])
 
         def run_layer(i: int, attn_input: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            return self.decoder.layer(i, residual, self.pool, plan, attn_input)
+            # a copy: the layer in one C call updates its residual in place, the head may read it again
+            return self.decoder.layer(i, residual.clone(), self.pool, plan, attn_input)
 
         out = self.head.decode(plan.ids, features, plan.positions.to(self.device), run_layer, step)
         return [out[a:b] for a, b in plan.spans]
@@ -289,6 +300,10 @@ class EagleProposer(HeadProposer):
         """One draft per row of draft-vocabulary `logits` [B, V_d] (row i: work[i]), as target
         ids [B] that stay on the device; `steps` collects (tokens, target-vocabulary probs) for
         `gather_drafts`."""
+        if self.kernels and self.sample_method == "greedy":
+            # the argmax in place in C (sample_drafts widens a copy first): the same first maximum
+            steps.append((tokens := self._target_ids(torch.tensor(cpu_kernels.argmax_rows(logits))), None))
+            return tokens
         tokens, probs = self.sample(logits, [w.temperature for w in work], [w.generator for w in work])
         steps.append((tokens, probs))
         return tokens

@@ -1843,7 +1843,8 @@ static int linear(const linear_weights *w, const uint16_t *x, int64_t x_stride, 
     return packed_linear(x, x_stride, w->packed, w->bias, residual, residual_stride, y, y_stride, m, n, k, threads);
 }
 
-static int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads,
+static int layer_step(uint16_t *h, const uint16_t *attn_in, int64_t attn_width, int64_t tokens, int64_t hidden,
+                      int64_t inter, int64_t heads, int64_t kv_heads,
                       int64_t d, float eps, float scale, const layer_weights *w, void *kv, const int64_t *slots,
                       const uint16_t *cos, const uint16_t *sin, const int64_t *key_slots, const int64_t *key_start,
                       const int64_t *key_len, const int64_t *mask_from, const uint8_t *mask, int64_t mask_width,
@@ -1851,8 +1852,13 @@ static int layer_step(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter
     int64_t qkv_n = (heads + 2 * kv_heads) * d, att_n = heads * d;
     uint16_t *x = scratch, *qkv = x + tokens * hidden, *att = qkv + tokens * qkv_n, *gu = att + tokens * att_n,
              *act = gu + tokens * 2 * inter;
-    int rc = rms_norm(h, hidden, w->attn_norm, x, hidden, tokens, hidden, eps, 1, threads);
-    if (!rc) rc = linear(&w->qkv, x, hidden, NULL, 0, qkv, qkv_n, tokens, qkv_n, hidden, threads);
+    int rc = 0;
+    if (!attn_in) { /* the layer's own input norm of the residual stream */
+        if (!w->attn_norm) return -2;
+        rc = rms_norm(h, hidden, w->attn_norm, x, hidden, tokens, hidden, eps, 1, threads);
+        attn_in = x, attn_width = hidden;
+    }
+    if (!rc) rc = linear(&w->qkv, attn_in, attn_width, NULL, 0, qkv, qkv_n, tokens, qkv_n, attn_width, threads);
     if (!rc) rc = rope_store(qkv, qkv_n, cos, sin, kv, slots, tokens, heads, kv_heads, d, 1, threads);
     if (!rc)
         rc = attend(qkv, qkv_n, kv, key_slots, key_start, key_len, mask_from, mask, mask_width, att, tokens, heads,
@@ -1964,8 +1970,8 @@ int run_layers(uint16_t *h, int64_t tokens, int64_t hidden, int64_t inter, int64
     }
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
-        rc = layer_step(h, tokens, hidden, inter, heads, kv_heads, d, eps, scale, w + l, kv + l * kv_stride, slots, cos,
-                        sin, key_slots, key_start, key_len, mask_from, mask, mask_width, scratch, threads);
+        rc = layer_step(h, NULL, 0, tokens, hidden, inter, heads, kv_heads, d, eps, scale, w + l, kv + l * kv_stride,
+                        slots, cos, sin, key_slots, key_start, key_len, mask_from, mask, mask_width, scratch, threads);
     return rc;
 }
 
@@ -1998,4 +2004,17 @@ int markov_greedy(const float *base, int64_t rows, int64_t steps, int64_t vocab,
     free(logits);
     free(bias);
     return rc;
+}
+
+/* One decoder layer whose attention reads `attn_in` [tokens][attn_width] as given instead of
+ * its input norm of h: a drafter head's layer (EAGLE-3's [embedding | hidden] 2H-wide q/k/v
+ * input, EAGLE's first layer without an input norm). The same kernels as run_layers. */
+int run_layer_attn_in(uint16_t *h, const uint16_t *attn_in, int64_t attn_width, int64_t tokens, int64_t hidden,
+                      int64_t inter, int64_t heads, int64_t kv_heads, int64_t d, float eps, float scale,
+                      const layer_weights *w, char *kv, const int64_t *slots, const uint16_t *cos, const uint16_t *sin,
+                      const int64_t *key_slots, const int64_t *key_start, const int64_t *key_len,
+                      const int64_t *mask_from, const uint8_t *mask, int64_t mask_width, uint16_t *scratch,
+                      int threads) {
+    return layer_step(h, attn_in, attn_width, tokens, hidden, inter, heads, kv_heads, d, eps, scale, w, kv, slots, cos,
+                      sin, key_slots, key_start, key_len, mask_from, mask, mask_width, scratch, threads);
 }

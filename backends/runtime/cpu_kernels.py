@@ -319,18 +319,32 @@ def run_layers(
     sin: torch.Tensor,
     keys: KeyLists,
     scratch: torch.Tensor,
+    attn_in: torch.Tensor | None = None,
 ) -> None:
     """Decoder layers ``first`` to ``end`` - 1 on the residual stream ``h`` ``[tokens, hidden]``
     bf16 (contiguous), in place, in one call. ``sizes``: (hidden, intermediate, heads,
     kv_heads, head_dim); ``kv``: the pool's ``[layers, slots, ...]`` KV; ``scratch``: at least
-    ``layer_scratch(tokens, sizes)`` bf16 values. Every extent is checked here, once per call
-    (a few integer comparisons; the key lists' slots once per step), before any C runs."""
+    ``layer_scratch(tokens, sizes)`` bf16 values. ``attn_in``: one layer only, whose attention
+    reads this contiguous bf16 ``[tokens, width]`` (``width``: its q|k|v weight's K) instead of
+    its input norm of ``h`` (drafter heads). Every extent is checked here, once per call (a few
+    integer comparisons; the key lists' slots once per step), before any C runs."""
     hidden, inter, heads, kv_heads, d = sizes
     if not 0 <= first < end <= len(layers) or kv.shape[0] < end:
         raise KernelArgumentError(f"layers {first} to {end} of {len(layers)} (KV of {kv.shape[0]})")
     tokens = h.shape[0]
     if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.shape != (tokens, hidden):
         raise KernelArgumentError(f"h must be a contiguous bf16 [tokens, {hidden}], got {h.dtype} {list(h.shape)}")
+    if attn_in is not None and (
+        end != first + 1
+        or attn_in.dtype != torch.bfloat16
+        or not attn_in.is_contiguous()
+        or attn_in.dim() != 2
+        or attn_in.shape[0] != tokens
+    ):
+        raise KernelArgumentError(
+            f"attn_in must be a contiguous bf16 [{tokens}, width] for one layer, got {attn_in.dtype} "
+            f"{list(attn_in.shape)} for layers {first} to {end}"
+        )
     if kv.dtype != torch.bfloat16 or kv.dim() != 5 or kv.shape[2:] != (2, kv_heads, d) or not kv.is_contiguous():
         raise KernelArgumentError(f"kv must be a contiguous bf16 [layers, slots, 2, {kv_heads}, {d}]")
     _check_tokens("run_layers", tokens, slots, cos, sin, kv.shape[1], d)
@@ -340,20 +354,17 @@ def run_layers(
             f"scratch of {scratch.numel()} values, {tokens} tokens need {layer_scratch(tokens, sizes)}"
         )
     layer_bytes = kv.stride(0) * kv.element_size()
-    rc = _library().run_layers(
-        h.data_ptr(),
-        h.shape[0],
-        hidden,
-        inter,
-        heads,
-        kv_heads,
-        d,
-        eps,
-        d**-0.5,
-        ctypes.byref(layers.weights, first * ctypes.sizeof(LayerWeights)),
-        end - first,
-        kv.data_ptr() + first * layer_bytes,
-        layer_bytes,
+    sized = (hidden, inter, heads, kv_heads, d, eps, d**-0.5)
+    weights = ctypes.byref(layers.weights, first * ctypes.sizeof(LayerWeights))
+    if attn_in is None:
+        run = _library().run_layers
+        head = (h.data_ptr(), tokens, *sized, weights, end - first, kv.data_ptr() + first * layer_bytes, layer_bytes)
+    else:
+        run = _library().run_layer_attn_in
+        head = (h.data_ptr(), attn_in.data_ptr(), attn_in.shape[1], tokens, *sized, weights)
+        head += (kv.data_ptr() + first * layer_bytes,)
+    rc = run(
+        *head,
         slots.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),

@@ -83,6 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from kernels import batch_invariant as gpu_kernels
 
@@ -372,6 +373,34 @@ def kernel_linears(module: nn.Module, int8: bool = False) -> int:
             m.__class__ = KernelLinear
             m.int8, m._packed = int8 and _Int8Linear.runs(m.weight), None
             turned += m.int8 if int8 else 1
+    return turned
+
+
+class KernelRMSNorm(LlamaRMSNorm):
+    """A transformers ``LlamaRMSNorm`` whose bf16 inference runs in ``cpu_kernels.rms_norm``: its
+    bits (the kernel rounds as transformers does, tested), in one call instead of ~8 tensor ops
+    (~40 us a norm here, three a draft position of an EAGLE-3 head). What ``kernel_norms``
+    makes of a drafter head's norms; training (gradients wanted) keeps the tensor ops."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return super().forward(x)
+        return cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon).view(x.shape)
+
+
+def kernel_norms(module: nn.Module) -> int:
+    """Turn ``module``'s bf16 ``LlamaRMSNorm`` layers on the CPU into ``KernelRMSNorm`` where the
+    kernel takes their width; how many."""
+    turned = 0
+    for m in module.modules():
+        if (
+            type(m) is LlamaRMSNorm
+            and m.weight.dtype == torch.bfloat16
+            and m.weight.device.type == "cpu"
+            and cpu_kernels.layer_kernels_available(m.weight.shape[0], 16, 16)
+        ):
+            m.__class__ = KernelRMSNorm
+            turned += 1
     return turned
 
 
@@ -676,8 +705,10 @@ def _check_mask(row: Row, n: int, cached: int) -> None:
 
 
 def _fusable(layer: _Layer) -> bool:
+    """Can ``run_layers`` take it? A layer without an input norm (a drafter head's, whose caller
+    gives the attention its input) runs there with its ``attn_in``."""
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    return layer.attn_norm is not None and layer.qk_norm is None and all(isinstance(x, _CLinear) for x in linears)
+    return layer.qk_norm is None and all(isinstance(x, _CLinear) for x in linears)
 
 
 class LeanDecoder:
@@ -981,9 +1012,13 @@ class LeanDecoder:
         attention reads the normed ``h``, or ``attn_in`` where the caller gives one (drafter
         heads: EAGLE-3's [embedding | hidden] input, a first layer without input norm). A layer
         run in one C call (``layer_steps``) updates ``h`` in place and returns it."""
-        if attn_in is None and step.scratch is not None:  # the whole layer in one C call, in place
-            return self.run_layers(index, index + 1, h, pool, step)
         layer, kv_layer = self.layers[index], pool.layers[index]
+        if step.scratch is not None:  # the whole layer in one C call, in place
+            if attn_in is not None and attn_in.shape[-1] != layer.qkv.bounds[-1][1]:
+                raise ValueError(
+                    f"layer {index}'s attention reads {layer.qkv.bounds[-1][1]} features, got {attn_in.shape[-1]}"
+                )
+            return self.run_layers(index, index + 1, h, pool, step, attn_in)
         if attn_in is None:
             attn_in = self._norm(h, layer.attn_norm)
         q = self._store_kv(layer, attn_in, kv_layer, step)
@@ -1003,9 +1038,11 @@ class LeanDecoder:
         inter = gate_up.shape[1] // 2
         return layer.down.add(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], h)
 
-    def run_layers(self, first: int, end: int, h: torch.Tensor, pool: KVCachePool, step: _Step) -> torch.Tensor:
+    def run_layers(
+        self, first: int, end: int, h: torch.Tensor, pool: KVCachePool, step: _Step, attn_in: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Layers ``first`` to ``end`` - 1 of a step planned with ``layer_steps`` in one C call,
-        updating ``h`` in place (returned)."""
+        updating ``h`` in place (returned); ``attn_in``: one layer's attention input (``layer``)."""
         cpu_kernels.run_layers(
             self.layer_steps,
             first,
@@ -1019,6 +1056,7 @@ class LeanDecoder:
             step.sin,
             step.keys,
             step.scratch,
+            None if attn_in is None else attn_in.contiguous(),
         )
         return h
 

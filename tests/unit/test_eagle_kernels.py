@@ -1,0 +1,114 @@
+"""The EAGLE family's kernel draft path (eagle, eagle3, mtp; bf16): each decoder layer of the
+head in one C call (`run_layers` with its attention input), the head's RMSNorms and the
+greedy argmax in C. It must draft what the reference path drafts, bit for bit, on the same
+checkpoint: the layer op by op, transformers' norms, torch's argmax (`kernels=False`), for
+chains and trees, fresh and running sequences, batched and one at a time."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from backends.methods.eagle import EagleProposer
+from backends.methods.eagle_head import load_eagle
+from backends.methods.mtp import load_mtp
+from backends.runtime import cpu_kernels
+from backends.runtime.lean_lm import KernelRMSNorm
+from backends.serving.proposer import DraftRequest
+from tests.fixtures.helpers import cached_entries
+from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
+from tests.fixtures.synthetic_heads import write_mtp
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.packed_linear_available(), reason="the bf16 layer kernels need AVX-512 BF16 or AVX2 + FMA"
+)
+
+V = 384  # the tiny target's vocabulary
+WRITERS = {
+    "eagle": (write_eagle1, {}),
+    "eagle3": (write_eagle3, {}),
+    "mtp": (write_mtp, {}),
+    "mtp-per-step": (write_mtp, {"model_type": "step3p5", "num_layers": 2}),
+}
+SHAPES = {  # (proposer options, draft tokens, tree nodes)
+    "chain": ({}, 3, 0),
+    "dynamic-tree": ({"dynamic_tree": {"top_k": 3, "total_token": 10}}, 4, 10),
+    "static-tree": ({"token_tree": ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))}, 3, 8),
+}
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny3_model_dir):
+    """Three layers: eagle3's default aux layers are distinct."""
+    return tiny3_model_dir
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, target_dir):
+    root = tmp_path_factory.mktemp("kernel-heads")
+    for name, (writer, options) in WRITERS.items():
+        writer(root / name, target_dir, **options)
+    return {name: root / name for name in WRITERS}
+
+
+def proposer(path, target, name: str, options: dict, kernels: bool) -> EagleProposer:
+    """A proposer on its own bf16 copy of the head (the kernel path turns the head's norms)."""
+    head = (load_mtp if name.startswith("mtp") else load_eagle)(path, target, "bfloat16")
+    return EagleProposer(head, 512, kernels=kernels, **options)
+
+
+def calls(head_layers: int, width: int, seqs: int = 3, rounds: int = 4, seed: int = 0) -> list[list[DraftRequest]]:
+    """Propose calls for `seqs` sequences: each first brings its whole prompt (ragged lengths),
+    then every round 1-3 new target positions with some of the last drafts accepted."""
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    ids = {s: torch.randint(1, V, (9 + 5 * s,), generator=gen).tolist() for s in range(seqs)}
+
+    def hidden(rows: int) -> torch.Tensor:
+        return torch.randn(rows, head_layers, width, generator=gen).bfloat16()
+
+    out = [[DraftRequest(s, ids[s], 0, hidden(len(ids[s]) - 1)) for s in range(seqs)]]
+    for _ in range(rounds):
+        batch = []
+        for s in range(seqs):
+            new = rng.randrange(1, 4)
+            ids[s] = ids[s] + torch.randint(1, V, (new,), generator=gen).tolist()
+            batch.append(DraftRequest(s, ids[s], 0, hidden(new), num_new=new, num_accepted=new - 1))
+        out.append(batch)
+    return out
+
+
+def drafted(p: EagleProposer, batch: list[DraftRequest], k: int, nodes: int) -> list[tuple]:
+    drafts = p.propose([replace(r, num_draft_tokens=k, num_nodes=nodes) for r in batch])
+    return [(d.token_ids, d.parents, d.scores) for d in drafts]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", WRITERS)
+def test_kernel_path_drafts_the_reference_bit_for_bit(name, shape, checkpoints, target):
+    """Drafts, tree scores and every cached K/V entry are the reference path's bits; the
+    kernel path batched drafts what it drafts for each sequence alone."""
+    options, k, nodes = SHAPES[shape]
+    fast, ref, alone = (proposer(checkpoints[name], target, name, options, kernels) for kernels in (True, False, True))
+    assert fast.kernels and not ref.kernels
+    assert any(isinstance(m, KernelRMSNorm) for m in fast.head.modules())
+    assert not any(isinstance(m, KernelRMSNorm) for m in ref.head.modules())
+    for batch in calls(len(fast.hidden_layer_ids), target.hidden_size):
+        got = drafted(fast, batch, k, nodes)
+        assert got == drafted(ref, batch, k, nodes)
+        assert got == [drafted(alone, [r], k, nodes)[0] for r in batch]
+        assert all(len(d[0]) == (nodes or k) for d in got)
+        for r in batch:
+            assert fast.pool.length(r.seq_id) == ref.pool.length(r.seq_id)
+            for a, b in zip(cached_entries(fast, r.seq_id), cached_entries(ref, r.seq_id), strict=True):
+                assert torch.equal(a, b)
+
+
+def test_a_float32_head_keeps_the_reference_path(checkpoints, target):
+    """The kernels are bf16's: a float32 head drafts op by op, with its own norms."""
+    head = load_eagle(checkpoints["eagle3"], target, "float32")
+    p = EagleProposer(head, 512)
+    assert not p.kernels and p.decoder.layer_steps is None
+    assert not any(isinstance(m, KernelRMSNorm) for m in head.modules())
