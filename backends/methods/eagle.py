@@ -88,7 +88,6 @@ from backends.methods.drafts import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gathe
 from backends.methods.eagle_head import EagleCheckpointError, EagleHead, load_eagle
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.methods.head_proposer import HeadProposer
-from backends.runtime import cpu_kernels
 from backends.runtime.lean_lm import LeanDecoder, Row, kernel_norms
 from backends.serving.proposer import Draft, DraftRequest, ProposerContext
 from backends.serving.tree import ROOT, DraftTree, best_nodes, subtree_parents
@@ -148,9 +147,9 @@ class EagleProposer(HeadProposer):
     ) -> None:
         """`dynamic_tree` ({"top_k", "total_token"}) or `token_tree` (a static tree's paths):
         how requests that ask for tree nodes are drafted; neither: always chains. `kernels`
-        (bf16 on a CPU whose kernels build): each decoder layer in one C call, the head's
-        RMSNorms and the greedy argmax in C; False: the reference they are tested against, bit
-        for bit (the layer op by op, transformers' norms, torch's argmax)."""
+        (bf16 on a CPU whose kernels build): each decoder layer in one C call and the head's
+        RMSNorms in C; False: the reference they are tested against, bit for bit (the layer op
+        by op, transformers' norms)."""
         super().__init__(head, max_model_len, sample_method, seed)
         self.dynamic_tree = dynamic_tree
         self.token_tree = token_tree
@@ -300,10 +299,6 @@ class EagleProposer(HeadProposer):
         """One draft per row of draft-vocabulary `logits` [B, V_d] (row i: work[i]), as target
         ids [B] that stay on the device; `steps` collects (tokens, target-vocabulary probs) for
         `gather_drafts`."""
-        if self.kernels and self.sample_method == "greedy":
-            # the argmax in place in C (sample_drafts widens a copy first): the same first maximum
-            steps.append((tokens := self._target_ids(torch.tensor(cpu_kernels.argmax_rows(logits))), None))
-            return tokens
         tokens, probs = self.sample(logits, [w.temperature for w in work], [w.generator for w in work])
         steps.append((tokens, probs))
         return tokens

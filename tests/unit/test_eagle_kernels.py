@@ -1,7 +1,7 @@
 """The EAGLE family's kernel draft path (eagle, eagle3, mtp; bf16): each decoder layer of the
-head in one C call (`run_layers` with its attention input), the head's RMSNorms and the
-greedy argmax in C. It must draft what the reference path drafts, bit for bit, on the same
-checkpoint: the layer op by op, transformers' norms, torch's argmax (`kernels=False`), for
+head in one C call (`run_layers` with its attention input) and the head's RMSNorms in C. It
+must draft what the reference path drafts, bit for bit, on the same checkpoint: the layer op
+by op, transformers' norms (`kernels=False`), for
 chains and trees, fresh and running sequences, batched and one at a time."""
 
 from __future__ import annotations
