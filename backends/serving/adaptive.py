@@ -1,19 +1,26 @@
-"""Acceptance-driven draft length: each step, pick the k that maximises expected tokens per
-second for this sequence, and k = 0 (no drafter call at all) when speculation cannot pay.
+"""The draft shape of each step, per sequence: plain (no drafter call at all), a chain of k
+drafts, or a tree of k levels, whichever gives the most expected tokens per second, so that
+speculation never makes a sequence slower than plain decoding for long.
 
-Tokens per verify step with per-token acceptance α (Leviathan et al., 2023):
-    E(k) = (1 - α^(k+1)) / (1 - α)
-Step time T(k) = verify(k) + draft(k), both measured on this sequence's own steps: the
-drafter call's wall time, and the verify step's cost to the server (StepCost: under load,
-the sequence's share of the batched forward, not the whole batch's time it waited for).
-Verify time per k is kept in a small table; an unseen k is interpolated from the nearest
-seen ones (or assumed flat, the optimistic choice that lets the table fill). While paused, a
-probe every `probe_every` steps keeps α current, so a sequence that turns repetitive gets
-speculation back.
+Expected tokens of a verify step come from the acceptance of each draft position
+(PositionAcceptance: E(k) = 1 + a_1 + a_1 a_2 + ..., Leviathan et al., 2023, with a rate per
+position), a tree's from the chain's and its measured gain (DraftPolicy). Step time is
+verify(tokens) + draft(levels), both measured on this sequence's own steps: the verify
+step's cost to the server (StepCost: under load, the sequence's share of the batched
+forward, not the whole batch's time it waited for) by tokens verified, kept in a small table
+(an unseen count is interpolated from the nearest seen ones, or assumed flat: the optimistic
+choice that lets the table fill), and the drafter call's wall time fitted by levels, apart
+for chains and trees. A draft must beat a plain step by a margin (2%); when none does, the
+sequence decodes plainly and the drafter is not called: what it has not seen (tokens, the
+target's hidden rows) waits for its next call, which catches up in one forward (the
+drafters' delivery contract, backends/methods/eagle.py). A one-draft probe after 16 plain
+steps, then 32, 64, up to 128 while probes fail, keeps the first position's rate current,
+so a sequence that turns repetitive gets speculation back at a bounded cost.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -23,16 +30,40 @@ def moving_average(old: float | None, new: float, decay: float) -> float:
 
 
 @dataclass
+class RunningMean:
+    """The mean of the samples, a prior counting as the first, until there are `window` of
+    them; then a moving average over about that many. The first samples teach fast and later
+    ones are smoothed: a plain moving average of acceptance at 0.8 read a rate of 0.3 as 0.05
+    often enough to pause n-gram drafting that paid."""
+
+    value: float
+    window: int = 10
+    count: int = 0
+
+    def add(self, sample: float) -> None:
+        self.count = min(self.count + 1, self.window)
+        self.value += (sample - self.value) / (self.count + 1)
+
+
+@dataclass
 class VerifyCosts:
     """A sequence's verify-step cost (StepCost) by its number of drafts: a moving average per
     count seen. An unseen count is interpolated from the nearest seen ones, extrapolated past
     the largest with the slope of the two largest (never below flat), and below the smallest
-    (or with nothing seen) taken as flat: the optimistic choice that lets the table fill."""
+    (or with nothing seen) taken as flat: the optimistic choice that lets the table fill. A
+    count never costs more than a larger one."""
 
     decay: float = 0.7
     seconds: dict[int, float] = field(default_factory=dict)  # drafts -> mean verify-call time
 
     def __call__(self, n: int) -> float:
+        # More tokens never cost less: a count is never dearer than a larger one was measured.
+        # (A plain step measured once at 16.7 ms, against 10 ms for one draft, kept a sequence
+        # drafting a head that was never accepted: plain steps were never measured again.)
+        larger = [seconds for j, seconds in self.seconds.items() if j > n]
+        return min([self._interpolated(n), *larger])
+
+    def _interpolated(self, n: int) -> float:
         if n in self.seconds:
             return self.seconds[n]
         seen = sorted(self.seconds)
@@ -61,8 +92,10 @@ class DraftCost:
     of the calls (an empty proposal is a call at 0 drafts). Every call moves the fit, so a slow
     one fades like any other: the per-call part used to be fixed by the first call for a drafter
     that always drafts (the heads), and one cold call of 6.6 ms against 2 ms steady kept an
-    EAGLE-3 sequence from drafting for the rest of its request. A drafter asked for one length
-    only costs its mean at every length (no slope to fit), and nothing measured costs nothing."""
+    EAGLE-3 sequence from drafting for the rest of its request. While one length n is all that
+    was measured, a shorter one costs its share of n's mean (the optimistic guess that gets it
+    tried, and measured: priced at n's whole mean, a head measured at 4 drafts never tried 1)
+    and a longer one n's mean; nothing measured costs nothing."""
 
     decay: float = 0.7
     means: tuple[float, ...] | None = None  # drafts, seconds, drafts^2, drafts * seconds
@@ -80,65 +113,177 @@ class DraftCost:
             return 0.0
         n, s, nn, ns = self.means
         spread = nn - n * n
-        slope = max(0.0, (ns - n * s) / spread) if spread > 1e-9 else 0.0
-        return max(0.0, s + slope * (drafts - n))
+        if spread < 1e-3:  # one length measured (another's weight has faded to nothing)
+            return s * min(1.0, drafts / n) if n > 0 else s
+        return max(0.0, s + max(0.0, (ns - n * s) / spread) * (drafts - n))
 
 
 @dataclass
-class AdaptiveDraftLength:
-    max_k: int
-    alpha: float = 0.6  # per-token acceptance: its prior, then accepted / trials (moving averages)
-    decay: float = 0.7  # weight of history in each moving average
-    probe_every: int = 16
-    verify: VerifyCosts = field(init=False)  # verify time per k, averaged with `decay`
-    draft: DraftCost = field(init=False)
-    _since_probe: int = 0
-    _accepted: float = field(init=False)  # drafts accepted a step, moving average
-    _trials: float = field(init=False)  # positions tried a step (accepted + the first rejected)
+class PositionAcceptance:
+    """Per draft position, the chance that the target accepts the draft there once it accepted
+    every draft before it, from that position's trials (accepted, or the first rejected) only.
+    The expected tokens of a verify step with k drafts (Leviathan et al., 2023, with a rate per
+    position as in vLLM's per-position acceptance metrics) are
 
-    def __post_init__(self) -> None:
-        self.verify = VerifyCosts(self.decay)
-        self.draft = DraftCost(self.decay)
-        self._accepted, self._trials = self.alpha, 1.0  # the prior counts as one trial
+        E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k.
+
+    One rate for every position misjudges both kinds of drafter: a head's later positions are
+    accepted less (a CPU-trained EAGLE-3's top-1 by step: 0.54 / 0.48 / 0.43), an n-gram match
+    that is right once mostly runs on. Each rate is a RunningMean of its position's trials. A
+    position never tried takes the rate of the last one tried (the prior before any): the
+    optimistic choice that gets it tried."""
+
+    prior: float = 0.6
+    window: int = 10  # trials each rate is averaged over
+    positions: list[RunningMean] = field(default_factory=list)  # 0 = the first draft
+
+    def rate(self, position: int) -> float:
+        if position < len(self.positions):
+            return self.positions[position].value
+        return self.positions[-1].value if self.positions else self.prior
 
     def expected_tokens(self, k: int) -> float:
-        a = min(self.alpha, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
+        total = reach = 1.0
+        for position in range(k):
+            reach *= min(self.rate(position), 0.999)
+            total += reach
+        return total
 
-    def step_time(self, k: int) -> float:
-        return self.verify(k) + (self.draft(k) if k else 0.0)
+    def forget(self, trials: int = 2) -> None:
+        """Weigh what was learnt as at most `trials` trials: paused, only rare probes teach, and
+        each must move the rates (at 10 trials a rate of 0 took five accepted probes to pass 0.4)."""
+        for mean in self.positions:
+            mean.count = min(mean.count, trials)
 
-    def next_k(self, limit: int) -> int:
-        """Draft length for the next step, at most `limit` (room left, client's choice)."""
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """One verified chain: its first `num_accepted` drafts accepted, the next one (if it
+        was drafted) rejected; positions past that were not tried."""
+        for position in range(min(num_accepted + 1, num_drafted)):
+            if position == len(self.positions):
+                self.positions.append(RunningMean(self.rate(position), self.window))
+            self.positions[position].add(float(position < num_accepted))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a step drafts: `depth` levels (k; 0 is a plain step), as a chain or as a tree of
+    the config's nodes for that depth."""
+
+    depth: int
+    tree: bool = False
+
+
+PLAIN = Shape(0)
+
+
+@dataclass
+class DraftPolicy:
+    """Each step's draft shape for one sequence: plain, a chain of k, or a tree of k levels,
+    whichever gives the most expected tokens per second (see the module docstring).
+
+    Trees: a tree step verifies the tree's nodes that pay (TreeCut, on this policy's verify
+    table) after a draft whose cost is fitted by levels. Its expected tokens are the chain's
+    at the same depth times the tree's gain: tokens per tree step over what the tree's chain
+    of first children would have given on the same steps (RunningMeans, from a gain of 1.25),
+    so a tree is drafted only while what its siblings add pays for drafting and verifying
+    them."""
+
+    max_k: int
+    tree_nodes: Callable[[int], int] | None = None  # a tree config's nodes at a depth; None: chains only
+    prior: float = 0.6  # acceptance per position before any is measured
+    decay: float = 0.7  # weight of history in the cost averages
+    probe_every: int = 8  # paused: a 1-draft probe after at least this many plain steps ...
+    probe_budget: float = 0.01  # ... and as many more as keep probes under this part of the time
+    margin: float = 0.02  # paused, a draft must be expected to beat a plain step by this much
+    acceptance: PositionAcceptance = field(init=False)
+    verify: VerifyCosts = field(init=False)  # by tokens verified (drafts or tree nodes)
+    draft: DraftCost = field(init=False)  # a chain's drafter call, by drafts
+    tree_draft: DraftCost = field(init=False)  # a tree's drafter call, by levels
+    _tree_tokens: RunningMean = field(default_factory=lambda: RunningMean(1.25))  # tokens a tree step emitted ...
+    _chain_tokens: RunningMean = field(default_factory=lambda: RunningMean(1.0))  # ... its first children's chain
+    _tree_verified: float | None = None  # nodes a tree step verified after the cut
+    _drafting: bool = True
+    _since_probe: int = 0
+
+    def __post_init__(self) -> None:
+        self.acceptance = PositionAcceptance(self.prior)
+        self.verify = VerifyCosts(self.decay)
+        self.draft, self.tree_draft = DraftCost(self.decay), DraftCost(self.decay)
+
+    def expected_tokens(self, shape: Shape) -> float:
+        chain = self.acceptance.expected_tokens(shape.depth)
+        return chain * self._tree_tokens.value / self._chain_tokens.value if shape.tree else chain
+
+    def step_time(self, shape: Shape) -> float:
+        if not shape.depth:
+            return self.verify(0)
+        if not shape.tree:
+            return self.verify(shape.depth) + self.draft(shape.depth)
+        nodes = self.tree_nodes(shape.depth)
+        verified = nodes if self._tree_verified is None else min(nodes, round(self._tree_verified))
+        return self.verify(verified) + self.tree_draft(shape.depth)
+
+    def rate(self, shape: Shape) -> float:
+        """Expected tokens per second."""
+        return self.expected_tokens(shape) / self.step_time(shape)
+
+    def next_shape(self, limit: int) -> Shape:
+        """The shape of the next step, at most `limit` levels (the room left, the client's or
+        the batch-size schedule's k)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
-            return 0
-        best = max(range(limit + 1), key=lambda k: (self.expected_tokens(k) / self.step_time(k), -k))
-        if best == 0:
-            self._since_probe += 1
-            if self._since_probe >= self.probe_every:
-                self._since_probe = 0
-                return 1
-        return best
+            return PLAIN
+        shapes = [Shape(k) for k in range(1, limit + 1)]
+        if self.tree_nodes is not None:
+            shapes += [Shape(k, tree=True) for k in range(1, limit + 1) if self.tree_nodes(k) > k]
+        best = max(shapes, key=self.rate)  # ties: the first, the shortest chain
+        # Hysteresis: drafting goes on while it is expected to pay at all; a pause ends only
+        # for a clear gain, as each switch back costs the drafter a catch-up call.
+        self._drafting = self.rate(best) > self.rate(PLAIN) * (1 if self._drafting else 1 + self.margin)
+        if self._drafting:
+            self._since_probe = 0
+            return best
+        # Paused: the drafter is not called (it catches up on its next call). A probe now and
+        # then keeps the first position's rate current, as often as its cost allows: what it
+        # adds to a plain step, spread over the steps between probes, stays under probe_budget.
+        # Probes are rare, so each one weighs as much as the little learnt before it.
+        self.acceptance.forget()
+        self._since_probe += 1
+        probe_cost = self.step_time(Shape(1)) - self.verify(0)
+        if self._since_probe < max(self.probe_every, probe_cost / (self.probe_budget * self.verify(0))):
+            return PLAIN
+        self._since_probe = 0
+        return Shape(1)
 
-    def record(self, k_asked: int, num_drafted: int, num_accepted: int, verify_s: float, draft_s: float) -> None:
-        """One finished step: k asked of the drafter, drafts it gave, drafts accepted, the
-        verify step's cost (StepCost) and the draft call's wall time."""
+    def record(self, depth: int, num_drafted: int, num_accepted: int, verify_s: float, draft_s: float | None) -> None:
+        """One finished chain step: k asked of the drafter, drafts it gave, drafts accepted,
+        the verify step's cost (StepCost) and the draft call's wall time (None: a call that
+        caught up on a pause, whose time is not the step's)."""
         self.verify.record(num_drafted, verify_s)
-        if k_asked > 0:
+        if depth > 0 and draft_s is not None:
             self.draft.record(num_drafted, draft_s)
-        if num_drafted:
-            # Each draft position is a Bernoulli trial until the first rejection. Trials and
-            # acceptances are averaged apart: the mean of each step's ratio is biased low (a
-            # rejected first draft weighs as much as three accepted ones; at 0.5 per position
-            # and 3 drafts it averages 0.33), which stopped EAGLE-3 drafting where it paid.
-            trials = num_accepted + (1 if num_accepted < num_drafted else 0)
-            self._accepted = self._mix(self._accepted, num_accepted)
-            self._trials = self._mix(self._trials, trials)
-            self.alpha = self._accepted / self._trials
+        self.acceptance.record(num_drafted, num_accepted)
 
-    def _mix(self, old: float | None, new: float) -> float:
-        return moving_average(old, new, self.decay)
+    def record_tree(
+        self,
+        depth: int,
+        num_verified: int,
+        num_emitted: int,
+        chain: tuple[int, int],
+        verify_s: float,
+        draft_s: float | None,
+    ) -> None:
+        """One finished tree step: its levels, the nodes verified (after the cut), the tokens
+        emitted, the verify step's cost and the draft call's wall time (as `record`). `chain`:
+        (drafts, accepted) of the tree's chain of first children, what a chain would have had:
+        the positions' acceptance learns from tree steps too."""
+        self.verify.record(num_verified, verify_s)
+        if draft_s is not None:
+            self.tree_draft.record(depth, draft_s)
+        self.acceptance.record(*chain)
+        self._tree_verified = moving_average(self._tree_verified, num_verified, self.decay)
+        self._tree_tokens.add(num_emitted)
+        self._chain_tokens.add(1 + chain[1])
 
 
 @dataclass
@@ -170,9 +315,9 @@ class TreeCut:
         (1 + sum of their scores) / (verify(m) + draft),
 
     a node's score standing for the chance that the target accepts it and its ancestors;
-    verify(m) is this sequence's measured verify cost for m drafts (VerifyCosts: under load
-    its share of the batched forward, where a node costs what it adds to the batch); draft
-    is the drafter call's wall time, spent whatever m. m = 0 is a plain step. While the one
+    verify(m) is this sequence's measured verify cost for m drafts (DraftPolicy's table, which
+    its steps fill: under load its share of the batched forward, where a node costs what it
+    adds to the batch); draft is the drafter call's wall time, spent whatever m. m = 0 is a plain step. While the one
     size measured is the one chosen (a drafter that always fills its tree), a step keeps half
     as many nodes, so the cost's slope gets measured too.
 
@@ -202,7 +347,3 @@ class TreeCut:
         if best > 1 and list(self.verify.seconds) == [best]:
             return best // 2  # one size measured, chosen again: measure a second, for the slope
         return best
-
-    def record(self, num_nodes: int, verify_s: float) -> None:
-        """One verified step: nodes verified and the verify step's cost (StepCost)."""
-        self.verify.record(num_nodes, verify_s)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from backends.runtime.kv_cache import KVCacheFullError
-from backends.serving.adaptive import AdaptiveDraftLength, StepCost, TreeCut
+from backends.serving.adaptive import DraftPolicy, Shape, StepCost, TreeCut
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
@@ -144,18 +144,16 @@ def check_lengths(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
         raise RequestError(f"max_tokens={max_tokens} is above the model's limit of {max_model_len}")
 
 
-def draft_length(
-    req: GenerationRequest, info: DrafterInfo, load: int, room: int, policy: AdaptiveDraftLength | None
-) -> int:
-    """The one place a step's k is decided: the client's num_draft_tokens (validated at the
-    start of the request) or the configured k; the batch-size schedule at the current load,
-    except for a seeded request, whose output must not depend on who else is served; the
-    adaptive policy; the room left in max_tokens and the context window."""
+def draft_length(req: GenerationRequest, info: DrafterInfo, load: int, room: int) -> int:
+    """The one place a step's most draft levels are decided (the adaptive policy picks within
+    them, Generation.plan): the client's num_draft_tokens (validated at the start of the
+    request) or the configured k; the batch-size schedule at the current load, except for a
+    seeded request, whose output must not depend on who else is served; the room left in
+    max_tokens and the context window."""
     k = info.config.num_draft_tokens_for_request(req.num_draft_tokens)
     if not seeded(req):
         k = min(k, info.config.num_draft_tokens_for_batch_size(max(1, load)))
-    room = min(room, k)
-    return policy.next_k(room) if policy else room
+    return min(room, k)
 
 
 def seeded(req: GenerationRequest) -> bool:
@@ -206,6 +204,8 @@ class Drafted:
     draft: Draft = field(default_factory=Draft)
     draft_s: float = 0.0  # inside the proposer
     wall_s: float = 0.0  # the drafter call as the loop waited for it
+    num_new: int = 0  # tokens the drafter read in the call (many after a pause: it caught up)
+    chain: list[int] = field(default_factory=list)  # a tree's chain of first children, before the cut
 
 
 class Generation:
@@ -244,7 +244,7 @@ class Generation:
         self.num_accepted = 0  # of the drafter's last answer
         self.hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
         self.sampling: SamplingParams | None = self._first_sampling()  # goes with the first verify only
-        self.max_nodes, self.policy, self.tree_policy = self._policies()
+        self.max_nodes, self.policy, self.tree_cut = self._policies()
         # Wall time runs from step to step, so the caller's streaming of a step's output counts
         # toward the next step's overhead.
         self.clock = time.perf_counter()
@@ -280,18 +280,19 @@ class Generation:
             )
         return self.ctx.grammars.matcher(spec)
 
-    def _policies(self) -> tuple[int, AdaptiveDraftLength | None, TreeCut | None]:
-        """A tree-drafting config's node budget, and the draft-length policy: a chain's k, or
-        the part of the tree that pays (a tree keeps its depth). A seeded sampled request keeps
-        a fixed draft length: adaptive k follows timings, and a different k would change which
-        random draws each token uses (no reproducibility)."""
+    def _policies(self) -> tuple[int, DraftPolicy | None, TreeCut | None]:
+        """A tree-drafting config's node budget, the draft-shape policy (plain, a chain or a
+        tree, and its depth) and, under a tree config, the cut of each tree to the nodes that
+        pay. A seeded sampled request keeps a fixed shape: the policy follows timings, and a
+        different k would change which random draws each token uses (no reproducibility)."""
         if not self.speculate:
             return 0, None, None
         info = self.drafter.info
         max_nodes = info.config.max_tree_nodes(info.num_speculative_tokens)
-        adapt = self.ctx.adaptive and self.req.num_draft_tokens is None and not seeded(self.req)
-        policy = AdaptiveDraftLength(info.num_speculative_tokens) if adapt and not max_nodes else None
-        return max_nodes, policy, TreeCut() if adapt and max_nodes else None
+        if not (self.ctx.adaptive and self.req.num_draft_tokens is None and not seeded(self.req)):
+            return max_nodes, None, None
+        policy = DraftPolicy(info.num_speculative_tokens, info.config.max_tree_nodes if max_nodes else None)
+        return max_nodes, policy, TreeCut(policy.verify) if max_nodes else None
 
     @property
     def prefilling(self) -> bool:
@@ -326,9 +327,11 @@ class Generation:
         # One verify step emits up to k + 1 tokens; never past max_tokens or the window.
         window = self.ctx.max_model_len - self.num_seq_tokens
         room = min(self.req.max_tokens - self.num_generated, window) - 1
-        k = draft_length(self.req, self.drafter.info, self.ctx.load(), room, self.policy) if self.speculate else 0
+        limit = draft_length(self.req, self.drafter.info, self.ctx.load(), room) if self.speculate else 0
+        shape = self.policy.next_shape(limit) if self.policy else Shape(limit, tree=bool(self.max_nodes))
+        k = shape.depth
         # the tree must fit the window too
-        nodes = min(self.drafter.info.config.max_tree_nodes(k), window - 1) if k > 0 and self.max_nodes else 0
+        nodes = min(self.drafter.info.config.max_tree_nodes(k), window - 1) if k > 0 and shape.tree else 0
         # A k = 0 call now and then keeps the drafter's sequence alive in Triton's sequence
         # batcher (it forgets a sequence idle for max_sequence_idle_microseconds).
         call_drafter = k > 0 or (self.speculate and time.monotonic() - self.last_drafter_call > DRAFTER_KEEPALIVE_S)
@@ -363,11 +366,17 @@ class Generation:
             log.warning("sequence %d: drafter failed, decoding plainly from here: %s", self.seq_id, e)
             self.stats.fallback, self.speculate, self.layer_ids = f"drafter failed: {e}", False, self.extract_layer_ids
         drafted.wall_s = time.perf_counter() - start
+        drafted.num_new = len(self.unseen_by_drafter)
         self.unseen_by_drafter, self.drafter_caught_up = [], True
         if hidden is not None:
             self.hidden_rows = []
-        if self.tree_policy and drafted.draft.scores:  # verify the best-scored nodes that pay
-            drafted.draft = drafted.draft.best(self.tree_policy.cut(drafted.draft.scores, drafted.wall_s))
+        draft = drafted.draft
+        if self.policy and draft.parents is not None:  # what the tree's chain would have drafted
+            drafted.chain = [
+                draft.token_ids[i] for i in DraftTree(tuple(draft.token_ids), tuple(draft.parents)).first_path()
+            ]
+        if self.tree_cut and draft.scores:  # verify the best-scored nodes that pay
+            drafted.draft = draft.best(self.tree_cut.cut(draft.scores, drafted.wall_s))
         return drafted
 
     def verify(self, plan: StepPlan, drafted: Drafted) -> VerifyResult:
@@ -402,9 +411,7 @@ class Generation:
         self.unseen_by_verifier, self.sampling = [], None
         self.stats.record(num_drafts, num_emitted, drafted.draft_s, result.forward_s)
         if self.policy and plan.steady:
-            self.policy.record(plan.num_draft_tokens, from_drafter, accepted_from_drafter, verify_cost, drafted.wall_s)
-        if self.tree_policy and plan.steady:
-            self.tree_policy.record(from_drafter, verify_cost)
+            self._teach(plan, drafted, result.token_ids, from_drafter, accepted_from_drafter, verify_cost)
         return result
 
     @staticmethod
@@ -415,6 +422,23 @@ class Generation:
             return min(len(emitted) - 1, from_drafter)
         path = DraftTree(tuple(draft.token_ids), tuple(draft.parents)).walk(emitted[:-1])
         return sum(node < from_drafter for node in path)
+
+    def _teach(
+        self, plan: StepPlan, drafted: Drafted, emitted: list[int], drafts: int, accepted: int, verify_s: float
+    ) -> None:
+        """A steady step into the draft-shape policy. A drafter call that caught up on a pause
+        (more new tokens than a step emits) is not timed: its extra rows are the pause's, paid
+        once, not what drafting costs a step."""
+        draft_s = drafted.wall_s if drafted.num_new <= self.policy.max_k + 1 else None
+        if not plan.num_nodes or drafted.draft.parents is None:
+            self.policy.record(plan.num_draft_tokens, drafts, accepted, verify_s, draft_s)
+            return
+        # The chain of first children, as far as the emitted tokens tell: where every emitted
+        # token matched it, its later drafts were never tried.
+        chain = drafted.chain
+        matched = next((i for i, (a, b) in enumerate(zip(chain, emitted)) if a != b), min(len(chain), len(emitted)))
+        tried = matched + 1 if matched < min(len(chain), len(emitted)) else matched
+        self.policy.record_tree(plan.num_draft_tokens, drafts, len(emitted), (tried, matched), verify_s, draft_s)
 
     def _constrain(self, plan: StepPlan, draft: Draft) -> tuple[Draft, torch.Tensor | None, int]:
         """Under a grammar: the drafts it allows, then the tokens it forces (free drafts), and

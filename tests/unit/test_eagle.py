@@ -17,8 +17,13 @@ from backends.config import SpeculativeConfig
 from backends.methods.eagle import Eagle3Proposer, EagleProposer
 from backends.methods.eagle_head import EagleCheckpointError, load_eagle
 from backends.runtime import cpu_kernels
-from backends.serving.local import generate_local
+from backends.serving.adaptive import DraftPolicy, Shape
+from backends.serving.detokenize import TextStream
+from backends.serving.drafting import DraftService
+from backends.serving.local import LocalDrafter, LocalVerifier, generate_local
+from backends.serving.orchestrator import Generation, ServingContext, generate
 from backends.serving.proposer import DraftRequest, build_proposer
+from backends.serving.request import GenerationRequest
 from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
 from tests.fixtures.synthetic_checkpoints import edit_state, refusal_test, write_eagle1, write_eagle3
 
@@ -379,3 +384,54 @@ def test_speculative_greedy_equals_target_greedy(method, heads, runner, tokenize
         assert tuple(out) == hf_greedy(str(target_dir), prompt, 24)
         assert stats.acceptance.num_draft_tokens > 0
     assert proposer.num_sequences == 0 and not runner.sequences
+
+
+class ScriptedShapes(DraftPolicy):
+    """A draft-shape policy that pauses and resumes on a script: the draft lengths in turn
+    (then 2s), and the ones it gave."""
+
+    def __init__(self, depths: list[int]) -> None:
+        super().__init__(max_k=4)
+        self.depths, self.given = iter(depths), []
+
+    def next_shape(self, limit: int) -> Shape:
+        self.given.append(min(next(self.depths, 2), limit))
+        return Shape(self.given[-1])
+
+
+def test_a_paused_head_catches_up_in_one_call_when_drafting_resumes(heads, runner, tokenizer, target_dir):
+    """While the policy pauses drafting, the head is never called: the tokens and the target's
+    hidden rows of the plain steps wait, and the call that resumes drafting feeds them all at
+    once (one ragged forward). Its drafts equal the cacheless reference over the whole context,
+    and the output stays the target's greedy one."""
+    head = heads["eagle3"]
+    calls = []  # per propose call: context, new tokens, hidden rows, drafts
+
+    class Recorded(Eagle3Proposer):
+        def propose(self, batch):
+            drafts = super().propose(batch)
+            for r, d in zip(batch, drafts):
+                rows = 0 if r.hidden_states is None else len(r.hidden_states)
+                calls.append((list(r.token_ids), r.num_new, rows, d.token_ids))
+            return drafts
+
+    config = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4})  # k only
+    drafter = LocalDrafter(DraftService(Recorded(head, 512), config))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    req = GenerationRequest(prompt=PROMPTS[0], max_tokens=30)
+    gen = Generation(req, ids, 5, LocalVerifier(runner), drafter, TextStream(tokenizer), ServingContext({0}, 512))
+    gen.policy = ScriptedShapes([3, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 1])
+    out = [token for step in generate(gen) for token in step.token_ids]
+    runner.release(5)
+    assert tuple(out) == hf_greedy(str(target_dir), PROMPTS[0], 30) and not gen.stats.fallback
+    asked = [k for k in gen.policy.given if k]
+    assert len(calls) == len(asked)  # one call a drafting step, none while paused
+    assert max(num_new for _, num_new, _, _ in calls) >= 7  # the call after six plain steps
+    for i, ((context, num_new, rows, drafts), k) in enumerate(zip(calls, asked)):
+        if i == 0:  # the prompt, before the target ran: no rows, no drafts
+            assert rows == 0 and drafts == []
+            continue
+        # every position not delivered yet, once (the second call: the prompt's too)
+        assert rows == num_new + (len(ids) - 1 if i == 1 else 0) and len(drafts) == k
+        full = target_hidden(runner, context[:-1], head.hidden_layer_ids)
+        assert drafts == cacheless_drafts(head, context, full, k)[0]

@@ -361,13 +361,13 @@ def _info(k: int, schedule=None) -> DrafterInfo:
 def test_draft_length_is_decided_in_one_place():
     info = _info(4, [[1, 8, 4], [9, 1024, 1]])
     greedy = GenerationRequest(prompt="x")
-    assert draft_length(greedy, info, load=1, room=10, policy=None) == 4
-    assert draft_length(greedy, info, load=16, room=10, policy=None) == 1  # the batch-size schedule
-    assert draft_length(greedy, info, load=1, room=2, policy=None) == 2  # the room left
-    assert draft_length(GenerationRequest(prompt="x", num_draft_tokens=2), info, 1, 10, None) == 2
+    assert draft_length(greedy, info, load=1, room=10) == 4
+    assert draft_length(greedy, info, load=16, room=10) == 1  # the batch-size schedule
+    assert draft_length(greedy, info, load=1, room=2) == 2  # the room left
+    assert draft_length(GenerationRequest(prompt="x", num_draft_tokens=2), info, 1, 10) == 2
     # A seeded sampled request's k ignores the load: its text must not depend on other requests.
     seeded = GenerationRequest(prompt="x", sampling=SamplingParams(temperature=0.8, seed=7))
-    assert draft_length(seeded, info, load=16, room=10, policy=None) == 4
+    assert draft_length(seeded, info, load=16, room=10) == 4
 
 
 def test_too_many_requested_drafts_are_refused_by_name(runner, tokenizer):
