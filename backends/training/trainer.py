@@ -91,6 +91,15 @@ def windows(data: TrainingData, sequences: list[int], length: int) -> list[tuple
     return spans
 
 
+def grouped_by_length(spans: list[tuple[int, int]], per_batch: int, batches: int = 50) -> list[tuple[int, int]]:
+    """Shuffled windows regrouped so that each optimizer step's windows have similar lengths:
+    every `batches` steps' worth sorted longest first (transformers' LengthGroupedSampler).
+    A batch is padded to its longest window; on SmolLM2's answers random batches of 4 were
+    1.4x their real positions, grouped ones 1.05x."""
+    size = per_batch * batches
+    return [s for i in range(0, len(spans), size) for s in sorted(spans[i : i + size], key=lambda s: s[0] - s[1])]
+
+
 def make_batch(data: TrainingData, spans: list[tuple[int, int]], layer_ids: tuple[int, ...]) -> Batch:
     width = max(end - start for start, end in spans)
     starts = [int(torch.searchsorted(data.offsets, start, right=True)) - 1 for start, _ in spans]
@@ -123,6 +132,7 @@ def train(
     options: dict | None = None,
     prompts: list[str] | None = None,
     self_prompts: int = 0,
+    dtype: str = "bfloat16",
 ) -> dict:
     """Train `method`'s head for `target` on its answers to `prompts` (default: the built-in
     training prompts) and to `self_prompts` requests it writes itself; write it to `out` in
@@ -130,7 +140,16 @@ def train(
     trainer, info = head_trainer(method), TargetInfo.load(target)
     num_steps = num_steps or trainer.num_steps
     layer_ids = trainer.layer_ids(info)
-    data = prepare(target, data_dir, layer_ids, num_prompts, max_new_tokens, prompts=prompts, self_prompts=self_prompts)
+    data = prepare(
+        target,
+        data_dir,
+        layer_ids,
+        num_prompts,
+        max_new_tokens,
+        prompts=prompts,
+        self_prompts=self_prompts,
+        dtype=dtype,
+    )
     train_seqs, val_seqs = data.split(held_out)
     torch.manual_seed(seed)
     head = trainer.build(info, data, {"num_steps": num_steps, **(options or {})})
@@ -194,6 +213,7 @@ class _Run:
         epoch, index = divmod(step, self.steps_per_epoch)
         order = list(self.spans)
         random.Random(self.seed + epoch).shuffle(order)
+        order = grouped_by_length(order, self.per_batch)
         return make_batch(self.data, order[index * self.per_batch : (index + 1) * self.per_batch], self.layer_ids)
 
     def validate(self) -> dict:
