@@ -91,13 +91,21 @@ def windows(data: TrainingData, sequences: list[int], length: int) -> list[tuple
     return spans
 
 
-def grouped_by_length(spans: list[tuple[int, int]], per_batch: int, batches: int = 50) -> list[tuple[int, int]]:
+def grouped_by_length(
+    spans: list[tuple[int, int]], per_batch: int, rng: random.Random, batches: int = 50
+) -> list[tuple[int, int]]:
     """Shuffled windows regrouped so that each optimizer step's windows have similar lengths:
-    every `batches` steps' worth sorted longest first (transformers' LengthGroupedSampler).
-    A batch is padded to its longest window; on SmolLM2's answers random batches of 4 were
-    1.4x their real positions, grouped ones 1.05x."""
-    size = per_batch * batches
-    return [s for i in range(0, len(spans), size) for s in sorted(spans[i : i + size], key=lambda s: s[0] - s[1])]
+    every `batches` steps' worth sorted by length into steps, those steps then in random order
+    (transformers' LengthGroupedSampler, without its long-to-short sweep). A batch is padded to
+    its longest window; on SmolLM2's answers random batches of 4 were 1.4x their real
+    positions, grouped ones 1.05x."""
+    size, out = per_batch * batches, []
+    for i in range(0, len(spans), size):
+        group = sorted(spans[i : i + size], key=lambda s: s[0] - s[1])
+        steps = [group[j : j + per_batch] for j in range(0, len(group), per_batch)]
+        rng.shuffle(steps)
+        out += [s for step in steps for s in step]
+    return out
 
 
 def make_batch(data: TrainingData, spans: list[tuple[int, int]], layer_ids: tuple[int, ...]) -> Batch:
@@ -211,9 +219,9 @@ class _Run:
         """Optimizer step `step`'s windows: each epoch's order is a function of the seed, so a
         resumed run picks up exactly where it stopped."""
         epoch, index = divmod(step, self.steps_per_epoch)
-        order = list(self.spans)
-        random.Random(self.seed + epoch).shuffle(order)
-        order = grouped_by_length(order, self.per_batch)
+        order, rng = list(self.spans), random.Random(self.seed + epoch)
+        rng.shuffle(order)
+        order = grouped_by_length(order, self.per_batch, rng)
         return make_batch(self.data, order[index * self.per_batch : (index + 1) * self.per_batch], self.layer_ids)
 
     def validate(self) -> dict:
