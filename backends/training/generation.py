@@ -26,7 +26,7 @@ from backends.runtime.model_store import load_causal_lm
 
 log = logging.getLogger("tritonspec.training")
 
-MAX_ROWS = 32  # sequences in flight: past ~32 rows a 2-core step grows about linearly with rows
+MAX_ROWS = 32  # sequences in flight; 2 cores, 128 prompts: 16 rows 607 tokens/s, 32 663, 64 732, 128 761
 
 
 @dataclass

@@ -141,6 +141,7 @@ def train(
     prompts: list[str] | None = None,
     self_prompts: int = 0,
     dtype: str = "bfloat16",
+    group_by_length: bool = True,
 ) -> dict:
     """Train `method`'s head for `target` on its answers to `prompts` (default: the built-in
     training prompts) and to `self_prompts` requests it writes itself; write it to `out` in
@@ -163,7 +164,9 @@ def train(
     head = trainer.build(info, data, {"num_steps": num_steps, **(options or {})})
     per_batch = max(1, batch_tokens // window)
     spans = windows(data, train_seqs, window)
-    run = _Run(trainer, head, data, layer_ids, spans, val_seqs, window, per_batch, num_steps, seed, epochs)
+    run = _Run(
+        trainer, head, data, layer_ids, spans, val_seqs, window, per_batch, num_steps, seed, epochs, group_by_length
+    )
     optimization = _Optimization.for_head(head, lr, run.total)
     out.mkdir(parents=True, exist_ok=True)
     _write_validation_prompts(data_dir, out, val_seqs)
@@ -175,6 +178,7 @@ def train(
         "window": window,
         "num_steps": num_steps,
         "seed": seed,
+        "group_by_length": group_by_length,
         "options": options or {},
         "num_train_tokens": sum(b - a for a, b in spans),
     }
@@ -206,6 +210,7 @@ class _Run:
     num_steps: int  # draft steps trained
     seed: int
     epochs: int
+    group_by_length: bool  # a step's windows of similar lengths (grouped_by_length)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -221,7 +226,8 @@ class _Run:
         epoch, index = divmod(step, self.steps_per_epoch)
         order, rng = list(self.spans), random.Random(self.seed + epoch)
         rng.shuffle(order)
-        order = grouped_by_length(order, self.per_batch, rng)
+        if self.group_by_length:
+            order = grouped_by_length(order, self.per_batch, rng)
         return make_batch(self.data, order[index * self.per_batch : (index + 1) * self.per_batch], self.layer_ids)
 
     def validate(self) -> dict:

@@ -94,14 +94,17 @@ def test_recorded_states_are_the_targets_layers(training_target_dir, tmp_path):
 
 def test_the_cache_grows_and_adds_layers_without_changing_what_it_holds(training_target_dir, tmp_path):
     first = prepare(training_target_dir, tmp_path, (0,), 5, 16)
-    grown = prepare(training_target_dir, tmp_path, (0, -1), 8, 16)  # 3 more answers, a layer more
+    grown = prepare(training_target_dir, tmp_path, (0,), 8, 16)  # 3 more answers beside the merged file
     records = [json.loads(line) for line in (tmp_path / "generations.jsonl").open()]
     assert sorted(r["prompt"] for r in records) == list(range(8))  # the first 5 were not answered again
     n = len(first.token_ids)
     assert torch.equal(grown.token_ids[:n], first.token_ids) and torch.equal(grown.hidden[0][:n], first.hidden[0])
+    wider = prepare(training_target_dir, tmp_path, (0, -1), 8, 16)  # a layer more: one prefill each
     fresh = prepare(training_target_dir, tmp_path / "fresh", (0, -1), 8, 16)
-    assert torch.equal(grown.token_ids, fresh.token_ids) and torch.equal(grown.labels, fresh.labels)
-    assert torch.equal(grown.hidden[-1], fresh.hidden[-1])  # the prefill rerun equals decoding's states
+    for data in (grown, wider):
+        assert torch.equal(data.token_ids, fresh.token_ids) and torch.equal(data.labels, fresh.labels)
+        assert torch.equal(data.hidden[0], fresh.hidden[0])
+    assert torch.equal(wider.hidden[-1], fresh.hidden[-1])  # the prefill rerun equals decoding's states
     assert not list((tmp_path / "parts").glob("*"))  # merged into states.safetensors
 
 
