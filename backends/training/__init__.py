@@ -19,11 +19,24 @@ TRAINERS: dict[str, str] = {
 }
 
 
+# `tritonspec train METHOD` without --self-prompts / --epochs: eagle3's recipe is sized to end
+# within 30 minutes on 2 cores from an empty cache (docs/training.md has the measured stages).
+RECIPES: dict[str, dict[str, int]] = {"eagle3": {"self_prompts": 500, "epochs": 4}}
+DEFAULT_RECIPE: dict[str, int] = {"self_prompts": 0, "epochs": 3}
+
+
+def recipe(method: str) -> dict[str, int]:
+    """The method's default training recipe: target-written prompts and epochs."""
+    return RECIPES.get(method, DEFAULT_RECIPE)
+
+
 def head_dir(target: str, method: str) -> Path:
     """Where `tritonspec train` puts a target's head by default (and profiles look for it)."""
     return cache_dir() / "heads" / f"{Path(target).name}-{method}"
 
 
-def data_dir(target: str) -> Path:
-    """The cached target answers and hidden states, shared by every method's training."""
-    return cache_dir() / "train-data" / Path(target).name
+def data_dir(target: str, dtype: str = "bfloat16") -> Path:
+    """The cached target answers and hidden states, shared by every method's training: made on
+    the lean runtime in `dtype` (the transformers-made data of earlier versions sits beside
+    it, under the target's bare name, and is not read)."""
+    return cache_dir() / "train-data" / f"{Path(target).name}-lean-{dtype}"

@@ -1,30 +1,41 @@
 """Training data for drafter heads: the target's own greedy answers to the training prompts,
-and the target's hidden states and greedy next-token predictions at every position.
+and the target's hidden states and greedy next-token predictions at every position, all
+generated on the lean runtime the verifier serves with, many sequences at a time
+(`generation.py`), in the serving dtype: a head learns the numbers it is served.
 
-All stages are cached under the data directory and resumable:
+All stages are cached under the data directory (stamped `format.json`: a directory another
+generator filled is refused) and resumable:
 - `self_prompts.json` (only with `self_prompts`): user requests the target writes itself,
   Magpie's idea: prompts from the target's own distribution, made from nothing but the target.
 - `generations.jsonl`: one line per prompt (its index, prompt length, prompt + answer ids),
-  appended batch by batch; a rerun skips the prompts already answered.
+  appended part by part; a rerun skips the prompts already answered.
 - `states.safetensors`: for every position of every sequence, the hidden states of the
-  requested layers (bfloat16, numbered as the verifier numbers them, `hf_engine.select_hidden`)
-  and the target's argmax there (the token it would emit next). Recomputed only when a head
-  asks for a layer the file lacks.
+  requested layers (bfloat16, numbered as the verifier numbers them: `LeanCausalLM.forward`'s
+  `hidden_layers`) and the target's argmax there (the token it would emit next), recorded
+  while the answers are generated (`parts/` until every answer is in). When a head asks for a
+  layer the file lacks, every sequence is run again as one prefill for it.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import IO
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from backends.runtime.hf_engine import select_hidden
-from backends.runtime.model_store import load_causal_lm, load_tokenizer
+from backends.runtime.model_store import load_tokenizer
 from backends.training.corpus import CHAT, OPENINGS, check_held_out, overlaps_held_out, training_prompts
+from backends.training.generation import Generated, Sampling, TargetGenerator, load_lean_target
+
+# The data directory's format: 1 was transformers' float32 answers, 2 the lean runtime's.
+DATA_VERSION = 2
 
 
 @dataclass
@@ -51,56 +62,27 @@ class TrainingData:
         return [i for i in indices if i % every], [i for i in indices if not i % every]
 
 
-def generate(target: Path, data_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[dict]:
-    """The target's greedy answer to each prompt, appended to generations.jsonl."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    _check_prompts(data_dir, prompts)
-    path = data_dir / "generations.jsonl"
-    done = [json.loads(line) for line in path.open()] if path.exists() else []
-    todo = sorted(set(range(len(prompts))) - {d["prompt"] for d in done}, key=lambda i: len(prompts[i]))
-    if todo:
-        model, tokenizer = _batched_generator(target)
-        pad = tokenizer.pad_token_id
-        eos = set(_eos_ids(model, tokenizer))
-        bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="target answers", unit="prompt")
-        with path.open("a") as out:
-            for start in range(0, len(todo), batch_size):
-                batch = todo[start : start + batch_size]
-                enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True)
-                with torch.inference_mode():
-                    gen = model.generate(
-                        **enc, max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, pad_token_id=pad
-                    )
-                width = enc["input_ids"].shape[1]
-                for row, i in enumerate(batch):
-                    prompt_ids = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
-                    answer = _until_eos(gen[row, width:].tolist(), eos)
-                    record = {"prompt": i, "prompt_len": len(prompt_ids), "token_ids": prompt_ids + answer}
-                    out.write(json.dumps(record) + "\n")
-                    done.append(record)
-                out.flush()
-                bar.update(len(batch))
-        bar.close()
-    return sorted((d for d in done if d["prompt"] < len(prompts)), key=lambda d: d["prompt"])
-
-
-def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: int = 32, seed: int = 0) -> list[str]:
+def self_written_prompts(
+    target: Path, data_dir: Path, count: int, batch_size: int = 64, seed: int = 0, dtype: str = "bfloat16"
+) -> list[str]:
     """`count` user requests written by the target (cached in self_prompts.json): inside a
     user turn the target continues an opening from `OPENINGS`, sampled; a request counts once
     the target ends the turn, repeats and overlaps with the benchmark prompts are dropped."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    _check_format(data_dir, dtype)
     path = data_dir / "self_prompts.json"
     prompts: list[str] = json.loads(path.read_text()) if path.exists() else []
     if len(prompts) >= count:
         return prompts[:count]
-    model, tokenizer = _batched_generator(target)
+    tokenizer = load_tokenizer(target)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if end is None or end == tokenizer.unk_token_id:
         raise ValueError(f"{target}: target-written prompts need a ChatML chat model (no <|im_end|> token)")
     system = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\n"
     rng = random.Random(seed + len(prompts))
-    torch.manual_seed(seed + len(prompts))
+    sampling = Sampling(0.8, 0.95, torch.Generator().manual_seed(seed + len(prompts)))
     seen = set(prompts)
+    generator: TargetGenerator | None = None
     bar = tqdm(total=count, initial=len(prompts), desc="target-written prompts", unit="prompt")
     idle = 0  # batches in a row that gave nothing usable
     while len(prompts) < count:
@@ -111,19 +93,13 @@ def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: i
             )
         before = len(prompts)
         openings = [rng.choice(OPENINGS) for _ in range(batch_size)]
-        enc = tokenizer([system + o for o in openings], return_tensors="pt", padding=True)
-        with torch.inference_mode():
-            gen = model.generate(
-                **enc,
-                max_new_tokens=64,
-                do_sample=True,
-                temperature=0.8,
-                top_p=0.95,
-                top_k=None,
-                eos_token_id=end,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        for opening, row in zip(openings, gen[:, enc["input_ids"].shape[1] :].tolist()):
+        starts = [tokenizer(system + o)["input_ids"] for o in openings]
+        if generator is None:
+            longest = max(len(tokenizer(system + o)["input_ids"]) for o in OPENINGS)
+            generator = TargetGenerator(load_lean_target(target, dtype), longest + 64)
+        written = sorted(generator.generate(starts, 64, {end}, sampling=sampling), key=lambda g: g.index)
+        for opening, g in zip(openings, written):
+            row = g.token_ids[g.prompt_len :]
             if end not in row or len(prompts) == count:
                 continue  # ran out of tokens mid-request, or enough already
             request = (opening + tokenizer.decode(row[: row.index(end)])).strip()
@@ -139,15 +115,6 @@ def self_written_prompts(target: Path, data_dir: Path, count: int, batch_size: i
     return prompts[:count]
 
 
-def _batched_generator(target: Path):
-    """The target (float32) and its tokenizer, set up to generate for left-padded batches."""
-    model, tokenizer = load_causal_lm(target, "float32"), load_tokenizer(target)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out anyway
-    return model, tokenizer
-
-
 def _check_prompts(data_dir: Path, prompts: list[str]) -> None:
     """Answers are stored by prompt index: refuse a data directory made for other prompts."""
     path = data_dir / "prompts.json"
@@ -160,64 +127,166 @@ def _check_prompts(data_dir: Path, prompts: list[str]) -> None:
         path.write_text(json.dumps(prompts, indent=0))
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
+def _check_format(data_dir: Path, dtype: str) -> None:
+    """Refuse a data directory another generator filled (its answers and states are not this
+    runtime's numbers); a new one is stamped with this one's."""
+    path = data_dir / "format.json"
+    made = {"version": DATA_VERSION, "generator": "lean runtime", "dtype": dtype}
+    found = json.loads(path.read_text()) if path.exists() else None
+    if found is None and any(data_dir.glob("*.json*")):
+        found = {"version": 1, "generator": "transformers", "dtype": "float32"}
+    if found is None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(made))
+    elif found != made:
+        raise ValueError(
+            f"{data_dir} holds training data made by {found['generator']} in {found['dtype']} (format "
+            f"{found['version']}), not by the {made['generator']} in {dtype} (format {DATA_VERSION}); "
+            "choose another --data-dir or delete it"
+        )
+
+
+def _stop_ids(target: Path, tokenizer) -> set[int]:
+    """The target's end-of-answer tokens: its generation config's, and its tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(target).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
     eos = eos if isinstance(eos, list) else [eos]
-    return [e for e in eos + [tokenizer.eos_token_id] if e is not None]
+    return {e for e in eos + [tokenizer.eos_token_id] if e is not None}
 
 
-def _until_eos(ids: list[int], eos: set[int]) -> list[int]:
-    for n, token in enumerate(ids):
-        if token in eos:
-            return ids[: n + 1]
-    return ids
-
-
-def target_states(
-    target: Path, data_dir: Path, records: list[dict], layer_ids: tuple[int, ...], batch_size: int = 8
+def answer(
+    target: Path,
+    data_dir: Path,
+    prompts: list[str],
+    max_new_tokens: int,
+    layer_ids: tuple[int, ...],
+    dtype: str = "bfloat16",
 ) -> TrainingData:
-    """Hidden states of `layer_ids` and the target's argmax at every position (cached)."""
-    path = data_dir / "states.safetensors"
-    from safetensors.torch import load_file, save_file
+    """The target's greedy answers to `prompts` with their states at every position (cached:
+    `states.safetensors` when complete; while under way `generations.jsonl` and `parts/`)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _check_format(data_dir, dtype)
+    _check_prompts(data_dir, prompts)
+    parts = _Parts(data_dir)
+    cached = parts.layers()
+    if cached is not None and set(layer_ids) <= cached and parts.covers(range(len(prompts))):
+        return parts.assemble(range(len(prompts)), layer_ids)
+    layers = tuple(sorted(set(layer_ids) | (cached or set())))  # what the file had stays
+    path = data_dir / "generations.jsonl"
+    done = {d["prompt"]: d for d in map(json.loads, path.open())} if path.exists() else {}
+    tokenizer = load_tokenizer(target)
+    todo = [i for i in range(len(prompts)) if i not in done]
+    asked = [tokenizer(prompts[i])["input_ids"] for i in todo]
+    # Answers already written without their states (another head's layers, an older run):
+    # the whole sequence is one prefill, no new tokens.
+    again = [i for i in sorted(done) if i < len(prompts) and not parts.has(i, layers)]
+    longest = max([len(ids) + max_new_tokens for ids in asked] + [len(done[i]["token_ids"]) for i in again] + [1])
+    generator = TargetGenerator(load_lean_target(target, dtype), longest)
+    with path.open("a") as book:
+        if again:
+            runs = generator.generate([done[i]["token_ids"] for i in again], 0, set(), layers)
+            parts.write_all(runs, again, layers, "target states (answers written before)", book=None)
+        if todo:
+            runs = generator.generate(asked, max_new_tokens, _stop_ids(target, tokenizer), layers)
+            parts.write_all(runs, todo, layers, "target answers and states", book=book)
+    return parts.assemble(range(len(prompts)), layer_ids, merge=True)
 
-    if path.exists():
-        cached = load_file(path)
-        if all(f"hidden.{i}" in cached for i in layer_ids) and cached["offsets"][-1] == sum(
-            len(r["token_ids"]) for r in records
-        ):
-            return _as_data(cached, layer_ids)
-        layer_ids = tuple(sorted(set(layer_ids) | {int(k.split(".")[1]) for k in cached if k.startswith("hidden.")}))
-    model = load_causal_lm(target, "float32")
-    hidden: dict[int, list[torch.Tensor]] = {i: [] for i in layer_ids}
-    labels = []
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["token_ids"]))  # little padding
-    per_record: dict[int, tuple] = {}
-    for start in tqdm(range(0, len(order), batch_size), desc="target hidden states", unit="batch"):
-        batch = [records[i]["token_ids"] for i in order[start : start + batch_size]]
-        width = max(map(len, batch))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in batch])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch])
-        with torch.inference_mode():
-            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        for row, i in enumerate(order[start : start + batch_size]):
-            n = len(batch[row])
-            states = select_hidden(out.hidden_states, row, n, layer_ids).to(torch.bfloat16)
-            per_record[i] = (states, out.logits[row, :n].argmax(-1))
-    for i in range(len(records)):
-        states, argmax = per_record[i]
-        for j, layer in enumerate(layer_ids):
-            hidden[layer].append(states[:, j])
-        labels.append(argmax)
-    lengths = torch.tensor([len(r["token_ids"]) for r in records])
-    tensors = {
-        "token_ids": torch.tensor([t for r in records for t in r["token_ids"]]),
-        "labels": torch.cat(labels),
+
+class _Parts:
+    """Recorded sequences on disk, a few hundred per file, so a stopped run loses little:
+    `parts/NNNNN.safetensors` while under way, merged into `states.safetensors` at the end;
+    each file holds its sequences' prompt indices, token ids, prompt lengths, labels and
+    hidden states (`hidden.LAYER`), laid end to end by `offsets`."""
+
+    every = 256  # sequences per part file
+
+    def __init__(self, data_dir: Path) -> None:
+        self.dir, self.merged = data_dir / "parts", data_dir / "states.safetensors"
+        files = ([self.merged] if self.merged.exists() else []) + sorted(self.dir.glob("*.safetensors"))
+        self.index: dict[int, tuple[Path, int]] = {}  # prompt -> (file, sequence in it); the newest file wins
+        self.file_layers: dict[Path, set[int]] = {}
+        for f in files:
+            with safe_open(f, "pt") as h:
+                self.file_layers[f] = {int(k.split(".")[1]) for k in h.keys() if k.startswith("hidden.")}
+                for n, prompt in enumerate(h.get_tensor("prompts").tolist()):
+                    self.index[prompt] = (f, n)
+
+    def layers(self) -> set[int] | None:
+        """The layers every file holds (None: no file yet)."""
+        return set.intersection(*self.file_layers.values()) if self.file_layers else None
+
+    def has(self, prompt: int, layers: tuple[int, ...]) -> bool:
+        return prompt in self.index and set(layers) <= self.file_layers[self.index[prompt][0]]
+
+    def covers(self, prompts: range) -> bool:
+        return all(i in self.index for i in prompts)
+
+    def write_all(
+        self, runs: Iterator[Generated], prompts: list[int], layers: tuple[int, ...], desc: str, book: IO[str] | None
+    ) -> None:
+        """Write the generated sequences of `prompts` (yielded as they finish, states of
+        `layers`) part by part, with a progress bar and its ETA on stderr; `book`:
+        generations.jsonl, where each part's answers are listed once the part is written."""
+        bar = tqdm(total=len(prompts), desc=desc, unit="seq", smoothing=0.1)
+        pending: list[Generated] = []
+        tokens = 0
+        for g in runs:
+            pending.append(replace(g, index=prompts[g.index]))
+            tokens += len(g.token_ids)
+            bar.set_postfix(tokens=tokens, refresh=False)
+            bar.update()
+            if len(pending) == self.every or bar.n == bar.total:
+                self._write(pending, layers, book)
+                pending = []
+        bar.close()
+
+    def _write(self, seqs: list[Generated], layers: tuple[int, ...], book: IO[str] | None) -> None:
+        self.dir.mkdir(exist_ok=True)
+        path = self.dir / f"{len(list(self.dir.glob('*.safetensors'))):05d}.safetensors"
+        save_file(_tensors(seqs, list(layers)), path)
+        self.file_layers[path] = set(layers)
+        self.index.update({g.index: (path, n) for n, g in enumerate(seqs)})
+        if book is not None:
+            for g in seqs:
+                book.write(json.dumps({"prompt": g.index, "prompt_len": g.prompt_len, "token_ids": g.token_ids}) + "\n")
+            book.flush()
+
+    def assemble(self, prompts: range, layer_ids: tuple[int, ...], merge: bool = False) -> TrainingData:
+        """The sequences of `prompts`, in order; `merge`: written as the one states file."""
+        loaded = {f: load_file(f) for f in {self.index[i][0] for i in prompts}}
+        layers = sorted(set.intersection(*(self.file_layers[f] for f in loaded)))
+        seqs = []
+        for i in prompts:
+            f, n = self.index[i]
+            t = loaded[f]
+            span = slice(int(t["offsets"][n]), int(t["offsets"][n + 1]))
+            hidden = torch.stack([t[f"hidden.{layer}"][span] for layer in layers], dim=1)  # [n, layers, H]
+            seqs.append(
+                Generated(i, t["token_ids"][span].tolist(), int(t["prompt_lens"][n]), hidden, t["labels"][span])
+            )
+        tensors = _tensors(seqs, layers)
+        if merge:
+            save_file(tensors, self.merged)
+            for f in self.dir.glob("*.safetensors"):
+                f.unlink()
+        return _as_data(tensors, layer_ids)
+
+
+def _tensors(seqs: list[Generated], layers: list[int]) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([len(g.token_ids) for g in seqs], dtype=torch.long)
+    hidden = torch.cat([g.hidden for g in seqs]).to(torch.bfloat16)  # [N, layers, H]
+    return {
+        "prompts": torch.tensor([g.index for g in seqs], dtype=torch.long),
+        "token_ids": torch.tensor([t for g in seqs for t in g.token_ids], dtype=torch.long),
+        "labels": torch.cat([g.labels for g in seqs]).long(),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-        "prompt_lens": torch.tensor([r["prompt_len"] for r in records]),
-        **{f"hidden.{i}": torch.cat(h).contiguous() for i, h in hidden.items()},
+        "prompt_lens": torch.tensor([g.prompt_len for g in seqs], dtype=torch.long),
+        **{f"hidden.{layer}": hidden[:, j].contiguous() for j, layer in enumerate(layers)},
     }
-    save_file(tensors, path)
-    return _as_data(tensors, layer_ids)
 
 
 def _as_data(tensors: dict[str, torch.Tensor], layer_ids: tuple[int, ...]) -> TrainingData:
@@ -236,19 +305,18 @@ def prepare(
     layer_ids: tuple[int, ...],
     num_prompts: int | None = None,
     max_new_tokens: int = 128,
-    batch_size: int = 16,
     prompts: list[str] | None = None,
     self_prompts: int = 0,
+    dtype: str = "bfloat16",
 ) -> TrainingData:
     """Generate (or reuse) the target's answers to the first `num_prompts` prompts (default:
     the built-in training prompts) followed by `self_prompts` requests the target writes
-    itself, then (or reuse) their hidden states."""
+    itself, with their hidden states; the target runs in `dtype` (as it is served)."""
     prompts = prompts or training_prompts()
     prompts = prompts[:num_prompts] if num_prompts else prompts
     if self_prompts < 0:
         raise ValueError(f"self_prompts must be >= 0, got {self_prompts}")
     if self_prompts:
-        prompts = prompts + self_written_prompts(target, data_dir, self_prompts)
+        prompts = prompts + self_written_prompts(target, data_dir, self_prompts, dtype=dtype)
     check_held_out(prompts)
-    records = generate(target, data_dir, prompts, max_new_tokens, batch_size)
-    return target_states(target, data_dir, records, layer_ids)
+    return answer(target, data_dir, prompts, max_new_tokens, layer_ids, dtype)

@@ -19,7 +19,7 @@ from backends.runtime.model_store import (
     local_model,
     resolve_model,
 )
-from backends.training import TRAINERS, data_dir, head_dir
+from backends.training import TRAINERS, data_dir, head_dir, recipe
 from client.api.openai_http import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS, DoorPolicy
 from client.cli.common import Subcommands, error
 from client.cli.measure_commands import add_bench_parser, add_perf_parser, add_soak_parser, add_verify_cost_parser
@@ -145,12 +145,13 @@ def _train(args: argparse.Namespace) -> int:
             from client.cli.bench import read_prompt_file
 
             prompts = [p for ps in read_prompt_file(Path(args.prompt_file)).values() for p in ps]
+        defaults = recipe(args.method)
         report = train(
             args.method,
             target,
             out,
-            data_dir=Path(args.data_dir) if args.data_dir else data_dir(args.target),
-            epochs=args.epochs,
+            data_dir=Path(args.data_dir) if args.data_dir else data_dir(args.target, args.dtype),
+            epochs=defaults["epochs"] if args.epochs is None else args.epochs,
             lr=args.lr,
             batch_tokens=args.batch_tokens,
             num_steps=args.ttt_steps,
@@ -158,7 +159,8 @@ def _train(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             options={"draft_vocab_size": args.draft_vocab_size},
             prompts=prompts,
-            self_prompts=args.self_prompts,
+            self_prompts=defaults["self_prompts"] if args.self_prompts is None else args.self_prompts,
+            dtype=args.dtype,
         )
     except (ValueError, ModelNotFoundError, OSError) as e:
         return error(e)
@@ -340,13 +342,18 @@ def _add_train_parser(sub: Subcommands) -> None:
     train_p.add_argument(
         "--self-prompts",
         type=int,
-        default=0,
         metavar="N",
         help="also train on the target's answers to N requests it writes itself (sampled user "
-        "turns, cached in the data dir; ChatML targets)",
+        "turns, cached in the data dir; ChatML targets; default: eagle3 500, others 0)",
     )
     train_p.add_argument("--max-new-tokens", type=int, default=128, help="length of each target answer")
-    train_p.add_argument("--epochs", type=int, default=3)
+    train_p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the target's dtype generating the data: the one it is served in (serve's default bfloat16)",
+    )
+    train_p.add_argument("--epochs", type=int, help="default: eagle3 4, others 3")
     train_p.add_argument("--lr", type=float, default=1e-3)
     train_p.add_argument(
         "--batch-tokens",

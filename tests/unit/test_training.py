@@ -44,24 +44,6 @@ def test_training_prompts_are_separate_from_the_benchmark():
         check_held_out(prompts[:3] + ["<|im_start|>user\nExplain what a hash table is to a ten-year-old."])
 
 
-def test_data_is_the_targets_own_greedy_output(target_dir, data_dir):
-    from tests.fixtures.helpers import load_hf_model
-
-    _, _, data = _data(target_dir, data_dir, "eagle3")
-    model, _ = load_hf_model(str(target_dir))
-    i = 3
-    seq = data.token_ids[data.sequence(i)]
-    with torch.inference_mode():
-        out = model(input_ids=seq[None], output_hidden_states=True)
-    assert torch.equal(data.labels[data.sequence(i)], out.logits[0].argmax(-1))
-    answer = slice(int(data.prompt_lens[i]), len(seq))
-    # The answer continues greedily: every answer token is the argmax after the one before.
-    assert torch.equal(seq[answer.start :], out.logits[0, answer.start - 1 : -1].argmax(-1))
-    assert set(data.hidden) == {0, 1, 2}  # vLLM's default aux layers for 3 layers
-    for layer, states in data.hidden.items():  # numbering as the verifier's: HF hidden_states[i]
-        torch.testing.assert_close(states[data.sequence(i)].float(), out.hidden_states[layer][0], atol=0.02, rtol=0.02)
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_training_time_test_attends_like_serving(method, target_dir, data_dir):
     """Step s of the unroll at anchor t equals running the head causally over the pairs
