@@ -176,7 +176,7 @@ class ServingContext:
     # step each, so other sequences' steps run in between (0: in one step).
     prefill_chunk: int = 0
     # Structured outputs' compiled grammars over the target's tokenizer; None: a constrained
-    # request is refused (the verifier runs in a model of its own, and masks do not travel).
+    # request is refused (a loop run without them, generate_local's default).
     grammars: GrammarCompiler | None = None
     # How long a request may wait, in all, for room in the target's KV pool (admission queue,
     # or resuming after a preemption) before it fails with AdmissionTimeoutError.
@@ -274,10 +274,7 @@ class Generation:
         if spec is None:
             return None
         if self.ctx.grammars is None:
-            raise RequestError(
-                f"structured outputs ({spec.kind}) need the target verified in the `speculative` model's "
-                "process (its verifier_in_process parameter); this server verifies in a model of its own"
-            )
+            raise RequestError(f"structured outputs ({spec.kind}) are not served here: no grammar compiler")
         return self.ctx.grammars.matcher(spec)
 
     def _policies(self) -> tuple[int, DraftPolicy | None, TreeCut | None]:

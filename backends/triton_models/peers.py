@@ -185,6 +185,8 @@ class BlsVerifier(SequencePeer):
             inputs["draft_probs"] = req.draft_probs.numpy()[None]
         if req.draft_parents is not None:
             inputs["draft_parents"] = np.array([req.draft_parents], dtype=np.int64)
+        if req.token_mask is not None:
+            inputs["token_mask"] = req.token_mask.numpy()[None]
         outputs = ["output_ids", "forward_ms"]
         if req.hidden_layer_ids:
             inputs["hidden_layer_ids"] = np.array([req.hidden_layer_ids], dtype=np.int32)

@@ -34,7 +34,7 @@ from backends.triton_models.metrics import ServingMetrics, SpecDecodeCounters
 from backends.triton_models.outbox import Outbox
 from backends.triton_models.pbtxt import get_parameter
 from backends.triton_models.peers import Peers
-from backends.triton_models.topology import Placement, VerifyAt
+from backends.triton_models.topology import Placement
 
 log = logging.getLogger("tritonspec.speculative")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -258,22 +258,13 @@ class TritonPythonModel:
             self.extract_layer_ids,
             lambda: self.active_requests,
             self.prefill_chunk,
-            self._grammars(),
+            # Structured outputs: masks go to the target in this process or over BLS alike.
+            GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids),
             self.max_queue_time_s,
         )
         return ServedModel(
             self.tokenizer, self.vocab_size, self.decode_token, context, self.stream_interval, self.hidden_states_dir
         )
-
-    def _grammars(self) -> GrammarCompiler | None:
-        """Structured outputs' grammars, where the target verifies in this process: the masks
-        go to it as tensors (over BLS they would not travel, so constrained requests are refused)."""
-        if self.peers.route.verify_at is not VerifyAt.IN_PROCESS:
-            log.info(
-                "structured outputs are refused: the target verifies in %r, not in this process", self.verifier_name
-            )
-            return None
-        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def _count(self, drafter: Drafter | None, stats: GenerationStats) -> None:
         """Add a request's acceptance (and a drafter fallback) to the server-wide counters."""

@@ -8,7 +8,8 @@ running sequence and sends them as one request, so they share one forward.
 
 On the wire a batch is one single-request sequence (START | END under a fresh correlation id):
 the `rows` parameter (JSON) says, row by row, which sequence a step belongs to and how many of
-the concatenated `input_ids`, `draft_ids`, `draft_probs` and `draft_parents` are its own; the
+the concatenated `input_ids`, `draft_ids`, `draft_probs`, `draft_parents` and `token_mask` rows
+(structured outputs: a constrained row's count, none for the others) are its own; the
 response concatenates the rows' `output_ids` (with `output_lengths`) and per-row `forward_ms`;
 only when some row has them, `hidden_states` (with `hidden_lengths`), `row_errors` ("" = no
 error) and `waiting` (the row's step did not run: no KV room now, send it again). A row may instead end its sequence (`release`). Sequences that ask for logprobs keep one request per step.
@@ -26,7 +27,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
 
 log = logging.getLogger("tritonspec.verifier")
 ROWS = "rows"  # the request parameter that makes a verifier request a batch of steps
+ROW_INPUTS = ("input_ids", "draft_ids", "draft_probs", "draft_parents", "token_mask")  # what its rows share
 BATCH_OUTPUTS = [
     "output_ids",
     "output_lengths",
@@ -66,7 +68,7 @@ Row = VerifyRequest | Release
 # -- the wire format: the orchestrator encodes, the verifier decodes ------------------------------
 def encode_rows(rows: list[Row]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The inputs and parameters of one verifier request carrying `rows`."""
-    meta, new_ids, draft_ids, probs, parents = [], [], [], [], []
+    meta, new_ids, draft_ids, probs, parents, masks = [], [], [], [], [], []
     for row in rows:
         if isinstance(row, Release):
             meta.append({"seq": row.seq_id, "release": True})
@@ -86,6 +88,9 @@ def encode_rows(rows: list[Row]) -> tuple[dict[str, np.ndarray], dict[str, str]]
         if row.draft_parents is not None:
             entry["tree"] = True
             parents += row.draft_parents
+        if row.token_mask is not None:  # its own count: a wrong one fails its row alone (the runner's check)
+            entry["mask"] = len(row.token_mask)
+            masks.append(row.token_mask.numpy())
         meta.append(entry)
         new_ids += row.new_token_ids
         draft_ids += row.draft_token_ids
@@ -94,36 +99,39 @@ def encode_rows(rows: list[Row]) -> tuple[dict[str, np.ndarray], dict[str, str]]
         inputs["draft_probs"] = np.concatenate(probs)[None]
     if parents:
         inputs["draft_parents"] = np.array([parents], dtype=np.int64)
+    if masks:
+        inputs["token_mask"] = np.concatenate(masks)[None]
     return inputs, {ROWS: json.dumps(meta)}
 
 
-def decode_rows(
-    meta_json: str,
-    input_ids: list[int],
-    draft_ids: list[int],
-    draft_probs: np.ndarray | None,
-    draft_parents: list[int] | None,
-) -> list[Row]:
-    """The rows of a batch request; raises ValueError when its parts do not add up."""
+def decode_rows(meta_json: str, inputs: Mapping[str, np.ndarray | None]) -> list[Row]:
+    """The rows of a batch request, from its `rows` parameter and its input tensors by name
+    (absent or None: not sent); raises ValueError when its parts do not add up."""
     meta = json.loads(meta_json)
     if not isinstance(meta, list):
         raise ValueError("the `rows` parameter must be a JSON list")
+    input_ids, draft_ids, parents = (_ids(inputs.get(name)) for name in ("input_ids", "draft_ids", "draft_parents"))
+    probs, masks = (_matrix(inputs.get(name)) for name in ("draft_probs", "token_mask"))
     rows: list[Row] = []
-    ids_at = drafts_at = probs_at = parents_at = 0
-    probs = None if draft_probs is None else torch.from_numpy(draft_probs.reshape(-1, draft_probs.shape[-1]))
+    ids_at = drafts_at = probs_at = parents_at = masks_at = 0
     for entry in meta:
         seq_id = int(entry["seq"])
         if entry.get("release"):
             rows.append(Release(seq_id))
             continue
         n, k = int(entry["n"]), int(entry["k"])
-        row_probs = row_parents = None
+        row_probs = row_parents = row_mask = None
         if entry.get("probs"):
             if probs is None:
                 raise ValueError(f"row of sequence {seq_id} has draft probabilities but the request has none")
             row_probs, probs_at = probs[probs_at : probs_at + k], probs_at + k
         if entry.get("tree"):
-            row_parents, parents_at = (draft_parents or [])[parents_at : parents_at + k], parents_at + k
+            row_parents, parents_at = parents[parents_at : parents_at + k], parents_at + k
+        if "mask" in entry:
+            if masks is None:
+                raise ValueError(f"row of sequence {seq_id} has a token mask but the request has none")
+            m = int(entry["mask"])
+            row_mask, masks_at = masks[masks_at : masks_at + m], masks_at + m
         sampling = entry.get("sampling")
         rows.append(
             VerifyRequest(
@@ -136,16 +144,24 @@ def decode_rows(
                 entry.get("max_new"),
                 row_parents,
                 entry.get("prefill_only") is True,
+                row_mask,
             )
         )
         ids_at, drafts_at = ids_at + n, drafts_at + k
-    used = (ids_at, drafts_at, probs_at, parents_at)
-    given = (len(input_ids), len(draft_ids), 0 if probs is None else len(probs), len(draft_parents or []))
+    used = (ids_at, drafts_at, probs_at, parents_at, masks_at)
+    given = tuple(0 if part is None else len(part) for part in (input_ids, draft_ids, probs, parents, masks))
     if used != given:
-        raise ValueError(
-            f"the rows use {used} of (input_ids, draft_ids, draft_probs, draft_parents), the request has {given}"
-        )
+        raise ValueError(f"the rows use {used} of {ROW_INPUTS}, the request has {given}")
     return rows
+
+
+def _ids(array: np.ndarray | None) -> list[int]:
+    return [] if array is None else array.reshape(-1).tolist()
+
+
+def _matrix(array: np.ndarray | None) -> torch.Tensor | None:
+    """A [1, rows, columns] (or [rows, columns]) input as a [rows, columns] tensor."""
+    return None if array is None else torch.from_numpy(array.reshape(-1, array.shape[-1]))
 
 
 def encode_results(results: list[VerifyResult | Exception | None]) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
 """The `verifier` model while it serves (`verifier.py` decides): the target model behind
 Triton's sequence batcher (one KV cache per correlation id). Inputs per step: new token ids
-and draft ids; outputs: the emitted ids."""
+and draft ids (and, where they have them, draft probabilities, a tree's parents, a structured
+output's token mask); outputs: the emitted ids."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from backends.triton_models.common import input_array, input_ids, instance_devic
 from backends.triton_models.metrics import EngineMetrics
 from backends.triton_models.pbtxt import ModelSettings
 from backends.triton_models.sequence_model import SequenceBatchedModel
-from backends.triton_models.step_batch import ROWS, decode_rows, encode_results, verify_steps
+from backends.triton_models.step_batch import ROW_INPUTS, ROWS, decode_rows, encode_results, verify_steps
 
 log = logging.getLogger("tritonspec.verifier")
 PREFIX_CACHE_NAMESPACE_ENV = "TRITONSPEC_PREFIX_CACHE_NAMESPACE"
@@ -39,8 +40,9 @@ class VerifierModel(SequenceBatchedModel):
     def parse(self, request) -> VerifyRequest:
         params = json.loads(request.parameters() or "{}")
         sampling_json = params.get("sampling")
-        draft_probs = input_array(request, "draft_probs")
-        parents = input_array(request, "draft_parents")
+        draft_probs, parents, mask = (
+            input_array(request, name) for name in ("draft_probs", "draft_parents", "token_mask")
+        )
         return VerifyRequest(
             request.correlation_id(),
             input_ids(request, "input_ids"),
@@ -51,20 +53,14 @@ class VerifierModel(SequenceBatchedModel):
             params.get("max_new_tokens"),
             None if parents is None else parents.reshape(-1).tolist(),
             params.get("prefill_only") is True,
+            None if mask is None else torch.from_numpy(mask.reshape(mask.shape[-2:])),
         )
 
     def carried(self, request) -> list | None:
         params = json.loads(request.parameters() or "{}")
         if ROWS not in params:
             return None
-        parents = input_array(request, "draft_parents")
-        return decode_rows(
-            params[ROWS],
-            input_ids(request, "input_ids"),
-            input_ids(request, "draft_ids"),
-            input_array(request, "draft_probs"),
-            None if parents is None else parents.reshape(-1).tolist(),
-        )
+        return decode_rows(params[ROWS], {name: input_array(request, name) for name in ROW_INPUTS})
 
     def respond_rows(self, results: list) -> object:
         return pb_utils.InferenceResponse(

@@ -3,7 +3,8 @@ verified in the orchestrator's process): each kind of constraint holds, streamed
 alone and batched beside an unconstrained request that stays unchanged; greedy constrained
 speculative output is constrained plain output; a structural tag holds inside its tags; with
 ignore_eos the output goes on as free text past the grammar's EOS; a bad schema fails only its
-own request; a server that verifies over BLS refuses constrained requests by name."""
+own request. Verified in the `verifier` model over BLS (`bls_server`: an EAGLE head drafting),
+where the masks travel with the steps, batched or one request a step, the outputs are the same."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from client.api.triton import GenerationError, grpc_generate, http_generate
 from tests.fixtures.helpers import hf_greedy
 from tests.fixtures.prompts import ANIMAL_SCHEMA
-from tests.fixtures.structured import PROMPT, TAG, served_reference, tagged_animals
+from tests.fixtures.structured import PROMPT, TAG, check_served_constrained, served_reference, tagged_animals
 
 SCHEMA = ANIMAL_SCHEMA
 REGEX = r"(the|a) (fox|dog) (jumps|sleeps)\."
@@ -42,9 +43,14 @@ def holds(kind: str, text: str) -> bool:
     return re.fullmatch(REGEX if kind == "regex" else r"print\([0-9]\)", text) is not None
 
 
-def constrained(server, kind: str, stream: bool = True, **inputs):
-    sampling = {"structured_outputs": CONSTRAINTS[kind]}
+def constrained(server, kind: str, stream: bool = True, sampling: dict | None = None, **inputs):
+    """`kind`'s constraint, beside the other `sampling` parameters."""
+    sampling = {"structured_outputs": CONSTRAINTS[kind], **(sampling or {})}
     return grpc_generate(server.grpc_url, PROMPT, stream=stream, sampling_parameters=sampling, **inputs)
+
+
+# The in-process server, and the one whose verifier model gets the masks over BLS.
+SERVERS = pytest.mark.parametrize("server", ["tiny_server", "bls_server"])
 
 
 @pytest.mark.parametrize("kind", CONSTRAINTS)
@@ -61,12 +67,30 @@ def test_each_kind_holds_streamed_and_not(tiny_server, kind):
     assert sse.output_ids == streamed.output_ids
 
 
+@SERVERS
 @pytest.mark.parametrize("kind", ["json", "regex", "grammar"])
-def test_greedy_constrained_speculative_is_constrained_plain(tiny_server, kind):
-    speculative = constrained(tiny_server, kind, max_tokens=64)
-    plain = constrained(tiny_server, kind, max_tokens=64, num_draft_tokens=0)
+def test_greedy_constrained_speculative_is_constrained_plain(request, server, kind):
+    server = request.getfixturevalue(server)
+    speculative = constrained(server, kind, max_tokens=64)
+    plain = constrained(server, kind, max_tokens=64, num_draft_tokens=0)
     assert speculative.output_ids == plain.output_ids
-    assert speculative.total_accepted_draft_tokens > 0  # forced tokens and ngram drafts
+    assert speculative.total_accepted_draft_tokens > 0  # forced tokens and the drafter's drafts
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "choice"])
+def test_verified_over_bls_a_constrained_output_is_the_in_process_one(tiny_server, bls_server, kind):
+    """The masks reach the verifier model with the step batcher's steps, and with the steps a
+    sequence that asks for logprobs sends one request each."""
+    expected = constrained(tiny_server, kind, max_tokens=64)
+    assert expected.finish_reason == "stop" and holds(kind, expected.text), expected.text
+    batched = constrained(bls_server, kind, max_tokens=64)
+    per_step = constrained(bls_server, kind, stream=False, sampling={"logprobs": 1}, max_tokens=64)
+    assert batched.output_ids == per_step.output_ids == expected.output_ids
+
+
+def test_verified_over_bls_the_drafter_s_drafts_are_the_target_s_constrained_output(bls_server, tiny_model_dir):
+    """The EAGLE head's drafts, cut by the grammar and verified under the masks over BLS."""
+    check_served_constrained(bls_server, tiny_model_dir)
 
 
 def test_a_structural_tag_holds_inside_its_tags(tiny_server, tiny_model_dir):
@@ -90,12 +114,15 @@ def test_ignore_eos_goes_on_unconstrained_past_the_grammar_s_end(tiny_server, ti
         assert tuple(result.output_ids) == expected and result.finish_reason == "length"
 
 
-def test_batched_beside_an_unconstrained_request(tiny_server, tiny_model_dir):
+@SERVERS
+def test_batched_beside_an_unconstrained_request(request, server, tiny_model_dir):
+    """Over BLS the constrained steps' mask rows go in one verifier request beside rows with none."""
+    server = request.getfixturevalue(server)
     expected = hf_greedy(str(tiny_model_dir), PROMPT, 48)
-    alone = {kind: constrained(tiny_server, kind, max_tokens=64).output_ids for kind in ("json", "regex", "choice")}
+    alone = {kind: constrained(server, kind, max_tokens=64).output_ids for kind in ("json", "regex", "choice")}
     with ThreadPoolExecutor(8) as pool:
-        free = [pool.submit(grpc_generate, tiny_server.grpc_url, PROMPT, max_tokens=48) for _ in range(2)]
-        bound = {kind: pool.submit(constrained, tiny_server, kind, max_tokens=64) for kind in alone}
+        free = [pool.submit(grpc_generate, server.grpc_url, PROMPT, max_tokens=48) for _ in range(2)]
+        bound = {kind: pool.submit(constrained, server, kind, max_tokens=64) for kind in alone}
         for f in free:
             assert tuple(f.result().output_ids) == expected
         for kind, f in bound.items():
@@ -112,8 +139,3 @@ def test_a_bad_schema_fails_only_its_own_request(tiny_server, tiny_model_dir):
             failing.result()
         assert holds("json", good.result().text)
         assert tuple(free.result().output_ids) == hf_greedy(str(tiny_model_dir), PROMPT, 24)
-
-
-def test_refused_by_name_when_verified_over_bls(bls_server):
-    with pytest.raises(GenerationError, match="verifier_in_process"):
-        constrained(bls_server, "regex", max_tokens=16)

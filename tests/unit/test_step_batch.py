@@ -16,6 +16,7 @@ from backends.serving.drafting import DraftCall, DraftService
 from backends.serving.proposer import Draft, Proposer
 from backends.serving.request import SamplingParams
 from backends.serving.target import TargetRunner, VerifyRequest, VerifyResult
+from backends.structured.mask import allowed_tokens, mask_words
 from backends.triton_models.pbtxt import single_instance
 from backends.triton_models.step_batch import (
     ROWS,
@@ -35,24 +36,25 @@ VERIFIER_CONFIG = (Path(__file__).parents[2] / "model_repository" / "verifier" /
 
 def _wire(rows: list) -> list:
     inputs, params = encode_rows(rows)
-    parents = inputs.get("draft_parents")
-    return decode_rows(
-        params[ROWS],
-        inputs["input_ids"].reshape(-1).tolist(),
-        inputs["draft_ids"].reshape(-1).tolist(),
-        inputs.get("draft_probs"),
-        None if parents is None else parents.reshape(-1).tolist(),
-    )
+    return decode_rows(params[ROWS], inputs)
+
+
+def _mask(rows: int, words: int = 2) -> torch.Tensor:
+    return torch.randint(-(2**31), 2**31, (rows, words), dtype=torch.int32)
 
 
 def test_every_kind_of_row_survives_the_wire():
+    """Constrained rows (a token mask) beside unconstrained ones: each gets its own mask rows
+    back, a mask of the wrong row count too (the target runner refuses that step alone)."""
     probs = torch.softmax(torch.randn(3, 11), -1)
     rows = [
         VerifyRequest(7, [1, 2, 3], [], SamplingParams(temperature=0.7, seed=5), max_new_tokens=9, prefill_only=True),
-        VerifyRequest(2**62 + 3, [4], [5, 6, 7], None, (1, 2), probs),
+        VerifyRequest(2**62 + 3, [4], [5, 6, 7], None, (1, 2), probs, token_mask=_mask(4)),
         Release(11),
         VerifyRequest(8, [], [9, 10, 11], None, draft_probs=probs * 0.5, draft_parents=[-1, 0, 0]),
-        VerifyRequest(9, [12, 13], [14, 15], None, draft_parents=[-1, 0]),
+        VerifyRequest(9, [12, 13], [14, 15], None, draft_parents=[-1, 0], token_mask=_mask(3)),
+        VerifyRequest(10, [16], [], None),
+        VerifyRequest(12, [], [17], None, token_mask=_mask(5)),
     ]
     decoded = _wire(rows)
     assert len(decoded) == len(rows)
@@ -71,17 +73,25 @@ def test_every_kind_of_row_survives_the_wire():
         assert (got.draft_probs is None) == (sent.draft_probs is None)
         if sent.draft_probs is not None:
             assert torch.equal(got.draft_probs, sent.draft_probs)
+        assert (got.token_mask is None) == (sent.token_mask is None)
+        if sent.token_mask is not None:
+            assert got.token_mask.dtype == torch.int32 and torch.equal(got.token_mask, sent.token_mask)
 
 
 def test_a_batch_whose_parts_do_not_add_up_is_refused():
     inputs, params = encode_rows([VerifyRequest(1, [1, 2], [3])])
     with pytest.raises(ValueError, match="input_ids"):
-        decode_rows(params[ROWS], [1, 2, 99], [3], None, None)
+        decode_rows(params[ROWS], {**inputs, "input_ids": inputs["input_ids"][:, :1]})
     probs_row = encode_rows([VerifyRequest(1, [1], [3], draft_probs=torch.ones(1, 4) / 4)])[1][ROWS]
     with pytest.raises(ValueError, match="draft probabilities"):
-        decode_rows(probs_row, [1], [3], None, None)
+        decode_rows(probs_row, inputs)
+    masked, mask_row = encode_rows([VerifyRequest(1, [1, 2], [3], token_mask=_mask(2))])
+    with pytest.raises(ValueError, match="token mask"):
+        decode_rows(mask_row[ROWS], inputs)
+    with pytest.raises(ValueError, match="token_mask"):  # a row more than the rows count
+        decode_rows(mask_row[ROWS], {**masked, "token_mask": _mask(3).numpy()[None]})
     with pytest.raises(ValueError, match="JSON list"):
-        decode_rows('{"seq": 1}', [], [], None, None)
+        decode_rows('{"seq": 1}', inputs)
 
 
 def test_results_survive_the_wire_each_with_its_own_hidden_rows_and_errors():
@@ -113,15 +123,7 @@ class WireVerifier:
         self.run_rows = in_process(runner)
 
     def __call__(self, inputs: dict, outputs: list[str], parameters: dict) -> dict:
-        parents = inputs.get("draft_parents")
-        rows = decode_rows(
-            parameters[ROWS],
-            inputs["input_ids"].reshape(-1).tolist(),
-            inputs["draft_ids"].reshape(-1).tolist(),
-            inputs.get("draft_probs"),
-            None if parents is None else parents.reshape(-1).tolist(),
-        )
-        return encode_results(self.run_rows(rows))
+        return encode_results(self.run_rows(decode_rows(parameters[ROWS], inputs)))
 
 
 class RecordedVerifier:
@@ -144,14 +146,22 @@ class RecordedVerifier:
 TRANSPORTS = pytest.mark.parametrize("transport", ["wire", "in_process"])
 
 
-def _greedy(verify, seq_id: int, prompt: list[int], steps: int) -> list[int]:
-    """Decode `steps` steps, drafting the sequence's own last tokens (some accepted, some not)."""
+def _greedy(verify, seq_id: int, prompt: list[int], steps: int, allowed: torch.Tensor | None = None) -> list[int]:
+    """Decode `steps` steps, drafting the sequence's own last tokens (some accepted, some not);
+    with `allowed` ([rows, words] int32) as every step's token mask, its first row repeated
+    to one per verified position (`rows` other than 1: a mask of the wrong row count)."""
     out: list[int] = []
     for step in range(steps):
         drafts = out[-2:] if step % 2 else [seq_id % 7, 3]
-        result = verify(VerifyRequest(seq_id, prompt if step == 0 else [], drafts))
+        mask = None if allowed is None else allowed.repeat(len(drafts) + 1 if len(allowed) == 1 else 1, 1)
+        result = verify(VerifyRequest(seq_id, prompt if step == 0 else [], drafts, token_mask=mask))
         out += result.token_ids
     return out
+
+
+def _every_third(runner: TargetRunner, rows: int = 1) -> torch.Tensor:
+    """A token mask that allows bits 0, 3, 6, ... of each int32 word."""
+    return torch.full((rows, mask_words(runner.vocab_size)), 0x49249249, dtype=torch.int32)
 
 
 def _gather_all(batcher: StepBatcher, seq_ids) -> None:
@@ -164,9 +174,14 @@ def _gather_all(batcher: StepBatcher, seq_ids) -> None:
 
 @TRANSPORTS
 def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_model_dir, transport):
+    """Sequences 1 and 3 constrained by a token mask (structured outputs), 2 and 4 not."""
     prompts = {seq_id: [1 + seq_id, 20 + seq_id, 3, 40 + seq_id][: 2 + seq_id % 3] for seq_id in range(1, 5)}
     alone = TargetRunner(tiny_model_dir, dtype="float32", runtime="lean")
-    expected = {seq_id: _greedy(alone.verify, seq_id, prompt, 6) for seq_id, prompt in prompts.items()}
+    masks = {seq_id: _every_third(alone) if seq_id % 2 else None for seq_id in prompts}
+    expected = {seq_id: _greedy(alone.verify, seq_id, prompt, 6, masks[seq_id]) for seq_id, prompt in prompts.items()}
+    allowed = set(allowed_tokens(_every_third(alone), alone.vocab_size)[0].nonzero().flatten().tolist())
+    assert set(expected[1]) | set(expected[3]) <= allowed
+    assert not set(_greedy(alone.verify, 5, prompts[1], 6)) <= allowed  # the mask changes what sequence 1 gets
 
     verifier = RecordedVerifier(TargetRunner(tiny_model_dir, dtype="float32", runtime="lean"), transport)
     batcher = StepBatcher(verifier)
@@ -174,7 +189,7 @@ def test_concurrent_sequences_share_forwards_and_get_what_each_gets_alone(tiny_m
     got: dict[int, list[int]] = {}
 
     def run(seq_id: int) -> None:
-        got[seq_id] = _greedy(batcher.verify, seq_id, prompts[seq_id], 6)
+        got[seq_id] = _greedy(batcher.verify, seq_id, prompts[seq_id], 6, masks[seq_id])
         batcher.release(seq_id)
 
     threads = [threading.Thread(target=run, args=(seq_id,)) for seq_id in prompts]
@@ -211,20 +226,27 @@ def test_a_failing_row_fails_its_sequence_alone(tiny_model_dir, transport):
     errors: dict[int, Exception] = {}
     got: dict[int, list[int]] = {}
 
-    def run(seq_id: int, prompt: list[int]) -> None:
+    def run(seq_id: int, prompt: list[int], allowed: torch.Tensor | None = None) -> None:
         try:
-            got[seq_id] = _greedy(batcher.verify, seq_id, prompt, 3)
+            got[seq_id] = _greedy(batcher.verify, seq_id, prompt, 3, allowed)
         except Exception as e:
             errors[seq_id] = e
         batcher.release(seq_id)
 
-    threads = [threading.Thread(target=run, args=(1, [1, 2, 3])), threading.Thread(target=run, args=(2, [vocab + 5]))]
+    wrong_mask = _every_third(verifier.runner, rows=2)  # two rows for a step that verifies three
+    threads = [
+        threading.Thread(target=run, args=(1, [1, 2, 3])),
+        threading.Thread(target=run, args=(2, [vocab + 5])),
+        threading.Thread(target=run, args=(3, [4, 5], wrong_mask)),
+        threading.Thread(target=run, args=(4, [6, 7], _every_third(verifier.runner))),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-    assert set(errors) == {2} and str(vocab + 5) in str(errors[2])
-    assert len(got[1]) >= 3
+    assert set(errors) == {2, 3} and str(vocab + 5) in str(errors[2])
+    assert "sequence 3: token_mask must be an int32 bitmask of 3 rows" in str(errors[3])
+    assert len(got[1]) >= 3 and len(got[4]) >= 3
     assert not verifier.runner.sequences and not batcher.running
 
 

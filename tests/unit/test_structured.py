@@ -220,7 +220,7 @@ def test_compiled_once_off_the_calling_thread(tokenizer, runner):
 
 
 def test_refused_by_name_without_a_compiler(runner, tokenizer):
-    with pytest.raises(RequestError, match="verifier_in_process"):
+    with pytest.raises(RequestError, match=r"structured outputs \(regex\) are not served here"):
         generate_local(PROMPT, tokenizer, runner, max_tokens=8, structured=CONSTRAINTS["regex"])
 
 
