@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+BLOCK_SIZE = 16  # token slots per block, unless a pool is given another
+
 
 class SequenceError(ValueError):
     """A request about a sequence the pool cannot honour (unknown id, over its reservation, ...)."""
@@ -175,7 +177,7 @@ class KVCachePool:
         *,
         capacity_tokens: int | None = None,
         memory_gb: float | None = None,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         prefix_caching: bool = False,

@@ -88,7 +88,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from kernels import batch_invariant as gpu_kernels
 
 from . import cpu_kernels
-from .kv_cache import KVCachePool, SequenceError
+from .kv_cache import BLOCK_SIZE, KVCachePool, SequenceError
 from .model_store import load_config, read_safetensors
 from .threads import governed
 
@@ -805,7 +805,7 @@ class LeanDecoder:
         *,
         capacity_tokens: int | None = None,
         memory_gb: float | None = None,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         prefix_caching: bool = False,
     ) -> KVCachePool:
         """A KV pool shaped for this model (one per model instance); ``prefix_caching``: its

@@ -305,14 +305,26 @@ class TritonServer:
             raise ServerStartError("models failed to load:\n" + "\n".join(f"  {n}: {r}" for n, r in failed.items()))
         return self
 
-    def active_sequences(self) -> dict[str, float]:
-        """{model: sequences holding state} from the `tritonspec_active_sequences` gauge."""
+    def metric_values(self, name: str) -> dict[str, float]:
+        """{label text: value} for one metric family on /metrics (labels as written there)."""
         with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        return {
-            m.group(1): float(m.group(2))
-            for m in re.finditer(r'tritonspec_active_sequences\{model="([^"]+)"\} (\S+)', text)
-        }
+        return {m.group(1): float(m.group(2)) for m in re.finditer(re.escape(name) + r"\{([^}]*)\} (\S+)", text)}
+
+    def active_sequences(self) -> dict[str, float]:
+        """{model: sequences holding state} from the `tritonspec_active_sequences` gauge."""
+        values = self.metric_values("tritonspec_active_sequences")
+        return {labels.removeprefix('model="').removesuffix('"'): v for labels, v in values.items()}
+
+    def wait_until_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """The active-sequence gauges once they read 0, or as they are after `timeout_s`
+        (requests cancelled last may still be ending)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            active = self.active_sequences()
+            if not any(active.values()) or time.monotonic() > deadline:
+                return active
+            time.sleep(0.2)
 
     def model_states(self) -> dict[str, tuple[str, str]]:
         """{model: (state, reason)} from the repository index."""

@@ -267,17 +267,31 @@ def add_soak_parser(sub: common.Subcommands) -> None:
         "OpenAI front end on --port + 3, send oversized bodies and non-streamed requests whose client leaves",
     )
     soak.add_argument("--fault-every", type=float, default=60.0, help="seconds between drafter faults (--chaos)")
+    soak.add_argument(
+        "--kv-sequences",
+        type=int,
+        default=0,
+        help="size the verifier's KV pool for this many of the soak's sequences (default: the repository's "
+        "kv_cache_memory_gb): with fewer than --concurrency, requests queue for room and are preempted",
+    )
+    soak.add_argument(
+        "--warmup-s", type=float, help="RSS must stay flat after this (default: a third of --seconds, at most 300)"
+    )
     soak.set_defaults(func=_soak)
 
 
 def _soak(args: argparse.Namespace) -> int:
     from client.cli.launcher import RepositoryOverrides, TritonServer
-    from client.cli.soak import run_soak
+    from client.cli.soak import kv_budget_gb, run_soak
 
-    local_model(args.model)
+    model_dir = local_model(args.model)
     overrides = RepositoryOverrides(
         common={"model": args.model, "dtype": args.dtype}, per_model={"speculative": common.in_process(args)}
     )
+    if args.kv_sequences:
+        budget = kv_budget_gb(model_dir, args.dtype, args.kv_sequences, args.max_tokens)
+        overrides.per_model["verifier"] = {"kv_cache_memory_gb": repr(budget)}  # exact: a whole number of blocks
+        print(f"KV pool: {budget * 2**10:.1f} MiB, room for {args.kv_sequences} sequences")
     if args.chaos:
         return _chaos_soak(args, overrides)
     with TritonServer.on_port(args.port, overrides, Path(args.log)) as server:
@@ -302,7 +316,7 @@ def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int
     import tempfile
 
     from client.cli.launcher import TritonServer, openai_front_end
-    from client.cli.soak import CHAOS_SPECULATIVE_CONFIG, ChaosMix, run_chaos_soak, wait_until_idle
+    from client.cli.soak import CHAOS_SPECULATIVE_CONFIG, ChaosMix, rss_growth_mb, run_chaos_soak
 
     overrides.per_model["drafter"] = {"speculative_config": json.dumps(CHAOS_SPECULATIVE_CONFIG)}
     with tempfile.TemporaryDirectory(prefix="tritonspec-chaos-") as tmp:
@@ -315,19 +329,45 @@ def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int
                 r = run_chaos_soak(
                     server, args.seconds, args.concurrency, trigger, args.max_tokens, args.fault_every, mix
                 )
-                active = wait_until_idle(server)
+                active = server.wait_until_idle()
+                r["kv_usage_end"] = sum(server.metric_values("vllm:kv_cache_usage_perc").values())
+                r["preemptions"] = sum(server.metric_values("vllm:num_preemptions_total").values())
             ready = server.is_ready()
     _print_chaos(args, r, ready, active)
-    misjudged = r["bad_misjudged"] or r["oversized_misjudged"]
-    clean = not (r["wrong"] or r["cancelled_wrong"] or misjudged or any(active.values()))
-    return 0 if clean and ready else 1
+    warmup = args.warmup_s if args.warmup_s is not None else min(300.0, args.seconds / 3)
+    failures = _chaos_failures(r, ready, active, rss_growth_mb(r["memory_mb"], warmup))
+    for failure in failures:
+        print(f"FAILED: {failure}")
+    return 1 if failures else 0
+
+
+# RSS may rise this far after warm-up (allocator noise), the front end's /health take this long.
+RSS_FLAT_MB = 64.0
+HEALTH_LIMIT_MS = 100.0
+
+
+def _chaos_failures(r: dict, ready: bool, active: dict, rss_growth: float) -> list[str]:
+    """What the chaos soak's outcome breaks of what must hold (issue: no wrong output, no
+    request lost, nothing left held, memory flat, the front end responsive)."""
+    checks = [
+        (r["wrong"] or r["cancelled_wrong"], f"{r['wrong'] + r['cancelled_wrong']} wrong outputs"),
+        (r["errors"], f"{r['errors']} requests lost (failed without a retryable status)"),
+        (r["bad_misjudged"] or r["oversized_misjudged"], "bad requests or oversized bodies misjudged"),
+        (any(active.values()), f"sequence state left: {active}"),
+        (r["kv_usage_end"], f"KV blocks still held at the end (usage {r['kv_usage_end']:.3f})"),
+        (rss_growth > RSS_FLAT_MB, f"server RSS rose {rss_growth:.0f} MB after warm-up"),
+        (r["health_ms_max"] > HEALTH_LIMIT_MS, f"the front end's /health took {r['health_ms_max']:.0f} ms"),
+        (not ready, "the server is not ready at the end"),
+    ]
+    return [message for failed, message in checks if failed]
 
 
 def _print_chaos(args: argparse.Namespace, r: dict, ready: bool, active: dict) -> None:
     print(f"chaos soak: {r['seconds']:.0f}s, {args.concurrency} streams, a drafter fault every {args.fault_every:.0f}s")
     print(
         f"completed {r['completed']} ({r['wrong']} wrong); cancelled mid-stream {r['cancelled']} "
-        f"({r['cancelled_wrong']} not a prefix of their reference); failed {r['errors']}"
+        f"({r['cancelled_wrong']} not a prefix of their reference); refused as retryable "
+        f"{r['refused_retryable']}; lost (failed otherwise) {r['errors']}; preemptions {r['preemptions']:.0f}"
     )
     print(
         f"bad requests refused by name {r['bad_refused']}, misjudged {r['bad_misjudged']}; drafter faults "

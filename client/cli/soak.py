@@ -28,6 +28,32 @@ def _rss_mb(pids: list[int]) -> float:
     return total / 1024
 
 
+def rss_growth_mb(memory: list[tuple[float, float]], warmup_s: float) -> float:
+    """How far the servers' RSS rose after warm-up: the highest sample past `warmup_s` over
+    the first one there (0 with fewer than two samples past it)."""
+    after = [mb for t, mb in memory if t >= warmup_s]
+    return max(after) - after[0] if len(after) > 1 else 0.0
+
+
+def kv_budget_gb(model_dir: Path, dtype: str, sequences: int, max_tokens: int, draft_slack: int = 8) -> float:
+    """A verifier KV budget (`kv_cache_memory_gb`) that holds `sequences` of the soak's longest
+    prompt plus `max_tokens` (and the drafts of a step), each rounded up to whole blocks."""
+    import math
+
+    from transformers import AutoConfig
+
+    from backends.runtime.kv_cache import BLOCK_SIZE
+    from backends.runtime.model_store import load_tokenizer
+    from backends.serving.target_engine import kv_bytes_per_token
+
+    tokenizer = load_tokenizer(model_dir)
+    _, prompts = load_prompts()
+    longest = max(len(tokenizer(p)["input_ids"]) for ps in prompts.values() for p in ps)
+    blocks = math.ceil((longest + max_tokens + draft_slack) / BLOCK_SIZE) + 1
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), dtype)
+    return sequences * blocks * BLOCK_SIZE * per_token / 2**30
+
+
 def server_pids(server) -> list[int]:
     """tritonserver and its stub processes (found by the server's shm prefix)."""
     return [server.process.pid, *pids_with_cmdline(server.shm_prefix)]
@@ -144,8 +170,8 @@ class ChaosTally:
     """The counts of a chaos soak and its first problems, shared by its threads."""
 
     KEYS = (
-        "completed wrong cancelled cancelled_wrong errors bad_refused bad_misjudged oversized_refused "
-        "oversized_misjudged left_early faults_injected faults_taken"
+        "completed wrong cancelled cancelled_wrong refused_retryable errors bad_refused bad_misjudged "
+        "oversized_refused oversized_misjudged left_early faults_injected faults_taken"
     ).split()
 
     def __init__(self) -> None:
@@ -165,7 +191,10 @@ def _stream(server, tally: ChaosTally, prompt: str, want: list[int], max_tokens:
     try:
         result = grpc_generate(server.grpc_url, prompt, max_tokens=max_tokens, cancel_after_responses=cancel_after)
     except Exception as e:  # noqa: BLE001 - counted and reported
-        tally.count("errors", f"{prompt[:30]!r}: {e}")
+        if retryable(e):  # answered: the client is told to come back (a full KV pool, the server busy)
+            tally.count("refused_retryable")
+        else:
+            tally.count("errors", f"{prompt[:30]!r}: {e}")
         return
     ids = result.output_ids
     if result.finish_reason:
@@ -176,6 +205,14 @@ def _stream(server, tally: ChaosTally, prompt: str, want: list[int], max_tokens:
         tally.count("cancelled")
         if ids != want[: len(ids)]:
             tally.count("cancelled_wrong", f"cancelled {prompt[:30]!r}: {ids} does not begin {want}")
+
+
+def retryable(e: Exception) -> bool:
+    """Whether a failed request was refused as retryable: what the OpenAI front end answers
+    with 503 (a full KV pool past max_queue_time_s, the server at its limit or shutting down)."""
+    from client.api.openai_frontend import generation_error
+
+    return generation_error(e).status == 503
 
 
 def _oversized(mix: ChaosMix, tally: ChaosTally) -> None:
@@ -315,14 +352,3 @@ def run_chaos_soak(
         "health_ms_max": max(health, default=0.0),
         "problems": tally.problems,
     }
-
-
-def wait_until_idle(server, timeout_s: float = 30.0) -> dict[str, float]:
-    """The active-sequence gauges once they read 0, or as they are after `timeout_s`
-    (requests cancelled last may still be ending)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        active = server.active_sequences()
-        if not any(active.values()) or time.monotonic() > deadline:
-            return active
-        time.sleep(0.5)

@@ -336,13 +336,24 @@ def test_latency_and_token_metrics_as_vllm_names_them(tiny_server):
         "vllm:e2e_request_latency_seconds_count",
         "vllm:inter_token_latency_seconds_count",
     )
-    before = {n: value(n) for n in names}
+
+    def settled() -> dict[str, float]:
+        """The counters once two reads 0.3 s apart agree: requests of earlier tests (on this
+        shared server) finished, and their metrics written (the writer batches for 50 ms)."""
+        wait_for_no_active_sequences(tiny_server)
+        last = None
+        while (now := {n: value(n) for n in names}) != last:
+            last = now
+            time.sleep(0.3)
+        return now
+
+    before = settled()
     r = grpc_generate(tiny_server.grpc_url, PROMPTS[0], max_tokens=16, ignore_eos=True)
     deadline = time.monotonic() + 10  # metrics are written from a thread of their own
     while value("vllm:e2e_request_latency_seconds_count") == before["vllm:e2e_request_latency_seconds_count"]:
         assert time.monotonic() < deadline, "the request never reached /metrics"
         time.sleep(0.1)
-    after = {n: value(n) for n in names}
+    after = settled()
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == r.num_input_tokens
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == r.num_output_tokens
     assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 1
