@@ -6,10 +6,14 @@ which the OpenAI front end answers with 503 and Retry-After), when
 
 - `max_queued_requests` requests already wait for one of the `max_concurrent_requests` worker
   threads (the queue used to grow without bound);
-- the server is shutting down: the launcher (client/cli/launcher.py) writes the deadline of
-  its grace period to the file named by $TRITONSPEC_DRAIN_FILE; requests in flight go on until
-  that deadline and are then cut with an error (`past_grace`);
+- the server is shutting down: the stop (client/cli/tritonserver.py, `stop_gracefully`) writes
+  the deadline of its grace period to the file named by $TRITONSPEC_DRAIN_FILE; requests in
+  flight go on until that deadline and are then cut with an error (`past_grace`);
 - a forward hung past its timeout (the watchdog, `fail`): the server is not ready for more.
+
+While an instance has requests in flight, a marker file beside the drain file says so
+(`requests_in_flight`): where those requests call the verifier or drafter over BLS, the stop
+waits for the markers to go before tritonserver unloads those models under them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 log = logging.getLogger("tritonspec.speculative")
 DRAIN_ENV = "TRITONSPEC_DRAIN_FILE"
 UNAVAILABLE = "unavailable: "  # how a retryable refusal's message starts
+IN_FLIGHT = ".in-flight."  # an instance's marker: the drain file's name, this, its process and id
 
 
 def drain_file() -> Path | None:
@@ -30,12 +35,22 @@ def drain_file() -> Path | None:
     return Path(path) if path else None
 
 
-def start_drain(path: Path, grace_s: float) -> None:
+def start_drain(path: Path, grace_s: float) -> float:
     """Tell the models of the server whose $TRITONSPEC_DRAIN_FILE is `path` that it is shutting
-    down, with `grace_s` left for the requests in flight."""
+    down, with `grace_s` left for the requests in flight; the deadline (time.time())."""
+    deadline = time.time() + grace_s
     written = path.with_suffix(".tmp")
-    written.write_text(repr(time.time() + grace_s))
+    written.write_text(repr(deadline))
     written.replace(path)  # atomic: a model never reads half a deadline
+    return deadline
+
+
+def requests_in_flight(drain: Path) -> bool:
+    """Whether some instance of a server whose drain file is `drain` has requests in flight."""
+    try:
+        return any(p.name.startswith(drain.name + IN_FLIGHT) for p in drain.parent.iterdir())
+    except OSError:  # the control directory is gone: so is the server
+        return False
 
 
 class Admission:
@@ -48,13 +63,13 @@ class Admission:
         self.deadline: float | None = None  # the end of the shutdown grace period (time.time())
         self.broken = ""  # why the server is not ready (the watchdog)
         self.lock = threading.Lock()
+        # There while in_flight > 0 (requests_in_flight); None without a drain file.
+        self.marker = drain.with_name(f"{drain.name}{IN_FLIGHT}{os.getpid()}.{id(self):x}") if drain else None
 
     def admit(self) -> str | None:
         """None, and the request counts until `finished`, or why it is refused."""
         if self.broken:
             return f"{UNAVAILABLE}the server is not ready: {self.broken}"
-        if self.draining():
-            return f"{UNAVAILABLE}the server is shutting down and takes no new requests; retry later"
         with self.lock:
             if self.in_flight >= self.workers + self.max_waiting:
                 return (
@@ -63,11 +78,35 @@ class Admission:
                     "retry later"
                 )
             self.in_flight += 1
+            if self.in_flight == 1:
+                self._mark(True)
+        # Asked once counted and marked: a stop writes the drain file, then looks for markers, so
+        # either this request sees the drain, or the stop sees its marker and waits for it.
+        if self.draining():
+            self.finished()
+            return f"{UNAVAILABLE}the server is shutting down and takes no new requests; retry later"
         return None
 
     def finished(self) -> None:
         with self.lock:
             self.in_flight -= 1
+            if self.in_flight == 0:
+                self._mark(False)
+
+    def close(self) -> None:
+        """The instance unloads: its requests are over, whatever the count says."""
+        self._mark(False)
+
+    def _mark(self, busy: bool) -> None:
+        if self.marker is None:
+            return
+        try:
+            if busy:
+                self.marker.touch()
+            else:
+                self.marker.unlink(missing_ok=True)
+        except OSError as e:  # a stop then waits for nothing (busy) or for its deadline (idle)
+            log.warning("could not %s %s: %s", "write" if busy else "remove", self.marker, e)
 
     def draining(self) -> bool:
         """Whether the launcher has started a shutdown (a stat of the drain file until it has)."""

@@ -223,13 +223,14 @@ class TritonPythonModel:
             log.exception("request %d failed", seq_id)
             self._post(sender, functools.partial(error_response, f"generation failed: {e}"), final=True)
         finally:
-            self.admission.finished()
             clock.finished(len(session.prompt_ids) if session else 0, session.req.params_n if session else 1)
             with self.lock:
                 self.active_requests -= 1
             if not counted and session is not None:
                 self._count(drafter, session.stats)
             self._release(seq_id, verifier, drafter)
+            # Last: a stop waiting for this request (admission.py) unloads the peers released above.
+            self.admission.finished()
 
     def _cancelled(self, seq_id: int, by_client: bool) -> Callable[[], object]:
         """The last response of a request ended early: by its client, or by the shutdown."""
@@ -292,6 +293,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.admission.close()  # cancelled requests never finished
         self.outbox.close()
         self.metrics.close()
 

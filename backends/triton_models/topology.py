@@ -148,6 +148,22 @@ class Placement:
         drafter, draft_at = self.drafter_of(orchestrator), self.drafting(orchestrator)
         return Route(self.verifier_of(orchestrator), verify_at, why, drafter, draft_at)
 
+    def called_over_bls(self) -> dict[str, tuple[str, ...]]:
+        """{orchestrator: the models its requests call over BLS}, for each that calls one: a stop
+        lets those requests end before tritonserver unloads these models (client/cli/tritonserver.py).
+        An orchestrator whose placement parameter is none of its values fails its load: left out."""
+        called = {}
+        for orchestrator in self.orchestrators:
+            try:
+                route = self.route(orchestrator)
+            except PlacementError:
+                continue
+            peers = (route.verifier,) if route.verify_at is not VerifyAt.IN_PROCESS else ()
+            peers += (route.drafter,) if route.draft_at is DraftAt.BLS else ()
+            if peers:
+                called[orchestrator] = peers
+        return called
+
     def stands_by_for(self, model: str) -> tuple[str, ...]:
         """The orchestrators that do `model`'s work (verify with it, or draft with it) in their own
         process, when every orchestrator naming it does: `model` then stands by. () when it

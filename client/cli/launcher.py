@@ -19,9 +19,9 @@ What the launcher does that a bare `tritonserver` call does not:
   ran out ("Exit timeout expired. Exiting immediately.") and the process died of SIGSEGV, or
   hung (SmolLM2, 3 streams of 1500 tokens: one SIGSEGV, one hang over 60 s; drained: exit 0
   after 2.8 s). Drained, the streams end by the grace period's end, before Triton's exit
-  timeout (the grace period + EXIT_MARGIN_S). The verifier and drafter models unload at once
-  all the same: a request that still calls them over BLS then fails (a drafter's call falls
-  back to plain decoding).
+  timeout (the grace period + EXIT_MARGIN_S). Triton's stop unloads the verifier and drafter
+  models at once all the same: where requests call them over BLS, the SIGINT waits until those
+  requests have ended (client/cli/tritonserver.py, `stop_gracefully`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ from pathlib import Path
 
 from backends.runtime import THREADS_ENV
 from backends.runtime.model_store import cache_dir
-from backends.triton_models.admission import DRAIN_ENV, start_drain
+from backends.triton_models.admission import DRAIN_ENV
 from backends.triton_models.pbtxt import get_parameter, set_parameter
+from client.cli.tritonserver import stop_gracefully
 
 log = logging.getLogger("tritonspec.server")
 # Found without importing pytriton: its package pulls in its own client and many packages.
@@ -206,6 +207,7 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.shm_prefix = f"tritonspec_{os.getpid()}_{http_port}_"
         self.process: subprocess.Popen | None = None
+        self.repository = self.source_repository  # what it serves: this, or a patched copy
         self._workdir: tempfile.TemporaryDirectory | None = None
         # Where drain() writes the end of the grace period for the models to read.
         self._control = tempfile.TemporaryDirectory(prefix="tritonspec-control-")
@@ -276,14 +278,13 @@ class TritonServer:
         """Start the process and return at once: several servers launched before any is
         waited for load their models side by side (each load is mostly one stub's imports,
         on one core). The calling thread must outlive the server (_terminate_with_parent)."""
-        repository = self.source_repository
         if self.overrides:
             self._workdir = tempfile.TemporaryDirectory(prefix="tritonspec-repo-")
-            repository = patched_repository(self.source_repository, self.overrides, Path(self._workdir.name))
+            self.repository = patched_repository(self.source_repository, self.overrides, Path(self._workdir.name))
         out = open(self.log_path, "ab") if self.log_path else None
         log.info("starting tritonserver on %s (HTTP), %s (gRPC)", self.http_url, self.grpc_url)
         self.process = subprocess.Popen(
-            self.command(repository),
+            self.command(self.repository),
             env={**self.environment(self.threads), DRAIN_ENV: str(self.drain_file)},
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -362,11 +363,10 @@ class TritonServer:
     def drain(self) -> None:
         """Begin a graceful stop: the models refuse new requests from now on and cut those in
         flight when the grace period ends (backends/triton_models/admission.py); tritonserver
-        reports not ready and exits once no request is left."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        start_drain(self.drain_file, self.shutdown_grace_s)
-        self.process.send_signal(signal.SIGINT)
+        reports not ready and exits once no request is left. Where requests call a peer over
+        BLS, it returns once they have ended and tritonserver is stopping (`stop_gracefully`)."""
+        if self.process is not None:
+            stop_gracefully(self.process, self.drain_file, self.shutdown_grace_s, [self.repository])
 
     def stop(self) -> None:
         """drain() and wait (unless not graceful_stop), then SIGKILL for whatever is left; then

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -187,11 +188,39 @@ def _sse_stream(server: TritonServer, max_tokens: int) -> tuple[list[dict], thre
     return events, first, done
 
 
-def _stop_during(server: TritonServer, trigger: Path) -> tuple[list[dict], bool | None, Exception | str]:
+def _grpc_stream(server: TritonServer, max_tokens: int) -> tuple[list[dict], threading.Event, threading.Event]:
+    """As _sse_stream over a gRPC stream (the OpenAI front end's way): each response's outputs,
+    or {"error": ...}. Triton's stop waits for open HTTP connections, never for gRPC streams."""
+    events: list[dict] = []
+    first, done = threading.Event(), threading.Event()
+
+    def read() -> None:
+        try:
+            grpc_generate(
+                server.grpc_url,
+                PROMPT,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                on_response=lambda out: (events.append(out), first.set()),
+                timeout_s=60,
+            )
+        except GenerationError as e:
+            events.append({"error": str(e)})
+        finally:
+            first.set()
+            done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return events, first, done
+
+
+def _stop_during(
+    server: TritonServer, trigger: Path, stream: Callable = _sse_stream
+) -> tuple[list[dict], bool | None, Exception | str]:
     """Start a stream and stall its drafter for a while (the chaos proposer's `slow` fault), then
     stop the server gracefully: the stream's events, and what readiness and a new request got
     meanwhile."""
-    events, first, done = _sse_stream(server, 480)
+    events, first, done = stream(server, 480)
     assert first.wait(30)
     trigger.write_text("slow")  # the stream's next draft takes SLOW_S: it is in flight at the stop
     stopper = threading.Thread(target=server.stop)
@@ -209,8 +238,13 @@ def _stop_during(server: TritonServer, trigger: Path) -> tuple[list[dict], bool 
     return events, ready, new_request
 
 
-def _tokens(events: list[dict]) -> int:
-    return sum(len(e["output_ids"]) if isinstance(e["output_ids"], list) else 1 for e in events if "output_ids" in e)
+def _ids(events: list[dict]) -> list[int]:
+    """The token ids a stream's events carried, in order."""
+    ids: list[int] = []
+    for e in events:
+        if "output_ids" in e:
+            ids += e["output_ids"] if isinstance(e["output_ids"], list) else [e["output_ids"]]
+    return ids
 
 
 @pytest.fixture
@@ -221,24 +255,31 @@ def chaos_trigger(tmp_path, monkeypatch) -> Path:
 
 
 def _stoppable(tmp_path, model_dir, grace_s: float) -> TritonServer:
+    """Every peer over BLS: the chaos drafter in the drafter model, and the verifier model
+    verifying (verifier_in_process "false"), so a stream in flight at the stop calls both."""
     drafter = {"speculative_config": json.dumps(CHAOS_SPECULATIVE_CONFIG)}
     # Every step drafts (an adaptive length may stop drafting): the stall comes at the next step.
-    speculative = {"adaptive_draft_length": "false"}
+    speculative = {"adaptive_draft_length": "false", "verifier_in_process": "false"}
     server = _server(tmp_path, model_dir, speculative, grace_s=grace_s, graceful=True, drafter=drafter)
     return server.start()
 
 
 def test_a_graceful_stop_lets_requests_in_flight_finish(tiny_model_dir, tmp_path, chaos_trigger):
-    """The stop begins while a stream runs: readiness is false and a new request is refused as
-    retryable at once; the stream finishes whole, no error; tritonserver exits 0, no crash."""
-    server = _stoppable(tmp_path, tiny_model_dir, grace_s=30)
-    events, ready, new_request = _stop_during(server, chaos_trigger)
-    assert ready is not True
+    """The stop begins while a stream runs that calls the verifier and the drafter over BLS: a
+    new request is refused as retryable at once, and tritonserver is stopped only once the
+    stream has ended (readiness stays true until then): it finishes whole, the tokens of the
+    same request alone, no error and no drafter fallback; tritonserver exits 0, no crash.
+    Before: the verifier and drafter unloaded at once and the stream failed at its next step."""
+    server = _stoppable(tmp_path, tiny_model_dir, grace_s=60)
+    alone = grpc_generate(server.grpc_url, PROMPT, max_tokens=480, ignore_eos=True, timeout_s=60).output_ids
+    events, ready, new_request = _stop_during(server, chaos_trigger, _grpc_stream)
     assert isinstance(new_request, ServerUnavailableError) or str(new_request).startswith("unavailable:"), new_request
     stop = next(i for i, e in enumerate(events) if "stop" in e)
     assert stop < len(events) - 1, "the stream had ended before the stop"  # then it went on
-    assert not any("error" in e for e in events) and _tokens(events) == 480, events[-2:]
-    assert events[-1].get("finish_reason") == "length"
+    assert not any("error" in e for e in events), events[-2:]
+    assert _ids(events) == list(alone) and events[-1].get("finish_reason") == "length"
+    assert "fallback" not in json.loads(events[-1]["perf_metrics"]), events[-1]["perf_metrics"]
+    assert ready is True  # the price of waiting (docs/deployment.md, "Stopping")
     assert server.process.returncode == 0, server.log_tail(40)
     assert "Signal (11)" not in server.log_tail(400)
 
@@ -248,7 +289,7 @@ def test_a_stream_past_the_grace_period_ends_with_an_error_event(tiny_model_dir,
     saying why, and the server exits 0."""
     server = _stoppable(tmp_path, tiny_model_dir, grace_s=0)
     events, _, _ = _stop_during(server, chaos_trigger)
-    assert _tokens(events) < 480
+    assert len(_ids(events)) < 480
     assert events[-1].get("error", "").startswith("unavailable: the server shut down before this request finished"), (
         events[-2:]
     )

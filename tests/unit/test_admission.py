@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from backends.triton_models.admission import UNAVAILABLE, Admission
+from backends.triton_models.admission import UNAVAILABLE, Admission, requests_in_flight, start_drain
 
 
 def test_requests_beyond_the_workers_and_the_queue_are_refused_until_one_finishes():
@@ -65,3 +65,24 @@ def test_the_openai_front_end_answers_a_refusal_with_503_and_retry_after():
     response = error.response()
     assert (error.status, error.code, response.headers["Retry-After"]) == (503, "server_unavailable", "1")
     assert error.message.startswith("the server is at its limit of 2 requests running and 0 waiting")
+
+
+def test_an_instance_with_requests_in_flight_leaves_a_marker_beside_the_drain_file(tmp_path):
+    """The marker a stop waits for (client/cli/tritonserver.py): there from the first request
+    admitted until the last one finishes, one per instance; a request refused for the drain
+    leaves none."""
+    drain = tmp_path / "drain"
+    first, second = Admission(workers=2, max_waiting=0, drain=drain), Admission(workers=1, max_waiting=0, drain=drain)
+    assert not requests_in_flight(drain)
+    assert first.admit() is None and first.admit() is None and second.admit() is None
+    assert len(list(tmp_path.glob("drain.in-flight.*"))) == 2
+    first.finished()
+    second.finished()
+    assert requests_in_flight(drain)
+    first.finished()
+    assert not requests_in_flight(drain)
+    start_drain(drain, 30)
+    assert first.admit().startswith(UNAVAILABLE) and first.in_flight == 0
+    assert not requests_in_flight(drain)
+    assert Admission(workers=1, max_waiting=0).admit() is None  # no drain file: no marker
+    assert list(tmp_path.iterdir()) == [drain]

@@ -116,6 +116,23 @@ def test_heads_draft_over_bls_when_the_verifier_or_the_drafter_is_out_of_process
     assert off.route("speculative").draft_at is DraftAt.BLS
 
 
+def test_the_models_each_orchestrator_calls_over_bls():
+    """What a graceful stop asks (client/cli/tritonserver.py): whose requests call the verifier
+    or the drafter model, which tritonserver's stop would unload under them."""
+    assert plan().called_over_bls() == {}  # as shipped: everything in the orchestrator's process
+    assert plan("eagle3").called_over_bls() == {}  # the head beside the in-process verifier
+    assert plan(speculative=orchestrator(verifier_in_process="false")).called_over_bls() == {
+        "speculative": ("verifier",)
+    }
+    assert plan("draft_model").called_over_bls() == {"speculative": ("drafter",)}
+    both = plan("eagle3", speculative=orchestrator(verifier_in_process="false"))
+    assert both.called_over_bls() == {"speculative": ("verifier", "drafter")}
+    second = orchestrator(drafter_in_process="false", verifier_in_process="true")
+    assert plan(other=second).called_over_bls() == {"other": ("drafter",), "speculative": ("verifier",)}
+    # One whose placement parameter is none of its values does not load: it calls nothing.
+    assert plan("draft_model", speculative=orchestrator(verifier_in_process="yes")).called_over_bls() == {}
+
+
 def test_the_methods_the_plan_places_are_those_whose_proposers_say_so():
     """The plan knows them without importing a proposer (and torch)."""
     methods = registered_methods()
