@@ -153,6 +153,8 @@ def _spec(where: str, kind: StructuredKind, value: Any, closed: bool = False) ->
             raise RequestError(f"{where} must be a JSON object (or its JSON text), got {shown(value)}")
         if closed and kind == "json":
             value = _closed(value)
+        elif closed and "format" in value:
+            value = {**value, "format": _closed_format(value["format"])}
         elif closed:
             value = {**value, "structures": [_closed_structure(s) for s in value.get("structures") or []]}
         spec = json.dumps(value, separators=(",", ":"))  # keys in order: the output follows it
@@ -199,6 +201,18 @@ def _closed_structure(structure: Any) -> Any:
     if isinstance(structure, dict) and "schema" in structure:
         return {**structure, "schema": _closed(structure["schema"])}
     return structure
+
+
+def _closed_format(node: Any) -> Any:
+    """A structural tag's format tree with the schema of each json_schema format `_closed`, at
+    any depth (a tag's content, a sequence's elements, triggered_tags' tags, ...)."""
+    if isinstance(node, list):
+        return [_closed_format(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return {**node, "json_schema": _closed(node["json_schema"])}
+    return {key: _closed_format(value) for key, value in node.items()}
 
 
 def _text(where: str, fields: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ import llguidance.hf
 from backends.serving.request import RequestError
 from backends.structured.matcher import GrammarMatcher
 from backends.structured.spec import StructuredOutputs
+from backends.structured.structural_tag import StructuralTagError, structural_tag_grammar
 
 CACHE_SIZE = 256  # compiled constraints kept (least recently used go first)
 
@@ -55,25 +56,8 @@ def grammar_text(spec: StructuredOutputs) -> str:
     if spec.kind == "grammar":  # Lark or GBNF (llguidance tells them apart)
         return llguidance.grammar_from("grammar", spec.spec)
     if spec.kind == "structural_tag":
-        return _structural_tag(json.loads(spec.spec), options)
+        return structural_tag_grammar(json.loads(spec.spec), options)
     raise GrammarError(f"structured_outputs: unknown kind {spec.kind!r}")
-
-
-def _structural_tag(tag: dict, options: dict[str, Any]) -> str:
-    """vLLM's structural_tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}):
-    free text in which each trigger starts a tagged JSON object of its schema."""
-    tags = []
-    for s in tag.get("structures", []):
-        trigger = next((t for t in tag.get("triggers", []) if s["begin"].startswith(t)), None)
-        if trigger is None:
-            raise GrammarError(f"structural_tag: the tag {s['begin']!r} starts with none of the triggers")
-        # The schema itself with its options: StructTag embeds a grammar as `%json`, which reads
-        # a JSON schema (a compiled grammar there would be read as a schema allowing any value).
-        schema = {**s["schema"], "x-guidance": {**options, **s["schema"].get("x-guidance", {})}}
-        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
-    if not tags:
-        raise GrammarError("structural_tag: no structures given")
-    return llguidance.StructTag.to_grammar(tags)
 
 
 def _described(spec: StructuredOutputs) -> str:
@@ -127,6 +111,8 @@ class GrammarCompiler:
     def _build(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         try:
             text = grammar_text(spec)
+        except StructuralTagError as e:  # names the part of the tag at fault
+            raise GrammarError(f"structured_outputs.{e}") from None
         except (ValueError, KeyError, TypeError) as e:  # malformed JSON of a schema, choice list or tag
             raise GrammarError(f"{_described(spec)} cannot be compiled: {e}") from None
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)

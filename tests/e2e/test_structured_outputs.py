@@ -1,10 +1,11 @@
 """Structured outputs through the real server (the tiny model, ngram drafting, the target
 verified in the orchestrator's process): each kind of constraint holds, streamed and not,
 alone and batched beside an unconstrained request that stays unchanged; greedy constrained
-speculative output is constrained plain output; a structural tag holds inside its tags; with
-ignore_eos the output goes on as free text past the grammar's EOS; a bad schema fails only its
-own request. Verified in the `verifier` model over BLS (`bls_server`: an EAGLE head drafting),
-where the masks travel with the steps, batched or one request a step, the outputs are the same."""
+speculative output is constrained plain output; a structural tag holds inside its tags (the
+legacy form and xgrammar's format form); with ignore_eos the output goes on as free text past
+the grammar's EOS; a bad schema fails only its own request. Verified in the `verifier` model
+over BLS (`bls_server`: an EAGLE head drafting), where the masks travel with the steps, batched
+or one request a step, the outputs are the same."""
 
 from __future__ import annotations
 
@@ -23,12 +24,31 @@ SCHEMA = ANIMAL_SCHEMA
 REGEX = r"(the|a) (fox|dog) (jumps|sleeps)\."
 CHOICES = ["def add", "for i in range", "The quick brown fox"]
 GRAMMAR = 'start: "print(" NUM ")"\nNUM: /[0-9]/'
+# xgrammar's format form of a structural tag: free text until a new line starts one tag (an
+# animal object or "none", or a word), and nothing after it.
+ANIMAL_OR_NONE = {
+    "type": "or",
+    "elements": [{"type": "json_schema", "json_schema": SCHEMA}, {"type": "const_string", "value": "none"}],
+}
+FORMAT_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["\n"],
+        "tags": [
+            {"type": "tag", "begin": "\n<animal>", "content": ANIMAL_OR_NONE, "end": "</animal>"},
+            {"type": "tag", "begin": "\n<word>", "content": {"type": "regex", "pattern": "[a-z]+"}, "end": "</word>"},
+        ],
+        "stop_after_first": True,
+    },
+}
 CONSTRAINTS = {
     "json": {"json": SCHEMA},
     "regex": {"regex": REGEX},
     "choice": {"choice": CHOICES},
     "grammar": {"grammar": GRAMMAR},
     "json_object": {"json_object": True},
+    "structural_tag": {"structural_tag": FORMAT_TAG},
 }
 
 
@@ -40,6 +60,11 @@ def holds(kind: str, text: str) -> bool:
         return isinstance(json.loads(text), dict)
     if kind == "choice":
         return text in CHOICES
+    if kind == "structural_tag":
+        found = re.fullmatch(r"[^\n]*\n<(?:animal>(.*)</animal>|word>[a-z]+</word>)", text, re.DOTALL)
+        if found is None:
+            return False
+        return found[1] in (None, "none") or holds("json", found[1])
     return re.fullmatch(REGEX if kind == "regex" else r"print\([0-9]\)", text) is not None
 
 
@@ -101,6 +126,17 @@ def test_a_structural_tag_holds_inside_its_tags(tiny_server, tiny_model_dir):
     animals = tagged_animals(result.text)
     assert animals and all(a["animal"] in SCHEMA["properties"]["animal"]["enum"] for a in animals), result.text
     assert result.text.count("\n") == result.text.count("\n<animal>"), result.text
+
+
+def test_a_structural_tag_in_xgrammar_s_format_form(tiny_server, tiny_model_dir):
+    """{"type": "structural_tag", "format": ...}, translated for llguidance: the target's own
+    constrained output, ended by EOS after its one tag; speculative == plain token for token."""
+    speculative = constrained(tiny_server, "structural_tag", max_tokens=64)
+    plain = constrained(tiny_server, "structural_tag", max_tokens=64, num_draft_tokens=0)
+    assert tuple(speculative.output_ids) == served_reference(tiny_model_dir, CONSTRAINTS["structural_tag"], 64)
+    assert speculative.output_ids == plain.output_ids
+    assert speculative.finish_reason == "stop" and holds("structural_tag", speculative.text), speculative.text
+    assert speculative.total_accepted_draft_tokens > 0  # the forced "<" after the trigger, the EOS
 
 
 def test_ignore_eos_goes_on_unconstrained_past_the_grammar_s_end(tiny_server, tiny_model_dir):

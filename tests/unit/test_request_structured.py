@@ -135,6 +135,20 @@ def test_disable_additional_properties_closes_every_object_that_lists_properties
     )
 
 
+def test_disable_additional_properties_closes_the_schemas_anywhere_in_a_structural_tag_s_format():
+    def tag(begin: str, schema: dict) -> dict:
+        return {"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": schema}, "end": "</>"}
+
+    def tree(schema: dict) -> dict:
+        triggered = {"type": "triggered_tags", "triggers": ["<f"], "tags": [tag("<f>", schema)]}
+        return {"type": "structural_tag", "format": {"type": "sequence", "elements": [tag("<a>", schema), triggered]}}
+
+    got = structured({"structured_outputs": {"structural_tag": tree(SCHEMA), "disable_additional_properties": True}})
+    assert json.loads(got.spec) == tree({**SCHEMA, "additionalProperties": False})
+    got = structured({"structured_outputs": {"structural_tag": tree(SCHEMA), "disable_additional_properties": False}})
+    assert json.loads(got.spec) == tree(SCHEMA)
+
+
 @pytest.mark.parametrize(
     "sampling,message",
     [

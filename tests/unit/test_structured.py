@@ -189,6 +189,223 @@ def test_a_structural_tag_holds_its_schema_inside_the_tags(grammars, tokenizer):
         assert (matcher.valid_prefix(text) == len(text)) == holds_schema, inside
 
 
+# xgrammar's structural-tag formats ({"type": "structural_tag", "format": ...}): what each takes
+# whole and what it refuses, as python/xgrammar/structural_tag.py, cpp/structural_tag.cc and
+# docs/structural_tag/structural_tag.md (xgrammar commit 53da3ff8) define them.
+ANIMAL = '{"animal":"dog","jumps":true}'
+ANIMAL_JSON = {"type": "json_schema", "json_schema": SCHEMA}
+
+
+def tag(begin: str, content: dict, end) -> dict:
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def const(value: str) -> dict:
+    return {"type": "const_string", "value": value}
+
+
+CALL = tag("<f=animal>", ANIMAL_JSON, "</f>")
+SAY = tag("<f=say>", {"type": "any_text"}, "</f>")  # its text ends at the tag's end (end detection)
+A_CALL, A_SAY = f"<f=animal>{ANIMAL}</f>", "<f=say>hi there</f>"
+TRIGGERED = {"type": "triggered_tags", "triggers": ["<f="], "tags": [CALL, SAY]}
+SEPARATED = {"type": "tags_with_separator", "tags": [CALL, SAY], "separator": ","}
+FORMATS = {  # case: (format, taken whole, refused)
+    "const_string": (const("hi"), ["hi"], ["h", "hi!", ""]),
+    "json_schema": (ANIMAL_JSON, [ANIMAL], ['{"animal":"cat","jumps":true}', "1"]),
+    "json_schema true": ({"type": "json_schema", "json_schema": True}, ["1", '{"x":[null]}'], ["{"]),
+    "regex": ({"type": "regex", "pattern": "[a-c]+/[0-9]"}, ["ab/1"], ["ab1", "ab/12"]),
+    "grammar": ({"type": "grammar", "grammar": 'root ::= "yes" | "no"'}, ["yes", "no"], ["maybe"]),
+    "any_text": ({"type": "any_text", "excludes": ["STOP"]}, ["", "any text\nat all"], ["a STOP b"]),
+    "any_text max_chars": ({"type": "any_text", "max_chars": 3}, ["abc", "é€x"], ["abcd"]),
+    "sequence": (
+        {"type": "sequence", "elements": [const("A:"), {"type": "regex", "pattern": "[0-9]+"}]},
+        ["A:12"],
+        ["A:", "12"],
+    ),
+    "or": ({"type": "or", "elements": [const("yes"), ANIMAL_JSON]}, ["yes", ANIMAL], ["no", f"yes{ANIMAL}"]),
+    "optional": ({"type": "optional", "content": const("P:")}, ["", "P:"], ["P"]),
+    "plus": ({"type": "plus", "content": const("ab")}, ["ab", "abab"], ["", "aba"]),
+    "star": ({"type": "star", "content": const("x")}, ["", "xxx"], ["y"]),
+    "repeat": ({"type": "repeat", "min": 1, "max": 2, "content": const("x")}, ["x", "xx"], ["", "xxx"]),
+    "repeat unbounded": ({"type": "repeat", "min": 2, "max": -1, "content": const("x")}, ["xx", "xxxxx"], ["x"]),
+    "tag": (
+        tag("<r>", ANIMAL_JSON, ["</r>", "</answer>"]),
+        [f"<r>{ANIMAL}</r>", f"<r>{ANIMAL}</answer>"],
+        [f"<r>{ANIMAL}", ANIMAL],
+    ),
+    "tag of any_text": (
+        tag("<think>", {"type": "any_text"}, "</think>"),
+        ["<think>hm\n</think>", "<think></think>"],
+        ["<think>a</think>b</think>", "<think>a</think>b", "<think>a"],
+    ),
+    "tag of a regex": (
+        tag("<r>", {"type": "regex", "pattern": "[a-z</>]*"}, "</r>"),
+        ["<r>ab</r>", "<r>a</r</r>"],
+        ["<r>AB</r>"],
+    ),
+    "triggered_tags": (
+        TRIGGERED,
+        ["", "text", f"a {A_CALL} b {A_SAY}\n", A_CALL],
+        ["a <f=plant>", "a <f=", "a <f=animal>1</f>"],
+    ),
+    "triggered_tags at_least_one": (
+        {**TRIGGERED, "at_least_one": True},
+        [f"{A_CALL} then text {A_SAY}"],
+        ["", "text", f"text {A_CALL}"],
+    ),
+    "triggered_tags stop_after_first": (
+        {**TRIGGERED, "stop_after_first": True},
+        ["", "text", f"text {A_SAY}"],
+        [f"{A_SAY} more", f"{A_CALL}{A_SAY}"],
+    ),
+    "triggered_tags exactly one": (
+        {**TRIGGERED, "at_least_one": True, "stop_after_first": True},
+        [A_CALL, A_SAY],
+        ["", f"a {A_CALL}", f"{A_CALL} b"],
+    ),
+    "triggered_tags excludes": ({**TRIGGERED, "excludes": ["STOP"]}, [f"a {A_SAY} b"], ["a STOP", f"{A_CALL}STOP"]),
+    "tags_with_separator": (
+        SEPARATED,
+        ["", A_CALL, f"{A_CALL},{A_SAY},{A_CALL}"],
+        [f"{A_CALL}{A_SAY}", "text", f"{A_CALL},"],
+    ),
+    "tags_with_separator exactly one": (
+        {**SEPARATED, "at_least_one": True, "stop_after_first": True},
+        [A_SAY],
+        ["", f"{A_SAY},{A_SAY}"],
+    ),
+    "reasoning, then tool calls in text": (
+        {"type": "sequence", "elements": [tag("<think>", {"type": "any_text"}, "</think>"), TRIGGERED]},
+        [f"<think>hmm</think>ok {A_CALL}", "<think></think>"],
+        ["ok", f"<think>hmm</think>{A_CALL[:-1]}"],
+    ),
+}
+
+
+def whole(matcher, tokenizer, text: str) -> bool:
+    """Whether the grammar takes `text` whole and may end there (an EOS after it)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return matcher.valid_prefix([*ids, EOS]) == len(ids) + 1
+
+
+def structural_tag(fmt) -> StructuredOutputs:
+    from backends.serving.structured_params import parse_structured
+
+    return parse_structured({"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": fmt}}})
+
+
+@pytest.mark.parametrize("case", FORMATS)
+def test_each_structural_tag_format_takes_what_xgrammar_s_spec_says(grammars, tokenizer, case):
+    fmt, taken, refused = FORMATS[case]
+    matcher = grammars.matcher(structural_tag(fmt))
+    assert [t for t in taken if not whole(matcher, tokenizer, t)] == []
+    assert [t for t in refused if whole(matcher, tokenizer, t)] == []
+
+
+def test_the_legacy_structural_tag_is_the_triggered_tags_it_stands_for(grammars, tokenizer):
+    """xgrammar's StructuralTag.from_legacy_structural_tag: the same strings either way."""
+    legacy = grammars.matcher(StructuredOutputs("structural_tag", json.dumps(TAG)))
+    (structure,) = TAG["structures"]
+    as_format = grammars.matcher(
+        structural_tag(
+            {
+                "type": "triggered_tags",
+                "triggers": TAG["triggers"],
+                "tags": [tag(structure["begin"], {"type": "json_schema", "json_schema": SCHEMA}, structure["end"])],
+            }
+        )
+    )
+    for text in ("", "text", f"a\n<animal>{ANIMAL}</animal> b", "a\nb", "a\n<animal>1</animal>"):
+        assert whole(legacy, tokenizer, text) == whole(as_format, tokenizer, text), text
+
+
+@pytest.mark.parametrize(
+    "fmt,message",
+    [
+        ({"type": "token", "token": 1}, r"format\.type: format type 'token' is not supported: token-level"),
+        (
+            tag("<a>", {"type": "any_tokens"}, "</a>"),
+            r"format\.content\.type: format type 'any_tokens' is not supported",
+        ),
+        ({"type": "dispatch", "rules": []}, r"format\.type: format type 'dispatch' is not supported"),
+        (
+            {"type": "qwen_xml_parameter", "json_schema": SCHEMA},
+            r"format\.type: format type 'qwen_xml_parameter' is not supported",
+        ),
+        (
+            {"type": "json_schema", "json_schema": SCHEMA, "style": "qwen_xml"},
+            r"format\.style: style 'qwen_xml' is not served",
+        ),
+        (
+            {"type": "json_schema", "json_schema": SCHEMA, "any_order": True},
+            r"format\.any_order: any_order is not served",
+        ),
+        ({"type": "any_text", "max_tokens": 8}, r"format\.max_tokens: a token budget is not served"),
+        (
+            {"type": "tag", "begin": {"type": "token", "token": 1}, "content": const("x"), "end": "y"},
+            r"format\.begin: token-level",
+        ),
+        ({"type": "pattern"}, r"format\.type: unknown format type 'pattern'; supported: const_string, json_schema"),
+        ({"value": "x"}, r"format\.type: needs a type"),
+        ({"type": "const_string"}, r"format\.value: missing"),
+        ({"type": "const_string", "value": "x", "values": []}, r"format\.values: unknown field"),
+        (
+            {
+                **SEPARATED,
+                "tags": [CALL, tag("<b>", {"type": "json_schema", "json_schema": {"properties": 5}}, "</b>")],
+            },
+            r"format\.tags\[1\]\.content\.json_schema: cannot be compiled",
+        ),
+        (
+            {**TRIGGERED, "tags": [CALL, {"begin": "<g=x>", "content": const("x"), "end": ""}]},
+            r"format\.tags\[1\]\.begin: '<g=x>' starts with none of the triggers",
+        ),
+        ({**TRIGGERED, "triggers": ["<f", "<f="]}, r"format\.tags\[0\]\.begin: '<f=animal>' starts with several"),
+        ({**TRIGGERED, "at_least_one": "yes"}, r"format\.at_least_one: must be true or false"),
+        ({"type": "regex", "pattern": "(a"}, r"format\.pattern: cannot be compiled"),
+        ({"type": "grammar", "grammar": "root ::= undefined"}, r"format\.grammar: cannot be compiled"),
+        ({"type": "sequence", "elements": []}, r"format\.elements: must be a non-empty list"),
+        (
+            {"type": "repeat", "min": 3, "max": 2, "content": const("x")},
+            r"format\.max: must be -1 \(unbounded\) or at least min",
+        ),
+        (
+            {"type": "sequence", "elements": [{"type": "any_text"}, const("!")]},
+            r"format\.elements\[0\]: text of unbounded length must end its tag or the output",
+        ),
+        (
+            tag("<a>", {"type": "any_text"}, ["", "</a>"]),
+            r"format\.content: text of unbounded length needs non-empty end strings",
+        ),
+    ],
+)
+def test_a_structural_tag_is_refused_naming_the_part_at_fault(grammars, fmt, message):
+    with pytest.raises(GrammarError, match="structured_outputs.structural_tag." + message) as refused:
+        grammars.matcher(structural_tag(fmt))
+    assert isinstance(refused.value, RequestError)
+
+
+@pytest.mark.parametrize(
+    "tag_spec,message",
+    [
+        ({"type": "structural_tag"}, r'structural_tag: needs a "format"'),
+        ({"type": "json_schema", "format": const("x")}, r'structural_tag\.type: must be "structural_tag"'),
+        ({"format": const("x"), "triggers": []}, r"structural_tag\.triggers: unknown field"),
+        (
+            {**TAG, "triggers": ["<"]},
+            r"structural_tag\.structures\[0\]\.begin: '\\n<animal>' starts with none of the triggers",
+        ),
+        (
+            {**TAG, "structures": [{"begin": "\n", "schema": 5, "end": ""}]},
+            r"structural_tag\.structures\[0\]\.schema: must be a JSON schema",
+        ),
+    ],
+)
+def test_a_structural_tag_s_own_fields_are_checked(grammars, tag_spec, message):
+    with pytest.raises(GrammarError, match="structured_outputs." + message):
+        grammars.matcher(StructuredOutputs("structural_tag", json.dumps(tag_spec)))
+
+
 def test_a_bad_constraint_fails_only_its_own_request(runner, tokenizer, grammars):
     for spec, words in (
         (StructuredOutputs("json", '{"type": "object", "properties": 5}'), "structured_outputs.json"),
