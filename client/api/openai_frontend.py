@@ -479,6 +479,8 @@ def create_app(backend: Backend, policy: DoorPolicy | None = None) -> FastAPI:
         return await generate("chat", request)
 
     readiness = ReadinessWatch(backend)
+    if backend is not None:  # watching from the start: the first probe finds an answer
+        readiness.current()
 
     @app.get("/health")
     async def health():
@@ -551,7 +553,7 @@ class ReadinessWatch:
         self.thread: threading.Thread | None = None
 
     def current(self) -> bool | None:
-        """The last answer while it is recent; starts the watch on the first call."""
+        """The last answer while it is recent; the first call starts the watch."""
         if self.thread is None:
             self.thread = threading.Thread(target=self._watch, name="openai-readiness", daemon=True)
             self.thread.start()
