@@ -333,8 +333,8 @@ def _chaos_soak(args: argparse.Namespace, overrides: RepositoryOverrides) -> int
                 r["kv_usage_end"] = sum(server.metric_values("vllm:kv_cache_usage_perc").values())
                 r["preemptions"] = sum(server.metric_values("vllm:num_preemptions_total").values())
             ready = server.is_ready()
-    _print_chaos(args, r, ready, active)
     warmup = args.warmup_s if args.warmup_s is not None else min(300.0, args.seconds / 3)
+    _print_chaos(args, r, ready, active, warmup)
     failures = _chaos_failures(r, ready, active, rss_growth_mb(r["memory_mb"], warmup))
     for failure in failures:
         print(f"FAILED: {failure}")
@@ -362,7 +362,9 @@ def _chaos_failures(r: dict, ready: bool, active: dict, rss_growth: float) -> li
     return [message for failed, message in checks if failed]
 
 
-def _print_chaos(args: argparse.Namespace, r: dict, ready: bool, active: dict) -> None:
+def _print_chaos(args: argparse.Namespace, r: dict, ready: bool, active: dict, warmup: float) -> None:
+    from client.cli.soak import process_growth
+
     print(f"chaos soak: {r['seconds']:.0f}s, {args.concurrency} streams, a drafter fault every {args.fault_every:.0f}s")
     print(
         f"completed {r['completed']} ({r['wrong']} wrong); cancelled mid-stream {r['cancelled']} "
@@ -379,6 +381,10 @@ def _print_chaos(args: argparse.Namespace, r: dict, ready: bool, active: dict) -
     )
     print(f"server ready: {ready}; sequence state left: {active}")
     print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in r["memory_mb"]))
+    print(
+        f"front end /health p99 {r['health_ms_p99']:.0f} ms; RSS growth after warm-up by process (MB): "
+        + ", ".join(f"{name} {growth:+.0f}" for name, growth in process_growth(r["memory_by_process"], warmup).items())
+    )
     for problem in r["problems"]:
         print(f"  {problem}")
 

@@ -16,16 +16,24 @@ from client.cli.bench import load_prompts
 from client.cli.launcher import pids_with_cmdline
 
 
-def _rss_mb(pids: list[int]) -> float:
-    total = 0
+def rss_by_process(pids: list[int]) -> dict[str, float]:
+    """{process: resident memory in MB}: tritonserver, and each stub by its model's name."""
+    rss = {}
     for pid in pids:
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+            status = Path(f"/proc/{pid}/status").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
-            pass
-    return total / 1024
+            continue
+        kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        model = next((Path(a.decode()).parts[-3] for a in argv if a.endswith(b"/model.py")), None)
+        name = model or Path(argv[0].decode()).name
+        rss[name] = rss.get(name, 0.0) + kb / 1024
+    return rss
+
+
+def _rss_mb(pids: list[int]) -> float:
+    return sum(rss_by_process(pids).values())
 
 
 def rss_growth_mb(memory: list[tuple[float, float]], warmup_s: float) -> float:
@@ -33,6 +41,12 @@ def rss_growth_mb(memory: list[tuple[float, float]], warmup_s: float) -> float:
     the first one there (0 with fewer than two samples past it)."""
     after = [mb for t, mb in memory if t >= warmup_s]
     return max(after) - after[0] if len(after) > 1 else 0.0
+
+
+def process_growth(samples: list[tuple[float, dict[str, float]]], warmup_s: float) -> dict[str, float]:
+    """rss_growth_mb of each process over rss_by_process samples."""
+    names = sorted({name for _, rss in samples for name in rss})
+    return {name: rss_growth_mb([(t, rss.get(name, 0.0)) for t, rss in samples], warmup_s) for name in names}
 
 
 def kv_budget_gb(model_dir: Path, dtype: str, sequences: int, max_tokens: int, draft_slack: int = 8) -> float:
@@ -335,20 +349,22 @@ def run_chaos_soak(
     threads.append(threading.Thread(target=_inject_faults, args=(trigger, tally, deadline, fault_every_s), daemon=True))
     for t in threads:
         t.start()
-    memory, health = [(0.0, _rss_mb(pids))], []
+    processes, health = [(0.0, rss_by_process(pids))], []
     while any(t.is_alive() for t in threads[:-1]):
         for _ in range(10):
             time.sleep(1)
             if mix.openai_url:
                 health.append(_health_ms(mix.openai_url))
-        memory.append((time.monotonic() - start, _rss_mb(pids)))
+        processes.append((time.monotonic() - start, rss_by_process(pids)))
     for t in threads:
         t.join(timeout=fault_every_s)
     tally.counts["faults_taken"] = tally.counts["faults_injected"] - trigger.exists()
     return {
         **tally.counts,
         "seconds": time.monotonic() - start,
-        "memory_mb": memory,
+        "memory_mb": [(t, sum(rss.values())) for t, rss in processes],
+        "memory_by_process": processes,
         "health_ms_max": max(health, default=0.0),
+        "health_ms_p99": sorted(health)[int(0.99 * (len(health) - 1))] if health else 0.0,
         "problems": tally.problems,
     }

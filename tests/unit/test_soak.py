@@ -3,6 +3,8 @@ fails a chaos soak (client/cli/soak.py, client/cli/measure_commands.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -81,3 +83,16 @@ def test_a_clean_chaos_soak_passes():
 def test_each_broken_promise_fails_the_chaos_soak(change, active, rss_growth, named):
     failures = _chaos_failures({**CLEAN, **change}, ready=True, active=active, rss_growth=rss_growth)
     assert len(failures) == 1 and named in failures[0]
+
+
+def test_memory_is_told_by_process():
+    import os
+    import sys
+
+    from client.cli.soak import process_growth, rss_by_process
+
+    rss = rss_by_process([os.getpid(), 2**22 + 7])  # this process, and one that does not exist
+    assert list(rss) == [Path(sys.executable).name] or len(rss) == 1
+    assert next(iter(rss.values())) > 10
+    samples = [(0.0, {"a": 100.0}), (10.0, {"a": 150.0, "b": 10.0}), (20.0, {"a": 151.0, "b": 40.0})]
+    assert process_growth(samples, warmup_s=10.0) == {"a": 1.0, "b": 30.0}
