@@ -40,14 +40,6 @@ _UNAVAILABLE = (
 )
 
 
-class AnsweredError(Exception):
-    """The stream's error response (`error`): the request's last, nothing left to cancel."""
-
-    def __init__(self, error: GenerationError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def server_error(error: object) -> GenerationError:
     message = str(error)
     if any(mark in message for mark in _UNAVAILABLE):
@@ -207,15 +199,9 @@ def grpc_generate(
             )
         except InferenceServerException as e:  # the stream died first; its callback has the reason
             raise ServerUnavailableError(_stream_failure(responses, e)) from None
-        try:
-            finished = _receive(
-                client, responses, result, start, timeout_s, cancel, cancel_after_responses, on_response, on_text
-            )
-        except AnsweredError as e:
-            # An error is the request's last response: cancelling the request it ended, under
-            # load, left Triton 2.51 holding the model (its unload at the stop never finished).
-            finished = True
-            raise e.error from None
+        finished = _receive(
+            client, responses, result, start, timeout_s, cancel, cancel_after_responses, on_response, on_text
+        )
     finally:
         result.seconds = time.perf_counter() - start
         # Without the final response (a timeout, an error raised here) closing the stream
@@ -273,7 +259,10 @@ def _receive(
             client.stop_stream(cancel_requests=True)
             return False
         if error is not None:
-            raise AnsweredError(server_error(error))
+            # The request's last response: close without cancelling the request it ended (that
+            # cancel, under load, left Triton 2.51 holding the model: its unload never finished).
+            client.stop_stream(cancel_requests=False)
+            raise server_error(error)
         params = response.get_response().parameters
         final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
         out = _decode_outputs(response, OUTPUTS + HIDDEN_OUTPUTS)

@@ -10,7 +10,8 @@ from client.api.triton import GenerationError, GenerationTimeout, grpc_generate
 
 
 class RecordingClient:
-    """Answers a request with `answer` ((result, error) or nothing) and records stop_stream."""
+    """Answers a request with `answer` ((result, error) or nothing) and records each stop_stream
+    that closes the stream (a later one is a no-op, as tritonclient's is)."""
 
     answer: tuple | None = None
     stops: list[bool] = []
@@ -20,13 +21,16 @@ class RecordingClient:
 
     def start_stream(self, callback) -> None:
         self.callback = callback
+        self.open = True
 
     def async_stream_infer(self, *args, **kwargs) -> None:
         if self.answer is not None:
             self.callback(*self.answer)
 
     def stop_stream(self, cancel_requests: bool = False) -> None:
-        RecordingClient.stops.append(cancel_requests)
+        if self.open:
+            RecordingClient.stops.append(cancel_requests)
+        self.open = False
 
     def close(self) -> None:
         pass
