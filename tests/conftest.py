@@ -93,7 +93,7 @@ def mkmodel(tmp_path_factory):
 
 
 # The target of a module's in-process drafter tests, and what they read from it: the tiny
-# model unless the module overrides `target_dir` (test_eagle.py: tiny3_model_dir).
+# model unless the module overrides `target_dir` (the three-layer one: helpers.three_layer_target_dir).
 @pytest.fixture(scope="module")
 def target_dir(tiny_model_dir) -> Path:
     return tiny_model_dir

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from client.api.triton import http_generate
-from tests.fixtures.helpers import hf_greedy
+from tests.fixtures.helpers import hf_greedy, three_layer_target_dir
 from tests.fixtures.servers import start_server
 from tests.fixtures.synthetic_checkpoints import write_eagle3
 
@@ -23,10 +23,7 @@ PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The"]
 K = 3
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny3_model_dir):
-    """Three layers: eagle3's default aux layers are distinct."""
-    return tiny3_model_dir
+target_dir = three_layer_target_dir
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from backends.methods.head_checkpoint import TargetInfo
 from backends.training.eagle import Eagle1Trainer
 from client.api.triton import grpc_generate
 from tests.fixtures.head_server import ServedHeadTests, fit_and_save, next_token_loss
-from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results
+from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results, three_layer_target_dir
 from tests.fixtures.servers import fixture_servers, start_servers, stop_servers
 from tests.fixtures.structured import PROMPT, SERVED, check_served_constrained
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
@@ -25,10 +25,7 @@ PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The",
 WRITERS = {"eagle": write_eagle1, "eagle3": write_eagle3}
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny3_model_dir):
-    """Three layers: eagle3's default aux layers are distinct."""
-    return tiny3_model_dir
+target_dir = three_layer_target_dir
 
 
 GREEDY = [("eagle", None), ("eagle3", None), ("eagle3", "int8")]

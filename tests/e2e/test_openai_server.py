@@ -71,6 +71,16 @@ def client(api):
     return openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0)
 
 
+def complete(client: openai.OpenAI, **params):
+    """/v1/completions of PROMPT by the `speculative` model; `params` add to or replace those."""
+    return client.completions.create(**{"model": "speculative", "prompt": PROMPT, **params})
+
+
+def chat(client: openai.OpenAI, **params):
+    """/v1/chat/completions of MESSAGES by the `speculative` model; `params` add to or replace those."""
+    return client.chat.completions.create(**{"model": "speculative", "messages": MESSAGES, **params})
+
+
 def reference(server, prompt: str, **inputs):
     """The `speculative` model's own answer over gRPC (no prompt echoed)."""
     return grpc_generate(server.grpc_url, prompt, stream=False, exclude_input_in_output=True, **inputs)
@@ -95,9 +105,7 @@ def test_response_format_structural_tag_holds_inside_its_tags(client, tiny_serve
     """vLLM's response_format {"type": "structural_tag", "structures", "triggers"}: the same
     output as the constraint sent in sampling_parameters to the `speculative` model."""
     fmt = {"type": "structural_tag", **TAG}
-    out = client.chat.completions.create(
-        model="speculative", messages=MESSAGES, max_tokens=64, temperature=0, response_format=fmt
-    )
+    out = chat(client, max_tokens=64, temperature=0, response_format=fmt)
     sampling = {"structured_outputs": {"structural_tag": TAG}}
     ref = reference(
         tiny_server, chat_text(tiny_model_dir), max_tokens=64, temperature=0.0, sampling_parameters=sampling
@@ -109,22 +117,14 @@ def test_response_format_structural_tag_holds_inside_its_tags(client, tiny_serve
 def test_completions_equal_the_speculative_model(client, tiny_server):
     ref = reference(tiny_server, PROMPT, max_tokens=12, temperature=0.0)
     assert ref.output_ids
-    out = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=12, temperature=0)
+    out = complete(client, max_tokens=12, temperature=0)
     assert out.object == "text_completion" and out.choices[0].text == ref.text
     assert out.choices[0].finish_reason == ref.finish_reason
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref.num_input_tokens, ref.num_output_tokens)
     assert out.usage.total_tokens == ref.num_input_tokens + ref.num_output_tokens
 
     text, chunks = streamed(
-        client.completions.create(
-            model="speculative",
-            prompt=PROMPT,
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        ),
-        chat=False,
+        complete(client, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}), chat=False
     )
     assert text == ref.text and len(chunks) > 3  # token by token, not one lump
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
@@ -136,13 +136,7 @@ def test_chat_prompt_logprobs_are_on_the_response_as_vllm_puts_them(client, tiny
     """vLLM's ChatCompletionResponse carries prompt_logprobs beside the choices: those of the
     rendered prompt, as the `speculative` model returns them."""
     ref = reference(tiny_server, chat_text(tiny_model_dir), max_tokens=4, sampling_parameters={"prompt_logprobs": 2})
-    out = client.chat.completions.create(
-        model="speculative",
-        messages=MESSAGES,
-        max_completion_tokens=4,
-        temperature=0,
-        extra_body={"prompt_logprobs": 2},
-    )
+    out = chat(client, max_completion_tokens=4, temperature=0, extra_body={"prompt_logprobs": 2})
     assert out.model_extra["prompt_logprobs"] == ref.prompt_logprobs
     assert ref.prompt_logprobs[0] is None and len(ref.prompt_logprobs) == ref.num_input_tokens
     assert "prompt_logprobs" not in out.choices[0].model_extra
@@ -151,19 +145,12 @@ def test_chat_prompt_logprobs_are_on_the_response_as_vllm_puts_them(client, tiny
 def test_chat_equals_the_speculative_model_on_the_rendered_template(client, tiny_server, tiny_model_dir):
     ref = reference(tiny_server, chat_text(tiny_model_dir), max_tokens=10, temperature=0.0)
     assert ref.output_ids
-    out = client.chat.completions.create(
-        model="speculative", messages=MESSAGES, max_completion_tokens=10, temperature=0
-    )
+    out = chat(client, max_completion_tokens=10, temperature=0)
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text and out.choices[0].finish_reason == ref.finish_reason
     assert out.usage.prompt_tokens == ref.num_input_tokens
 
-    text, chunks = streamed(
-        client.chat.completions.create(
-            model="speculative", messages=MESSAGES, max_tokens=10, temperature=0, stream=True
-        ),
-        chat=True,
-    )
+    text, chunks = streamed(chat(client, max_tokens=10, temperature=0, stream=True), chat=True)
     assert text == ref.text and chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason and chunks[-1].usage is None
 
@@ -171,16 +158,14 @@ def test_chat_equals_the_speculative_model_on_the_rendered_template(client, tiny
 def test_sampling_parameters_and_stop_are_passed_on(client, tiny_server):
     params = {"temperature": 0.9, "top_p": 0.95}
     ref = reference(tiny_server, PROMPT, max_tokens=16, random_seed=11, **params)
-    out = client.completions.create(model="speculative", prompt=PROMPT, max_tokens=16, seed=11, **params)
+    out = complete(client, max_tokens=16, seed=11, **params)
     assert out.choices[0].text == ref.text
     greedy = reference(tiny_server, PROMPT, max_tokens=16, temperature=0.0).text
     stop = greedy.strip()[2:5]
     ref = reference(tiny_server, PROMPT, max_tokens=16, temperature=0.0, stop_words=[stop])
     assert ref.finish_reason == "stop" and len(ref.text) < len(greedy)
     for stream in (False, True):
-        out = client.completions.create(
-            model="speculative", prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=stream
-        )
+        out = complete(client, max_tokens=16, temperature=0, stop=stop, stream=stream)
         text = streamed(out, chat=False)[0] if stream else out.choices[0].text
         assert text == ref.text
 
@@ -194,22 +179,20 @@ def test_several_prompts_and_choices_are_generations_of_their_own(client, tiny_s
     refs = [reference(tiny_server, p, random_seed=seed + j, **params) for p in prompts for j in range(n)]
     assert len({r.text for r in refs}) > 2  # the seeds matter: choices of one prompt differ
     usage = (refs[0].num_input_tokens + refs[2].num_input_tokens, sum(r.num_output_tokens for r in refs))
-    common = {"model": "speculative", "prompt": prompts, "n": n, "seed": seed, "max_tokens": 8, "temperature": 2.0}
-    out = client.completions.create(**common, extra_body={"top_k": 50}, echo=True, logprobs=1)
+    common = {"prompt": prompts, "n": n, "seed": seed, "max_tokens": 8, "temperature": 2.0}
+    out = complete(client, **common, extra_body={"top_k": 50}, echo=True, logprobs=1)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert [c.text for c in out.choices] == [prompts[i // n] + r.text for i, r in enumerate(refs)]
     assert all(c.logprobs.text_offset[0] == len(prompts[c.index // n]) for c in out.choices)
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == usage
     chunks = list(
-        client.completions.create(
-            **common, extra_body={"top_k": 50}, stream=True, stream_options={"include_usage": True}
-        )
+        complete(client, **common, extra_body={"top_k": 50}, stream=True, stream_options={"include_usage": True})
     )
     texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)]
     assert texts == [r.text for r in refs]
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2, 3]
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == usage
-    error = _error(lambda: client.completions.create(**{**common, "n": 9}))
+    error = _error(lambda: complete(client, **{**common, "n": 9}))
     assert error.status_code == 400 and "18 choices (2 prompt(s) x n=9); at most 16" in error.message
 
 
@@ -231,29 +214,18 @@ def test_logprobs_and_penalties_equal_the_speculative_model(client, tiny_server)
     assert ref.text != free.text
     chosen = [next(iter(entry.values())) for entry in ref.logprobs]
     for stream in (False, True):
-        out = client.completions.create(
-            model="speculative",
-            prompt=PROMPT,
-            max_tokens=12,
-            temperature=0,
-            logprobs=2,
-            logit_bias=bias,
-            stream=stream,
-            **controls,
-        )
+        out = complete(client, max_tokens=12, temperature=0, logprobs=2, logit_bias=bias, stream=stream, **controls)
         choices = [c.choices[0] for c in out] if stream else [out.choices[0]]
         assert "".join(c.text for c in choices) == ref.text
         logprobs = [c.logprobs for c in choices if c.logprobs]
         assert [t for lp in logprobs for t in lp.token_logprobs] == [c["logprob"] for c in chosen]
         assert [t for lp in logprobs for t in lp.tokens] == [c["decoded_token"] for c in chosen]
         assert all(len(top) == 2 for lp in logprobs for top in lp.top_logprobs)
-    out = client.chat.completions.create(
-        model="speculative", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, **controls
-    )
+    out = chat(client, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, **controls)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in content)
-    error = _error(lambda: client.chat.completions.create(model="speculative", messages=MESSAGES, top_logprobs=2))
+    error = _error(lambda: chat(client, top_logprobs=2))
     assert error.status_code == 400 and "'top_logprobs' needs 'logprobs': true" in error.message
 
 
@@ -263,9 +235,7 @@ def test_an_unreachable_triton_is_503(tiny_model_dir, tmp_path):
     with openai_api(port, f"127.0.0.1:{dead}", tmp_path / "openai.log", "--model", str(tiny_model_dir)) as front:
         unreachable = openai.OpenAI(base_url=f"{front.base}/v1", api_key="unused", max_retries=0)
         for stream in (False, True):
-            error = _error(
-                lambda stream=stream: unreachable.completions.create(model="speculative", prompt=PROMPT, stream=stream)
-            )
+            error = _error(lambda stream=stream: complete(unreachable, stream=stream))
             assert error.status_code == 503 and "unavailable" in error.message
 
 
@@ -278,7 +248,7 @@ def _error(call) -> openai.APIStatusError:
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_requests_get_400_with_a_message(client, stream):
     def completion(**kw):
-        return lambda: client.completions.create(**{"model": "speculative", "prompt": PROMPT, "stream": stream, **kw})
+        return lambda: complete(client, stream=stream, **kw)
 
     cases = [
         (completion(n=0), "'n' must be at least 1"),
@@ -292,10 +262,7 @@ def test_bad_requests_get_400_with_a_message(client, stream):
         (completion(max_tokens=2**32 + 3), "'max_tokens' must be an integer in [1, 2147483647], got 4294967299"),
         (completion(prompt="fox " * 2000), "context window"),
         (completion(prompt=[1, 2, 3]), "'prompt' must be a string or a list of strings (token ids"),
-        (
-            lambda: client.chat.completions.create(model="speculative", messages=[], stream=stream),
-            "'messages' must be a non-empty list",
-        ),
+        (lambda: chat(client, messages=[], stream=stream), "'messages' must be a non-empty list"),
     ]
     for call, message in cases:
         error = _error(call)
@@ -306,12 +273,7 @@ def test_bad_requests_get_400_with_a_message(client, stream):
     # empty stop string, which would match everywhere.
     for param, call in [
         ("max_tokens", completion(max_tokens=2**32 + 3)),
-        (
-            "max_completion_tokens",
-            lambda: client.chat.completions.create(
-                model="speculative", messages=MESSAGES, max_completion_tokens=2**31, stream=stream
-            ),
-        ),
+        ("max_completion_tokens", lambda: chat(client, max_completion_tokens=2**31, stream=stream)),
         ("top_k", completion(extra_body={"top_k": 2**32 + 1})),
         ("min_tokens", completion(extra_body={"min_tokens": 2**32 + 1})),
         ("seed", completion(seed=2**64 + 5)),
@@ -352,20 +314,13 @@ def test_raw_http_errors_have_the_openai_shape(api, client):
     )
     assert status == 400 and "only text parts" in body["error"]["message"]
     # The server is still fine afterwards.
-    assert client.completions.create(model="speculative", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    assert complete(client, max_tokens=2).usage.completion_tokens == 2
 
 
 def test_a_client_leaving_mid_stream_cancels_the_generation(client, tiny_server):
     # Long enough that the tiny model is still generating when the cancellation arrives:
     # sampled, its text rarely repeats, so n-gram drafts seldom shorten it to a few steps.
-    stream = client.completions.create(
-        model="speculative",
-        prompt=PROMPT,
-        max_tokens=480,
-        temperature=1.0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = complete(client, max_tokens=480, temperature=1.0, stream=True, extra_body={"ignore_eos": True})
     for _ in zip(range(3), stream):
         pass
     stream.close()

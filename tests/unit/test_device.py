@@ -19,7 +19,7 @@ from backends.serving import rejection
 from backends.serving.proposer import DraftRequest, build_proposer, proposer_class
 from backends.serving.target import TargetRunner, VerifyRequest
 from client.cli.launcher import RepositoryOverrides, patched_repository, set_instance_kind
-from tests.fixtures.helpers import hf_greedy
+from tests.fixtures.helpers import hf_greedy, three_layer_target_dir
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 from tests.fixtures.synthetic_heads import write_medusa, write_mlp_speculator, write_mtp
@@ -113,11 +113,7 @@ def test_instance_kinds_in_the_patched_repository(tmp_path):
 # ---------------------------------------------------------------------------- plumbing
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny3_model_dir):
-    """Three layers: eagle3's default aux layers are distinct (conftest's runner and
-    tokenizer read this)."""
-    return tiny3_model_dir
+target_dir = three_layer_target_dir
 
 
 @pytest.fixture(scope="module")

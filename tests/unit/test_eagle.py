@@ -24,7 +24,14 @@ from backends.serving.local import LocalDrafter, LocalVerifier, generate_local
 from backends.serving.orchestrator import Generation, ServingContext, generate
 from backends.serving.proposer import DraftRequest, build_proposer
 from backends.serving.request import GenerationRequest
-from tests.fixtures.helpers import assert_same_caches, check_ragged_batches, hf_greedy, request, target_hidden
+from tests.fixtures.helpers import (
+    assert_same_caches,
+    check_ragged_batches,
+    hf_greedy,
+    request,
+    target_hidden,
+    three_layer_target_dir,
+)
 from tests.fixtures.synthetic_checkpoints import edit_state, refusal_test, write_eagle1, write_eagle3
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
@@ -39,11 +46,7 @@ VARIANTS = {
 HEADS = {"eagle": "eagle1-bin", "eagle3": "eagle3-midlayer"}
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny3_model_dir):
-    """Three layers: eagle3's default aux layers are distinct (conftest's target, runner and
-    tokenizer read this)."""
-    return tiny3_model_dir
+target_dir = three_layer_target_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,25 +14,17 @@ import torch
 
 from backends.methods.eagle import EagleProposer
 from backends.methods.eagle_head import load_eagle
-from backends.methods.mtp import load_mtp
 from backends.runtime import cpu_kernels
 from backends.runtime.lean_lm import KernelRMSNorm
 from backends.serving.proposer import DraftRequest
-from tests.fixtures.helpers import cached_entries
-from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
-from tests.fixtures.synthetic_heads import write_mtp
+from tests.fixtures.helpers import cached_entries, three_layer_target_dir
+from tests.fixtures.synthetic_heads import EAGLE_FAMILY, load_eagle_family, write_eagle_family
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.packed_linear_available(), reason="the bf16 layer kernels need AVX-512 BF16 or AVX2 + FMA"
 )
 
 V = 384  # the tiny target's vocabulary
-WRITERS = {
-    "eagle": (write_eagle1, {}),
-    "eagle3": (write_eagle3, {}),
-    "mtp": (write_mtp, {}),
-    "mtp-per-step": (write_mtp, {"model_type": "step3p5", "num_layers": 2}),
-}
 SHAPES = {  # (proposer options, draft tokens, tree nodes)
     "chain": ({}, 3, 0),
     "dynamic-tree": ({"dynamic_tree": {"top_k": 3, "total_token": 10}}, 4, 10),
@@ -40,23 +32,17 @@ SHAPES = {  # (proposer options, draft tokens, tree nodes)
 }
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny3_model_dir):
-    """Three layers: eagle3's default aux layers are distinct."""
-    return tiny3_model_dir
+target_dir = three_layer_target_dir
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, target_dir):
-    root = tmp_path_factory.mktemp("kernel-heads")
-    for name, (writer, options) in WRITERS.items():
-        writer(root / name, target_dir, **options)
-    return {name: root / name for name in WRITERS}
+    return write_eagle_family(tmp_path_factory.mktemp("kernel-heads"), target_dir)
 
 
 def proposer(path, target, name: str, options: dict, kernels: bool) -> EagleProposer:
     """A proposer on its own bf16 copy of the head (the kernel path turns the head's norms)."""
-    head = (load_mtp if name.startswith("mtp") else load_eagle)(path, target, "bfloat16")
+    head = load_eagle_family(name, path, target, "bfloat16")
     return EagleProposer(head, 512, kernels=kernels, **options)
 
 
@@ -86,7 +72,7 @@ def drafted(p: EagleProposer, batch: list[DraftRequest], k: int, nodes: int) -> 
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", WRITERS)
+@pytest.mark.parametrize("name", EAGLE_FAMILY)
 def test_kernel_path_drafts_the_reference_bit_for_bit(name, shape, checkpoints, target):
     """Drafts, tree scores and every cached K/V entry are the reference path's bits; the
     kernel path batched drafts what it drafts for each sequence alone."""

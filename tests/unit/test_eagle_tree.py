@@ -17,25 +17,18 @@ from transformers import DynamicCache
 from backends.config import SpeculativeConfig
 from backends.methods.eagle import EagleProposer, best_subtree
 from backends.methods.eagle_head import load_eagle
-from backends.methods.mtp import MTPHead, load_mtp
+from backends.methods.mtp import MTPHead
 from backends.serving.drafting import DraftService
 from backends.serving.local import generate_local
 from backends.serving.proposer import build_proposer
 from backends.serving.target import TargetRunner
 from backends.serving.tree import ROOT, DraftTree
 from tests.fixtures.head_server import GREEDY_PROMPTS, fit, next_token_loss, teacher
-from tests.fixtures.helpers import assert_same_caches, hf_greedy, request
-from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
-from tests.fixtures.synthetic_heads import write_mtp
+from tests.fixtures.helpers import assert_same_caches, hf_greedy, request, three_layer_target_dir
+from tests.fixtures.synthetic_heads import EAGLE_FAMILY, load_eagle_family, write_eagle_family
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "for i in range(10):\n    print(i"]
 V = 384  # the tiny target's vocabulary
-WRITERS = {
-    "eagle": (write_eagle1, {}),
-    "eagle3": (write_eagle3, {}),
-    "mtp": (write_mtp, {}),
-    "mtp-per-step": (write_mtp, {"model_type": "step3p5", "num_layers": 2}),  # a layer per draft step
-}
 DYNAMIC = {"top_k": 3, "total_token": 10}
 STATIC = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0))
 TREES = {"dynamic": {"dynamic_tree": DYNAMIC}, "static": {"token_tree": STATIC}}
@@ -43,10 +36,7 @@ TREES = {"dynamic": {"dynamic_tree": DYNAMIC}, "static": {"token_tree": STATIC}}
 FROZEN = {"embed_tokens.weight", "lm_head.weight", "layers.0.shared_head.head.weight"}
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny3_model_dir):
-    """Three layers: eagle3's default aux layers are distinct."""
-    return tiny3_model_dir
+target_dir = three_layer_target_dir
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +47,12 @@ def runner(target_dir):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, target_dir):
-    root = tmp_path_factory.mktemp("tree-heads")
-    for name, (writer, options) in WRITERS.items():
-        writer(root / name, target_dir, **options)
-    return {name: root / name for name in WRITERS}
+    return write_eagle_family(tmp_path_factory.mktemp("tree-heads"), target_dir)
 
 
 @pytest.fixture(scope="module")
 def heads(checkpoints, target):
-    return {
-        name: (load_mtp if name.startswith("mtp") else load_eagle)(path, target, "float32")
-        for name, path in checkpoints.items()
-    }
+    return {name: load_eagle_family(name, path, target, "float32") for name, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +143,7 @@ def test_the_rerank_keeps_parents_before_equal_scoring_children():
     assert scores == pytest.approx([math.exp(-0.5), math.exp(-1.0), math.exp(-1.0)])  # path probabilities
 
 
-@pytest.mark.parametrize("name", WRITERS)
+@pytest.mark.parametrize("name", EAGLE_FAMILY)
 @pytest.mark.parametrize(("k", "nodes"), [(4, 10), (3, 2), (2, 12)])
 def test_dynamic_tree_is_eagle2s(name, k, nodes, heads, runner, prompt_ids):
     """The nodes are the `nodes` best by cumulative draft log-probability of the levels that
@@ -183,7 +167,7 @@ def test_dynamic_tree_is_eagle2s(name, k, nodes, heads, runner, prompt_ids):
         assert_path_probabilities(draft)
 
 
-@pytest.mark.parametrize("name", WRITERS)
+@pytest.mark.parametrize("name", EAGLE_FAMILY)
 @pytest.mark.parametrize(("k", "nodes"), [(4, 9), (3, 7), (2, 9), (3, 2)])
 def test_static_tree_takes_the_heads_ranked_tokens(name, k, nodes, heads, runner, prompt_ids):
     """The paths of at most k levels, the first `nodes` of them."""

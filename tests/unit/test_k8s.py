@@ -47,58 +47,48 @@ OTHER_VALUES = {
 # types, the duration pattern and the scheme enum are the CRD's. Stricter than the CRD in one
 # way: a field outside this subset is an error (as kubernetes-validate's strict mode).
 DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
-SERVICE_MONITOR_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
+STRING = {"type": "string"}
+STRING_MAP = {"type": "object", "additionalProperties": STRING}
+
+
+def strict_object(properties: dict, *required: str) -> dict:
+    """A JSON Schema object with these properties (`required` among them) and no other."""
+    return {"type": "object", "required": list(required), "additionalProperties": False, "properties": properties}
+
+
+SERVICE_MONITOR_SCHEMA = strict_object(
+    {
         "apiVersion": {"const": "monitoring.coreos.com/v1"},
         "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object",
-            "required": ["name"],
-            "additionalProperties": False,
-            "properties": {
-                "name": {"type": "string"},
-                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-            },
-        },
-        "spec": {
-            "type": "object",
-            "required": ["endpoints", "selector"],
-            "additionalProperties": False,
-            "properties": {
-                "selector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
-                },
-                "namespaceSelector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "any": {"type": "boolean"},
-                        "matchNames": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
+        "metadata": strict_object({"name": STRING, "labels": STRING_MAP}, "name"),
+        "spec": strict_object(
+            {
+                "selector": strict_object({"matchLabels": STRING_MAP}),
+                "namespaceSelector": strict_object(
+                    {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": STRING}}
+                ),
                 "endpoints": {
                     "type": "array",
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": "string"},
-                            "path": {"type": "string"},
+                    "items": strict_object(
+                        {
+                            "port": STRING,
+                            "path": STRING,
                             "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
                             "interval": {"type": "string", "pattern": DURATION},
                             "scrapeTimeout": {"type": "string", "pattern": DURATION},
-                        },
-                    },
+                        }
+                    ),
                 },
             },
-        },
+            "endpoints",
+            "selector",
+        ),
     },
-}
+    "apiVersion",
+    "kind",
+    "metadata",
+    "spec",
+)
 
 
 def render(values: dict | None = None) -> list[dict]:

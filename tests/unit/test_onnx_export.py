@@ -18,6 +18,7 @@ from backends.onnx_export import OnnxExportError, build_step, check_step, export
 from backends.serving.proposer import DraftRequest, build_proposer
 from backends.serving.target import TargetRunner, VerifyRequest
 from client.cli.main import main
+from tests.fixtures.helpers import three_layer_target_dir
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 from tests.fixtures.synthetic_heads import write_medusa, write_mlp_speculator
 
@@ -55,10 +56,7 @@ INPUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny3_model_dir):
-    """Three layers: eagle3's default aux layers (2, L//2, L-3) are distinct."""
-    return tiny3_model_dir
+target_dir = three_layer_target_dir
 
 
 @pytest.fixture(scope="module")
