@@ -269,8 +269,10 @@ class _Linear:
                     for i in range(0, x.shape[0], self.slab)
                 ]
             )
-        x = x.to(self.compute_dtype)
-        y = None if residual is None else residual.to(self.compute_dtype)
+        rows = x.shape[0]
+        padded = min(onednn_rows(rows), self.slab or rows)
+        x = _padded_rows(x.to(self.compute_dtype), padded)
+        y = None if residual is None else _padded_rows(residual.to(self.compute_dtype), padded)
         for index, ((a, b), weight) in enumerate(zip(self.bounds, self.weights)):
             part = x if len(self.bounds) == 1 else x[:, a:b]
             bias = self.bias if index == 0 else None
@@ -278,7 +280,26 @@ class _Linear:
                 y = torch.ops.mkldnn._linear_pointwise(part, weight, bias, "none", [], "")
             else:
                 y = torch.ops.mkldnn._linear_pointwise.binary(part, y, weight, bias, "add")
-        return y.to(self.dtype)
+        return y[:rows].to(self.dtype)
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN matmul of `rows` rows runs at: up to 16 as is (decode steps and
+    verifications), above that rounded up to one of 8 counts an octave (at most 12.5% more).
+    oneDNN and torch's ideep wrapper cache a primitive per shape (1024 each), ~0.5 MB of memory
+    apiece at SmolLM2's sizes: with every row count a prompt chunk or a ragged batch can have,
+    a float32 server's memory climbed for as long as new counts turned up (a probe of 256 row
+    counts by 6 weight shapes: +3.5 GB, 15 s of primitive builds; with these 31 counts +0.15 GB,
+    1 s), so `tritonspec soak` never saw it flat."""
+    if rows <= 16:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def _padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` [m, k] with zero rows below it up to `rows`."""
+    return x if x.shape[0] >= rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
 class _TritonLinear(_Linear):

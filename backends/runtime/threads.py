@@ -392,6 +392,19 @@ def governed(thread_invariant: bool) -> Iterator[None]:
         yield
 
 
+def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
+    """A thread pool with all `workers` threads started now rather than one by one as load
+    peaks: a server's thread count (and each thread's stack and allocator arena) is then set
+    at load, and its memory does not climb for hours after warm-up (measured: ~2 MB each new
+    thread, threads still starting 30 minutes into a soak)."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix)
+    all_started = threading.Barrier(workers + 1)
+    for _ in range(workers):  # no thread is idle until all wait here, so each submit starts one
+        pool.submit(all_started.wait)
+    all_started.wait()
+    return pool
+
+
 def forward_thread(prefix: str) -> ThreadPoolExecutor:
     """A one-thread executor for this process's forwards, the only thread whose CPU work runs
     in parallel (the calling thread's runs on one from now on)."""

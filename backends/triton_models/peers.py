@@ -9,6 +9,7 @@ backends.serving.orchestrator."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ import torch
 
 from backends.config import SpeculativeConfig
 from backends.runtime.device import resolve_device
-from backends.runtime.threads import forward_thread
+from backends.runtime.threads import forward_thread, started_pool
 from backends.serving.drafting import DraftCall, DraftService
 from backends.serving.local import LocalDrafter
 from backends.serving.logits import LOGPROB_OUTPUTS, PROMPT, PROMPT_LOGPROB_OUTPUTS, logprobs_from_arrays
@@ -43,9 +44,12 @@ class PeerTimeoutError(TimeoutError):
     """A peer model did not answer a call in time (the orchestrator then decodes plainly)."""
 
 
-# Bounded BLS calls (drafter calls, and verify steps under step_timeout_s) run here: room for
-# each of the `speculative` model's 64 workers to have one of each in flight (threads start lazily).
-_BOUNDED_CALLS = ThreadPoolExecutor(max_workers=128, thread_name_prefix="bls-bounded")
+@functools.cache
+def _bounded_calls() -> ThreadPoolExecutor:
+    """Where bounded BLS calls (drafter calls, and verify steps under step_timeout_s) run: room
+    for each of the `speculative` model's 64 workers to have one of each in flight, started at
+    load (Peers) where a bound is set."""
+    return started_pool(128, "bls-bounded")
 
 
 class SequencePeer:
@@ -84,7 +88,7 @@ def bounded_bls(args: tuple, timeout_s: float | None) -> dict:
     if timeout_s is None:
         return bls(*args)
     try:
-        return _BOUNDED_CALLS.submit(bls, *args).result(timeout=timeout_s)
+        return _bounded_calls().submit(bls, *args).result(timeout=timeout_s)
     except FutureTimeout:
         raise PeerTimeoutError(f"{args[0]} did not answer within {timeout_s:g} s") from None
 
@@ -255,6 +259,8 @@ class Peers:
         self.outbox = outbox
         self.drafter_timeout_s = drafter_timeout_s  # a call that takes longer: the request decodes plainly
         self.token = server_token()  # proves our BLS calls to verifier and drafter
+        if drafter_timeout_s is not None or step_timeout_s is not None:
+            _bounded_calls()
         # The drafter in this process (ngram, suffix; or a head beside the in-process verifier).
         self.local_drafter: Drafter | None = None
         if drafter_info and self.route.draft_at is DraftAt.IN_PROCESS:

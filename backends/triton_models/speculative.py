@@ -14,14 +14,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
-from backends.runtime.threads import serial_elsewhere
+from backends.runtime.threads import serial_elsewhere, started_pool
 from backends.serving.cancellation import CancellationWatch
 from backends.serving.orchestrator import Drafter, GenerationStats, ServingContext, Verifier, max_queue_time_s
 from backends.serving.proposer import DrafterInfo, describe_drafter
@@ -117,7 +116,7 @@ class TritonPythonModel:
         """The request workers, the admission in front of them and the response outbox."""
         self.active_requests = 0
         workers = int(params.get("max_concurrent_requests", "64"))
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="spec")
+        self.pool = started_pool(workers, "spec")
         # Requests beyond the workers wait, up to max_queued_requests; more are refused as
         # retryable, as are new requests while the server shuts down (admission.py).
         self.admission = Admission(workers, int(params.get("max_queued_requests", "256")), drain_file())

@@ -20,7 +20,16 @@ import torch.nn.functional as F
 
 from backends.runtime import cpu_kernels, kernel_library
 from backends.runtime.kv_cache import KVCachePool
-from backends.runtime.lean_lm import K_CHUNKS, KernelLinear, LeanCausalLM, LeanDecoder, Row, _Linear, kernel_linears
+from backends.runtime.lean_lm import (
+    K_CHUNKS,
+    KernelLinear,
+    LeanCausalLM,
+    LeanDecoder,
+    Row,
+    _Linear,
+    kernel_linears,
+    onednn_rows,
+)
 from backends.serving.tree import DraftTree
 from tests.fixtures.helpers import run_as_stub
 from tests.fixtures.lean_models import FAMILIES, assert_same, build, decode, tokens
@@ -591,6 +600,32 @@ def test_split_matmul_is_row_invariant_and_close_to_unsplit(dtype):
     assert torch.equal(together, torch.cat([split(x[i : i + 1]) for i in range(40)]))
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(together.float(), (x.float() @ weight.float().T), atol=tol, rtol=0)
+
+
+def test_onednn_matmuls_run_at_few_row_counts():
+    """Each row count a oneDNN matmul runs at costs a cached primitive: up to 16 rows as given,
+    then 8 counts an octave, never under the rows asked, at most 12.5% over, within a slab."""
+    counts = [onednn_rows(m) for m in range(1, 4097)]
+    assert counts[:16] == list(range(1, 17))
+    assert all(m <= c <= m * 1.125 for m, c in zip(range(1, 4097), counts))
+    assert len(set(counts[:256])) == 48 and max(counts[:256]) == 256 and max(counts[:64]) == 64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_rows_change_no_row(dtype):
+    """A oneDNN linear pads its rows to onednn_rows: every row is the unpadded matmul's (bit for
+    bit where it is row invariant), and the output has the rows asked for."""
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(64, 256, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(37, 256, generator=gen).to(dtype)
+    residual = torch.randn(37, 64, generator=gen).to(dtype)
+    linear = _Linear.invariant(weight, slab=64)
+    for m in (1, 17, 19, 37):
+        assert linear(x[:m]).shape == (m, 64)
+        assert torch.equal(linear(x[:m]), torch.cat([linear(x[i : i + 1]) for i in range(m)]))
+        assert torch.equal(linear.add(x[:m], residual[:m])[-1], linear.add(x[m - 1 : m], residual[m - 1 : m])[0])
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(_Linear(weight)(x).float(), x.float() @ weight.float().T, atol=tol, rtol=0)
 
 
 def test_probe_splits_until_rows_are_invariant(monkeypatch):

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,18 @@ def test_adapting_can_be_turned_off():
     code = "from backends.runtime import threads; threads.own_cores(); print(threads._teams.team)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr
+
+
+def test_a_started_pool_holds_all_its_threads_from_the_start():
+    pool = threads.started_pool(6, "started-pool-test")
+    try:
+        named = [t for t in threading.enumerate() if t.name.startswith("started-pool-test")]
+        assert len(named) == 6
+        # Work submitted later runs on those threads: none is added however many wait at once.
+        gate = threading.Event()
+        futures = [pool.submit(gate.wait) for _ in range(12)]
+        gate.set()
+        assert all(f.result(timeout=10) for f in futures)
+        assert len([t for t in threading.enumerate() if t.name.startswith("started-pool-test")]) == 6
+    finally:
+        pool.shutdown()
