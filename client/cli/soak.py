@@ -5,9 +5,10 @@ the server's processes' memory is sampled, and at the end no sequence state may 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,15 +307,35 @@ def _inject_faults(trigger: Path, tally: ChaosTally, deadline: float, every_s: f
         tally.count("faults_injected")
 
 
-def _health_ms(openai_url: str) -> float:
-    """How long the front end's /health took to answer (ms)."""
+# /health is asked from a process of its own: in the soak's process, with 32 client threads
+# taking turns at the GIL, a probe measured that process's waits as well as the front end's.
+_HEALTH_PROBE = """
+import sys, time, urllib.request
+url = sys.argv[1]
+while True:
     start = time.perf_counter()
     try:
-        with urllib.request.urlopen(f"http://{openai_url}/health", timeout=10) as r:
+        with urllib.request.urlopen(url, timeout=10) as r:
             r.read()
     except OSError:
         pass
-    return (time.perf_counter() - start) * 1e3
+    print(round((time.perf_counter() - start) * 1e3, 1), flush=True)
+    time.sleep(1)
+"""
+
+
+class HealthProbe:
+    """The front end's /health latency (ms), asked every second by a child process."""
+
+    def __init__(self, openai_url: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _HEALTH_PROBE, f"http://{openai_url}/health"], stdout=subprocess.PIPE, text=True
+        )
+
+    def stop(self) -> list[float]:
+        self.process.terminate()
+        out, _ = self.process.communicate(timeout=30)
+        return [float(line) for line in out.split()]
 
 
 def run_chaos_soak(
@@ -329,8 +350,8 @@ def run_chaos_soak(
 ) -> dict:
     """`concurrency` clients for `seconds`, each drawing its requests from `mix` (streams,
     cancelled streams, bad requests; with a front end, oversized bodies and non-streamed
-    clients that leave); a drafter fault every `fault_every_s`. Memory (and the front end's
-    /health latency) sampled every 10 s (every second)."""
+    clients that leave); a drafter fault every `fault_every_s`. Memory sampled every 10 s, the
+    front end's /health latency every second (HealthProbe)."""
     mix = mix or ChaosMix()
     _, prompts = load_prompts()
     references = {
@@ -349,13 +370,12 @@ def run_chaos_soak(
     threads.append(threading.Thread(target=_inject_faults, args=(trigger, tally, deadline, fault_every_s), daemon=True))
     for t in threads:
         t.start()
-    processes, health = [(0.0, rss_by_process(pids))], []
+    processes = [(0.0, rss_by_process(pids))]
+    probe = HealthProbe(mix.openai_url) if mix.openai_url else None
     while any(t.is_alive() for t in threads[:-1]):
-        for _ in range(10):
-            time.sleep(1)
-            if mix.openai_url:
-                health.append(_health_ms(mix.openai_url))
+        time.sleep(10)
         processes.append((time.monotonic() - start, rss_by_process(pids)))
+    health = probe.stop() if probe else []
     for t in threads:
         t.join(timeout=fault_every_s)
     tally.counts["faults_taken"] = tally.counts["faults_injected"] - trigger.exists()

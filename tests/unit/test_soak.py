@@ -3,6 +3,9 @@ fails a chaos soak (client/cli/soak.py, client/cli/measure_commands.py)."""
 
 from __future__ import annotations
 
+import http.server
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.model_store import load_tokenizer
 from client.cli.bench import load_prompts
 from client.cli.measure_commands import RSS_FLAT_MB, _chaos_failures
-from client.cli.soak import kv_budget_gb, retryable, rss_growth_mb
+from client.cli.soak import HealthProbe, kv_budget_gb, retryable, rss_growth_mb
 
 
 def test_kv_budget_holds_exactly_the_sequences_asked_for(tiny_model_dir):
@@ -96,3 +99,29 @@ def test_memory_is_told_by_process():
     assert next(iter(rss.values())) > 10
     samples = [(0.0, {"a": 100.0}), (10.0, {"a": 150.0, "b": 10.0}), (20.0, {"a": 151.0, "b": 40.0})]
     assert process_growth(samples, warmup_s=10.0) == {"a": 1.0, "b": 30.0}
+
+
+def test_the_health_probe_times_each_answer_from_its_own_process():
+    """The probe asks once a second from a child process and reports each answer's time:
+    an endpoint that takes 300 ms is reported at 300 ms or more, not hidden by the soak."""
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            time.sleep(0.3)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        probe = HealthProbe(f"127.0.0.1:{server.server_address[1]}")
+        time.sleep(3)
+        latencies = probe.stop()
+    finally:
+        server.shutdown()
+    assert len(latencies) >= 2
+    assert all(300 <= ms < 2000 for ms in latencies)
