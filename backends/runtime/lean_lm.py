@@ -270,7 +270,7 @@ class _Linear:
                 ]
             )
         rows = x.shape[0]
-        padded = min(onednn_rows(rows), self.slab or rows)
+        padded = onednn_rows(rows) if self.slab is None else min(onednn_rows(rows), self.slab)
         x = _padded_rows(x.to(self.compute_dtype), padded)
         y = None if residual is None else _padded_rows(residual.to(self.compute_dtype), padded)
         for index, ((a, b), weight) in enumerate(zip(self.bounds, self.weights)):
@@ -289,8 +289,8 @@ def onednn_rows(rows: int) -> int:
     oneDNN and torch's ideep wrapper cache a primitive per shape (1024 each), ~0.5 MB of memory
     apiece at SmolLM2's sizes: with every row count a prompt chunk or a ragged batch can have,
     a float32 server's memory climbed for as long as new counts turned up (a probe of 256 row
-    counts by 6 weight shapes: +3.5 GB, 15 s of primitive builds; with these 31 counts +0.15 GB,
-    1 s), so `tritonspec soak` never saw it flat."""
+    counts by 6 weight shapes: +3.5 GB, 15 s of primitive builds; with these 48 counts +0.2 GB,
+    1.5 s), so `tritonspec soak` never saw it flat."""
     if rows <= 16:
         return rows
     step = 1 << ((rows - 1).bit_length() - 4)

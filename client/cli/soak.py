@@ -372,10 +372,12 @@ def run_chaos_soak(
         t.start()
     processes = [(0.0, rss_by_process(pids))]
     probe = HealthProbe(mix.openai_url) if mix.openai_url else None
-    while any(t.is_alive() for t in threads[:-1]):
-        time.sleep(10)
-        processes.append((time.monotonic() - start, rss_by_process(pids)))
-    health = probe.stop() if probe else []
+    try:
+        while any(t.is_alive() for t in threads[:-1]):
+            time.sleep(10)
+            processes.append((time.monotonic() - start, rss_by_process(pids)))
+    finally:  # the probe asks forever: never leave it behind
+        health = probe.stop() if probe else []
     for t in threads:
         t.join(timeout=fault_every_s)
     tally.counts["faults_taken"] = tally.counts["faults_injected"] - trigger.exists()

@@ -628,6 +628,19 @@ def test_padded_rows_change_no_row(dtype):
     torch.testing.assert_close(_Linear(weight)(x).float(), x.float() @ weight.float().T, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("slab", [None, 64])
+def test_every_onednn_linear_pads_to_onednn_rows(monkeypatch, slab):
+    """Invariant (a slab) or not (none), the matmul runs at onednn_rows' count, not the rows given."""
+    import backends.runtime.lean_lm as lean_lm
+
+    padded_to = []
+    pad = lean_lm._padded_rows
+    monkeypatch.setattr(lean_lm, "_padded_rows", lambda x, rows: padded_to.append(rows) or pad(x, rows))
+    linear = _Linear(torch.randn(32, 64), None, None, slab)
+    assert linear(torch.randn(37, 64)).shape == (37, 32)
+    assert padded_to == [onednn_rows(37)] == [40]
+
+
 def test_probe_splits_until_rows_are_invariant(monkeypatch):
     """The least split that passes the probe is kept; none passing refuses the model."""
     weight = torch.randn(32, 2048).bfloat16()
