@@ -14,6 +14,10 @@ which the OpenAI front end answers with 503 and Retry-After), when
 While an instance has requests in flight, a marker file beside the drain file says so
 (`requests_in_flight`): where those requests call the verifier or drafter over BLS, the stop
 waits for the markers to go before tritonserver unloads those models under them.
+
+A request's slot is free once its last response is on its way (`answered`), before its worker
+releases its sequence in the peers: a client that sends its next request as soon as it has the
+last answer is never refused for the one it just finished. Its marker stays until `finished`.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class Admission:
             raise ValueError(f"parameter max_queued_requests must be at least 0, got {max_waiting}")
         self.workers, self.max_waiting = workers, max_waiting
         self.drain = drain
-        self.in_flight = 0  # admitted and not finished: running on a worker, or waiting for one
+        self.in_flight = 0  # admitted and not answered: running on a worker, or waiting for one
+        self.busy = 0  # admitted and not finished: the marker is there while this is > 0
         self.deadline: float | None = None  # the end of the shutdown grace period (time.time())
         self.broken = ""  # why the server is not ready (the watchdog)
         self.lock = threading.Lock()
@@ -78,7 +83,8 @@ class Admission:
                     "retry later"
                 )
             self.in_flight += 1
-            if self.in_flight == 1:
+            self.busy += 1
+            if self.busy == 1:
                 self._mark(True)
         # Asked once counted and marked: a stop writes the drain file, then looks for markers, so
         # either this request sees the drain, or the stop sees its marker and waits for it.
@@ -87,10 +93,18 @@ class Admission:
             return f"{UNAVAILABLE}the server is shutting down and takes no new requests; retry later"
         return None
 
-    def finished(self) -> None:
+    def answered(self) -> None:
+        """An admitted request's last response is on its way: its slot takes the next request."""
         with self.lock:
             self.in_flight -= 1
-            if self.in_flight == 0:
+
+    def finished(self, answered: bool = False) -> None:
+        """An admitted request's work is over (`answered`: its slot was freed already)."""
+        with self.lock:
+            if not answered:
+                self.in_flight -= 1
+            self.busy -= 1
+            if self.busy == 0:
                 self._mark(False)
 
     def close(self) -> None:

@@ -197,8 +197,17 @@ class TritonPythonModel:
         with self.lock:
             self.active_requests += 1  # the load the batch-size schedule follows
         verifier, drafter = self.peers.verifier(seq_id), self.peers.drafter(seq_id)
-        session, counted = None, False
+        session, counted, answered = None, False, False
         client_left = self.cancellation.watch(sender)
+
+        def answer(build: Callable[[], object]) -> None:
+            """The request's last response: its admission slot is free from here."""
+            nonlocal answered
+            if not answered:
+                answered = True
+                self.admission.answered()
+            self._post(sender, build, final=True)
+
         try:
             session = Session(self.served, self._parse(request), seq_id)
             # A shutdown's grace period that runs out ends the request as its client leaving would.
@@ -207,7 +216,7 @@ class TritonPythonModel:
                     clock.tokens(len(reply.step.token_ids))
                 clock.finish_reason = reply.step.finish_reason or clock.finish_reason
                 if reply.step.finish_reason == "cancelled":
-                    self._post(sender, self._cancelled(seq_id, client_left()), final=True)
+                    answer(self._cancelled(seq_id, client_left()))
                     return
                 if reply.final:
                     # Counted before the last response goes out, so a client that reads
@@ -215,12 +224,15 @@ class TritonPythonModel:
                     self._count(drafter, session.stats)
                     counted = True
                 if reply.outputs is not None:
-                    self._post(sender, functools.partial(_response, reply.outputs), reply.final)
+                    if reply.final:
+                        answer(functools.partial(_response, reply.outputs))
+                    else:
+                        self._post(sender, functools.partial(_response, reply.outputs), final=False)
         except RequestError as e:
-            self._post(sender, functools.partial(error_response, str(e)), final=True)
+            answer(functools.partial(error_response, str(e)))
         except Exception as e:  # never leave a decoupled client waiting
             log.exception("request %d failed", seq_id)
-            self._post(sender, functools.partial(error_response, f"generation failed: {e}"), final=True)
+            answer(functools.partial(error_response, f"generation failed: {e}"))
         finally:
             clock.finished(len(session.prompt_ids) if session else 0, session.req.params_n if session else 1)
             with self.lock:
@@ -229,7 +241,7 @@ class TritonPythonModel:
                 self._count(drafter, session.stats)
             self._release(seq_id, verifier, drafter)
             # Last: a stop waiting for this request (admission.py) unloads the peers released above.
-            self.admission.finished()
+            self.admission.finished(answered)
 
     def _cancelled(self, seq_id: int, by_client: bool) -> Callable[[], object]:
         """The last response of a request ended early: by its client, or by the shutdown."""

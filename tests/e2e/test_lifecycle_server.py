@@ -149,6 +149,37 @@ def test_requests_beyond_the_queue_are_refused_as_retryable(bls_limited):
     assert len(grpc_generate(bls_limited.grpc_url, "Hello", max_tokens=4).output_ids) == 4
 
 
+def test_a_request_sent_as_soon_as_the_last_one_answered_is_admitted(bls_limited):
+    """One worker, no queue: a client that sends its next request the moment it has the last
+    one's final response is admitted every time (the slot used to stay taken while the worker
+    released the sequence in the verifier, and the next request was refused now and then)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(bls_limited.grpc_url)
+    # One stream, each request sent from the callback of the last one's final response.
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i in range(60):
+            tensors = {
+                "text_input": np.array([f"Hello {i}".encode()], np.object_),
+                "max_tokens": np.array([2], np.int32),
+            }
+            inputs = []
+            for name, value in tensors.items():
+                inputs.append(grpcclient.InferInput(name, [1], "BYTES" if value.dtype == np.object_ else "INT32"))
+                inputs[-1].set_data_from_numpy(value)
+            client.async_stream_infer("speculative", inputs)
+            result, error = answers.get(timeout=30)
+            assert error is None, f"request {i}: {error}"
+            assert len(result.as_numpy("output_ids").ravel()) == 2
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 # ---------------------------------------------------------------------------- stopping
 
 

@@ -86,3 +86,17 @@ def test_an_instance_with_requests_in_flight_leaves_a_marker_beside_the_drain_fi
     assert not requests_in_flight(drain)
     assert Admission(workers=1, max_waiting=0).admit() is None  # no drain file: no marker
     assert list(tmp_path.iterdir()) == [drain]
+
+
+def test_an_answered_request_frees_its_slot_and_keeps_its_marker_until_it_finishes(tmp_path):
+    """`answered`: the last response is on its way, the next request is admitted while the
+    worker still releases the sequence; the stop still waits for it (the marker) until `finished`."""
+    drain = tmp_path / "drain"
+    admission = Admission(workers=1, max_waiting=0, drain=drain)
+    assert admission.admit() is None and admission.admit() is not None
+    admission.answered()
+    assert admission.admit() is None and requests_in_flight(drain)
+    admission.finished(answered=True)
+    assert requests_in_flight(drain) and admission.admit() is not None  # the second runs
+    admission.finished()
+    assert not requests_in_flight(drain) and admission.admit() is None
