@@ -60,13 +60,13 @@ def prompt(tokenizer) -> str:
     )
 
 
-def run(mode: str, text: str, tokenizer, runner, grammars: dict, max_tokens: int) -> dict:
+def run(mode: str, text: str, tokenizer, runner, grammars: GrammarCompiler, max_tokens: int) -> dict:
     spec = StructuredOutputs("json", json.dumps(SCHEMA))  # properties in the order given
     service = None
     if mode in SPECS:
         config = SpeculativeConfig.from_json(SPECS[mode])
         service = DraftService(build_proposer(config, max_model_len=runner.max_model_len), config)
-    constraint = {} if mode == "free" else {"grammars": grammars[mode == "masked"], "structured": spec}
+    constraint = {} if mode == "free" else {"grammars": grammars, "structured": spec, "forced_drafts": mode != "masked"}
     start = time.perf_counter()
     ids, stats = generate_local(
         text, tokenizer, runner, service, max_tokens=max_tokens, ignore_eos=mode == "free", **constraint
@@ -84,10 +84,7 @@ def main() -> None:
     path = fetch("smollm2-135m")
     tokenizer, runner = load_tokenizer(path), TargetRunner(path, dtype="bfloat16")
     eos = {2}
-    grammars = {
-        False: GrammarCompiler(tokenizer, runner.logits_size, eos),
-        True: GrammarCompiler(tokenizer, runner.logits_size, eos, forced_drafts=False),
-    }
+    grammars = GrammarCompiler(tokenizer, runner.logits_size, eos)
     text = prompt(tokenizer)
     length = run("masked", text, tokenizer, runner, grammars, 200)["tokens"]  # warm-up; the free runs match it
     results: dict[str, list[dict]] = {m: [] for m in ("free", "masked", "forced", *SPECS)}

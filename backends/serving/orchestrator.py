@@ -275,7 +275,7 @@ class Generation:
             return None
         if self.ctx.grammars is None:
             raise RequestError(f"structured outputs ({spec.kind}) are not served here: no grammar compiler")
-        return self.ctx.grammars.matcher(spec)
+        return self.ctx.grammars.matcher(spec, self.req.forced_drafts)
 
     def _policies(self) -> tuple[int, DraftPolicy | None, TreeCut | None]:
         """A tree-drafting config's node budget, the draft-shape policy (plain, a chain or a

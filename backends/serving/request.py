@@ -153,6 +153,9 @@ class GenerationRequest:
     returns: frozenset[str] = frozenset()
     # What the output must follow (a JSON schema, regex, choice, grammar); None: free text.
     structured: StructuredOutputs | None = None
+    # Under a constraint, the tokens the grammar forces are verified as drafts (this project's
+    # key; False: one token a step where no drafter drafts, as the peers decode constrained).
+    forced_drafts: bool = True
     # The `n` of the client request this generation is a choice of, for vllm:request_params_n:
     # the OpenAI front end sends n with a prompt's first choice and 0 with the others (observed
     # once per prompt, as vLLM observes a parent request once).
@@ -195,6 +198,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "stop": ("stop", to_stop),
     "stop_words": ("stop", to_str_list),
     "num_draft_tokens": ("num_draft_tokens", to_int),
+    "forced_drafts": ("forced_drafts", to_bool),
     "ignore_eos": ("ignore_eos", to_bool),
     "stream": ("stream", to_bool),
     "stream_interval": ("stream_interval", to_int),
@@ -268,6 +272,7 @@ def parse_request(tensors: dict[str, Any], parameters_json: str = "", sampling_j
         stream_interval=values.get("stream_interval"),
         returns=frozenset(name for name in RETURN_OUTPUTS if values.get(f"return_{name}")),
         structured=parse_structured(values),
+        forced_drafts=values.get("forced_drafts", True),
         params_n=values.get("params_n", 1),
     )
 

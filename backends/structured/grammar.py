@@ -71,22 +71,12 @@ class GrammarCompiler:
     cached by (kind, spec, whitespace_pattern).
 
     `vocab_size`: the target's logits columns (masks cover them all; ids past the tokenizer's
-    are never allowed). `eos_token_ids`: where the grammar may end, every one of them is allowed.
-    `forced_drafts`: the tokens a grammar forces go to the verifier as drafts (False: measures
-    constrained decoding without them, scripts/bench_structured.py)."""
+    are never allowed). `eos_token_ids`: where the grammar may end, every one of them is allowed."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        eos_token_ids: Collection[int],
-        workers: int = 1,
-        forced_drafts: bool = True,
-    ) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int], workers: int = 1) -> None:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)))
         self.vocab_size = self.tokenizer.vocab_size  # the masks' columns (the logits' beyond: disallowed)
         self.eos_token_ids = tuple(sorted(eos_token_ids))
-        self.forced_drafts = forced_drafts
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -103,10 +93,12 @@ class GrammarCompiler:
             self._cache.move_to_end(spec)
             return future
 
-    def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
-        """A matcher of the constraint at its start, for one request (waits for its compilation)."""
+    def matcher(self, spec: StructuredOutputs, forced_drafts: bool = True) -> GrammarMatcher:
+        """A matcher of the constraint at its start, for one request (waits for its compilation).
+        `forced_drafts`: the tokens the grammar forces go to the verifier as drafts (the
+        request's `forced_drafts`; off, it decodes constrained as the peers do)."""
         matcher = self.compile(spec).result().deep_copy()
-        return GrammarMatcher(matcher, self.vocab_size, self.eos_token_ids, self.forced_drafts)
+        return GrammarMatcher(matcher, self.tokenizer, self.vocab_size, self.eos_token_ids, forced_drafts)
 
     def _build(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         try:

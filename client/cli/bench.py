@@ -162,22 +162,24 @@ def measure(
     the speculative requests ask for exactly that many drafts per step (no adaptive length).
     `ignore_eos` (the default) makes every run `max_tokens` long; without it a run ends where
     the model ends its answer, so drafts are judged on the text the model means to write.
-    `constraints`: each prompt's structured_outputs, sent with both its plain and speculative runs."""
+    `constraints`: each prompt's structured_outputs, sent with every run; then "plain" is
+    constrained plain decoding without forced drafts (as the peers decode), and a third mode,
+    "forced", is plain decoding with the grammar's forced tokens as its only drafts."""
     grpc_generate(grpc_url, "warm up", max_tokens=8)
-    runs: dict[str, dict[str, list[Generation]]] = {c: {"plain": [], "speculative": []} for c in prompts}
-    jobs = [
-        (c, i, mode)
-        for _ in range(repeats)
-        for c, ps in prompts.items()
-        for i in range(len(ps))
-        for mode in ("plain", "speculative")
-    ]
+    modes = ("plain", "speculative", "forced") if constraints else ("plain", "speculative")
+    runs: dict[str, dict[str, list[Generation]]] = {c: {mode: [] for mode in modes} for c in prompts}
+    jobs = [(c, i, mode) for _ in range(repeats) for c, ps in prompts.items() for i in range(len(ps)) for mode in modes]
     for category, i, mode in tqdm(jobs, desc=f"bench {label}", unit="request"):
         extra: dict[str, Any] = (
-            {"num_draft_tokens": 0} if mode == "plain" else ({"num_draft_tokens": draft_tokens} if draft_tokens else {})
+            {"num_draft_tokens": 0}
+            if mode != "speculative"
+            else ({"num_draft_tokens": draft_tokens} if draft_tokens else {})
         )
         if constraints:
-            extra["sampling_parameters"] = {"structured_outputs": constraints[category][i]}
+            extra["sampling_parameters"] = {
+                "structured_outputs": constraints[category][i],
+                "forced_drafts": mode != "plain",
+            }
         runs[category][mode].append(
             grpc_generate(grpc_url, prompts[category][i], max_tokens=max_tokens, ignore_eos=ignore_eos, **extra)
         )
@@ -244,6 +246,11 @@ def compare(runs: dict[str, dict[str, list[Generation]]]) -> dict[str, dict]:
             "first_divergence": divergence,
             "speedup_vs_plain": spec["tokens_per_s"] / plain["tokens_per_s"],
         }
+        if "forced" in by_mode:  # structured: forced tokens as the only drafts
+            forced = summarize(by_mode["forced"])
+            forced.pop("output_token_ids")
+            out[category]["forced"] = forced
+            out[category]["forced_speedup_vs_plain"] = forced["tokens_per_s"] / plain["tokens_per_s"]
     return out
 
 
@@ -311,6 +318,12 @@ def format_report(report: dict) -> str:
                 f"{','.join('-' if d is None else str(d) for d in r['first_divergence']):>9} "
                 + " ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
             )
+            if "forced" in r:
+                lines.append(
+                    f"{'  forced':12} {category:11} {r['forced']['tokens_per_s']:7.1f} {r['plain']['tokens_per_s']:7.1f} "
+                    f"{r['forced_speedup_vs_plain']:7.2f}x  (plain with the grammar's forced tokens as its only drafts; "
+                    f"{r['forced']['tokens_per_step']:.2f} tokens/step)"
+                )
     for category, hf in report.get("huggingface", {}).items():
         lines.append(f"{'huggingface':12} {category:11} " + "  ".join(f"{k}={v:.1f} tok/s" for k, v in hf.items()))
     return "\n".join(lines)

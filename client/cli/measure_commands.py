@@ -78,8 +78,9 @@ def _add_bench_workload_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--structured",
         action="store_true",
-        help="constrain each output to its prompt's JSON schema (structured outputs; the json prompt set), "
-        "plain and speculative runs alike; runs end where the output does",
+        help="constrain each output to its prompt's JSON schema (structured outputs; the json prompt set): "
+        "plain runs without forced drafts (as the peers decode), speculative runs with them, and a `forced` row "
+        "of plain runs with forced tokens as their only drafts; runs end where the output does",
     )
     bench.add_argument("--categories", nargs="+", help="prompt categories of the set (default: all)")
     bench.add_argument(

@@ -208,3 +208,13 @@ def test_disable_additional_properties_closes_the_schemas_anywhere_in_a_structur
 )
 def test_refused_by_name(sampling, message):
     assert message in refused(sampling)
+
+
+def test_forced_drafts_is_on_unless_the_request_turns_it_off():
+    def forced(sampling: dict) -> bool:
+        return parse_request({"text_input": "hi"}, "", json.dumps(sampling)).forced_drafts
+
+    assert forced({}) and forced({"forced_drafts": None}) and forced({"forced_drafts": True})
+    assert not forced({"forced_drafts": False})
+    with pytest.raises(RequestError, match="forced_drafts"):
+        forced({"forced_drafts": "sometimes"})

@@ -102,6 +102,16 @@ def test_forced_tokens_are_free_drafts(runner, tokenizer, grammars):
     assert stats.num_steps < len(ids) / 1.5  # several tokens a step without any drafter
 
 
+def test_a_request_without_forced_drafts_decodes_one_token_a_step_to_the_same_output(runner, tokenizer, grammars):
+    """forced_drafts off (the peers' constrained decoding, the bench's baseline): no drafts at
+    all without a drafter, and the same tokens."""
+    request = {"max_tokens": 40, "grammars": grammars, "structured": CONSTRAINTS["json"]}
+    forced, _ = generate_local(PROMPT, tokenizer, runner, **request)
+    ids, stats = generate_local(PROMPT, tokenizer, runner, forced_drafts=False, **request)
+    assert ids == forced
+    assert stats.acceptance.num_draft_tokens == 0 and stats.num_steps == len(ids)
+
+
 def test_constrain_and_masks_leave_the_matcher_where_it_was(grammars, tokenizer):
     matcher = grammars.matcher(CONSTRAINTS["regex"])
     before = matcher.masks(Draft())

@@ -47,14 +47,19 @@ def test_the_json_prompt_set_pairs_each_prompt_with_its_schema():
         bench.load_constraints(bench.load_prompts(["code"])[1], "short")
 
 
-def test_bench_sends_each_prompts_constraint_with_its_plain_and_speculative_runs(monkeypatch):
+def test_bench_sends_each_prompts_constraint_with_its_plain_speculative_and_forced_runs(monkeypatch):
+    """Plain: constrained without forced drafts (the issue's baseline, the peers' way);
+    speculative: the method and forced tokens; forced: no drafter, forced tokens alone."""
     sent = []
     monkeypatch.setattr(bench, "grpc_generate", lambda url, prompt, **kw: sent.append((prompt, kw)))
     prompts = {"json": ["p0", "p1"]}
     constraints = {"json": [{"json": {"type": "object"}}, {"regex": "a+"}]}
-    bench.measure("url", prompts, 8, 1, "t", ignore_eos=False, constraints=constraints)
-    runs = sent[1:]  # after the warm-up
-    assert [(p, kw.get("num_draft_tokens")) for p, kw in runs] == [("p0", 0), ("p0", None), ("p1", 0), ("p1", None)]
-    assert [kw["sampling_parameters"] for _, kw in runs] == [
-        {"structured_outputs": c} for c in constraints["json"] for _ in "ps"
+    runs = bench.measure("url", prompts, 8, 1, "t", ignore_eos=False, constraints=constraints)
+    assert list(runs["json"]) == ["plain", "speculative", "forced"]
+    sent = sent[1:]  # after the warm-up
+    assert [(p, kw.get("num_draft_tokens")) for p, kw in sent] == [(p, k) for p in ("p0", "p1") for k in (0, None, 0)]
+    assert [kw["sampling_parameters"] for _, kw in sent] == [
+        {"structured_outputs": c, "forced_drafts": forced}
+        for c in constraints["json"]
+        for forced in (False, True, True)
     ]
