@@ -74,24 +74,43 @@ class GrammarMatcher:
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens for the bytes the grammar forces from here; EOS when the grammar
-        is complete. First llguidance's fast-forward tokens (the forced bytes tokenized
-        canonically, less a last token that the text after them could merge into: those the
-        target emits), then the rest of the forced bytes tokenized greedily: a guess, which
-        the target may split otherwise (SmolLM2 writes `":` `"` as often as `":"`), but the
-        verifier checks it like any draft, and on the json prompt set it takes 11% fewer steps."""
+        is complete (`forced_split`'s chain)."""
+        return self.forced_split(limit)[0]
+
+    def forced_split(self, limit: int) -> tuple[list[int], int]:
+        """Up to `limit` tokens for the bytes the grammar forces from here, and how many of them
+        the target emits for sure. First llguidance's fast-forward tokens (the forced bytes
+        tokenized canonically, less a last token that the text after them could merge into),
+        then the rest of the forced bytes tokenized greedily: a guess, which the target may
+        split otherwise (SmolLM2 writes `":` `"` as often as `":"`); the verifier checks it
+        like any draft (on the json prompt set: 1.40 -> 1.57 tokens a step without a drafter)."""
         if limit <= 0:
-            return []
+            return [], 0
         if self.terminated:
-            return [self.eos_token]
+            return [self.eos_token], 1
         tokens = self.matcher.compute_ff_tokens()
-        forced, certain = self.matcher.compute_ff_bytes(), self.tokenizer.decode_bytes(tokens)
-        if len(forced) > len(certain) and forced.startswith(certain):
-            tokens += self.tokenizer.tokenize_bytes(forced[len(certain) :])
-        return tokens[:limit]
+        certain = len(tokens)
+        forced, emitted = self.matcher.compute_ff_bytes(), self.tokenizer.decode_bytes(tokens)
+        if len(forced) > len(emitted) and forced.startswith(emitted):
+            tokens += self.tokenizer.tokenize_bytes(forced[len(emitted) :])
+        return tokens[:limit], min(certain, limit)
+
+    def other_split(self, guessed: list[int]) -> list[int]:
+        """The bytes of `guessed` (forced tokens past the certain ones) split the other likely
+        way: the first token's longest proper prefix that is a token, then the rest greedily
+        (`":"` -> `":` `"`); [] when the first is a single byte."""
+        text, first = self.tokenizer.decode_bytes(guessed), self.tokenizer.decode_bytes(guessed[:1])
+        for cut in range(len(first) - 1, 0, -1):
+            head = self.tokenizer.tokenize_bytes(first[:cut])
+            if len(head) == 1:
+                return head + self.tokenizer.tokenize_bytes(text[cut:])
+        return []
 
     def constrain(self, draft: Draft, room: int) -> tuple[Draft, int]:
         """The drafts to verify: a chain cut to its longest allowed prefix, then the tokens the
-        grammar forces after it; a tree without the branches the grammar rejects, each leaf
+        grammar forces after it (when they are the whole draft and the target may split the
+        forced bytes two ways, the other split as a sibling branch: `forced_split`,
+        `other_split`); a tree without the branches the grammar rejects, each leaf
         followed by the tokens forced after its path (within the nodes pruned away; the forced
         chain alone when nothing is left). At most `room` levels; also how many tokens came from
         the drafter (a tree's: its first nodes, the forced ones follow them)."""
@@ -105,9 +124,28 @@ class GrammarMatcher:
             draft = Draft()
         n = min(self.valid_prefix(draft.token_ids), room)
         ids = draft.token_ids[:n]
-        ended = not self.forced_drafts or (ids and ids[-1] in self.eos_token_ids)
-        forced = [] if ended else self._forced_after(ids, room - n)
-        return Draft(ids + forced, _with_one_hot(draft.probs, n, forced)), n
+        if not self.forced_drafts or (ids and ids[-1] in self.eos_token_ids):
+            return Draft(ids, _with_one_hot(draft.probs, n, [])), n
+        self._consume(ids)
+        forced, certain = self.forced_split(room - n)
+        # The guessed tail's other split as a sibling branch: whichever way the target splits
+        # the forced bytes, one branch has it (greedy follows it, sampling tries both in turn).
+        # Only where the forced tokens are the whole draft: a drafter's steps stay chains, whose
+        # cost its draft-length policy measures (and the drafters that learn the output's own
+        # splits, suffix, gained nothing from the branch).
+        guessed = forced[certain:] if n == 0 else []
+        other = self.other_split(guessed)[: room - certain] if guessed else []
+        self.matcher.rollback(len(ids))
+        chain = Draft(ids + forced, _with_one_hot(draft.probs, n, forced))
+        if not other:
+            return chain, n
+        fork = certain - 1  # the node both splits hang from (-1: the root)
+        parents = (
+            list(range(-1, len(chain.token_ids) - 1))
+            + [fork]
+            + list(range(len(chain.token_ids), len(chain.token_ids) + len(other) - 1))
+        )
+        return Draft(chain.token_ids + other, _with_one_hot(chain.probs, len(chain.token_ids), other), parents), n
 
     def masks(self, draft: Draft) -> torch.Tensor | None:
         """[len(drafts) + 1, words] int32: row 0 what the grammar allows now, row i + 1 after

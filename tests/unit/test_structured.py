@@ -112,6 +112,31 @@ def test_a_request_without_forced_drafts_decodes_one_token_a_step_to_the_same_ou
     assert stats.acceptance.num_draft_tokens == 0 and stats.num_steps == len(ids)
 
 
+# `return a + b` is forced; llguidance is sure of `r` `eturn` ` a` ` +` only (the tiny
+# tokenizer's ` b` merges with what may follow): the target may write ` b` or ` ` `b`.
+SPLIT = StructuredOutputs("regex", r"return a \+ b[a-z ]*")
+
+
+def test_forced_bytes_the_target_may_split_two_ways_are_drafted_both_ways(grammars, tokenizer):
+    matcher = grammars.matcher(SPLIT)
+    draft, from_drafter = matcher.constrain(Draft(), 16)
+    assert [tokenizer.decode([t]) for t in draft.token_ids] == ["r", "eturn", " a", " +", " b", " ", "b"]
+    assert draft.parents == [-1, 0, 1, 2, 3, 3, 5] and from_drafter == 0
+    assert matcher.masks(draft).shape[0] == 8  # the root, then each node's path
+    sure_only = matcher.constrain(Draft(), 4)[0]
+    assert sure_only.token_ids == draft.token_ids[:4] and sure_only.parents is None
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
+def test_greedy_output_follows_whichever_split_the_target_takes(
+    method, runner, tokenizer, grammars, tiny_model_dir, tiny_draft_dir, medusa_dir
+):
+    service = method_service(method, tiny_model_dir, tiny_draft_dir, medusa_dir) if method else None
+    reference = constrained_greedy_reference(tiny_model_dir, grammars, SPLIT, PROMPT, 24)
+    ids, _ = generate_local(PROMPT, tokenizer, runner, service, max_tokens=24, grammars=grammars, structured=SPLIT)
+    assert ids == reference
+
+
 def test_constrain_and_masks_leave_the_matcher_where_it_was(grammars, tokenizer):
     matcher = grammars.matcher(CONSTRAINTS["regex"])
     before = matcher.masks(Draft())
@@ -525,7 +550,9 @@ TEMPERATURE, TOP_K, SAMPLES = 1.5, 4, 600
 SAMPLED = StructuredOutputs("regex", "[a-z ]+")
 
 
-def masked_marginals(model_dir, tokenizer, grammars, num_tokens: int) -> list[dict[int, float]]:
+def masked_marginals(
+    model_dir, tokenizer, grammars, num_tokens: int, spec: StructuredOutputs = SAMPLED
+) -> list[dict[int, float]]:
     """The exact distribution of each of the first tokens sampled under the mask (the target's
     logits masked, then temperature and top-k), summed over every path before it."""
     model, _ = load_hf_model(str(model_dir))
@@ -535,7 +562,7 @@ def masked_marginals(model_dir, tokenizer, grammars, num_tokens: int) -> list[di
         marginal: dict[int, float] = {}
         longer: dict[tuple, float] = {}
         for path, p in paths.items():
-            matcher = grammars.matcher(SAMPLED)
+            matcher = grammars.matcher(spec)
             matcher.advance(list(path))
             with torch.inference_mode():
                 logits = model(input_ids=torch.tensor([prompt + list(path)])).logits[0, -1:]
@@ -577,3 +604,18 @@ def test_sampling_under_a_mask_keeps_the_masked_distribution(
     for position in range(2):
         tv = coarse_total_variation([ids[position] for ids in outputs], exact[position])
         assert tv < 0.09, (method, position, tv)
+
+
+def test_sampling_at_a_split_keeps_the_masked_distribution(runner, tokenizer, grammars, tiny_model_dir):
+    """The two splits of ` b` as sibling drafts (one-hot, tried in turn): the fifth and sixth
+    tokens are sampled as plain decoding under the mask samples them."""
+    exact = masked_marginals(tiny_model_dir, tokenizer, grammars, 6, SPLIT)
+    assert max(exact[4].values()) < 0.8  # the split is the target's choice, not a sure thing
+    outputs = []
+    for seed in range(SAMPLES):
+        sampling = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=seed)
+        request = {"max_tokens": 6, "sampling": sampling, "grammars": grammars, "structured": SPLIT}
+        outputs.append(generate_local(PROMPT, tokenizer, runner, None, set(), **request)[0])
+    for position in (4, 5):
+        tv = coarse_total_variation([ids[position] for ids in outputs], exact[position])
+        assert tv < 0.09, (position, tv)
