@@ -6,6 +6,7 @@ are free drafts, and a constraint that cannot be compiled fails only its own req
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 
@@ -619,3 +620,28 @@ def test_sampling_at_a_split_keeps_the_masked_distribution(runner, tokenizer, gr
     for position in (4, 5):
         tv = coarse_total_variation([ids[position] for ids in outputs], exact[position])
         assert tv < 0.09, (position, tv)
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRAINTS))
+def test_the_valid_prefix_is_what_the_masks_allow_one_token_at_a_time(kind, grammars, tokenizer):
+    """llguidance's validate_tokens (valid_prefix) against the masks walked token by token, on
+    random drafts that stray from the grammar at random places: the same count every time."""
+    rng = random.Random(kind)
+    vocab = len(tokenizer)
+
+    def allowed(matcher) -> list[int]:
+        mask = allowed_tokens(matcher.masks(Draft()), grammars.vocab_size)[0]
+        return [t for t in mask.nonzero().flatten().tolist() if t != EOS]
+
+    for _ in range(40):
+        matcher, walker = grammars.matcher(CONSTRAINTS[kind]), grammars.matcher(CONSTRAINTS[kind])
+        draft, expected = [], None
+        for i in range(6):
+            ok = allowed(walker)
+            token = rng.choice(ok) if ok and rng.random() < 0.8 else rng.randrange(EOS + 1, vocab)
+            draft.append(token)
+            if expected is None and token not in ok:
+                expected = i
+            if expected is None:
+                walker.advance([token])
+        assert matcher.valid_prefix(draft) == (len(draft) if expected is None else expected), draft
