@@ -113,6 +113,24 @@ def test_verified_over_bls_a_constrained_output_is_the_in_process_one(tiny_serve
     assert batched.output_ids == per_step.output_ids == expected.output_ids
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_verified_over_bls_a_tree_of_forced_splits_gives_the_target_s_constrained_output(
+    tiny_server, bls_server, tiny_model_dir, stream
+):
+    """Forced bytes the target may split two ways are drafted as a tree (both splits; the tiny
+    tokenizer's ` b` or ` ` `b`): its rows' masks reach the verifier model over BLS with the
+    step batcher's steps, and with one request a step (logprobs); no drafter is called."""
+    fields = {"regex": r"return a \+ b[a-z ]*"}
+    sampling = {"structured_outputs": fields, **({} if stream else {"logprobs": 1})}
+    reference = served_reference(tiny_model_dir, fields, 24)
+    for server in (tiny_server, bls_server):
+        result = grpc_generate(
+            server.grpc_url, PROMPT, stream=stream, sampling_parameters=sampling, max_tokens=24, num_draft_tokens=0
+        )
+        assert tuple(result.output_ids) == reference
+        assert result.total_draft_tokens >= 7  # the first step: 5 forced tokens and the other split
+
+
 def test_verified_over_bls_the_drafter_s_drafts_are_the_target_s_constrained_output(bls_server, tiny_model_dir):
     """The EAGLE head's drafts, cut by the grammar and verified under the masks over BLS."""
     check_served_constrained(bls_server, tiny_model_dir)
