@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client.api.triton import grpc_generate
-from client.cli.bench import load_prompts
+from client.cli.bench import load_constraints, load_prompts
 from tests.e2e.test_smollm2_server import PROMPTS as E2E_PROMPTS
 from tests.fixtures.servers import fixture_servers
 
@@ -62,3 +62,22 @@ def test_speculative_equals_plain_alone_and_in_batches_of_8(bf16_server):
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda job: generate(bf16_server, *job), jobs))
     assert together == [plain[i] for i in range(len(texts)) for _ in (None, 0)]
+
+
+def test_constrained_speculative_equals_constrained_plain(bf16_server):
+    """The json prompt set under its schemas (structured outputs): with the method's drafts and
+    the forced tokens (SmolLM2 splits a forced `":"` both ways, so forced drafts alone go as a
+    tree of both splits), forced tokens alone, and plain without forced drafts (as the peers
+    decode constrained): the same tokens, in bf16."""
+    _, by_category = load_prompts(prompt_set="json")
+    schemas = load_constraints(by_category, "json")["json"]
+    for prompt, fields in list(zip(by_category["json"], schemas))[:4]:
+        runs = {}
+        for name, k, forced in (("plain", 0, False), ("forced", 0, True), ("speculative", None, True)):
+            sampling = {"structured_outputs": fields, "forced_drafts": forced}
+            fixed = {} if k is None else {"num_draft_tokens": k}
+            runs[name] = grpc_generate(
+                bf16_server.grpc_url, prompt, max_tokens=MAX_TOKENS, sampling_parameters=sampling, **fixed
+            )
+        assert runs["speculative"].output_ids == runs["forced"].output_ids == runs["plain"].output_ids
+        assert runs["plain"].total_draft_tokens == 0 and runs["forced"].total_accepted_draft_tokens > 0
