@@ -383,7 +383,9 @@ def _print_chaos(args: argparse.Namespace, r: dict, ready: bool, active: dict, w
     print(f"server ready: {ready}; sequence state left: {active}")
     print("server memory (MB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in r["memory_mb"]))
     print(
-        f"front end /health p99 {r['health_ms_p99']:.0f} ms; RSS growth after warm-up by process (MB): "
+        f"front end /health p99 {r['health_ms_p99']:.0f} ms, slowest "
+        + ", ".join(f"{ms:.0f} ms at {when:.0f} s" for when, ms in r["health_slowest"])
+        + "; RSS growth after warm-up by process (MB): "
         + ", ".join(f"{name} {growth:+.0f}" for name, growth in process_growth(r["memory_by_process"], warmup).items())
     )
     for problem in r["problems"]:

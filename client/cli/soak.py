@@ -319,23 +319,25 @@ while True:
             r.read()
     except OSError:
         pass
-    print(round((time.perf_counter() - start) * 1e3, 1), flush=True)
+    print(round(time.monotonic(), 3), round((time.perf_counter() - start) * 1e3, 1), flush=True)
     time.sleep(1)
 """
 
 
 class HealthProbe:
-    """The front end's /health latency (ms), asked every second by a child process."""
+    """The front end's /health latency (ms), asked every second by a child process, with when
+    it asked (time.monotonic(), the same clock in every process)."""
 
     def __init__(self, openai_url: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-c", _HEALTH_PROBE, f"http://{openai_url}/health"], stdout=subprocess.PIPE, text=True
         )
 
-    def stop(self) -> list[float]:
+    def stop(self) -> list[tuple[float, float]]:
+        """(when, ms) of every answer."""
         self.process.terminate()
         out, _ = self.process.communicate(timeout=30)
-        return [float(line) for line in out.split()]
+        return [(float(when), float(ms)) for when, ms in (line.split() for line in out.splitlines() if line.strip())]
 
 
 def run_chaos_soak(
@@ -377,7 +379,7 @@ def run_chaos_soak(
             time.sleep(10)
             processes.append((time.monotonic() - start, rss_by_process(pids)))
     finally:  # the probe asks forever: never leave it behind
-        health = probe.stop() if probe else []
+        health = [(when - start, ms) for when, ms in probe.stop()] if probe else []
     for t in threads:
         t.join(timeout=fault_every_s)
     tally.counts["faults_taken"] = tally.counts["faults_injected"] - trigger.exists()
@@ -386,7 +388,9 @@ def run_chaos_soak(
         "seconds": time.monotonic() - start,
         "memory_mb": [(t, sum(rss.values())) for t, rss in processes],
         "memory_by_process": processes,
-        "health_ms_max": max(health, default=0.0),
-        "health_ms_p99": sorted(health)[int(0.99 * (len(health) - 1))] if health else 0.0,
+        "health_ms_max": max((ms for _, ms in health), default=0.0),
+        "health_ms_p99": sorted(ms for _, ms in health)[int(0.99 * (len(health) - 1))] if health else 0.0,
+        # When the slowest answers came (s into the soak), to lay beside the server's log.
+        "health_slowest": sorted(health, key=lambda answer: -answer[1])[:5],
         "problems": tally.problems,
     }

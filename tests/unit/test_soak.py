@@ -64,6 +64,7 @@ CLEAN = {
     "oversized_misjudged": 0,
     "kv_usage_end": 0.0,
     "health_ms_max": 40.0,
+    "health_slowest": [(12.0, 40.0)],
 }
 
 
@@ -118,10 +119,16 @@ def test_the_health_probe_times_each_answer_from_its_own_process():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
+        start = time.monotonic()
         probe = HealthProbe(f"127.0.0.1:{server.server_address[1]}")
         time.sleep(3)
-        latencies = probe.stop()
+        answers = probe.stop()
+        end = time.monotonic()
     finally:
         server.shutdown()
-    assert len(latencies) >= 2
-    assert all(300 <= ms < 2000 for ms in latencies)
+    assert len(answers) >= 2
+    assert all(300 <= ms < 2000 for _, ms in answers)
+    # when each answer came, on this process's clock: in order, a second or so apart
+    whens = [when for when, _ in answers]
+    assert start < whens[0] and whens == sorted(whens) and whens[-1] <= end
+    assert all(1.0 < b - a < 2.5 for a, b in zip(whens, whens[1:]))
