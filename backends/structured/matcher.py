@@ -126,8 +126,7 @@ class GrammarMatcher:
         ids = draft.token_ids[:n]
         if not self.forced_drafts or (ids and ids[-1] in self.eos_token_ids):
             return Draft(ids, _with_one_hot(draft.probs, n, [])), n
-        self._consume(ids)
-        forced, certain = self.forced_split(room - n)
+        forced, certain = self._forced_after(ids, room - n)
         # The guessed tail's other split as a sibling branch: whichever way the target splits
         # the forced bytes, one branch has it (greedy follows it, sampling tries both in turn).
         # Only where the forced tokens are the whole draft: a drafter's steps stay chains, whose
@@ -135,7 +134,6 @@ class GrammarMatcher:
         # splits, suffix, gained nothing from the branch).
         guessed = forced[certain:] if n == 0 else []
         other = self.other_split(guessed)[: room - certain] if guessed else []
-        self.matcher.rollback(len(ids))
         chain = Draft(ids + forced, _with_one_hot(draft.probs, n, forced))
         if not other:
             return chain, n
@@ -181,9 +179,10 @@ class GrammarMatcher:
         if self.matcher.is_accepting():
             _allow(row, self.eos_token_ids)
 
-    def _forced_after(self, token_ids: list[int], limit: int) -> list[int]:
+    def _forced_after(self, token_ids: list[int], limit: int) -> tuple[list[int], int]:
+        """`forced_split` from where `token_ids` lead (the matcher comes back here)."""
         self._consume(token_ids)
-        forced = self.forced(limit)
+        forced = self.forced_split(limit)
         self.matcher.rollback(len(token_ids))
         return forced
 
@@ -198,7 +197,7 @@ class GrammarMatcher:
             path = [shape.token_ids[j] for j in shape.path(leaf)]
             if budget <= 0 or shape.children.get(leaf) or path[-1] in self.eos_token_ids:
                 continue
-            forced = self._forced_after(path, min(budget, room - len(path)))
+            forced, _ = self._forced_after(path, min(budget, room - len(path)))
             for i, token in enumerate(forced):
                 parents.append(leaf if i == 0 else len(token_ids) - 1)
                 token_ids.append(token)
