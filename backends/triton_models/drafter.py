@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from backends.runtime.gc_heap import freeze_startup_heap
 from backends.runtime.model_store import model_context_window
 from backends.triton_models.common import ServingOrStandingBy, initialize_model, model_repository
 from backends.triton_models.topology import Placement, drafter_config
@@ -37,3 +38,4 @@ class TritonPythonModel(ServingOrStandingBy):
 
         max_len = model_context_window(settings.target, settings.max_model_len)
         self.serving = DrafterModel(args, settings, config, max_len)
+        freeze_startup_heap(name)  # a forward paused by a full collection stalls every sequence

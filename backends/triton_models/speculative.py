@@ -19,6 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
+from backends.runtime.gc_heap import freeze_startup_heap
 from backends.runtime.model_store import context_window, load_config, load_tokenizer
 from backends.runtime.threads import serial_elsewhere, started_pool
 from backends.serving.cancellation import CancellationWatch
@@ -89,6 +90,7 @@ class TritonPythonModel:
             self.drafter_name or "(none: plain decoding)",
             self.max_model_len,
         )
+        freeze_startup_heap(args["model_name"])  # the loop (and an in-process forward) never waits on a full collection
 
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """The target's tokenizer, context window, EOS ids and vocabulary size."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from backends.runtime.gc_heap import freeze_startup_heap
 from backends.triton_models.common import ServingOrStandingBy, initialize_model, model_repository
 from backends.triton_models.topology import Placement
 
@@ -30,3 +31,4 @@ class TritonPythonModel(ServingOrStandingBy):
         from backends.triton_models.verifier_serving import VerifierModel
 
         self.serving = VerifierModel(args, settings)
+        freeze_startup_heap(args["model_name"])  # a forward paused by a full collection stalls every sequence

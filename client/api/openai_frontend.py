@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from backends.runtime.gc_heap import freeze_startup_heap
 from backends.triton_models.admission import UNAVAILABLE
 from client.api.openai_http import ClientGone, DoorPolicy, FrontDoor, OpenAIError, read_json_body
 from client.api.openai_params import (
@@ -636,4 +637,6 @@ def serve(backend: Backend, host: str, port: int, policy: DoorPolicy | None = No
     log.info(
         "OpenAI-compatible API on http://%s:%d/v1 -> %s (gRPC %s)", host, port, backend.triton_model, backend.grpc_url
     )
-    uvicorn.run(create_app(backend, policy), host=host, port=port, log_level="warning")
+    app = create_app(backend, policy)
+    freeze_startup_heap("OpenAI front end")  # a full collection held /health for 200 ms under load
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -55,14 +55,17 @@ def openai_api(port: int, triton_url: str, log_path: Path, *options: str) -> Ite
 
 
 @pytest.fixture(scope="module")
-def api(tiny_server, tmp_path_factory):
+def api_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("openai") / "openai.log"
+
+
+@pytest.fixture(scope="module")
+def api(tiny_server, api_log):
     """`tritonspec openai` in front of the tiny server (model found from the server's config)."""
-    tmp = tmp_path_factory.mktemp("openai")
-    (tmp / "template.jinja").write_text(TEMPLATE)
+    template = api_log.parent / "template.jinja"
+    template.write_text(TEMPLATE)
     port = free_ports(1)[0]
-    with openai_api(
-        port, tiny_server.grpc_url, tmp / "openai.log", "--chat-template", str(tmp / "template.jinja")
-    ) as front:
+    with openai_api(port, tiny_server.grpc_url, api_log, "--chat-template", str(template)) as front:
         yield front.base
 
 
@@ -95,6 +98,15 @@ def streamed(chunks, chat: bool) -> tuple[str, list]:
     chunks = list(chunks)
     pieces = [(c.choices[0].delta.content if chat else c.choices[0].text) or "" for c in chunks if c.choices]
     return "".join(pieces), chunks
+
+
+def test_every_process_froze_its_start_up_heap_out_of_garbage_collection(api, api_log, tiny_server):
+    """A full collection walked ~330k start-up objects (170 ms): /health waited on it (gc_heap.py)."""
+    frozen = re.compile(r"(\w[\w ]*): (\d+) start-up objects frozen out of garbage collection")
+    front = dict(frozen.findall(api_log.read_text()))
+    stubs = dict(frozen.findall(tiny_server.log_path.read_text()))
+    assert int(front["OpenAI front end"]) > 10_000, front
+    assert int(stubs["speculative"]) > 10_000, stubs
 
 
 def test_models_lists_the_served_model(client):
