@@ -41,10 +41,12 @@ class SlowCollections:
         ms = (time.perf_counter() - self.started) * 1e3
         if ms > self.limit_ms:
             log.warning(
-                "%s: a garbage collection (generation %d, %d objects freed) paused this process for %.0f ms",
+                "%s: a garbage collection (generation %d, %d objects freed, %d tracked outside the frozen "
+                "start-up heap) paused this process for %.0f ms",
                 self.process,
                 info["generation"],
                 info["collected"],
+                len(gc.get_objects()),
                 ms,
             )
 

@@ -42,7 +42,7 @@ def test_a_collection_slower_than_the_limit_is_logged_with_its_generation(clean_
     gc.callbacks.append(SlowCollections("front end", limit_ms=-1.0))  # every collection is "slow"
     with caplog.at_level(logging.WARNING, logger="tritonspec.gc"):
         gc.collect(1)
-    assert "front end: a garbage collection (generation 1" in caplog.text
+    assert "front end: a garbage collection (generation 1, " in caplog.text
     caplog.clear()
     gc.callbacks[-1] = SlowCollections("front end", limit_ms=60_000.0)
     with caplog.at_level(logging.WARNING, logger="tritonspec.gc"):
