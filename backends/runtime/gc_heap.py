@@ -18,6 +18,7 @@ left is logged, so a pause has a name in the log.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -57,6 +58,10 @@ def freeze_startup_heap(process: str) -> SlowCollections:
     callback (in `gc.callbacks`)."""
     gc.collect()  # what is garbage now must not be frozen: it would never be freed
     gc.freeze()
+    # At exit the interpreter's last collections must see them again: extension modules check
+    # for leaks as they unload (OpenAI Triton's nanobind printed ~80 lines of "leaked" objects
+    # into the server log at every stop).
+    atexit.register(gc.unfreeze)
     log.info("%s: %d start-up objects frozen out of garbage collection", process, gc.get_freeze_count())
     watch = SlowCollections(process)
     gc.callbacks.append(watch)
