@@ -1,19 +1,19 @@
 """Keep Python's garbage collector from pausing a serving process.
 
-A process that has imported torch, transformers or FastAPI and loaded a tokenizer holds ~330k
+A process that has imported torch, transformers or FastAPI and loaded a tokenizer holds 330-415k
 objects the cyclic collector tracks, nearly all of them alive for the life of the process. A
 full (oldest-generation) collection walks every one: 160-175 ms in the OpenAI front end on an
 idle 2-core Zen 4 host, longer on saturated cores. CPython runs one whenever the objects that
 survived into the oldest generation since the last one reach a quarter of it, so under steady
 traffic one comes every few minutes, and for its length the process does nothing else: the
-front end answered /health in 203 ms once in a 30-minute soak, and a stub's forward would
-stall the same way.
+front end answered /health in 203 ms once in a 30-minute soak, and a stub's step would stall
+the same way.
 
 `freeze_startup_heap` moves what start-up built into the permanent generation, which no
 collection walks (`gc.freeze`, Python 3.7+); collections then walk only what serving allocates.
 vLLM does the same after its engine starts (`freeze_gc_heap` in vllm/utils/gc_utils.py,
-https://github.com/vllm-project/vllm). A collection slower than `SLOW_COLLECTION_MS` still
-left is logged, so a pause has a name in the log.
+https://github.com/vllm-project/vllm). A collection that still takes longer than
+`SLOW_COLLECTION_MS` is logged, so a pause has a name in the log.
 """
 
 from __future__ import annotations
