@@ -45,7 +45,7 @@ from backends.methods.drafts import (
     sample_drafts,
 )
 from backends.methods.hetero_vocab import TextBridge
-from backends.runtime import cpu_kernels
+from backends.runtime import linear_kernels
 from backends.runtime.engine import Engine, LeanEngine
 from backends.runtime.hf_engine import HFEngine
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
@@ -329,7 +329,7 @@ def _lean_drafter(model: torch.nn.Module | SimpleNamespace, quantization: str | 
     try:
         return LeanCausalLM.from_hf(model, batch_invariant=True, quantization=quantization)
     except UnsupportedArchitecture as e:
-        if quantization and cpu_kernels.packed_linear_available():
+        if quantization and linear_kernels.packed_linear_available():
             log.info("draft model in bf16 on the lean runtime, not %s: %s", quantization, e)
             return _lean_drafter(model, None)
         log.info("draft model runs through transformers: %s", e)

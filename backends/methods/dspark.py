@@ -59,7 +59,7 @@ from backends.methods.block_checkpoint import default_config as dflash_default_c
 from backends.methods.dflash import BlockWork, DFlashHead, DFlashProposer
 from backends.methods.drafts import gather_drafts
 from backends.methods.head_checkpoint import TargetInfo
-from backends.runtime import cpu_kernels
+from backends.runtime import linear_kernels
 from backends.runtime.lean_lm import KernelLinear
 from backends.serving.request import is_greedy
 
@@ -193,7 +193,7 @@ class DSparkProposer(DFlashProposer):
         self, base: torch.Tensor, anchors: torch.Tensor, temperatures: list[float]
     ) -> list[tuple[torch.Tensor, None]] | None:
         """Every step's greedy drafts of a vanilla Markov head from `base` [B, steps, V_d] in one
-        call (`cpu_kernels.markov_greedy`: a draft of ~0.1 ms of small torch calls per step, cold,
+        call (`linear_kernels.markov_greedy`: a draft of ~0.1 ms of small torch calls per step, cold,
         is one pass over the 64 x V_d weight), the bits of the step-by-step chain; None where it
         does not apply (sampled drafts, another head, not the packed kernel, a NaN)."""
         if self._markov_weights is None or not (
@@ -201,7 +201,7 @@ class DSparkProposer(DFlashProposer):
         ):
             return None
         w1, w2 = self._markov_weights
-        ids = cpu_kernels.markov_greedy(base, w1, w2, self.head.draft_to_target, anchors)
+        ids = linear_kernels.markov_greedy(base, w1, w2, self.head.draft_to_target, anchors)
         return None if ids is None else [(ids[:, i], None) for i in range(ids.shape[1])]
 
     @cached_property
@@ -214,7 +214,7 @@ class DSparkProposer(DFlashProposer):
         w2 = markov.markov_w2
         if type(w2) is not KernelLinear or w2.int8 or w2.weight.dtype != torch.bfloat16:
             return None
-        return markov.markov_w1.weight.detach().contiguous(), cpu_kernels.pack_linear(w2.weight.detach())
+        return markov.markov_w1.weight.detach().contiguous(), linear_kernels.pack_linear(w2.weight.detach())
 
 
 def default_config(

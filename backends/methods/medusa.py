@@ -37,7 +37,7 @@ from torch import nn
 from backends.config import DrafterConfig
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 from backends.methods.last_hidden import LastHiddenProposer
-from backends.runtime import cpu_kernels
+from backends.runtime import linear_kernels
 from backends.runtime.lean_lm import KernelLinear
 from backends.serving.proposer import Draft, DraftRequest, ProposerContext
 from backends.serving.request import is_greedy
@@ -112,7 +112,7 @@ class MedusaHead(nn.Module):
 
 class _StackedLinear:
     """The same-shaped bf16 linear layers [N, K] of every head in one packed weight for
-    `cpu_kernels.packed_linear`, each head's N outputs padded to whole packed groups, so that a
+    `linear_kernels.packed_linear`, each head's N outputs padded to whole packed groups, so that a
     head's part is a packed weight of its own. The kernel sums every output alone, in K order,
     whatever the rows and the outputs beside it: any part gives the bits the head's own
     `KernelLinear` gives."""
@@ -120,31 +120,31 @@ class _StackedLinear:
     def __init__(self, linears: list[nn.Linear]) -> None:
         n, k = linears[0].weight.shape
         self.heads, self.n = len(linears), n
-        self.padded = -(-n // cpu_kernels.GROUP) * cpu_kernels.GROUP
+        self.padded = -(-n // linear_kernels.GROUP) * linear_kernels.GROUP
         weight = torch.zeros(self.heads, self.padded, k, dtype=torch.bfloat16)
         bias = torch.zeros(self.heads, self.padded, dtype=torch.bfloat16)
         for h, linear in enumerate(linears):
             weight[h, :n] = linear.weight.detach()
             if linear.bias is not None:
                 bias[h, :n] = linear.bias.detach()
-        self.packed = cpu_kernels.pack_linear(weight.view(-1, k))
+        self.packed = linear_kernels.pack_linear(weight.view(-1, k))
         self.bias = bias.view(-1) if linears[0].bias is not None else None
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """Every head's layer on the same rows x [M, K]: [M, heads, N], one call."""
-        y = cpu_kernels.packed_linear(x, self.packed, self.heads * self.padded, self.bias)
+        y = linear_kernels.packed_linear(x, self.packed, self.heads * self.padded, self.bias)
         return y.view(len(x), self.heads, self.padded)[..., : self.n]
 
     def each(self, x: torch.Tensor) -> torch.Tensor:
         """Head h's layer on x[:, h] for x [M, heads, K]: [M, heads, N]."""
         m, heads, k = x.shape
         if m * heads <= STACKED_ROWS:  # one pass over all the weights, each head's block kept
-            y = cpu_kernels.packed_linear(x.reshape(m * heads, k), self.packed, heads * self.padded, self.bias)
+            y = linear_kernels.packed_linear(x.reshape(m * heads, k), self.packed, heads * self.padded, self.bias)
             return y.view(m, heads, heads, self.padded).diagonal(dim1=1, dim2=2).transpose(1, 2)[..., : self.n]
         part = self.padded * k
         return torch.stack(
             [
-                cpu_kernels.packed_linear(
+                linear_kernels.packed_linear(
                     x[:, h],
                     self.packed[h * part : (h + 1) * part],
                     self.n,

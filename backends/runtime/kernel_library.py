@@ -1,10 +1,10 @@
-"""Building and loading the lean runtime's C kernels (``cpu_kernels.c``; their Python wrappers
-are ``cpu_kernels.py``): compiled once per machine with gcc at first use (about a second) into
-``~/.cache/tritonspec/kernels/`` under a name that hashes the source, the compiler, the flags and
-the CPU, written to a temporary name and renamed, so concurrent model instances never load a
-half-written file; loaded only when this user owns the file and no other user may write it;
-and the functions' ctypes signatures. Beside the build, the weight shapes whose row invariance
-was probed and held.
+"""Building and loading the lean runtime's C kernels (``cpu_kernels.c``; their Python wrappers are
+``cpu_kernels.py`` and, for the linear layers, ``linear_kernels.py``): compiled once per machine
+with gcc at first use (about a second) into ``~/.cache/tritonspec/kernels/`` under a name that
+hashes the source, the compiler, the flags and the CPU, written to a temporary name and renamed,
+so concurrent model instances never load a half-written file; loaded only when this user owns
+the file and no other user may write it; and the functions' ctypes signatures. Beside the build,
+the weight shapes whose row invariance was probed and held.
 """
 
 from __future__ import annotations

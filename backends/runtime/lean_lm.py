@@ -10,7 +10,7 @@ drafts rolls back with ``pool.truncate``.
 How it is laid out, and why (2-core CPU, SmolLM2-135M bf16, 2 threads; the step table is printed
 by ``scripts/bench_runtime.py``):
 
-- bf16 matmuls, on CPUs with AVX-512 BF16 or AVX2 + FMA, run in ``cpu_kernels.packed_linear`` on
+- bf16 matmuls, on CPUs with AVX-512 BF16 or AVX2 + FMA, run in ``linear_kernels.packed_linear`` on
   weights packed once at load (``_PackedLinear``): 0.63-0.77x oneDNN's time for 1 to 17 rows,
   0.91x for 40, equal from 128 to 512 (SmolLM2's 30 layers of weights, cold caches), and row
   invariant by construction. On AVX2, where oneDNN has no bf16, it halves the 1-token step of
@@ -87,7 +87,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from kernels import batch_invariant as gpu_kernels
 
-from . import cpu_kernels
+from . import cpu_kernels, linear_kernels
 from .kv_cache import BLOCK_SIZE, KVCachePool, SequenceError
 from .model_store import load_config, read_safetensors
 from .threads import governed
@@ -319,7 +319,7 @@ class _TritonLinear(_Linear):
 
 
 class _CLinear(_Linear):
-    """A linear layer on one of ``cpu_kernels``' C kernels: a layer of them runs in one C call."""
+    """A linear layer on one of ``linear_kernels``' C kernels: a layer of them runs in one C call."""
 
     def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
         """Its fields of ``cpu_kernels.LinearWeights``."""
@@ -330,16 +330,16 @@ class _CLinear(_Linear):
 
 
 class _PackedLinear(_CLinear):
-    """A bf16 linear layer in ``cpu_kernels.packed_linear`` (AVX-512 BF16 or AVX2): faster than oneDNN
+    """A bf16 linear layer in ``linear_kernels.packed_linear`` (AVX-512 BF16 or AVX2): faster than oneDNN
     here up to 40 rows, level with it from 128, and row invariant by construction (no K split)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self._whole(weight, bias, weight.dtype)
-        self.packed = cpu_kernels.pack_linear(weight)
+        self.packed = linear_kernels.pack_linear(weight)
 
     @staticmethod
     def runs(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_kernels.packed_linear_available()
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and linear_kernels.packed_linear_available()
 
     def row_invariant(self, adds: bool, max_rows: int | None = None) -> bool:
         """The probe runs once per build of the kernels, weight shape and thread count: a shape
@@ -356,7 +356,7 @@ class _PackedLinear(_CLinear):
         return True
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.packed_linear(x, self.packed, self.out_features, self.bias, residual)
+        return linear_kernels.packed_linear(x, self.packed, self.out_features, self.bias, residual)
 
     def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
         return self.packed, self.bias, None, None
@@ -426,41 +426,41 @@ def kernel_norms(module: nn.Module) -> int:
 
 
 class _Int4Linear(_CLinear):
-    """A linear layer quantized to int4 (``cpu_kernels.int4_linear``, AVX-512 VNNI or AVX2): weights
+    """A linear layer quantized to int4 (``linear_kernels.int4_linear``, AVX-512 VNNI or AVX2): weights
     per output channel and 64 positions of K, activations per row as they come. A quarter of
     bf16's bytes: a drafter whose step streams its weights (Qwen2.5-Coder-0.5B: 7.4 against
     int8's 11.4 ms for a token's linear layers here)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self._whole(weight, bias, torch.bfloat16)
-        self.weight = cpu_kernels.pack_linear_int4(weight)
+        self.weight = linear_kernels.pack_linear_int4(weight)
 
     @staticmethod
     def runs(weight: torch.Tensor) -> bool:
-        return weight.shape[1] % cpu_kernels.Q4_GROUP == 0 and cpu_kernels.int4_linear_available()
+        return weight.shape[1] % linear_kernels.Q4_GROUP == 0 and linear_kernels.int4_linear_available()
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.int4_linear(x, self.weight, self.bias, residual)
+        return linear_kernels.int4_linear(x, self.weight, self.bias, residual)
 
     def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
         return self.weight.packed, self.bias, self.weight.scale, None
 
 
 class _Int8Linear(_CLinear):
-    """A linear layer quantized to int8 (``cpu_kernels.int8_linear``, AVX-512 VNNI or AVX2): weights per
+    """A linear layer quantized to int8 (``linear_kernels.int8_linear``, AVX-512 VNNI or AVX2): weights per
     output channel, activations per row as they come. For drafters, which need speed, not the
     target's exact bits: half the bytes of bf16 to stream per step."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self._whole(weight, bias, torch.bfloat16)  # bias: bf16, as every weight _Weights hands out for int8
-        self.weight = cpu_kernels.pack_linear_int8(weight)
+        self.weight = linear_kernels.pack_linear_int8(weight)
 
     @staticmethod
     def runs(weight: torch.Tensor) -> bool:
-        return weight.shape[1] % 4 == 0 and cpu_kernels.int8_linear_available()
+        return weight.shape[1] % 4 == 0 and linear_kernels.int8_linear_available()
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.int8_linear(x, self.weight, self.bias, residual)
+        return linear_kernels.int8_linear(x, self.weight, self.bias, residual)
 
     def kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
         return self.weight.packed, self.bias, self.weight.scale, self.weight.wsum
@@ -660,7 +660,7 @@ class _Weights:
         elif self.quantization == "int4":
             log.info(
                 "linear layers: the int4 kernel (weights per channel and %d positions of K, activations per row)%s",
-                cpu_kernels.Q4_GROUP,
+                linear_kernels.Q4_GROUP,
                 f"; int8 for weights whose K it cannot take: {sorted(self.int8_fallbacks)}"
                 if self.int8_fallbacks
                 else "",

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backends.runtime.kv_cache import SequenceError
 from backends.serving.request import SamplingParams
 
 
@@ -160,3 +161,22 @@ def vllm_logprobs(logprobs: list[TokenLogprob], decode: Callable[[int], str]) ->
             entry[token] = {"logprob": logprob, "rank": rank, "decoded_token": decode(token)}
         out.append(entry)
     return out
+
+
+def check_controls_fit(sampling: SamplingParams, vocab_size: int) -> None:
+    """Token ids of the sequence's controls must index the logits (``vocab_size`` wide), and
+    its logprob counts must not exceed them: SequenceError otherwise."""
+    ids = (
+        [t for t, _ in sampling.logit_bias]
+        + [t for word in sampling.bad_words_ids for t in word]
+        + list(sampling.min_tokens_stop_ids)
+        + list(sampling.allowed_token_ids)
+    )
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise SequenceError(
+            f"token id {outside[0]} in the sampling parameters is outside the vocabulary [0, {vocab_size})"
+        )
+    for name in ("logprobs", "prompt_logprobs"):
+        if (value := getattr(sampling, name)) is not None and value > vocab_size:
+            raise SequenceError(f"{name}={value} is above the vocabulary size {vocab_size}")

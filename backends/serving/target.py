@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,16 +32,13 @@ from backends.runtime.lean_lm import Row
 from backends.runtime.model_store import context_window
 from backends.serving.idle import release_idle
 from backends.serving.kv_scheduler import KVStats, Scheduler
-from backends.serving.logits import TokenLogprob, process_logits, token_logprobs
+from backends.serving.logits import TokenLogprob, check_controls_fit, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
 from backends.serving.request import SamplingParams
 from backends.serving.step_cost import StepCostCurve, measure_step_cost, step_shares
 from backends.serving.target_engine import check_sliding_window, load_target_engine
 from backends.serving.tree import DraftTree, TreeError, accept_tree
 from backends.structured.mask import apply_token_mask
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("tritonspec.target")
 # A waiting sequence asks again every ADMISSION_POLL_S (serving/orchestrator.py); one that has not
@@ -155,24 +151,6 @@ class _Step:
     def num_kept(self, result: VerifyResult) -> int:
         """Input positions whose KV stays: the pending tokens and the accepted drafts."""
         return len(self.pending) + result.num_accepted
-
-
-def _check_token_controls(sampling: SamplingParams, vocab_size: int) -> None:
-    """Token ids of the sequence's controls must index the logits."""
-    ids = (
-        [t for t, _ in sampling.logit_bias]
-        + [t for word in sampling.bad_words_ids for t in word]
-        + list(sampling.min_tokens_stop_ids)
-        + list(sampling.allowed_token_ids)
-    )
-    outside = [t for t in ids if not 0 <= t < vocab_size]
-    if outside:
-        raise SequenceError(
-            f"token id {outside[0]} in the sampling parameters is outside the vocabulary [0, {vocab_size})"
-        )
-    for name in ("logprobs", "prompt_logprobs"):
-        if (value := getattr(sampling, name)) is not None and value > vocab_size:
-            raise SequenceError(f"{name}={value} is above the vocabulary size {vocab_size}")
 
 
 class TargetRunner:
@@ -588,7 +566,7 @@ class TargetRunner:
     def _start(self, req: VerifyRequest) -> _Sequence:
         """A new sequence, waiting for room for its first step (the scheduler admits it)."""
         sampling = req.sampling or SamplingParams()
-        _check_token_controls(sampling, self.logits_size)
+        check_controls_fit(sampling, self.logits_size)
         seq = _Sequence(sampling, new_generator(self.device, sampling.seed))
         self.sequences[req.seq_id] = seq
         self.scheduler.enqueue(req.seq_id)

@@ -170,23 +170,9 @@ def train(
     optimization = _Optimization.for_head(head, lr, run.total)
     out.mkdir(parents=True, exist_ok=True)
     _write_validation_prompts(data_dir, out, val_seqs)
-    settings = {
-        "method": method,
-        "epochs": epochs,
-        "lr": lr,
-        "batch_tokens": batch_tokens,
-        "window": window,
-        "num_steps": num_steps,
-        "seed": seed,
-        "group_by_length": group_by_length,
-        "options": options or {},
-        "num_train_tokens": sum(b - a for a, b in spans),
-    }
+    settings = _settings(run, method, lr, batch_tokens, options)
     checkpoint = _Checkpoint(out / "train_state.pt", settings, save_every)
-    step, history = 0, []
-    if checkpoint.path.exists():
-        step, history = checkpoint.resume(head, optimization)
-        print(f"resuming {method} training at step {step}/{run.total}")
+    step, history = checkpoint.resume_or_start(head, optimization, method, run.total)
     started = time.monotonic()
     _train_steps(run, optimization, checkpoint, step, history, method)
     trainer.save(head, out)
@@ -291,6 +277,17 @@ class _Checkpoint:
         torch.set_rng_state(state["rng"])  # the same token-loss samples as an uninterrupted run
         return state["step"], state["history"]
 
+    def resume_or_start(
+        self, head: nn.Module, optimization: _Optimization, method: str, total: int
+    ) -> tuple[int, list[dict]]:
+        """The step and history to go on from: a saved state's, loaded as `resume` does (and
+        said), or a fresh run's."""
+        if not self.path.exists():
+            return 0, []
+        step, history = self.resume(head, optimization)
+        print(f"resuming {method} training at step {step}/{total}")
+        return step, history
+
     def save(self, head: nn.Module, optimization: _Optimization, step: int, history: list[dict]) -> None:
         torch.save(
             {
@@ -304,6 +301,22 @@ class _Checkpoint:
             },
             self.path,
         )
+
+
+def _settings(run: _Run, method: str, lr: float, batch_tokens: int, options: dict | None) -> dict:
+    """What a saved state must have been made with to be continued (`_Checkpoint.settings`)."""
+    return {
+        "method": method,
+        "epochs": run.epochs,
+        "lr": lr,
+        "batch_tokens": batch_tokens,
+        "window": run.window,
+        "num_steps": run.num_steps,
+        "seed": run.seed,
+        "group_by_length": run.group_by_length,
+        "options": options or {},
+        "num_train_tokens": sum(b - a for a, b in run.spans),
+    }
 
 
 def _report(settings: dict, target: Path, run: _Run, num_train_sequences: int, seconds: float, history: list) -> dict:

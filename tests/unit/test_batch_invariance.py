@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.runtime import cpu_kernels, kernel_library
+from backends.runtime import cpu_kernels, kernel_library, linear_kernels
 from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.lean_lm import (
     K_CHUNKS,
@@ -105,7 +105,7 @@ def test_the_avx2_packed_linear_kernel_passes_the_packed_tests():
     done = _with_kernel_flags("-mno-avx512f", "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests)
     assert done.returncode == 0 and "6 passed" in done.stdout, done.stdout[-3000:]
     # the flags reach the build: without AVX2 either, no packed kernel is built
-    ask = "from backends.runtime import cpu_kernels; print(cpu_kernels.packed_linear_available())"
+    ask = "from backends.runtime import linear_kernels; print(linear_kernels.packed_linear_available())"
     off = _with_kernel_flags("-mno-avx512f -mno-avx2", "-c", ask)
     assert off.stdout.strip() == "False", off.stderr[-3000:]
 
@@ -454,7 +454,7 @@ def test_argmax_kernel_is_torch_argmax(dtype):
 
 
 needs_packed = pytest.mark.skipif(
-    not cpu_kernels.packed_linear_available(),
+    not linear_kernels.packed_linear_available(),
     reason="this CPU has neither AVX-512 BF16 nor AVX2 + FMA (the packed bf16 linear kernel)",
 )
 
@@ -472,22 +472,22 @@ def test_packed_linear_is_the_matmul_and_row_invariant(n):
     wide = torch.randn(52, k + 8, generator=gen).bfloat16()
     x = wide[:, :k]  # strided rows
     residual = torch.randn(52, n, generator=gen).bfloat16()
-    packed = cpu_kernels.pack_linear(weight)
-    out = cpu_kernels.packed_linear(x, packed, n, bias, residual)
+    packed = linear_kernels.pack_linear(weight)
+    out = linear_kernels.packed_linear(x, packed, n, bias, residual)
     reference = x.double() @ weight.double().T + bias.double() + residual.double()
     torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=2e-2)
-    plain = cpu_kernels.packed_linear(x, packed, n)
+    plain = linear_kernels.packed_linear(x, packed, n)
     torch.testing.assert_close(plain.double(), x.double() @ weight.double().T, rtol=1e-2, atol=2e-2)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         for i in (0, 5, 39, 51):
-            alone = cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, n, bias, residual[i : i + 1])
+            alone = linear_kernels.packed_linear(x[i : i + 1].clone(), packed, n, bias, residual[i : i + 1])
             assert torch.equal(alone[0], out[i])
     finally:
         torch.set_num_threads(before)
     for m in (1, 6, 7, 13, 48, 49):  # one tile, tiles split evenly (4 + 3, 5 + 4 + 4), one and two blocks
-        assert torch.equal(cpu_kernels.packed_linear(x[:m], packed, n, bias, residual[:m]), out[:m])
+        assert torch.equal(linear_kernels.packed_linear(x[:m], packed, n, bias, residual[:m]), out[:m])
 
 
 @needs_packed
@@ -501,16 +501,16 @@ def test_a_prefill_batch_gives_each_row_of_the_packed_linear_its_bits_alone(thre
     bias = torch.randn(n, generator=gen).bfloat16()
     x = torch.randn(2048, k, generator=gen).bfloat16()
     residual = torch.randn(2048, n, generator=gen).bfloat16()
-    packed = cpu_kernels.pack_linear(weight)
+    packed = linear_kernels.pack_linear(weight)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        batch = cpu_kernels.packed_linear(x, packed, n, bias, residual)
+        batch = linear_kernels.packed_linear(x, packed, n, bias, residual)
         for i in (0, 1, 5, 6, 47, 48, 1000, 2046, 2047):
-            alone = cpu_kernels.packed_linear(x[i : i + 1], packed, n, bias, residual[i : i + 1])
+            alone = linear_kernels.packed_linear(x[i : i + 1], packed, n, bias, residual[i : i + 1])
             assert torch.equal(alone[0], batch[i]), f"row {i}"
         for m0, m1 in ((0, 129), (1, 2048), (700, 755)):  # other batches the row sits in
-            part = cpu_kernels.packed_linear(x[m0:m1], packed, n, bias, residual[m0:m1])
+            part = linear_kernels.packed_linear(x[m0:m1], packed, n, bias, residual[m0:m1])
             assert torch.equal(part, batch[m0:m1])
     finally:
         torch.set_num_threads(before)
@@ -521,14 +521,14 @@ def test_a_prefill_batch_gives_each_row_of_the_packed_linear_its_bits_alone(thre
 @needs_packed
 def test_packed_linear_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="even K"):
-        cpu_kernels.pack_linear(torch.zeros(4, 7, dtype=torch.bfloat16))
+        linear_kernels.pack_linear(torch.zeros(4, 7, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bf16 weights"):
-        cpu_kernels.pack_linear(torch.zeros(4, 8))
-    packed = cpu_kernels.pack_linear(torch.zeros(4, 8, dtype=torch.bfloat16))
+        linear_kernels.pack_linear(torch.zeros(4, 8))
+    packed = linear_kernels.pack_linear(torch.zeros(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bf16 rows"):
-        cpu_kernels.packed_linear(torch.zeros(2, 8), packed, 4)
+        linear_kernels.packed_linear(torch.zeros(2, 8), packed, 4)
     with pytest.raises(ValueError, match="residual must be"):
-        cpu_kernels.packed_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4, residual=torch.zeros(2, 5))
+        linear_kernels.packed_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4, residual=torch.zeros(2, 5))
 
 
 @needs_packed
@@ -545,9 +545,9 @@ def test_a_heads_linears_run_in_the_packed_kernel():
     x = torch.randn(3, 4, 64).bfloat16()
     with torch.inference_mode():
         out = first(x)
-        packed = cpu_kernels.pack_linear(first.weight.detach())
+        packed = linear_kernels.pack_linear(first.weight.detach())
         assert out.shape == (3, 4, 96)
-        assert torch.equal(out.view(12, 96), cpu_kernels.packed_linear(x.view(12, 64), packed, 96, first.bias))
+        assert torch.equal(out.view(12, 96), linear_kernels.packed_linear(x.view(12, 64), packed, 96, first.bias))
         torch.testing.assert_close(
             out.double(), F.linear(x.double(), first.weight.double(), first.bias.double()), rtol=1e-2, atol=2e-2
         )
@@ -563,7 +563,7 @@ def test_a_heads_linears_run_in_the_packed_kernel():
 
 
 @needs_packed
-@pytest.mark.skipif(not cpu_kernels.int8_linear_available(), reason="this CPU has no int8 linear kernel")
+@pytest.mark.skipif(not linear_kernels.int8_linear_available(), reason="this CPU has no int8 linear kernel")
 def test_a_heads_linears_on_the_int8_kernel():
     """kernel_linears(int8=True): the int8 kernel's output for a K that is a multiple of 4
     (the others stay bf16 packed), near the matmul, the same bits alone or batched; turned
@@ -576,14 +576,14 @@ def test_a_heads_linears_on_the_int8_kernel():
     first, x = head[0], torch.randn(5, 64).bfloat16()
     with torch.inference_mode():
         out = first(x)
-        expected = cpu_kernels.int8_linear(x, cpu_kernels.pack_linear_int8(first.weight), first.bias)
+        expected = linear_kernels.int8_linear(x, linear_kernels.pack_linear_int8(first.weight), first.bias)
         assert torch.equal(out, expected)
         reference = F.linear(x.double(), first.weight.double(), first.bias.double())
         assert (out.double() - reference).abs().max() < 0.05 * reference.abs().max()
         assert torch.equal(first(x[3:4]), out[3:4])
         assert kernel_linears(head) == 3 and not first.int8
         assert torch.equal(
-            first(x), cpu_kernels.packed_linear(x, cpu_kernels.pack_linear(first.weight), 96, first.bias)
+            first(x), linear_kernels.packed_linear(x, linear_kernels.pack_linear(first.weight), 96, first.bias)
         )
 
 
@@ -737,7 +737,7 @@ def test_the_layers_run_in_one_call_or_one_at_a_time_alike_and_never_past_the_st
     """A drafter head calls its layers one at a time (`layer`), a step the whole stack at once
     (bf16, or a quantized drafter's): the same bits; a run past the layers (or past the pool's)
     is refused before any C runs."""
-    if quantization and not cpu_kernels.int8_linear_available():
+    if quantization and not linear_kernels.int8_linear_available():
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2 (the int8 and int4 linear kernels)")
     hf = build("llama-tied-biased").to(torch.bfloat16)
     lm = LeanCausalLM.from_hf(hf, batch_invariant=True, quantization=quantization)
@@ -768,7 +768,7 @@ def test_the_layers_run_in_one_call_or_one_at_a_time_alike_and_never_past_the_st
 def test_a_thread_invariant_engine_decodes_the_same_bits_on_one_thread(family, quantization):
     """What lets a server shrink its OpenMP team while a core is busy elsewhere (threads.governed):
     an engine that says it is thread invariant decodes the same bits on 1 thread as on 2."""
-    if quantization and not cpu_kernels.int8_linear_available():
+    if quantization and not linear_kernels.int8_linear_available():
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2 (the int8 and int4 linear kernels)")
     lm = LeanCausalLM.from_hf(build(family).to(torch.bfloat16), batch_invariant=True, quantization=quantization)
     assert lm.thread_invariant

@@ -17,7 +17,7 @@ from backends.methods.block_checkpoint import BlockCheckpointError, default_conf
 from backends.methods.dflash import DFlashHead, DFlashProposer, load_dflash
 from backends.methods.dspark import DSparkHead, DSparkProposer
 from backends.methods.dspark import default_config as dspark_default_config
-from backends.runtime import cpu_kernels, lean_lm
+from backends.runtime import lean_lm, linear_kernels
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.helpers import check_ragged_batches, request, target_hidden
 from tests.fixtures.synthetic_blocks import write_dflash, write_dspark
@@ -517,12 +517,12 @@ def test_batched_equals_one_at_a_time(name, heads, runner, prompt_ids):
     assert batched.num_sequences == 0
 
 
-@pytest.mark.skipif(not cpu_kernels.packed_linear_available(), reason="the packed bf16 kernel does not run here")
+@pytest.mark.skipif(not linear_kernels.packed_linear_available(), reason="the packed bf16 kernel does not run here")
 @pytest.mark.parametrize("draft_vocab", [None, 200])
 def test_the_greedy_markov_chain_in_one_call_drafts_the_step_by_step_bits(
     draft_vocab, checkpoints, target, runner, prompt_ids, tmp_path
 ):
-    """A bf16 vanilla Markov head drafts greedily in one C call (cpu_kernels.markov_greedy):
+    """A bf16 vanilla Markov head drafts greedily in one C call (linear_kernels.markov_greedy):
     batched, those drafts are what the step-by-step chain drafts alone, over a draft vocabulary
     mapped to target ids too; a NaN in the logits hands the step back to torch."""
     path = checkpoints["dspark-vanilla"][0]
@@ -541,7 +541,7 @@ def test_the_greedy_markov_chain_in_one_call_drafts_the_step_by_step_bits(
     check_ragged_batches(fast, stepwise, prompt_ids, partial(request, runner, head), steps=3, first_k=1, vocab_size=V)
     base = torch.zeros(1, 2, head.spec.draft_vocab_size)
     base[0, 1, 3] = float("nan")
-    assert cpu_kernels.markov_greedy(base, *fast._markov_weights, head.draft_to_target, torch.tensor([7])) is None
+    assert linear_kernels.markov_greedy(base, *fast._markov_weights, head.draft_to_target, torch.tensor([7])) is None
 
 
 @pytest.mark.parametrize("name", ["dflash-draft-vocab", "dspark-gated"])

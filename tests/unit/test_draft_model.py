@@ -14,7 +14,7 @@ from backends.config.errors import SpeculativeConfigError
 from backends.methods.draft_model import DraftModelProposer
 from backends.methods.drafts import DRAFT_KV_MEMORY_GB, argmax_ids, sample_drafts
 from backends.methods.hetero_vocab import TextBridge
-from backends.runtime import cpu_kernels
+from backends.runtime import linear_kernels
 from backends.runtime.engine import LeanEngine
 from backends.runtime.hf_engine import HFEngine
 from backends.runtime.kv_cache import SequenceError
@@ -225,15 +225,15 @@ def test_from_config(tiny_draft_dir, tiny_model_dir, prompt_ids):
     # a Llama on the CPU: the lean runtime, which holds the only copy of the weights
     assert isinstance(proposer.engine, LeanEngine) and proposer.engine.lm.dtype == torch.float32
     int8 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int8"), max_model_len=512)
-    if cpu_kernels.int8_linear_available():  # the lean runtime's int8 kernel
+    if linear_kernels.int8_linear_available():  # the lean runtime's int8 kernel
         assert isinstance(int8.engine.lm.lm_head, _Int8Linear)
-    elif cpu_kernels.packed_linear_available():  # bf16 on the packed kernel: faster than dynamic int8
+    elif linear_kernels.packed_linear_available():  # bf16 on the packed kernel: faster than dynamic int8
         assert isinstance(int8.engine.lm.lm_head, _PackedLinear)
     else:  # torch's dynamic int8 through transformers
         assert "DynamicQuantizedLinear" in repr(int8.engine.model)
     assert len(int8.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
     int4 = build_proposer(draft_config(tiny_draft_dir, tiny_model_dir, quantization="int4"), max_model_len=512)
-    if cpu_kernels.int4_linear_available():  # int4 where K is a multiple of 64 (the tiny hidden size)
+    if linear_kernels.int4_linear_available():  # int4 where K is a multiple of 64 (the tiny hidden size)
         assert isinstance(int4.engine.lm.lm_head, _Int4Linear)
     assert len(int4.propose([DraftRequest(1, prompt_ids[0], 3)])[0].token_ids) == 3
     with pytest.raises(ValueError, match="quantization='fp8'"):

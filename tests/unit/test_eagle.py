@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from backends.config import SpeculativeConfig
 from backends.methods.eagle import Eagle3Proposer, EagleProposer
 from backends.methods.eagle_head import EagleCheckpointError, load_eagle
-from backends.runtime import cpu_kernels
+from backends.runtime import linear_kernels
 from backends.serving.adaptive import DraftPolicy, Shape
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftService
@@ -268,7 +268,7 @@ def test_from_config_and_aux_layer_ids(checkpoints, target_dir):
         target_model=target_dir,
     )
     assert next(int8.head.parameters()).dtype == torch.bfloat16
-    assert int8.head.lm_head.int8 == int8.head.fc.int8 == cpu_kernels.int8_linear_available()
+    assert int8.head.lm_head.int8 == int8.head.fc.int8 == linear_kernels.int8_linear_available()
     with pytest.raises(ValueError, match="runs on the CPU only"):
         build_proposer(
             config("eagle3-midlayer", "eagle3", quantization="int8"),

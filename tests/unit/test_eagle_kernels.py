@@ -14,14 +14,14 @@ import torch
 
 from backends.methods.eagle import EagleProposer
 from backends.methods.eagle_head import load_eagle
-from backends.runtime import cpu_kernels
+from backends.runtime import linear_kernels
 from backends.runtime.lean_lm import KernelRMSNorm
 from backends.serving.proposer import DraftRequest
 from tests.fixtures.helpers import cached_entries, three_layer_target_dir
 from tests.fixtures.synthetic_heads import EAGLE_FAMILY, load_eagle_family, write_eagle_family
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.packed_linear_available(), reason="the bf16 layer kernels need AVX-512 BF16 or AVX2 + FMA"
+    not linear_kernels.packed_linear_available(), reason="the bf16 layer kernels need AVX-512 BF16 or AVX2 + FMA"
 )
 
 V = 384  # the tiny target's vocabulary

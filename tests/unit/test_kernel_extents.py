@@ -22,6 +22,7 @@ ROOT = Path(__file__).parents[2]
 _WORKER = """
 import dataclasses, json, sys, torch
 from backends.runtime import cpu_kernels as ck
+from backends.runtime import linear_kernels as lk
 from backends.runtime.lean_lm import LeanCausalLM, Row
 from tests.fixtures.lean_models import build
 def inputs():
@@ -95,13 +96,13 @@ BAD_CALLS = {
         "layers 1 to 9 of 2",
     ),
     "a packed weight of another K": (
-        "packed = ck.pack_linear(torch.randn(64, 32).bfloat16())\n"
-        "out = ck.packed_linear(torch.randn(2, 1 << 20).bfloat16(), packed, 64)",
+        "packed = lk.pack_linear(torch.randn(64, 32).bfloat16())\n"
+        "out = lk.packed_linear(torch.randn(2, 1 << 20).bfloat16(), packed, 64)",
         "64 outputs x K 1048576",
     ),
     "a bias shorter than the outputs": (
-        "packed = ck.pack_linear(torch.randn(64, 32).bfloat16())\n"
-        "out = ck.packed_linear(torch.randn(2, 32).bfloat16(), packed, 64, bias=torch.zeros(1).bfloat16())",
+        "packed = lk.pack_linear(torch.randn(64, 32).bfloat16())\n"
+        "out = lk.packed_linear(torch.randn(2, 32).bfloat16(), packed, 64, bias=torch.zeros(1).bfloat16())",
         "bias of 1 values for 64 outputs",
     ),
 }

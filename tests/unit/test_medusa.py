@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from backends.config import SpeculativeConfig
 from backends.methods.medusa import MedusaCheckpointError, MedusaProposer, load_medusa, save_medusa
-from backends.runtime.cpu_kernels import packed_linear_available
 from backends.runtime.lean_lm import kernel_linears
+from backends.runtime.linear_kernels import packed_linear_available
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.head_server import CONTEXTS, assert_batched_equals_one_at_a_time
 from tests.fixtures.helpers import target_hidden

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.runtime import cpu_kernels
+from backends.runtime import cpu_kernels, linear_kernels
 from backends.runtime.lean_lm import LeanCausalLM, _Int4Linear, _Int8Linear
 from tests.fixtures.lean_models import FAMILIES, assert_same, build, decode, tokens
 from tests.unit.test_batch_invariance import _with_kernel_flags, needs_avx2
 
 # Both kernels are built where the CPU has AVX-512 VNNI or AVX2 + FMA.
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.int8_linear_available(),
+    not linear_kernels.int8_linear_available(),
     reason="this CPU has neither AVX-512 VNNI nor AVX2 (the int8 and int4 linear kernels)",
 )
 
@@ -54,8 +54,8 @@ def int4_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # quantizer's masked tail; int4: five groups of 64 positions, each with its own scale) and how
 # near the unquantized matmul it stays, as a share of the largest output
 KERNELS = {
-    "int8": (cpu_kernels.pack_linear_int8, cpu_kernels.int8_linear, quantized_reference, 584, 0.05),
-    "int4": (cpu_kernels.pack_linear_int4, cpu_kernels.int4_linear, int4_reference, 320, 0.2),
+    "int8": (linear_kernels.pack_linear_int8, linear_kernels.int8_linear, quantized_reference, 584, 0.05),
+    "int4": (linear_kernels.pack_linear_int4, linear_kernels.int4_linear, int4_reference, 320, 0.2),
 }
 
 
@@ -84,14 +84,14 @@ def test_the_quantized_linear_is_its_arithmetic_and_row_invariant(kind, n):
 
 def test_int8_linear_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="multiple of 4"):
-        cpu_kernels.pack_linear_int8(torch.zeros(4, 6))
+        linear_kernels.pack_linear_int8(torch.zeros(4, 6))
     weight = torch.full((4, 8), 0.5)
-    packed = cpu_kernels.pack_linear_int8(weight)
+    packed = linear_kernels.pack_linear_int8(weight)
     assert torch.equal(weight, torch.full((4, 8), 0.5))  # a float32 weight is quantized from a copy
     with pytest.raises(ValueError, match="bf16 rows"):
-        cpu_kernels.int8_linear(torch.zeros(2, 8), packed)
+        linear_kernels.int8_linear(torch.zeros(2, 8), packed)
     with pytest.raises(ValueError, match="residual must be"):
-        cpu_kernels.int8_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, residual=torch.zeros(2, 5))
+        linear_kernels.int8_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, residual=torch.zeros(2, 5))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -130,35 +130,35 @@ def test_the_lean_runtime_quantizes_to_int8_or_int4_only():
 
 def test_int4_packing_in_chunks_of_outputs_is_the_whole_weights(monkeypatch):
     weight = (torch.randn(200, 128, generator=torch.Generator().manual_seed(9)) * 0.05).bfloat16()
-    whole = cpu_kernels.pack_linear_int4(weight)
-    monkeypatch.setattr(cpu_kernels, "PACK_CHUNK", cpu_kernels.GROUP)  # 4 chunks, the last partial
-    chunked = cpu_kernels.pack_linear_int4(weight)
+    whole = linear_kernels.pack_linear_int4(weight)
+    monkeypatch.setattr(linear_kernels, "PACK_CHUNK", linear_kernels.GROUP)  # 4 chunks, the last partial
+    chunked = linear_kernels.pack_linear_int4(weight)
     assert torch.equal(chunked.packed, whole.packed) and torch.equal(chunked.scale, whole.scale)
 
 
 def test_int4_linear_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="multiple of 64"):
-        cpu_kernels.pack_linear_int4(torch.zeros(4, 96))
-    packed = cpu_kernels.pack_linear_int4(torch.full((4, 64), 0.5))
+        linear_kernels.pack_linear_int4(torch.zeros(4, 96))
+    packed = linear_kernels.pack_linear_int4(torch.full((4, 64), 0.5))
     with pytest.raises(ValueError, match="bf16 rows"):
-        cpu_kernels.int4_linear(torch.zeros(2, 64), packed)
+        linear_kernels.int4_linear(torch.zeros(2, 64), packed)
     with pytest.raises(cpu_kernels.KernelArgumentError, match="not 4 outputs x K 32"):  # packed for K 64
-        cpu_kernels.int4_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
+        linear_kernels.int4_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
 
 
 # Both quantized kernels over fixed random inputs, saved to argv[1]: rows in tiles whole and
 # partial, outputs in whole and partial groups.
 _QUANTIZED_OUTPUTS = """
 import sys, torch
-from backends.runtime import cpu_kernels
+from backends.runtime import linear_kernels
 gen = torch.Generator().manual_seed(7)
 outs = []
 for n, k, m in ((64, 128, 1), (200, 192, 5), (3, 64, 9)):
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()
     bias, residual = torch.randn(n, generator=gen).bfloat16(), torch.randn(m, n, generator=gen).bfloat16()
-    outs.append(cpu_kernels.int8_linear(x, cpu_kernels.pack_linear_int8(w), bias, residual))
-    outs.append(cpu_kernels.int4_linear(x, cpu_kernels.pack_linear_int4(w), bias, residual))
+    outs.append(linear_kernels.int8_linear(x, linear_kernels.pack_linear_int8(w), bias, residual))
+    outs.append(linear_kernels.int4_linear(x, linear_kernels.pack_linear_int4(w), bias, residual))
 torch.save(outs, sys.argv[1])
 """
 

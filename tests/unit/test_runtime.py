@@ -235,7 +235,7 @@ def test_hidden_state_numbering_matches_transformers(family):
 def test_bfloat16_runs_close_to_transformers(matmul, monkeypatch):
     """bf16 weights, on this CPU's matmul and on the float32 one of CPUs without oneDNN bf16."""
     if matmul == "float32":  # as on an AVX2 CPU: no packed bf16 kernel, no oneDNN bf16
-        monkeypatch.setattr(lean_lm.cpu_kernels, "packed_linear_available", lambda: False)
+        monkeypatch.setattr(lean_lm.linear_kernels, "packed_linear_available", lambda: False)
         monkeypatch.setattr(lean_lm, "bf16_matmul_dtype", lambda: torch.float32)
     hf = build("llama").to(torch.bfloat16)
     lm = LeanCausalLM.from_hf(hf)
