@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from backends.triton_models.admission import UNAVAILABLE, Admission, requests_in_flight, start_drain
+from backends.triton_models.admission import DRAIN_POLL_S, UNAVAILABLE, Admission, requests_in_flight, start_drain
 
 
 def test_requests_beyond_the_workers_and_the_queue_are_refused_until_one_finishes():
@@ -42,6 +42,19 @@ def test_the_drain_file_stops_admission_and_ends_the_grace_period(tmp_path):
     assert refusal == f"{UNAVAILABLE}the server is shutting down and takes no new requests; retry later"
     assert not admission.past_grace()
     time.sleep(0.25)
+    assert admission.past_grace()
+
+
+def test_steps_look_for_the_drain_file_at_most_every_poll_interval(tmp_path, monkeypatch):
+    drain = tmp_path / "drain"
+    admission = Admission(workers=1, max_waiting=8, drain=drain)
+    looked = []
+    draining = admission.draining
+    monkeypatch.setattr(admission, "draining", lambda: looked.append(1) or draining())
+    assert not any(admission.past_grace() for _ in range(1000))
+    assert len(looked) == 1  # a step a millisecond would have looked 1000 times
+    drain.write_text(repr(time.time() - 1))  # a shutdown whose grace period is over
+    time.sleep(DRAIN_POLL_S)
     assert admission.past_grace()
 
 
