@@ -19,11 +19,14 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(BIN)/tritonspec serve
 
-# Lint and format checks, then every test (`pytest -m unit`: the in-process ones only); the
-# slowest 15 are listed at the end, then how long the whole of it took (README, Tests).
+# Lint and format checks, then every test (`pytest -m unit`: the in-process ones only) on
+# TEST_WORKERS pytest-xdist workers, a test module to a worker; the slowest 15 are listed at the
+# end, then how long the whole of it took (README, Tests). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup
 	@start=$$(date +%s); \
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/python -m pytest -q --durations=15 tests; \
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && \
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests; \
 	status=$$?; took=$$(( $$(date +%s) - start )); \
 	echo "make test: $$((took / 60)) min $$((took % 60)) s (ruff and pytest)"; exit $$status
 

@@ -5,6 +5,7 @@ SmolLM2-135M weights."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,20 @@ import torch
 # kernels/ puts triton in interpreter mode, and only a triton imported after that runs the
 # OpenAI Triton kernels' tests; otherwise they fail depending on which test file ran first.
 import kernels  # noqa: F401, I001
+from backends.runtime import THREADS_ENV
 from tests.fixtures import training
 from tests.fixtures.helpers import one_thread
 from tests.fixtures.tiny_model import build_tiny_model
 
 TESTS = Path(__file__).resolve().parent
+
+# Under pytest-xdist (`make test` runs two workers): each worker and the servers it starts
+# compute on one thread. Two teams of two threads on two cores spin-wait on each other (3-10x
+# slower steps); one thread each lets a worker compute while the other waits on a server.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault(THREADS_ENV, "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

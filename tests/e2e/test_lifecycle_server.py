@@ -255,8 +255,8 @@ def _stop_during(
     assert first.wait(30)
     trigger.write_text("slow")  # the stream's next draft takes SLOW_S: it is in flight at the stop
     stopper = threading.Thread(target=server.stop)
+    events.append({"stop": True})  # where the stop begins among the events: every later one is after it
     stopper.start()
-    events.append({"stop": True})  # where the stop began among the events
     time.sleep(0.5)
     ready = _ready(server)
     try:

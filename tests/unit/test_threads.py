@@ -55,6 +55,14 @@ print(json.dumps(seen))
 """
 
 
+@pytest.fixture(autouse=True)
+def the_hosts_threads(monkeypatch):
+    """These tests choose threads from the machine: not from the one thread each pytest-xdist
+    worker asks for (tests/conftest.py)."""
+    monkeypatch.delenv(threads.THREADS_ENV, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
 def run(mode: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
