@@ -22,8 +22,8 @@ serve: setup
 # Lint and format checks, then every test (`pytest -m unit`: the in-process ones only) on
 # TEST_WORKERS pytest-xdist workers, a test module to a worker; the slowest 15 are listed at the
 # end, then how long the whole of it took (README, Tests). Two workers where 12 GB are free
-# (they peaked at ~10 GB), else one process (TEST_WORKERS=0).
-TEST_WORKERS ?= $(or $(shell awk '/^MemAvailable:/ {print ($$2 >= 12000000) ? 2 : 0}' /proc/meminfo 2>/dev/null),0)
+# to this process (host and cgroup; scripts/test_workers.py), else one process (0).
+TEST_WORKERS ?= $(or $(shell $(PYTHON) scripts/test_workers.py 2>/dev/null),0)
 test: setup
 	@start=$$(date +%s); \
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && \
