@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -176,12 +176,15 @@ class MetricWriter:
 
     def __init__(self, name: str) -> None:
         self.updates: queue.Queue = queue.Queue()
+        self.wait_for_step: Callable[[float], None] | None = None
         self.thread = threading.Thread(target=self._apply, name=name, daemon=True)
         self.thread.start()
 
     def _apply(self) -> None:
         while (first := self.updates.get()) is not None:
             time.sleep(self.FLUSH_S)  # let a few steps' updates gather
+            if self.wait_for_step is not None:
+                self.wait_for_step(self.FLUSH_S)
             batch, closed = [first], False
             while not self.updates.empty():
                 if (update := self.updates.get()) is None:

@@ -51,7 +51,13 @@ class Outbox:
         """A forward pass began: the responses posted before it may go."""
         with self.cond:
             self.steps_started += 1
-            self.cond.notify()
+            self.cond.notify_all()
+
+    def wait_for_step(self, timeout_s: float) -> None:
+        """Until the next forward pass begins, or `timeout_s`."""
+        with self.cond:
+            started = self.steps_started
+            self.cond.wait_for(lambda: self.steps_started != started, timeout_s)
 
     @contextmanager
     def holding(self) -> Iterator[None]:

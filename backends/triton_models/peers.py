@@ -332,6 +332,7 @@ class Peers:
         runner = verify_thread.submit(target_runner, settings, device).result()
         active = ActiveSequencesGauge(name)
         engine_metrics = EngineMetrics(name, "1", runner, self.serving_metrics)
+        engine_metrics.writer.wait_for_step = self.outbox.wait_for_step
 
         def update_metrics(steps: list) -> None:  # what the verifier model reports of its own sequences
             active.set(len(runner.sequences))

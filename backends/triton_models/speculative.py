@@ -76,6 +76,7 @@ class TritonPythonModel:
         self.verifier_name, self.drafter_name = route.verifier, route.drafter
         version = str(args.get("model_version", "1"))
         self.metrics = ServingMetrics(args["model_name"], version, self.max_model_len)
+        self.metrics.writer.wait_for_step = self.outbox.wait_for_step  # writes while a forward runs
         self.peers = self._peers(args["model_name"], plan, params)
         # extract_hidden_states drafts nothing: each step asks the verifier for its layers instead.
         info = self.peers.drafter_info  # None when a drafter standing by cannot draft here either

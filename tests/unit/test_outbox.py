@@ -112,3 +112,15 @@ def test_a_sender_that_fails_does_not_stop_the_others():
     outbox.post(sender, built("kept"), flags=1)
     outbox.close()
     assert [r for r, _, _, _ in sender.sent] == ["kept"]
+
+
+def test_waiting_for_a_step_ends_when_one_starts_or_at_the_timeout():
+    outbox = Outbox(lambda e: None)
+    start = time.monotonic()
+    outbox.wait_for_step(0.1)  # no step: the timeout
+    assert time.monotonic() - start >= 0.1
+    threading.Timer(0.2, outbox.step_started).start()
+    start = time.monotonic()
+    outbox.wait_for_step(30.0)
+    assert time.monotonic() - start < 10
+    outbox.close()

@@ -6,6 +6,8 @@ them all at 0 and moving them: tests/e2e/test_vllm_metrics.py.)"""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from backends.triton_models.metrics import (
@@ -205,3 +207,23 @@ def test_the_metric_writer_writes_a_batch_s_counters_once_and_its_observations_a
         (gauge, "set", 0.4),
         *[(histogram, "observe", 0.01 * step) for step in range(5)],
     ]
+
+
+def test_the_metric_writer_writes_once_a_forward_has_started():
+    """Each write is a round trip that holds the GIL (Triton's stub): it waits for the next
+    forward pass, whose C code does not need the GIL, rather than landing between steps."""
+    from backends.triton_models.outbox import Outbox
+
+    calls: list = []
+    counter = Recorded(calls)
+    outbox = Outbox(lambda e: None)
+    writer = MetricWriter("test-metrics")
+    writer.FLUSH_S = 0.05
+    writer.wait_for_step = lambda timeout_s: (outbox.wait_for_step(5.0), calls.append("forward"))
+    writer.put(counter, "increment", 1)
+    time.sleep(0.3)
+    assert calls == []  # gathered, and still waiting for a forward
+    outbox.step_started()
+    writer.close()
+    outbox.close()
+    assert calls == ["forward", (counter, "increment", 1)]
