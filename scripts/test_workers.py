@@ -18,36 +18,34 @@ NEEDED_BYTES = 12 * 2**30
 WORKERS = 2
 
 
-def _read_int(path: Path) -> int | None:
+def _read(path: Path) -> str:
     try:
-        text = path.read_text().strip()
+        return path.read_text()
     except OSError:
-        return None
+        return ""
+
+
+def _bytes(path: Path) -> int | None:
+    text = _read(path).strip()
     return int(text) if text.isdigit() else None  # v2's "max": no limit
 
 
 def free_bytes(root: Path = Path("/")) -> int | None:
     """Memory this process's cgroup and the host both still have, None where neither says."""
-    free = []
-    for line in _lines(root / "proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            free.append(int(line.split()[1]) * 1024)
+    free = [
+        int(line.split()[1]) * 1024
+        for line in _read(root / "proc/meminfo").splitlines()
+        if line.startswith("MemAvailable:")
+    ]
     cgroup = root / "sys/fs/cgroup"
     for limit, usage in (
         ("memory.max", "memory.current"),
         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
     ):
-        cap, used = _read_int(cgroup / limit), _read_int(cgroup / usage)
+        cap, used = _bytes(cgroup / limit), _bytes(cgroup / usage)
         if cap is not None and used is not None:
             free.append(cap - used)
     return min(free) if free else None
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text().splitlines()
-    except OSError:
-        return []
 
 
 def workers(free: int | None) -> int:
