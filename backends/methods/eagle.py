@@ -85,11 +85,13 @@ from torch import nn
 from backends.config import DrafterConfig
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
 from backends.methods.drafts import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gather_drafts
-from backends.methods.eagle_head import EagleCheckpointError, EagleHead, load_eagle
+from backends.methods.eagle_head import Eagle3Head, EagleCheckpointError, EagleHead, load_eagle
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.methods.head_proposer import HeadProposer
-from backends.runtime.lean_lm import LeanDecoder, Row, kernel_norms
+from backends.runtime import cpu_kernels
+from backends.runtime.lean_lm import KernelLinear, LeanDecoder, Row, kernel_norms
 from backends.serving.proposer import Draft, DraftRequest, ProposerContext
+from backends.serving.request import is_greedy
 from backends.serving.tree import ROOT, DraftTree, best_nodes, subtree_parents
 
 log = logging.getLogger(__name__)
@@ -263,6 +265,11 @@ class EagleProposer(HeadProposer):
         """A chain: one step per draft position for the whole batch."""
         hidden = self._feed_context(work)
         steps, sampled = max(w.num_drafts for w in work), []
+        if (drafted := self._chain_in_c(work, hidden, steps)) is not None:
+            for w, row in zip(work, drafted):
+                w.drafts, w.probs = row[: w.num_drafts], None
+                self.pool.truncate(w.seq_id, w.context + w.num_drafts - 1)
+            return
         for step in range(steps):
             tokens = self._sample(self.head.logits(hidden, step), work, sampled)
             if step + 1 == steps:
@@ -274,6 +281,54 @@ class EagleProposer(HeadProposer):
             w.drafts, w.probs = drafted, probs
             # keep the fed drafts (a sequence that needed fewer than the batch was fed more)
             self.pool.truncate(w.seq_id, w.context + w.num_drafts - 1)
+
+    def _chain_in_c(self, work: list[_Work], hidden: torch.Tensor, steps: int) -> list[list[int]] | None:
+        """`_run`'s greedy EAGLE-3 chain from the context's states `hidden` [B, D] in one C call
+        (cpu_kernels.eagle3_chain: the same kernels in the same order, so the same drafts and KV
+        bits, without ~0.2 ms of Python a position); each row's `steps` drafts. None where it
+        does not run (another head, sampled drafts, the op-by-op path) or logits held a NaN."""
+        head = self.head
+        greedy = self.sample_method != "probabilistic" or all(is_greedy(w.temperature) for w in work)
+        eagle3 = isinstance(head, Eagle3Head) and isinstance(head.lm_head, KernelLinear)
+        # the kernel feeds the layer [embedding | state], 2 hidden wide, as EAGLE-3's layer reads
+        if not (
+            greedy
+            and self.kernels
+            and eagle3
+            and self.decoder.layers[0].qkv.bounds[-1][1] == 2 * head.config.hidden_size
+        ):
+            return None
+        # The fed positions planned at once: row i's j-th is query i * (steps - 1) + j, which the
+        # kernel takes step-major (j * B + i), attending as a chain of single steps does.
+        rows = [Row(w.seq_id, torch.zeros(steps - 1, dtype=torch.long)) for w in work] if steps > 1 else []
+        if rows:
+            plan = self.decoder.plan(self.pool, rows)
+            order = torch.arange(len(rows) * (steps - 1)).view(len(rows), steps - 1).t().flatten()
+            keys = cpu_kernels.KeyLists(plan.keys.slots, plan.keys.start[order], plan.keys.length[order])
+            fed = (plan.slots[order], plan.cos.flatten(1)[order], plan.sin.flatten(1)[order], keys)
+        else:
+            no_keys = torch.zeros(0, dtype=torch.long)
+            fed = (no_keys, hidden.new_empty(0), hidden.new_empty(0), cpu_kernels.KeyLists(no_keys, no_keys, no_keys))
+        layer, lm_head = head.layers[0], head.lm_head.kernel()
+        drafted = cpu_kernels.eagle3_chain(
+            self.decoder.layer_steps,
+            self.decoder.sizes,
+            self.decoder.eps,
+            hidden.clone(),
+            self.pool.kv,
+            steps,
+            fed,
+            head.embed_tokens.weight,
+            (layer.input_layernorm.weight, layer.hidden_norm.weight, head.norm.weight),
+            head.norm_before_residual,
+            cpu_kernels.LinearWeights.of(lm_head.kernel_weights()),
+            head.lm_head.out_features,
+            head.draft_to_target,
+        )
+        if drafted is None:  # a NaN: back to the context, for the loop in torch
+            for w in work:
+                self.pool.truncate(w.seq_id, w.context)
+        return drafted
 
     def _run_tree(self, work: list[_Work]) -> None:
         """A tree per sequence, level by level for the whole batch; the tree's entries are

@@ -2018,3 +2018,48 @@ int run_layer_attn_in(uint16_t *h, const uint16_t *attn_in, int64_t attn_width, 
     return layer_step(h, attn_in, attn_width, tokens, hidden, inter, heads, kv_heads, d, eps, scale, w, kv, slots, cos,
                       sin, key_slots, key_start, key_len, mask_from, mask, mask_width, scratch, threads);
 }
+
+/* An EAGLE-3 head's greedy chain (backends/methods/eagle.py) from its state after the context,
+ * every draft of every row in one call: the calls the proposer makes one by one, here in the
+ * same order on the same kernels, so the same bits. Step s of each row: the final norm of its
+ * state, the LM head over the draft vocabulary, the first-max argmax and the draft's target id
+ * (to_target[draft], or the draft), out[r][s]; then, but after the last step, the pair (draft,
+ * state) through the decoder layer: its attention reads input_norm(embedding) | hidden_norm(state)
+ * and its residual is the state (or, norm_before_residual, its hidden_norm), and the layer's
+ * output is the next state. Fed step s writes rows' keys and values at slots[s][r] with RoPE rows
+ * cos/sin[s][r] and attends over key list [s][r] (laid out step-major). `state` [rows][hidden]
+ * is updated in place; `logits` holds rows x vocab bf16, `attn_in` rows x 2 hidden, `scratch`
+ * layer_step's for `rows` tokens. Returns -1 where logits hold a NaN (the caller then drafts in
+ * torch), or a kernel's error. */
+int eagle3_chain(uint16_t *state, int64_t rows, int64_t steps, int64_t hidden, int64_t inter, int64_t heads,
+                 int64_t kv_heads, int64_t d, float eps, float scale, const layer_weights *w, char *kv,
+                 const uint16_t *embed, const uint16_t *input_norm, const uint16_t *hidden_norm,
+                 const uint16_t *final_norm, int norm_before_residual, const linear_weights *lm_head, int64_t vocab,
+                 const int64_t *to_target, const int64_t *slots, const uint16_t *cos, const uint16_t *sin,
+                 const int64_t *key_slots, const int64_t *key_start, const int64_t *key_len, uint16_t *logits,
+                 uint16_t *attn_in, uint16_t *scratch, int64_t *out, int threads) {
+    uint16_t *normed = attn_in; /* the final norm's rows, before attn_in is needed */
+    int rc = 0;
+    for (int64_t s = 0; s < steps && !rc; s++) {
+        rc = rms_norm(state, hidden, final_norm, normed, hidden, rows, hidden, eps, 1, threads);
+        if (!rc) rc = linear(lm_head, normed, hidden, NULL, 0, logits, vocab, rows, vocab, hidden, threads);
+        for (int64_t r = 0; r < rows && !rc; r++) {
+            int64_t draft = argmax_row((const char *)(logits + r * vocab), vocab, 1);
+            if (draft < 0) return -1;
+            out[r * steps + s] = to_target ? to_target[draft] : draft;
+        }
+        if (rc || s + 1 == steps) break;
+        int64_t at = s * rows; /* this fed step's first query */
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *token = embed + out[r * steps + s] * hidden;
+            norm_row((const char *)token, input_norm, (char *)(attn_in + r * 2 * hidden), hidden, eps, 1);
+            norm_row((const char *)(state + r * hidden), hidden_norm, (char *)(attn_in + r * 2 * hidden + hidden),
+                     hidden, eps, 1);
+            if (norm_before_residual) memcpy(state + r * hidden, attn_in + r * 2 * hidden + hidden, hidden * 2);
+        }
+        rc = layer_step(state, attn_in, 2 * hidden, rows, hidden, inter, heads, kv_heads, d, eps, scale, w, kv,
+                        slots + at, cos + at * d, sin + at * d, key_slots, key_start + at, key_len + at, NULL, NULL, 0,
+                        scratch, threads);
+    }
+    return rc;
+}

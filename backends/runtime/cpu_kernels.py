@@ -264,6 +264,11 @@ class LinearWeights(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("packed", "bias", "scale", "wsum")]
 
+    @classmethod
+    def of(cls, tensors: tuple[torch.Tensor | None, ...]) -> LinearWeights:
+        """The struct of a linear's ``kernel_weights()`` (which must outlive it)."""
+        return cls(*(None if t is None else t.data_ptr() for t in tensors))
+
 
 class LayerWeights(ctypes.Structure):
     """cpu_kernels.c's layer_weights: one decoder layer's bf16 norms and its four linears."""
@@ -290,7 +295,7 @@ class LayerSteps:
 
         self.weights = (LayerWeights * len(layers))(
             *(
-                LayerWeights(*ptrs(norms), *(LinearWeights(*ptrs(linear)) for linear in linears))
+                LayerWeights(*ptrs(norms), *(LinearWeights.of(linear) for linear in linears))
                 for norms, linears in layers
             )
         )
@@ -356,6 +361,89 @@ def run_layers(
     )
     if rc != 0:
         raise KernelUnavailable(f"run_layers refused its sizes {sizes} (or ran out of memory: {rc})")
+
+
+def eagle3_chain(
+    layer: LayerSteps,
+    sizes: tuple[int, int, int, int, int],
+    eps: float,
+    state: torch.Tensor,
+    kv: torch.Tensor,
+    steps: int,
+    fed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLists],
+    embed: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    norm_before_residual: bool,
+    lm_head: LinearWeights,
+    vocab: int,
+    to_target: torch.Tensor | None,
+) -> list[list[int]] | None:
+    """An EAGLE-3 head's greedy chain of ``steps`` drafts per row in one call (cpu_kernels.c's
+    eagle3_chain): from ``state`` ``[rows, hidden]`` bf16, the head's state after each row's
+    context (updated in place), through its one decoder layer ``layer`` (KV pool ``kv``).
+    ``fed``: (slots, cos, sin, key lists) of the steps - 1 fed positions, step-major (fed step s
+    of row r is query s * rows + r); ``norms``: (input_layernorm, hidden_norm, final norm)
+    weights; ``lm_head`` over ``vocab`` draft ids, mapped to target ids by ``to_target`` (None:
+    the same ids) that index ``embed`` ``[V, hidden]``. Each row's drafts as target ids, or
+    None where logits held a NaN (the caller drafts in torch)."""
+    hidden, _, _, _, d = sizes
+    rows, queries = state.shape[0], (steps - 1) * state.shape[0]
+    slots, cos, sin, keys = fed
+    _check_layer_tensors(0, 1, state, sizes, kv, None)
+    if steps < 1 or len(layer) != 1:
+        raise KernelArgumentError(
+            f"a chain of {steps} drafts through {len(layer)} layers (one layer, one draft or more)"
+        )
+    _check_tokens("eagle3_chain", queries, slots, cos, sin, kv.shape[1], d)
+    keys.check(queries, kv.shape[1])
+    if keys.mask is not None:
+        raise KernelArgumentError("a chain's key lists hide no keys")
+    for name, table, width in (
+        ("embed", embed, hidden),
+        *((f"norm {i}", n.view(1, -1), hidden) for i, n in enumerate(norms)),
+    ):
+        if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[-1] != width:
+            raise KernelArgumentError(
+                f"{name} must be a contiguous bf16 [.., {width}], got {table.dtype} {list(table.shape)}"
+            )
+    ids = torch.arange(vocab) if to_target is None else to_target
+    if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.shape != (vocab,) or int(ids.max()) >= embed.shape[0]:
+        raise KernelArgumentError(f"to_target must map {vocab} draft ids to rows of the {embed.shape[0]}-row embedding")
+    logits, attn_in = state.new_empty(rows, vocab), state.new_empty(rows, 2 * hidden)
+    scratch = state.new_empty(layer_scratch(rows, sizes))
+    out = torch.empty(rows, steps, dtype=torch.int64)
+    rc = _library().eagle3_chain(
+        state.data_ptr(),
+        rows,
+        steps,
+        *sizes,
+        eps,
+        d**-0.5,
+        ctypes.byref(layer.weights),
+        kv.data_ptr(),
+        embed.data_ptr(),
+        *(n.data_ptr() for n in norms),
+        int(norm_before_residual),
+        ctypes.byref(lm_head),
+        vocab,
+        None if to_target is None else to_target.data_ptr(),
+        slots.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        keys.slots.data_ptr(),
+        keys.start.data_ptr(),
+        keys.length.data_ptr(),
+        logits.data_ptr(),
+        attn_in.data_ptr(),
+        scratch.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == -1:
+        return None
+    if rc != 0:
+        raise KernelUnavailable(f"eagle3_chain refused its sizes {sizes} (or ran out of memory: {rc})")
+    return out.tolist()
 
 
 def _check_layer_tensors(

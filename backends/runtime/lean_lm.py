@@ -377,10 +377,14 @@ class KernelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and self.weight.requires_grad):
             return super().forward(x)
+        return self.kernel()(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+
+    def kernel(self) -> _CLinear:
+        """The runtime's linear on this weight (packed on first use and after it changes)."""
         if self._packed is None or self._packed[0] != self.weight._version:
             kernel = _Int8Linear if self.int8 else _PackedLinear
             self._packed = (self.weight._version, kernel(self.weight.detach(), self.bias))
-        return self._packed[1](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        return self._packed[1]
 
 
 def kernel_linears(module: nn.Module, int8: bool = False) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from backends.methods.eagle import EagleProposer
 from backends.methods.eagle_head import load_eagle
-from backends.runtime import linear_kernels
+from backends.runtime import cpu_kernels, linear_kernels
 from backends.runtime.lean_lm import KernelRMSNorm
 from backends.serving.proposer import DraftRequest
 from tests.fixtures.helpers import cached_entries, three_layer_target_dir
@@ -98,3 +98,43 @@ def test_a_float32_head_keeps_the_reference_path(checkpoints, target):
     p = EagleProposer(head, 512)
     assert not p.kernels and p.decoder.layer_steps is None
     assert not any(isinstance(m, KernelRMSNorm) for m in head.modules())
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_an_eagle3_greedy_chain_is_one_kernel_call(k, norm_before_residual, checkpoints, target, monkeypatch):
+    """After the context's forward, a greedy EAGLE-3 chain drafts in one C call
+    (cpu_kernels.eagle3_chain), with the reference path's drafts and KV bits."""
+    fast, ref = (proposer(checkpoints["eagle3"], target, "eagle3", {}, kernels) for kernels in (True, False))
+    for p in (fast, ref):
+        p.head.norm_before_residual = norm_before_residual
+    chains, forwards = [], []
+    run_chain, decode = cpu_kernels.eagle3_chain, fast._decode
+    monkeypatch.setattr(cpu_kernels, "eagle3_chain", lambda *a: chains.append(a[5]) or run_chain(*a))
+    monkeypatch.setattr(fast, "_decode", lambda *a: forwards.append(1) or decode(*a))
+    batches = calls(len(fast.hidden_layer_ids), target.hidden_size)
+    for batch in batches:
+        assert drafted(fast, batch, k, 0) == drafted(ref, batch, k, 0)
+        for r in batch:
+            for a, b in zip(cached_entries(fast, r.seq_id), cached_entries(ref, r.seq_id), strict=True):
+                assert torch.equal(a, b)
+    assert chains == [k] * len(batches) and len(forwards) == len(batches)  # one forward: the context's
+
+
+def test_sampled_chains_and_nan_logits_leave_the_kernel_chain(checkpoints, target, monkeypatch):
+    """Sampled drafts come with their probabilities from the loop in torch; logits with a NaN
+    (the kernel's argmax refuses them) are drafted there too, from the context's entries."""
+    sampled = proposer(checkpoints["eagle3"], target, "eagle3", {}, True)
+    sampled.sample_method = "probabilistic"
+    monkeypatch.setattr(cpu_kernels, "eagle3_chain", lambda *a: pytest.fail("a sampled chain in the greedy kernel"))
+    for batch in calls(len(sampled.hidden_layer_ids), target.hidden_size, rounds=1):
+        drafts = sampled.propose([replace(r, num_draft_tokens=3, temperature=0.8) for r in batch])
+    assert all(d.probs is not None and d.probs.shape[0] == 3 for d in drafts)
+    monkeypatch.undo()
+    fast, ref = (proposer(checkpoints["eagle3"], target, "eagle3", {}, kernels) for kernels in (True, False))
+    for p in (fast, ref):
+        with torch.no_grad():
+            p.head.lm_head.weight[5] = float("nan")
+    for batch in calls(len(fast.hidden_layer_ids), target.hidden_size, rounds=2):
+        assert drafted(fast, batch, 3, 0) == drafted(ref, batch, 3, 0)
+        assert [fast.pool.length(r.seq_id) for r in batch] == [ref.pool.length(r.seq_id) for r in batch]
