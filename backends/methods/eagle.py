@@ -263,13 +263,13 @@ class EagleProposer(HeadProposer):
 
     def _run(self, work: list[_Work]) -> None:
         """A chain: one step per draft position for the whole batch."""
-        hidden = self._feed_context(work)
         steps, sampled = max(w.num_drafts for w in work), []
-        if (drafted := self._chain_in_c(work, hidden, steps)) is not None:
+        if (drafted := self._chain_in_c(work, steps)) is not None:
             for w, row in zip(work, drafted):
                 w.drafts, w.probs = row[: w.num_drafts], None
                 self.pool.truncate(w.seq_id, w.context + w.num_drafts - 1)
             return
+        hidden = self._feed_context(work)
         for step in range(steps):
             tokens = self._sample(self.head.logits(hidden, step), work, sampled)
             if step + 1 == steps:
@@ -282,8 +282,8 @@ class EagleProposer(HeadProposer):
             # keep the fed drafts (a sequence that needed fewer than the batch was fed more)
             self.pool.truncate(w.seq_id, w.context + w.num_drafts - 1)
 
-    def _chain_in_c(self, work: list[_Work], hidden: torch.Tensor, steps: int) -> list[list[int]] | None:
-        """`_run`'s greedy EAGLE-3 chain from the context's states `hidden` [B, D] in one C call
+    def _chain_in_c(self, work: list[_Work], steps: int) -> list[list[int]] | None:
+        """`_run`'s greedy EAGLE-3 chain, the context's forward included, in one C call
         (cpu_kernels.eagle3_chain: the same kernels in the same order, so the same drafts and KV
         bits, without ~0.2 ms of Python a position); each row's `steps` drafts. None where it
         does not run (another head, sampled drafts, the op-by-op path) or logits held a NaN."""
@@ -298,36 +298,38 @@ class EagleProposer(HeadProposer):
             and self.decoder.layers[0].qkv.bounds[-1][1] == 2 * head.config.hidden_size
         ):
             return None
-        # The fed positions planned at once: row i's j-th is query i * (steps - 1) + j, which the
-        # kernel takes step-major (j * B + i), attending as a chain of single steps does.
-        rows = [Row(w.seq_id, torch.zeros(steps - 1, dtype=torch.long)) for w in work] if steps > 1 else []
-        if rows:
-            plan = self.decoder.plan(self.pool, rows)
-            order = torch.arange(len(rows) * (steps - 1)).view(len(rows), steps - 1).t().flatten()
-            keys = cpu_kernels.KeyLists(plan.keys.slots, plan.keys.start[order], plan.keys.length[order])
-            fed = (plan.slots[order], plan.cos.flatten(1)[order], plan.sin.flatten(1)[order], keys)
-        else:
-            no_keys = torch.zeros(0, dtype=torch.long)
-            fed = (no_keys, hidden.new_empty(0), hidden.new_empty(0), cpu_kernels.KeyLists(no_keys, no_keys, no_keys))
-        layer, lm_head = head.layers[0], head.lm_head.kernel()
+        # One plan for the call: each row's new pairs, then its steps - 1 fed positions (the
+        # causal key lists of single steps). The kernel takes the pairs row after row, then
+        # the fed positions step-major.
+        fed = steps - 1
+        plan = self.decoder.plan(self.pool, [Row(w.seq_id, w.new_ids + [0] * fed) for w in work])
+        starts = torch.tensor([plan.spans[i][0] for i in range(len(work))])
+        sizes = torch.tensor([len(w.new_ids) for w in work])
+        pairs = torch.cat([torch.arange(a, a + n) for a, n in zip(starts.tolist(), sizes.tolist())])
+        order = torch.cat([pairs, (starts + sizes + torch.arange(fed).unsqueeze(1)).flatten()])
+        keys = cpu_kernels.KeyLists(plan.keys.slots, plan.keys.start[order], plan.keys.length[order])
+        queries = (plan.slots[order], plan.cos.flatten(1)[order], plan.sin.flatten(1)[order], keys)
+        ids = torch.tensor([t for w in work for t in w.new_ids])
+        context = (ids, torch.cat([w.features for w in work]), sizes.cumsum(0) - 1)
+        layer = head.layers[0]
         drafted = cpu_kernels.eagle3_chain(
             self.decoder.layer_steps,
             self.decoder.sizes,
             self.decoder.eps,
-            hidden.clone(),
             self.pool.kv,
+            context,
             steps,
-            fed,
+            queries,
             head.embed_tokens.weight,
             (layer.input_layernorm.weight, layer.hidden_norm.weight, head.norm.weight),
             head.norm_before_residual,
-            cpu_kernels.LinearWeights.of(lm_head.kernel_weights()),
+            cpu_kernels.LinearWeights.of(head.lm_head.kernel().kernel_weights()),
             head.lm_head.out_features,
             head.draft_to_target,
         )
-        if drafted is None:  # a NaN: back to the context, for the loop in torch
+        if drafted is None:  # a NaN: back to the kept entries, for the loop in torch
             for w in work:
-                self.pool.truncate(w.seq_id, w.context)
+                self.pool.truncate(w.seq_id, w.start)
         return drafted
 
     def _run_tree(self, work: list[_Work]) -> None:

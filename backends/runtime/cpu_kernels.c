@@ -2019,44 +2019,56 @@ int run_layer_attn_in(uint16_t *h, const uint16_t *attn_in, int64_t attn_width, 
                       sin, key_slots, key_start, key_len, mask_from, mask, mask_width, scratch, threads);
 }
 
-/* An EAGLE-3 head's greedy chain (backends/methods/eagle.py) from its state after the context,
- * every draft of every row in one call: the calls the proposer makes one by one, here in the
- * same order on the same kernels, so the same bits. Step s of each row: the final norm of its
- * state, the LM head over the draft vocabulary, the first-max argmax and the draft's target id
- * (to_target[draft], or the draft), out[r][s]; then, but after the last step, the pair (draft,
- * state) through the decoder layer: its attention reads input_norm(embedding) | hidden_norm(state)
- * and its residual is the state (or, norm_before_residual, its hidden_norm), and the layer's
- * output is the next state. Fed step s writes rows' keys and values at slots[s][r] with RoPE rows
- * cos/sin[s][r] and attends over key list [s][r] (laid out step-major). `state` [rows][hidden]
- * is updated in place; `logits` holds rows x vocab bf16, `attn_in` rows x 2 hidden, `scratch`
- * layer_step's for `rows` tokens. Returns -1 where logits hold a NaN (the caller then drafts in
- * torch), or a kernel's error. */
-int eagle3_chain(uint16_t *state, int64_t rows, int64_t steps, int64_t hidden, int64_t inter, int64_t heads,
-                 int64_t kv_heads, int64_t d, float eps, float scale, const layer_weights *w, char *kv,
-                 const uint16_t *embed, const uint16_t *input_norm, const uint16_t *hidden_norm,
-                 const uint16_t *final_norm, int norm_before_residual, const linear_weights *lm_head, int64_t vocab,
-                 const int64_t *to_target, const int64_t *slots, const uint16_t *cos, const uint16_t *sin,
-                 const int64_t *key_slots, const int64_t *key_start, const int64_t *key_len, uint16_t *logits,
-                 uint16_t *attn_in, uint16_t *scratch, int64_t *out, int threads) {
-    uint16_t *normed = attn_in; /* the final norm's rows, before attn_in is needed */
-    int rc = 0;
+/* EAGLE-3's layer inputs for n pairs (token ids[t], state x[t]): attn_in[t] = the embedding's
+ * input_norm | the state's hidden_norm; the residual x[t] stays the state or, with
+ * norm_before_residual, becomes its hidden_norm. */
+static void eagle3_pairs(const uint16_t *embed, const int64_t *ids, uint16_t *x, int64_t n, int64_t hidden,
+                         const uint16_t *input_norm, const uint16_t *hidden_norm, int norm_before_residual, float eps,
+                         uint16_t *attn_in) {
+    for (int64_t t = 0; t < n; t++) {
+        uint16_t *in = attn_in + t * 2 * hidden;
+        norm_row((const char *)(embed + ids[t] * hidden), input_norm, (char *)in, hidden, eps, 1);
+        norm_row((const char *)(x + t * hidden), hidden_norm, (char *)(in + hidden), hidden, eps, 1);
+        if (norm_before_residual) memcpy(x + t * hidden, in + hidden, hidden * sizeof(uint16_t));
+    }
+}
+
+/* An EAGLE-3 head's propose call for a greedy chain (backends/methods/eagle.py), every row's in
+ * one call: the calls the proposer makes one by one, here in the same order on the same kernels,
+ * so the same bits. First the context: the `ctx` new pairs (ctx_ids[t], h[t]: fc's features,
+ * rows' pairs one after another) through the decoder layer; a row's state is its last pair's
+ * output (h[last[r]]). Then step s of each row: the final norm of its state, the LM head over the
+ * draft vocabulary, the first-max argmax and the draft's target id (to_target[draft], or the
+ * draft), out[r][s]; then, but after the last step, the pair (draft, state) through the layer,
+ * whose output is the row's next state. Queries: the context's ctx, then fed step s's `rows` at
+ * ctx + s * rows, each with its slot, RoPE row and key list. `h` is overwritten; `logits` holds
+ * rows x vocab, `attn_in` max(ctx, rows) x 2 hidden, `scratch` layer_step's for max(ctx, rows)
+ * tokens, `state` rows x hidden, `ids` rows. Returns -1 where logits hold a NaN (the caller then
+ * drafts in torch), or a kernel's error. */
+int eagle3_chain(uint16_t *h, const int64_t *ctx_ids, int64_t ctx, const int64_t *last, int64_t rows, int64_t steps,
+                 int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads, int64_t d, float eps, float scale,
+                 const layer_weights *w, char *kv, const uint16_t *embed, const uint16_t *input_norm,
+                 const uint16_t *hidden_norm, const uint16_t *final_norm, int norm_before_residual,
+                 const linear_weights *lm_head, int64_t vocab, const int64_t *to_target, const int64_t *slots,
+                 const uint16_t *cos, const uint16_t *sin, const int64_t *key_slots, const int64_t *key_start,
+                 const int64_t *key_len, uint16_t *state, int64_t *ids, uint16_t *logits, uint16_t *attn_in,
+                 uint16_t *scratch, int64_t *out, int threads) {
+    eagle3_pairs(embed, ctx_ids, h, ctx, hidden, input_norm, hidden_norm, norm_before_residual, eps, attn_in);
+    int rc = layer_step(h, attn_in, 2 * hidden, ctx, hidden, inter, heads, kv_heads, d, eps, scale, w, kv, slots, cos,
+                        sin, key_slots, key_start, key_len, NULL, NULL, 0, scratch, threads);
+    for (int64_t r = 0; r < rows; r++) memcpy(state + r * hidden, h + last[r] * hidden, hidden * sizeof(uint16_t));
     for (int64_t s = 0; s < steps && !rc; s++) {
+        uint16_t *normed = attn_in; /* the final norm's rows, before attn_in is needed */
         rc = rms_norm(state, hidden, final_norm, normed, hidden, rows, hidden, eps, 1, threads);
         if (!rc) rc = linear(lm_head, normed, hidden, NULL, 0, logits, vocab, rows, vocab, hidden, threads);
         for (int64_t r = 0; r < rows && !rc; r++) {
             int64_t draft = argmax_row((const char *)(logits + r * vocab), vocab, 1);
             if (draft < 0) return -1;
-            out[r * steps + s] = to_target ? to_target[draft] : draft;
+            out[r * steps + s] = ids[r] = to_target ? to_target[draft] : draft;
         }
         if (rc || s + 1 == steps) break;
-        int64_t at = s * rows; /* this fed step's first query */
-        for (int64_t r = 0; r < rows; r++) {
-            const uint16_t *token = embed + out[r * steps + s] * hidden;
-            norm_row((const char *)token, input_norm, (char *)(attn_in + r * 2 * hidden), hidden, eps, 1);
-            norm_row((const char *)(state + r * hidden), hidden_norm, (char *)(attn_in + r * 2 * hidden + hidden),
-                     hidden, eps, 1);
-            if (norm_before_residual) memcpy(state + r * hidden, attn_in + r * 2 * hidden + hidden, hidden * 2);
-        }
+        int64_t at = ctx + s * rows; /* this fed step's first query */
+        eagle3_pairs(embed, ids, state, rows, hidden, input_norm, hidden_norm, norm_before_residual, eps, attn_in);
         rc = layer_step(state, attn_in, 2 * hidden, rows, hidden, inter, heads, kv_heads, d, eps, scale, w, kv,
                         slots + at, cos + at * d, sin + at * d, key_slots, key_start + at, key_len + at, NULL, NULL, 0,
                         scratch, threads);

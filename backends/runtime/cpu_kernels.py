@@ -367,10 +367,10 @@ def eagle3_chain(
     layer: LayerSteps,
     sizes: tuple[int, int, int, int, int],
     eps: float,
-    state: torch.Tensor,
     kv: torch.Tensor,
+    context: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     steps: int,
-    fed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLists],
+    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLists],
     embed: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     norm_before_residual: bool,
@@ -378,42 +378,53 @@ def eagle3_chain(
     vocab: int,
     to_target: torch.Tensor | None,
 ) -> list[list[int]] | None:
-    """An EAGLE-3 head's greedy chain of ``steps`` drafts per row in one call (cpu_kernels.c's
-    eagle3_chain): from ``state`` ``[rows, hidden]`` bf16, the head's state after each row's
-    context (updated in place), through its one decoder layer ``layer`` (KV pool ``kv``).
-    ``fed``: (slots, cos, sin, key lists) of the steps - 1 fed positions, step-major (fed step s
-    of row r is query s * rows + r); ``norms``: (input_layernorm, hidden_norm, final norm)
+    """An EAGLE-3 head's propose call for a greedy chain of ``steps`` drafts per row in one call
+    (cpu_kernels.c's eagle3_chain), through its one decoder layer ``layer`` (KV pool ``kv``).
+    ``context``: (token ids ``[ctx]``, fc's features ``[ctx, hidden]`` bf16, each row's last
+    pair's index ``[rows]``) of the new pairs, row after row; ``queries``: (slots, cos, sin, key
+    lists) of the context's pairs, then of the steps - 1 fed positions step-major (fed step s
+    of row r is query ctx + s * rows + r); ``norms``: (input_layernorm, hidden_norm, final norm)
     weights; ``lm_head`` over ``vocab`` draft ids, mapped to target ids by ``to_target`` (None:
     the same ids) that index ``embed`` ``[V, hidden]``. Each row's drafts as target ids, or
     None where logits held a NaN (the caller drafts in torch)."""
     hidden, _, _, _, d = sizes
-    rows, queries = state.shape[0], (steps - 1) * state.shape[0]
-    slots, cos, sin, keys = fed
-    _check_layer_tensors(0, 1, state, sizes, kv, None)
-    if steps < 1 or len(layer) != 1:
+    ids, features, last = context
+    ctx, rows = features.shape[0], last.shape[0]
+    slots, cos, sin, keys = queries
+    _check_layer_tensors(0, 1, features, sizes, kv, None)
+    if steps < 1 or len(layer) != 1 or not 0 < rows <= ctx:
         raise KernelArgumentError(
-            f"a chain of {steps} drafts through {len(layer)} layers (one layer, one draft or more)"
+            f"a chain of {steps} drafts for {rows} rows from {ctx} pairs through {len(layer)} layers"
         )
-    _check_tokens("eagle3_chain", queries, slots, cos, sin, kv.shape[1], d)
-    keys.check(queries, kv.shape[1])
+    _check_tokens("eagle3_chain", ctx + (steps - 1) * rows, slots, cos, sin, kv.shape[1], d)
+    keys.check(ctx + (steps - 1) * rows, kv.shape[1])
     if keys.mask is not None:
         raise KernelArgumentError("a chain's key lists hide no keys")
-    for name, table, width in (
-        ("embed", embed, hidden),
-        *((f"norm {i}", n.view(1, -1), hidden) for i, n in enumerate(norms)),
-    ):
+    tables = (("embed", embed, hidden), *((f"norm {i}", n.view(1, -1), hidden) for i, n in enumerate(norms)))
+    for name, table, width in tables:
         if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[-1] != width:
             raise KernelArgumentError(
                 f"{name} must be a contiguous bf16 [.., {width}], got {table.dtype} {list(table.shape)}"
             )
-    ids = torch.arange(vocab) if to_target is None else to_target
-    if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.shape != (vocab,) or int(ids.max()) >= embed.shape[0]:
-        raise KernelArgumentError(f"to_target must map {vocab} draft ids to rows of the {embed.shape[0]}-row embedding")
-    logits, attn_in = state.new_empty(rows, vocab), state.new_empty(rows, 2 * hidden)
-    scratch = state.new_empty(layer_scratch(rows, sizes))
-    out = torch.empty(rows, steps, dtype=torch.int64)
+    targets = torch.arange(vocab) if to_target is None else to_target
+    for name, index, count, bound in (("ids", ids, ctx, embed.shape[0]), ("last", last, rows, ctx)):
+        if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (count,):
+            raise KernelArgumentError(f"{name} must be a contiguous int64 [{count}]")
+        if count and not 0 <= int(index.min()) <= int(index.max()) < bound:
+            raise KernelArgumentError(f"{name} holds an index outside [0, {bound})")
+    if targets.dtype != torch.int64 or not targets.is_contiguous() or targets.shape != (vocab,):
+        raise KernelArgumentError(f"to_target must be a contiguous int64 [{vocab}]")
+    if not 0 <= int(targets.min()) <= int(targets.max()) < embed.shape[0]:
+        raise KernelArgumentError(f"to_target maps draft ids past the {embed.shape[0]}-row embedding")
+    widest = max(ctx, rows)
+    state, logits = features.new_empty(rows, hidden), features.new_empty(rows, vocab)
+    attn_in, scratch = features.new_empty(widest, 2 * hidden), features.new_empty(layer_scratch(widest, sizes))
+    drafts, out = torch.empty(rows, dtype=torch.int64), torch.empty(rows, steps, dtype=torch.int64)
     rc = _library().eagle3_chain(
-        state.data_ptr(),
+        features.data_ptr(),
+        ids.data_ptr(),
+        ctx,
+        last.data_ptr(),
         rows,
         steps,
         *sizes,
@@ -427,16 +438,8 @@ def eagle3_chain(
         ctypes.byref(lm_head),
         vocab,
         None if to_target is None else to_target.data_ptr(),
-        slots.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        keys.slots.data_ptr(),
-        keys.start.data_ptr(),
-        keys.length.data_ptr(),
-        logits.data_ptr(),
-        attn_in.data_ptr(),
-        scratch.data_ptr(),
-        out.data_ptr(),
+        *(t.data_ptr() for t in (slots, cos, sin, keys.slots, keys.start, keys.length)),
+        *(t.data_ptr() for t in (state, drafts, logits, attn_in, scratch, out)),
         torch.get_num_threads(),
     )
     if rc == -1:
