@@ -138,3 +138,14 @@ def test_sampled_chains_and_nan_logits_leave_the_kernel_chain(checkpoints, targe
     for batch in calls(len(fast.hidden_layer_ids), target.hidden_size, rounds=2):
         assert drafted(fast, batch, 3, 0) == drafted(ref, batch, 3, 0)
         assert [fast.pool.length(r.seq_id) for r in batch] == [ref.pool.length(r.seq_id) for r in batch]
+
+
+def test_a_token_past_the_embedding_is_refused_before_the_kernel_reads(checkpoints, target):
+    """The kernel reads the embedding row of each new pair's token: one past the table is refused
+    by name (a KernelArgumentError, before any C runs), not read out of bounds."""
+    fast = proposer(checkpoints["eagle3"], target, "eagle3", {}, True)
+    first, second = calls(len(fast.hidden_layer_ids), target.hidden_size, seqs=1, rounds=1)
+    fast.propose([replace(r, num_draft_tokens=2) for r in first])
+    bad = replace(second[0], token_ids=second[0].token_ids[:-1] + [V], num_draft_tokens=2)
+    with pytest.raises(cpu_kernels.KernelArgumentError, match="ids holds an index outside"):
+        fast.propose([bad])
