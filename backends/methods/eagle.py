@@ -264,6 +264,9 @@ class EagleProposer(HeadProposer):
     def _run(self, work: list[_Work]) -> None:
         """A chain: one step per draft position for the whole batch."""
         steps, sampled = max(w.num_drafts for w in work), []
+        for w in work:  # a sequence drafting fewer than the batch is fed as many positions
+            if self.pool.room(w.seq_id) < len(w.new_ids) + steps - 1:
+                self.pool.grow(w.seq_id, w.context + steps - 1 + GROW_SLACK_TOKENS)
         if (drafted := self._chain_in_c(work, steps)) is not None:
             for w, row in zip(work, drafted):
                 w.drafts, w.probs = row[: w.num_drafts], None
