@@ -322,7 +322,8 @@ def test_bench_runs_a_profiles_drafter_settings_for_its_method_and_tree():
     assert tree["quantization"] == qwen["quantization"] == "int4" and tree["model"] == qwen["model"]
     assert tree["speculative_token_tree"] == METHOD_CONFIGS["draft_model+tree"]["speculative_token_tree"]
     eagle3 = method_config("eagle3+tree", PROFILES["smollm2-eagle3"]["speculative_config"])
-    assert eagle3 == METHOD_CONFIGS["eagle3+tree"]  # the tree's own depth, not the profile's chain k
+    # the tree's own depth, not the profile's chain k; the profile's int8 head
+    assert eagle3 == {**METHOD_CONFIGS["eagle3+tree"], "quantization": "int8"}
     assert method_config("ngram", qwen) == METHOD_CONFIGS["ngram"]  # another method: its own settings
 
 
