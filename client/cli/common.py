@@ -20,10 +20,10 @@ PROFILES: dict[str, dict] = {
     "smollm2-eagle": {"model": "smollm2-135m", "speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
     "smollm2-eagle3": {
         "model": "smollm2-135m",
-        # The head's fc and LM head on the int8 kernel (its decoder layer stays bf16 on the runtime):
-        # a greedy chain of 3 drafts in 15-16% of a plain
-        # step against bf16's 18-21%, at 1.808 against 1.814 held-out acceptance length
-        # (docs/measurements.md, "The heads' drafting cost").
+        # The head's fc and LM head on the int8 kernel (its decoder layer stays bf16 on the
+        # runtime): a greedy chain of 3 drafts in 15-16% of a plain step against bf16's 18-21%,
+        # at 1.808 against 1.814 held-out acceptance length (docs/measurements.md, "The heads'
+        # drafting cost").
         "speculative_config": {"method": "eagle3", "num_speculative_tokens": 3, "quantization": "int8"},
     },
     "qwen-coder": {
