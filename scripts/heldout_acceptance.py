@@ -50,15 +50,14 @@ def main() -> None:
     with safe_open(data_dir(str(args.target)) / "states.safetensors", "pt") as f:
         offsets, prompt_lens = f.get_tensor("offsets"), f.get_tensor("prompt_lens")
         token_ids, labels = f.get_tensor("token_ids"), f.get_tensor("labels")
-        layers = [i if i >= 0 else "-1" for i in proposer.hidden_layer_ids]
-        missing = [i for i in layers if f"hidden.{i}" not in f.keys()]
+        missing = [i for i in proposer.hidden_layer_ids if f"hidden.{i}" not in f.keys()]
         if missing:
             raise SystemExit(f"the cached data has no hidden states of layers {missing}: train {args.method} first")
-        hidden = torch.stack([f.get_tensor(f"hidden.{i}") for i in layers], dim=1)  # [N, layers, H]
+        layers = [f.get_tensor(f"hidden.{i}") for i in proposer.hidden_layer_ids]  # each [N, H]
     accepted = [0] * (args.k + 1)
     for seq in tqdm(range(0, len(prompt_lens), HELD_OUT_EVERY), desc="held-out sequences", unit="seq"):
         start, end, prompt = int(offsets[seq]), int(offsets[seq + 1]), int(prompt_lens[seq])
-        ids, states = token_ids[start:end].tolist(), hidden[start:end]
+        ids, states = token_ids[start:end].tolist(), torch.stack([h[start:end] for h in layers], dim=1)
         proposer.propose([DraftRequest(seq, ids[:prompt], args.k, states[: prompt - 1])])
         for n in range(prompt, min(end - start - args.k, prompt + args.positions)):
             # x_0..x_n known, the target's state at n - 1 new; the drafts stand for x_{n+1}...

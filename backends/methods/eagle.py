@@ -306,7 +306,7 @@ class EagleProposer(HeadProposer):
         # the fed positions step-major.
         fed = steps - 1
         plan = self.decoder.plan(self.pool, [Row(w.seq_id, w.new_ids + [0] * fed) for w in work])
-        starts = torch.tensor([plan.spans[i][0] for i in range(len(work))])
+        starts = torch.tensor([start for start, _ in plan.spans])
         sizes = torch.tensor([len(w.new_ids) for w in work])
         pairs = torch.cat([torch.arange(a, a + n) for a, n in zip(starts.tolist(), sizes.tolist())])
         order = torch.cat([pairs, (starts + sizes + torch.arange(fed).unsqueeze(1)).flatten()])

@@ -406,16 +406,18 @@ def eagle3_chain(
             raise KernelArgumentError(
                 f"{name} must be a contiguous bf16 [.., {width}], got {table.dtype} {list(table.shape)}"
             )
-    targets = torch.arange(vocab) if to_target is None else to_target
-    for name, index, count, bound in (("ids", ids, ctx, embed.shape[0]), ("last", last, rows, ctx)):
+    # every id the kernel indexes with: the pairs' tokens and the drafts' target ids (embedding
+    # rows), each row's last pair
+    indices = [("ids", ids, ctx, embed.shape[0]), ("last", last, rows, ctx)]
+    if to_target is not None:
+        indices.append(("to_target", to_target, vocab, embed.shape[0]))
+    elif vocab > embed.shape[0]:
+        raise KernelArgumentError(f"{vocab} draft ids without to_target past the {embed.shape[0]}-row embedding")
+    for name, index, count, bound in indices:
         if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (count,):
             raise KernelArgumentError(f"{name} must be a contiguous int64 [{count}]")
         if count and not 0 <= int(index.min()) <= int(index.max()) < bound:
             raise KernelArgumentError(f"{name} holds an index outside [0, {bound})")
-    if targets.dtype != torch.int64 or not targets.is_contiguous() or targets.shape != (vocab,):
-        raise KernelArgumentError(f"to_target must be a contiguous int64 [{vocab}]")
-    if not 0 <= int(targets.min()) <= int(targets.max()) < embed.shape[0]:
-        raise KernelArgumentError(f"to_target maps draft ids past the {embed.shape[0]}-row embedding")
     widest = max(ctx, rows)
     state, logits = features.new_empty(rows, hidden), features.new_empty(rows, vocab)
     attn_in, scratch = features.new_empty(widest, 2 * hidden), features.new_empty(layer_scratch(widest, sizes))
