@@ -17,7 +17,7 @@ import torch
 import kernels  # noqa: F401, I001
 from backends.runtime import THREADS_ENV
 from tests.fixtures import training
-from tests.fixtures.helpers import one_thread
+from tests.fixtures.helpers import built_once_per_run, one_thread
 from tests.fixtures.tiny_model import build_tiny_model
 
 TESTS = Path(__file__).resolve().parent
@@ -137,29 +137,39 @@ def target_weights(target_dir) -> dict:
     return load_file(target_dir / "model.safetensors")
 
 
-# The trainer tests' heads, trained once per session (tests/fixtures/training.py): in-process
-# checks in tests/unit, the same heads served in tests/e2e. On one torch thread: tensors this
-# small trained 10-20x slower on two threads whenever the 2-core host had other work
-# (the five heads 11 s against 184 s, the EAGLE heads 13 s against 223 s).
+# The trainer tests' heads, trained once per run (tests/fixtures/training.py; under pytest-xdist
+# by the first worker that needs them): in-process checks in tests/unit, the same heads served in
+# tests/e2e. On one torch thread: tensors this small trained 10-20x slower on two threads whenever
+# the 2-core host had other work (the five heads 11 s against 184 s, the EAGLE heads 13 s
+# against 223 s).
 @pytest.fixture(scope="session")
 def training_target_dir(tmp_path_factory) -> Path:
-    with one_thread():
-        return training.build_training_target(tmp_path_factory.mktemp("train-target"))
+    return built_once_per_run(tmp_path_factory, "train-target", training.build_training_target)
 
 
 @pytest.fixture(scope="session")
 def trained_eagle_heads(training_target_dir, tmp_path_factory) -> dict:
-    with one_thread():
-        return training.train_eagle_heads(training_target_dir, tmp_path_factory)
+    return built_once_per_run(
+        tmp_path_factory, "eagle-heads", lambda root: _one_thread(training.train_eagle_heads, training_target_dir, root)
+    )
 
 
 @pytest.fixture(scope="session")
 def heads_corpus(training_target_dir, tmp_path_factory):
-    with one_thread():
-        return training.heads_corpus(training_target_dir, tmp_path_factory)
+    return built_once_per_run(
+        tmp_path_factory, "heads-corpus", lambda root: _one_thread(training.heads_corpus, training_target_dir, root)
+    )
 
 
 @pytest.fixture(scope="session")
 def trained_heads(heads_corpus, training_target_dir, tmp_path_factory) -> dict:
+    return built_once_per_run(
+        tmp_path_factory,
+        "trained-heads",
+        lambda root: _one_thread(training.train_heads, heads_corpus, training_target_dir, root),
+    )
+
+
+def _one_thread(build, *args):
     with one_thread():
-        return training.train_heads(heads_corpus, training_target_dir, tmp_path_factory)
+        return build(*args)

@@ -85,11 +85,11 @@ from torch import nn
 from backends.config import DrafterConfig
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
 from backends.methods.drafts import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gather_drafts
-from backends.methods.eagle_head import Eagle3Head, EagleCheckpointError, EagleHead, load_eagle
+from backends.methods.eagle_head import Eagle3Head, EagleCheckpointError, EagleHead, kernel_norms, load_eagle
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime import cpu_kernels
-from backends.runtime.lean_lm import KernelLinear, LeanDecoder, Row, kernel_norms
+from backends.runtime.lean_lm import KernelLinear, LeanDecoder, Row
 from backends.serving.proposer import Draft, DraftRequest, ProposerContext
 from backends.serving.request import is_greedy
 from backends.serving.tree import ROOT, DraftTree, best_nodes, subtree_parents

@@ -82,8 +82,6 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from kernels import batch_invariant as gpu_kernels
 
@@ -401,34 +399,6 @@ def kernel_linears(module: nn.Module, int8: bool = False) -> int:
     return turned
 
 
-class KernelRMSNorm(LlamaRMSNorm):
-    """A transformers ``LlamaRMSNorm`` whose bf16 inference runs in ``cpu_kernels.rms_norm``: its
-    bits (the kernel rounds as transformers does, tested), in one call instead of ~8 tensor ops
-    (~40 us a norm here, three a draft position of an EAGLE-3 head). What ``kernel_norms``
-    makes of a drafter head's norms; training (gradients wanted) keeps the tensor ops."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return super().forward(x)
-        return cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon).view(x.shape)
-
-
-def kernel_norms(module: nn.Module) -> int:
-    """Turn ``module``'s bf16 ``LlamaRMSNorm`` layers on the CPU into ``KernelRMSNorm`` where the
-    kernel takes their width; how many."""
-    turned = 0
-    for m in module.modules():
-        if (
-            type(m) is LlamaRMSNorm
-            and m.weight.dtype == torch.bfloat16
-            and m.weight.device.type == "cpu"
-            and cpu_kernels.layer_kernels_available(m.weight.shape[0], 16, 16)
-        ):
-            m.__class__ = KernelRMSNorm
-            turned += 1
-    return turned
-
-
 class _Int4Linear(_CLinear):
     """A linear layer quantized to int4 (``linear_kernels.int4_linear``, AVX-512 VNNI or AVX2): weights
     per output channel and 64 positions of K, activations per row as they come. A quarter of
@@ -500,7 +470,12 @@ class _Rope:
         self.dtype = dtype
         rope = config.rope_parameters
         kind = rope["rope_type"]
-        self.init_fn = _default_rope if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
+        if kind == "default":
+            self.init_fn = _default_rope
+        else:  # imported here: transformers' rope module costs a server's start ~0.4 s
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            self.init_fn = ROPE_INIT_FUNCTIONS[kind]
         # dynamic / longrope switch frequencies once a sequence is longer than this
         self.limit = {"dynamic": config.max_position_embeddings}.get(kind)
         if kind == "longrope":

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from backends.methods.eagle import EagleProposer
-from backends.methods.eagle_head import load_eagle
+from backends.methods.eagle_head import KernelRMSNorm, load_eagle
 from backends.runtime import cpu_kernels, linear_kernels
-from backends.runtime.lean_lm import KernelRMSNorm
 from backends.serving.proposer import DraftRequest
 from tests.fixtures.helpers import cached_entries, three_layer_target_dir
 from tests.fixtures.synthetic_heads import EAGLE_FAMILY, load_eagle_family, write_eagle_family
