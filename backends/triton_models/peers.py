@@ -280,21 +280,24 @@ class Peers:
     def _drafting_here(self) -> LocalDrafter | None:
         """The drafter's proposer (ngram, suffix) built in this process. When the drafter model
         stands by for this orchestrator alone, this one reports the sequences it holds under the
-        drafter's name; if the proposer cannot be built here, requests decode plainly when the
-        drafter model stands by (it would not answer either), else call it."""
+        drafter's name; if the proposer cannot be built here, `_not_drafting_here`."""
         name = self.route.drafter
         callers = self.plan.stands_by_for(name)
         try:
             proposer = build_proposer(self.drafter_config, max_model_len=self.max_model_len)
         except Exception as e:
-            fallback = "serving plain decoding" if callers else "calling the drafter model"
-            log.error("drafter %r cannot draft in this process (%s); %s", name, e, fallback)
-            if callers:
-                self.drafter_config, self.drafter_info = None, None
-            return None
+            return self._not_drafting_here(name, e, callers)
         log.info("drafter %r drafts in this process (drafter_in_process)", name)
         active = ActiveSequencesGauge(name) if callers == (self.model_name,) else None
         return LocalDrafter(DraftService(proposer, self.drafter_config), None if active is None else active.set)
+
+    def _not_drafting_here(self, name: str, error: Exception, callers: tuple[str, ...]) -> None:
+        """The drafter cannot be built in this process: requests decode plainly when the drafter
+        model stands by (it would not answer either), else they call it."""
+        fallback = "serving plain decoding" if callers else "calling the drafter model"
+        log.error("drafter %r cannot draft in this process (%s); %s", name, error, fallback)
+        if callers:
+            self.drafter_config, self.drafter_info = None, None
 
     def _step_batcher(self) -> StepBatcher | None:
         """Concurrent sequences' verify steps go as one batch (one forward): to the target in
@@ -363,8 +366,9 @@ class Peers:
     def _drafting_beside(self, run: Callable[[Callable[[], Any]], Any]) -> GatheredDrafter | None:
         """The drafter's head loaded in this process, as its config.pbtxt describes it, drafting
         on the verify thread (`run` puts work there): a step then makes no BLS round trip at all
-        (~1 ms each here). None, and the drafter model drafts, when it cannot be built."""
+        (~1 ms each here). If it cannot be built, `_not_drafting_here`."""
         name = self.route.drafter
+        callers = self.plan.stands_by_for(name)
         try:
             settings, device, _ = peer_settings(self.plan.configs[name])
             proposer = run(
@@ -377,9 +381,8 @@ class Peers:
                 )
             )
             check_layers(proposer, self.drafter_info)
-        except Exception as e:  # the drafter model's own load fails with the reason too
-            log.error("drafter %r cannot draft in this process (%s); calling the drafter model", name, e)
-            return None
+        except Exception as e:
+            return self._not_drafting_here(name, e, callers)
         log.info("drafter %r drafts in this process, beside the verifier, on %s (drafter_in_process)", name, device)
         return GatheredDrafter(DraftService(proposer, self.drafter_config), run)
 

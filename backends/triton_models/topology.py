@@ -24,8 +24,10 @@ else over BLS (`DraftAt.BLS`), or not at all (`DraftAt.NONE`: it names no drafte
 drafter's config does not resolve).
 
 A verifier or drafter stands by when every orchestrator naming it does its work in its own
-process, and serves otherwise. A drafter whose heads draft beside the verifier serves all the
-same: the orchestrator calls it if the head cannot be built in its process.
+process (a head beside the verifier included), and serves otherwise. Standing by, a drafter
+loads neither torch nor its head: a second copy would cost a process's start-up and the head's
+memory, for a fallback that would fail as the orchestrator's own build did (same config, same
+device).
 
 The `speculative`, `verifier` and `drafter` models each read the same plan from the same files
 with the same rules, so they cannot disagree on who loads what. It is pure: config texts and a
@@ -172,7 +174,8 @@ class Placement:
         if verifying:
             return tuple(verifying) if all(self.verifying_here(o) for o in verifying) else ()
         drafting = [o for o in self.orchestrators if self.drafter_of(o) == model]
-        return tuple(drafting) if drafting and all(self.drafting(o) is DraftAt.IN_PROCESS for o in drafting) else ()
+        here = (DraftAt.IN_PROCESS, DraftAt.BESIDE_VERIFIER)
+        return tuple(drafting) if drafting and all(self.drafting(o) in here for o in drafting) else ()
 
     def verifier_of(self, orchestrator: str) -> str:
         return self.params.get(orchestrator, {}).get("verifier_model_name", DEFAULT_VERIFIER)

@@ -57,7 +57,8 @@ def test_a_gpu_the_server_cannot_use_fails_that_models_load_with_the_reason(tiny
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_served_greedy_on_kind_gpu_equals_target_greedy(method, checkpoints, target_dir, tmp_path):
     """The real server with KIND_GPU verifier and drafter: weights on cuda:0 (the log says
-    so), hidden states across BLS for eagle3, output == the target's own greedy output."""
+    so; eagle3's head drafts beside the in-process verifier, its drafter model standing by),
+    output == the target's own greedy output."""
     config = json.dumps({"method": method, "model": str(checkpoints[method]), "num_speculative_tokens": K})
     server = start_server(
         tmp_path,
@@ -68,7 +69,11 @@ def test_served_greedy_on_kind_gpu_equals_target_greedy(method, checkpoints, tar
     )
     try:
         log = server_log(server)
-        assert re.search(r"drafter instance \S+: device cuda:0 \(instance_group KIND_GPU, GPU 0\)", log)
+        drafter = {
+            "draft_model": r"drafter instance \S+: device cuda:0 \(instance_group KIND_GPU, GPU 0\)",
+            "eagle3": r"drafter 'drafter' drafts in this process, beside the verifier, on cuda:0",
+        }
+        assert re.search(drafter[method], log)
         assert re.search(r"the target of 'verifier' on cuda:0 \(instance_group KIND_GPU, GPU 0\)", log)
         drafted = 0
         for prompt in PROMPTS:

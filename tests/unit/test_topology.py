@@ -98,13 +98,13 @@ MODEL_DRAFTERS = ("draft_model", "custom_class", "ngram_gpu", "extract_hidden_st
 @pytest.mark.parametrize(
     "method,draft_at", [(m, DraftAt.BESIDE_VERIFIER) for m in HEADS] + [(m, DraftAt.BLS) for m in MODEL_DRAFTERS]
 )
-def test_heads_draft_beside_the_verifier_other_methods_in_the_drafter_model_which_serves(method, draft_at):
-    """A head's drafter model stays loaded: the orchestrator calls it if the head cannot be
-    built in its process. A second copy of a draft LM, or user code on the verify thread,
-    would not pay: those draft in the drafter model."""
+def test_heads_draft_beside_the_verifier_other_methods_in_the_drafter_model(method, draft_at):
+    """A head drafting beside the verifier leaves its drafter model standing by (no second copy
+    of the head, no torch in its stub). A second copy of a draft LM, or user code on the verify
+    thread, would not pay: those draft in the drafter model, which serves."""
     placement = plan(method)
     assert placement.route("speculative").draft_at is draft_at
-    assert placement.stands_by_for("drafter") == ()
+    assert placement.stands_by_for("drafter") == (("speculative",) if draft_at is DraftAt.BESIDE_VERIFIER else ())
     assert placement.stands_by_for("verifier") == ("speculative",)
 
 
