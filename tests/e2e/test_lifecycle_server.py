@@ -28,6 +28,9 @@ from tests.fixtures.servers import NGRAM_CONFIG, free_ports, make_server
 # 256 and 120 s). A refused sequence that kept its slot made the next request wait ~20 s.
 SLOTS, IDLE_S = 4, 20
 PROMPT = "def add(a, b):\n    return a + b\ndef add(a, b):"  # repetitive: the n-gram drafter drafts
+# The stopping tests' stream: the chaos drafter's stall holds it in flight at the stop whatever
+# its length, and every token costs two BLS round trips (480 took ~10 s a stream in a suite run).
+STREAM_TOKENS = 128
 
 
 def _server(
@@ -251,7 +254,7 @@ def _stop_during(
     """Start a stream and stall its drafter for a while (the chaos proposer's `slow` fault), then
     stop the server gracefully: the stream's events, and what readiness and a new request got
     meanwhile."""
-    events, first, done = stream(server, 480)
+    events, first, done = stream(server, STREAM_TOKENS)
     assert first.wait(30)
     trigger.write_text("slow")  # the stream's next draft takes SLOW_S: it is in flight at the stop
     stopper = threading.Thread(target=server.stop)
@@ -302,7 +305,7 @@ def test_a_graceful_stop_lets_requests_in_flight_finish(tiny_model_dir, tmp_path
     same request alone, no error and no drafter fallback; tritonserver exits 0, no crash.
     Before: the verifier and drafter unloaded at once and the stream failed at its next step."""
     server = _stoppable(tmp_path, tiny_model_dir, grace_s=60)
-    alone = grpc_generate(server.grpc_url, PROMPT, max_tokens=480, ignore_eos=True, timeout_s=60).output_ids
+    alone = grpc_generate(server.grpc_url, PROMPT, max_tokens=STREAM_TOKENS, ignore_eos=True, timeout_s=60).output_ids
     events, ready, new_request = _stop_during(server, chaos_trigger, _grpc_stream)
     assert isinstance(new_request, ServerUnavailableError) or str(new_request).startswith("unavailable:"), new_request
     stop = next(i for i, e in enumerate(events) if "stop" in e)
@@ -323,7 +326,7 @@ def test_a_stream_past_the_grace_period_ends_with_an_error_event(tiny_model_dir,
     saying why, and the server exits 0."""
     server = _stoppable(tmp_path, tiny_model_dir, grace_s=0)
     events, _, _ = _stop_during(server, chaos_trigger)
-    assert len(_ids(events)) < 480
+    assert len(_ids(events)) < STREAM_TOKENS
     assert events[-1].get("error", "").startswith("unavailable: the server shut down before this request finished"), (
         events[-2:]
     )
