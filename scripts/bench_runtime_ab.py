@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=10, help="rounds; each times 4 forwards per side and size")
     parser.add_argument("--quantization", choices=["int8", "int4"])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -61,8 +62,9 @@ def main() -> None:
     with torch.inference_mode():
         for name, checkout in (("base", args.base.expanduser().resolve()), ("this", HERE)):
             lean = runtime(checkout)
+            quantized = {"quantization": args.quantization} if args.quantization else {}  # older trees lack it
             lm = lean.LeanCausalLM.from_hf(
-                lean.read_checkpoint(model, torch.bfloat16), batch_invariant=True, quantization=args.quantization
+                lean.read_checkpoint(model, getattr(torch, args.dtype)), batch_invariant=True, **quantized
             )
             pool = lm.new_pool(capacity_tokens=args.batch * (args.context + max(args.tokens) + 64), block_size=16)
             for row in range(args.batch):
@@ -84,7 +86,7 @@ def main() -> None:
                             pool.truncate(row, args.context)
                     times[(name, n)].append(taken)
     print(
-        f"{model.name}, {args.quantization or 'bf16'}, {args.batch} row(s) over {args.context} cached tokens: "
+        f"{model.name}, {args.quantization or args.dtype}, {args.batch} row(s) over {args.context} cached tokens: "
         "ms per forward (median), this / base per round"
     )
     for n in args.tokens:
