@@ -40,6 +40,11 @@ from backends.triton_models.verifier_serving import target_runner
 log = logging.getLogger("tritonspec.speculative")
 
 
+class DrafterBuildError(RuntimeError):
+    """A head that drafts beside this process's verifier, with nothing else to draft, cannot be
+    built: the model's load fails with this."""
+
+
 class PeerTimeoutError(TimeoutError):
     """A peer model did not answer a call in time (the orchestrator then decodes plainly)."""
 
@@ -366,7 +371,8 @@ class Peers:
     def _drafting_beside(self, run: Callable[[Callable[[], Any]], Any]) -> GatheredDrafter | None:
         """The drafter's head loaded in this process, as its config.pbtxt describes it, drafting
         on the verify thread (`run` puts work there): a step then makes no BLS round trip at all
-        (~1 ms each here). If it cannot be built, `_not_drafting_here`."""
+        (~1 ms each here). If it cannot be built, this model's load fails with the reason when
+        the drafter model stands by (nothing else would draft), else `_not_drafting_here`."""
         name = self.route.drafter
         callers = self.plan.stands_by_for(name)
         try:
@@ -382,6 +388,11 @@ class Peers:
             )
             check_layers(proposer, self.drafter_info)
         except Exception as e:
+            if callers:  # a bad head is refused by name, as the drafter model's own load did
+                raise DrafterBuildError(
+                    f"drafter {name!r}: its head cannot be built in this process, where it drafts beside "
+                    f"the verifier (the drafter model stands by): {e}"
+                ) from e
             return self._not_drafting_here(name, e, callers)
         log.info("drafter %r drafts in this process, beside the verifier, on %s (drafter_in_process)", name, device)
         return GatheredDrafter(DraftService(proposer, self.drafter_config), run)

@@ -10,6 +10,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from backends.methods.eagle_head import load_eagle
 from backends.methods.head_checkpoint import TargetInfo
@@ -17,7 +18,7 @@ from backends.training.eagle import Eagle1Trainer
 from client.api.triton import grpc_generate
 from tests.fixtures.head_server import ServedHeadTests, fit_and_save, next_token_loss
 from tests.fixtures.helpers import hf_greedy, metric_values, served_greedy_results, three_layer_target_dir
-from tests.fixtures.servers import fixture_servers, start_servers, stop_servers
+from tests.fixtures.servers import fixture_servers, start_server, start_servers, stop_servers
 from tests.fixtures.structured import PROMPT, SERVED, check_served_constrained
 from tests.fixtures.synthetic_checkpoints import write_eagle1, write_eagle3
 
@@ -140,3 +141,22 @@ class TestServedTree(ServedHeadTests):
     # EagleProposer, tests/e2e/test_mtp_server.py) and tested in process (test_tree_sampling.py,
     # test_tree_verify.py); served here too it took three more minutes of the suite.
     test_served_sampling_follows_the_target_distribution = None
+
+
+def test_a_head_that_cannot_be_built_beside_the_verifier_fails_the_load_by_name(target_dir, tmp_path):
+    """The drafter model stands by while the head drafts beside the in-process verifier, so a
+    head that parses but cannot be built (a weight missing) fails the `speculative` model's load
+    with the loader's own message, as the drafter model's load did when it loaded a copy."""
+    head = tmp_path / "eagle3-broken"
+    write_eagle3(head, target_dir)
+    (weights,) = head.glob("*.safetensors")
+    save_file({k: v for k, v in load_file(weights).items() if k != "fc.weight"}, weights)
+    config = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    server = start_server(tmp_path, str(target_dir), config, require_all_models=False)
+    try:
+        states = server.model_states()
+        state, reason = states["speculative"]
+        assert state != "READY" and "its head cannot be built" in reason and "fc.weight" in reason, states
+        assert states["drafter"][0] == "READY"  # standing by: it loaded no head
+    finally:
+        server.stop()
