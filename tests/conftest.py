@@ -17,7 +17,7 @@ import torch
 import kernels  # noqa: F401, I001
 from backends.runtime import THREADS_ENV
 from tests.fixtures import training
-from tests.fixtures.helpers import built_once_per_run, one_thread
+from tests.fixtures.helpers import built_once_per_run
 from tests.fixtures.tiny_model import build_tiny_model
 
 TESTS = Path(__file__).resolve().parent
@@ -149,27 +149,16 @@ def training_target_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def trained_eagle_heads(training_target_dir, tmp_path_factory) -> dict:
-    return built_once_per_run(
-        tmp_path_factory, "eagle-heads", lambda root: _one_thread(training.train_eagle_heads, training_target_dir, root)
-    )
+    return built_once_per_run(tmp_path_factory, "eagle-heads", training.train_eagle_heads, training_target_dir)
 
 
 @pytest.fixture(scope="session")
 def heads_corpus(training_target_dir, tmp_path_factory):
-    return built_once_per_run(
-        tmp_path_factory, "heads-corpus", lambda root: _one_thread(training.heads_corpus, training_target_dir, root)
-    )
+    return built_once_per_run(tmp_path_factory, "heads-corpus", training.heads_corpus, training_target_dir)
 
 
 @pytest.fixture(scope="session")
 def trained_heads(heads_corpus, training_target_dir, tmp_path_factory) -> dict:
     return built_once_per_run(
-        tmp_path_factory,
-        "trained-heads",
-        lambda root: _one_thread(training.train_heads, heads_corpus, training_target_dir, root),
+        tmp_path_factory, "trained-heads", training.train_heads, heads_corpus, training_target_dir
     )
-
-
-def _one_thread(build, *args):
-    with one_thread():
-        return build(*args)
