@@ -19,29 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from client.api.triton import Generation, http_generate
 
 PROMPTS = Path(__file__).resolve().parents[1] / "client" / "data" / "bench_prompts.json"
 MODES = {"plain": 0, "speculative": None}  # num_draft_tokens (None: the drafter's own k)
 
 
-def generate(port: int, prompt: str, num_draft_tokens: int | None, max_tokens: int) -> tuple[float, list[int]]:
-    """Seconds and output ids of one greedy /generate request of exactly `max_tokens` tokens."""
-    body = {"text_input": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def generate(port: int, prompt: str, num_draft_tokens: int | None, max_tokens: int) -> Generation:
+    """One greedy /generate request of exactly `max_tokens` tokens."""
+    fields = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     if num_draft_tokens is not None:
-        body["num_draft_tokens"] = num_draft_tokens
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v2/models/speculative/generate",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    start = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=600) as response:
-        out = json.loads(response.read())
-    ids = out["output_ids"]
-    return time.perf_counter() - start, ids if isinstance(ids, list) else [ids]
+        fields["num_draft_tokens"] = num_draft_tokens
+    return http_generate(f"127.0.0.1:{port}", prompt, timeout_s=600, **fields)
 
 
 def main() -> None:
@@ -62,10 +54,10 @@ def main() -> None:
             for text in texts:
                 for mode, k in MODES.items():
                     for side in order:
-                        took, ids = generate(ports[side], text, k, args.max_tokens)
-                        seconds[side, family, mode] += took
-                        tokens[side, family, mode] += len(ids)
-                        outputs[side, family, mode].append(ids)
+                        result = generate(ports[side], text, k, args.max_tokens)
+                        seconds[side, family, mode] += result.seconds
+                        tokens[side, family, mode] += len(result.output_ids)
+                        outputs[side, family, mode].append(result.output_ids)
                         done += 1
         left = (time.monotonic() - started) / done * (total - done)
         print(f"round {r + 1}/{args.rounds} done, about {left / 60:.1f} min left", flush=True)
