@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.runtime.cpu_kernels import argmax_rows
-from backends.serving.request import is_greedy
+from backends.serving.request import GREEDY, SamplingParams, is_greedy
 from kernels import rejection as rk
 
 MAX_SPEC_LEN = 128  # vLLM V1's limit on drafts per request
@@ -83,6 +83,23 @@ def apply_temperature_top_k_top_p(
     return apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
 
 
+def request_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """One request's target probabilities [N, V] at each row of ``logits`` [N, V] under its
+    temperature, top-k and top-p."""
+    return apply_temperature_top_k_top_p(logits, *_request_rows(sampling, logits.shape[0]))
+
+
+def _request_rows(sampling: SamplingParams, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A request's temperature, top-k and top-p repeated over `rows` rows. Disabled filters are
+    dropped, not applied as no-ops (vLLM skips them too): saves a sort."""
+    top_k, top_p = sampling.top_k, sampling.top_p
+    return (
+        torch.full((rows,), sampling.temperature),
+        torch.full((rows,), top_k) if top_k is not None and top_k > 0 else None,
+        torch.full((rows,), top_p) if top_p is not None and top_p < 1 else None,
+    )
+
+
 def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
     """A generator of its own: seeded for reproducible requests, else from OS entropy."""
     generator = torch.Generator(device=device)
@@ -100,28 +117,26 @@ def rejection_sample(
     draft_token_ids: list[int],
     target_logits: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
 ) -> list[int]:
     """Verify one request's drafts: returns the accepted drafts plus the recovered or bonus token.
 
     ``target_logits``: [len(drafts) + 1, V]; ``draft_probs``: [len(drafts), V] or None;
-    ``generator`` lives on the logits' device.
+    ``sampling``: its temperature, top-k and top-p (vLLM's sampling metadata); ``generator``
+    lives on the logits' device.
     """
-    if is_greedy(temperature):
+    if sampling.greedy:
         return _greedy_accept_one(draft_token_ids, target_logits)
-    device = target_logits.device
+    temperature, top_k, top_p = _request_rows(sampling, 1)
     return rejection_sample_batch(
-        torch.tensor(draft_token_ids, dtype=torch.int64, device=device),
+        torch.tensor(draft_token_ids, dtype=torch.int64, device=target_logits.device),
         [len(draft_token_ids)],
         target_logits,
         draft_probs,
-        torch.tensor([temperature]),
-        # Disabled filters are dropped, not applied as no-ops (vLLM skips them too): saves a sort.
-        top_k=torch.tensor([top_k]) if top_k is not None and top_k > 0 else None,
-        top_p=torch.tensor([top_p]) if top_p is not None and top_p < 1 else None,
+        temperature,
+        top_k,
+        top_p,
         generators=None if generator is None else {0: generator},
     )[0]
 
@@ -130,9 +145,7 @@ def synthetic_sample(
     draft_token_ids: list[int],
     target_logits: torch.Tensor,
     rates: list[float],
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
 ) -> list[int]:
     """vLLM's synthetic acceptance (`rejection_sample_method: "synthetic"`, for benchmarking a
@@ -145,29 +158,19 @@ def synthetic_sample(
         previous = rates[i - 1] if i else 1.0
         conditional = rates[i] / previous if previous > 0 else 0.0
         if draft < 0 or torch.rand((), generator=generator, device=target_logits.device).item() >= conditional:
-            return emitted + [_target_token(target_logits[i], temperature, top_k, top_p, generator, exclude=draft)]
+            return emitted + [_target_token(target_logits[i], sampling, generator, exclude=draft)]
         emitted.append(draft)
-    return emitted + [_target_token(target_logits[-1], temperature, top_k, top_p, generator)]
+    return emitted + [_target_token(target_logits[-1], sampling, generator)]
 
 
 def _target_token(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-    exclude: int = -1,
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None, exclude: int = -1
 ) -> int:
     """The target's token at one row: the argmax when greedy, else a sample (`exclude`: a
     rejected draft that cannot be drawn, the residual of a one-hot draft)."""
-    if is_greedy(temperature):
+    if sampling.greedy:
         return int(logits.float().argmax())
-    probs = apply_temperature_top_k_top_p(
-        logits[None],
-        torch.tensor([temperature]),
-        None if top_k is None else torch.tensor([top_k]),
-        None if top_p is None else torch.tensor([top_p]),
-    )[0]
+    probs = request_probs(logits[None], sampling)[0]
     if 0 <= exclude < probs.numel() and probs[exclude] < 1:
         probs[exclude] = 0.0
     return int(torch.multinomial(probs, 1, generator=generator))

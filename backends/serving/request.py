@@ -135,6 +135,9 @@ class SamplingParams:
         return params
 
 
+GREEDY = SamplingParams()  # the defaults: greedy decoding, no filter, no control
+
+
 @dataclass
 class GenerationRequest:
     prompt: str

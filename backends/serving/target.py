@@ -34,7 +34,7 @@ from backends.serving.idle import release_idle
 from backends.serving.kv_scheduler import KVStats, Scheduler
 from backends.serving.logits import TokenLogprob, check_controls_fit, process_logits, token_logprobs
 from backends.serving.rejection import MAX_SPEC_LEN, new_generator, rejection_sample, synthetic_sample
-from backends.serving.request import SamplingParams
+from backends.serving.request import GREEDY, SamplingParams
 from backends.serving.step_cost import StepCostCurve, measure_step_cost, step_shares
 from backends.serving.target_engine import check_sliding_window, load_target_engine
 from backends.serving.tree import DraftTree, TreeError, accept_tree
@@ -527,37 +527,14 @@ class TargetRunner:
             prefixes = step.tree.row_prefixes() if step.tree else [drafts[:j] for j in range(len(drafts) + 1)]
             logits = process_logits(logits, seq.sampling, seq.token_ids[seq.num_prompt_tokens :], prefixes, prompt)
         if step.tree is not None:
-            step.accepted, token = accept_tree(
-                step.tree,
-                logits,
-                step.req.draft_probs,
-                seq.sampling.temperature,
-                seq.sampling.top_k,
-                seq.sampling.top_p,
-                seq.generator,
-            )
+            step.accepted, token = accept_tree(step.tree, logits, step.req.draft_probs, seq.sampling, seq.generator)
             emitted = [drafts[node] for node in step.accepted] + [token]
             raw = raw[[0] + [node + 1 for node in step.accepted]]  # the rows of the emitted tokens
         elif seq.sampling.synthetic_acceptance_rates and drafts:
-            emitted = synthetic_sample(
-                drafts,
-                logits,
-                list(seq.sampling.synthetic_acceptance_rates),
-                seq.sampling.temperature,
-                seq.sampling.top_k,
-                seq.sampling.top_p,
-                seq.generator,
-            )
+            rates = list(seq.sampling.synthetic_acceptance_rates)
+            emitted = synthetic_sample(drafts, logits, rates, seq.sampling, seq.generator)
         else:
-            emitted = rejection_sample(
-                drafts,
-                logits,
-                step.req.draft_probs,
-                temperature=seq.sampling.temperature,
-                top_k=seq.sampling.top_k,
-                top_p=seq.sampling.top_p,
-                generator=seq.generator,
-            )
+            emitted = rejection_sample(drafts, logits, step.req.draft_probs, seq.sampling, seq.generator)
         seq.token_ids.extend(emitted)
         seq.num_cached = len(seq.token_ids) - 1
         logprobs = None if seq.sampling.logprobs is None else token_logprobs(raw, emitted, seq.sampling.logprobs)
@@ -565,7 +542,7 @@ class TargetRunner:
 
     def _start(self, req: VerifyRequest) -> _Sequence:
         """A new sequence, waiting for room for its first step (the scheduler admits it)."""
-        sampling = req.sampling or SamplingParams()
+        sampling = req.sampling or GREEDY
         check_controls_fit(sampling, self.logits_size)
         seq = _Sequence(sampling, new_generator(self.device, sampling.seed))
         self.sequences[req.seq_id] = seq

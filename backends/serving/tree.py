@@ -31,8 +31,8 @@ from functools import cached_property
 import torch
 
 from backends.runtime.cpu_kernels import argmax_rows
-from backends.serving.rejection import apply_temperature_top_k_top_p
-from backends.serving.request import is_greedy
+from backends.serving.rejection import request_probs
+from backends.serving.request import GREEDY, SamplingParams
 
 ROOT = -1
 
@@ -174,9 +174,7 @@ def accept_tree(
     tree: DraftTree,
     logits: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
     """Verify a tree against its logit rows ([n + 1, V]: the root's, then each node's);
@@ -184,14 +182,9 @@ def accept_tree(
     one-hot). Returns the accepted nodes (a root path) and the token that follows them."""
     if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
         raise TreeError(f"a tree of {len(tree)} nodes is verified by {len(tree) + 1} logit rows, got {logits.shape[0]}")
-    if is_greedy(temperature):
+    if sampling.greedy:
         return _accept_greedy(tree, argmax_rows(logits))
-    probs = apply_temperature_top_k_top_p(
-        logits,
-        torch.full((logits.shape[0],), temperature),
-        None if top_k is None or top_k <= 0 else torch.full((logits.shape[0],), top_k),
-        None if top_p is None or top_p >= 1 else torch.full((logits.shape[0],), top_p),
-    ).double()
+    probs = request_probs(logits, sampling).double()
     q = None if draft_probs is None else draft_probs.to(probs.device, torch.float64)
     node, path = ROOT, []
     while True:

@@ -12,6 +12,7 @@ from backends.serving.rejection import (
     rejection_sample,
     rejection_sample_batch,
 )
+from backends.serving.request import SamplingParams
 from kernels import rejection as rk
 
 VOCAB = 8
@@ -47,8 +48,8 @@ def test_greedy_without_drafts_emits_one_token():
 def test_greedy_ties_go_to_lowest_token_and_ignore_draft_probs_and_filters():
     logits = torch.zeros(2, VOCAB)  # every token ties: the argmax is token 0
     draft_probs = torch.full((1, VOCAB), 1 / VOCAB)
-    assert rejection_sample([0], logits, draft_probs, top_k=1, top_p=0.1) == [0, 0]
-    assert rejection_sample([3], logits, temperature=1e-6) == [0]
+    assert rejection_sample([0], logits, draft_probs, SamplingParams(top_k=1, top_p=0.1)) == [0, 0]
+    assert rejection_sample([3], logits, sampling=SamplingParams(temperature=1e-6)) == [0]
     assert rejection_sample([], logits[:1]) == [0]  # a plain step takes the same rule
 
 
@@ -71,9 +72,9 @@ def test_minus_one_draft_is_always_rejected():
     # token comes from p with nothing removed (ngram style) or from max(p - q, 0).
     logits = torch.tensor([[30.0] + [0.0] * (VOCAB - 1)] * 2)
     gen = torch.Generator().manual_seed(0)
-    assert rejection_sample([-1], logits, temperature=1.0, generator=gen) == [0]
+    assert rejection_sample([-1], logits, None, SamplingParams(temperature=1.0), gen) == [0]
     draft_probs = torch.full((1, VOCAB), 1 / VOCAB)
-    assert rejection_sample([-1], logits, draft_probs, temperature=1.0, generator=gen) == [0]
+    assert rejection_sample([-1], logits, draft_probs, SamplingParams(temperature=1.0), gen) == [0]
 
 
 def test_mixed_greedy_and_random_batch():
@@ -244,8 +245,8 @@ def test_seeded_request_does_not_depend_on_the_rest_of_the_batch():
         drafts[2:5].tolist(),
         logits[3:7],
         draft_probs[2:5],
-        temperature=0.9,
-        generator=torch.Generator().manual_seed(11),
+        SamplingParams(temperature=0.9),
+        torch.Generator().manual_seed(11),
     )
     batch = rejection_sample_batch(
         drafts,
@@ -297,5 +298,5 @@ def test_synthetic_acceptance_follows_the_configured_rates():
     runs = [synthetic_sample(drafts, logits, [0.5, 0.25, 0.0, 0.0], generator=gen) for _ in range(4000)]
     mean_accepted = sum(len(r) - 1 for r in runs) / len(runs)
     assert abs(mean_accepted - 0.75) < 0.05  # rates are unconditional: 0.5 + 0.25
-    sampled = [synthetic_sample(drafts[:1], logits, [0.0], temperature=1.0, generator=gen)[0] for _ in range(500)]
+    sampled = [synthetic_sample(drafts[:1], logits, [0.0], SamplingParams(temperature=1.0), gen)[0] for _ in range(500)]
     assert drafts[0] not in sampled and len(set(sampled)) > 3

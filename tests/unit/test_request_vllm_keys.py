@@ -139,7 +139,7 @@ def test_drafts_are_verified_against_the_min_p_distribution():
     draws = 4000
     counts = torch.zeros(12)
     for _ in range(draws):
-        first = rejection_sample([dropped], processed, None, temperature=1.0, generator=generator)[0]
+        first = rejection_sample([dropped], processed, None, SamplingParams(temperature=1.0), generator)[0]
         counts[first] += 1
     assert counts[dropped] == 0
     total_variation = 0.5 * (counts / draws - exact).abs().sum().item()

@@ -228,7 +228,7 @@ def test_sampled_trees_follow_the_target_distribution(drafted):
             a, b = torch.multinomial(q, 2, replacement=True, generator=gen).tolist()
             c = int(torch.multinomial(q_next, 1, generator=gen))
             tree, probs = DraftTree((a, b, c), (ROOT, ROOT, 0)), torch.stack([q, q, q_next])
-        path, token = accept_tree(tree, logits, probs, temperature=1.0, generator=gen)
+        path, token = accept_tree(tree, logits, probs, SamplingParams(temperature=1.0), gen)
         emitted = [tree.token_ids[n] for n in path] + [token]
         first[emitted[0]] += 1
         if path and path[0] == 0:  # the first child was accepted: the next token is drawn at it
@@ -240,7 +240,10 @@ def test_sampled_trees_follow_the_target_distribution(drafted):
 def test_a_seeded_sampled_tree_is_reproducible():
     logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(3))
     tree = DraftTree((1, 2, 3), (ROOT, ROOT, 1))
-    runs = [accept_tree(tree, logits, temperature=0.8, generator=torch.Generator().manual_seed(5)) for _ in range(3)]
+    runs = [
+        accept_tree(tree, logits, None, SamplingParams(temperature=0.8), torch.Generator().manual_seed(5))
+        for _ in range(3)
+    ]
     assert runs[0] == runs[1] == runs[2]
 
 
