@@ -53,6 +53,7 @@ class DrafterConfig:
     dynamic_tree: dict[str, int] | None = None
     suffix_decoding_use_tree_spec: bool = False
     suffix_decoding_max_tree_nodes: int | None = None
+    speculative_token_map: str | None = None  # a file of target token ids (methods/draft_vocab.py)
 
     @classmethod
     def from_speculative(cls, config: SpeculativeConfig) -> DrafterConfig:

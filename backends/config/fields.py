@@ -59,6 +59,7 @@ def _check_types(v: dict[str, Any]) -> None:
         "revision",
         "code_revision",
         "target_model",
+        "speculative_token_map",
     ):
         check(name, v[name], v[name] is None or isinstance(v[name], str), "a valid string")
     for name in (

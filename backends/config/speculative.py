@@ -93,6 +93,9 @@ class SpeculativeConfig:
     suffix_decoding_use_tree_spec: bool = False
     # The most nodes of a suffix tree draft; default 2 * num_speculative_tokens (its depth).
     suffix_decoding_max_tree_nodes: int | None = None
+    # A reduced draft vocabulary (not in vLLM; SGLang's --speculative-token-map, FR-Spec): a
+    # file of target token ids the LM head of an eagle, mtp or mlp_speculator head is cut to.
+    speculative_token_map: str | None = None
     draft_tensor_parallel_size: int | None = None
     tensor_parallel_size: int | None = None
     max_model_len: int | None = None

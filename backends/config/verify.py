@@ -4,6 +4,7 @@ once the method is resolved (tensor parallelism, vocabularies, synthetic accepta
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.config.detect import hf_lookup
@@ -21,6 +22,9 @@ TREE_METHODS = {
     "suffix_decoding_use_tree_spec": ("suffix",),
 }
 MAX_TREE_NODES = 128
+# The methods whose heads draft over the target's whole vocabulary: a speculative_token_map cuts
+# their LM head (backends/methods/draft_vocab.py).
+TOKEN_MAP_METHODS = ("eagle", "mtp", "mlp_speculator")
 
 
 def verify_args(cfg: SpeculativeConfig) -> None:
@@ -38,6 +42,7 @@ def verify_args(cfg: SpeculativeConfig) -> None:
         )
     _resolve_synthetic_rates(cfg)
     _validate_trees(cfg)
+    _validate_token_map(cfg)
     if cfg.disable_padded_drafter_batch and (
         cfg.parallel_drafting or cfg.method in ("draft_model", "extract_hidden_states")
     ):
@@ -119,6 +124,21 @@ def _validate_trees(cfg: SpeculativeConfig) -> None:
         name, nodes = "suffix_decoding_max_tree_nodes", cfg.suffix_decoding_max_tree_nodes
     if nodes > MAX_TREE_NODES:
         raise SpeculativeConfigError(f"{name}: {nodes} tree nodes, at most {MAX_TREE_NODES} per step")
+
+
+def _validate_token_map(cfg: SpeculativeConfig) -> None:
+    """A speculative_token_map cuts the LM head of a head that drafts over the target's whole
+    vocabulary; the others have a draft vocabulary of their own."""
+    if cfg.speculative_token_map is None:
+        return
+    if cfg.method not in TOKEN_MAP_METHODS:
+        raise SpeculativeConfigError(
+            f"speculative_token_map applies to method {' / '.join(TOKEN_MAP_METHODS)} (heads that draft over "
+            f"the target's whole vocabulary), not method='{cfg.method}'; eagle3, medusa, dflash and dspark "
+            "checkpoints carry a draft vocabulary of their own"
+        )
+    if not Path(cfg.speculative_token_map).expanduser().is_file():
+        raise SpeculativeConfigError(f"speculative_token_map: no such file: {cfg.speculative_token_map}")
 
 
 def _resolve_synthetic_rates(cfg: SpeculativeConfig) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from backends.config import DrafterConfig
+from backends.methods.draft_vocab import read_token_map, restrict_draft_vocab
 from backends.methods.drafts import check_quantization_device, check_sample_method, sample_drafts
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.runtime.lean_lm import kernel_linears
@@ -55,7 +56,19 @@ class HeadProposer(SequenceProposer):
         int8 = config.quantization == "int8"
         if int8:
             check_quantization_device("int8", ctx.device)
-        head = cls.load_head(config, TargetInfo.load(ctx.target_model), "bfloat16" if int8 else ctx.dtype)
+        target = TargetInfo.load(ctx.target_model)
+        head = cls.load_head(config, target, "bfloat16" if int8 else ctx.dtype)
+        if config.speculative_token_map:  # before the linear layers go onto the kernels
+            token_ids = read_token_map(config.speculative_token_map, target.vocab_size)
+            cut = restrict_draft_vocab(head, token_ids)
+            log.info(
+                "%s head: %d LM head(s) cut to the %d of %d tokens of %s",
+                cls.method,
+                cut,
+                len(token_ids),
+                target.vocab_size,
+                config.speculative_token_map,
+            )
         proposer = cls(head.to(ctx.device), ctx.max_model_len, config.draft_sample_method, ctx.seed)
         if int8:
             turned = kernel_linears(head, int8=True)

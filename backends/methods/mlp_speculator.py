@@ -90,7 +90,8 @@ class MLPSpeculatorHead(nn.Module):
         stages = num_stages or n_predict
         self.num_steps, self.scale_input = stages, bool(cfg["scale_input"])
         self.target_hidden_size, self.target_vocab_size = target.hidden_size, target.vocab_size
-        self.draft_to_target = None  # the speculator drafts over the target's vocabulary
+        # [V_d] the target id of each draft id (a speculative_token_map); None: the target's vocabulary.
+        self.register_buffer("draft_to_target", None, persistent=False)
         self.state_weight = 0.5 ** (0.5 / n_predict)
         self.emb_weight = math.sqrt((1 - self.state_weight**2) * inner / 2)
         if cfg["tie_weights"]:

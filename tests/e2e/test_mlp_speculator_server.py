@@ -1,5 +1,6 @@
 """MLP speculator heads through the real server: three stages fitted to the tiny target, written
-by the method's writer and served (tests/fixtures/head_server.py's ServedHeadTests)."""
+by the method's writer and served (tests/fixtures/head_server.py's ServedHeadTests), whole and
+with its LM heads cut to a token map."""
 
 from __future__ import annotations
 
@@ -33,3 +34,10 @@ def fitted_dir(tiny_model_dir, tmp_path_factory, target):
 
 class TestServed(ServedHeadTests):
     METHOD = "mlp_speculator"
+
+
+class TestServedTokenMap(ServedHeadTests):
+    """The same head, its LM heads cut to a token map (speculative_token_map)."""
+
+    METHOD = "mlp_speculator"
+    TOKEN_MAP = True
