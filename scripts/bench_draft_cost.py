@@ -19,6 +19,8 @@ each; the table gives the median of the round medians and their range.
     .venv/bin/python scripts/bench_draft_cost.py [--target DIR] [--tree DIR] [--heads medusa dflash ...] [--int8]
 
 `--int8` serves every head with `quantization: int8` (its own linear layers on the int8 kernel).
+`eagle-map`, `mtp-map` and `mlp_speculator-map` are those heads with their LM heads cut to a
+token map of 8192 ids (`speculative_token_map`).
 
 `--tree DIR` imports `backends` from another checkout of the repository (e.g. `git archive
 main` unpacked), so two revisions can be timed alternately under the same conditions.
@@ -27,6 +29,7 @@ main` unpacked), so two revisions can be timed alternately under the same condit
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -61,6 +64,13 @@ def write_heads(root: Path, target_dir: Path, names: list[str]) -> dict[str, tup
     specs = {}
     for name in names:
         out = root / name
+        if name.endswith("-map"):  # the head cut to a token map of DRAFT_VOCAB ids (speculative_token_map)
+            base = name.removesuffix("-map")
+            spec, k, nodes = write_heads(out, target_dir, [base])[base]
+            token_map = out / "token_map.json"
+            token_map.write_text(json.dumps(torch.randperm(target.vocab_size)[:DRAFT_VOCAB].tolist()))
+            specs[name] = ({**spec, "model": str(out / base), "speculative_token_map": str(token_map)}, k, nodes)
+            continue
         if name.startswith("eagle3"):
             write_eagle3(out, target_dir, draft_vocab_size=DRAFT_VOCAB)
             tree = {"dynamic_tree": {"top_k": 4, "total_token": 16}} if name == "eagle3-tree" else {}
@@ -147,6 +157,7 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=TARGET)
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1])
     heads = ["eagle3", "eagle3-tree", "eagle", "mtp", "medusa", "medusa-full", "mlp_speculator", "dflash", "dspark"]
+    heads += ["eagle-map", "mtp-map", "mlp_speculator-map"]
     parser.add_argument("--heads", nargs="+", choices=heads, default=heads)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--int8", action="store_true", help="quantization: int8 for every head")
@@ -164,7 +175,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (spec, k, nodes) in write_heads(Path(tmp), args.target, args.heads).items():
             quantization = {"quantization": "int8"} if args.int8 else {}
-            config = SpeculativeConfig.from_json({**spec, **quantization, "model": str(Path(tmp) / name)})
+            config = SpeculativeConfig.from_json({"model": str(Path(tmp) / name), **spec, **quantization})
             proposer = build_proposer(config, max_model_len=4096, dtype="bfloat16", target_model=args.target)
             calls[name] = draft_call(proposer, k, nodes, target.vocab_size, target.hidden_size)
     verify_name = f"verify step ({VERIFY_TOKENS} tokens)"

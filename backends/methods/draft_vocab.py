@@ -26,8 +26,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-TOKEN_MAP_FILE = "token_map.json"  # where `tritonspec train` writes a head's map
-
 
 class TokenMapError(ValueError):
     """A speculative_token_map file that cannot be read as a set of the target's token ids."""

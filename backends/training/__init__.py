@@ -25,6 +25,11 @@ RECIPES: dict[str, dict[str, int]] = {"eagle3": {"self_prompts": 500, "epochs": 
 DEFAULT_RECIPE: dict[str, int] = {"self_prompts": 0, "epochs": 3}
 
 
+# Beside an eagle, mtp or mlp_speculator head: the most frequent tokens of its training answers,
+# a speculative_token_map the trained-head lookups serve it with (backends/methods/draft_vocab.py).
+TOKEN_MAP_FILE = "token_map.json"
+
+
 def recipe(method: str) -> dict[str, int]:
     """The method's default training recipe: target-written prompts and epochs."""
     return RECIPES.get(method, DEFAULT_RECIPE)

@@ -37,7 +37,7 @@ from backends.methods.eagle_head import Eagle1Head, Eagle3Head, EagleHead, llama
 from backends.methods.head_checkpoint import TargetInfo
 from backends.runtime.model_store import read_safetensors
 from backends.training.data import TrainingData
-from backends.training.trainer import Batch, HeadTrainer, StepMetrics
+from backends.training.trainer import DRAFT_VOCAB_SIZE, Batch, HeadTrainer, StepMetrics, draft_vocabulary
 
 FEATURE_LOSS, TOKEN_LOSS, STEP_DECAY = 1.0, 0.1, 0.8  # EAGLE's weights; later steps count less
 CE_POSITIONS = 1024  # token-loss positions per step while training (the LM head dominates CPU time)
@@ -153,21 +153,6 @@ def loss_positions(ok: torch.Tensor, training: bool, limit: int = CE_POSITIONS) 
     return where
 
 
-def draft_vocabulary(
-    data: TrainingData, target: TargetInfo, size: int, method: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft vocabulary: the `size` tokens the target emits most often (target ids, in
-    order), and each target id's draft id (-1: not in it)."""
-    size = min(size, target.vocab_size)
-    counts = torch.bincount(data.labels, minlength=target.vocab_size)
-    keep = counts.topk(size).indices.sort().values
-    coverage = counts[keep].sum().item() / max(counts.sum().item(), 1)
-    print(f"{method} draft vocabulary: {size} tokens cover {coverage:.1%} of the target's training tokens")
-    target_to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
-    target_to_draft[keep] = torch.arange(size)
-    return keep, target_to_draft
-
-
 class EagleTrainerBase(HeadTrainer):
     ce_positions = CE_POSITIONS
 
@@ -232,13 +217,12 @@ class Eagle1Trainer(EagleTrainerBase):
 
 class Eagle3Trainer(EagleTrainerBase):
     method = "eagle3"
-    draft_vocab_size = 8192
 
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
         return tuple(sorted(aux_layer_ids({}, {"num_hidden_layers": target.num_layers})))
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> Eagle3Head:
-        size = int(options.get("draft_vocab_size", self.draft_vocab_size))
+        size = int(options.get("draft_vocab_size", DRAFT_VOCAB_SIZE))
         keep, target_to_draft = draft_vocabulary(data, target, size, self.method)
         size = len(keep)
         cfg = head_config(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=size)

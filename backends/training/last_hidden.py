@@ -39,9 +39,9 @@ from backends.methods.head_checkpoint import TargetInfo
 from backends.methods.medusa import MedusaHead, save_medusa
 from backends.methods.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
 from backends.training.data import TrainingData
-from backends.training.eagle import CE_POSITIONS, Eagle3Trainer, draft_vocabulary, target_layer
+from backends.training.eagle import CE_POSITIONS, target_layer
 from backends.training.steps import Anchors, Prediction, StepTrainer, draft_labels, served_copy
-from backends.training.trainer import Batch
+from backends.training.trainer import DRAFT_VOCAB_SIZE, Batch, draft_vocabulary
 
 
 class _LastHiddenTrainer(StepTrainer):
@@ -63,7 +63,7 @@ class MedusaTrainer(_LastHiddenTrainer):
     method = "medusa"
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> MedusaHead:
-        size = int(options.get("draft_vocab_size", Eagle3Trainer.draft_vocab_size))
+        size = int(options.get("draft_vocab_size", DRAFT_VOCAB_SIZE))
         keep, target_to_draft = draft_vocabulary(data, target, size, self.method)
         config = {"num_heads": int(options.get("num_steps", 3)), "num_hidden_layers": 1, "medusa_fc_bias": True}
         if len(keep) < target.vocab_size:

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from backends.config.verify import TOKEN_MAP_METHODS
 from backends.methods.head_checkpoint import TargetInfo
-from backends.training import TRAINERS
+from backends.training import TOKEN_MAP_FILE, TRAINERS
 from backends.training.data import TrainingData, prepare
 
 
@@ -52,6 +53,26 @@ class StepMetrics:
     loss: torch.Tensor
     correct: list[int]  # per draft step: positions where the head's top-1 = the target's
     counted: list[int]
+
+
+# The trainers' draft vocabulary (eagle3, medusa, dflash, dspark) and token map (eagle, mtp,
+# mlp_speculator) size unless --draft-vocab-size says otherwise.
+DRAFT_VOCAB_SIZE = 8192
+
+
+def draft_vocabulary(
+    data: TrainingData, target: TargetInfo, size: int, method: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft vocabulary: the `size` tokens the target emits most often (target ids, in
+    order), and each target id's draft id (-1: not in it)."""
+    size = min(size, target.vocab_size)
+    counts = torch.bincount(data.labels, minlength=target.vocab_size)
+    keep = counts.topk(size).indices.sort().values
+    coverage = counts[keep].sum().item() / max(counts.sum().item(), 1)
+    print(f"{method} draft vocabulary: {size} tokens cover {coverage:.1%} of the target's training tokens")
+    target_to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    target_to_draft[keep] = torch.arange(size)
+    return keep, target_to_draft
 
 
 class HeadTrainer:
@@ -176,6 +197,9 @@ def train(
     started = time.monotonic()
     _train_steps(run, optimization, checkpoint, step, history, method)
     trainer.save(head, out)
+    if method in TOKEN_MAP_METHODS:  # the head drafts over the target's vocabulary: a map to cut it to
+        keep, _ = draft_vocabulary(data, info, int((options or {}).get("draft_vocab_size", DRAFT_VOCAB_SIZE)), method)
+        (out / TOKEN_MAP_FILE).write_text(json.dumps(keep.tolist()))
     report = _report(settings, target, run, len(train_seqs), time.monotonic() - started, history)
     (out / "training_report.json").write_text(json.dumps(report, indent=2))
     return report

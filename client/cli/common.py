@@ -7,8 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from backends.config.verify import TOKEN_MAP_METHODS
 from backends.runtime.model_store import ModelNotFoundError
-from backends.training import head_dir
+from backends.training import TOKEN_MAP_FILE, head_dir
 from backends.triton_models.topology import VERIFIER_IN_PROCESS_CHOICES
 
 # The subparsers action `build_parser` hands each subcommand's `add_*_parser`.
@@ -107,3 +108,12 @@ def trained_head(target: str, method: str) -> Path:
             f"`tritonspec train {method} --target {target}`"
         )
     return path
+
+
+def draft_with_trained_head(config: dict, target: str, method: str) -> None:
+    """Set `config` to draft with the head `tritonspec train` made for `target`, and with the
+    token map written beside it (a reduced draft vocabulary) unless the config names one."""
+    path = trained_head(target, method)
+    config["model"] = str(path)
+    if method in TOKEN_MAP_METHODS and (path / TOKEN_MAP_FILE).exists():
+        config.setdefault("speculative_token_map", str(path / TOKEN_MAP_FILE))

@@ -368,7 +368,11 @@ def _add_train_parser(sub: Subcommands) -> None:
         "speculator stages (default 3), drafts per DFlash/DSpark block (default 7)",
     )
     train_p.add_argument(
-        "--draft-vocab-size", type=int, default=8192, help="eagle3, medusa, dflash, dspark: draft vocabulary size"
+        "--draft-vocab-size",
+        type=int,
+        default=8192,
+        help="eagle3, medusa, dflash, dspark: draft vocabulary size; eagle, mtp, mlp_speculator: the size of "
+        "the token map written beside the head (token_map.json, served as its speculative_token_map)",
     )
     train_p.set_defaults(func=_train)
 

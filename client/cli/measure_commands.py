@@ -183,7 +183,7 @@ def _bench_config(args: argparse.Namespace, name: str, draft: Path | None) -> di
             raise ModelNotFoundError("the draft_model method needs --draft-model (or --profile)")
         config["model"] = str(draft)
     elif method in TRAINERS:
-        config["model"] = str(common.trained_head(args.model, method))
+        common.draft_with_trained_head(config, args.model, method)
     if args.num_speculative_tokens:
         config["num_speculative_tokens"] = args.num_speculative_tokens
     return config

@@ -151,7 +151,7 @@ def _local_speculative_config(spec: str, target: str) -> str:
         and not config.get("model")
         and (method != "mtp" or (head_dir(target, method) / "config.json").exists())
     ):
-        config["model"] = str(common.trained_head(target, method))
+        common.draft_with_trained_head(config, target, method)
     return json.dumps(config)
 
 

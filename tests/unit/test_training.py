@@ -150,31 +150,30 @@ def test_self_written_prompts_need_a_chat_target(target_dir, tmp_path):
         prepare(target_dir, tmp_path, (0,), 4, 8, self_prompts=-1)
 
 
-def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys):
+def test_cli_train_writes_a_servable_head(target_dir, data_dir, tmp_path, capsys, monkeypatch):
+    """The head and, beside it, a token map of its training answers' most frequent tokens, which
+    the trained-head lookup (serve, bench) serves it with."""
+    from backends.methods.draft_vocab import read_token_map
+    from backends.training import head_dir
+    from client.cli.common import draft_with_trained_head
     from client.cli.main import main
 
-    code = main(
-        [
-            "train",
-            "eagle",
-            "--target",
-            str(target_dir),
-            "--out",
-            str(tmp_path / "h"),
-            "--data-dir",
-            str(data_dir),
-            "--prompts",
-            "24",
-            "--max-new-tokens",
-            "24",
-            "--epochs",
-            "1",
-        ]
-    )
+    monkeypatch.setenv("TRITONSPEC_CACHE", str(tmp_path / "cache"))
+    head = head_dir(str(target_dir), "eagle")
+    args = ["--data-dir", str(data_dir), "--prompts", "24", "--max-new-tokens", "24", "--epochs", "1"]
+    code = main(["train", "eagle", "--target", str(target_dir), "--draft-vocab-size", "64", *args])
     assert code == 0
     out = capsys.readouterr().out
-    assert "estimated mean acceptance length" in out
-    assert load_eagle(tmp_path / "h", TargetInfo.load(target_dir), "float32", "eagle").layout == "eagle"
+    assert "estimated mean acceptance length" in out and "eagle draft vocabulary: 64 tokens cover" in out
+    target = TargetInfo.load(target_dir)
+    assert load_eagle(head, target, "float32", "eagle").layout == "eagle"
+    assert len(read_token_map(head / "token_map.json", target.vocab_size)) == 64
+    config = {"method": "eagle", "num_speculative_tokens": 3}
+    draft_with_trained_head(config, str(target_dir), "eagle")
+    assert config == {**config, "model": str(head), "speculative_token_map": str(head / "token_map.json")}
+    config = {"method": "eagle", "speculative_token_map": "/elsewhere.json"}
+    draft_with_trained_head(config, str(target_dir), "eagle")
+    assert config["speculative_token_map"] == "/elsewhere.json"  # the config's own map wins
     assert main(["train", "eagle", "--target", str(tmp_path / "missing")]) == 1
     (tmp_path / "empty.json").write_text("[]")
     capsys.readouterr()
