@@ -36,7 +36,7 @@ def heads(tmp_path_factory, tiny_model_dir):
     return root
 
 
-def proposer(heads, tiny_model_dir, name: str, token_map=None, sample_method: str = "greedy"):
+def proposer(heads, tiny_model_dir, name: str, token_map=None, sample_method: str = "greedy", dtype: str = "float32"):
     config = {
         "method": name.split("-")[0],
         "model": str(heads / name),
@@ -46,7 +46,7 @@ def proposer(heads, tiny_model_dir, name: str, token_map=None, sample_method: st
     if token_map is not None:
         config["speculative_token_map"] = str(token_map)
     resolved = SpeculativeConfig.from_json(config, target_model=str(tiny_model_dir))
-    return build_proposer(resolved, max_model_len=512, dtype="float32", target_model=tiny_model_dir, seed=1)
+    return build_proposer(resolved, max_model_len=512, dtype=dtype, target_model=tiny_model_dir, seed=1)
 
 
 def requests(runner, layer_ids) -> list[DraftRequest]:
@@ -104,13 +104,16 @@ def test_the_config_takes_a_map_for_whole_vocabulary_heads_only(heads, tmp_path,
 # ---------------------------------------------------------------------------- the drafts
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the cut LM heads on the packed kernel
 @pytest.mark.parametrize("name", HEADS)
-def test_a_map_holding_the_drafts_drafts_the_same_and_cuts_every_lm_head(name, heads, tiny_model_dir, runner, tmp_path):
-    whole = proposer(heads, tiny_model_dir, name)
+def test_a_map_holding_the_drafts_drafts_the_same_and_cuts_every_lm_head(
+    name, dtype, heads, tiny_model_dir, runner, tmp_path
+):
+    whole = proposer(heads, tiny_model_dir, name, dtype=dtype)
     batch = requests(runner, whole.hidden_layer_ids)
     drafts = [d.token_ids for d in whole.propose(batch)]
     ids = {t for d in drafts for t in d} | set(range(0, V, 3))
-    cut = proposer(heads, tiny_model_dir, name, write_map(tmp_path / "map.json", ids))
+    cut = proposer(heads, tiny_model_dir, name, write_map(tmp_path / "map.json", ids), dtype=dtype)
     assert [d.token_ids for d in cut.propose(requests(runner, cut.hidden_layer_ids))] == drafts
     lm_heads = [m for m in cut.head.modules() if isinstance(m, torch.nn.Linear) and m.out_features >= len(ids)]
     assert lm_heads and all(m.out_features == len(ids) for m in lm_heads), lm_heads
