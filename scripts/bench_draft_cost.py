@@ -19,7 +19,7 @@ each; the table gives the median of the round medians and their range.
     .venv/bin/python scripts/bench_draft_cost.py [--target DIR] [--tree DIR] [--heads medusa dflash ...] [--int8]
 
 `--int8` serves every head with `quantization: int8` (its own linear layers on the int8 kernel).
-`eagle-map`, `mtp-map` and `mlp_speculator-map` are those heads with their LM heads cut to a
+`eagle-map`, `mtp-map`, `medusa-full-map` and `mlp_speculator-map` are those heads with their LM heads cut to a
 token map of 8192 ids (`speculative_token_map`).
 
 `--tree DIR` imports `backends` from another checkout of the repository (e.g. `git archive
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=TARGET)
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1])
     heads = ["eagle3", "eagle3-tree", "eagle", "mtp", "medusa", "medusa-full", "mlp_speculator", "dflash", "dspark"]
-    heads += ["eagle-map", "mtp-map", "mlp_speculator-map"]
+    heads += ["eagle-map", "mtp-map", "medusa-full-map", "mlp_speculator-map"]
     parser.add_argument("--heads", nargs="+", choices=heads, default=heads)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--int8", action="store_true", help="quantization: int8 for every head")

@@ -22,9 +22,9 @@ TREE_METHODS = {
     "suffix_decoding_use_tree_spec": ("suffix",),
 }
 MAX_TREE_NODES = 128
-# The methods whose heads draft over the target's whole vocabulary: a speculative_token_map cuts
-# their LM head (backends/methods/draft_vocab.py).
-TOKEN_MAP_METHODS = ("eagle", "mtp", "mlp_speculator")
+# The methods whose heads may draft over the target's whole vocabulary (Medusa: FasterDecoding's
+# layout): a speculative_token_map cuts their LM heads (backends/methods/draft_vocab.py).
+TOKEN_MAP_METHODS = ("eagle", "mtp", "mlp_speculator", "medusa")
 
 
 def verify_args(cfg: SpeculativeConfig) -> None:
@@ -134,7 +134,7 @@ def _validate_token_map(cfg: SpeculativeConfig) -> None:
     if cfg.method not in TOKEN_MAP_METHODS:
         raise SpeculativeConfigError(
             f"speculative_token_map applies to method {' / '.join(TOKEN_MAP_METHODS)} (heads that draft over "
-            f"the target's whole vocabulary), not method='{cfg.method}'; eagle3, medusa, dflash and dspark "
+            f"the target's whole vocabulary), not method='{cfg.method}'; eagle3, dflash and dspark "
             "checkpoints carry a draft vocabulary of their own"
         )
     if not Path(cfg.speculative_token_map).expanduser().is_file():

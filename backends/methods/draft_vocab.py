@@ -2,11 +2,11 @@
 (`speculative_token_map`; FR-Spec, Zhao et al. 2025, https://arxiv.org/abs/2502.14856, and
 SGLang's `--speculative-token-map`).
 
-An EAGLE-1, MTP or MLP-speculator head ends in an LM head over the target's vocabulary: for
-SmolLM2 a 49152 x 576 matrix, 56 MB in bf16, streamed once per draft position, which is most of
-what such a head's drafting costs. With a token map the LM head keeps only the rows of the
-map's tokens (the ones the target writes most often), so a draft position reads a sixth of that
-for an 8192-token map. Drafts come back to target ids through the head's `draft_to_target`, as
+An EAGLE-1, MTP or MLP-speculator head, and a Medusa head in FasterDecoding's layout, end in
+LM heads over the target's vocabulary: for SmolLM2 a 49152 x 576 matrix, 56 MB in bf16,
+streamed once per draft position, which is most of what such a head's drafting costs. With a
+token map an LM head keeps only the rows of the map's tokens (the ones the target writes most
+often), so a draft position reads a sixth of that for an 8192-token map. Drafts come back to target ids through the head's `draft_to_target`, as
 EAGLE-3's draft vocabulary does. Verification is unchanged, so decoding stays lossless: a greedy
 draft is the head's best token within the map (the same token whenever the full head's best is
 in it), and a sampled draft comes with its probabilities over the target's vocabulary, 0 outside
@@ -75,7 +75,10 @@ def restrict_draft_vocab(head: nn.Module, token_ids: torch.Tensor) -> int:
                     cut[id(child)] = _rows(child, token_ids)
                 setattr(parent, name, cut[id(child)])
     if not cut:
-        raise TokenMapError(f"{type(head).__name__} has no LM head over the target's vocabulary to cut")
+        raise TokenMapError(
+            f"speculative_token_map: this {type(head).__name__} has no LM head over the target's whole "
+            "vocabulary to cut (its checkpoint drafts over a draft vocabulary of its own)"
+        )
     head.draft_to_target = token_ids.to(next(head.parameters()).device)
     return len(cut)
 

@@ -92,6 +92,10 @@ class MedusaHead(nn.Module):
     def draft_to_target(self) -> torch.Tensor | None:
         return self.token_map
 
+    @draft_to_target.setter
+    def draft_to_target(self, token_ids: torch.Tensor) -> None:  # a speculative_token_map (draft_vocab.py)
+        self.token_map = token_ids
+
     def head_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         z = hidden
         for linear in self.blocks[index].layers:

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from backends.config import SpeculativeConfig, SpeculativeConfigError
-from backends.methods.draft_vocab import TokenMapError, read_token_map, restrict_draft_vocab
+from backends.methods.draft_vocab import TokenMapError, read_token_map
 from backends.serving.proposer import DraftRequest, build_proposer
 from tests.fixtures.head_server import CONTEXTS
 from tests.fixtures.helpers import target_hidden
 from tests.fixtures.synthetic_checkpoints import write_eagle1
-from tests.fixtures.synthetic_heads import write_mlp_speculator, write_mtp
+from tests.fixtures.synthetic_heads import write_medusa, write_mlp_speculator, write_mtp
 
 V = 384
 HEADS = {
@@ -25,6 +25,7 @@ HEADS = {
     "mtp": lambda out, target_dir: write_mtp(out, target_dir),
     "mlp_speculator": lambda out, target_dir: write_mlp_speculator(out, target_dir),
     "mlp_speculator-tied": lambda out, target_dir: write_mlp_speculator(out, target_dir, tie_weights=True),
+    "medusa": lambda out, target_dir: write_medusa(out, target_dir),  # FasterDecoding's: whole-vocabulary LM heads
 }
 
 
@@ -150,8 +151,10 @@ def test_sampled_drafts_come_with_probabilities_over_the_map_alone(heads, tiny_m
         assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.token_ids))
 
 
-def test_a_head_without_a_whole_vocabulary_lm_head_is_refused(heads, tiny_model_dir):
-    head = proposer(heads, tiny_model_dir, "eagle").head
-    restrict_draft_vocab(head, torch.arange(10))
-    with pytest.raises(TokenMapError, match="has no LM head over the target's vocabulary"):
-        restrict_draft_vocab(head, torch.arange(5))
+def test_a_head_with_a_draft_vocabulary_of_its_own_is_refused_by_name(heads, tiny_model_dir, tmp_path):
+    write_medusa(tmp_path / "truncated", tiny_model_dir, layout="vllm", draft_vocab_size=128)
+    config = {"method": "medusa", "model": str(tmp_path / "truncated"), "num_speculative_tokens": 3}
+    config["speculative_token_map"] = write_map(tmp_path / "map.json", range(10))
+    resolved = SpeculativeConfig.from_json(config, target_model=str(tiny_model_dir))
+    with pytest.raises(TokenMapError, match="has no LM head over the target's whole vocabulary"):
+        build_proposer(resolved, max_model_len=512, dtype="float32", target_model=tiny_model_dir)
