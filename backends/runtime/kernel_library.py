@@ -71,25 +71,8 @@ def library() -> ctypes.CDLL:
     their signatures."""
     lib = ctypes.CDLL(str(_built(SOURCE)))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.attend.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
+    lib.attend.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64]
+    lib.attend.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attend.restype = ctypes.c_int
     lib.attend_bf16_dots.argtypes = []
     lib.attend_bf16_dots.restype = ctypes.c_int

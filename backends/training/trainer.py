@@ -197,12 +197,19 @@ def train(
     started = time.monotonic()
     _train_steps(run, optimization, checkpoint, step, history, method)
     trainer.save(head, out)
-    if method in TOKEN_MAP_METHODS:  # the head drafts over the target's vocabulary: a map to cut it to
-        keep, _ = draft_vocabulary(data, info, int((options or {}).get("draft_vocab_size", DRAFT_VOCAB_SIZE)), method)
-        (out / TOKEN_MAP_FILE).write_text(json.dumps(keep.tolist()))
+    if method in TOKEN_MAP_METHODS:
+        _write_token_map(data, info, out, method, options)
     report = _report(settings, target, run, len(train_seqs), time.monotonic() - started, history)
     (out / "training_report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _write_token_map(data: TrainingData, target: TargetInfo, out: Path, method: str, options: dict | None) -> None:
+    """Beside a head that drafts over the target's vocabulary, a token map to cut its LM head
+    to (speculative_token_map): the most frequent tokens of its training answers."""
+    size = int((options or {}).get("draft_vocab_size", DRAFT_VOCAB_SIZE))
+    keep, _ = draft_vocabulary(data, target, size, method)
+    (out / TOKEN_MAP_FILE).write_text(json.dumps(keep.tolist()))
 
 
 @dataclass
