@@ -93,9 +93,6 @@ class SpeculativeConfig:
     suffix_decoding_use_tree_spec: bool = False
     # The most nodes of a suffix tree draft; default 2 * num_speculative_tokens (its depth).
     suffix_decoding_max_tree_nodes: int | None = None
-    # A reduced draft vocabulary (not in vLLM; SGLang's --speculative-token-map, FR-Spec): a
-    # file of target token ids the LM head of an eagle, mtp or mlp_speculator head is cut to.
-    speculative_token_map: str | None = None
     draft_tensor_parallel_size: int | None = None
     tensor_parallel_size: int | None = None
     max_model_len: int | None = None
@@ -119,6 +116,9 @@ class SpeculativeConfig:
     eagle_aux_hidden_state_layer_ids: list[int] | None = None
     # Keys written over the draft's config.json (vLLM: draft_model_config["hf_config"]).
     hf_overrides: dict[str, Any] | None = None
+    # A reduced draft vocabulary (not in vLLM; SGLang's --speculative-token-map, FR-Spec): a
+    # file of target token ids the LM heads of an eagle, mtp, mlp_speculator or medusa head are cut to.
+    speculative_token_map: str | None = None
     # What the engine injects in vLLM (target_model_config / target_parallel_config).
     target_model: str | None = None
     target_max_model_len: int | None = None

@@ -391,7 +391,33 @@ def eagle3_chain(
     ids, features, last = context
     ctx, rows = features.shape[0], last.shape[0]
     slots, cos, sin, keys = queries
-    _check_chain(layer, sizes, kv, context, steps, queries, embed, norms, vocab, to_target)
+    _check_layer_tensors(0, 1, features, sizes, kv, None)
+    if steps < 1 or len(layer) != 1 or not 0 < rows <= ctx:
+        raise KernelArgumentError(
+            f"a chain of {steps} drafts for {rows} rows from {ctx} pairs through {len(layer)} layers"
+        )
+    _check_tokens("eagle3_chain", ctx + (steps - 1) * rows, slots, cos, sin, kv.shape[1], d)
+    keys.check(ctx + (steps - 1) * rows, kv.shape[1])
+    if keys.mask is not None:
+        raise KernelArgumentError("a chain's key lists hide no keys")
+    tables = (("embed", embed, hidden), *((f"norm {i}", n.view(1, -1), hidden) for i, n in enumerate(norms)))
+    for name, table, width in tables:
+        if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[-1] != width:
+            raise KernelArgumentError(
+                f"{name} must be a contiguous bf16 [.., {width}], got {table.dtype} {list(table.shape)}"
+            )
+    # every id the kernel indexes with: the pairs' tokens and the drafts' target ids (embedding
+    # rows), each row's last pair
+    indices = [("ids", ids, ctx, embed.shape[0]), ("last", last, rows, ctx)]
+    if to_target is not None:
+        indices.append(("to_target", to_target, vocab, embed.shape[0]))
+    elif vocab > embed.shape[0]:
+        raise KernelArgumentError(f"{vocab} draft ids without to_target past the {embed.shape[0]}-row embedding")
+    for name, index, count, bound in indices:
+        if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (count,):
+            raise KernelArgumentError(f"{name} must be a contiguous int64 [{count}]")
+        if count and not 0 <= int(index.min()) <= int(index.max()) < bound:
+            raise KernelArgumentError(f"{name} holds an index outside [0, {bound})")
     widest = max(ctx, rows)
     state, logits = features.new_empty(rows, hidden), features.new_empty(rows, vocab)
     attn_in, scratch = features.new_empty(widest, 2 * hidden), features.new_empty(layer_scratch(widest, sizes))
@@ -423,52 +449,6 @@ def eagle3_chain(
     if rc != 0:
         raise KernelUnavailable(f"eagle3_chain refused its sizes {sizes} (or ran out of memory: {rc})")
     return out.tolist()
-
-
-def _check_chain(
-    layer: LayerSteps,
-    sizes: tuple[int, int, int, int, int],
-    kv: torch.Tensor,
-    context: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    steps: int,
-    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLists],
-    embed: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    vocab: int,
-    to_target: torch.Tensor | None,
-) -> None:
-    """eagle3_chain's arguments, checked before the C call reads through their pointers."""
-    hidden, _, _, _, d = sizes
-    ids, features, last = context
-    ctx, rows = features.shape[0], last.shape[0]
-    slots, cos, sin, keys = queries
-    _check_layer_tensors(0, 1, features, sizes, kv, None)
-    if steps < 1 or len(layer) != 1 or not 0 < rows <= ctx:
-        raise KernelArgumentError(
-            f"a chain of {steps} drafts for {rows} rows from {ctx} pairs through {len(layer)} layers"
-        )
-    _check_tokens("eagle3_chain", ctx + (steps - 1) * rows, slots, cos, sin, kv.shape[1], d)
-    keys.check(ctx + (steps - 1) * rows, kv.shape[1])
-    if keys.mask is not None:
-        raise KernelArgumentError("a chain's key lists hide no keys")
-    tables = (("embed", embed, hidden), *((f"norm {i}", n.view(1, -1), hidden) for i, n in enumerate(norms)))
-    for name, table, width in tables:
-        if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[-1] != width:
-            raise KernelArgumentError(
-                f"{name} must be a contiguous bf16 [.., {width}], got {table.dtype} {list(table.shape)}"
-            )
-    # every id the kernel indexes with: the pairs' tokens and the drafts' target ids (embedding
-    # rows), each row's last pair
-    indices = [("ids", ids, ctx, embed.shape[0]), ("last", last, rows, ctx)]
-    if to_target is not None:
-        indices.append(("to_target", to_target, vocab, embed.shape[0]))
-    elif vocab > embed.shape[0]:
-        raise KernelArgumentError(f"{vocab} draft ids without to_target past the {embed.shape[0]}-row embedding")
-    for name, index, count, bound in indices:
-        if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (count,):
-            raise KernelArgumentError(f"{name} must be a contiguous int64 [{count}]")
-        if count and not 0 <= int(index.min()) <= int(index.max()) < bound:
-            raise KernelArgumentError(f"{name} holds an index outside [0, {bound})")
 
 
 def _check_layer_tensors(
