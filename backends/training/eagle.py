@@ -176,6 +176,7 @@ class EagleTrainerBase(HeadTrainer):
 
 class Eagle1Trainer(EagleTrainerBase):
     method = "eagle"
+    writes_token_map = True
     ce_positions = CE_POSITIONS // 4  # its LM head is the target's full vocabulary; the feature loss leads
 
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:

@@ -88,6 +88,7 @@ class MedusaTrainer(_LastHiddenTrainer):
 
 class MLPSpeculatorTrainer(_LastHiddenTrainer):
     method = "mlp_speculator"
+    writes_token_map = True
     anchors_per_batch = CE_POSITIONS // 4  # its one LM head, trained, spans the target's whole vocabulary
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> MLPSpeculatorHead:

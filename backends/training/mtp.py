@@ -30,6 +30,7 @@ from backends.training.steps import served_copy
 
 class MTPTrainer(EagleTrainerBase):
     method = "mtp"
+    writes_token_map = True
     ce_positions = CE_POSITIONS // 4  # its LM head is the target's, over the whole vocabulary
 
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:

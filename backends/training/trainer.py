@@ -31,7 +31,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from backends.config.verify import TOKEN_MAP_METHODS
 from backends.methods.head_checkpoint import TargetInfo
 from backends.training import TOKEN_MAP_FILE, TRAINERS
 from backends.training.data import TrainingData, prepare
@@ -80,6 +79,9 @@ class HeadTrainer:
 
     method: str
     num_steps = 3  # draft steps trained unless asked otherwise: the k the head is served with
+    # True: the head drafts over the target's whole vocabulary, and a token map to cut its LM
+    # head to is written beside it (eagle, mtp, mlp_speculator; the others have a draft vocabulary).
+    writes_token_map = False
 
     def layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
         raise NotImplementedError
@@ -197,7 +199,7 @@ def train(
     started = time.monotonic()
     _train_steps(run, optimization, checkpoint, step, history, method)
     trainer.save(head, out)
-    if method in TOKEN_MAP_METHODS:
+    if trainer.writes_token_map:
         _write_token_map(data, info, out, method, options)
     report = _report(settings, target, run, len(train_seqs), time.monotonic() - started, history)
     (out / "training_report.json").write_text(json.dumps(report, indent=2))

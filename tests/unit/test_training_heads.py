@@ -124,6 +124,10 @@ def test_the_published_layouts(trained_heads, heads_corpus):
     assert cfg["draft_vocab_size"] == 256 and {"fc.weight", "lm_head.weight", "d2t"} <= dflash
     assert "embed_tokens.weight" not in dflash
     assert (trained_heads["dflash"][0] / "mask_embedding.pt").exists()
+    # Beside the heads that draft over the target's whole vocabulary, a token map (their
+    # speculative_token_map); the others have a draft vocabulary of their own.
+    mapped = {m for m, (path, *_) in trained_heads.items() if (path / "token_map.json").exists()}
+    assert mapped == {"mlp_speculator", "mtp"}
     dspark, cfg = keys("dspark")
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == STEPS
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "embed_tokens.weight", "d2t"} <= dspark
