@@ -85,7 +85,14 @@ from torch import nn
 from backends.config import DrafterConfig
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
 from backends.methods.drafts import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gather_drafts
-from backends.methods.eagle_head import Eagle3Head, EagleCheckpointError, EagleHead, kernel_norms, load_eagle
+from backends.methods.eagle_head import (
+    Eagle1Head,
+    Eagle3Head,
+    EagleCheckpointError,
+    EagleHead,
+    kernel_norms,
+    load_eagle,
+)
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime import cpu_kernels
@@ -286,20 +293,14 @@ class EagleProposer(HeadProposer):
             self.pool.truncate(w.seq_id, w.context + w.num_drafts - 1)
 
     def _chain_in_c(self, work: list[_Work], steps: int) -> list[list[int]] | None:
-        """`_run`'s greedy EAGLE-3 chain, the context's forward included, in one C call
-        (cpu_kernels.eagle3_chain: the same kernels in the same order, so the same drafts and KV
-        bits, without ~0.2 ms of Python a position); each row's `steps` drafts. None where it
-        does not run (another head, sampled drafts, the op-by-op path) or logits held a NaN."""
-        head = self.head
+        """`_run`'s greedy EAGLE-1 or EAGLE-3 chain, the context's forward included, in one C
+        call (cpu_kernels.eagle_chain: the same kernels in the same order, so the same drafts
+        and KV bits, without ~0.2 ms of Python a position); each row's `steps` drafts. None
+        where it does not run (another head, sampled drafts, the op-by-op path) or logits held
+        a NaN."""
+        inputs = self._chain_inputs()
         greedy = self.sample_method != "probabilistic" or all(is_greedy(w.temperature) for w in work)
-        eagle3 = isinstance(head, Eagle3Head) and isinstance(head.lm_head, KernelLinear)
-        # the kernel feeds the layer [embedding | state], 2 hidden wide, as EAGLE-3's layer reads
-        if not (
-            greedy
-            and self.kernels
-            and eagle3
-            and self.decoder.layers[0].qkv.bounds[-1][1] == 2 * head.config.hidden_size
-        ):
+        if inputs is None or not greedy:
             return None
         # One plan for the call: each row's new pairs, then its steps - 1 fed positions (the
         # causal key lists of single steps). The kernel takes the pairs row after row, then
@@ -314,8 +315,8 @@ class EagleProposer(HeadProposer):
         queries = (plan.slots[order], plan.cos.flatten(1)[order], plan.sin.flatten(1)[order], keys)
         ids = torch.tensor([t for w in work for t in w.new_ids])
         context = (ids, torch.cat([w.features for w in work]), sizes.cumsum(0) - 1)
-        layer = head.layers[0]
-        drafted = cpu_kernels.eagle3_chain(
+        head = self.head
+        drafted = cpu_kernels.eagle_chain(
             self.decoder.layer_steps,
             self.decoder.sizes,
             self.decoder.eps,
@@ -324,8 +325,7 @@ class EagleProposer(HeadProposer):
             steps,
             queries,
             head.embed_tokens.weight,
-            (layer.input_layernorm.weight, layer.hidden_norm.weight, head.norm.weight),
-            head.norm_before_residual,
+            inputs,
             cpu_kernels.LinearWeights.of(head.lm_head.kernel().kernel_weights()),
             head.lm_head.out_features,
             head.draft_to_target,
@@ -334,6 +334,26 @@ class EagleProposer(HeadProposer):
             for w in work:
                 self.pool.truncate(w.seq_id, w.start)
         return drafted
+
+    def _chain_inputs(self) -> cpu_kernels.LinearWeights | tuple | None:
+        """What eagle_chain feeds the head's one layer with: EAGLE-1's fc, or EAGLE-3's norms
+        (and norm_before_residual); None where the chain kernel cannot run this head (another
+        layout, more layers, the op-by-op path, a linear not on the packed kernels)."""
+        head = self.head
+        if not (
+            self.kernels
+            and isinstance(head, (Eagle1Head, Eagle3Head))  # MTP's layers are built otherwise
+            and len(head.layers) == 1
+            and isinstance(head.lm_head, KernelLinear)
+        ):
+            return None
+        hidden, width = head.config.hidden_size, self.decoder.layers[0].qkv.bounds[-1][1]
+        if isinstance(head, Eagle1Head) and isinstance(head.fc, KernelLinear) and width == hidden:
+            return cpu_kernels.LinearWeights.of(head.fc.kernel().kernel_weights())
+        if isinstance(head, Eagle3Head) and width == 2 * hidden:  # the layer reads [embedding | state]
+            layer = head.layers[0]
+            return (layer.input_layernorm.weight, layer.hidden_norm.weight, head.norm.weight, head.norm_before_residual)
+        return None
 
     def _run_tree(self, work: list[_Work]) -> None:
         """A tree per sequence, level by level for the whole batch; the tree's entries are

@@ -363,7 +363,7 @@ def run_layers(
         raise KernelUnavailable(f"run_layers refused its sizes {sizes} (or ran out of memory: {rc})")
 
 
-def eagle3_chain(
+def eagle_chain(
     layer: LayerSteps,
     sizes: tuple[int, int, int, int, int],
     eps: float,
@@ -372,31 +372,33 @@ def eagle3_chain(
     steps: int,
     queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLists],
     embed: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    norm_before_residual: bool,
+    inputs: LinearWeights | tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool],
     lm_head: LinearWeights,
     vocab: int,
     to_target: torch.Tensor | None,
 ) -> list[list[int]] | None:
-    """An EAGLE-3 head's propose call for a greedy chain of ``steps`` drafts per row in one call
-    (cpu_kernels.c's eagle3_chain), through its one decoder layer ``layer`` (KV pool ``kv``).
-    ``context``: (token ids ``[ctx]``, fc's features ``[ctx, hidden]`` bf16, each row's last
-    pair's index ``[rows]``) of the new pairs, row after row; ``queries``: (slots, cos, sin, key
-    lists) of the context's pairs, then of the steps - 1 fed positions step-major (fed step s
-    of row r is query ctx + s * rows + r); ``norms``: (input_layernorm, hidden_norm, final norm)
-    weights; ``lm_head`` over ``vocab`` draft ids, mapped to target ids by ``to_target`` (None:
-    the same ids) that index ``embed`` ``[V, hidden]``. Each row's drafts as target ids, or
-    None where logits held a NaN (the caller drafts in torch)."""
+    """An EAGLE head's propose call for a greedy chain of ``steps`` drafts per row in one call
+    (cpu_kernels.c's eagle_chain), through its one decoder layer ``layer`` (KV pool ``kv``).
+    ``inputs``: EAGLE-1's fc (over [embedding | state], the layer's input and residual; the LM
+    head reads the state), or EAGLE-3's (input_layernorm, hidden_norm, final norm) weights and
+    norm_before_residual. ``context``: (token ids ``[ctx]``, the states ``[ctx, hidden]`` bf16:
+    EAGLE-3's fc features, EAGLE-1's target states; each row's last pair's index ``[rows]``) of
+    the new pairs, row after row; ``queries``: (slots, cos, sin, key lists) of the context's
+    pairs, then of the steps - 1 fed positions step-major (fed step s of row r is query ctx + s
+    * rows + r); ``lm_head`` over ``vocab`` draft ids, mapped to target ids by ``to_target``
+    (None: the same ids) that index ``embed`` ``[V, hidden]``. Each row's drafts as target ids,
+    or None where logits held a NaN (the caller drafts in torch)."""
     hidden, _, _, _, d = sizes
     ids, features, last = context
     ctx, rows = features.shape[0], last.shape[0]
     slots, cos, sin, keys = queries
+    fc, norms = (inputs, ()) if isinstance(inputs, LinearWeights) else (None, inputs[:3])
     _check_layer_tensors(0, 1, features, sizes, kv, None)
     if steps < 1 or len(layer) != 1 or not 0 < rows <= ctx:
         raise KernelArgumentError(
             f"a chain of {steps} drafts for {rows} rows from {ctx} pairs through {len(layer)} layers"
         )
-    _check_tokens("eagle3_chain", ctx + (steps - 1) * rows, slots, cos, sin, kv.shape[1], d)
+    _check_tokens("eagle_chain", ctx + (steps - 1) * rows, slots, cos, sin, kv.shape[1], d)
     keys.check(ctx + (steps - 1) * rows, kv.shape[1])
     if keys.mask is not None:
         raise KernelArgumentError("a chain's key lists hide no keys")
@@ -420,9 +422,11 @@ def eagle3_chain(
             raise KernelArgumentError(f"{name} holds an index outside [0, {bound})")
     widest = max(ctx, rows)
     state, logits = features.new_empty(rows, hidden), features.new_empty(rows, vocab)
-    attn_in, scratch = features.new_empty(widest, 2 * hidden), features.new_empty(layer_scratch(widest, sizes))
+    attn_in = features.new_empty(widest, hidden if fc else 2 * hidden)
+    cat, scratch = features.new_empty(widest, 2 * hidden), features.new_empty(layer_scratch(widest, sizes))
     drafts, out = torch.empty(rows, dtype=torch.int64), torch.empty(rows, steps, dtype=torch.int64)
-    rc = _library().eagle3_chain(
+    input_norm, hidden_norm, final_norm = (None, None, None) if fc else (n.data_ptr() for n in norms)
+    rc = _library().eagle_chain(
         features.data_ptr(),
         ids.data_ptr(),
         ctx,
@@ -435,19 +439,22 @@ def eagle3_chain(
         ctypes.byref(layer.weights),
         kv.data_ptr(),
         embed.data_ptr(),
-        *(n.data_ptr() for n in norms),
-        int(norm_before_residual),
+        ctypes.byref(fc) if fc else None,
+        input_norm,
+        hidden_norm,
+        final_norm,
+        int(not fc and inputs[3]),
         ctypes.byref(lm_head),
         vocab,
         None if to_target is None else to_target.data_ptr(),
         *(t.data_ptr() for t in (slots, cos, sin, keys.slots, keys.start, keys.length)),
-        *(t.data_ptr() for t in (state, drafts, logits, attn_in, scratch, out)),
+        *(t.data_ptr() for t in (state, drafts, logits, attn_in, cat, scratch, out)),
         torch.get_num_threads(),
     )
     if rc == -1:
         return None
     if rc != 0:
-        raise KernelUnavailable(f"eagle3_chain refused its sizes {sizes} (or ran out of memory: {rc})")
+        raise KernelUnavailable(f"eagle_chain refused its sizes {sizes} (or ran out of memory: {rc})")
     return out.tolist()
 
 

@@ -100,16 +100,18 @@ def test_a_float32_head_keeps_the_reference_path(checkpoints, target):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_an_eagle3_greedy_chain_is_one_kernel_call(k, norm_before_residual, checkpoints, target, monkeypatch):
-    """A greedy EAGLE-3 propose call, the forward over the new pairs included, is one C call
-    (cpu_kernels.eagle3_chain), with the reference path's drafts and KV bits."""
-    fast, ref = (proposer(checkpoints["eagle3"], target, "eagle3", {}, kernels) for kernels in (True, False))
-    for p in (fast, ref):
-        p.head.norm_before_residual = norm_before_residual
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "eagle3-norm-before-residual"])
+def test_a_greedy_chain_is_one_kernel_call(k, head, checkpoints, target, monkeypatch):
+    """A greedy EAGLE-1 or EAGLE-3 propose call, the forward over the new pairs included, is
+    one C call (cpu_kernels.eagle_chain), with the reference path's drafts and KV bits."""
+    name = head.split("-")[0]
+    fast, ref = (proposer(checkpoints[name], target, name, {}, kernels) for kernels in (True, False))
+    if head.endswith("-norm-before-residual"):
+        for p in (fast, ref):
+            p.head.norm_before_residual = True
     chains, forwards = [], []
-    run_chain, decode = cpu_kernels.eagle3_chain, fast._decode
-    monkeypatch.setattr(cpu_kernels, "eagle3_chain", lambda *a: chains.append(a[5]) or run_chain(*a))
+    run_chain, decode = cpu_kernels.eagle_chain, fast._decode
+    monkeypatch.setattr(cpu_kernels, "eagle_chain", lambda *a: chains.append(a[5]) or run_chain(*a))
     monkeypatch.setattr(fast, "_decode", lambda *a: forwards.append(1) or decode(*a))
     batches = calls(len(fast.hidden_layer_ids), target.hidden_size)
     for batch in batches:
@@ -125,7 +127,7 @@ def test_sampled_chains_and_nan_logits_leave_the_kernel_chain(checkpoints, targe
     (the kernel's argmax refuses them) are drafted there too, from the context's entries."""
     sampled = proposer(checkpoints["eagle3"], target, "eagle3", {}, True)
     sampled.sample_method = "probabilistic"
-    monkeypatch.setattr(cpu_kernels, "eagle3_chain", lambda *a: pytest.fail("a sampled chain in the greedy kernel"))
+    monkeypatch.setattr(cpu_kernels, "eagle_chain", lambda *a: pytest.fail("a sampled chain in the greedy kernel"))
     for batch in calls(len(sampled.hidden_layer_ids), target.hidden_size, rounds=1):
         drafts = sampled.propose([replace(r, num_draft_tokens=3, temperature=0.8) for r in batch])
     assert all(d.probs is not None and d.probs.shape[0] == 3 for d in drafts)
