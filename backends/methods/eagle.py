@@ -316,20 +316,21 @@ class EagleProposer(HeadProposer):
         ids = torch.tensor([t for w in work for t in w.new_ids])
         context = (ids, torch.cat([w.features for w in work]), sizes.cumsum(0) - 1)
         head = self.head
-        drafted = cpu_kernels.eagle_chain(
-            self.decoder.layer_steps,
-            self.decoder.sizes,
-            self.decoder.eps,
-            self.pool.kv,
-            context,
-            steps,
-            queries,
-            head.embed_tokens.weight,
-            inputs,
-            cpu_kernels.LinearWeights.of(head.lm_head.kernel().kernel_weights()),
-            head.lm_head.out_features,
-            head.draft_to_target,
+        chain = cpu_kernels.EagleChain(
+            layer=self.decoder.layer_steps,
+            sizes=self.decoder.sizes,
+            eps=self.decoder.eps,
+            kv=self.pool.kv,
+            context=context,
+            steps=steps,
+            queries=queries,
+            embed=head.embed_tokens.weight,
+            inputs=inputs,
+            lm_head=cpu_kernels.LinearWeights.of(head.lm_head.kernel().kernel_weights()),
+            vocab=head.lm_head.out_features,
+            to_target=head.draft_to_target,
         )
+        drafted = cpu_kernels.eagle_chain(chain)
         if drafted is None:  # a NaN: back to the kept entries, for the loop in torch
             for w in work:
                 self.pool.truncate(w.seq_id, w.start)

@@ -19,6 +19,7 @@ Building, trusting and loading the shared object: ``kernel_library.py``.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -363,20 +364,8 @@ def run_layers(
         raise KernelUnavailable(f"run_layers refused its sizes {sizes} (or ran out of memory: {rc})")
 
 
-def eagle_chain(
-    layer: LayerSteps,
-    sizes: tuple[int, int, int, int, int],
-    eps: float,
-    kv: torch.Tensor,
-    context: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    steps: int,
-    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLists],
-    embed: torch.Tensor,
-    inputs: LinearWeights | tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool],
-    lm_head: LinearWeights,
-    vocab: int,
-    to_target: torch.Tensor | None,
-) -> list[list[int]] | None:
+@dataclass(frozen=True)
+class EagleChain:
     """An EAGLE head's propose call for a greedy chain of ``steps`` drafts per row in one call
     (cpu_kernels.c's eagle_chain), through its one decoder layer ``layer`` (KV pool ``kv``).
     ``inputs``: EAGLE-1's fc (over [embedding | state], the layer's input and residual; the LM
@@ -386,67 +375,96 @@ def eagle_chain(
     the new pairs, row after row; ``queries``: (slots, cos, sin, key lists) of the context's
     pairs, then of the steps - 1 fed positions step-major (fed step s of row r is query ctx + s
     * rows + r); ``lm_head`` over ``vocab`` draft ids, mapped to target ids by ``to_target``
-    (None: the same ids) that index ``embed`` ``[V, hidden]``. Each row's drafts as target ids,
-    or None where logits held a NaN (the caller drafts in torch)."""
-    hidden, _, _, _, d = sizes
-    ids, features, last = context
-    ctx, rows = features.shape[0], last.shape[0]
-    slots, cos, sin, keys = queries
-    fc, norms = (inputs, ()) if isinstance(inputs, LinearWeights) else (None, inputs[:3])
-    _check_layer_tensors(0, 1, features, sizes, kv, None)
-    if steps < 1 or len(layer) != 1 or not 0 < rows <= ctx:
-        raise KernelArgumentError(
-            f"a chain of {steps} drafts for {rows} rows from {ctx} pairs through {len(layer)} layers"
-        )
-    _check_tokens("eagle_chain", ctx + (steps - 1) * rows, slots, cos, sin, kv.shape[1], d)
-    keys.check(ctx + (steps - 1) * rows, kv.shape[1])
-    if keys.mask is not None:
-        raise KernelArgumentError("a chain's key lists hide no keys")
-    tables = (("embed", embed, hidden), *((f"norm {i}", n.view(1, -1), hidden) for i, n in enumerate(norms)))
-    for name, table, width in tables:
-        if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[-1] != width:
+    (None: the same ids) that index ``embed`` ``[V, hidden]``."""
+
+    layer: LayerSteps
+    sizes: tuple[int, int, int, int, int]
+    eps: float
+    kv: torch.Tensor
+    context: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    steps: int
+    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLists]
+    embed: torch.Tensor
+    inputs: LinearWeights | tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
+    lm_head: LinearWeights
+    vocab: int
+    to_target: torch.Tensor | None
+
+    @property
+    def fc(self) -> LinearWeights | None:
+        return self.inputs if isinstance(self.inputs, LinearWeights) else None
+
+    def check(self) -> None:
+        """Every tensor the C call reads through a pointer, and every index it follows."""
+        hidden, _, _, _, d = self.sizes
+        ids, features, last = self.context
+        ctx, rows, steps, kv, embed = features.shape[0], last.shape[0], self.steps, self.kv, self.embed
+        slots, cos, sin, keys = self.queries
+        _check_layer_tensors(0, 1, features, self.sizes, kv, None)
+        if steps < 1 or len(self.layer) != 1 or not 0 < rows <= ctx:
             raise KernelArgumentError(
-                f"{name} must be a contiguous bf16 [.., {width}], got {table.dtype} {list(table.shape)}"
+                f"a chain of {steps} drafts for {rows} rows from {ctx} pairs through {len(self.layer)} layers"
             )
-    # every id the kernel indexes with: the pairs' tokens and the drafts' target ids (embedding
-    # rows), each row's last pair
-    indices = [("ids", ids, ctx, embed.shape[0]), ("last", last, rows, ctx)]
-    if to_target is not None:
-        indices.append(("to_target", to_target, vocab, embed.shape[0]))
-    elif vocab > embed.shape[0]:
-        raise KernelArgumentError(f"{vocab} draft ids without to_target past the {embed.shape[0]}-row embedding")
-    for name, index, count, bound in indices:
-        if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (count,):
-            raise KernelArgumentError(f"{name} must be a contiguous int64 [{count}]")
-        if count and not 0 <= int(index.min()) <= int(index.max()) < bound:
-            raise KernelArgumentError(f"{name} holds an index outside [0, {bound})")
+        _check_tokens("eagle_chain", ctx + (steps - 1) * rows, slots, cos, sin, kv.shape[1], d)
+        keys.check(ctx + (steps - 1) * rows, kv.shape[1])
+        if keys.mask is not None:
+            raise KernelArgumentError("a chain's key lists hide no keys")
+        norms = () if self.fc else self.inputs[:3]
+        tables = (("embed", embed, hidden), *((f"norm {i}", n.view(1, -1), hidden) for i, n in enumerate(norms)))
+        for name, table, width in tables:
+            if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[-1] != width:
+                raise KernelArgumentError(
+                    f"{name} must be a contiguous bf16 [.., {width}], got {table.dtype} {list(table.shape)}"
+                )
+        # every id the kernel indexes with: the pairs' tokens and the drafts' target ids
+        # (embedding rows), each row's last pair
+        indices = [("ids", ids, ctx, embed.shape[0]), ("last", last, rows, ctx)]
+        if self.to_target is not None:
+            indices.append(("to_target", self.to_target, self.vocab, embed.shape[0]))
+        elif self.vocab > embed.shape[0]:
+            raise KernelArgumentError(
+                f"{self.vocab} draft ids without to_target past the {embed.shape[0]}-row embedding"
+            )
+        for name, index, count, bound in indices:
+            if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (count,):
+                raise KernelArgumentError(f"{name} must be a contiguous int64 [{count}]")
+            if count and not 0 <= int(index.min()) <= int(index.max()) < bound:
+                raise KernelArgumentError(f"{name} holds an index outside [0, {bound})")
+
+
+def eagle_chain(chain: EagleChain) -> list[list[int]] | None:
+    """`chain` in one C call: each row's drafts as target ids, or None where logits held a NaN
+    (the caller drafts in torch)."""
+    chain.check()
+    hidden, _, _, _, d = chain.sizes
+    ids, features, last = chain.context
+    ctx, rows, fc = features.shape[0], last.shape[0], chain.fc
+    slots, cos, sin, keys = chain.queries
     widest = max(ctx, rows)
-    state, logits = features.new_empty(rows, hidden), features.new_empty(rows, vocab)
+    state, logits = features.new_empty(rows, hidden), features.new_empty(rows, chain.vocab)
     attn_in = features.new_empty(widest, hidden if fc else 2 * hidden)
-    cat, scratch = features.new_empty(widest, 2 * hidden), features.new_empty(layer_scratch(widest, sizes))
-    drafts, out = torch.empty(rows, dtype=torch.int64), torch.empty(rows, steps, dtype=torch.int64)
-    input_norm, hidden_norm, final_norm = (None, None, None) if fc else (n.data_ptr() for n in norms)
+    cat, scratch = features.new_empty(widest, 2 * hidden), features.new_empty(layer_scratch(widest, chain.sizes))
+    drafts, out = torch.empty(rows, dtype=torch.int64), torch.empty(rows, chain.steps, dtype=torch.int64)
+    norms = (None, None, None) if fc else (n.data_ptr() for n in chain.inputs[:3])
     rc = _library().eagle_chain(
         features.data_ptr(),
         ids.data_ptr(),
         ctx,
         last.data_ptr(),
         rows,
-        steps,
-        *sizes,
-        eps,
+        chain.steps,
+        *chain.sizes,
+        chain.eps,
         d**-0.5,
-        ctypes.byref(layer.weights),
-        kv.data_ptr(),
-        embed.data_ptr(),
+        ctypes.byref(chain.layer.weights),
+        chain.kv.data_ptr(),
+        chain.embed.data_ptr(),
         ctypes.byref(fc) if fc else None,
-        input_norm,
-        hidden_norm,
-        final_norm,
-        int(not fc and inputs[3]),
-        ctypes.byref(lm_head),
-        vocab,
-        None if to_target is None else to_target.data_ptr(),
+        *norms,
+        int(not fc and chain.inputs[3]),
+        ctypes.byref(chain.lm_head),
+        chain.vocab,
+        None if chain.to_target is None else chain.to_target.data_ptr(),
         *(t.data_ptr() for t in (slots, cos, sin, keys.slots, keys.start, keys.length)),
         *(t.data_ptr() for t in (state, drafts, logits, attn_in, cat, scratch, out)),
         torch.get_num_threads(),
@@ -454,7 +472,7 @@ def eagle_chain(
     if rc == -1:
         return None
     if rc != 0:
-        raise KernelUnavailable(f"eagle_chain refused its sizes {sizes} (or ran out of memory: {rc})")
+        raise KernelUnavailable(f"eagle_chain refused its sizes {chain.sizes} (or ran out of memory: {rc})")
     return out.tolist()
 
 

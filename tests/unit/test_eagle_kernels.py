@@ -111,7 +111,7 @@ def test_a_greedy_chain_is_one_kernel_call(k, head, checkpoints, target, monkeyp
             p.head.norm_before_residual = True
     chains, forwards = [], []
     run_chain, decode = cpu_kernels.eagle_chain, fast._decode
-    monkeypatch.setattr(cpu_kernels, "eagle_chain", lambda *a: chains.append(a[5]) or run_chain(*a))
+    monkeypatch.setattr(cpu_kernels, "eagle_chain", lambda chain: chains.append(chain.steps) or run_chain(chain))
     monkeypatch.setattr(fast, "_decode", lambda *a: forwards.append(1) or decode(*a))
     batches = calls(len(fast.hidden_layer_ids), target.hidden_size)
     for batch in batches:
