@@ -85,18 +85,11 @@ from torch import nn
 from backends.config import DrafterConfig
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
 from backends.methods.drafts import DRAFT_KV_MEMORY_GB, GROW_SLACK_TOKENS, gather_drafts
-from backends.methods.eagle_head import (
-    Eagle1Head,
-    Eagle3Head,
-    EagleCheckpointError,
-    EagleHead,
-    kernel_norms,
-    load_eagle,
-)
+from backends.methods.eagle_head import EagleCheckpointError, EagleHead, kernel_norms, kernel_weights_of, load_eagle
 from backends.methods.head_checkpoint import Checkpoint, TargetInfo
 from backends.methods.head_proposer import HeadProposer
 from backends.runtime import cpu_kernels
-from backends.runtime.lean_lm import KernelLinear, LeanDecoder, Row
+from backends.runtime.lean_lm import LeanDecoder, Row
 from backends.serving.proposer import Draft, DraftRequest, ProposerContext
 from backends.serving.request import is_greedy
 from backends.serving.tree import ROOT, DraftTree, best_nodes, subtree_parents
@@ -293,14 +286,18 @@ class EagleProposer(HeadProposer):
             self.pool.truncate(w.seq_id, w.context + w.num_drafts - 1)
 
     def _chain_in_c(self, work: list[_Work], steps: int) -> list[list[int]] | None:
-        """`_run`'s greedy EAGLE-1 or EAGLE-3 chain, the context's forward included, in one C
-        call (cpu_kernels.eagle_chain: the same kernels in the same order, so the same drafts
-        and KV bits, without ~0.2 ms of Python a position); each row's `steps` drafts. None
-        where it does not run (another head, sampled drafts, the op-by-op path) or logits held
-        a NaN."""
-        inputs = self._chain_inputs()
+        """`_run`'s greedy chain of a one-layer EAGLE-1, EAGLE-3 or DeepSeek MTP head, the
+        context's forward included, in one C call (cpu_kernels.eagle_chain: the same kernels in
+        the same order, so the same drafts and KV bits, without ~0.2 ms of Python a position);
+        each row's `steps` drafts. None where it does not run (another head, sampled drafts,
+        the op-by-op path, a first pair without its embedding) or logits held a NaN."""
+        head = self.head
+        inputs = head.chain_inputs() if self.kernels else None
         greedy = self.sample_method != "probabilistic" or all(is_greedy(w.temperature) for w in work)
-        if inputs is None or not greedy:
+        if inputs is None or not greedy or (head.zero_first_embedding and any(w.start == 0 for w in work)):
+            return None
+        width = head.config.hidden_size * (1 if "fc" in inputs else 2)  # the layer reads fc's output or both norms
+        if self.decoder.layers[0].qkv.bounds[-1][1] != width:
             return None
         # One plan for the call: each row's new pairs, then its steps - 1 fed positions (the
         # causal key lists of single steps). The kernel takes the pairs row after row, then
@@ -315,7 +312,7 @@ class EagleProposer(HeadProposer):
         queries = (plan.slots[order], plan.cos.flatten(1)[order], plan.sin.flatten(1)[order], keys)
         ids = torch.tensor([t for w in work for t in w.new_ids])
         context = (ids, torch.cat([w.features for w in work]), sizes.cumsum(0) - 1)
-        head = self.head
+        lm_head = inputs.pop("lm_head")
         chain = cpu_kernels.EagleChain(
             layer=self.decoder.layer_steps,
             sizes=self.decoder.sizes,
@@ -325,36 +322,16 @@ class EagleProposer(HeadProposer):
             steps=steps,
             queries=queries,
             embed=head.embed_tokens.weight,
-            inputs=inputs,
-            lm_head=cpu_kernels.LinearWeights.of(head.lm_head.kernel().kernel_weights()),
-            vocab=head.lm_head.out_features,
+            lm_head=kernel_weights_of(lm_head),
+            vocab=lm_head.out_features,
             to_target=head.draft_to_target,
+            **inputs,
         )
         drafted = cpu_kernels.eagle_chain(chain)
         if drafted is None:  # a NaN: back to the kept entries, for the loop in torch
             for w in work:
                 self.pool.truncate(w.seq_id, w.start)
         return drafted
-
-    def _chain_inputs(self) -> cpu_kernels.LinearWeights | tuple | None:
-        """What eagle_chain feeds the head's one layer with: EAGLE-1's fc, or EAGLE-3's norms
-        (and norm_before_residual); None where the chain kernel cannot run this head (another
-        layout, more layers, the op-by-op path, a linear not on the packed kernels)."""
-        head = self.head
-        if not (
-            self.kernels
-            and isinstance(head, (Eagle1Head, Eagle3Head))  # MTP's layers are built otherwise
-            and len(head.layers) == 1
-            and isinstance(head.lm_head, KernelLinear)
-        ):
-            return None
-        hidden, width = head.config.hidden_size, self.decoder.layers[0].qkv.bounds[-1][1]
-        if isinstance(head, Eagle1Head) and isinstance(head.fc, KernelLinear) and width == hidden:
-            return cpu_kernels.LinearWeights.of(head.fc.kernel().kernel_weights())
-        if isinstance(head, Eagle3Head) and width == 2 * hidden:  # the layer reads [embedding | state]
-            layer = head.layers[0]
-            return (layer.input_layernorm.weight, layer.hidden_norm.weight, head.norm.weight, head.norm_before_residual)
-        return None
 
     def _run_tree(self, work: list[_Work]) -> None:
         """A tree per sequence, level by level for the whole batch; the tree's entries are

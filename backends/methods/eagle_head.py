@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from backends.config import aux_layer_ids as checkpoint_aux_layer_ids
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, load_checked, read_head_state
 from backends.runtime import cpu_kernels
+from backends.runtime.lean_lm import KernelLinear
 
 LAYOUTS = ("eagle", "eagle3")
 _NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
@@ -65,6 +66,7 @@ class EagleHead(nn.Module):
 
     layout: str
     hidden_layer_ids: tuple[int, ...]
+    zero_first_embedding = False  # the pair at position 0 reads no embedding (DeepSeek's and MiMo's MTP)
 
     def __init__(self, cfg: LlamaConfig, target: TargetInfo) -> None:
         super().__init__()
@@ -112,6 +114,22 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         raise NotImplementedError
 
+    def chain_inputs(self) -> dict[str, Any] | None:
+        """What `cpu_kernels.EagleChain` runs this head's greedy chain with: its LM head
+        (`lm_head`, a KernelLinear) and its layout's layer inputs (`fc`, `pair_norms`,
+        `attn_norm`, `final_norm`, `norm_before_residual`); None where the chain kernel does
+        not run it (a layout it does not know, more than one layer, a linear off the packed
+        kernel)."""
+        return None
+
+
+def on_packed_kernel(*linears: nn.Module) -> bool:
+    return all(isinstance(linear, KernelLinear) for linear in linears)
+
+
+def kernel_weights_of(linear: KernelLinear) -> cpu_kernels.LinearWeights:
+    return cpu_kernels.LinearWeights.of(linear.kernel().kernel_weights())
+
 
 class Eagle1Head(EagleHead):
     layout = "eagle"
@@ -138,6 +156,11 @@ class Eagle1Head(EagleHead):
 
     def logits(self, hidden, step=0):
         return self.lm_head(hidden)
+
+    def chain_inputs(self) -> dict[str, Any] | None:
+        if len(self.layers) != 1 or not on_packed_kernel(self.fc, self.lm_head):
+            return None
+        return {"lm_head": self.lm_head, "fc": kernel_weights_of(self.fc)}
 
 
 class Eagle3Head(EagleHead):
@@ -167,6 +190,17 @@ class Eagle3Head(EagleHead):
 
     def logits(self, hidden, step=0):
         return self.lm_head(self.norm(hidden))
+
+    def chain_inputs(self) -> dict[str, Any] | None:
+        if not on_packed_kernel(self.lm_head):
+            return None
+        layer = self.layers[0]
+        return {
+            "lm_head": self.lm_head,
+            "pair_norms": (layer.input_layernorm.weight, layer.hidden_norm.weight),
+            "final_norm": self.norm.weight,
+            "norm_before_residual": self.norm_before_residual,
+        }
 
 
 class KernelRMSNorm(LlamaRMSNorm):

@@ -48,7 +48,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backends.config import MULTI_STEP_MTP_TYPES, hf_config_override
 from backends.methods.eagle import EagleProposer
-from backends.methods.eagle_head import EagleHead, EagleLayer, llama_config
+from backends.methods.eagle_head import EagleHead, EagleLayer, kernel_weights_of, llama_config, on_packed_kernel
 from backends.methods.head_checkpoint import Checkpoint, HeadCheckpointError, TargetInfo, check_keys, read_state_dict
 
 FAMILIES = ("deepseek", "mimo")
@@ -168,6 +168,22 @@ class MTPHead(EagleHead):
             return self.lm_head(hidden)
         head = self.layers[step % len(self.layers)].shared_head
         return head.head(head.norm(hidden))
+
+    def chain_inputs(self) -> dict[str, Any] | None:
+        """DeepSeek's layout with one layer (MiMo's concatenates the state first and norms the
+        layer's output)."""
+        if self.family != "deepseek" or len(self.layers) != 1:
+            return None
+        layer = self.layers[0]
+        if not on_packed_kernel(layer.eh_proj, layer.shared_head.head):
+            return None
+        return {
+            "lm_head": layer.shared_head.head,
+            "fc": kernel_weights_of(layer.eh_proj),
+            "pair_norms": (layer.enorm.weight, layer.hnorm.weight),
+            "attn_norm": layer.input_layernorm.weight,
+            "final_norm": layer.shared_head.norm.weight,
+        }
 
 
 # ---------------------------------------------------------------------------- loading

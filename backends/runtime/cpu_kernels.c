@@ -2019,69 +2019,66 @@ int run_layer_attn_in(uint16_t *h, const uint16_t *attn_in, int64_t attn_width, 
                       sin, key_slots, key_start, key_len, mask_from, mask, mask_width, scratch, threads);
 }
 
-/* EAGLE-3's layer inputs for n pairs (token ids[t], state x[t]): attn_in[t] = the embedding's
- * input_norm | the state's hidden_norm; the residual x[t] stays the state or, with
- * norm_before_residual, becomes its hidden_norm. */
-static void eagle3_pairs(const uint16_t *embed, const int64_t *ids, uint16_t *x, int64_t n, int64_t hidden,
-                         const uint16_t *input_norm, const uint16_t *hidden_norm, int norm_before_residual, float eps,
-                         uint16_t *attn_in) {
-    for (int64_t t = 0; t < n; t++) {
-        uint16_t *in = attn_in + t * 2 * hidden;
-        norm_row((const char *)(embed + ids[t] * hidden), input_norm, (char *)in, hidden, eps, 1);
-        norm_row((const char *)(x + t * hidden), hidden_norm, (char *)(in + hidden), hidden, eps, 1);
-        if (norm_before_residual) memcpy(x + t * hidden, in + hidden, hidden * sizeof(uint16_t));
-    }
-}
-
-/* EAGLE-1's layer inputs for n pairs (token ids[t], state x[t]): fc over the embedding | the
- * state (its bias added), which is both the layer's attention input (its layer 0 has no
- * input_layernorm) and its residual: x[t] and attn_in[t] become it. `cat` holds n x 2 hidden. */
-static int eagle1_pairs(const uint16_t *embed, const int64_t *ids, uint16_t *x, int64_t n, int64_t hidden,
-                        const linear_weights *fc, uint16_t *cat, uint16_t *attn_in, int threads) {
-    for (int64_t t = 0; t < n; t++) {
-        memcpy(cat + t * 2 * hidden, embed + ids[t] * hidden, hidden * sizeof(uint16_t));
-        memcpy(cat + t * 2 * hidden + hidden, x + t * hidden, hidden * sizeof(uint16_t));
-    }
-    int rc = linear(fc, cat, 2 * hidden, NULL, 0, x, hidden, n, hidden, 2 * hidden, threads);
-    if (!rc) memcpy(attn_in, x, n * hidden * sizeof(uint16_t));
-    return rc;
-}
-
-/* A head's layer inputs for n pairs: EAGLE-1's with `fc`, else EAGLE-3's. */
+/* A head's layer inputs for n pairs (token ids[t], state x[t]), in its layout:
+ * - EAGLE-3 (pair_norms, no fc): attn_in[t] = the embedding's pair_norms[0] | the state's
+ *   pair_norms[1], 2 hidden wide; the residual x[t] stays the state or, with
+ *   norm_before_residual, becomes its normed half;
+ * - EAGLE-1 (fc, no norms): x[t] = fc over the embedding | the state (its bias added), and the
+ *   attention input is x[t] itself (its layer 0 has no input_layernorm);
+ * - MTP, DeepSeek's (pair_norms, fc, attn_norm): x[t] = fc (eh_proj) over enorm(embedding) |
+ *   hnorm(state), the attention input its input_layernorm.
+ * `cat` holds n x 2 hidden where there is an fc. */
 static int eagle_pairs(const uint16_t *embed, const int64_t *ids, uint16_t *x, int64_t n, int64_t hidden,
-                       const linear_weights *fc, const uint16_t *input_norm, const uint16_t *hidden_norm,
+                       const uint16_t *const pair_norms[2], const linear_weights *fc, const uint16_t *attn_norm,
                        int norm_before_residual, float eps, uint16_t *cat, uint16_t *attn_in, int threads) {
-    if (fc) return eagle1_pairs(embed, ids, x, n, hidden, fc, cat, attn_in, threads);
-    eagle3_pairs(embed, ids, x, n, hidden, input_norm, hidden_norm, norm_before_residual, eps, attn_in);
+    uint16_t *pairs = fc ? cat : attn_in;
+    for (int64_t t = 0; t < n; t++) {
+        uint16_t *in = pairs + t * 2 * hidden;
+        const uint16_t *e = embed + ids[t] * hidden, *h = x + t * hidden;
+        if (pair_norms[0]) {
+            norm_row((const char *)e, pair_norms[0], (char *)in, hidden, eps, 1);
+            norm_row((const char *)h, pair_norms[1], (char *)(in + hidden), hidden, eps, 1);
+        } else {
+            memcpy(in, e, hidden * sizeof(uint16_t));
+            memcpy(in + hidden, h, hidden * sizeof(uint16_t));
+        }
+        if (!fc && norm_before_residual) memcpy(x + t * hidden, in + hidden, hidden * sizeof(uint16_t));
+    }
+    if (!fc) return 0;
+    int rc = linear(fc, cat, 2 * hidden, NULL, 0, x, hidden, n, hidden, 2 * hidden, threads);
+    if (rc) return rc;
+    if (attn_norm) return rms_norm(x, hidden, attn_norm, attn_in, hidden, n, hidden, eps, 1, threads);
+    memcpy(attn_in, x, n * hidden * sizeof(uint16_t));
     return 0;
 }
 
-/* An EAGLE head's propose call for a greedy chain (backends/methods/eagle.py), every row's in
- * one call: the calls the proposer makes one by one, here in the same order on the same kernels,
- * so the same bits. EAGLE-3 (fc NULL): its layer reads the embedding's and the state's norms, 2
- * hidden wide, and its logits are the LM head's over the final norm of the state. EAGLE-1 (fc
- * given; the norms NULL): its layer reads fc over the embedding | the state, and its logits are
- * the LM head's over the state itself. First the context: the `ctx` new pairs (ctx_ids[t], h[t]:
- * EAGLE-3's fc features or EAGLE-1's target states, rows' pairs one after another) through the
- * decoder layer; a row's state is its last pair's output (h[last[r]]). Then step s of each row:
- * the LM head over the draft vocabulary, the first-max argmax and the draft's target id
- * (to_target[draft], or the draft), out[r][s]; then, but after the last step, the pair (draft,
- * state) through the layer, whose output is the row's next state. Queries: the context's ctx,
- * then fed step s's `rows` at ctx + s * rows, each with its slot, RoPE row and key list. `h` is
- * overwritten; `logits` holds rows x vocab, `attn_in` max(ctx, rows) x the layer's input width,
- * `cat` (EAGLE-1) max(ctx, rows) x 2 hidden, `scratch` layer_step's for max(ctx, rows) tokens,
- * `state` rows x hidden, `ids` rows. Returns -1 where logits hold a NaN (the caller then drafts
- * in torch), or a kernel's error. */
+/* An EAGLE-family head's propose call for a greedy chain (backends/methods/eagle.py), every
+ * row's in one call: the calls the proposer makes one by one, here in the same order on the same
+ * kernels, so the same bits. The layer's inputs are the head's layout's (eagle_pairs; the
+ * layer reads 2 hidden without an fc, else hidden); its logits the LM head's over the state or,
+ * with `final_norm`, over the state's final norm. First the context: the `ctx` new pairs
+ * (ctx_ids[t], h[t]: EAGLE-3's fc features, the others' target states, rows' pairs one after
+ * another) through the decoder layer; a row's state is its last pair's output (h[last[r]]). Then
+ * step s of each row: the LM head over the draft vocabulary, the first-max argmax and the draft's
+ * target id (to_target[draft], or the draft), out[r][s]; then, but after the last step, the pair
+ * (draft, state) through the layer, whose output is the row's next state. Queries: the context's
+ * ctx, then fed step s's `rows` at ctx + s * rows, each with its slot, RoPE row and key list.
+ * `h` is overwritten; `logits` holds rows x vocab, `attn_in` max(ctx, rows) x 2 hidden, `cat`
+ * (with an fc) as many, `scratch` layer_step's for max(ctx, rows) tokens, `state` rows x hidden,
+ * `ids` rows. Returns -1 where logits hold a NaN (the caller then drafts in torch), or a kernel's
+ * error. */
 int eagle_chain(uint16_t *h, const int64_t *ctx_ids, int64_t ctx, const int64_t *last, int64_t rows, int64_t steps,
                 int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads, int64_t d, float eps, float scale,
                 const layer_weights *w, char *kv, const uint16_t *embed, const linear_weights *fc,
-                const uint16_t *input_norm, const uint16_t *hidden_norm, const uint16_t *final_norm,
-                int norm_before_residual, const linear_weights *lm_head, int64_t vocab, const int64_t *to_target,
-                const int64_t *slots, const uint16_t *cos, const uint16_t *sin, const int64_t *key_slots,
-                const int64_t *key_start, const int64_t *key_len, uint16_t *state, int64_t *ids, uint16_t *logits,
-                uint16_t *attn_in, uint16_t *cat, uint16_t *scratch, int64_t *out, int threads) {
+                const uint16_t *input_norm, const uint16_t *hidden_norm, const uint16_t *attn_norm,
+                const uint16_t *final_norm, int norm_before_residual, const linear_weights *lm_head, int64_t vocab,
+                const int64_t *to_target, const int64_t *slots, const uint16_t *cos, const uint16_t *sin,
+                const int64_t *key_slots, const int64_t *key_start, const int64_t *key_len, uint16_t *state,
+                int64_t *ids, uint16_t *logits, uint16_t *attn_in, uint16_t *cat, uint16_t *scratch, int64_t *out,
+                int threads) {
+    const uint16_t *const pair_norms[2] = {input_norm, hidden_norm};
     int64_t width = fc ? hidden : 2 * hidden; /* the layer's attention input */
-    int rc = eagle_pairs(embed, ctx_ids, h, ctx, hidden, fc, input_norm, hidden_norm, norm_before_residual, eps, cat,
+    int rc = eagle_pairs(embed, ctx_ids, h, ctx, hidden, pair_norms, fc, attn_norm, norm_before_residual, eps, cat,
                          attn_in, threads);
     if (!rc)
         rc = layer_step(h, attn_in, width, ctx, hidden, inter, heads, kv_heads, d, eps, scale, w, kv, slots, cos, sin,
@@ -2101,7 +2098,7 @@ int eagle_chain(uint16_t *h, const int64_t *ctx_ids, int64_t ctx, const int64_t 
         }
         if (rc || s + 1 == steps) break;
         int64_t at = ctx + s * rows; /* this fed step's first query */
-        rc = eagle_pairs(embed, ids, state, rows, hidden, fc, input_norm, hidden_norm, norm_before_residual, eps, cat,
+        rc = eagle_pairs(embed, ids, state, rows, hidden, pair_norms, fc, attn_norm, norm_before_residual, eps, cat,
                          attn_in, threads);
         if (!rc)
             rc = layer_step(state, attn_in, width, rows, hidden, inter, heads, kv_heads, d, eps, scale, w, kv,

@@ -366,16 +366,18 @@ def run_layers(
 
 @dataclass(frozen=True)
 class EagleChain:
-    """An EAGLE head's propose call for a greedy chain of ``steps`` drafts per row in one call
-    (cpu_kernels.c's eagle_chain), through its one decoder layer ``layer`` (KV pool ``kv``).
-    ``inputs``: EAGLE-1's fc (over [embedding | state], the layer's input and residual; the LM
-    head reads the state), or EAGLE-3's (input_layernorm, hidden_norm, final norm) weights and
-    norm_before_residual. ``context``: (token ids ``[ctx]``, the states ``[ctx, hidden]`` bf16:
-    EAGLE-3's fc features, EAGLE-1's target states; each row's last pair's index ``[rows]``) of
-    the new pairs, row after row; ``queries``: (slots, cos, sin, key lists) of the context's
-    pairs, then of the steps - 1 fed positions step-major (fed step s of row r is query ctx + s
-    * rows + r); ``lm_head`` over ``vocab`` draft ids, mapped to target ids by ``to_target``
-    (None: the same ids) that index ``embed`` ``[V, hidden]``."""
+    """An EAGLE-family head's propose call for a greedy chain of ``steps`` drafts per row in one
+    call (cpu_kernels.c's eagle_chain), through its one decoder layer ``layer`` (KV pool ``kv``).
+    The layer's inputs follow the head's layout: EAGLE-3's ``pair_norms`` (input_layernorm,
+    hidden_norm; ``norm_before_residual``), EAGLE-1's ``fc`` over [embedding | state], or MTP's
+    (DeepSeek) ``pair_norms`` (enorm, hnorm), ``fc`` (eh_proj) and ``attn_norm``
+    (input_layernorm); the LM head reads the state or, with ``final_norm``, its norm.
+    ``context``: (token ids ``[ctx]``, the states ``[ctx, hidden]`` bf16: EAGLE-3's fc features,
+    the others' target states; each row's last pair's index ``[rows]``) of the new pairs, row
+    after row; ``queries``: (slots, cos, sin, key lists) of the context's pairs, then of the
+    steps - 1 fed positions step-major (fed step s of row r is query ctx + s * rows + r);
+    ``lm_head`` over ``vocab`` draft ids, mapped to target ids by ``to_target`` (None: the same
+    ids) that index ``embed`` ``[V, hidden]``."""
 
     layer: LayerSteps
     sizes: tuple[int, int, int, int, int]
@@ -385,14 +387,14 @@ class EagleChain:
     steps: int
     queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLists]
     embed: torch.Tensor
-    inputs: LinearWeights | tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
     lm_head: LinearWeights
     vocab: int
     to_target: torch.Tensor | None
-
-    @property
-    def fc(self) -> LinearWeights | None:
-        return self.inputs if isinstance(self.inputs, LinearWeights) else None
+    fc: LinearWeights | None = None
+    pair_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    attn_norm: torch.Tensor | None = None
+    final_norm: torch.Tensor | None = None
+    norm_before_residual: bool = False
 
     def check(self) -> None:
         """Every tensor the C call reads through a pointer, and every index it follows."""
@@ -405,16 +407,18 @@ class EagleChain:
             raise KernelArgumentError(
                 f"a chain of {steps} drafts for {rows} rows from {ctx} pairs through {len(self.layer)} layers"
             )
+        if (self.fc is None and self.pair_norms is None) or (self.fc is None and self.attn_norm is not None):
+            raise KernelArgumentError("a chain's layer inputs: EAGLE-3's pair norms, EAGLE-1's fc, or MTP's both")
         _check_tokens("eagle_chain", ctx + (steps - 1) * rows, slots, cos, sin, kv.shape[1], d)
         keys.check(ctx + (steps - 1) * rows, kv.shape[1])
         if keys.mask is not None:
             raise KernelArgumentError("a chain's key lists hide no keys")
-        norms = () if self.fc else self.inputs[:3]
-        tables = (("embed", embed, hidden), *((f"norm {i}", n.view(1, -1), hidden) for i, n in enumerate(norms)))
-        for name, table, width in tables:
-            if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[-1] != width:
+        norms = [*(self.pair_norms or ()), self.attn_norm, self.final_norm]
+        tables = (("embed", embed), *((f"norm {i}", n.view(1, -1)) for i, n in enumerate(norms) if n is not None))
+        for name, table in tables:
+            if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[-1] != hidden:
                 raise KernelArgumentError(
-                    f"{name} must be a contiguous bf16 [.., {width}], got {table.dtype} {list(table.shape)}"
+                    f"{name} must be a contiguous bf16 [.., {hidden}], got {table.dtype} {list(table.shape)}"
                 )
         # every id the kernel indexes with: the pairs' tokens and the drafts' target ids
         # (embedding rows), each row's last pair
@@ -438,14 +442,14 @@ def eagle_chain(chain: EagleChain) -> list[list[int]] | None:
     chain.check()
     hidden, _, _, _, d = chain.sizes
     ids, features, last = chain.context
-    ctx, rows, fc = features.shape[0], last.shape[0], chain.fc
+    ctx, rows = features.shape[0], last.shape[0]
     slots, cos, sin, keys = chain.queries
     widest = max(ctx, rows)
     state, logits = features.new_empty(rows, hidden), features.new_empty(rows, chain.vocab)
-    attn_in = features.new_empty(widest, hidden if fc else 2 * hidden)
-    cat, scratch = features.new_empty(widest, 2 * hidden), features.new_empty(layer_scratch(widest, chain.sizes))
+    attn_in, cat = features.new_empty(widest, 2 * hidden), features.new_empty(widest, 2 * hidden)
+    scratch = features.new_empty(layer_scratch(widest, chain.sizes))
     drafts, out = torch.empty(rows, dtype=torch.int64), torch.empty(rows, chain.steps, dtype=torch.int64)
-    norms = (None, None, None) if fc else (n.data_ptr() for n in chain.inputs[:3])
+    norms = [*(chain.pair_norms or (None, None)), chain.attn_norm, chain.final_norm]
     rc = _library().eagle_chain(
         features.data_ptr(),
         ids.data_ptr(),
@@ -459,9 +463,9 @@ def eagle_chain(chain: EagleChain) -> list[list[int]] | None:
         ctypes.byref(chain.layer.weights),
         chain.kv.data_ptr(),
         chain.embed.data_ptr(),
-        ctypes.byref(fc) if fc else None,
-        *norms,
-        int(not fc and chain.inputs[3]),
+        None if chain.fc is None else ctypes.byref(chain.fc),
+        *(None if n is None else n.data_ptr() for n in norms),
+        int(chain.norm_before_residual),
         ctypes.byref(chain.lm_head),
         chain.vocab,
         None if chain.to_target is None else chain.to_target.data_ptr(),

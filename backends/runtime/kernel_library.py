@@ -104,8 +104,8 @@ def library() -> ctypes.CDLL:
     lib.run_layer_attn_in.argtypes += [ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.run_layer_attn_in.restype = ctypes.c_int
     lib.eagle_chain.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr]
-    lib.eagle_chain.argtypes += [ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.eagle_chain.argtypes += [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.eagle_chain.argtypes += [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.eagle_chain.argtypes += [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.eagle_chain.restype = ctypes.c_int
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr]
     lib.argmax_rows.restype = None

@@ -100,10 +100,12 @@ def test_a_float32_head_keeps_the_reference_path(checkpoints, target):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("head", ["eagle", "eagle3", "eagle3-norm-before-residual"])
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "eagle3-norm-before-residual", "mtp"])
 def test_a_greedy_chain_is_one_kernel_call(k, head, checkpoints, target, monkeypatch):
-    """A greedy EAGLE-1 or EAGLE-3 propose call, the forward over the new pairs included, is
-    one C call (cpu_kernels.eagle_chain), with the reference path's drafts and KV bits."""
+    """A greedy EAGLE-1, EAGLE-3 or MTP (DeepSeek's layout) propose call, the forward over the
+    new pairs included, is one C call (cpu_kernels.eagle_chain), with the reference path's
+    drafts and KV bits; MTP's first call, whose pair at position 0 reads no embedding, drafts
+    in torch."""
     name = head.split("-")[0]
     fast, ref = (proposer(checkpoints[name], target, name, {}, kernels) for kernels in (True, False))
     if head.endswith("-norm-before-residual"):
@@ -119,7 +121,8 @@ def test_a_greedy_chain_is_one_kernel_call(k, head, checkpoints, target, monkeyp
         for r in batch:
             for a, b in zip(cached_entries(fast, r.seq_id), cached_entries(ref, r.seq_id), strict=True):
                 assert torch.equal(a, b)
-    assert chains == [k] * len(batches) and not forwards
+    first = 1 if name == "mtp" else 0  # the prompt's call starts at position 0: k forwards in torch
+    assert chains == [k] * (len(batches) - first) and len(forwards) == first * k
 
 
 def test_sampled_chains_and_nan_logits_leave_the_kernel_chain(checkpoints, target, monkeypatch):
