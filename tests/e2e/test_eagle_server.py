@@ -29,7 +29,10 @@ WRITERS = {"eagle": write_eagle1, "eagle3": write_eagle3}
 target_dir = three_layer_target_dir
 
 
-GREEDY = [("eagle", None), ("eagle3", None), ("eagle3", "int8")]
+# int8 heads draft in bf16 with their linears on the int8 kernel: greedy chains in one C call
+# (cpu_kernels.eagle_chain); float32 heads draft op by op. (The session's bls-server serves a
+# float32 EAGLE-1 head.)
+GREEDY = [("eagle", "int8"), ("eagle3", None), ("eagle3", "int8")]
 # The structured-output tests' servers besides: eagle3 drafting EAGLE-2's dynamic trees, and
 # eagle3 on the target in bf16 (batch-invariant, the served default).
 TREE = {"dynamic_tree": {"top_k": 3, "total_token": 8}}
@@ -61,7 +64,7 @@ def test_served_greedy_equals_target_greedy(method, quantization, greedy_servers
     assert sum(r.total_draft_tokens for r in results) > 0
 
 
-@pytest.mark.parametrize("name", ["eagle-None", "eagle3-None", "eagle3-tree"])
+@pytest.mark.parametrize("name", ["eagle-int8", "eagle3-None", "eagle3-tree"])
 def test_served_constrained_greedy_equals_target_constrained_greedy(name, greedy_servers, target_dir):
     check_served_constrained(greedy_servers[name], target_dir)
 
