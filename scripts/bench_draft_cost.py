@@ -19,8 +19,8 @@ each; the table gives the median of the round medians and their range.
     .venv/bin/python scripts/bench_draft_cost.py [--target DIR] [--tree DIR] [--heads medusa dflash ...] [--int8]
 
 `--int8` serves every head with `quantization: int8` (its own linear layers on the int8 kernel).
-`eagle-map`, `mtp-map`, `medusa-full-map` and `mlp_speculator-map` are those heads with their LM heads cut to a
-token map of 8192 ids (`speculative_token_map`).
+`eagle-map`, `mtp-map`, `medusa-full-map` and `mlp_speculator-map` are those heads with their
+LM heads cut to a token map of 8192 ids (`speculative_token_map`).
 
 `--tree DIR` imports `backends` from another checkout of the repository (e.g. `git archive
 main` unpacked), so two revisions can be timed alternately under the same conditions.
@@ -42,7 +42,7 @@ import torch
 TARGET = Path.home() / ".cache/tritonspec/models/smollm2-135m"
 CONTEXT, NEW_TOKENS = 200, 3
 VERIFY_TOKENS = 4  # a chain of 3 drafts and the pending token: the bench's `verify` column
-DRAFT_VOCAB = 8192  # the trainers' default draft vocabulary (Eagle3Trainer.draft_vocab_size)
+DRAFT_VOCAB = 8192  # the trainers' default draft vocabulary (backends/training/trainer.py's DRAFT_VOCAB_SIZE)
 
 
 def write_heads(root: Path, target_dir: Path, names: list[str]) -> dict[str, tuple[dict, int, int]]:

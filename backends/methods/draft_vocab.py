@@ -6,11 +6,12 @@ An EAGLE-1, MTP or MLP-speculator head, and a Medusa head in FasterDecoding's la
 LM heads over the target's vocabulary: for SmolLM2 a 49152 x 576 matrix, 56 MB in bf16,
 streamed once per draft position, which is most of what such a head's drafting costs. With a
 token map an LM head keeps only the rows of the map's tokens (the ones the target writes most
-often), so a draft position reads a sixth of that for an 8192-token map. Drafts come back to target ids through the head's `draft_to_target`, as
-EAGLE-3's draft vocabulary does. Verification is unchanged, so decoding stays lossless: a greedy
-draft is the head's best token within the map (the same token whenever the full head's best is
-in it), and a sampled draft comes with its probabilities over the target's vocabulary, 0 outside
-the map, which the rejection sampler takes as q.
+often), so a draft position reads a sixth of that for an 8192-token map. Drafts come back to
+target ids through the head's `draft_to_target`, as EAGLE-3's draft vocabulary does.
+Verification is unchanged, so decoding stays lossless: a greedy draft is the head's best token
+within the map (the same token whenever the full head's best is in it), and a sampled draft
+comes with its probabilities over the target's vocabulary, 0 outside the map, which the
+rejection sampler takes as q.
 
 The map is a file of target token ids: a 1-D integer tensor saved with `torch.save` (`.pt`, the
 format of FR-Spec's published maps and of SGLang's flag) or a JSON list (`.json`).
@@ -86,12 +87,12 @@ def restrict_draft_vocab(head: nn.Module, token_ids: torch.Tensor) -> int:
 def _rows(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
     """A linear layer of `linear`'s rows `rows` alone (its own copy: a tied or borrowed weight
     stays whole for whoever else holds it)."""
-    weight = linear.weight.detach()
+    weight, rows = linear.weight.detach(), rows.to(linear.weight.device)
     out = nn.Linear(
         linear.in_features, len(rows), bias=linear.bias is not None, device=weight.device, dtype=weight.dtype
     )
     with torch.no_grad():
-        out.weight.copy_(weight[rows.to(weight.device)])
+        out.weight.copy_(weight[rows])
         if linear.bias is not None:
-            out.bias.copy_(linear.bias.detach()[rows.to(weight.device)])
+            out.bias.copy_(linear.bias.detach()[rows])
     return out

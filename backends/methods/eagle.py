@@ -292,9 +292,10 @@ class EagleProposer(HeadProposer):
         each row's `steps` drafts. None where it does not run (another head, sampled drafts,
         the op-by-op path, a first pair without its embedding) or logits held a NaN."""
         head = self.head
-        inputs = head.chain_inputs() if self.kernels else None
         greedy = self.sample_method != "probabilistic" or all(is_greedy(w.temperature) for w in work)
-        if inputs is None or not greedy or (head.zero_first_embedding and any(w.start == 0 for w in work)):
+        if not (self.kernels and greedy) or (head.zero_first_embedding and any(w.start == 0 for w in work)):
+            return None
+        if (inputs := head.chain_inputs()) is None:
             return None
         width = head.config.hidden_size * (1 if "fc" in inputs else 2)  # the layer reads fc's output or both norms
         if self.decoder.layers[0].qkv.bounds[-1][1] != width:

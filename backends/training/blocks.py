@@ -48,7 +48,7 @@ from backends.methods.head_checkpoint import TargetInfo
 from backends.training.data import TrainingData
 from backends.training.eagle import init_layer, target_layer
 from backends.training.steps import Anchors, Prediction, StepTrainer, draft_labels
-from backends.training.trainer import DRAFT_VOCAB_SIZE, Batch, draft_vocabulary
+from backends.training.trainer import Batch, draft_vocabulary
 
 BLOCK_ANCHORS = 256  # anchors per training batch (each runs a whole block: a draft per slot)
 MARKOV_RANK = 64
@@ -92,8 +92,7 @@ class DFlashTrainer(StepTrainer):
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> DFlashHead:
         mask = int(torch.bincount(data.token_ids, minlength=target.vocab_size).argmin())
-        size = int(options.get("draft_vocab_size", DRAFT_VOCAB_SIZE))
-        keep, target_to_draft = draft_vocabulary(data, target, size, self.method)
+        keep, target_to_draft = draft_vocabulary(data, target, options, self.method)
         config = self.config(target, mask, int(options.get("num_steps", 3)))
         if len(keep) < target.vocab_size:
             config["draft_vocab_size"] = len(keep)

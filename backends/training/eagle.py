@@ -37,7 +37,7 @@ from backends.methods.eagle_head import Eagle1Head, Eagle3Head, EagleHead, llama
 from backends.methods.head_checkpoint import TargetInfo
 from backends.runtime.model_store import read_safetensors
 from backends.training.data import TrainingData
-from backends.training.trainer import DRAFT_VOCAB_SIZE, Batch, HeadTrainer, StepMetrics, draft_vocabulary
+from backends.training.trainer import Batch, HeadTrainer, StepMetrics, draft_vocabulary
 
 FEATURE_LOSS, TOKEN_LOSS, STEP_DECAY = 1.0, 0.1, 0.8  # EAGLE's weights; later steps count less
 CE_POSITIONS = 1024  # token-loss positions per step while training (the LM head dominates CPU time)
@@ -223,8 +223,7 @@ class Eagle3Trainer(EagleTrainerBase):
         return tuple(sorted(aux_layer_ids({}, {"num_hidden_layers": target.num_layers})))
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> Eagle3Head:
-        size = int(options.get("draft_vocab_size", DRAFT_VOCAB_SIZE))
-        keep, target_to_draft = draft_vocabulary(data, target, size, self.method)
+        keep, target_to_draft = draft_vocabulary(data, target, options, self.method)
         size = len(keep)
         cfg = head_config(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=size)
         head = Eagle3Head(llama_config(cfg), target, len(self.layer_ids(target)), size, norm_before_residual=False)

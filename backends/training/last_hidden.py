@@ -41,7 +41,7 @@ from backends.methods.mlp_speculator import MLPSpeculatorHead, save_mlp_speculat
 from backends.training.data import TrainingData
 from backends.training.eagle import CE_POSITIONS, target_layer
 from backends.training.steps import Anchors, Prediction, StepTrainer, draft_labels, served_copy
-from backends.training.trainer import DRAFT_VOCAB_SIZE, Batch, draft_vocabulary
+from backends.training.trainer import Batch, draft_vocabulary
 
 
 class _LastHiddenTrainer(StepTrainer):
@@ -63,8 +63,7 @@ class MedusaTrainer(_LastHiddenTrainer):
     method = "medusa"
 
     def build(self, target: TargetInfo, data: TrainingData, options: dict[str, Any]) -> MedusaHead:
-        size = int(options.get("draft_vocab_size", DRAFT_VOCAB_SIZE))
-        keep, target_to_draft = draft_vocabulary(data, target, size, self.method)
+        keep, target_to_draft = draft_vocabulary(data, target, options, self.method)
         config = {"num_heads": int(options.get("num_steps", 3)), "num_hidden_layers": 1, "medusa_fc_bias": True}
         if len(keep) < target.vocab_size:
             config["truncated_vocab_size"] = len(keep)

@@ -60,11 +60,12 @@ DRAFT_VOCAB_SIZE = 8192
 
 
 def draft_vocabulary(
-    data: TrainingData, target: TargetInfo, size: int, method: str
+    data: TrainingData, target: TargetInfo, options: dict[str, Any], method: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft vocabulary: the `size` tokens the target emits most often (target ids, in
-    order), and each target id's draft id (-1: not in it)."""
-    size = min(size, target.vocab_size)
+    """A draft vocabulary: the `options["draft_vocab_size"]` (default DRAFT_VOCAB_SIZE) tokens
+    the target emits most often (target ids, in order), and each target id's draft id (-1: not
+    in it)."""
+    size = min(int(options.get("draft_vocab_size", DRAFT_VOCAB_SIZE)), target.vocab_size)
     counts = torch.bincount(data.labels, minlength=target.vocab_size)
     keep = counts.topk(size).indices.sort().values
     coverage = counts[keep].sum().item() / max(counts.sum().item(), 1)
@@ -209,8 +210,7 @@ def train(
 def _write_token_map(data: TrainingData, target: TargetInfo, out: Path, method: str, options: dict | None) -> None:
     """Beside a head that drafts over the target's vocabulary, a token map to cut its LM head
     to (speculative_token_map): the most frequent tokens of its training answers."""
-    size = int((options or {}).get("draft_vocab_size", DRAFT_VOCAB_SIZE))
-    keep, _ = draft_vocabulary(data, target, size, method)
+    keep, _ = draft_vocabulary(data, target, options or {}, method)
     (out / TOKEN_MAP_FILE).write_text(json.dumps(keep.tolist()))
 
 
