@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from backends.config import DrafterConfig
-from backends.runtime.model_store import load_config
+from backends.runtime.model_store import model_config
 from backends.serving.proposer import Draft, DraftRequest, Proposer, ProposerContext
 
 
@@ -110,7 +110,7 @@ class CustomClassProposer(Proposer):
                 f"Failed to instantiate custom proposer class {config.model!r}: {type(e).__name__}: {e}"
             ) from e
         target = ctx.target_model
-        return cls(inner, config.model, load_config(target).vocab_size if target else None)
+        return cls(inner, config.model, model_config(target).vocab_size if target else None)
 
     @classmethod
     def layers_for(cls, config: Any, target_model: Any = None) -> tuple[int, ...]:

@@ -47,7 +47,6 @@ from backends.methods.drafts import (
 from backends.methods.hetero_vocab import TextBridge
 from backends.runtime import linear_kernels
 from backends.runtime.engine import Engine, LeanEngine
-from backends.runtime.hf_engine import HFEngine
 from backends.runtime.lean_lm import LeanCausalLM, Row, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import hand_back_freed_memory, load_causal_lm, load_tokenizer, resolve_model
 from backends.serving.proposer import Draft, DraftRequest, ProposerContext, SequenceProposer, check_one_device
@@ -315,6 +314,8 @@ def draft_engine(path: Path, dtype: str, device: str, quantization: str | None, 
         hand_back_freed_memory()
         return LeanEngine.with_pool(lean, memory_gb=DRAFT_KV_MEMORY_GB, prefix_caching=prefix_caching)
     model = model or load_causal_lm(path, dtype).to(device)  # the checkpoint was read in vain
+    from backends.runtime.hf_engine import HFEngine  # transformers' config classes: only where it runs
+
     return HFEngine(quantize_int8(model.float()) if quantization else model)
 
 

@@ -15,10 +15,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from backends.config import speculators_draft_config
-from backends.runtime.model_store import gguf_kwargs, load_causal_lm, read_safetensors
+from backends.runtime.model_store import load_causal_lm, model_config, read_safetensors
 
 
 class HeadCheckpointError(ValueError):
@@ -37,8 +36,7 @@ class TargetInfo:
     @classmethod
     def load(cls, path: Path | str) -> TargetInfo:
         path = Path(path)
-        where, kwargs = gguf_kwargs(path)
-        cfg = AutoConfig.from_pretrained(where, **kwargs).get_text_config()
+        cfg = model_config(path).get_text_config()
         return cls(path, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers)
 
     def weight(self, which: str) -> torch.Tensor:

@@ -87,7 +87,7 @@ from kernels import batch_invariant as gpu_kernels
 
 from . import cpu_kernels, linear_kernels
 from .kv_cache import BLOCK_SIZE, KVCachePool, SequenceError
-from .model_store import load_config, read_safetensors
+from .model_store import model_config, read_safetensors
 from .threads import governed
 
 log = logging.getLogger(__name__)
@@ -1164,7 +1164,7 @@ def read_checkpoint(path: Path, dtype: torch.dtype, device: torch.device | str =
     transformers' names (said in the log)."""
     if not path.is_dir():
         return None
-    config = load_config(path)
+    config = model_config(path)
     if unsupported_reason(config) is not None:
         return None
     try:

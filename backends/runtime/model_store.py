@@ -18,7 +18,8 @@ import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -185,6 +186,60 @@ def load_config(path: Path):
     return AutoConfig.from_pretrained(where, **kwargs)
 
 
+# The model types (those the lean runtime runs) whose config.json, as transformers 5 writes it,
+# holds each of PLAIN_CONFIG_FIELDS as transformers' config class reads it back
+# (tests/unit/test_model_files.py compares the two), with the fields each must also name:
+# head_dim, where the class has one (Qwen2's has none: hidden_size / num_attention_heads).
+PLAIN_CONFIG_TYPES = {"llama": ("head_dim",), "qwen2": (), "qwen3": ("head_dim",), "mistral": ("head_dim",)}
+PLAIN_CONFIG_FIELDS = (
+    "hidden_act",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "eos_token_id",
+)
+
+
+class PlainConfig(SimpleNamespace):
+    """A config.json's fields as attributes, as transformers' config class holds them."""
+
+    def get_text_config(self) -> PlainConfig:
+        return self  # a text model is its own text config
+
+
+def model_config(path: Path) -> Any:
+    """The config of the model at `path` as the lean runtime and the server read it: config.json
+    itself where transformers 5 wrote it whole for a model of PLAIN_CONFIG_TYPES with the
+    default RoPE, else transformers' (`load_config`: GGUF files, older or nested configs, other
+    architectures and RoPE types). Importing transformers' config classes pulls in
+    torch.distributed: ~1.5 s of each server process's start, most of it after torch."""
+    return plain_config(path) or load_config(path)
+
+
+def plain_config(path: Path) -> PlainConfig | None:
+    """`model_config`'s config.json reading, or None where transformers is to read it."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or cfg.get("model_type") not in PLAIN_CONFIG_TYPES:
+        return None
+    major = str(cfg.get("transformers_version", "")).split(".")[0]
+    rope = cfg.get("rope_parameters")
+    fields = (*PLAIN_CONFIG_FIELDS, *PLAIN_CONFIG_TYPES[cfg["model_type"]])
+    whole = major.isdigit() and int(major) >= 5 and all(field in cfg for field in fields)
+    if not whole or not isinstance(rope, dict) or rope.get("rope_type") != "default":
+        return None
+    return PlainConfig(**cfg)
+
+
 def context_window(config, cap: int | None = None) -> int:
     """The model's context length (2048 when its config has none), lowered to `cap` if given.
     Orchestrator, verifier and drafter all size the window with this, so they agree."""
@@ -194,9 +249,8 @@ def context_window(config, cap: int | None = None) -> int:
 
 def model_context_window(path: Path, cap: int | None = None) -> int:
     """context_window of the model at `path`, from its config.json's max_position_embeddings
-    where it names one (what transformers' config would hold: importing its config classes
-    costs a model's stub ~2 s of its start), else from transformers' config (a GGUF file, or a
-    config.json leaving it to the class's default)."""
+    where it names one (what transformers' config would hold), else from transformers' config
+    (a GGUF file, or a config.json leaving it to the class's default)."""
     try:
         limit = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
@@ -206,11 +260,38 @@ def model_context_window(path: Path, cap: int | None = None) -> int:
     return context_window(load_config(path), cap)
 
 
+# tokenizer_config.json's names for transformers' tokenizer over tokenizer.json alone
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: Path):
+    """The model's tokenizer, as AutoTokenizer loads it. A Llama directory whose tokenizer is
+    tokenizer.json alone (GENERIC_TOKENIZERS, no remote code) loads that class directly, as
+    AutoTokenizer would after importing every config class (~1.5 s, see model_config)."""
+    if _generic_tokenizer(path):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
     from transformers import AutoTokenizer
 
     where, kwargs = gguf_kwargs(path)
     return AutoTokenizer.from_pretrained(where, **kwargs)
+
+
+def _generic_tokenizer(path: Path) -> bool:
+    config = plain_config(path)
+    try:
+        tokenizer = json.loads((Path(path) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        config is not None
+        and config.model_type == "llama"  # AutoTokenizer picks other classes for some types (qwen2)
+        and isinstance(tokenizer, dict)
+        and tokenizer.get("tokenizer_class") in GENERIC_TOKENIZERS
+        and "auto_map" not in tokenizer
+        and (Path(path) / "tokenizer.json").is_file()
+    )
 
 
 def sha256_file(path: Path) -> str:

@@ -25,6 +25,7 @@ from backends.serving.adaptive import DraftPolicy, Shape, StepCost, TreeCut
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
+from backends.serving.parameters import DEFAULT_MAX_QUEUE_TIME_S
 from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.rejection import MAX_SPEC_LEN, AcceptanceStats
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams
@@ -40,18 +41,6 @@ DRAFTER_KEEPALIVE_S = 30.0  # a quarter of the peers' max_sequence_idle_microsec
 # A step the verifier has no KV room for now is sent again after this long (a waiting step
 # costs the verifier a lookup, no forward), for at most the queue timeout in all.
 ADMISSION_POLL_S = 0.02
-DEFAULT_MAX_QUEUE_TIME_S = 60.0
-
-
-def max_queue_time_s(value: str) -> float:
-    """The `max_queue_time_s` parameter: seconds > 0 ("": the default)."""
-    try:
-        seconds = float(value) if value.strip() else DEFAULT_MAX_QUEUE_TIME_S
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"max_queue_time_s must be a number of seconds > 0, got {value!r}")
-    return seconds
 
 
 class AdmissionTimeoutError(KVCacheFullError):

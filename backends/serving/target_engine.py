@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from backends.runtime.engine import Engine, LeanEngine
-from backends.runtime.hf_engine import HFEngine
 from backends.runtime.kv_cache import KVCachePool
 from backends.runtime.lean_lm import LeanCausalLM, UnsupportedArchitecture, read_checkpoint
 from backends.runtime.model_store import context_window, hand_back_freed_memory, load_causal_lm
@@ -74,6 +73,8 @@ def load_target_engine(
     if checkpoint is not None:  # read for a runtime that then did not run
         model = load_causal_lm(model_path, dtype).to(device)
     budget = int(kv_cache_memory_gb * 2**30 / kv_bytes_per_token(config, dtype)) if kv_cache_memory_gb else None
+    from backends.runtime.hf_engine import HFEngine  # transformers' config classes: only where it runs
+
     return HFEngine(model, budget)
 
 

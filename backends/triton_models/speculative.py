@@ -20,13 +20,14 @@ import triton_python_backend_utils as pb_utils
 
 from backends.config import SpeculativeConfig
 from backends.runtime.gc_heap import freeze_startup_heap
-from backends.runtime.model_store import context_window, load_config, load_tokenizer
+from backends.runtime.model_store import context_window, load_tokenizer, model_config
 from backends.runtime.threads import serial_elsewhere, started_pool
 from backends.serving.cancellation import CancellationWatch
-from backends.serving.orchestrator import Drafter, GenerationStats, ServingContext, Verifier, max_queue_time_s
+from backends.serving.orchestrator import Drafter, GenerationStats, ServingContext, Verifier
+from backends.serving.parameters import DEFAULT_PREFILL_CHUNK, max_queue_time_s, prefill_chunk_tokens, stream_interval
 from backends.serving.proposer import DrafterInfo, describe_drafter
 from backends.serving.request import RETURN_OUTPUTS, GenerationRequest, RequestError, parse_request
-from backends.serving.session import DEFAULT_PREFILL_CHUNK, ServedModel, Session, prefill_chunk_tokens, stream_interval
+from backends.serving.session import ServedModel, Session
 from backends.structured.grammar import GrammarCompiler
 from backends.triton_models.admission import UNAVAILABLE, Admission, drain_file
 from backends.triton_models.common import error_response, initialize_model, input_scalar, model_repository, parse_flag
@@ -96,7 +97,7 @@ class TritonPythonModel:
     def _load_tokenizer(self, max_model_len: int | None) -> None:
         """The target's tokenizer, context window, EOS ids and vocabulary size."""
         self.tokenizer = load_tokenizer(self.target)
-        config = load_config(self.target)
+        config = model_config(self.target)
         self.max_model_len = context_window(config, max_model_len)
         eos = getattr(config, "eos_token_id", None)
         eos = self.tokenizer.eos_token_id if eos is None else eos

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.model_store import DEFAULT_MODEL, ModelNotFoundError, local_model
-from backends.serving.session import stream_interval
+from backends.serving.parameters import stream_interval
 from backends.training import TRAINERS
 from client.cli import common
 

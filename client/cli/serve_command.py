@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 from backends.config import SpeculativeConfig
 from backends.runtime import BATCH_INVARIANT_MODES
 from backends.runtime.model_store import DEFAULT_MODEL, NAMED_MODELS, ModelNotFoundError, fetch, local_model
-from backends.serving.orchestrator import max_queue_time_s
-from backends.serving.session import DEFAULT_PREFILL_CHUNK, prefill_chunk_tokens, stream_interval
+from backends.serving.parameters import DEFAULT_PREFILL_CHUNK, max_queue_time_s, prefill_chunk_tokens, stream_interval
 from backends.training import TRAINERS, head_dir
 from client.cli import common
 

@@ -12,9 +12,10 @@ from backends.config import DrafterConfig, SpeculativeConfig
 from backends.serving.detokenize import TextStream
 from backends.serving.logits import TokenLogprob
 from backends.serving.orchestrator import Generation, ServingContext, StepOutput, generate
+from backends.serving.parameters import prefill_chunk_tokens, stream_interval
 from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest, RequestError, SamplingParams, is_greedy
-from backends.serving.session import ServedModel, Session, coalesce, prefill_chunk_tokens, stream_interval
+from backends.serving.session import ServedModel, Session, coalesce
 from backends.serving.target import VerifyRequest, VerifyResult
 
 EOS = 0
