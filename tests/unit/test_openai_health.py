@@ -3,8 +3,10 @@ answered from a check made on a thread of its own, never older than `stale_s`.""
 
 from __future__ import annotations
 
+import threading
 import time
 
+from client.api import openai_frontend
 from client.api.openai_frontend import Backend, ReadinessWatch
 from tests.fixtures.servers import free_ports
 
@@ -14,9 +16,14 @@ def unreachable_backend() -> Backend:
     return Backend(f"127.0.0.1:{free_ports(1)[0]}", "m", tokenizer=None, context_window=512)
 
 
-def test_the_first_probe_asks_then_the_watch_answers():
+def test_the_first_probe_asks_then_the_watch_answers(monkeypatch):
+    # The watch's first check held until the first call has returned: an unreachable Triton
+    # answers at once, and the watch's thread could otherwise answer before the call reads it.
+    ask, asked = openai_frontend._triton_ready, threading.Event()
+    monkeypatch.setattr(openai_frontend, "_triton_ready", lambda backend: asked.wait() and ask(backend))
     watch = ReadinessWatch(unreachable_backend(), interval_s=0.05)
     assert watch.current() is None  # no answer yet: /health asks Triton itself
+    asked.set()
     deadline = time.monotonic() + 10
     while watch.current() is None:
         assert time.monotonic() < deadline, "the watch never answered"
