@@ -301,9 +301,9 @@ busy = subprocess.Popen(["nice", "-n", "-20", "taskset", "-c", "1", sys.executab
 try:
     x = torch.randn(512, 512)
     start = time.monotonic()
-    while team.sizes.size > 1 and time.monotonic() - start < 20:
-        with threads.governed(True):  # parallel work, as a forward's
-            for _ in range(50):
+    while team.sizes.size > 1 and time.monotonic() - start < 60:
+        with threads.governed(True):  # parallel work, as a forward's: short, as the team is looked at after it
+            for _ in range(5):
                 x = (x @ x).clamp(-1, 1)
     with threads.governed(False):  # an engine whose bits could change: never resized
         pass
