@@ -225,11 +225,8 @@ def model_config(path: Path) -> Any:
 
 def plain_config(path: Path) -> PlainConfig | None:
     """`model_config`'s config.json reading, or None where transformers is to read it."""
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cfg, dict) or cfg.get("model_type") not in PLAIN_CONFIG_TYPES:
+    cfg = _json_object(Path(path) / "config.json")
+    if cfg.get("model_type") not in PLAIN_CONFIG_TYPES:
         return None
     major = str(cfg.get("transformers_version", "")).split(".")[0]
     rope = cfg.get("rope_parameters")
@@ -238,6 +235,15 @@ def plain_config(path: Path) -> PlainConfig | None:
     if not whole or not isinstance(rope, dict) or rope.get("rope_type") != "default":
         return None
     return PlainConfig(**cfg)
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    """A model directory's JSON file as a dict; {} where it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def context_window(config, cap: int | None = None) -> int:
@@ -251,10 +257,7 @@ def model_context_window(path: Path, cap: int | None = None) -> int:
     """context_window of the model at `path`, from its config.json's max_position_embeddings
     where it names one (what transformers' config would hold), else from transformers' config
     (a GGUF file, or a config.json leaving it to the class's default)."""
-    try:
-        limit = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        limit = None
+    limit = _json_object(Path(path) / "config.json").get("max_position_embeddings")
     if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
         return min(limit, cap) if cap else limit
     return context_window(load_config(path), cap)
@@ -279,15 +282,10 @@ def load_tokenizer(path: Path):
 
 
 def _generic_tokenizer(path: Path) -> bool:
-    config = plain_config(path)
-    try:
-        tokenizer = json.loads((Path(path) / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    config, tokenizer = plain_config(path), _json_object(Path(path) / "tokenizer_config.json")
     return (
         config is not None
         and config.model_type == "llama"  # AutoTokenizer picks other classes for some types (qwen2)
-        and isinstance(tokenizer, dict)
         and tokenizer.get("tokenizer_class") in GENERIC_TOKENIZERS
         and "auto_map" not in tokenizer
         and (Path(path) / "tokenizer.json").is_file()
