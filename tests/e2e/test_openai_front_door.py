@@ -12,10 +12,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 
 import openai
 import pytest
 
+from client.api.openai_http import GENERATION_PATHS
 from tests.e2e.test_openai_server import PROMPT, openai_api
 from tests.fixtures.helpers import wait_for_no_active_sequences
 from tests.fixtures.servers import free_ports
@@ -61,6 +63,25 @@ def request(
             return r.status, json.loads(r.read()), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def door_counts(door) -> tuple[int, Counter[str]]:
+    """(generation requests the door has in flight, {status: requests it answered on
+    /v1/completions}) from its /metrics."""
+    in_flight, answered = 0, Counter()
+    for line in request_text(door, "/metrics").splitlines():
+        route = line.split('route="', 1)[-1].split('"', 1)[0]
+        if line.startswith("tritonspec_openai_requests_in_flight{") and route in GENERATION_PATHS:
+            in_flight += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("tritonspec_openai_requests_total{") and route == "/v1/completions":
+            status = line.split('status="', 1)[1].split('"', 1)[0]
+            answered[status] += int(float(line.rsplit(" ", 1)[1]))
+    return in_flight, answered
+
+
+def request_text(door, path: str) -> str:
+    with urllib.request.urlopen(door.base + path, timeout=10) as r:
+        return r.read().decode()
 
 
 def chat_body(content: str, **extra) -> bytes:
@@ -167,6 +188,12 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(door, tiny_server):
     server logs the cancellation and holds no sequence soon after (it ran to its end)."""
     log = tiny_server.log_path
     cancelled = log.read_text().count("cancelled by the client")
+    # The last test's requests leave the door's count only after their responses were sent:
+    # wait until none is counted, or this request could be the one answered 429.
+    deadline = time.monotonic() + 10
+    while door_counts(door)[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answered = door_counts(door)[1]
     body = {"prompt": PROMPT, "max_tokens": 480, "n": 4, "temperature": 1.0, "ignore_eos": True}
     conn = http.client.HTTPConnection("127.0.0.1", int(door.base.rsplit(":", 1)[1]), timeout=60)
     conn.request(
@@ -178,7 +205,9 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(door, tiny_server):
     deadline = time.monotonic() + 10
     while not any(tiny_server.active_sequences().values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert any(tiny_server.active_sequences().values()), "the request never started generating"
+    assert any(tiny_server.active_sequences().values()), (
+        f"the request never started generating; the door answered {door_counts(door)[1] - answered}"
+    )
     conn.close()  # the client leaves while the 4 generations run
     left = time.monotonic()
     assert not any(wait_for_no_active_sequences(tiny_server, timeout_s=5).values())
