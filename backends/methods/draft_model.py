@@ -41,6 +41,7 @@ from backends.methods.drafts import (
     GROW_SLACK_TOKENS,
     check_quantization_device,
     check_sample_method,
+    draft_confidence,
     gather_drafts,
     sample_drafts,
 )
@@ -81,6 +82,7 @@ class _Work:
     num_nodes: int = 0  # how many of them to keep
     # per draft position: (token, draft probability) of the chain's token, then of the others by rank
     candidates: list[list[tuple[int, float]]] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)  # per draft position: the drafter's probability of it
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -188,8 +190,18 @@ class DraftModelProposer(SequenceProposer):
             if self.bridge:
                 drafts[w.index] = Draft(self.bridge.to_target(req.token_ids, w.context, w.drafts, req.num_draft_tokens))
             else:
-                drafts[w.index] = self._tree(w) if w.tree else Draft(w.drafts, w.probs)
+                drafts[w.index] = self._tree(w) if w.tree else Draft(w.drafts, w.probs, scores=self._scores(w))
         return drafts
+
+    @staticmethod
+    def _scores(w: _Work) -> list[float]:
+        """A chain's scores (Draft.scores): each draft's path probability, the product of the
+        drafter's probabilities of it and of the drafts before it."""
+        scores, path = [], 1.0
+        for p in w.confidence[: len(w.drafts)]:
+            path *= p
+            scores.append(path)
+        return scores
 
     def _tree_paths(self, req: DraftRequest, num_drafts: int) -> list[tuple[int, ...]]:
         """The static tree's paths within this step's drafts; empty: a chain."""
@@ -286,6 +298,9 @@ class DraftModelProposer(SequenceProposer):
             logits, self.sample_method, [w.temperature for w in work], [w.generator for w in work]
         )
         steps.append((tokens, probs))
+        confidence = draft_confidence(logits, tokens)
+        for w, p in zip(work, confidence.tolist()):
+            w.confidence.append(p)
         ranks = max((path[-1] for w in work for path in w.tree), default=0)
         if ranks:  # siblings of the chain: the most likely ids, one more than needed (the chain's own)
             dist = logits.float().softmax(dim=-1)

@@ -70,6 +70,13 @@ def sample_drafts(
     return (tokens if to_target is None else to_target[tokens]), probs
 
 
+def draft_confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The drafter's probability of each draft: softmax(`logits` [B, V])[b, tokens[b]] -> [B]
+    (float32), the confidence EAGLE-2 ranks drafts by (Li et al., 2024, arXiv 2406.16858)."""
+    logits = logits.float()
+    return (logits.gather(-1, tokens.view(-1, 1)).squeeze(-1) - logits.logsumexp(-1)).exp()
+
+
 def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first of equal maxima): on the CPU in the kernel that reads
     bf16 in place, where torch widens a copy first (a row of 49152 bf16 logits here: 12 against

@@ -181,7 +181,7 @@ class DraftPolicy:
     """Each step's draft shape for one sequence: plain, a chain of k, or a tree of k levels,
     whichever gives the most expected tokens per second (see the module docstring).
 
-    Trees: a tree step verifies the tree's nodes that pay (TreeCut, on this policy's verify
+    Trees: a tree step verifies the tree's nodes that pay (DraftCut, on this policy's verify
     table) after a draft whose cost is fitted by levels. Its expected tokens are the chain's
     at the same depth times the tree's gain: tokens per tree step over what the tree's chain
     of first children would have given on the same steps (RunningMeans, from a gain of 1.25),
@@ -255,14 +255,18 @@ class DraftPolicy:
         self._since_probe = 0
         return Shape(1)
 
-    def record(self, depth: int, num_drafted: int, num_accepted: int, verify_s: float, draft_s: float | None) -> None:
-        """One finished chain step: k asked of the drafter, drafts it gave, drafts accepted,
-        the verify step's cost (StepCost) and the draft call's wall time (None: a call that
-        caught up on a pause, whose time is not the step's)."""
+    def record(
+        self, depth: int, num_drafted: int, num_accepted: int, verify_s: float, draft_s: float | None, num_cut: int = 0
+    ) -> None:
+        """One finished chain step: k asked of the drafter, drafts verified, drafts accepted,
+        the verify step's cost (StepCost), the draft call's wall time (None: a call that
+        caught up on a pause, whose time is not the step's) and the drafts the cut dropped
+        (DraftCut): drafted, paid for, and counted as the first one rejected, so a drafter
+        whose drafts are mostly cut is paused like one whose drafts are rejected."""
         self.verify.record(num_drafted, verify_s)
         if depth > 0 and draft_s is not None:
-            self.draft.record(num_drafted, draft_s)
-        self.acceptance.record(num_drafted, num_accepted)
+            self.draft.record(num_drafted + num_cut, draft_s)
+        self.acceptance.record(num_drafted + min(num_cut, 1), num_accepted)
 
     def record_tree(
         self,
@@ -307,10 +311,10 @@ class StepCost:
 
 
 @dataclass
-class TreeCut:
-    """Per sequence and step, how many nodes of a draft tree to verify: the m nodes of the
+class DraftCut:
+    """Per sequence and step, how many nodes of a scored draft to verify: the m nodes of the
     highest score (the drafter's probability of a node's whole path: EAGLE-2's rerank, closed
-    under parents) that give the most expected tokens per second,
+    under parents; a chain's first m drafts) that give the most expected tokens per second,
 
         (1 + sum of their scores) / (verify(m) + draft),
 

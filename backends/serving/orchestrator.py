@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from backends.runtime.kv_cache import KVCacheFullError
-from backends.serving.adaptive import DraftPolicy, Shape, StepCost, TreeCut
+from backends.serving.adaptive import DraftCut, DraftPolicy, Shape, StepCost
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
@@ -195,6 +195,7 @@ class Drafted:
     wall_s: float = 0.0  # the drafter call as the loop waited for it
     num_new: int = 0  # tokens the drafter read in the call (many after a pause: it caught up)
     chain: list[int] = field(default_factory=list)  # a tree's chain of first children, before the cut
+    num_cut: int = 0  # drafts the cut dropped (DraftCut)
 
 
 class Generation:
@@ -233,7 +234,7 @@ class Generation:
         self.num_accepted = 0  # of the drafter's last answer
         self.hidden_rows: list[torch.Tensor] = []  # target hidden states the drafter has not seen yet
         self.sampling: SamplingParams | None = self._first_sampling()  # goes with the first verify only
-        self.max_nodes, self.policy, self.tree_cut = self._policies()
+        self.max_nodes, self.policy, self.draft_cut = self._policies()
         # Wall time runs from step to step, so the caller's streaming of a step's output counts
         # toward the next step's overhead.
         self.clock = time.perf_counter()
@@ -266,10 +267,9 @@ class Generation:
             raise RequestError(f"structured outputs ({spec.kind}) are not served here: no grammar compiler")
         return self.ctx.grammars.matcher(spec, self.req.forced_drafts)
 
-    def _policies(self) -> tuple[int, DraftPolicy | None, TreeCut | None]:
+    def _policies(self) -> tuple[int, DraftPolicy | None, DraftCut | None]:
         """A tree-drafting config's node budget, the draft-shape policy (plain, a chain or a
-        tree, and its depth) and, under a tree config, the cut of each tree to the nodes that
-        pay. A seeded sampled request keeps a fixed shape: the policy follows timings, and a
+        tree, and its depth) and the cut of each scored draft to the nodes that pay. A seeded sampled request keeps a fixed shape: the policy follows timings, and a
         different k would change which random draws each token uses (no reproducibility)."""
         if not self.speculate:
             return 0, None, None
@@ -278,7 +278,7 @@ class Generation:
         if not (self.ctx.adaptive and self.req.num_draft_tokens is None and not seeded(self.req)):
             return max_nodes, None, None
         policy = DraftPolicy(info.num_speculative_tokens, info.config.max_tree_nodes if max_nodes else None)
-        return max_nodes, policy, TreeCut(policy.verify) if max_nodes else None
+        return max_nodes, policy, DraftCut(policy.verify)
 
     @property
     def prefilling(self) -> bool:
@@ -361,8 +361,9 @@ class Generation:
             drafted.chain = [
                 draft.token_ids[i] for i in DraftTree(tuple(draft.token_ids), tuple(draft.parents)).first_path()
             ]
-        if self.tree_cut and draft.scores:  # verify the best-scored nodes that pay
-            drafted.draft = draft.best(self.tree_cut.cut(draft.scores, drafted.wall_s))
+        if self.draft_cut and draft.scores:  # verify the best-scored nodes that pay
+            drafted.draft = draft.best(self.draft_cut.cut(draft.scores, drafted.wall_s))
+            drafted.num_cut = len(draft.token_ids) - len(drafted.draft.token_ids)
         return drafted
 
     def verify(self, plan: StepPlan, drafted: Drafted) -> VerifyResult:
@@ -417,7 +418,7 @@ class Generation:
         once, not what drafting costs a step."""
         draft_s = drafted.wall_s if drafted.num_new <= self.policy.max_k + 1 else None
         if not plan.num_nodes or drafted.draft.parents is None:
-            self.policy.record(plan.num_draft_tokens, drafts, accepted, verify_s, draft_s)
+            self.policy.record(plan.num_draft_tokens, drafts, accepted, verify_s, draft_s, drafted.num_cut)
             return
         # The chain of first children, as far as the emitted tokens tell: where every emitted
         # token matched it, its later drafts were never tried.

@@ -64,14 +64,16 @@ class Draft:
     # A tree: each node's parent (-1 = the root), nodes in topological order
     # (backends/serving/tree.py); None: a chain.
     parents: list[int] | None = None
-    # A tree's node scores: the drafter's probability of each node's whole path (EAGLE-2's
-    # cumulative confidence); the orchestrator verifies the best-scored nodes that pay
-    # (adaptive.TreeCut). None: the tree is verified whole.
+    # Node scores: the drafter's probability of each node's whole path (EAGLE-2's cumulative
+    # confidence; a chain's position i: of its first i + 1 drafts); the orchestrator verifies
+    # the best-scored nodes that pay (adaptive.DraftCut). None: the draft is verified whole.
     scores: list[float] | None = None
 
     def best(self, size: int) -> Draft:
-        """This tree cut to its `size` nodes of the highest score (closed under parents, as a
-        node never scores above its parent), parents first."""
+        """This draft cut to its `size` nodes of the highest score (closed under parents, as a
+        node never scores above its parent), parents first; a chain to its first `size`."""
+        if self.parents is None:
+            return self.nodes(list(range(min(size, len(self.token_ids)))))
         return self.nodes(best_nodes(self.scores, DraftTree(tuple(self.token_ids), tuple(self.parents)).depths, size))
 
     def nodes(self, kept: list[int]) -> Draft:
@@ -79,7 +81,7 @@ class Draft:
         return Draft(
             [self.token_ids[i] for i in kept],
             None if self.probs is None else self.probs[kept],
-            subtree_parents(self.parents, kept),
+            None if self.parents is None else subtree_parents(self.parents, kept),
             None if self.scores is None else [self.scores[i] for i in kept],
         )
 

@@ -49,7 +49,7 @@ METHOD_CONFIGS: dict[str, dict] = {
     "dspark": {"method": "dspark", "num_speculative_tokens": 7},
     # Draft trees (one verification pass over the nodes that pay); compare each with its chain
     # above. 16 levels, 16 nodes: a confident match grows one deep branch, an unsure one several
-    # short ones, and each step verifies only its best-scored nodes (adaptive.TreeCut). A tree's
+    # short ones, and each step verifies only its best-scored nodes (adaptive.DraftCut). A tree's
     # alternatives cost nodes, not depth, so it takes short matches twice as deep and
     # continuations down to 5% (the chain: 1x and 10%).
     "suffix+tree": {

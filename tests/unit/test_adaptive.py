@@ -8,12 +8,12 @@ from backends.config import SpeculativeConfig
 from backends.serving.adaptive import (
     PLAIN,
     DraftCost,
+    DraftCut,
     DraftPolicy,
     PositionAcceptance,
     RunningMean,
     Shape,
     StepCost,
-    TreeCut,
 )
 from backends.serving.orchestrator import draft_length
 from backends.serving.proposer import Draft, DrafterInfo
@@ -168,15 +168,15 @@ def test_batch_size_schedule_caps_k_under_load():
     assert [draft_length(req, info, load, 10) for load in (1, 2, 3, 8, 9, 64)] == [4, 4, 1, 1, 0, 0]
 
 
-def _measured_cut(per_node_s: float, nodes: int = 16) -> TreeCut:
-    """A TreeCut whose verify steps cost 10 ms plus `per_node_s` a node (0 to `nodes` measured)."""
-    cut = TreeCut()
+def _measured_cut(per_node_s: float, nodes: int = 16) -> DraftCut:
+    """A DraftCut whose verify steps cost 10 ms plus `per_node_s` a node (0 to `nodes` measured)."""
+    cut = DraftCut()
     for m in range(nodes + 1):
         cut.verify.record(m, 0.010 + per_node_s * m)
     return cut
 
 
-def test_tree_cut_keeps_the_nodes_that_pay_for_their_verification():
+def test_draft_cut_keeps_the_nodes_that_pay_for_their_verification():
     scores = [0.9, 0.8, 0.5, 0.3, 0.1, 0.05, 0.0, 0.0]
     # Nodes nearly free to verify: every node that can be accepted, never one scored 0.
     assert _measured_cut(0.00001).cut(scores, draft_s=0.001) == 6
@@ -191,8 +191,8 @@ def test_tree_cut_keeps_the_nodes_that_pay_for_their_verification():
     assert noisy.cut([0.9, 0.8, 0.0, 0.0], 0.001) == 2
 
 
-def test_tree_cut_measures_a_second_size_before_trusting_one():
-    cut = TreeCut()
+def test_draft_cut_measures_a_second_size_before_trusting_one():
+    cut = DraftCut()
     assert cut.cut([0.9] * 8, 0.001) == 8  # nothing measured: every size costs the same
     cut.verify.record(8, 0.020)
     assert cut.cut([0.9] * 8, 0.001) == 4  # one size measured and chosen again: half of it
@@ -203,7 +203,39 @@ def test_tree_cut_measures_a_second_size_before_trusting_one():
     assert cut.cut([0.9] * 8, 0.001) == 4  # 8 nodes now cost ~40 ms: 4 for 12 is better
 
 
-def test_a_tree_cut_keeps_the_best_scored_nodes_closed_under_parents():
+def test_a_chain_cut_keeps_its_first_drafts():
+    draft = Draft([10, 11, 12, 13], scores=[0.8, 0.5, 0.1, 0.01])
+    best = draft.best(2)
+    assert (best.token_ids, best.parents, best.scores) == ([10, 11], None, [0.8, 0.5])
+    assert draft.best(9).token_ids == [10, 11, 12, 13]
+
+
+def test_drafts_the_cut_dropped_count_as_rejected_and_as_drafted():
+    """A chain of 4 cut to 2 that were both accepted: its third position was tried and
+    failed (the step declined it), and the call drafted 4, which is what it cost."""
+    cut, whole = DraftPolicy(max_k=4), DraftPolicy(max_k=4)
+    for _ in range(6):
+        cut.record(4, 2, 2, verify_s=0.010, draft_s=0.004, num_cut=2)
+        whole.record(4, 2, 2, verify_s=0.010, draft_s=0.004)
+    assert cut.acceptance.rate(2) < 0.3 < whole.acceptance.rate(2)  # whole: never tried, the prior
+    assert cut.acceptance.rate(0) == whole.acceptance.rate(0) > 0.9
+    assert cut.draft(4) == pytest.approx(0.004) and whole.draft(2) == pytest.approx(0.004)
+
+
+def test_a_drafter_whose_drafts_are_all_cut_is_paused():
+    """Every draft cut (scored too low to verify): each step paid for the drafter and gained
+    nothing, so the policy stops drafting, as for drafts that are all rejected."""
+    policy = DraftPolicy(max_k=3)
+    for _ in range(20):
+        shape = policy.next_shape(3)
+        if shape.depth:
+            policy.record(shape.depth, 0, 0, verify_s=0.010, draft_s=0.003, num_cut=shape.depth)
+        else:
+            policy.record(0, 0, 0, verify_s=0.010, draft_s=None)
+    assert policy.next_shape(3) == PLAIN
+
+
+def test_a_draft_cut_keeps_the_best_scored_nodes_closed_under_parents():
     #        root
     #      /      \
     #     0 (.6)   1 (.3)

@@ -81,6 +81,28 @@ def test_drafts_are_the_drafters_greedy_continuation(make, draft_lm, prompt_ids)
         assert draft.probs is None  # greedy drafts are one-hot: the verifier assumes q = 1
 
 
+def cacheless_path_probabilities(model, ids: list[int], drafts: list[int]) -> list[float]:
+    """The reference of a chain's scores: the product of the drafter's softmax probabilities
+    of each draft and of those before it, each from a full forward."""
+    scores, path = [], 1.0
+    with torch.inference_mode():
+        for i, token in enumerate(drafts):
+            logits = model(input_ids=torch.tensor([ids + drafts[:i]])).logits[0, -1]
+            path *= float(logits.float().softmax(-1)[token])
+            scores.append(path)
+    return scores
+
+
+def test_a_chain_is_scored_with_its_path_probabilities(make, draft_lm, prompt_ids):
+    """Each draft's score is the drafter's probability of the chain up to it (what the
+    orchestrator's cut weighs against the cost of verifying it)."""
+    proposer = make(512)
+    for seq_id, ids in enumerate(prompt_ids):
+        draft = proposer.propose([DraftRequest(seq_id, ids, 4)])[0]
+        assert draft.scores == pytest.approx(cacheless_path_probabilities(draft_lm, ids, draft.token_ids), rel=1e-4)
+        assert all(a >= b for a, b in zip(draft.scores, draft.scores[1:]))
+
+
 @pytest.mark.parametrize("diverge_at", [0, 2, 4, 5])
 def test_rollback_after_a_rejection_equals_a_fresh_proposer(make, draft_lm, prompt_ids, diverge_at):
     proposer = make(512)

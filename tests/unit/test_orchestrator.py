@@ -178,7 +178,7 @@ def test_draft_trees_through_the_loop_give_the_target_greedy_output(runner, toke
 
 
 def test_scored_trees_are_cut_to_the_nodes_that_pay(runner, tokenizer, tiny_model_dir):
-    """With adaptive drafting, a tree with node scores is verified in part (adaptive.TreeCut):
+    """With adaptive drafting, a tree with node scores is verified in part (adaptive.DraftCut):
     the wrong siblings, scored 0, never are, so every node verified is accepted."""
     reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
     prompt_len = len(tokenizer(PROMPT)["input_ids"])
@@ -187,6 +187,36 @@ def test_scored_trees_are_cut_to_the_nodes_that_pay(runner, tokenizer, tiny_mode
     assert out == reference
     assert stats.acceptance.num_draft_tokens > 0 and stats.acceptance.acceptance_rate == 1.0
     assert max(proposer.asked) == 16  # the drafter is asked for the whole tree; the cut is the loop's
+
+
+class ScoredChainProposer(OracleProposer):
+    """The target's continuation for the first half of each chain (scored 0.9 ** position),
+    then wrong drafts scored 0: what a drafter knows it does not know."""
+
+    def __init__(self, reference: list[int], prompt_len: int) -> None:
+        super().__init__(reference, prompt_len)
+        self.drafted = 0
+
+    def propose(self, batch):
+        out = []
+        for chain in super().propose(batch):
+            right = (len(chain.token_ids) + 1) // 2
+            drafts = chain.token_ids[:right] + [(t + 1) % 50 for t in chain.token_ids[right:]]
+            self.drafted += len(drafts)
+            out.append(Draft(drafts, scores=[0.9 ** (i + 1) if i < right else 0.0 for i in range(len(drafts))]))
+        return out
+
+
+def test_scored_chains_are_cut_to_the_drafts_that_pay(runner, tokenizer, tiny_model_dir):
+    """With adaptive drafting a chain with scores is verified up to the drafts that pay
+    (adaptive.DraftCut): the wrong ones, scored 0, never are."""
+    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
+    prompt_len = len(tokenizer(PROMPT)["input_ids"])
+    proposer = ScoredChainProposer(reference, prompt_len)
+    out, stats = run(runner, tokenizer, PROMPT, proposer, k=8, adaptive=True)
+    assert out == reference
+    assert stats.acceptance.num_draft_tokens > 0 and stats.acceptance.acceptance_rate == 1.0
+    assert proposer.drafted > stats.acceptance.num_draft_tokens  # some were drafted and cut
 
 
 def test_a_cut_sampled_tree_keeps_its_nodes_draft_probabilities(runner, tokenizer, tiny_model_dir):
