@@ -95,6 +95,13 @@ def _add_bench_workload_flags(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--num-speculative-tokens", type=int, help="k for every method")
     bench.add_argument(
+        "--spec-overrides",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="keys merged into every method's speculative config, e.g. '{\"suffix_decoding_max_tree_depth\": 64}'",
+    )
+    bench.add_argument(
         "--fixed-k",
         action="store_true",
         help="draft k tokens every step (requests ask for "
@@ -186,7 +193,18 @@ def _bench_config(args: argparse.Namespace, name: str, draft: Path | None) -> di
         common.draft_with_trained_head(config, args.model, method)
     if args.num_speculative_tokens:
         config["num_speculative_tokens"] = args.num_speculative_tokens
-    return config
+    return {**config, **args.spec_overrides}
+
+
+def _json_object(text: str) -> dict:
+    """An argparse type: a JSON object, or an error that says what it got."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of speculative config keys, got {text!r}")
+    return value
 
 
 def _bench_overrides(args: argparse.Namespace, target: Path, config: dict) -> RepositoryOverrides:

@@ -327,6 +327,21 @@ def test_bench_runs_a_profiles_drafter_settings_for_its_method_and_tree():
     assert method_config("ngram", qwen) == METHOD_CONFIGS["ngram"]  # another method: its own settings
 
 
+def test_bench_spec_overrides_go_into_every_methods_config(capsys):
+    from client.cli.main import build_parser
+    from client.cli.measure_commands import _bench_config
+
+    args = build_parser().parse_args(
+        ["bench", "--num-speculative-tokens", "32", "--spec-overrides", '{"suffix_decoding_max_tree_depth": 64}']
+    )
+    config = _bench_config(args, "suffix", None)
+    assert config == {"method": "suffix", "num_speculative_tokens": 32, "suffix_decoding_max_tree_depth": 64}
+    for bad, why in (("[64]", "expected a JSON object"), ("{depth", "not JSON")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "--spec-overrides", bad])
+        assert why in capsys.readouterr().err
+
+
 def test_verify_cost_runs_at_a_block_sized_context_and_names_what_does_not_fit(tiny_model_dir):
     """A context of whole KV blocks used to fail on its repeats (prefix caching kept the
     prompt's blocks); arguments that cannot run say which."""
