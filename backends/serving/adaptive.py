@@ -20,7 +20,6 @@ so a sequence that turns repetitive gets speculation back at a bounded cost.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -160,10 +159,6 @@ class PositionAcceptance:
             total += reach
         return total
 
-    def reach(self, k: int) -> float:
-        """The chance that all of the first k positions succeed."""
-        return math.prod(min(self.rate(position), 0.999) for position in range(k))
-
     def forget(self, trials: int = 2) -> None:
         """Weigh what was learnt as at most `trials` trials: paused, only rare probes teach, and
         each must move the rates (at 10 trials a rate of 0 took five accepted probes to pass 0.4)."""
@@ -211,9 +206,6 @@ class DraftPolicy:
     probe_budget: float = 0.01  # ... and as many more as keep probes under this part of the time
     margin: float = 0.02  # paused, a draft must be expected to beat a plain step by this much
     acceptance: PositionAcceptance = field(init=False)
-    # Per position of a scored chain, the chance that the drafter goes on past it (its draft
-    # scored at least the floor, DraftRequest.min_score): learnt from the chains' lengths.
-    continuation: PositionAcceptance = field(init=False)
     verify: VerifyCosts = field(init=False)  # by tokens verified (drafts or tree nodes)
     draft: DraftCost = field(init=False)  # a chain's drafter call, by drafts
     tree_draft: DraftCost = field(init=False)  # a tree's drafter call, by levels
@@ -225,7 +217,6 @@ class DraftPolicy:
 
     def __post_init__(self) -> None:
         self.acceptance = PositionAcceptance(self.prior)
-        self.continuation = PositionAcceptance(1.0)
         self.verify = VerifyCosts(self.decay)
         self.draft, self.tree_draft = DraftCost(self.decay), DraftCost(self.decay)
 
@@ -237,20 +228,10 @@ class DraftPolicy:
         if not shape.depth:
             return self.verify(0)
         if not shape.tree:
-            made, verified = self.chain_size(shape.depth)
-            return self.verify(verified) + self.draft(made)
+            return self.verify(shape.depth) + self.draft(shape.depth)
         nodes = self.tree_nodes(shape.depth)
         verified = nodes if self._tree_verified is None else min(nodes, round(self._tree_verified))
         return self.verify(verified) + self.tree_draft(shape.depth)
-
-    def chain_size(self, k: int) -> tuple[float, float]:
-        """(drafts made, drafts verified) expected of a chain of at most k: a scored chain ends
-        at its first draft under the floor, which the cut then drops; k and k until a scored
-        chain was seen."""
-        if not self.continuation.positions:
-            return k, k
-        made = self.continuation.expected_tokens(k - 1)
-        return made, made - (1.0 - self.continuation.reach(k - 1))
 
     def rate(self, shape: Shape) -> float:
         """Expected tokens per second."""
@@ -295,30 +276,17 @@ class DraftPolicy:
         return Shape(1)
 
     def record(
-        self,
-        depth: int,
-        num_drafted: int,
-        num_accepted: int,
-        verify_s: float,
-        draft_s: float | None,
-        num_cut: int = 0,
-        scored: bool = False,
+        self, depth: int, num_drafted: int, num_accepted: int, verify_s: float, draft_s: float | None, num_cut: int = 0
     ) -> None:
         """One finished chain step: k asked of the drafter, drafts verified, drafts accepted,
         the verify step's cost (StepCost), the draft call's wall time (None: a call that
         caught up on a pause, whose time is not the step's) and the drafts the cut dropped
         (DraftCut): drafted, paid for, and counted as the first one rejected, so a drafter
-        whose drafts are mostly cut is paused like one whose drafts are rejected. A `scored`
-        chain shorter than k ended at the floor: its length teaches `continuation`."""
+        whose drafts are mostly cut is paused like one whose drafts are rejected."""
         self.verify.record(num_drafted, verify_s)
-        made = num_drafted + num_cut
         if depth > 0 and draft_s is not None:
-            self.draft.record(made, draft_s)
+            self.draft.record(num_drafted + num_cut, draft_s)
         self.acceptance.record(num_drafted + min(num_cut, 1), num_accepted)
-        if scored and made:
-            # positions 0..made-2 went on; the last one made stopped the chain if it is short
-            went_on = min(made, depth) - 1
-            self.continuation.record(made if made < depth else went_on, went_on)
 
     def record_tree(
         self,

@@ -196,7 +196,6 @@ class Drafted:
     num_new: int = 0  # tokens the drafter read in the call (many after a pause: it caught up)
     chain: list[int] = field(default_factory=list)  # a tree's chain of first children, before the cut
     num_cut: int = 0  # drafts the cut dropped (DraftCut)
-    scored: bool = False  # the drafter scored its drafts (Draft.scores), so its floor may end a chain
 
 
 class Generation:
@@ -364,7 +363,6 @@ class Generation:
                 draft.token_ids[i] for i in DraftTree(tuple(draft.token_ids), tuple(draft.parents)).first_path()
             ]
         if self.draft_cut and draft.scores:  # verify the best-scored nodes that pay
-            drafted.scored = True
             drafted.draft = draft.best(self.draft_cut.cut(draft.scores, drafted.wall_s))
             drafted.num_cut = len(draft.token_ids) - len(drafted.draft.token_ids)
         return drafted
@@ -421,9 +419,7 @@ class Generation:
         once, not what drafting costs a step."""
         draft_s = drafted.wall_s if drafted.num_new <= self.policy.max_k + 1 else None
         if not plan.num_nodes or drafted.draft.parents is None:
-            self.policy.record(
-                plan.num_draft_tokens, drafts, accepted, verify_s, draft_s, drafted.num_cut, drafted.scored
-            )
+            self.policy.record(plan.num_draft_tokens, drafts, accepted, verify_s, draft_s, drafted.num_cut)
             return
         # The chain of first children, as far as the emitted tokens tell: where every emitted
         # token matched it, its later drafts were never tried.

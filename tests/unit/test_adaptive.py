@@ -234,25 +234,6 @@ def test_the_score_floor_is_what_one_more_draft_costs_over_a_plain_step():
     assert policy.min_score() == pytest.approx(0.25, rel=0.05)
 
 
-def test_a_scored_chain_that_ends_at_the_floor_is_priced_by_its_length():
-    """Chains of at most 6 that the floor ends at their third draft (cut, so 2 verified):
-    a chain of 6 costs what 3 drafts and 2 verification rows cost, not 6 and 6; an unscored
-    drafter's short drafts teach nothing of the kind."""
-    scored, unscored = DraftPolicy(max_k=6), DraftPolicy(max_k=6)
-    assert scored.chain_size(6) == (6, 6)
-    for policy in (scored, unscored):  # costs measured at 0 and at 6: a slope
-        policy.record(0, 0, 0, verify_s=0.010, draft_s=None)
-        policy.record(6, 6, 6, verify_s=0.016, draft_s=0.019)
-    for _ in range(10):
-        scored.record(6, 2, 2, verify_s=0.012, draft_s=0.009, num_cut=1, scored=True)
-        unscored.record(6, 2, 2, verify_s=0.012, draft_s=0.009, num_cut=1)
-    made, verified = scored.chain_size(6)
-    assert made == pytest.approx(3, abs=0.2) and verified == pytest.approx(2, abs=0.2)
-    assert scored.chain_size(2) == pytest.approx((2, 2), abs=0.01)  # no stop seen before the third
-    assert unscored.chain_size(6) == (6, 6)
-    assert scored.step_time(Shape(6)) < unscored.step_time(Shape(6))
-
-
 def test_a_drafter_whose_drafts_are_all_cut_is_paused():
     """Every draft cut (scored too low to verify): each step paid for the drafter and gained
     nothing, so the policy stops drafting, as for drafts that are all rejected."""
