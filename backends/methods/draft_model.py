@@ -27,7 +27,6 @@ drafts for a request that accepts only the argmax would only lower its acceptanc
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +83,6 @@ class _Work:
     # per draft position: (token, draft probability) of the chain's token, then of the others by rank
     candidates: list[list[tuple[int, float]]] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)  # per draft position: the drafter's probability of it
-    min_score: float = 0.0  # a chain ends at its first draft whose path probability is under this
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -183,7 +181,6 @@ class DraftModelProposer(SequenceProposer):
                     self.generator_for(req),
                     tree=self._tree_paths(req, num_drafts),
                     num_nodes=req.num_nodes,
-                    min_score=0.0 if self.bridge else req.min_score,
                 )
             )
         if work:
@@ -275,9 +272,7 @@ class DraftModelProposer(SequenceProposer):
 
     def _draft(self, work: list[_Work]) -> None:
         """One forward per draft position over every sequence: the first feeds each sequence's
-        new tokens, the others its last draft (the last draft is sampled, never fed). A chain
-        ends early at its first draft scored under its `min_score`, and the call once every
-        chain has ended: the forwards past it cannot pay."""
+        new tokens, the others its last draft (the last draft is sampled, never fed)."""
         steps = max(w.num_drafts for w in work)
         for w in work:
             if self.engine.room(w.seq_id) < len(w.new_ids) + steps:
@@ -286,10 +281,7 @@ class DraftModelProposer(SequenceProposer):
         for step in range(steps):
             logits = torch.cat(self.engine.forward(rows).logits)  # [B, V]: each row's last token
             tokens = self._sample(logits, work, sampled)
-            for w in work:
-                if not w.tree and step + 1 < w.num_drafts and math.prod(w.confidence) < w.min_score:
-                    w.num_drafts = step + 1
-            if step + 1 >= max(w.num_drafts for w in work):
+            if step + 1 == steps:
                 break
             rows = [Row(w.seq_id, tokens[i : i + 1]) for i, w in enumerate(work)]
         for w, drafted, probs in zip(work, *gather_drafts(sampled, [w.num_drafts for w in work])):

@@ -108,24 +108,14 @@ class DraftCost:
             else tuple(moving_average(m, x, self.decay) for m, x in zip(self.means, sample))
         )
 
-    def per_draft(self) -> float:
-        """What one more draft adds to a call (the fit's slope; one length measured: its
-        share of that length's mean)."""
+    def __call__(self, drafts: int) -> float:
         if self.means is None:
             return 0.0
         n, s, nn, ns = self.means
         spread = nn - n * n
-        if spread < 1e-3:
-            return s / n if n > 0 else 0.0
-        return max(0.0, (ns - n * s) / spread)
-
-    def __call__(self, drafts: int) -> float:
-        if self.means is None:
-            return 0.0
-        n, s, nn, _ = self.means
-        if nn - n * n < 1e-3:  # one length measured (another's weight has faded to nothing)
+        if spread < 1e-3:  # one length measured (another's weight has faded to nothing)
             return s * min(1.0, drafts / n) if n > 0 else s
-        return max(0.0, s + self.per_draft() * (drafts - n))
+        return max(0.0, s + max(0.0, (ns - n * s) / spread) * (drafts - n))
 
 
 @dataclass
@@ -236,16 +226,6 @@ class DraftPolicy:
     def rate(self, shape: Shape) -> float:
         """Expected tokens per second."""
         return self.expected_tokens(shape) / self.step_time(shape)
-
-    def min_score(self) -> float:
-        """The path probability under which a chain's next draft cannot pay even at plain
-        decoding's rate (DraftRequest.min_score): the time one more draft adds to the drafter
-        call and to the verify step, over a plain step's (a token's worth). 0 until measured."""
-        plain, most = self.verify(0), max(self.verify.seconds, default=0)
-        if not most or plain <= 0:
-            return 0.0
-        per_node = max(0.0, self.verify(most) - plain) / most
-        return (self.draft.per_draft() + per_node) / plain
 
     def next_shape(self, limit: int) -> Shape:
         """The shape of the next step, at most `limit` levels (the room left, the client's or

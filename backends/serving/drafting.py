@@ -34,7 +34,6 @@ class DraftCall:
     num_accepted: int = 0  # how many drafts of this drafter's last answer the target accepted
     seed: int | None = None  # a seeded request's: its sampled drafts come from its own generator
     num_nodes: int = 0  # the most tree nodes wanted (DraftRequest.num_nodes); 0: a chain
-    min_score: float = 0.0  # DraftRequest.min_score: a scored chain may end below it
 
 
 @dataclass
@@ -78,7 +77,6 @@ class DraftService:
                         seq.num_accepted,
                         call.seed,
                         call.num_nodes,
-                        call.min_score,
                     )
                 )
                 index.append(i)

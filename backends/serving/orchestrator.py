@@ -345,7 +345,6 @@ class Generation:
             self.num_accepted,
             sampling.seed,
             plan.num_nodes,
-            self.policy.min_score() if self.policy and not plan.num_nodes else 0.0,
         )
         try:
             drafted.draft, drafted.draft_s = self.drafter.draft(call)

@@ -40,9 +40,6 @@ class DraftRequest:
     seed: int | None = None  # the request's seed: its draft samples come from its own generator
     # The most tree nodes wanted (at most num_draft_tokens levels deep); 0: draft a chain.
     num_nodes: int = 0
-    # A chain scored with path probabilities (Draft.scores) may end at its first draft scored
-    # under this (sent along, for the orchestrator's cut to drop): a further draft cannot pay.
-    min_score: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_new is None:

@@ -57,7 +57,6 @@ class DrafterModel(SequenceBatchedModel):
             int(input_scalar(request, "num_accepted_drafts") or 0),
             None if seed is None else int(seed),
             int(nodes or 0),
-            float(input_scalar(request, "min_draft_score") or 0.0),
         )
 
     def run(self, calls: list[DraftCall]) -> list:

@@ -131,8 +131,6 @@ class BlsDrafter(SequencePeer):
             inputs["hidden_states"] = call.hidden_states.numpy()[None]
         if call.num_nodes:
             inputs["num_draft_nodes"] = np.array([[call.num_nodes]], dtype=np.int32)
-        if call.min_score:
-            inputs["min_draft_score"] = np.array([[call.min_score]], dtype=np.float32)
         out = self.call(inputs, ["draft_ids", "propose_ms", "draft_probs", "draft_parents", "draft_scores"])
         probs, parents, scores = out.get("draft_probs"), out.get("draft_parents"), out.get("draft_scores")
         draft = Draft(

@@ -222,18 +222,6 @@ def test_drafts_the_cut_dropped_count_as_rejected_and_as_drafted():
     assert cut.draft(4) == pytest.approx(0.004) and whole.draft(2) == pytest.approx(0.004)
 
 
-def test_the_score_floor_is_what_one_more_draft_costs_over_a_plain_step():
-    """A plain step 10 ms, 4 drafts verified in 12 ms (0.5 ms a node), the drafter 1 + 2 ms a
-    draft: a draft pays at plain decoding's rate only above (2 + 0.5) / 10."""
-    policy = DraftPolicy(max_k=4)
-    assert policy.min_score() == 0.0  # nothing measured: no floor
-    for _ in range(5):
-        policy.record(0, 0, 0, verify_s=0.010, draft_s=None)
-        for k in (2, 4):
-            policy.record(k, k, k, verify_s=0.010 + 0.0005 * k, draft_s=0.001 + 0.002 * k)
-    assert policy.min_score() == pytest.approx(0.25, rel=0.05)
-
-
 def test_a_drafter_whose_drafts_are_all_cut_is_paused():
     """Every draft cut (scored too low to verify): each step paid for the drafter and gained
     nothing, so the policy stops drafting, as for drafts that are all rejected."""

@@ -103,20 +103,6 @@ def test_a_chain_is_scored_with_its_path_probabilities(make, draft_lm, prompt_id
         assert all(a >= b for a, b in zip(draft.scores, draft.scores[1:]))
 
 
-def test_a_chain_ends_at_its_first_draft_scored_under_the_floor(make, draft_lm, prompt_ids):
-    """With min_score, a chain stops drafting after its first draft whose path probability
-    is under it (sent along, for the orchestrator's cut); the drafts before are the chain's."""
-    whole = make(512).propose([DraftRequest(0, prompt_ids[1], 6)])[0]
-    floor = (whole.scores[1] + whole.scores[2]) / 2 if whole.scores[1] > whole.scores[2] else None
-    assert floor is not None, whole.scores  # the test needs a chain whose scores fall
-    short = make(512).propose([DraftRequest(0, prompt_ids[1], 6, min_score=floor)])[0]
-    assert short.token_ids == whole.token_ids[:3] and short.scores == pytest.approx(whole.scores[:3])
-    # batched beside a chain without a floor, each keeps its own length
-    proposer = make(512)
-    both = proposer.propose([DraftRequest(0, prompt_ids[1], 6, min_score=floor), DraftRequest(1, prompt_ids[1], 6)])
-    assert [d.token_ids for d in both] == [whole.token_ids[:3], whole.token_ids]
-
-
 @pytest.mark.parametrize("diverge_at", [0, 2, 4, 5])
 def test_rollback_after_a_rejection_equals_a_fresh_proposer(make, draft_lm, prompt_ids, diverge_at):
     proposer = make(512)

@@ -219,30 +219,6 @@ def test_scored_chains_are_cut_to_the_drafts_that_pay(runner, tokenizer, tiny_mo
     assert proposer.drafted > stats.acceptance.num_draft_tokens  # some were drafted and cut
 
 
-class FloorRecordingProposer(OracleProposer):
-    def __init__(self, reference: list[int], prompt_len: int) -> None:
-        super().__init__(reference, prompt_len)
-        self.floors: list[float] = []
-
-    def propose(self, batch):
-        self.floors += [r.min_score for r in batch]
-        return super().propose(batch)
-
-
-def test_an_adaptive_chain_is_sent_the_policys_score_floor(runner, tokenizer, tiny_model_dir):
-    """Once its costs are measured, an adaptive sequence's drafter is told the path
-    probability under which a further draft cannot pay (DraftPolicy.min_score); a client's
-    fixed k gets its whole chain (no floor)."""
-    reference = list(hf_greedy(str(tiny_model_dir), PROMPT, 40))
-    prompt_len = len(tokenizer(PROMPT)["input_ids"])
-    adaptive = FloorRecordingProposer(reference, prompt_len)
-    assert run(runner, tokenizer, PROMPT, adaptive, k=4, adaptive=True)[0] == reference
-    assert adaptive.floors[0] == 0.0 and max(adaptive.floors) > 0.0
-    fixed = FloorRecordingProposer(reference, prompt_len)
-    assert run(runner, tokenizer, PROMPT, fixed, k=4, adaptive=True, num_draft_tokens=4)[0] == reference
-    assert fixed.floors and set(fixed.floors) == {0.0}
-
-
 def test_a_cut_sampled_tree_keeps_its_nodes_draft_probabilities(runner, tokenizer, tiny_model_dir):
     """An unseeded sampled request drafting scored trees with draft probabilities: the cut
     tree's probability rows stay those of its nodes (a row of another node would make the
