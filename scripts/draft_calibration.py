@@ -6,7 +6,8 @@ Printed per draft position: how often the target accepted the chain up to it, by
 range (a calibrated score reads like the accepted share). Then a replay of the same steps
 under score floors (a chain ends at its first draft scored under the floor; the cut drops that
 one) at the step costs given: tokens a step, time a step and tokens per second, which is
-what the floor (DraftPolicy.min_score) trades.
+what a floor would trade (tried in the server and dropped: docs/measurements.md, "Chains
+cut by their drafter's scores").
 
     .venv/bin/python scripts/draft_calibration.py --target qwen2.5-coder-1.5b \\
         --spec '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "quantization": "int4"}' \\
