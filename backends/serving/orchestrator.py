@@ -269,8 +269,9 @@ class Generation:
 
     def _policies(self) -> tuple[int, DraftPolicy | None, DraftCut | None]:
         """A tree-drafting config's node budget, the draft-shape policy (plain, a chain or a
-        tree, and its depth) and the cut of each scored draft to the nodes that pay. A seeded sampled request keeps a fixed shape: the policy follows timings, and a
-        different k would change which random draws each token uses (no reproducibility)."""
+        tree, and its depth) and the cut of each scored draft to the nodes that pay. A seeded
+        sampled request keeps a fixed shape: the policy follows timings, and a different k
+        would change which random draws each token uses (no reproducibility)."""
         if not self.speculate:
             return 0, None, None
         info = self.drafter.info
