@@ -298,11 +298,10 @@ class DraftModelProposer(SequenceProposer):
             logits, self.sample_method, [w.temperature for w in work], [w.generator for w in work]
         )
         steps.append((tokens, probs))
-        confidence = draft_confidence(logits, tokens)
-        for w, p in zip(work, confidence.tolist()):
-            w.confidence.append(p)
         ranks = max((path[-1] for w in work for path in w.tree), default=0)
-        if ranks:  # siblings of the chain: the most likely ids, one more than needed (the chain's own)
+        if not ranks:
+            chain = draft_confidence(logits, tokens)
+        else:  # siblings of the chain: the most likely ids, one more than needed (the chain's own)
             dist = logits.float().softmax(dim=-1)
             top = dist.topk(ranks + 1, dim=-1)
             chain = dist.gather(1, tokens.view(-1, 1)).squeeze(1)
@@ -310,6 +309,8 @@ class DraftModelProposer(SequenceProposer):
             for w, token, p, ids, ps in rows:
                 others = [(t, q) for t, q in zip(ids, ps) if t != token]
                 w.candidates.append([(token, p), *others[:ranks]])
+        for w, p in zip(work, chain.tolist()):
+            w.confidence.append(p)
         return tokens
 
 
