@@ -171,6 +171,11 @@ def _terminate_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def family_values(text: str, name: str) -> dict[str, float]:
+    """{label text: value} for one metric family in Prometheus' text format (labels as written)."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(re.escape(name) + r"\{([^}]*)\} (\S+)", text)}
+
+
 class TritonServer:
     def __init__(
         self,
@@ -309,8 +314,7 @@ class TritonServer:
     def metric_values(self, name: str) -> dict[str, float]:
         """{label text: value} for one metric family on /metrics (labels as written there)."""
         with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        return {m.group(1): float(m.group(2)) for m in re.finditer(re.escape(name) + r"\{([^}]*)\} (\S+)", text)}
+            return family_values(r.read().decode(), name)
 
     def active_sequences(self) -> dict[str, float]:
         """{model: sequences holding state} from the `tritonspec_active_sequences` gauge."""

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from client.api.openai_http import GENERATION_PATHS
+from client.cli.launcher import family_values
 from tests.e2e.test_openai_server import PROMPT, openai_api
 from tests.fixtures.helpers import wait_for_no_active_sequences
 from tests.fixtures.servers import free_ports
@@ -68,15 +69,20 @@ def request(
 def door_counts(door) -> tuple[int, Counter[str]]:
     """(generation requests the door has in flight, {status: requests it answered on
     /v1/completions}) from its /metrics."""
-    in_flight, answered = 0, Counter()
-    for line in request_text(door, "/metrics").splitlines():
-        route = line.split('route="', 1)[-1].split('"', 1)[0]
-        if line.startswith("tritonspec_openai_requests_in_flight{") and route in GENERATION_PATHS:
-            in_flight += int(float(line.rsplit(" ", 1)[1]))
-        elif line.startswith("tritonspec_openai_requests_total{") and route == "/v1/completions":
-            status = line.split('status="', 1)[1].split('"', 1)[0]
-            answered[status] += int(float(line.rsplit(" ", 1)[1]))
-    return in_flight, answered
+    text = request_text(door, "/metrics")
+    in_flight = family_values(text, "tritonspec_openai_requests_in_flight")
+    totals = family_values(text, "tritonspec_openai_requests_total")
+    completions = 'route="/v1/completions",status="'
+    return (
+        int(sum(in_flight.get(f'route="{path}"', 0) for path in GENERATION_PATHS)),
+        Counter(
+            {
+                labels.removeprefix(completions)[:-1]: int(n)
+                for labels, n in totals.items()
+                if labels.startswith(completions)
+            }
+        ),
+    )
 
 
 def request_text(door, path: str) -> str:
