@@ -100,13 +100,16 @@ def base_method(name: str) -> str:
 
 def read_prompt_file(path: Path) -> dict[str, list[str]]:
     """Prompts of your own, {category: [prompts]}: a JSON list (category "custom"), a JSON
-    {category: [prompts]} (a trained head's validation_prompts.json is a list), or, in a file
-    not named *.json, one prompt per line."""
+    {category: [prompts]} (a trained head's validation_prompts.json is a list), a prompt set's
+    own layout ({"version": ..., "prompts": {category: [prompts]}}: a copy of one, edited), or,
+    in a file not named *.json, one prompt per line."""
     try:
         text = path.read_text()
         loaded = json.loads(text) if path.suffix == ".json" else [line for line in text.splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read prompts from {path}: {e}") from e
+    if isinstance(loaded, dict) and isinstance(loaded.get("prompts"), (dict, list)):
+        loaded = loaded["prompts"]
     prompts = {"custom": loaded} if isinstance(loaded, list) else loaded
     if (
         not isinstance(prompts, dict)

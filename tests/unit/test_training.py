@@ -195,6 +195,10 @@ def test_validation_prompts_feed_the_bench(target_dir, data_dir, tmp_path):
     (tmp_path / "bad.json").write_text('{"code": []}')
     with pytest.raises(ValueError, match="bad.json: expected a JSON list"):
         load_prompts(path=tmp_path / "bad.json")
+    # A versioned set's own file reads as the set does (vLLM's peer script takes it too).
+    from client.cli.bench import PROMPT_SETS
+
+    assert load_prompts(path=PROMPT_SETS["short"])[1] == load_prompts(prompt_set="short")[1]
     # One reader for bench and train --prompt-file: a file not named *.json has a prompt per line.
     (tmp_path / "lines.txt").write_text("first prompt\n\nsecond prompt\n")
     assert load_prompts(path=tmp_path / "lines.txt")[1] == {"custom": ["first prompt", "second prompt"]}
