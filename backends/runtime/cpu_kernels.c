@@ -31,6 +31,9 @@
  * The bf16 output is rounded to nearest even. Keys and values are read in tiles of 16 keys so
  * the sums stay in registers. Built without -ffast-math, so no sum is ever reordered.
  */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -87,10 +90,19 @@ static void load_row(const char *src, int64_t n, float *dst, int bf16) {
         return;
     }
     for (int64_t i = 0; i < n; i += ELEMS) {
+#if defined(__AVX512F__)
+        __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(src + 2 * i))), 16);
+        _mm512_storeu_si512(dst + i, u);
+#elif defined(__AVX2__)
+        /* one widening load (GCC made four instructions of __builtin_convertvector here) */
+        __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)(src + 2 * i))), 16);
+        _mm256_storeu_si256((void *)(dst + i), u);
+#else
         ehvec h;
         memcpy(&h, src + i * sizeof(uint16_t), sizeof h);
         euvec u = __builtin_convertvector(h, euvec) << 16;
         memcpy(dst + i, &u, sizeof u);
+#endif
     }
 }
 
@@ -234,7 +246,6 @@ static void hide_keys(const key_mask *mask, int64_t r, float *s, int64_t len, fl
  * the 8-wide ones below alike, so both give the same bits. */
 #if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
 #ifdef __AVX512F__
-#include <immintrin.h>
 static inline vec fma_vec(vec a, vec b, vec c) { return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #else
 static inline vec fma_vec(vec a, vec b, vec c) {
@@ -279,7 +290,6 @@ static void add_weighted(float *sum, const float *p, const float *values, int64_
 #else
 /* AVX2's 8-wide registers: GCC compiles the 16-wide sums above into stack spills at every key
  * (a 5-token step over 1000 keys spent ~2.5 ms a layer there; these take ~0.4). */
-#include <immintrin.h>
 static inline __attribute__((always_inline)) void add_weighted8(float *sum, const float *p, const float *values,
                                                                  int64_t own, int64_t d, int vecs) {
     __m256 acc[8];
@@ -1122,7 +1132,6 @@ void pack_linear(const uint32_t *w, int64_t n, int64_t words, uint32_t *out) {
             }
 }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
 static __m512 widen_bf16(__mmask16 mask, const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
@@ -1271,7 +1280,6 @@ int packed_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
  * every pass of every tile of up to BLOCK_ROWS rows reads before the next chunk, so the weights
  * stream from memory once and in order (a tile at a time over the whole group: 15-20% slower
  * for 5-16 rows); a prompt's further blocks of rows read the group again from L2. */
-#include <immintrin.h>
 
 int packed_linear_available(void) { return 1; }
 
@@ -1468,7 +1476,6 @@ int int8_linear(const uint16_t *x, int64_t x_stride, const int8_t *packed, const
  * and so every output bit, are those of the VNNI kernel. Half the bytes of the bf16 kernel and
  * fewer instructions per weight: a drafter's step streams half the memory. Tiled as the AVX2 bf16
  * kernel (AVX2_ROWS, CHUNK_WORDS, BLOCK_ROWS), int32 sums in place of float32. */
-#include <immintrin.h>
 
 int int8_linear_available(void) { return 1; }
 
