@@ -89,12 +89,13 @@ static void load_row(const char *src, int64_t n, float *dst, int bf16) {
         memcpy(dst, src, (size_t)n * sizeof(float));
         return;
     }
+    /* one widening load a vector: GCC makes four instructions of __builtin_convertvector
+     * here, at both widths (vpmovzxwd of each half, an extract and an insert) */
     for (int64_t i = 0; i < n; i += ELEMS) {
 #if defined(__AVX512F__)
         __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(src + 2 * i))), 16);
         _mm512_storeu_si512(dst + i, u);
 #elif defined(__AVX2__)
-        /* one widening load (GCC made four instructions of __builtin_convertvector here) */
         __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)(src + 2 * i))), 16);
         _mm256_storeu_si256((void *)(dst + i), u);
 #else
