@@ -5,23 +5,36 @@ speculation never makes a sequence slower than plain decoding for long.
 Expected tokens of a verify step come from the acceptance of each draft position
 (PositionAcceptance: E(k) = 1 + a_1 + a_1 a_2 + ..., Leviathan et al., 2023, with a rate per
 position), a tree's from the chain's and its measured gain (DraftPolicy). Step time is
-verify(tokens) + draft(levels), both measured on this sequence's own steps: the verify
-step's cost to the server (StepCost: under load, the sequence's share of the batched
+verify(tokens) + draft(levels), both measured on this sequence's own steps (started from
+what the drafter's earlier sequences measured, DraftHistory): the verify step's cost to the
+server (StepCost: under load, the sequence's share of the batched
 forward, not the whole batch's time it waited for) by tokens verified, kept in a small table
 (an unseen count is interpolated from the nearest seen ones, or assumed flat: the optimistic
 choice that lets the table fill), and the drafter call's wall time fitted by levels, apart
 for chains and trees. A draft must beat a plain step by a margin (2%); when none does, the
 sequence decodes plainly and the drafter is not called: what it has not seen (tokens, the
 target's hidden rows) waits for its next call, which catches up in one forward (the
-drafters' delivery contract, backends/methods/eagle.py). A one-draft probe after 16 plain
-steps, then 32, 64, up to 128 while probes fail, keeps the first position's rate current,
-so a sequence that turns repetitive gets speculation back at a bounded cost.
+drafters' delivery contract, backends/methods/eagle.py). A one-draft probe after at least 8
+plain steps, and as many more as keep what probes add under 1% of the time, keeps the first
+position's rate current, so a sequence that turns repetitive gets speculation back at a
+bounded cost. A sequence's first draft is priced at the acceptance of the drafter's earlier
+sequences (DraftHistory), the rest at its own. Each sequence
+times a plain step (its second, if its first drafted) unless one of the drafter's sequences
+timed one in its last PLAIN_EVERY steps: the yardstick every draft is held to. A drafter that
+drafts every step (a head) never timed one, and priced as its fewest drafts, a plain step made
+any acceptance look worth drafting for (an EAGLE-3 head accepted at 0.32 drafted on at 0.84x
+plain where a verified row costs 17% of a step). Every request timing its own cost an n-gram
+drafter that matched every step a step's gain (a 32-step request at 4 tokens a step: 2%).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+PLAIN_EVERY = 128  # a drafter's sequences time a plain step at least once in this many steps
+HISTORY_TRIALS = 100  # the drafter's acceptance, for a sequence's first draft: over about this many trials
 
 
 def moving_average(old: float | None, new: float, decay: float) -> float:
@@ -31,13 +44,14 @@ def moving_average(old: float | None, new: float, decay: float) -> float:
 
 @dataclass
 class RunningMean:
-    """The mean of the samples, a prior counting as the first, until there are `window` of
-    them; then a moving average over about that many. The first samples teach fast and later
-    ones are smoothed: a plain moving average of acceptance at 0.8 read a rate of 0.3 as 0.05
-    often enough to pause n-gram drafting that paid."""
+    """The mean of the samples, the prior weighing as `count` + 1 of them, until there are
+    `window` of them; then a moving average over about that many. The first samples teach fast
+    and later ones are smoothed: a plain moving average of acceptance at 0.8 read a rate of
+    0.3 as 0.05 often enough to pause n-gram drafting that paid, and over 10 samples a rate of
+    0.5 read as 0.35 often enough to pause a head that paid."""
 
     value: float
-    window: int = 10
+    window: int = 30
     count: int = 0
 
     def add(self, sample: float) -> None:
@@ -130,11 +144,14 @@ class PositionAcceptance:
     One rate for every position misjudges both kinds of drafter: a head's later positions are
     accepted less (a CPU-trained EAGLE-3's top-1 by step: 0.54 / 0.48 / 0.43), an n-gram match
     that is right once mostly runs on. Each rate is a RunningMean of its position's trials. A
-    position never tried takes the rate of the last one tried (the prior before any): the
-    optimistic choice that gets it tried."""
+    position never tried takes the rate of the last one tried (the prior, weighing as
+    `prior_trials` trials, before any): the optimistic choice that gets it tried. A prior that
+    weighed as one trial fell to 0.3 on the first rejection, and a head accepted at 0.7
+    paused on it."""
 
     prior: float = 0.6
-    window: int = 10  # trials each rate is averaged over
+    window: int = 30  # trials each rate is averaged over
+    prior_trials: int = 2
     positions: list[RunningMean] = field(default_factory=list)  # 0 = the first draft
 
     def rate(self, position: int) -> float:
@@ -160,7 +177,8 @@ class PositionAcceptance:
         was drafted) rejected; positions past that were not tried."""
         for position in range(min(num_accepted + 1, num_drafted)):
             if position == len(self.positions):
-                self.positions.append(RunningMean(self.rate(position), self.window))
+                weight = 1 if self.positions else self.prior_trials  # a later position starts from the one before
+                self.positions.append(RunningMean(self.rate(position), self.window, weight - 1))
             self.positions[position].add(float(position < num_accepted))
 
 
@@ -195,20 +213,27 @@ class DraftPolicy:
     probe_every: int = 8  # paused: a 1-draft probe after at least this many plain steps ...
     probe_budget: float = 0.01  # ... and as many more as keep probes under this part of the time
     margin: float = 0.02  # paused, a draft must be expected to beat a plain step by this much
+    history: DraftHistory | None = None  # what the drafter's sequences measured: where this one starts
     acceptance: PositionAcceptance = field(init=False)
     verify: VerifyCosts = field(init=False)  # by tokens verified (drafts or tree nodes)
     draft: DraftCost = field(init=False)  # a chain's drafter call, by drafts
     tree_draft: DraftCost = field(init=False)  # a tree's drafter call, by levels
-    _tree_tokens: RunningMean = field(default_factory=lambda: RunningMean(1.25))  # tokens a tree step emitted ...
-    _chain_tokens: RunningMean = field(default_factory=lambda: RunningMean(1.0))  # ... its first children's chain
+    # tokens a tree step emitted, and its first children's chain: priors weighing as two steps
+    _tree_tokens: RunningMean = field(default_factory=lambda: RunningMean(1.25, count=1))
+    _chain_tokens: RunningMean = field(default_factory=lambda: RunningMean(1.0, count=1))
     _tree_verified: float | None = None  # nodes a tree step verified after the cut
     _drafting: bool = True
     _since_probe: int = 0
+    _steps: int = 0  # this sequence's steps recorded
+    _timed_plain: bool = False  # one of them was plain
+    _tried: bool = False  # one of them verified a draft (until then, the history's acceptance)
 
     def __post_init__(self) -> None:
         self.acceptance = PositionAcceptance(self.prior)
         self.verify = VerifyCosts(self.decay)
         self.draft, self.tree_draft = DraftCost(self.decay), DraftCost(self.decay)
+        if self.history is not None:
+            self.history.seed(self)
 
     def expected_tokens(self, shape: Shape) -> float:
         chain = self.acceptance.expected_tokens(shape.depth)
@@ -232,6 +257,8 @@ class DraftPolicy:
         the batch-size schedule's k)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
+            return PLAIN
+        if self._steps and not self._timed_plain and (self.history is None or self.history.plain_is_stale()):
             return PLAIN
         shapes = [Shape(k) for k in range(1, limit + 1)]
         if self.tree_nodes is not None:
@@ -263,10 +290,8 @@ class DraftPolicy:
         caught up on a pause, whose time is not the step's) and the drafts the cut dropped
         (DraftCut): drafted, paid for, and counted as the first one rejected, so a drafter
         whose drafts are mostly cut is paused like one whose drafts are rejected."""
-        self.verify.record(num_drafted, verify_s)
-        if depth > 0 and draft_s is not None:
-            self.draft.record(num_drafted + num_cut, draft_s)
-        self.acceptance.record(num_drafted + min(num_cut, 1), num_accepted)
+        self._record_costs(num_drafted, verify_s, num_drafted + num_cut, draft_s if depth > 0 else None, tree=False)
+        self._record_trial(num_drafted + min(num_cut, 1), num_accepted)
 
     def record_tree(
         self,
@@ -281,13 +306,87 @@ class DraftPolicy:
         emitted, the verify step's cost and the draft call's wall time (as `record`). `chain`:
         (drafts, accepted) of the tree's chain of first children, what a chain would have had:
         the positions' acceptance learns from tree steps too."""
-        self.verify.record(num_verified, verify_s)
-        if draft_s is not None:
-            self.tree_draft.record(depth, draft_s)
-        self.acceptance.record(*chain)
+        self._record_costs(num_verified, verify_s, depth, draft_s, tree=True)
+        self._record_trial(*chain)
         self._tree_verified = moving_average(self._tree_verified, num_verified, self.decay)
         self._tree_tokens.add(num_emitted)
         self._chain_tokens.add(1 + chain[1])
+
+    def _record_trial(self, num_drafted: int, num_accepted: int) -> None:
+        """A verified chain (or a tree's chain of first children) into the acceptance rates.
+        The history's rates priced this sequence's first draft; its own start at the prior."""
+        if not num_drafted:
+            return
+        if not self._tried:
+            self.acceptance, self._tried = PositionAcceptance(self.prior), True
+        self.acceptance.record(num_drafted, num_accepted)
+        if self.history is not None:
+            self.history.record_trial(num_drafted, num_accepted)
+
+    def _record_costs(self, verified: int, verify_s: float, drafted: int, draft_s: float | None, tree: bool) -> None:
+        """A step's verify cost by tokens verified, and its drafter call's (None: not timed) by
+        drafts or tree levels, here and in the drafter's history."""
+        self._steps, self._timed_plain = self._steps + 1, self._timed_plain or verified == 0
+        add_step_costs(self.verify, self.tree_draft if tree else self.draft, verified, verify_s, drafted, draft_s)
+        if self.history is not None:
+            self.history.record(verified, verify_s, drafted, draft_s, tree)
+
+
+def add_step_costs(
+    verify: VerifyCosts, draft: DraftCost, verified: int, verify_s: float, drafted: int, draft_s: float | None
+) -> None:
+    """A step's verify cost by tokens verified, and its drafter call's (None: not timed)."""
+    verify.record(verified, verify_s)
+    if draft_s is not None:
+        draft.record(drafted, draft_s)
+
+
+class DraftHistory:
+    """What every sequence of one drafter has measured, for each new sequence to start from:
+    the step costs (verify by tokens verified, the drafter call by drafts and by tree levels),
+    which are the server's and the drafter's whichever request a step serves, and the
+    acceptance per position over the last HISTORY_TRIALS trials, which prices a sequence's
+    first draft only. Started from nothing, every request paid again for finding out: its
+    first steps drafted as deep as a head whose drafts could never pay (3 ms + 4 ms a level
+    against an 8 ms step), and priced at the prior 0.6, an n-gram drafter whose requests copy
+    their answers from their prompts drafted a chain of 2 first. From its first trial on, a
+    sequence's acceptance is its own: started from the last requests' rates, a request whose
+    drafts were rarely accepted after ones whose drafts were drafted on until its own trials
+    outweighed them. Shared by the threads of one model's requests."""
+
+    def __init__(self, decay: float = 0.7) -> None:
+        self._lock = threading.Lock()
+        self._since_plain: int | None = None  # steps since the last plain one (None: none yet)
+        self._verify = VerifyCosts(decay)
+        self._draft, self._tree_draft = DraftCost(decay), DraftCost(decay)
+        self._acceptance = PositionAcceptance(window=HISTORY_TRIALS)
+
+    def seed(self, policy: DraftPolicy) -> None:
+        """Start a new sequence's cost tables, and its acceptance until its first trial, from
+        the history's."""
+        with self._lock:
+            policy.verify.seconds = dict(self._verify.seconds)
+            policy.draft.means, policy.tree_draft.means = self._draft.means, self._tree_draft.means
+            window = policy.acceptance.window
+            policy.acceptance.positions = [RunningMean(mean.value, window) for mean in self._acceptance.positions]
+
+    def record_trial(self, num_drafted: int, num_accepted: int) -> None:
+        """A verified chain of any sequence (PositionAcceptance.record)."""
+        with self._lock:
+            self._acceptance.record(num_drafted, num_accepted)
+
+    def plain_is_stale(self) -> bool:
+        """No sequence timed a plain step in the last PLAIN_EVERY steps."""
+        with self._lock:
+            return self._since_plain is None or self._since_plain >= PLAIN_EVERY
+
+    def record(self, verified: int, verify_s: float, drafted: int, draft_s: float | None, tree: bool) -> None:
+        """One step of any sequence (DraftPolicy._record_costs)."""
+        with self._lock:
+            self._since_plain = 0 if verified == 0 else None if self._since_plain is None else self._since_plain + 1
+            add_step_costs(
+                self._verify, self._tree_draft if tree else self._draft, verified, verify_s, drafted, draft_s
+            )
 
 
 @dataclass

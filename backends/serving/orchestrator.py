@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from backends.runtime.kv_cache import KVCacheFullError
-from backends.serving.adaptive import DraftCut, DraftPolicy, Shape, StepCost
+from backends.serving.adaptive import DraftCut, DraftHistory, DraftPolicy, Shape, StepCost
 from backends.serving.detokenize import TextStream
 from backends.serving.drafting import DraftCall
 from backends.serving.logits import TokenLogprob
@@ -170,6 +170,9 @@ class ServingContext:
     # How long a request may wait, in all, for room in the target's KV pool (admission queue,
     # or resuming after a preemption) before it fails with AdmissionTimeoutError.
     max_queue_time_s: float = DEFAULT_MAX_QUEUE_TIME_S
+    # What the drafter's steps cost and how often its drafts were accepted, as every request
+    # measures them: where each new request's draft-shape policy starts (adaptive.DraftHistory).
+    draft_history: DraftHistory = field(default_factory=DraftHistory)
 
 
 @dataclass(slots=True)
@@ -278,7 +281,8 @@ class Generation:
         max_nodes = info.config.max_tree_nodes(info.num_speculative_tokens)
         if not (self.ctx.adaptive and self.req.num_draft_tokens is None and not seeded(self.req)):
             return max_nodes, None, None
-        policy = DraftPolicy(info.num_speculative_tokens, info.config.max_tree_nodes if max_nodes else None)
+        tree_nodes = info.config.max_tree_nodes if max_nodes else None
+        policy = DraftPolicy(info.num_speculative_tokens, tree_nodes, history=self.ctx.draft_history)
         return max_nodes, policy, DraftCut(policy.verify)
 
     @property

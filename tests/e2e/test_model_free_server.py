@@ -48,7 +48,10 @@ def test_greedy_output_equals_target_greedy(servers, tiny_model_dir, method):
 
 @pytest.mark.parametrize("method", sorted(CONFIGS))
 def test_drafts_are_accepted_on_a_repetitive_prompt(servers, method):
-    result = grpc_generate(servers[method].grpc_url, REPETITIVE, max_tokens=40)
+    # A fixed k: with the adaptive length, a request starts from what the server's earlier
+    # requests measured, and on this tiny target a drafter hop can cost more than a step
+    # saves, so the request may rightly start paused.
+    result = grpc_generate(servers[method].grpc_url, REPETITIVE, max_tokens=40, num_draft_tokens=4)
     assert 0 < result.total_accepted_draft_tokens <= result.total_draft_tokens
 
 

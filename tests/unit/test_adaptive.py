@@ -1,5 +1,7 @@
+import importlib.util
 import random
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,8 +9,10 @@ import torch
 from backends.config import SpeculativeConfig
 from backends.serving.adaptive import (
     PLAIN,
+    PLAIN_EVERY,
     DraftCost,
     DraftCut,
+    DraftHistory,
     DraftPolicy,
     PositionAcceptance,
     RunningMean,
@@ -19,6 +23,23 @@ from backends.serving.orchestrator import draft_length
 from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest
 from backends.serving.step_cost import StepCostCurve, step_shares
+
+SWEEP = Path(__file__).parents[2] / "scripts" / "policy_sweep.py"
+_spec = importlib.util.spec_from_file_location("policy_sweep", SWEEP)
+policy_sweep = sys.modules["policy_sweep"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(policy_sweep)
+Drafter, run_policy, verify_s, tree_nodes = (
+    policy_sweep.Drafter,
+    policy_sweep.run_policy,
+    policy_sweep.verify_s,
+    policy_sweep.tree_nodes,
+)
+NGRAM, FAST_HEAD, HEAD, SLOW_HEAD = (
+    policy_sweep.NGRAM,
+    policy_sweep.FAST_HEAD,
+    policy_sweep.HEAD,
+    policy_sweep.SLOW_HEAD,
+)
 
 
 def at_rates(*rates: float) -> PositionAcceptance:
@@ -51,13 +72,13 @@ def test_pauses_when_drafts_are_rejected_and_probes_within_a_budget():
     for _ in range(10):  # fp32-like costs: each verified token adds 25% to the step
         policy.record(4, 4, 0, verify_s=0.100, draft_s=0.002)
         policy.record(0, 0, 0, verify_s=0.050, draft_s=0.0)
-    assert policy.acceptance.rate(0) < 0.1
+    assert policy.acceptance.rate(0) < 0.15
     assert policy.step_time(Shape(1)) - policy.step_time(PLAIN) == pytest.approx(0.013)
     shapes = [policy.next_shape(limit=100) for _ in range(80)]
     assert [i + 1 for i, shape in enumerate(shapes) if shape.depth] == [26, 52, 78]
     assert set(shapes) == {PLAIN, Shape(1)}
     cheap = DraftPolicy(max_k=4, probe_every=5)
-    for _ in range(60):  # a 1-draft step costs 1.2% more than a plain one: probes every 5 steps
+    for _ in range(120):  # a 1-draft step costs 1.2% more than a plain one: probes every 5 steps
         cheap.record(4, 4, 0, verify_s=0.052, draft_s=0.0003)
         cheap.record(0, 0, 0, verify_s=0.050, draft_s=0.0)
     shapes = [cheap.next_shape(limit=100) for _ in range(20)]
@@ -113,6 +134,76 @@ def test_a_stale_dear_plain_step_does_not_keep_a_losing_head_drafting():
         policy.record(1, 1, 0, verify_s=0.010, draft_s=0.0018)
     assert policy.step_time(PLAIN) == pytest.approx(0.010)
     assert policy.next_shape(3) == PLAIN
+
+
+def test_a_head_that_always_drafts_times_a_plain_step_and_pauses_where_drafts_cannot_pay():
+    """Where a verified row costs 17% of a step (float32 FMAs on an AVX2 CPU), an EAGLE-3 head
+    whose first draft is accepted 32% of the time cannot pay: 1.32 tokens for 1.17 steps of
+    verification and 0.21 of drafting. A head drafts every step, so no plain step was timed,
+    and priced as a 1-draft step it kept the head drafting (0.84x plain through the server)."""
+    policy, rng, shapes = DraftPolicy(max_k=3), random.Random(0), []
+    for _ in range(200):
+        shape = policy.next_shape(3)
+        k, accepted = shape.depth, 0
+        while accepted < k and rng.random() < (0.32, 0.07, 0.0)[accepted]:
+            accepted += 1
+        policy.record(k, k, accepted, verify_s=0.0134 * (1 + 0.17 * k), draft_s=0.0028 if k else None)
+        shapes.append(shape)
+    assert shapes[0].depth and shapes[1] == PLAIN  # the second step is timed plain
+    assert policy.step_time(PLAIN) == pytest.approx(0.0134)
+    assert sum(shape.depth > 0 for shape in shapes[100:]) <= 10  # probes only
+
+
+def test_a_new_sequence_starts_from_the_drafters_measured_costs():
+    """A head whose drafts cannot pay at any acceptance the prior allows (3 ms + 4 ms a level
+    against an 8 ms step): the first sequence finds out by drafting; the next one starts from
+    the costs it measured and decodes plainly from its first step."""
+    history = DraftHistory()
+    first, shapes, _ = run_policy(Drafter((0.3,), **SLOW_HEAD), 100, DraftPolicy(max_k=4, history=history))
+    assert shapes[0].depth
+    second = DraftPolicy(max_k=4, history=history)
+    assert second.step_time(Shape(2)) == first.step_time(Shape(2))
+    _, shapes, speed = run_policy(Drafter((0.3,), **SLOW_HEAD), 100, second, seed=1)
+    assert shapes[0] == PLAIN and speed >= 0.97 * PLAIN_RATE
+    # and the history is what every sequence measures: the second one's steps are in it too
+    assert DraftPolicy(max_k=4, history=history).verify.seconds == second.verify.seconds
+
+
+def test_a_plain_step_is_timed_once_in_plain_every_steps_of_the_drafters_sequences():
+    """An n-gram drafter that matches every step: the first sequence times a plain step (its
+    second); after that, the drafter's sequences time one each time PLAIN_EVERY steps passed
+    without one, not one a sequence (each costs a step's gain)."""
+    history, shapes = DraftHistory(), []
+    for _ in range(12):  # sequences of 50 steps
+        policy = DraftPolicy(max_k=4, history=history)
+        for _ in range(50):
+            shape = policy.next_shape(4)
+            policy.record(shape.depth, shape.depth, shape.depth, verify_s=verify_s(shape.depth), draft_s=0.0001)
+            shapes.append(shape)
+    plain = [i for i, shape in enumerate(shapes) if shape == PLAIN]
+    assert plain[0] == 1 and len(plain) <= 1 + len(shapes) // PLAIN_EVERY
+    assert max(b - a for a, b in zip(plain, plain[1:])) <= PLAIN_EVERY + 2
+
+
+def test_a_sequences_first_draft_is_priced_at_the_drafters_acceptance_the_rest_at_its_own():
+    """An n-gram drafter on requests that copy from their prompts (every draft accepted), where
+    a verified token adds 2 ms to a 13 ms step: at the prior 0.6 a chain of 2 looks best, and
+    a 20-token answer copied from the prompt had ended before k grew to 8. A new sequence's
+    first draft is priced at what the drafter's sequences had accepted; from its first trial
+    on, at its own: a request that copies nothing after ones that did drafts less."""
+    history = DraftHistory()
+    for k in range(9):
+        history.record(k, 0.013 + 0.002 * k, k, 0.0002 if k else None, tree=False)
+    blind = DraftPolicy(max_k=8)
+    blind.verify.seconds = {k: 0.013 + 0.002 * k for k in range(9)}
+    assert blind.next_shape(8) == Shape(2)
+    for _ in range(20):
+        history.record_trial(8, 8)
+    policy = DraftPolicy(max_k=8, history=history)
+    assert policy.next_shape(8) == Shape(8)
+    policy.record(8, 8, 0, verify_s=0.029, draft_s=0.0002)  # this request copies nothing
+    assert policy.acceptance.rate(0) == pytest.approx(0.4)  # the prior 0.6 as two trials, and a rejection
+    assert policy.next_shape(8).depth < 8
 
 
 def test_one_slow_draft_call_fades():
@@ -218,7 +309,7 @@ def test_drafts_the_cut_dropped_count_as_rejected_and_as_drafted():
         cut.record(4, 2, 2, verify_s=0.010, draft_s=0.004, num_cut=2)
         whole.record(4, 2, 2, verify_s=0.010, draft_s=0.004)
     assert cut.acceptance.rate(2) < 0.3 < whole.acceptance.rate(2)  # whole: never tried, the prior
-    assert cut.acceptance.rate(0) == whole.acceptance.rate(0) > 0.9
+    assert cut.acceptance.rate(0) == whole.acceptance.rate(0) > 0.85
     assert cut.draft(4) == pytest.approx(0.004) and whole.draft(2) == pytest.approx(0.004)
 
 
@@ -330,76 +421,9 @@ def test_under_load_a_draft_token_is_priced_at_the_batch_size(priced_by):
 # ---------------------------------------------------------------------------- scripted runs
 # The cost model driven step by step with scripted costs (SmolLM2-135M bf16 on the 2-core CPU:
 # a 1-token step 8 ms, 0.3 ms a verified draft) and scripted acceptance (a seeded draw per
-# position), the step's time charged as it would be spent: a drafter call that catches up on a
-# pause costs its rows too, which the policy is not told (Generation does not time such calls).
-
-
-@dataclass
-class Drafter:
-    """A scripted drafter: accepted at `rates[i]` at position i (the last rate past them), a
-    call costing `call_s` + `level_s` a level + `row_s` a row it catches up on; as a tree of
-    `nodes` nodes, a rejected level is rescued by a sibling at `sibling`."""
-
-    rates: tuple[float, ...]
-    call_s: float
-    level_s: float
-    row_s: float = 0.00005
-    sibling: float = 0.0
-    tree_level_s: float | None = None  # a tree level's cost (default: a chain level's)
-
-    def rate(self, position: int) -> float:
-        return self.rates[min(position, len(self.rates) - 1)]
-
-
-def verify_s(tokens: int) -> float:
-    return 0.008 + 0.0003 * tokens
-
-
-def tree_nodes(depth: int) -> int:
-    return 4 * depth
-
-
-def step(policy: DraftPolicy, drafter: Drafter, rng: random.Random, unseen: int) -> tuple[Shape, int, float]:
-    """One step as Generation runs it: the shape, the tokens it emitted, the seconds it took."""
-    shape = policy.next_shape(4)
-    if not shape.depth:
-        policy.record(0, 0, 0, verify_s(0), None)
-        return shape, 1, verify_s(0)
-    accepted = 0
-    while accepted < shape.depth and rng.random() < drafter.rate(accepted):
-        accepted += 1
-    level_s = drafter.tree_level_s if shape.tree and drafter.tree_level_s is not None else drafter.level_s
-    draft_s = drafter.call_s + level_s * shape.depth
-    timed = draft_s if unseen <= policy.max_k + 1 else None
-    draft_s += drafter.row_s * unseen
-    tried = min(accepted + 1, shape.depth)
-    if not shape.tree:
-        policy.record(shape.depth, shape.depth, accepted, verify_s(shape.depth), timed)
-        return shape, accepted + 1, verify_s(shape.depth) + draft_s
-    rescued = accepted < shape.depth and rng.random() < drafter.sibling
-    emitted = accepted + 1 + rescued
-    nodes = tree_nodes(shape.depth)
-    policy.record_tree(shape.depth, nodes, emitted, (tried, accepted), verify_s(nodes), timed)
-    return shape, emitted, verify_s(nodes) + draft_s
-
-
-def run_policy(drafter: Drafter, steps: int, policy: DraftPolicy | None = None, seed: int = 0):
-    """`steps` steps: the policy, the shapes chosen, and tokens per second over them."""
-    policy = policy or DraftPolicy(max_k=4, tree_nodes=tree_nodes if drafter.sibling else None)
-    rng, shapes, tokens, seconds, unseen = random.Random(seed), [], 0, 0.0, 1
-    for _ in range(steps):
-        shape, emitted, took = step(policy, drafter, rng, unseen)
-        unseen = emitted if shape.depth else unseen + emitted
-        shapes.append(shape)
-        tokens, seconds = tokens + emitted, seconds + took
-    return policy, shapes, tokens / seconds
-
+# position): scripts/policy_sweep.py's simulator, which sweeps it over seeds.
 
 PLAIN_RATE = 1 / verify_s(0)
-NGRAM = dict(call_s=0.00005, level_s=0.00001)  # a lookup
-FAST_HEAD = dict(call_s=0.0005, level_s=0.0004)  # a head at kernel cost (issue 55's goal: a level <= 8%)
-HEAD = dict(call_s=0.001, level_s=0.0015)  # a head's level through Python (today's EAGLE-3 chain)
-SLOW_HEAD = dict(call_s=0.003, level_s=0.004)  # a tree level today
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9])
@@ -427,8 +451,10 @@ def test_stops_drafting_when_it_cannot_pay_and_resumes_when_acceptance_rises():
     policy, shapes, _ = run_policy(Drafter((0.6,), **HEAD), 100)
     assert all(shape.depth for shape in shapes[-50:])
     policy, shapes, speed = run_policy(Drafter((0.05,), **HEAD), 400, policy, seed=1)
-    # probes only: a 1-draft step costs 2.8 ms more than a plain one, 1% of 35 plain steps
-    assert sum(shape.depth > 0 for shape in shapes[50:]) <= 350 / 35
+    # probes only: a 1-draft step costs 2.8 ms more than a plain one, 1% of 35 plain steps (a
+    # probe that happens to be accepted may draft a step or two after it)
+    probes = [i for i in range(50, 400) if shapes[i].depth and not shapes[i - 1].depth]
+    assert len(probes) <= 350 / 35 and sum(shape.depth > 0 for shape in shapes[50:]) <= 350 / 35 + 3
     assert shapes[-1] == PLAIN and speed >= 0.97 * PLAIN_RATE
     policy, shapes, _ = run_policy(Drafter((0.9,), **HEAD), 300, policy, seed=2)
     resumed = next(i for i, shape in enumerate(shapes) if shape.depth and shapes[i + 1].depth)
