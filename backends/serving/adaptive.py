@@ -314,11 +314,15 @@ class DraftPolicy:
 
     def _record_trial(self, num_drafted: int, num_accepted: int) -> None:
         """A verified chain (or a tree's chain of first children) into the acceptance rates.
-        The history's rates priced this sequence's first draft; its own start at the prior."""
+        The history's rates priced this sequence's first draft; if it drafted on them, its own
+        start at the prior. A sequence the history kept paused goes on from the history's
+        rates: from the prior, its first rejected probe read 0.4 and resumed drafting."""
         if not num_drafted:
             return
         if not self._tried:
-            self.acceptance, self._tried = PositionAcceptance(self.prior), True
+            if self._drafting:
+                self.acceptance = PositionAcceptance(self.prior)
+            self._tried = True
         self.acceptance.record(num_drafted, num_accepted)
         if self.history is not None:
             self.history.record_trial(num_drafted, num_accepted)

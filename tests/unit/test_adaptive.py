@@ -206,6 +206,25 @@ def test_a_sequences_first_draft_is_priced_at_the_drafters_acceptance_the_rest_a
     assert policy.next_shape(8).depth < 8
 
 
+def test_a_sequence_the_history_keeps_paused_stays_paused_on_a_rejected_probe():
+    """A head the drafter's sequences accepted at 0.2, where a draft pays from 0.35 on: a new
+    sequence starts paused, and its first probe, rejected, leaves it paused (from the prior
+    0.6, the rejection read 0.4 and it drafted again)."""
+    history = DraftHistory()
+    for k in range(3):
+        history.record(k, verify_s(k), k, 0.001 + 0.0015 * k if k else None, tree=False)
+    for accepted in (0, 0, 0, 0, 1) * 6:
+        history.record_trial(1, accepted)
+    policy = DraftPolicy(max_k=2, history=history)
+    shapes = [policy.next_shape(2)]
+    while not shapes[-1].depth:
+        policy.record(0, 0, 0, verify_s(0), None)
+        shapes.append(policy.next_shape(2))
+    assert shapes[0] == PLAIN and shapes[-1] == Shape(1)  # a probe
+    policy.record(1, 1, 0, verify_s(1), 0.0025)
+    assert policy.next_shape(2) == PLAIN
+
+
 def test_one_slow_draft_call_fades():
     """A head always drafts: its first recorded call was cold (6.6 ms), the rest take 2 ms. The
     policy keeps drafting once the slow call has faded, as it pays at 0.5 acceptance."""
