@@ -18,7 +18,7 @@ drafters' delivery contract, backends/methods/eagle.py). A one-draft probe after
 plain steps, and as many more as keep what probes add under 1% of the time, keeps the first
 position's rate current, so a sequence that turns repetitive gets speculation back at a
 bounded cost. A sequence's first draft is priced at the acceptance of the drafter's earlier
-sequences (DraftHistory), the rest at its own. Each sequence
+sequences (DraftHistory), the rest at its own once it drafted. Each sequence
 times a plain step (its second, if its first drafted) unless one of the drafter's sequences
 timed one in its last PLAIN_EVERY steps: the yardstick every draft is held to. A drafter that
 drafts every step (a head) never timed one, and priced as its fewest drafts, a plain step made
@@ -350,13 +350,13 @@ class DraftHistory:
     the step costs (verify by tokens verified, the drafter call by drafts and by tree levels),
     which are the server's and the drafter's whichever request a step serves, and the
     acceptance per position over the last HISTORY_TRIALS trials, which prices a sequence's
-    first draft only. Started from nothing, every request paid again for finding out: its
+    first draft (and, where it keeps the sequence paused, its probes). Started from nothing, every request paid again for finding out: its
     first steps drafted as deep as a head whose drafts could never pay (3 ms + 4 ms a level
     against an 8 ms step), and priced at the prior 0.6, an n-gram drafter whose requests copy
-    their answers from their prompts drafted a chain of 2 first. From its first trial on, a
-    sequence's acceptance is its own: started from the last requests' rates, a request whose
-    drafts were rarely accepted after ones whose drafts were drafted on until its own trials
-    outweighed them. Shared by the threads of one model's requests."""
+    their answers from their prompts drafted a chain of 2 first. Once a sequence drafted, its
+    acceptance is its own (DraftPolicy._record_trial): started from the last requests' rates, a
+    request whose drafts were rarely accepted after ones whose drafts were drafted on until its
+    own trials outweighed them. Shared by the threads of one model's requests."""
 
     def __init__(self, decay: float = 0.7) -> None:
         self._lock = threading.Lock()
