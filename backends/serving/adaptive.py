@@ -350,13 +350,15 @@ class DraftHistory:
     the step costs (verify by tokens verified, the drafter call by drafts and by tree levels),
     which are the server's and the drafter's whichever request a step serves, and the
     acceptance per position over the last HISTORY_TRIALS trials, which prices a sequence's
-    first draft (and, where it keeps the sequence paused, its probes). Started from nothing, every request paid again for finding out: its
-    first steps drafted as deep as a head whose drafts could never pay (3 ms + 4 ms a level
-    against an 8 ms step), and priced at the prior 0.6, an n-gram drafter whose requests copy
-    their answers from their prompts drafted a chain of 2 first. Once a sequence drafted, its
-    acceptance is its own (DraftPolicy._record_trial): started from the last requests' rates, a
-    request whose drafts were rarely accepted after ones whose drafts were drafted on until its
-    own trials outweighed them. Shared by the threads of one model's requests."""
+    first draft (and, where it keeps the sequence paused, its probes).
+
+    Started from nothing, every request paid again for finding out: its first steps drafted as
+    deep as a head whose drafts could never pay (3 ms + 4 ms a level against an 8 ms step),
+    and priced at the prior 0.6, an n-gram drafter whose requests copy their answers from
+    their prompts drafted a chain of 2 first. Once a sequence drafted, its acceptance is its
+    own (DraftPolicy._record_trial): started from the last requests' rates, a request whose
+    drafts were rarely accepted after ones whose drafts were drafted on until its own trials
+    outweighed them. Shared by the threads of one model's requests."""
 
     def __init__(self, decay: float = 0.7) -> None:
         self._lock = threading.Lock()

@@ -24,22 +24,12 @@ from backends.serving.proposer import Draft, DrafterInfo
 from backends.serving.request import GenerationRequest
 from backends.serving.step_cost import StepCostCurve, step_shares
 
+# The scripted-drafter simulator lives with the sweep that runs it over seeds.
 SWEEP = Path(__file__).parents[2] / "scripts" / "policy_sweep.py"
 _spec = importlib.util.spec_from_file_location("policy_sweep", SWEEP)
-policy_sweep = sys.modules["policy_sweep"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
-_spec.loader.exec_module(policy_sweep)
-Drafter, run_policy, verify_s, tree_nodes = (
-    policy_sweep.Drafter,
-    policy_sweep.run_policy,
-    policy_sweep.verify_s,
-    policy_sweep.tree_nodes,
-)
-NGRAM, FAST_HEAD, HEAD, SLOW_HEAD = (
-    policy_sweep.NGRAM,
-    policy_sweep.FAST_HEAD,
-    policy_sweep.HEAD,
-    policy_sweep.SLOW_HEAD,
-)
+sys.modules["policy_sweep"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(sys.modules["policy_sweep"])
+from policy_sweep import FAST_HEAD, HEAD, NGRAM, SLOW_HEAD, Drafter, run_policy, verify_s  # noqa: E402
 
 
 def at_rates(*rates: float) -> PositionAcceptance:
